@@ -1,0 +1,88 @@
+"""Errors that cross a service boundary, each bound to one gRPC status code.
+
+Core code raises these (or plain ValueError for bad input); servicers wrap every RPC with
+`grpc_errors`, the single exception-to-status mapping of a server. Anything else escaping an RPC is
+a bug and becomes INTERNAL with its type named, never a crash of the server.
+"""
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+
+class LoraplexError(Exception):
+    """Base class: `code` is the gRPC status the caller receives; the message says what to do."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(LoraplexError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(LoraplexError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(LoraplexError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class FailedPrecondition(LoraplexError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ResourceExhausted(LoraplexError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unauthenticated(LoraplexError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class Unavailable(LoraplexError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DataLoss(LoraplexError):
+    code = grpc.StatusCode.DATA_LOSS
+
+
+# A status received from another service keeps its code when it is passed on.
+_FORWARDED = {cls.code: cls for cls in LoraplexError.__subclasses__()}
+
+
+def from_rpc_error(err: grpc.aio.AioRpcError, what: str) -> LoraplexError:
+    """Turn a downstream service's error into ours, keeping its code and prefixing `what`."""
+    cls = _FORWARDED.get(err.code(), Unavailable)
+    if err.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+        cls = Unavailable
+    return cls(f"{what}: {err.details()}")
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a caller gets for `exc`."""
+    if isinstance(exc, LoraplexError):
+        return exc.code, str(exc)
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    log.exception("internal error", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}: {exc}); this is a bug"
+
+
+@contextlib.asynccontextmanager
+async def grpc_errors(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    """Abort the RPC with the mapped status when the body raises."""
+    try:
+        yield
+    except (grpc.aio.AbortError, KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as exc:  # noqa: BLE001 - the one place every error becomes a status
+        code, message = status_for(exc)
+        await context.abort(code, message)
+
+

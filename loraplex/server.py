@@ -1,0 +1,77 @@
+"""Shared gRPC server plumbing: one place that builds, starts and gracefully stops a service."""
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# Large enough for a prompt of a full context and adapter chunks; executors stream bigger payloads.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def insecure_channel(address: str) -> grpc.aio.Channel:
+    """A client channel with the same message limits as our servers."""
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+class Service:
+    """A grpc.aio server with the health service, bound to `address` ("host:port", port 0 = any).
+
+    `add_servicers(server)` registers the service's servicers. `start()` returns the bound port;
+    health reports SERVING only once `mark_serving()` is called (after warm-up).
+    """
+
+    def __init__(self, name: str, address: str, add_servicers: Callable[[grpc.aio.Server], None]):
+        self.name = name
+        self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        add_servicers(self._server)
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self.port = self._server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"{name}: cannot bind {address}")
+
+    async def start(self) -> int:
+        await self._server.start()
+        await self._health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        return self.port
+
+    async def mark_serving(self) -> None:
+        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        await self._health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._server.stop(grace)
+
+    async def wait(self) -> None:
+        await self._server.wait_for_termination()
+
+
+async def run_until_signalled(service: Service, on_stop: Callable[[], Awaitable[None]] | None = None,
+                              grace: float = 5.0) -> None:
+    """Serve until SIGINT/SIGTERM, then stop taking RPCs, let in-flight ones finish within `grace`."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("%s: stopping (grace %.1fs)", service.name, grace)
+    if on_stop is not None:
+        await on_stop()
+    await service.stop(grace)
+
+
+def run(main: Callable[[], Awaitable[None]]) -> None:
+    """Run an async entry point on uvloop."""
+    import uvloop
+
+    uvloop.run(main())
