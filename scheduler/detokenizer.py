@@ -1,0 +1,66 @@
+"""Incremental detokenization with stop conditions: turns each sampled token into the text it adds.
+
+Byte-level BPE tokens can end inside a multi-byte character, so text is emitted only once it decodes
+cleanly (no trailing U+FFFD), decoding from a short window of earlier tokens for correct spacing.
+With stop strings, the last (longest stop - 1) characters are held back until they cannot start a
+stop string, so no part of a stop string is ever streamed.
+"""
+
+import enum
+from collections.abc import Sequence
+
+from tokenizers import Tokenizer
+
+
+class Finish(enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"
+
+
+class OutputProcessor:
+    """Per request: decodes output tokens and decides when generation finishes."""
+
+    def __init__(self, tokenizer: Tokenizer, *, max_new_tokens: int, stop_token_ids: Sequence[int] = (),
+                 stop: Sequence[str] = ()):
+        self._tokenizer = tokenizer
+        self.max_new_tokens = max_new_tokens
+        self._stop_ids = frozenset(stop_token_ids)
+        self._stops = tuple(s for s in stop if s)
+        self._holdback = max((len(s) for s in self._stops), default=1) - 1
+        self.token_ids: list[int] = []  # output tokens that count toward the text
+        self.num_tokens = 0  # all sampled tokens, including a final stop token
+        self.text = ""
+        self._prefix = 0  # window start (token index) for decoding
+        self._read = 0  # tokens already turned into text
+        self._emitted = 0  # characters of self.text already returned
+
+    def append(self, token_id: int) -> tuple[str, Finish | None]:
+        """Record a sampled token; returns (text to stream now, finish reason or None)."""
+        self.num_tokens += 1
+        if token_id in self._stop_ids:
+            return self._flush(len(self.text)), Finish.STOP
+        self.token_ids.append(token_id)
+        self._decode()
+        if self._stops:
+            start = max(0, self._emitted - self._holdback)
+            hits = [i for i in (self.text.find(s, start) for s in self._stops) if i >= 0]
+            if hits:
+                return self._flush(min(hits)), Finish.STOP
+        if self.num_tokens >= self.max_new_tokens:
+            return self._flush(len(self.text)), Finish.LENGTH
+        return self._flush(len(self.text) - self._holdback), None
+
+    def _decode(self) -> None:
+        ids = self.token_ids
+        before = self._tokenizer.decode(ids[self._prefix:self._read], skip_special_tokens=True)
+        after = self._tokenizer.decode(ids[self._prefix:], skip_special_tokens=True)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self._prefix, self._read = self._read, len(ids)
+
+    def _flush(self, end: int) -> str:
+        """Return text[emitted:end] and move the emitted mark; the text is cut at `end` on finish."""
+        end = max(end, self._emitted)
+        delta = self.text[self._emitted:end]
+        self._emitted = end
+        return delta

@@ -1,0 +1,85 @@
+"""A client request as the scheduler sees it, and the events it streams back."""
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from loraplex.errors import LoraplexError
+from scheduler.detokenizer import Finish, OutputProcessor
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: int
+    logprob: float
+    text: str
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    reason: Finish
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    error: LoraplexError
+
+
+Event = TokenEvent | FinishEvent | ErrorEvent
+
+
+class Status(enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One Generate call. `emit` receives its events; the core never blocks on it."""
+
+    request_id: int
+    tenant: str
+    adapter: str  # "name@version", or "" for the base model
+    adapter_bytes: int  # size of the adapter's weights (charged to the tenant when it loads)
+    prompt_ids: list[int]
+    sampling: Sampling
+    output: OutputProcessor
+    emit: Callable[[Event], None]
+    status: Status = Status.QUEUED
+    arrival: float = field(default_factory=time.monotonic)
+    admitted_at: float | None = None  # first admission
+    first_token_at: float | None = None
+    finish_reason: Finish | None = None
+    is_charged: bool = False  # input tokens charged once, not again after a preemption
+    caused_load: bool = False  # its arrival started the load of its adapter
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt and every token sampled so far: what a preempted request recomputes."""
+        return self.prompt_ids + self.output_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._sampled
+
+    def __post_init__(self) -> None:
+        self._sampled: list[int] = []
+
+    def on_sample(self, token_id: int, logprob: float) -> Finish | None:
+        """Record a sampled token, stream what it adds; returns the finish reason, if any."""
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        self._sampled.append(token_id)
+        text, finish = self.output.append(token_id)
+        self.emit(TokenEvent(token_id, logprob, text))
+        return finish
