@@ -1,0 +1,53 @@
+"""The physical paged KV cache.
+
+Block tables are owned by the scheduler; the executor mirrors each sequence's table (the ids the
+scheduler appended so far) and only reads and writes the blocks it is told to. A token at
+position p of a sequence lives in block `table[p // block_size]` at offset `p % block_size`; its
+flat slot is `block_id * block_size + offset`.
+
+Running example (block_size 4, table [7, 2]): positions 0..3 -> slots 28..31, 4..5 -> slots 8..9.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PagedKVCache:
+    def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"KV cache needs num_blocks > 0 and block_size > 0, "
+                             f"got {num_blocks} and {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, blocks, block_size, Hkv, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, blocks, block_size, Hkv, D]
+
+    def num_bytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def check_block_ids(self, block_ids: tuple[int, ...] | list[int], seq_id: int) -> None:
+        bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(f"sequence {seq_id}: block id {bad[0]} out of range "
+                             f"[0, {self.num_blocks})")
+
+    def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        """Flat slots of positions [start, end) of a sequence with this block table: [end - start]."""
+        positions = torch.arange(start, end)
+        table = torch.tensor(block_table, dtype=torch.long)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [T, Hkv, D] of this step's rows at flat `slots` [T]."""
+        self.k[layer].view(-1, *k.shape[1:])[slots] = k
+        self.v[layer].view(-1, *v.shape[1:])[slots] = v
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v at flat `slots` of any shape [*S]: each [*S, Hkv, D]."""
+        k_flat = self.k[layer].flatten(0, 1)  # [blocks * block_size, Hkv, D]
+        v_flat = self.v[layer].flatten(0, 1)
+        return k_flat[slots], v_flat[slots]

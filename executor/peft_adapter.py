@@ -1,0 +1,147 @@
+"""Parse a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors bytes) into
+LoraWeights for the slot pool, checking it against the base model. Never unpickles anything.
+
+Tensor keys look like
+    base_model.model.model.layers.{i}.{self_attn|mlp}.{q,k,v,o,gate,up,down}_proj.lora_{A|B}.weight
+(A [r, in], B [out, r]), possibly with an adapter-name infix: `lora_A.default.weight`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+
+from executor.lora import LORA_MODULES, LoraModuleWeights, LoraWeights
+from executor.model_config import ModelConfig
+
+_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\."
+                  r"(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+_MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+
+
+class AdapterError(ValueError):
+    """The adapter is malformed or does not fit the base model (maps to INVALID_ARGUMENT)."""
+
+
+class BaseModelMismatchError(AdapterError):
+    """The adapter was trained on another base model (maps to FAILED_PRECONDITION)."""
+
+
+def adapter_rank(config: dict[str, Any]) -> int:
+    """Largest rank of any module of the adapter: max of `r` and the `rank_pattern` values."""
+    return max([int(config.get("r", 8)), *(int(r) for r in (config.get("rank_pattern") or {}).values())])
+
+
+def _pattern_value(patterns: dict[str, Any], module_key: str, default: Any) -> Any:
+    """PEFT's rule (peft.utils.other.get_pattern_key): first pattern matching the key's tail."""
+    for pattern in patterns:
+        if re.match(rf"(.*\.)?({pattern})$", module_key):
+            return patterns[pattern]
+    return default
+
+
+def _check_config(cfg: dict[str, Any], base: ModelConfig, max_rank: int | None,
+                  check_base_model: bool) -> None:
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"adapter_config.json: peft_type {cfg['peft_type']!r} is not supported "
+                           "(only LORA)")
+    for flag in ("use_dora", "lora_bias"):
+        if cfg.get(flag):
+            raise AdapterError(f"adapter_config.json: {flag}=true is not supported")
+    if cfg.get("modules_to_save"):
+        raise AdapterError(f"adapter_config.json: modules_to_save {cfg['modules_to_save']} is not "
+                           "supported (only LoRA on the 7 projections)")
+    r = cfg.get("r")
+    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
+        raise AdapterError(f"adapter_config.json: r must be a positive integer, got {r!r}")
+    for field in ("rank_pattern", "alpha_pattern"):
+        if not isinstance(cfg.get(field) or {}, dict):
+            raise AdapterError(f"adapter_config.json: {field} must be an object")
+    for name, value in (cfg.get("rank_pattern") or {}).items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise AdapterError(f"adapter_config.json: rank_pattern[{name!r}] must be a positive "
+                               f"integer, got {value!r}")
+    for name, value in [("lora_alpha", cfg.get("lora_alpha", 8)),
+                        *((f"alpha_pattern[{k!r}]", v)
+                          for k, v in (cfg.get("alpha_pattern") or {}).items())]:
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise AdapterError(f"adapter_config.json: {name} must be a finite number, got {value!r}")
+    rank = adapter_rank(cfg)
+    if max_rank is not None and rank > max_rank:
+        raise AdapterError(f"adapter rank {rank} exceeds the executor's max rank {max_rank}")
+    targets = cfg.get("target_modules")
+    if isinstance(targets, list):
+        unknown = [t for t in targets if t.rsplit(".", 1)[-1] not in LORA_MODULES]
+        if unknown:
+            raise AdapterError(f"adapter_config.json: unknown target module {unknown[0]!r} "
+                               f"(supported: {', '.join(LORA_MODULES)})")
+    wanted = cfg.get("base_model_name_or_path")
+    if check_base_model and wanted and wanted.rstrip("/") != base.model_id:
+        raise BaseModelMismatchError(
+            f"adapter was trained on base model {wanted!r}, this pool serves {base.model_id!r}")
+
+
+def _load_tensors(data: bytes) -> dict[str, torch.Tensor]:
+    if data[:2] == b"PK" or data[:1] == b"\x80":
+        raise AdapterError("adapter_model: looks like a pickle/torch.save file; "
+                           "only adapter_model.safetensors is accepted")
+    try:
+        return load_safetensors(data)
+    except SafetensorError as err:
+        raise AdapterError(f"adapter_model.safetensors is malformed or truncated: {err}") from None
+
+
+def parse_peft_adapter(adapter_config: dict[str, Any], safetensors_bytes: bytes,
+                       base: ModelConfig, *, max_rank: int | None = None,
+                       check_base_model: bool = True,
+                       dtype: torch.dtype = torch.float32) -> LoraWeights:
+    """Validate a PEFT LoRA adapter against `base` and return its per-module weights and scales.
+
+    Raises AdapterError naming the field or tensor at fault; BaseModelMismatchError when the
+    adapter's `base_model_name_or_path` is not `base.model_id`.
+    """
+    cfg = adapter_config
+    _check_config(cfg, base, max_rank, check_base_model)
+    tensors = _load_tensors(safetensors_bytes)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.match(key)
+        if match is None:
+            raise AdapterError(f"adapter tensor {key!r} is not a LoRA A/B weight of a "
+                               "q/k/v/o/gate/up/down projection")
+        layer, block, module, which = int(match[1]), match[2], match[3], match[4]
+        if module not in LORA_MODULES or (block == "mlp") != (module in _MLP_MODULES):
+            raise AdapterError(f"adapter tensor {key!r}: unknown target module {block}.{module}")
+        if layer >= base.num_hidden_layers:
+            raise AdapterError(f"adapter tensor {key!r}: layer {layer} does not exist "
+                               f"(base model has {base.num_hidden_layers} layers)")
+        if not torch.isfinite(tensor).all():
+            raise AdapterError(f"adapter tensor {key!r} has non-finite values")
+        pairs.setdefault((layer, module), {})[which] = tensor
+    if not pairs:
+        raise AdapterError("adapter_model.safetensors holds no LoRA weights")
+
+    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    modules = {}
+    for (layer, module), ab in sorted(pairs.items()):
+        block = "mlp" if module in _MLP_MODULES else "self_attn"
+        module_key = f"model.layers.{layer}.{block}.{module}"
+        for which in "AB":
+            if which not in ab:
+                raise AdapterError(f"adapter is missing lora_{which} for {module_key}")
+        r = int(_pattern_value(rank_pattern, module_key, cfg["r"]))
+        alpha = float(_pattern_value(alpha_pattern, module_key, cfg.get("lora_alpha", 8)))
+        in_f, out_f = base.module_shape(module)
+        for which, shape in (("A", (r, in_f)), ("B", (out_f, r))):
+            if tuple(ab[which].shape) != shape:
+                raise AdapterError(f"adapter tensor {module_key}.lora_{which} has shape "
+                                   f"{tuple(ab[which].shape)}, expected {shape} (rank {r})")
+        scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+        modules[(layer, module)] = LoraModuleWeights(
+            a=ab["A"].to(dtype), b=ab["B"].to(dtype), scale=scale)
+    return LoraWeights(modules=modules)

@@ -1,0 +1,217 @@
+"""ModelRunner: the executor's plain-Python core. It executes exactly the step it is given and
+keeps no policy: the scheduler owns block tables (the runner mirrors them), slot placement and
+batching; no gRPC here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from executor.kv_cache import PagedKVCache
+from executor.lora import LORA_MODULES, LoraSlotPool, LoraWeights, make_lora_backend
+from executor.model import RowSpec, StepMetadata, Transformer
+from executor.model_config import ModelConfig
+from executor.sampling import make_generator, sample, validate_sampling
+from executor.weights import ModelWeights, load_weights, random_weights
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Row:
+    seq_id: int
+    num_tokens: int
+    new_block_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Sampled:
+    seq_id: int
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    weights_bytes: int
+    kv_cache_bytes: int
+    adapter_pool_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv_cache_bytes + self.adapter_pool_bytes
+
+    @classmethod
+    def estimate(cls, config: ModelConfig, *, num_kv_blocks: int, block_size: int, num_slots: int,
+                 max_rank: int, dtype: torch.dtype = torch.float32) -> MemoryBudget:
+        """What a runner with these settings will hold, computed without allocating anything."""
+        c, size = config, torch.empty((), dtype=dtype).element_size()
+        per_layer = sum(i * o for i, o in map(c.module_shape, LORA_MODULES)) + 2 * c.hidden_size
+        if c.attention_bias:
+            per_layer += c.q_size + 2 * c.kv_size
+        heads = 1 if c.tie_word_embeddings else 2
+        weights = c.num_hidden_layers * per_layer + heads * c.vocab_size * c.hidden_size
+        weights += c.hidden_size
+        kv = 2 * c.num_hidden_layers * num_kv_blocks * block_size * c.kv_size
+        pool_per_slot = sum(max_rank * (i + o) + 1 for i, o in map(c.module_shape, LORA_MODULES))
+        pool = c.num_hidden_layers * num_slots * pool_per_slot
+        return cls(weights * size, kv * size, pool * size)
+
+
+@dataclass
+class _Sequence:
+    token_ids: list[int]  # prompt + tokens sampled so far
+    num_computed: int
+    block_table: list[int]  # mirror of the scheduler's table
+    sampling: SamplingParams
+    slot: int
+    generator: torch.Generator
+
+
+class ModelRunner:
+    def __init__(self, config: ModelConfig, weights: ModelWeights, *, num_kv_blocks: int,
+                 block_size: int, num_slots: int, max_rank: int, lora_backend: str = "torch",
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+        self.config, self.weights, self.device = config, weights, torch.device(device)
+        self.kv = PagedKVCache(num_layers=config.num_hidden_layers, num_blocks=num_kv_blocks,
+                               block_size=block_size, num_kv_heads=config.num_key_value_heads,
+                               head_dim=config.head_dim, dtype=dtype, device=device)
+        self.pool = LoraSlotPool(config, num_slots=num_slots, max_rank=max_rank, dtype=dtype,
+                                 device=device)
+        self.lora = make_lora_backend(lora_backend, self.pool)
+        self.model = Transformer(config, weights, self.lora)
+        self._seqs: dict[int, _Sequence] = {}
+        self._loaded_slots: set[int] = set()
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, *, model_id: str = "",
+                        **kw: Any) -> ModelRunner:
+        config = ModelConfig.from_pretrained(model_dir, model_id=model_id)
+        weights = load_weights(model_dir, config, dtype=kw.get("dtype", torch.float32),
+                               device=kw.get("device", "cpu"))
+        return cls(config, weights, **kw)
+
+    @classmethod
+    def random(cls, config_name_or_config: str | ModelConfig, seed: int = 0,
+               **kw: Any) -> ModelRunner:
+        config = config_name_or_config
+        if isinstance(config, str):
+            config = ModelConfig.named(config)
+        weights = random_weights(config, seed, dtype=kw.get("dtype", torch.float32),
+                                 device=kw.get("device", "cpu"))
+        return cls(config, weights, **kw)
+
+    def memory_budget(self) -> MemoryBudget:
+        return MemoryBudget(self.weights.num_bytes(), self.kv.num_bytes(), self.pool.num_bytes())
+
+    def load_adapter(self, slot: int, weights: LoraWeights) -> None:
+        self.pool.load(slot, weights)
+        self._loaded_slots.add(slot)
+
+    def unload_adapter(self, slot: int) -> None:
+        self.pool.clear(slot)
+        self._loaded_slots.discard(slot)
+
+    def add_sequence(self, seq_id: int, token_ids: Sequence[int], sampling: SamplingParams,
+                     slot: int) -> None:
+        """Register a sequence (prompt token ids); slot -1 = base model only."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id} already exists")
+        if not token_ids:
+            raise ValueError(f"sequence {seq_id}: empty prompt")
+        bad = [t for t in token_ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"sequence {seq_id}: token id {bad[0]} out of range "
+                             f"[0, {self.config.vocab_size})")
+        if len(token_ids) > self.config.max_position_embeddings:
+            raise ValueError(f"sequence {seq_id}: prompt of {len(token_ids)} tokens exceeds "
+                             f"max_position_embeddings {self.config.max_position_embeddings}")
+        if not -1 <= slot < self.pool.num_slots:
+            raise ValueError(f"sequence {seq_id}: adapter slot {slot} out of range "
+                             f"[-1, {self.pool.num_slots})")
+        validate_sampling(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed)
+        self._seqs[seq_id] = _Sequence(list(token_ids), 0, [], sampling, slot,
+                                       make_generator(sampling.seed, self.device))
+
+    def free_sequence(self, seq_id: int) -> None:
+        self._seqs.pop(seq_id, None)
+
+    def tokens(self, seq_id: int) -> list[int]:
+        """Prompt + sampled tokens of a sequence (a copy)."""
+        return list(self._seqs[seq_id].token_ids)
+
+    def step(self, rows: Sequence[Row]) -> list[Sampled]:
+        return self.step_with_logits(rows)[0]
+
+    @torch.inference_mode()
+    def step_with_logits(self, rows: Sequence[Row]) -> tuple[list[Sampled], torch.Tensor]:
+        """Run one step; also return the last-position logits [S, vocab] of the sampled rows."""
+        self._validate(rows)
+        groups, row_slots, sample_rows, sampled_seqs = [], [], [], []
+        row = 0
+        for r in rows:
+            seq = self._seqs[r.seq_id]
+            seq.block_table.extend(r.new_block_ids)
+            groups.append(RowSpec(seq.num_computed, r.num_tokens, seq.block_table))
+            row_slots += [seq.slot] * r.num_tokens
+            row += r.num_tokens
+            if seq.num_computed + r.num_tokens == len(seq.token_ids):
+                sample_rows.append(row - 1)
+                sampled_seqs.append(r.seq_id)
+        if not groups:
+            return [], torch.empty(0, self.config.vocab_size)
+        tokens = torch.tensor([t for r in rows for t in self._pending(r)], device=self.device)
+        lora_meta = self.lora.prepare(torch.tensor(row_slots, device=self.device))
+        meta = StepMetadata.build(groups, kv=self.kv, sliding_window=self.config.sliding_window,
+                                  lora=lora_meta, sample_rows=sample_rows, device=self.device)
+        logits = self.model.forward(tokens, meta, self.kv)  # [S, vocab]
+        for r in rows:
+            self._seqs[r.seq_id].num_computed += r.num_tokens
+        seqs = [self._seqs[s] for s in sampled_seqs]
+        token_ids, logprobs = sample(
+            logits, [s.sampling.temperature for s in seqs], [s.sampling.top_k for s in seqs],
+            [s.sampling.top_p for s in seqs], [s.generator for s in seqs])
+        for seq, token in zip(seqs, token_ids):
+            seq.token_ids.append(token)
+        return ([Sampled(s, t, lp) for s, t, lp in zip(sampled_seqs, token_ids, logprobs)],
+                logits)
+
+    def _pending(self, row: Row) -> list[int]:
+        seq = self._seqs[row.seq_id]
+        return seq.token_ids[seq.num_computed: seq.num_computed + row.num_tokens]
+
+    def _validate(self, rows: Sequence[Row]) -> None:
+        """Check the whole step before changing anything."""
+        seen: set[int] = set()
+        for r in rows:
+            if r.seq_id not in self._seqs:
+                raise ValueError(f"unknown sequence id {r.seq_id}")
+            if r.seq_id in seen:
+                raise ValueError(f"sequence {r.seq_id} appears in more than one row of the step")
+            seen.add(r.seq_id)
+            seq = self._seqs[r.seq_id]
+            remaining = len(seq.token_ids) - seq.num_computed
+            if not 1 <= r.num_tokens <= remaining:
+                raise ValueError(f"sequence {r.seq_id}: num_tokens {r.num_tokens} out of range "
+                                 f"[1, {remaining}] ({remaining} tokens not yet computed)")
+            self.kv.check_block_ids(r.new_block_ids, r.seq_id)
+            end = seq.num_computed + r.num_tokens
+            if end > self.config.max_position_embeddings:
+                raise ValueError(f"sequence {r.seq_id}: position {end - 1} is beyond "
+                                 f"max_position_embeddings {self.config.max_position_embeddings}")
+            num_blocks = len(seq.block_table) + len(r.new_block_ids)
+            if num_blocks * self.kv.block_size < end:
+                raise ValueError(f"sequence {r.seq_id}: {num_blocks} blocks of "
+                                 f"{self.kv.block_size} cannot hold positions up to {end - 1}")
+            if seq.slot >= 0 and seq.slot not in self._loaded_slots:
+                raise ValueError(f"sequence {r.seq_id}: adapter slot {seq.slot} holds no adapter")

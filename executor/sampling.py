@@ -1,0 +1,69 @@
+"""Per-request sampling: greedy, temperature, top-k, top-p, seeded.
+
+Every sequence draws from its own torch.Generator, so a request's tokens depend only on its own
+logits and seed, never on what else is in its batch. The returned logprob is the token's
+log-probability under the model's unmodified distribution (log_softmax of the raw logits).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def validate_sampling(temperature: float, top_k: int, top_p: float, seed: int | None) -> None:
+    """Raise ValueError naming the field when a sampling parameter is out of range."""
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)
+                             or not 0 <= seed < 2**64):
+        raise ValueError(f"seed must be an integer in [0, 2**64) or None, got {seed!r}")
+
+
+def make_generator(seed: int | None, device: str | torch.device) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()  # non-deterministic, still private to this sequence
+    else:
+        gen.manual_seed(seed)
+    return gen
+
+
+def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int,
+                   top_p: float) -> torch.Tensor:
+    """logits [V] -> probabilities [V] after temperature, top-k and top-p (nucleus) filtering."""
+    scaled = logits.float() / temperature
+    if 0 < top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, -math.inf)
+    probs = torch.softmax(scaled, dim=-1)  # [V]
+    if top_p < 1:
+        sorted_probs, order = torch.sort(probs, descending=True)  # [V]
+        # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
+        drop = torch.cumsum(sorted_probs, 0) - sorted_probs >= top_p
+        probs = probs.scatter(0, order[drop], 0.0)
+        probs = probs / probs.sum()
+    return probs
+
+
+def sample(logits: torch.Tensor, temperatures: list[float], top_ks: list[int], top_ps: list[float],
+           generators: list[torch.Generator]) -> tuple[list[int], list[float]]:
+    """logits [S, V] fp32, one row per sequence -> (token ids, logprobs), one per row.
+
+    Greedy rows (temperature 0) are taken with one batched argmax; sampled rows each draw from
+    their own generator.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [S, V]
+    tokens = torch.argmax(logits, dim=-1)  # [S]
+    for i, temperature in enumerate(temperatures):
+        if temperature > 0:
+            probs = filtered_probs(logits[i], temperature, top_ks[i], top_ps[i])
+            tokens[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]  # [S]
+    return tokens.tolist(), chosen.tolist()

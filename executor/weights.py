@@ -1,0 +1,148 @@
+"""Base model weights: load an HF safetensors checkpoint (never pickle) or make random ones.
+
+q/k/v are stored fused as one `wqkv` and gate/up as one `w_gate_up` (gpt-fast style): one dense
+matmul each over all rows of a step; the LoRA backend then adds to the q/k/v (gate/up) column
+slices of that output.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from executor.model_config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    wqkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    bqkv: torch.Tensor | None  # [q_size + 2 * kv_size] (Qwen2) or None
+    wo: torch.Tensor  # [hidden, q_size]
+    post_attention_norm: torch.Tensor  # [hidden]
+    w_gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    w_down: torch.Tensor  # [hidden, intermediate]
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as `embed` when tied
+
+    def num_bytes(self) -> int:
+        seen: dict[int, int] = {}
+        tensors = [self.embed, self.norm, self.lm_head]
+        for layer in self.layers:
+            tensors += [t for t in vars(layer).values() if t is not None]
+        for t in tensors:
+            seen[t.data_ptr()] = t.numel() * t.element_size()
+        return sum(seen.values())
+
+
+def _hf_names(config: ModelConfig) -> list[str]:
+    """Every tensor name an HF checkpoint of this config must hold."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [f"{p}self_attn.{m}_proj.weight" for m in "qkvo"]
+        names += [f"{p}mlp.{m}_proj.weight" for m in ("gate", "up", "down")]
+        if config.attention_bias:
+            names += [f"{p}self_attn.{m}_proj.bias" for m in "qkv"]
+    return names
+
+
+def _expected_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
+    h = config.hidden_size
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return (config.vocab_size, h)
+    module, kind = name.split(".")[-2:]
+    if module.endswith("norm"):
+        return (h,)
+    in_features, out_features = config.module_shape(module)
+    return (out_features,) if kind == "bias" else (out_features, in_features)
+
+
+def _checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / s for s in shards]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ValueError(f"no model.safetensors or model.safetensors.index.json in {model_dir} "
+                     "(only safetensors checkpoints are loaded, never pickle)")
+
+
+def load_weights(model_dir: str | Path, config: ModelConfig, *, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> ModelWeights:
+    """Load and check every tensor of an HF LLaMA-family safetensors checkpoint."""
+    model_dir = Path(model_dir)
+    expected = set(_hf_names(config))
+    optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    raw: dict[str, torch.Tensor] = {}
+    for path in _checkpoint_files(model_dir):
+        if not path.is_file():
+            raise ValueError(f"checkpoint shard {path} listed in the index is missing")
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue  # a buffer some old checkpoints saved; recomputed from the config
+                if name not in expected | optional:
+                    raise ValueError(f"unexpected tensor {name!r} in {path.name}")
+                tensor = f.get_tensor(name)
+                if tuple(tensor.shape) != _expected_shape(config, name):
+                    raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected "
+                                     f"{_expected_shape(config, name)} from the model config")
+                raw[name] = tensor.to(device=device, dtype=dtype)
+    missing = sorted(expected - raw.keys())
+    if missing:
+        raise ValueError(f"checkpoint is missing tensor {missing[0]!r} "
+                         f"({len(missing)} missing in all)")
+    return _assemble(config, raw)
+
+
+def _assemble(config: ModelConfig, raw: dict[str, torch.Tensor]) -> ModelWeights:
+    layers = []
+    for i in range(config.num_hidden_layers):
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        bqkv = None
+        if config.attention_bias:
+            bqkv = torch.cat([raw.pop(f"{attn}{m}_proj.bias") for m in "qkv"])
+        layers.append(LayerWeights(
+            input_norm=raw.pop(f"model.layers.{i}.input_layernorm.weight"),
+            wqkv=torch.cat([raw.pop(f"{attn}{m}_proj.weight") for m in "qkv"]),
+            bqkv=bqkv,
+            wo=raw.pop(f"{attn}o_proj.weight"),
+            post_attention_norm=raw.pop(f"model.layers.{i}.post_attention_layernorm.weight"),
+            w_gate_up=torch.cat([raw.pop(f"{mlp}gate_proj.weight"), raw.pop(f"{mlp}up_proj.weight")]),
+            w_down=raw.pop(f"{mlp}down_proj.weight"),
+        ))
+    embed = raw.pop("model.embed_tokens.weight")
+    lm_head = embed if config.tie_word_embeddings else raw.pop("lm_head.weight")
+    return ModelWeights(embed=embed, layers=layers, norm=raw.pop("model.norm.weight"),
+                        lm_head=lm_head)
+
+
+def random_weights(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+                   device: str | torch.device = "cpu") -> ModelWeights:
+    """A model at real shapes without a checkpoint (normal * 0.02, norms 1), for benchmarks."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    raw = {}
+    for name in _hf_names(config):
+        shape = _expected_shape(config, name)
+        if name.endswith("norm.weight"):
+            raw[name] = torch.ones(shape, dtype=dtype, device=device)
+        else:
+            t = torch.empty(shape, dtype=dtype, device=device)
+            raw[name] = t.normal_(0.0, 0.02, generator=gen)
+    return _assemble(config, raw)
