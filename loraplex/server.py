@@ -58,16 +58,17 @@ class Service:
 
 async def run_until_signalled(service: Service, on_stop: Callable[[], Awaitable[None]] | None = None,
                               grace: float = 5.0) -> None:
-    """Serve until SIGINT/SIGTERM, then stop taking RPCs, let in-flight ones finish within `grace`."""
+    """Serve until SIGINT/SIGTERM, then stop taking RPCs, let in-flight ones finish within `grace`,
+    then run `on_stop`."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("%s: stopping (grace %.1fs)", service.name, grace)
+    await service.stop(grace)
     if on_stop is not None:
         await on_stop()
-    await service.stop(grace)
 
 
 def run(main: Callable[[], Awaitable[None]]) -> None:

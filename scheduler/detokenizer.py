@@ -20,7 +20,7 @@ class Finish(enum.Enum):
 class OutputProcessor:
     """Per request: decodes output tokens and decides when generation finishes."""
 
-    def __init__(self, tokenizer: Tokenizer, *, max_new_tokens: int, stop_token_ids: Sequence[int] = (),
+    def __init__(self, tokenizer: Tokenizer | None, *, max_new_tokens: int, stop_token_ids: Sequence[int] = (),
                  stop: Sequence[str] = ()):
         self._tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
@@ -51,6 +51,8 @@ class OutputProcessor:
         return self._flush(len(self.text) - self._holdback), None
 
     def _decode(self) -> None:
+        if self._tokenizer is None:  # a model without tokenizer streams token ids only
+            return
         ids = self.token_ids
         before = self._tokenizer.decode(ids[self._prefix:self._read], skip_special_tokens=True)
         after = self._tokenizer.decode(ids[self._prefix:], skip_special_tokens=True)

@@ -1,0 +1,58 @@
+"""Executor configuration: one frozen dataclass, validated at construction."""
+
+import argparse
+from dataclasses import dataclass
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    model: str  # HF model directory, or "random:<named config>" (e.g. random:llama-3-8b)
+    stores: tuple[str, ...]  # adapter store addresses, tried in order
+    address: str = "127.0.0.1:0"
+    model_id: str = ""  # overrides the model's own identity (what adapters' base_model must say)
+    num_kv_blocks: int = 512
+    block_size: int = 16
+    adapter_slots: int = 8
+    max_rank: int = 32
+    lora_backend: str = "torch"
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0  # random-weights seed
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("executor: --model is required (a model directory or random:<name>)")
+        if not self.stores:
+            raise ValueError("executor: at least one adapter store address is required (--store)")
+        for name in ("num_kv_blocks", "block_size", "adapter_slots", "max_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"executor: {name} must be >= 1, got {getattr(self, name)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"executor: dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+    @property
+    def random_config(self) -> str | None:
+        return self.model.removeprefix("random:") if self.model.startswith("random:") else None
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None = None) -> "ExecutorConfig":
+        p = argparse.ArgumentParser(prog="loraplex serve executor")
+        p.add_argument("--model", required=True, help="HF model dir, or random:<name> (tiny, llama-3-8b)")
+        p.add_argument("--store", action="append", default=[], help="adapter store host:port (repeatable)")
+        p.add_argument("--address", default="127.0.0.1:0", help="host:port to listen on (port 0 = any)")
+        p.add_argument("--model-id", default="", help="override the base model identity")
+        p.add_argument("--kv-blocks", type=int, default=512, dest="num_kv_blocks")
+        p.add_argument("--block-size", type=int, default=16)
+        p.add_argument("--adapter-slots", type=int, default=8)
+        p.add_argument("--max-rank", type=int, default=32)
+        p.add_argument("--lora-backend", default="torch")
+        p.add_argument("--dtype", default="float32", choices=DTYPES)
+        p.add_argument("--device", default="cpu")
+        p.add_argument("--seed", type=int, default=0)
+        a = p.parse_args(argv)
+        return cls(model=a.model, stores=tuple(a.store), address=a.address, model_id=a.model_id,
+                   num_kv_blocks=a.num_kv_blocks, block_size=a.block_size,
+                   adapter_slots=a.adapter_slots, max_rank=a.max_rank,
+                   lora_backend=a.lora_backend, dtype=a.dtype, device=a.device, seed=a.seed)

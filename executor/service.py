@@ -1,0 +1,124 @@
+"""The executor's gRPC face: converts messages and delegates to ModelRunner and AdapterLoader.
+
+Forward passes and adapter parsing run in worker threads, so adapter loads, Info and health stay
+responsive while a step computes, and a load never stalls the step loop.
+"""
+
+import asyncio
+import logging
+import pathlib
+import sys
+import time
+
+import grpc
+import torch
+
+from executor.adapter_loader import AdapterLoader
+from executor.config import ExecutorConfig
+from executor.runner import ModelRunner, Row, SamplingParams
+from loraplex.errors import FailedPrecondition, grpc_errors
+from loraplex.server import Service, run, run_until_signalled
+from protos import executor_pb2, executor_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def build_runner(config: ExecutorConfig) -> tuple[ModelRunner, str]:
+    """The model runner and the model's tokenizer.json text ("" for random weights)."""
+    kw = dict(num_kv_blocks=config.num_kv_blocks, block_size=config.block_size,
+              num_slots=config.adapter_slots, max_rank=config.max_rank,
+              lora_backend=config.lora_backend, dtype=getattr(torch, config.dtype),
+              device=config.device)
+    if config.random_config is not None:
+        runner = ModelRunner.random(config.random_config, seed=config.seed, **kw)
+        return runner, ""
+    runner = ModelRunner.from_pretrained(config.model, model_id=config.model_id, **kw)
+    tokenizer = pathlib.Path(config.model, "tokenizer.json")
+    return runner, tokenizer.read_text() if tokenizer.exists() else ""
+
+
+class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
+    def __init__(self, config: ExecutorConfig, runner: ModelRunner, tokenizer_json: str):
+        self._config = config
+        self._runner = runner
+        self._tokenizer_json = tokenizer_json
+        self._loader = AdapterLoader(runner, config.stores)
+        self._driver: object | None = None  # the one Step stream allowed at a time
+
+    async def Info(self, request, context):
+        c, budget = self._runner.config, self._runner.memory_budget()
+        return executor_pb2.InfoResponse(
+            model_id=c.model_id, vocab_size=c.vocab_size, max_model_len=c.max_position_embeddings,
+            eos_token_ids=c.eos_token_ids, num_kv_blocks=self._config.num_kv_blocks,
+            block_size=self._config.block_size, num_adapter_slots=self._config.adapter_slots,
+            max_lora_rank=self._config.max_rank, tokenizer_json=self._tokenizer_json,
+            weight_bytes=budget.weights_bytes, kv_cache_bytes=budget.kv_cache_bytes,
+            adapter_pool_bytes=budget.adapter_pool_bytes, lora_backend=self._config.lora_backend,
+            device=self._config.device, slot_adapters=self._loader.slot_adapters)
+
+    async def Step(self, request_iterator, context):
+        async with grpc_errors(context):
+            if self._driver is not None:
+                raise FailedPrecondition("executor is already driven by another scheduler stream")
+            self._driver = context
+        try:
+            async for req in request_iterator:
+                async with grpc_errors(context):
+                    response = await asyncio.to_thread(self._step, req)
+                yield response
+        finally:
+            self._driver = None
+            self._runner.free_all()
+
+    def _step(self, req: executor_pb2.StepRequest) -> executor_pb2.StepResponse:
+        start = time.perf_counter()
+        for seq_id in req.freed_seq_ids:
+            self._runner.free_sequence(seq_id)
+        for new in req.new_sequences:
+            s = new.sampling
+            sampling = SamplingParams(s.temperature, s.top_k, s.top_p or 1.0,
+                                      s.seed if s.HasField("seed") else None)
+            self._runner.add_sequence(new.seq_id, list(new.token_ids), sampling, new.slot)
+        rows = [Row(r.seq_id, r.num_tokens, tuple(r.new_block_ids)) for r in req.rows]
+        samples = self._runner.step(rows) if rows else []
+        return executor_pb2.StepResponse(
+            samples=[executor_pb2.SampledToken(seq_id=s.seq_id, token_id=s.token_id, logprob=s.logprob)
+                     for s in samples],
+            step_seconds=time.perf_counter() - start)
+
+    async def LoadAdapter(self, request, context):
+        async with grpc_errors(context):
+            result = await self._loader.load(request.name, request.version, request.slot)
+            return executor_pb2.LoadAdapterResponse(num_bytes=result.num_bytes,
+                                                    load_seconds=result.load_seconds,
+                                                    was_resident=result.was_resident)
+
+    async def UnloadAdapter(self, request, context):
+        async with grpc_errors(context):
+            await self._loader.unload(request.slot)
+            return executor_pb2.UnloadAdapterResponse()
+
+
+async def serve(config: ExecutorConfig) -> None:
+    runner, tokenizer_json = await asyncio.to_thread(build_runner, config)
+    servicer = ExecutorServicer(config, runner, tokenizer_json)
+    service = Service("executor", config.address,
+                      lambda server: executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server))
+    port = await service.start()
+    await service.mark_serving()
+    budget = runner.memory_budget()
+    log.info("executor: model %s, weights %.1f MiB, KV %.1f MiB, adapter pool %.1f MiB",
+             runner.config.model_id, budget.weights_bytes / 2**20, budget.kv_cache_bytes / 2**20,
+             budget.adapter_pool_bytes / 2**20)
+    print(f"executor listening on {config.address.rsplit(':', 1)[0]}:{port}", flush=True)
+    await run_until_signalled(service)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s executor %(levelname)s %(message)s")
+    run(lambda: serve(ExecutorConfig.from_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""The scheduler's I/O half: one step loop per executor, adapter loads, reconnects.
+
+Each loop is three lines of substance: `schedule`, `step` (one round trip on the executor's step
+stream), `on_step_done`. Everything it decides comes from scheduler.core.
+"""
+
+import asyncio
+import logging
+
+import grpc
+
+from loraplex.errors import LoraplexError, Unavailable, from_rpc_error
+from loraplex.server import insecure_channel
+from protos import common_pb2, executor_pb2, executor_pb2_grpc
+from scheduler.block_manager import BlockManager
+from scheduler.core import ExecutorState, Limits, Sample, Scheduler, StepPlan
+from scheduler.fairness import FairnessWeights
+from scheduler.slots import Slot, SlotTable
+
+log = logging.getLogger(__name__)
+
+RECONNECT_SECONDS = 1.0
+
+
+class ExecutorLink:
+    """The connection to one executor: its Info, its step stream and its adapter RPCs."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.stub = executor_pb2_grpc.ExecutorStub(insecure_channel(address))
+        self.info: executor_pb2.InfoResponse | None = None
+        self.state = ExecutorState(address, BlockManager(1, 1), SlotTable(0), max_rank=0, is_up=False)
+        self._call = None
+        self.woken = asyncio.Event()
+
+    async def connect(self) -> None:
+        """Fetch Info, reset our view of the executor, and open a fresh step stream."""
+        self.info = await self.stub.Info(executor_pb2.InfoRequest())
+        # Slots the executor still holds from an earlier scheduler are not ours to trust: reload.
+        self.state = ExecutorState(self.address, BlockManager(self.info.num_kv_blocks, self.info.block_size),
+                                   SlotTable(self.info.num_adapter_slots), self.info.max_lora_rank)
+        self._call = self.stub.Step()
+
+    async def step(self, plan: StepPlan) -> list[Sample]:
+        req = executor_pb2.StepRequest(
+            freed_seq_ids=plan.freed,
+            new_sequences=[executor_pb2.NewSequence(
+                seq_id=seq.seq_id, token_ids=seq.token_ids, slot=seq.slot.index if seq.slot else -1,
+                sampling=_sampling_pb(seq.request.sampling)) for seq in plan.new],
+            rows=[executor_pb2.ScheduledRow(seq_id=seq.seq_id, num_tokens=n, new_block_ids=blocks)
+                  for seq, n, blocks in plan.rows])
+        await self._call.write(req)
+        resp = await self._call.read()
+        if resp is grpc.aio.EOF:
+            raise Unavailable(f"executor {self.address} closed its step stream")
+        return [Sample(s.seq_id, s.token_id, s.logprob) for s in resp.samples]
+
+    def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+
+
+def _sampling_pb(s) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                                     seed=s.seed)
+
+
+class Engine:
+    def __init__(self, addresses: tuple[str, ...], weights: FairnessWeights, limits: Limits):
+        self.links = [ExecutorLink(a) for a in addresses]
+        self.core = Scheduler([], weights, limits, self._start_load, self._wake)
+        self.first_info: asyncio.Future[executor_pb2.InfoResponse] = asyncio.get_running_loop().create_future()
+        self._tasks: set[asyncio.Task] = set()
+
+    def start(self) -> None:
+        for link in self.links:
+            self._spawn(self._run(link))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for link in self.links:
+            link.close()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _wake(self) -> None:
+        for link in self.links:
+            link.woken.set()
+
+    async def _run(self, link: ExecutorLink) -> None:
+        while True:
+            try:
+                await self._connect(link)
+                await self._step_loop(link)
+            except (grpc.aio.AioRpcError, LoraplexError) as err:
+                log.warning("executor %s lost: %s", link.address, err)
+            link.close()
+            if link.state.is_up:
+                self.core.on_executor_lost(link.state)
+            await asyncio.sleep(RECONNECT_SECONDS)
+
+    async def _connect(self, link: ExecutorLink) -> None:
+        await link.connect()
+        if not self.first_info.done():
+            self.first_info.set_result(link.info)
+        model_id = self.first_info.result().model_id
+        if link.info.model_id != model_id:
+            raise Unavailable(f"executor {link.address} serves {link.info.model_id!r}, pool is {model_id!r}")
+        old = next((ex for ex in self.core.executors if ex.address == link.address), None)
+        if old is not None:
+            self.core.executors.remove(old)
+        self.core.executors.append(link.state)
+        log.info("executor %s up: %d KV blocks, %d slots", link.address, link.info.num_kv_blocks,
+                 link.info.num_adapter_slots)
+        self._wake()
+
+    async def _step_loop(self, link: ExecutorLink) -> None:
+        ex = link.state
+        while True:
+            link.woken.clear()
+            plan = self.core.schedule(ex)
+            if not plan:
+                await link.woken.wait()
+                continue
+            samples = await link.step(plan)
+            self.core.on_step_done(ex, plan, samples)
+
+    def _start_load(self, ex: ExecutorState, slot: Slot) -> None:
+        link = next(link for link in self.links if link.state is ex)
+        self._spawn(self._load(link, ex, slot, slot.adapter))
+
+    async def _load(self, link: ExecutorLink, ex: ExecutorState, slot: Slot, adapter: str) -> None:
+        name, _, version = adapter.rpartition("@")
+        error = None
+        try:
+            await link.stub.LoadAdapter(executor_pb2.LoadAdapterRequest(
+                name=name, version=int(version), slot=slot.index))
+        except grpc.aio.AioRpcError as err:
+            error = from_rpc_error(err, f"loading adapter {adapter} on executor {link.address}")
+        self.core.on_load_done(ex, slot, adapter, error)

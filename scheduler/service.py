@@ -1,0 +1,149 @@
+"""The scheduler's gRPC face: authenticate, validate, queue, stream. Policy lives in scheduler.core."""
+
+import asyncio
+import itertools
+import logging
+import sys
+
+from tokenizers import Tokenizer
+
+from loraplex.errors import InvalidArgument, Unauthenticated, grpc_errors, status_for
+from loraplex.server import Service, run, run_until_signalled
+from protos import scheduler_pb2, scheduler_pb2_grpc
+from scheduler import validation
+from scheduler.config import SchedulerConfig
+from scheduler.detokenizer import Finish, OutputProcessor
+from scheduler.engine import Engine
+from scheduler.registry_client import RegistryClient
+from scheduler.request import ErrorEvent, Event, FinishEvent, Request, Status
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TENANT = "default"
+_FINISH_PB = {Finish.LENGTH: scheduler_pb2.FINISH_REASON_LENGTH, Finish.STOP: scheduler_pb2.FINISH_REASON_STOP}
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, config: SchedulerConfig, engine: Engine, registry: RegistryClient):
+        self._config = config
+        self._engine = engine
+        self._registry = registry
+        self._info = engine.first_info.result()
+        self._tokenizer = Tokenizer.from_str(self._info.tokenizer_json) if self._info.tokenizer_json else None
+        self._ids = itertools.count(1)
+        self.tenant_totals: dict[str, dict[str, int]] = {}
+
+    async def Generate(self, request, context):
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        async with grpc_errors(context):
+            req = await self._make_request(request, self._tenant(context), events.put_nowait)
+            self._engine.core.submit(req)
+        try:
+            while True:
+                event = await events.get()
+                if isinstance(event, ErrorEvent):
+                    await context.abort(*status_for(event.error))
+                if isinstance(event, FinishEvent):
+                    yield scheduler_pb2.GenerateResponse(finish_reason=_FINISH_PB[event.reason],
+                                                         usage=self._usage(req))
+                    return
+                yield scheduler_pb2.GenerateResponse(token_id=event.token_id, logprob=event.logprob,
+                                                     text=event.text)
+        finally:
+            if req.status is not Status.FINISHED:  # the client cancelled or went away
+                self._engine.core.cancel(req)
+            self._count(req)
+
+    def _tenant(self, context) -> str:
+        if not self._config.api_keys:
+            return DEFAULT_TENANT
+        auth = dict(context.invocation_metadata()).get("authorization", "")
+        key = auth.removeprefix("Bearer ").strip()
+        tenant = self._config.api_keys.get(key)
+        if tenant is None:
+            raise Unauthenticated("missing or unknown API key: send metadata 'authorization: Bearer <key>'")
+        return tenant
+
+    async def _make_request(self, pb: scheduler_pb2.GenerateRequest, tenant: str, emit) -> Request:
+        info = self._info
+        sampling = validation.check_sampling(pb.sampling, info.vocab_size)
+        validation.check_stops(pb, self._config.max_stop_strings, self._config.max_stop_chars)
+        adapter, adapter_bytes = "", 0
+        if pb.adapter:
+            found = await self._registry.resolve(pb.adapter, tenant)
+            validation.check_adapter(found, info)
+            adapter, adapter_bytes = f"{found.name}@{found.version}", found.num_bytes
+        if pb.WhichOneof("prompt") == "text":
+            if self._tokenizer is None:
+                raise InvalidArgument("this model has no tokenizer: send prompt token ids")
+            prompt = self._tokenizer.encode(pb.text).ids
+        else:
+            prompt = list(pb.token_ids.ids)
+        validation.check_prompt(prompt, info.vocab_size)
+        max_new = pb.max_new_tokens or self._config.default_max_new_tokens
+        validation.check_length(len(prompt), max_new, info)
+        stop_ids = list(pb.stop_token_ids) + ([] if pb.ignore_eos else list(info.eos_token_ids))
+        output = OutputProcessor(self._tokenizer, max_new_tokens=max_new, stop_token_ids=stop_ids,
+                                 stop=list(pb.stop))
+        return Request(next(self._ids), tenant, adapter, adapter_bytes, prompt, sampling, output, emit)
+
+    @staticmethod
+    def _usage(req: Request) -> scheduler_pb2.Usage:
+        return scheduler_pb2.Usage(
+            prompt_tokens=len(req.prompt_ids), completion_tokens=req.output.num_tokens,
+            queue_seconds=(req.admitted_at or req.arrival) - req.arrival,
+            time_to_first_token_seconds=(req.first_token_at or req.arrival) - req.arrival,
+            adapter=req.adapter)
+
+    def _count(self, req: Request) -> None:
+        totals = self.tenant_totals.setdefault(req.tenant, {"requests": 0, "prompt": 0, "completion": 0,
+                                                            "loads": 0})
+        totals["requests"] += 1
+        totals["prompt"] += len(req.prompt_ids)
+        totals["completion"] += req.output.num_tokens
+        totals["loads"] += req.caused_load
+
+    async def Stats(self, request, context):
+        core = self._engine.core
+        executors = [scheduler_pb2.ExecutorStats(
+            address=ex.address, running=len(ex.running), free_kv_blocks=ex.blocks.num_free,
+            num_kv_blocks=ex.blocks.num_blocks, steps=ex.num_steps, adapter_loads=ex.num_loads,
+            adapter_hits=ex.num_hits,
+            slots=[scheduler_pb2.SlotStats(adapter=s.adapter, state=s.state.value, pins=s.pins)
+                   for s in ex.slots.slots]) for ex in core.executors]
+        running: dict[str, int] = {}
+        for ex in core.executors:
+            for seq in ex.running.values():
+                running[seq.request.tenant] = running.get(seq.request.tenant, 0) + 1
+        tenants = sorted(set(core.queues.counters) | set(self.tenant_totals))
+        return scheduler_pb2.StatsResponse(executors=executors, tenants=[scheduler_pb2.TenantStats(
+            tenant=t, queued=core.queues.queued(t), running=running.get(t, 0),
+            virtual_counter=core.queues.counters.get(t, 0.0),
+            requests=self.tenant_totals.get(t, {}).get("requests", 0),
+            prompt_tokens=self.tenant_totals.get(t, {}).get("prompt", 0),
+            completion_tokens=self.tenant_totals.get(t, {}).get("completion", 0),
+            adapter_loads_caused=self.tenant_totals.get(t, {}).get("loads", 0)) for t in tenants])
+
+
+async def serve(config: SchedulerConfig, ready_timeout: float = 300.0) -> None:
+    engine = Engine(config.executors, config.weights, config.limits)
+    engine.start()
+    # Tokenizer and model facts come from the executors: wait for the first one.
+    await asyncio.wait_for(asyncio.shield(engine.first_info), ready_timeout)
+    servicer = SchedulerServicer(config, engine, RegistryClient(config.stores))
+    service = Service("scheduler", config.address,
+                      lambda server: scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server))
+    port = await service.start()
+    await service.mark_serving()
+    print(f"scheduler listening on {config.address.rsplit(':', 1)[0]}:{port}", flush=True)
+    await run_until_signalled(service, on_stop=engine.stop)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s scheduler %(levelname)s %(message)s")
+    run(lambda: serve(SchedulerConfig.from_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

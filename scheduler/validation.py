@@ -1,0 +1,51 @@
+"""Checks on a Generate request before it is queued: every failure is INVALID_ARGUMENT (or
+FAILED_PRECONDITION for a base-model mismatch) with a message that says what to change."""
+
+import math
+
+from loraplex.errors import FailedPrecondition, InvalidArgument
+from protos import common_pb2, executor_pb2, scheduler_pb2
+from scheduler.request import Sampling
+
+
+def check_sampling(s: common_pb2.SamplingParams, vocab_size: int) -> Sampling:
+    if not math.isfinite(s.temperature) or s.temperature < 0:
+        raise InvalidArgument(f"sampling.temperature must be a finite number >= 0, got {s.temperature}")
+    if not math.isfinite(s.top_p) or not 0 <= s.top_p <= 1:
+        raise InvalidArgument(f"sampling.top_p must be in (0, 1] (0 = unset = 1), got {s.top_p}")
+    if s.top_k > vocab_size:
+        raise InvalidArgument(f"sampling.top_k must be <= the vocabulary size {vocab_size}, got {s.top_k}")
+    return Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0,
+                    seed=s.seed if s.HasField("seed") else None)
+
+
+def check_prompt(ids: list[int], vocab_size: int) -> None:
+    if not ids:
+        raise InvalidArgument("prompt is empty: give text or at least one token id")
+    bad = next((i for i in ids if i >= vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(f"prompt token id {bad} is outside the vocabulary (size {vocab_size})")
+
+
+def check_length(prompt_len: int, max_new_tokens: int, info: executor_pb2.InfoResponse) -> None:
+    limit = min(info.max_model_len, info.num_kv_blocks * info.block_size)
+    if prompt_len + max_new_tokens > limit:
+        raise InvalidArgument(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                              f"the context of {limit} tokens: shorten the prompt or ask for fewer tokens")
+
+
+def check_stops(req: scheduler_pb2.GenerateRequest, max_strings: int, max_chars: int) -> None:
+    if len(req.stop) > max_strings:
+        raise InvalidArgument(f"at most {max_strings} stop strings, got {len(req.stop)}")
+    if any(len(s) > max_chars for s in req.stop):
+        raise InvalidArgument(f"stop strings must be at most {max_chars} characters")
+
+
+def check_adapter(adapter: common_pb2.AdapterInfo, info: executor_pb2.InfoResponse) -> None:
+    ref = f"{adapter.name}@{adapter.version}"
+    if adapter.base_model != info.model_id:
+        raise FailedPrecondition(f"adapter {ref} was trained for base model {adapter.base_model!r}, but "
+                                 f"this pool serves {info.model_id!r}: send it to a pool of that model")
+    if adapter.rank > info.max_lora_rank:
+        raise InvalidArgument(f"adapter {ref} has rank {adapter.rank}, above this pool's maximum "
+                              f"{info.max_lora_rank}")
