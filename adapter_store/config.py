@@ -1,0 +1,151 @@
+"""Adapter store configuration: one frozen dataclass, validated at construction.
+
+Environment variables (all optional, read only by `StoreConfig.from_env`, never at import time):
+  LORAPLEX_STORE_URL            file:///abs/dir (default ~/.cache/loraplex/adapters) or s3://bucket/prefix
+  LORAPLEX_S3_ENDPOINT_URL      e.g. http://127.0.0.1:8333 (SeaweedFS, MinIO); unset = AWS
+  LORAPLEX_S3_ACCESS_KEY_ID     with LORAPLEX_S3_SECRET_ACCESS_KEY; unset = botocore's own chain
+  LORAPLEX_S3_SECRET_ACCESS_KEY
+  LORAPLEX_S3_REGION            default us-east-1
+  LORAPLEX_STORE_ADDRESS        host:port to listen on (default 127.0.0.1:0 = any free port)
+  LORAPLEX_HOST_CACHE_MB        size of the warm host-RAM tier (default 4096)
+  LORAPLEX_CHUNK_BYTES          size of Fetch chunks (default 1 MiB)
+"""
+
+import argparse
+import dataclasses
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from urllib.parse import urlparse
+
+MIB = 1024 * 1024
+# The S3 bucket naming rules, loosely: lowercase letters, digits, dots and dashes.
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_ADDRESS_RE = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):(\d{1,5})$")
+
+
+def _default_url() -> str:
+    return (Path.home() / ".cache" / "loraplex" / "adapters").as_uri()
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreConfig:
+    """Where adapters live and how the store serves them."""
+
+    # file:///abs/dir (embedded default) or s3://bucket[/prefix].
+    url: str = dataclasses.field(default_factory=_default_url)
+    # S3 endpoint of a non-AWS server (SeaweedFS, MinIO); None = AWS.
+    s3_endpoint_url: str | None = None
+    # None = botocore's default credential chain; with a custom endpoint, dummy keys.
+    s3_access_key_id: str | None = None
+    s3_secret_access_key: str | None = None
+    s3_region: str = "us-east-1"
+    # Path-style addressing (http://host/bucket/key): what SeaweedFS and MinIO expect.
+    s3_path_style: bool = True
+    # Byte budget of the warm host-RAM tier in front of the blob store.
+    host_cache_bytes: int = 4096 * MIB
+    # Size of each chunk a Fetch streams.
+    chunk_bytes: int = 1 * MIB
+    # host:port the gRPC server binds; port 0 = any free port.
+    address: str = "127.0.0.1:0"
+
+    def __post_init__(self) -> None:
+        parsed = urlparse(self.url)
+        if parsed.scheme == "file":
+            if parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/"):
+                raise ValueError(f"store url {self.url!r}: use file:///absolute/dir")
+        elif parsed.scheme == "s3":
+            if not _BUCKET_RE.match(parsed.netloc):
+                raise ValueError(f"store url {self.url!r}: {parsed.netloc!r} is not a valid bucket")
+        else:
+            raise ValueError(f"store url {self.url!r}: use file:///abs/dir or s3://bucket/prefix")
+        if self.s3_endpoint_url is not None:
+            endpoint = urlparse(self.s3_endpoint_url)
+            if endpoint.scheme not in ("http", "https") or not endpoint.netloc:
+                raise ValueError(f"s3 endpoint {self.s3_endpoint_url!r}: use http(s)://host:port")
+        if (self.s3_access_key_id is None) != (self.s3_secret_access_key is None):
+            raise ValueError("give both the S3 access key id and the secret access key, or neither")
+        if self.host_cache_bytes < 0:
+            raise ValueError(f"host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
+        if not 1024 <= self.chunk_bytes <= 32 * MIB:
+            raise ValueError(f"chunk_bytes must be within 1 KiB..32 MiB, got {self.chunk_bytes}")
+        match = _ADDRESS_RE.match(self.address)
+        if not match or int(match.group(2)) > 65535:
+            raise ValueError(f"address {self.address!r}: use host:port (port 0 = any free port)")
+
+    @property
+    def is_s3(self) -> bool:
+        return self.url.startswith("s3://")
+
+    @property
+    def file_root(self) -> Path:
+        """The directory of a file:// store."""
+        return Path(urlparse(self.url).path)
+
+    @property
+    def s3_bucket(self) -> str:
+        return urlparse(self.url).netloc
+
+    @property
+    def s3_prefix(self) -> str:
+        """Key prefix inside the bucket, "" or ending with "/"."""
+        prefix = urlparse(self.url).path.strip("/")
+        return f"{prefix}/" if prefix else ""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "StoreConfig":
+        """A config from LORAPLEX_* variables; `overrides` that are not None win."""
+        env = os.environ if environ is None else environ
+        values: dict = {}
+        if "LORAPLEX_STORE_URL" in env:
+            values["url"] = env["LORAPLEX_STORE_URL"]
+        for field, var in [("s3_endpoint_url", "LORAPLEX_S3_ENDPOINT_URL"),
+                           ("s3_access_key_id", "LORAPLEX_S3_ACCESS_KEY_ID"),
+                           ("s3_secret_access_key", "LORAPLEX_S3_SECRET_ACCESS_KEY"),
+                           ("s3_region", "LORAPLEX_S3_REGION"),
+                           ("address", "LORAPLEX_STORE_ADDRESS")]:
+            if env.get(var):
+                values[field] = env[var]
+        if env.get("LORAPLEX_HOST_CACHE_MB"):
+            values["host_cache_bytes"] = _env_int(env, "LORAPLEX_HOST_CACHE_MB") * MIB
+        if env.get("LORAPLEX_CHUNK_BYTES"):
+            values["chunk_bytes"] = _env_int(env, "LORAPLEX_CHUNK_BYTES")
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def _env_int(env: Mapping[str, str], var: str) -> int:
+    try:
+        return int(env[var])
+    except ValueError:
+        raise ValueError(f"{var}={env[var]!r} is not an integer") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The store's command-line flags; unset flags fall back to LORAPLEX_* variables."""
+    parser.add_argument("--url", help="file:///abs/dir or s3://bucket/prefix (LORAPLEX_STORE_URL)")
+    parser.add_argument("--s3-endpoint-url", help="S3 endpoint, e.g. http://127.0.0.1:8333")
+    parser.add_argument("--address", help="host:port to listen on (default 127.0.0.1:0)")
+    parser.add_argument("--port", type=int, help="port to listen on; replaces the port of --address")
+    parser.add_argument("--host-cache-mb", type=int, help="warm host-RAM tier size in MiB")
+    parser.add_argument("--chunk-bytes", type=int, help="Fetch chunk size in bytes (default 1 MiB)")
+
+
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> StoreConfig:
+    """Flags first, then LORAPLEX_* variables, then defaults."""
+    config = StoreConfig.from_env(
+        environ, url=args.url, s3_endpoint_url=args.s3_endpoint_url, address=args.address,
+        chunk_bytes=args.chunk_bytes,
+        host_cache_bytes=None if args.host_cache_mb is None else args.host_cache_mb * MIB)
+    if args.port is not None:
+        host = config.address.rsplit(":", 1)[0]
+        config = dataclasses.replace(config, address=f"{host}:{args.port}")
+    return config
+
+
+def parse_args(argv: Sequence[str] | None = None,
+               environ: Mapping[str, str] | None = None) -> StoreConfig:
+    parser = argparse.ArgumentParser(prog="adapter_store", description="loraplex adapter store")
+    add_arguments(parser)
+    return config_from_args(parser.parse_args(argv), environ)
