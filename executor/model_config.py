@@ -46,14 +46,14 @@ class ModelConfig:
     model_id: str = ""
 
     def __post_init__(self) -> None:
-        if self.head_dim == 0 and self.num_attention_heads > 0:
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "vocab_size", "head_dim", "max_position_embeddings"):
+                     "num_key_value_heads", "vocab_size", "max_position_embeddings", "head_dim"):
+            if name == "head_dim" and self.head_dim == 0:
+                object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"model config: {name} must be a positive integer, got {value!r}")
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"model config: num_attention_heads ({self.num_attention_heads}) must be a multiple "

@@ -146,6 +146,10 @@ class ModelRunner:
     def free_sequence(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)
 
+    def free_all(self) -> None:
+        """Forget every sequence (the scheduler's stream ended); adapters stay loaded."""
+        self._seqs.clear()
+
     def tokens(self, seq_id: int) -> list[int]:
         """Prompt + sampled tokens of a sequence (a copy)."""
         return list(self._seqs[seq_id].token_ids)

@@ -1,0 +1,328 @@
+"""The numerical oracle: ModelRunner (paged KV, mixed batches of many adapters) against HF
+transformers + PEFT, plus the executor's loaders, adapter parser, sampling and validation."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load as load_st, save as save_st
+from transformers import AutoModelForCausalLM
+
+from executor.lora import LoraBatchMeta
+from executor.model_config import ModelConfig
+from executor.peft_adapter import (AdapterError, BaseModelMismatchError, adapter_rank,
+                                   parse_peft_adapter)
+from executor.runner import MemoryBudget, ModelRunner, Row, SamplingParams
+from executor.sampling import filtered_probs, validate_sampling
+from tests import fixtures_gen
+
+BLOCK, MAX_RANK, NUM_TOKENS = 4, 32, 32
+
+
+@pytest.fixture(scope="module")
+def fx(tmp_path_factory):
+    return fixtures_gen.generate(tmp_path_factory.mktemp("fixtures"))
+
+
+@pytest.fixture(scope="module")
+def hf_peft(fx):
+    base = AutoModelForCausalLM.from_pretrained(fx["model_dir"])
+    first, *rest = fx["valid"]
+    model = PeftModel.from_pretrained(base, fx["adapters"][first]["path"], adapter_name=first)
+    for name in rest:
+        model.load_adapter(fx["adapters"][name]["path"], adapter_name=name)
+    return model.eval()
+
+
+def read_adapter(fx, name: str) -> tuple[dict, bytes]:
+    path = Path(fx["adapters"][name]["path"])
+    weights = path / "adapter_model.safetensors"
+    weights = weights if weights.exists() else path / "adapter_model.bin"
+    return json.loads((path / "adapter_config.json").read_text()), weights.read_bytes()
+
+
+def make_runner(fx, **kw) -> ModelRunner:
+    args = dict(num_kv_blocks=512, block_size=BLOCK, num_slots=len(fx["valid"]), max_rank=MAX_RANK)
+    runner = ModelRunner.from_pretrained(fx["model_dir"], **{**args, **kw})
+    for slot, name in enumerate(fx["valid"][: runner.pool.num_slots]):
+        runner.load_adapter(slot, parse_peft_adapter(*read_adapter(fx, name), runner.config))
+    return runner
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 1024) for _ in range(rng.randint(3, 21))] for _ in range(n)]
+
+
+class Driver:
+    """A stand-in scheduler: shuffled (reused) block ids, chunked prefill, rows sorted by slot."""
+
+    def __init__(self, runner: ModelRunner, seed: int = 0):
+        self.runner, self.free = runner, list(range(runner.kv.num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.state: dict[int, dict] = {}
+
+    def add(self, seq_id, prompt, slot, sampling=SamplingParams()):
+        self.runner.add_sequence(seq_id, prompt, sampling, slot)
+        self.state[seq_id] = dict(computed=0, total=len(prompt), blocks=[], slot=slot)
+
+    def step(self, chunk: int) -> dict[int, tuple[int, torch.Tensor]]:
+        rows = []
+        for sid, st in sorted(self.state.items(), key=lambda item: item[1]["slot"]):
+            n = min(chunk, st["total"] - st["computed"])
+            need = -(-(st["computed"] + n) // BLOCK) - len(st["blocks"])
+            new = tuple(self.free.pop() for _ in range(need))
+            st["blocks"] += new
+            rows.append(Row(sid, n, new))
+        sampled, logits = self.runner.step_with_logits(rows)
+        for r in rows:
+            self.state[r.seq_id]["computed"] += r.num_tokens
+        for s in sampled:
+            self.state[s.seq_id]["total"] += 1
+        return {s.seq_id: (s.token_id, logits[i]) for i, s in enumerate(sampled)}
+
+    def finish(self, seq_id: int) -> None:
+        self.runner.free_sequence(seq_id)
+        self.free += self.state.pop(seq_id)["blocks"]
+
+
+def run(runner, requests: dict, num_tokens: int, chunk: int = 8, admit: int = 100, seed: int = 0):
+    """requests: seq_id -> (prompt, slot[, sampling]) -> seq_id -> (tokens, logits [n, vocab])."""
+    driver, pending = Driver(runner, seed), list(requests.items())
+    out = {sid: ([], []) for sid in requests}
+    while pending or driver.state:
+        for sid, req in pending[:admit]:
+            driver.add(sid, *req)
+        pending = pending[admit:]
+        for sid, (token, logits) in driver.step(chunk).items():
+            out[sid][0].append(token)
+            out[sid][1].append(logits)
+            if len(out[sid][0]) == num_tokens:
+                driver.finish(sid)
+    return {sid: (tokens, torch.stack(logits)) for sid, (tokens, logits) in out.items()}
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt, num_tokens, adapter: str | None = None):
+    kw = {"adapter_names": [adapter or "__base__"]} if isinstance(model, PeftModel) else {}
+    ids, tokens, logits = torch.tensor([prompt]), [], []
+    out = model(input_ids=ids, **kw)
+    for _ in range(num_tokens):
+        last = out.logits[0, -1]
+        tokens.append(int(last.argmax()))
+        logits.append(last)
+        out = model(input_ids=torch.tensor([[tokens[-1]]]), cache=out.cache, **kw)
+    return tokens, torch.stack(logits)
+
+
+def test_mixed_batch_of_adapters_matches_hf_peft(fx, hf_peft):
+    runner = make_runner(fx)
+    names = [*fx["valid"], "r16_all", None, None]  # two rows share an adapter; two base-only
+    slots = [fx["valid"].index(n) if n else -1 for n in names]
+    requests = {sid: (p, slot) for sid, (p, slot) in enumerate(zip(prompts(len(names)), slots))}
+    got = run(runner, requests, NUM_TOKENS, chunk=8, admit=5)
+    base_logits = hf_greedy(hf_peft, requests[0][0], 1)[1][0]
+    for sid, name in enumerate(names):
+        ref_tokens, ref_logits = hf_greedy(hf_peft, requests[sid][0], NUM_TOKENS, name)
+        assert got[sid][0] == ref_tokens, f"greedy tokens differ for adapter {name}"
+        torch.testing.assert_close(got[sid][1], ref_logits, atol=1e-4, rtol=0)
+        if name and sid == 0:
+            assert (got[sid][1][0] - base_logits).abs().max() > 1e-2  # the adapter matters
+
+
+def test_greedy_alone_equals_inside_batch_of_32(fx):
+    runner = make_runner(fx)
+    slots = [i % (len(fx["valid"]) + 1) - 1 for i in range(32)]
+    requests = {sid: (p, s) for sid, (p, s) in enumerate(zip(prompts(32, seed=1), slots))}
+    batched = run(runner, requests, 16, chunk=6, admit=32)
+    for sid, req in requests.items():
+        alone = run(runner, {sid: req}, 16, seed=sid)
+        assert alone[sid][0] == batched[sid][0], f"sequence {sid} depends on its batch"
+
+
+def test_chunked_prefill_equals_one_shot(fx):
+    runner = make_runner(fx)
+    prompt = prompts(1, seed=3)[0] * 3
+    one_shot = run(runner, {0: (prompt, 2)}, 8, chunk=1000)[0]
+    chunked = run(runner, {0: (prompt, 2)}, 8, chunk=3, seed=5)[0]
+    assert chunked[0] == one_shot[0]
+    torch.testing.assert_close(chunked[1], one_shot[1], atol=1e-5, rtol=0)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+VARIANTS = {
+    "qwen2_bias": dict(model_type="qwen2"),
+    "mistral_sliding": dict(model_type="mistral", sliding_window=6),
+    "llama3_rope_tied": dict(rope_scaling=LLAMA3_ROPE, rope_theta=500000.0,
+                             tie_word_embeddings=True),
+    "sharded": dict(max_shard_size="500KB"),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_loader_variant_matches_hf(tmp_path, variant):
+    model_dir = fixtures_gen.save_tiny_model(tmp_path / variant, seed=7, **VARIANTS[variant])
+    runner = ModelRunner.from_pretrained(model_dir, num_kv_blocks=64, block_size=BLOCK,
+                                         num_slots=0, max_rank=8)
+    c = runner.config
+    expect = {"qwen2_bias": c.attention_bias, "mistral_sliding": c.sliding_window == 6,
+              "llama3_rope_tied": c.rope_scaling is not None and c.tie_word_embeddings,
+              "sharded": (model_dir / "model.safetensors.index.json").exists()}
+    assert expect[variant] and c.model_id == variant and c.eos_token_ids == (1,)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    prompt = prompts(1, seed=4)[0] + [5] * 10
+    tokens, logits = run(runner, {0: (prompt, -1)}, 12, chunk=5)[0]
+    ref_tokens, ref_logits = hf_greedy(hf, prompt, 12)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+
+
+def test_model_config_layouts_and_errors():
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=100, eos_token_id=1)
+    tf4 = {**shape, "rope_theta": 5e5, "rope_scaling": {**LLAMA3_ROPE, "type": "llama3"}}
+    tf5 = {**shape, "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 5e5}}
+    assert ModelConfig.from_hf_dict(tf4) == ModelConfig.from_hf_dict(tf5)
+    gen = ModelConfig.from_hf_dict(tf4, generation_config={"eos_token_id": [1, 7]})
+    assert gen.eos_token_ids == (1, 7) and gen.head_dim == 16
+    assert ModelConfig.named("llama-3-8b").head_dim == 128
+    for bad, match in [({"num_key_value_heads": 3}, "num_key_value_heads"),
+                       ({"rope_scaling": {"rope_type": "yarn"}}, "yarn"),
+                       ({"hidden_size": None}, "hidden_size"), ({"model_type": "gpt2"}, "gpt2")]:
+        with pytest.raises(ValueError, match=match):
+            ModelConfig.from_hf_dict({**shape, **bad})
+
+
+def _retensor(fn):
+    def apply(data: bytes) -> bytes:
+        tensors = load_st(data)
+        fn(tensors)
+        return save_st(tensors)
+    return apply
+
+
+Q0A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+ADAPTER_ERRORS = [  # (adapter, config changes, tensor change, message)
+    ("r64", {}, None, r"rank 64 exceeds the executor's max rank 32"),
+    ("r16_all", {"target_modules": ["q_proj", "lm_head"]}, None, "unknown target module 'lm_head'"),
+    ("r16_all", {"r": 0}, None, "r must be a positive integer"),
+    ("r16_all", {"alpha_pattern": {"q_proj": float("nan")}}, None, r"alpha_pattern\['q_proj'\]"),
+    ("r16_all", {"use_dora": True}, None, "use_dora"),
+    ("r16_all", {}, _retensor(lambda t: t.update({Q0A: torch.zeros(16, 128)})),
+     r"layers\.0\.self_attn\.q_proj\.lora_A has shape \(16, 128\), expected \(16, 256\)"),
+    ("r16_all", {}, _retensor(lambda t: t[Q0A].__setitem__((0, 0), math.inf)), "non-finite"),
+    ("r16_all", {}, _retensor(lambda t: t.update({Q0A.replace("layers.0", "layers.9"): t[Q0A].clone()})),
+     "layer 9 does not exist"),
+    ("r16_all", {}, _retensor(lambda t: t.pop(Q0A.replace("lora_A", "lora_B"))),
+     r"missing lora_B for model\.layers\.0\.self_attn\.q_proj"),
+    ("r16_all", {}, _retensor(lambda t: t.update({"base_model.model.lm_head.lora_A.weight":
+                                                  t[Q0A].clone()})), "lm_head"),
+    ("truncated", {}, None, "malformed or truncated"),
+    ("pickle", {}, None, "pickle"),
+]
+
+
+@pytest.mark.parametrize("name,changes,retensor,match", ADAPTER_ERRORS)
+def test_adapter_validation_errors(fx, name, changes, retensor, match):
+    cfg, data = read_adapter(fx, name)
+    config = ModelConfig.from_pretrained(fx["model_dir"])
+    with pytest.raises(AdapterError, match=match):
+        parse_peft_adapter({**cfg, **changes}, retensor(data) if retensor else data, config,
+                           max_rank=MAX_RANK)
+
+
+def test_adapter_base_mismatch_scales_and_infix(fx):
+    config = ModelConfig.from_pretrained(fx["model_dir"])
+    with pytest.raises(BaseModelMismatchError, match="other-org/other-base-model"):
+        parse_peft_adapter(*read_adapter(fx, "other_base"), config)
+    cfg, data = read_adapter(fx, "r8_patterns")
+    assert adapter_rank(cfg) == 16
+    mods = parse_peft_adapter(cfg, data, config).modules
+    assert mods[(0, "q_proj")].scale == 1.0 and mods[(0, "q_proj")].a.shape == (16, 256)
+    assert mods[(0, "v_proj")].scale == 0.5 and mods[(2, "o_proj")].scale == 8.0
+    assert mods[(1, "down_proj")].scale == 4.0 and mods[(0, "down_proj")].scale == 2.0
+    rs = parse_peft_adapter(*read_adapter(fx, "r8_rslora"), config).modules[(3, "up_proj")]
+    assert rs.scale == pytest.approx(8 / math.sqrt(8))
+    infix = save_st({k.replace(".weight", ".default.weight"): v for k, v in load_st(data).items()})
+    again = parse_peft_adapter(cfg, infix, config).modules
+    assert again.keys() == mods.keys() and torch.equal(again[(1, "k_proj")].b, mods[(1, "k_proj")].b)
+
+
+@pytest.mark.parametrize("params,match", [
+    (dict(temperature=-0.1), "temperature"), (dict(temperature=math.nan), "temperature"),
+    (dict(temperature=math.inf), "temperature"), (dict(top_k=-1), "top_k"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(seed=-1), "seed")])
+def test_sampling_validation(params, match):
+    with pytest.raises(ValueError, match=match):
+        validate_sampling(**{**dict(temperature=1.0, top_k=0, top_p=1.0, seed=None), **params})
+
+
+def test_top_k_top_p_restrict_support():
+    logits = torch.randn(1024, generator=torch.Generator().manual_seed(0)) * 3
+    assert set(filtered_probs(logits, 1.0, 5, 1.0).nonzero().flatten().tolist()) == \
+        set(torch.topk(logits, 5).indices.tolist())
+    kept = filtered_probs(logits, 1.0, 0, 0.6).nonzero().flatten()
+    probs = torch.softmax(logits, -1)
+    assert probs[kept].sum() >= 0.6 and probs[kept].sum() - probs[kept].min() < 0.6
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(fx):
+    runner = make_runner(fx, num_slots=2)
+    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=7)
+    ps = prompts(6, seed=2)
+    alone = run(runner, {0: (ps[0], 1, params)}, 12)[0][0]
+    others = {i: (ps[i], i % 3 - 1, SamplingParams(temperature=0.8, seed=i)) for i in range(1, 6)}
+    batched = run(runner, {0: (ps[0], 1, params), **others}, 12, chunk=4)[0][0]
+    reseeded = run(runner, {0: (ps[0], 1, params.__class__(1.0, 50, 0.9, 8))}, 12)[0][0]
+    assert alone == batched and alone != reseeded
+    top1 = run(runner, {0: (ps[0], 1, SamplingParams(temperature=1.0, top_k=1, seed=3))}, 8)[0]
+    greedy = run(runner, {0: (ps[0], 1, SamplingParams())}, 8)[0]
+    assert top1[0] == greedy[0]
+    runner.add_sequence(9, ps[1], SamplingParams(), -1)
+    sampled, logits = runner.step_with_logits([Row(9, len(ps[1]), tuple(range(6)))])
+    assert sampled[0].logprob == pytest.approx(float(torch.log_softmax(logits[0], -1).max()))
+
+
+def test_runner_validation_errors():
+    config = ModelConfig.named("tiny").replace(max_position_embeddings=16)
+    runner = ModelRunner.random(config, num_kv_blocks=8, block_size=BLOCK, num_slots=2, max_rank=8)
+    runner.add_sequence(1, list(range(2, 18)), SamplingParams(), -1)
+    for args, match in [((1, [3], SamplingParams(), -1), "already exists"),
+                        ((2, [5000], SamplingParams(), -1), "token id 5000"),
+                        ((2, [3], SamplingParams(), 2), "slot 2 out of range"),
+                        ((2, [3], SamplingParams(top_p=0.0), -1), "top_p")]:
+        with pytest.raises(ValueError, match=match):
+            runner.add_sequence(*args)
+    runner.add_sequence(2, [3, 4], SamplingParams(), 1)
+    for rows, match in [([Row(99, 1)], "unknown sequence id 99"),
+                        ([Row(1, 0)], "num_tokens 0 out of range"),
+                        ([Row(1, 17, (0, 1, 2, 3, 4))], "num_tokens 17"),
+                        ([Row(1, 4, (8,))], "block id 8 out of range"),
+                        ([Row(1, 5, (0,))], "cannot hold"),
+                        ([Row(1, 4, (0,)), Row(1, 4)], "more than one row"),
+                        ([Row(2, 2, (5,))], "slot 1 holds no adapter")]:
+        with pytest.raises(ValueError, match=match):
+            runner.step(rows)
+    sampled = runner.step([Row(1, 16, (0, 1, 2, 3))])  # the failed steps changed nothing
+    assert [s.seq_id for s in sampled] == [1]
+    with pytest.raises(ValueError, match="position 16 is beyond max_position_embeddings 16"):
+        runner.step([Row(1, 1, (4,))])
+    runner.free_sequence(1)
+    runner.free_sequence(1)
+
+
+def test_lora_segments_and_memory_budget(fx):
+    meta = LoraBatchMeta.from_row_slots(torch.tensor([3, 3, -1, 0, 0, 0]))
+    assert meta.segments == ((0, 2, 3), (3, 6, 0)) and meta.max_seg_len == 3
+    runner = make_runner(fx, num_slots=3)
+    kw = dict(num_kv_blocks=512, block_size=BLOCK, num_slots=3, max_rank=MAX_RANK)
+    assert runner.memory_budget() == MemoryBudget.estimate(runner.config, **kw)
+    big = MemoryBudget.estimate(ModelConfig.named("llama-3-8b"), **kw, dtype=torch.bfloat16)
+    assert 16.0e9 < big.weights_bytes < 16.1e9
