@@ -38,25 +38,28 @@ class OutputProcessor:
         """Record a sampled token; returns (text to stream now, finish reason or None)."""
         self.num_tokens += 1
         if token_id in self._stop_ids:
+            self._decode(final=True)
             return self._flush(len(self.text)), Finish.STOP
         self.token_ids.append(token_id)
-        self._decode()
+        is_last = self.num_tokens >= self.max_new_tokens
+        self._decode(final=is_last)
         if self._stops:
             start = max(0, self._emitted - self._holdback)
             hits = [i for i in (self.text.find(s, start) for s in self._stops) if i >= 0]
             if hits:
                 return self._flush(min(hits)), Finish.STOP
-        if self.num_tokens >= self.max_new_tokens:
+        if is_last:
             return self._flush(len(self.text)), Finish.LENGTH
         return self._flush(len(self.text) - self._holdback), None
 
-    def _decode(self) -> None:
+    def _decode(self, final: bool = False) -> None:
+        """Append newly decodable text; `final` also releases an incomplete trailing character."""
         if self._tokenizer is None:  # a model without tokenizer streams token ids only
             return
         ids = self.token_ids
         before = self._tokenizer.decode(ids[self._prefix:self._read], skip_special_tokens=True)
         after = self._tokenizer.decode(ids[self._prefix:], skip_special_tokens=True)
-        if len(after) > len(before) and not after.endswith("\ufffd"):
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
             self.text += after[len(before):]
             self._prefix, self._read = self._read, len(ids)
 

@@ -1,0 +1,105 @@
+"""Client helpers for the CLI, the demo, benchmarks and tests: push adapters, stream generations."""
+
+import json
+import pathlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from loraplex.server import insecure_channel
+from protos import adapter_store_pb2, adapter_store_pb2_grpc, common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+PUSH_CHUNK_BYTES = 1 << 20
+WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
+
+
+async def push_adapter(store: str, folder: str | pathlib.Path, name: str, tenant: str = "",
+                       progress: Callable[[int, int], None] | None = None) -> common_pb2.AdapterInfo:
+    """Upload a PEFT adapter folder to the store; returns the registered version."""
+    folder = pathlib.Path(folder)
+    config_json = (folder / "adapter_config.json").read_text()
+    weights = next((folder / f for f in WEIGHT_FILES if (folder / f).exists()), None)
+    if weights is None:
+        raise FileNotFoundError(f"{folder} has no adapter_model.safetensors")
+    data = weights.read_bytes()
+
+    async def messages():
+        yield adapter_store_pb2.PushRequest(header=adapter_store_pb2.PushHeader(
+            name=name, owner_tenant=tenant, config_json=config_json, weights_filename=weights.name,
+            num_bytes=len(data)))
+        for start in range(0, len(data), PUSH_CHUNK_BYTES):
+            yield adapter_store_pb2.PushRequest(chunk=data[start:start + PUSH_CHUNK_BYTES])
+            if progress is not None:
+                progress(min(start + PUSH_CHUNK_BYTES, len(data)), len(data))
+
+    async with insecure_channel(store) as channel:
+        return await adapter_store_pb2_grpc.AdapterStoreStub(channel).Push(messages())
+
+
+@dataclass
+class Generation:
+    """What one streamed Generate call produced, with client-side timings."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    usage: scheduler_pb2.Usage | None = None
+    ttft_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+
+def generate_request(adapter: str = "", prompt: str | list[int] = "", max_new_tokens: int = 16,
+                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                     seed: int | None = None, stop: list[str] | None = None,
+                     ignore_eos: bool = False) -> scheduler_pb2.GenerateRequest:
+    req = scheduler_pb2.GenerateRequest(
+        adapter=adapter, max_new_tokens=max_new_tokens, stop=stop or [], ignore_eos=ignore_eos,
+        sampling=common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    return req
+
+
+def metadata(api_key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
+async def stream(stub: scheduler_pb2_grpc.SchedulerStub, request: scheduler_pb2.GenerateRequest,
+                 api_key: str = "") -> AsyncIterator[scheduler_pb2.GenerateResponse]:
+    async for response in stub.Generate(request, metadata=metadata(api_key)):
+        yield response
+
+
+async def generate(stub: scheduler_pb2_grpc.SchedulerStub, request: scheduler_pb2.GenerateRequest,
+                   api_key: str = "") -> Generation:
+    """Run one Generate to the end and collect it."""
+    out, start = Generation(), time.perf_counter()
+    async for response in stream(stub, request, api_key):
+        if response.HasField("token_id"):
+            if not out.token_ids:
+                out.ttft_seconds = time.perf_counter() - start
+            out.token_ids.append(response.token_id)
+            out.text += response.text
+        if response.finish_reason:
+            out.finish_reason = scheduler_pb2.FinishReason.Name(response.finish_reason)
+            out.usage = response.usage
+    out.total_seconds = time.perf_counter() - start
+    return out
+
+
+def token_json(response: scheduler_pb2.GenerateResponse) -> str:
+    """One JSON object per streamed message, for `loraplex generate --json`."""
+    obj: dict = {}
+    if response.HasField("token_id"):
+        obj.update(token_id=response.token_id, text=response.text, logprob=round(response.logprob, 6))
+    if response.finish_reason:
+        u = response.usage
+        obj.update(finish_reason=scheduler_pb2.FinishReason.Name(response.finish_reason).lower()
+                   .removeprefix("finish_reason_"),
+                   usage=dict(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                              queue_seconds=round(u.queue_seconds, 4),
+                              time_to_first_token_seconds=round(u.time_to_first_token_seconds, 4),
+                              adapter=u.adapter))
+    return json.dumps(obj)

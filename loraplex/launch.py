@@ -1,0 +1,132 @@
+"""Start and stop loraplex services as separate processes on this machine.
+
+Each service prints "<name> listening on HOST:PORT" once it serves; `start_service` waits for that
+line, so callers get a ready address. `Fleet` starts a whole pool: stores, executors, a scheduler.
+"""
+
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+_LISTENING = re.compile(r"^(\S+) listening on (\S+)$")
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    process: subprocess.Popen
+    address: str
+    log_path: pathlib.Path
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM (graceful drain), then SIGKILL after `grace` seconds."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+def start_service(name: str, module: str, args: list[str], log_dir: pathlib.Path,
+                  timeout: float = 120.0) -> ServiceProcess:
+    """Run `python -m module args`, stderr to log_dir/name.log; returns once it listens."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    env = dict(os.environ, GRPC_VERBOSITY=os.environ.get("GRPC_VERBOSITY", "ERROR"))
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE,
+                                stderr=log, env=env, text=True, start_new_session=True)
+    found: list[str] = []
+    ready = threading.Event()
+
+    def read_stdout() -> None:  # keeps draining stdout so the child never blocks on a full pipe
+        for line in proc.stdout:
+            m = _LISTENING.match(line.strip())
+            if m and not found:
+                found.append(m[2])
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read_stdout, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not ready.wait(0.1):
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise TimeoutError(f"{name} did not start within {timeout:.0f}s; see {log_path}")
+    if not found:
+        proc.wait()
+        tail = log_path.read_text()[-2000:]
+        raise RuntimeError(f"{name} exited with {proc.returncode} before listening:\n{tail}")
+    return ServiceProcess(name, proc, found[0], log_path)
+
+
+@dataclass
+class Fleet:
+    """A local pool: adapter stores, executors (one model), one scheduler."""
+
+    model: str
+    store_url: str
+    log_dir: pathlib.Path
+    num_executors: int = 1
+    num_stores: int = 1
+    scheduler_address: str = "127.0.0.1:0"
+    executor_args: list[str] = field(default_factory=list)
+    scheduler_args: list[str] = field(default_factory=list)
+    store_args: list[str] = field(default_factory=list)
+    services: list[ServiceProcess] = field(default_factory=list)
+
+    def start(self) -> "Fleet":
+        try:
+            stores = [self._start(f"adapter_store-{i}", "adapter_store.service",
+                                  ["--url", self.store_url, *self.store_args]) for i in range(self.num_stores)]
+            store_flags = [f for s in stores for f in ("--store", s.address)]
+            executors = [self._start(f"executor-{i}", "executor.service",
+                                     ["--model", self.model, *store_flags, *self.executor_args])
+                         for i in range(self.num_executors)]
+            self._start("scheduler", "scheduler.service",
+                        ["--address", self.scheduler_address, *store_flags, *self.scheduler_args,
+                         *(f for e in executors for f in ("--executor", e.address))])
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self, name: str, module: str, args: list[str]) -> ServiceProcess:
+        service = start_service(name, module, args, self.log_dir)
+        self.services.append(service)
+        return service
+
+    def by_name(self, prefix: str) -> list[ServiceProcess]:
+        return [s for s in self.services if s.name.startswith(prefix)]
+
+    @property
+    def scheduler(self) -> str:
+        return self.by_name("scheduler")[0].address
+
+    @property
+    def stores(self) -> list[str]:
+        return [s.address for s in self.by_name("adapter_store")]
+
+    def stop(self) -> None:
+        """Stop the scheduler first (it drains), then executors, then stores."""
+        for service in reversed(self.services):
+            service.stop()
+        self.services.clear()
+
+    def __enter__(self) -> "Fleet":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,156 @@
+"""End to end: three services as separate processes over loopback gRPC, adapters in a real S3
+server (SeaweedFS), outputs checked against HF transformers + PEFT."""
+
+import asyncio
+import math
+import random
+
+import grpc
+import pytest
+from tokenizers import Tokenizer
+
+from loraplex import client
+from loraplex.launch import Fleet
+from loraplex.server import insecure_channel
+from protos import scheduler_pb2, scheduler_pb2_grpc
+from tests.conftest import API_KEYS
+from tests.oracle import hf_greedy
+
+NUM_SLOTS, MAX_RANK, KV_BLOCKS, BLOCK = 6, 32, 256, 8
+# Who owns which fixture adapter: one public, the rest private to one tenant each.
+OWNERS = {"r4_attn": "", "r8_mlp": "acme", "r16_all": "acme", "r32_all": "globex", "r2_q": "globex",
+          "r1_down": "initech", "r8_rslora": "initech", "r8_patterns": "acme", "r12_vo": "globex",
+          "r24_k_up": "initech"}
+KEY_OF = {tenant: key for key, tenant in API_KEYS.items()}
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny, seaweedfs_s3, log_dir):
+    fleet = Fleet(model=tiny["model_dir"], store_url=f"s3://{seaweedfs_s3.bucket}/fleet",
+                  log_dir=log_dir, store_args=["--s3-endpoint-url", seaweedfs_s3.endpoint_url],
+                  executor_args=["--adapter-slots", str(NUM_SLOTS), "--max-rank", str(MAX_RANK),
+                                 "--kv-blocks", str(KV_BLOCKS), "--block-size", str(BLOCK)],
+                  scheduler_args=[f for key, t in API_KEYS.items() for f in ("--api-key", f"{key}={t}")])
+    with fleet:
+        yield fleet
+
+
+@pytest.fixture(scope="module")
+async def pushed(fleet, tiny):
+    """Push every valid fixture adapter; returns name -> AdapterInfo."""
+    infos = {}
+    for name, owner in OWNERS.items():
+        infos[name] = await client.push_adapter(fleet.stores[0], tiny["adapters"][name]["path"], name, owner)
+    for name in ("other_base", "r64"):
+        infos[name] = await client.push_adapter(fleet.stores[0], tiny["adapters"][name]["path"], name)
+    return infos
+
+
+@pytest.fixture
+async def stub(fleet):
+    async with insecure_channel(fleet.scheduler) as channel:
+        yield scheduler_pb2_grpc.SchedulerStub(channel)
+
+
+def _prompts(tiny, n: int) -> list[str]:
+    rng = random.Random(7)
+    words = ["the", "model", "serves", "many", "adapters", "tokens", "stream", "quickly", "a", "batch"]
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) for _ in range(n)]
+
+
+async def test_50_concurrent_streams_across_10_adapters_match_hf_peft(fleet, pushed, stub, tiny, hf_peft):
+    tokenizer = Tokenizer.from_file(f"{tiny['model_dir']}/tokenizer.json")
+    names = list(OWNERS)
+    jobs = [(names[i % len(names)], prompt) for i, prompt in enumerate(_prompts(tiny, 50))]
+    num_tokens = 12
+
+    async def one(adapter: str, prompt: str) -> client.Generation:
+        tenant = OWNERS[adapter] or "acme"
+        req = client.generate_request(adapter, prompt, max_new_tokens=num_tokens, ignore_eos=True)
+        return await client.generate(stub, req, KEY_OF[tenant])
+
+    results = await asyncio.gather(*(one(a, p) for a, p in jobs))
+    for (adapter, prompt), got in zip(jobs, results):
+        expected, _ = hf_greedy(hf_peft, tokenizer.encode(prompt).ids, num_tokens, adapter)
+        assert got.token_ids == expected, f"{adapter}: {prompt!r}"
+        assert got.finish_reason == "FINISH_REASON_LENGTH"
+        assert got.usage.completion_tokens == num_tokens
+        assert got.usage.adapter == f"{adapter}@{pushed[adapter].version}"
+        assert got.text == tokenizer.decode(expected)
+    stats = await stub.Stats(scheduler_pb2.StatsRequest())
+    (ex,) = stats.executors
+    assert ex.running == 0 and ex.free_kv_blocks == KV_BLOCKS
+    assert ex.adapter_loads >= len(OWNERS)  # 10 adapters through 6 slots: loads and evictions
+    assert all(slot.pins == 0 for slot in ex.slots)
+
+
+async def test_base_model_request_and_stop_string(fleet, pushed, stub, tiny, hf_peft):
+    tokenizer = Tokenizer.from_file(f"{tiny['model_dir']}/tokenizer.json")
+    prompt = "many adapters serve the batch"
+    expected, _ = hf_greedy(hf_peft, tokenizer.encode(prompt).ids, 10)
+    full = await client.generate(stub, client.generate_request("", prompt, 10, ignore_eos=True), "key-acme")
+    assert full.token_ids == expected
+    stop = full.text[len(full.text) // 2:][:3]
+    cut = await client.generate(stub, client.generate_request("", prompt, 10, stop=[stop], ignore_eos=True),
+                                "key-acme")
+    assert cut.finish_reason == "FINISH_REASON_STOP"
+    assert cut.text == full.text[:full.text.find(stop)]
+
+
+async def _status(stub, request, api_key="key-acme") -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await client.generate(stub, request, api_key)
+    return info.value.code(), info.value.details()
+
+
+@pytest.mark.parametrize("case, request_kw, api_key, code, words", [
+    ("unknown adapter", dict(adapter="no-such-adapter"), "key-acme", grpc.StatusCode.NOT_FOUND, "no-such-adapter"),
+    ("another tenant's", dict(adapter="r32_all"), "key-acme", grpc.StatusCode.NOT_FOUND, "r32_all"),
+    ("other base model", dict(adapter="other_base"), "key-acme", grpc.StatusCode.FAILED_PRECONDITION,
+     "other-org/other-base-model"),
+    ("rank above max", dict(adapter="r64"), "key-acme", grpc.StatusCode.INVALID_ARGUMENT, "rank 64"),
+    ("bad adapter ref", dict(adapter="a b@c"), "key-acme", grpc.StatusCode.INVALID_ARGUMENT, "name@"),
+    ("prompt too long", dict(prompt=[5] * 2040, max_new_tokens=16), "key-acme",
+     grpc.StatusCode.INVALID_ARGUMENT, "exceeds the context"),
+    ("token outside vocab", dict(prompt=[5, 5000]), "key-acme", grpc.StatusCode.INVALID_ARGUMENT, "5000"),
+    ("empty prompt", dict(prompt=""), "key-acme", grpc.StatusCode.INVALID_ARGUMENT, "empty"),
+    ("negative temperature", dict(temperature=-1.0), "key-acme", grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    ("nan temperature", dict(temperature=math.nan), "key-acme", grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    ("top_p above 1", dict(top_p=2.0), "key-acme", grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+    ("top_k above vocab", dict(top_k=10**6), "key-acme", grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
+    ("no api key", dict(), "", grpc.StatusCode.UNAUTHENTICATED, "API key"),
+    ("wrong api key", dict(), "nope", grpc.StatusCode.UNAUTHENTICATED, "API key"),
+])
+async def test_bad_generate_requests(fleet, pushed, stub, case, request_kw, api_key, code, words):
+    kw = dict(prompt="hello there", max_new_tokens=4) | request_kw
+    got_code, details = await _status(stub, client.generate_request(**kw), api_key)
+    assert got_code == code, f"{case}: {details}"
+    assert words in details, f"{case}: {details}"
+    ok = await client.generate(stub, client.generate_request("r4_attn", "still serving", 3), "key-acme")
+    assert len(ok.token_ids) >= 1
+
+
+@pytest.mark.parametrize("fixture_name, words", [("truncated", "safetensors"), ("pickle", "safetensors")])
+async def test_bad_adapter_files_are_refused_at_push(fleet, tiny, fixture_name, words):
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await client.push_adapter(fleet.stores[0], tiny["adapters"][fixture_name]["path"], fixture_name)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert words in info.value.details()
+
+
+async def test_cancel_frees_blocks_and_pins(fleet, pushed, stub):
+    call = stub.Generate(client.generate_request("r16_all", "cancel me soon", 500, ignore_eos=True),
+                         metadata=client.metadata("key-acme"))
+    seen = 0
+    async for _ in call:
+        seen += 1
+        if seen == 3:
+            break
+    call.cancel()
+    for _ in range(100):
+        (ex,) = (await stub.Stats(scheduler_pb2.StatsRequest())).executors
+        if ex.running == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert ex.running == 0 and ex.free_kv_blocks == KV_BLOCKS
+    assert all(slot.pins == 0 for slot in ex.slots)
