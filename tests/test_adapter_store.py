@@ -1,0 +1,394 @@
+"""The adapter store through its real gRPC service, on local files and on SeaweedFS S3."""
+
+import asyncio
+import collections
+import hashlib
+import io
+import json
+import pickle
+import signal
+import subprocess
+import sys
+import uuid
+
+import grpc
+import pytest
+import safetensors.torch
+import torch
+
+from adapter_store.blobs import BlobStore, open_blob_store
+from adapter_store.config import StoreConfig
+from adapter_store.service import start_store
+from loraplex.server import insecure_channel
+from protos import adapter_store_pb2 as pb
+from protos import adapter_store_pb2_grpc
+
+# The store, its client and the fixtures share the session loop.
+in_session_loop = pytest.mark.asyncio(loop_scope="session")
+
+HIDDEN, KV, FFN = 256, 128, 512  # tiny LLaMA: 4 heads, 2 kv heads, head_dim 64
+# module -> (block, in_features, out_features)
+SHAPES = {"q_proj": ("self_attn", HIDDEN, HIDDEN), "k_proj": ("self_attn", HIDDEN, KV),
+          "v_proj": ("self_attn", HIDDEN, KV), "o_proj": ("self_attn", HIDDEN, HIDDEN),
+          "gate_proj": ("mlp", HIDDEN, FFN), "up_proj": ("mlp", HIDDEN, FFN),
+          "down_proj": ("mlp", FFN, HIDDEN)}
+WEIGHTS = "adapter_model.safetensors"
+
+
+def lora_tensors(targets=("q_proj", "v_proj"), rank=8, num_layers=2, seed=0,
+                 ranks: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
+    """PEFT-named LoRA weights; `ranks` overrides the rank of "layers.{i}.{module}" entries."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(num_layers):
+        for module in targets:
+            block, d_in, d_out = SHAPES[module]
+            r = (ranks or {}).get(f"layers.{layer}.{module}", rank)
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(r, d_in, generator=gen)  # [r, in]
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(d_out, r, generator=gen)  # [out, r]
+    return tensors
+
+
+def lora_config(targets=("q_proj", "v_proj"), rank=8, **extra) -> str:
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 16, "target_modules": list(targets),
+              "base_model_name_or_path": "tiny-llama", "use_rslora": False, **extra}
+    return json.dumps(config)
+
+
+def make_adapter(seed=0, **kwargs) -> tuple[str, bytes]:
+    return lora_config(), safetensors.torch.save(lora_tensors(seed=seed, **kwargs))
+
+
+class CountingBlobStore(BlobStore):
+    """The real blob store, with every get counted per key and optionally slowed down."""
+
+    def __init__(self, inner: BlobStore):
+        self.inner = inner
+        self.description = inner.description
+        self.num_gets: collections.Counter[str] = collections.Counter()
+        self.get_delay_s = 0.0
+
+    async def get(self, key):
+        self.num_gets[key] += 1
+        await asyncio.sleep(self.get_delay_s)
+        return await self.inner.get(key)
+
+    async def put(self, key, data):
+        await self.inner.put(key, data)
+
+    async def list_keys(self, prefix):
+        return await self.inner.list_keys(prefix)
+
+    async def close(self):
+        await self.inner.close()
+
+
+class Store:
+    """A started store with a client stub; `restart()` keeps the same config."""
+
+    def __init__(self, config: StoreConfig):
+        self.config = config
+
+    async def start(self) -> "Store":
+        self.blobs = CountingBlobStore(await open_blob_store(self.config))
+        self.running = await start_store(self.config, blobs=self.blobs)
+        self.channel = insecure_channel(self.running.address)
+        self.stub = adapter_store_pb2_grpc.AdapterStoreStub(self.channel)
+        return self
+
+    async def stop(self) -> None:
+        await self.channel.close()
+        await self.running.stop(grace=1.0)
+
+    async def restart(self) -> None:
+        await self.stop()
+        await self.start()
+
+    async def push(self, name, config_json, data, owner="", filename=WEIGHTS, num_bytes=None,
+                   chunk=20_000):
+        async def requests():
+            yield pb.PushRequest(header=pb.PushHeader(
+                name=name, owner_tenant=owner, config_json=config_json, weights_filename=filename,
+                num_bytes=len(data) if num_bytes is None else num_bytes))
+            for offset in range(0, len(data), chunk):
+                yield pb.PushRequest(chunk=data[offset:offset + chunk])
+        return await self.stub.Push(requests())
+
+    async def fetch(self, name, version):
+        responses = [r async for r in self.stub.Fetch(pb.FetchRequest(name=name, version=version))]
+        assert responses[0].WhichOneof("payload") == "info"
+        assert all(r.WhichOneof("payload") == "chunk" for r in responses[1:])
+        return responses[0].info, b"".join(r.chunk for r in responses[1:])
+
+
+def file_config(tmp_path) -> StoreConfig:
+    return StoreConfig(url=(tmp_path / "store").as_uri(), chunk_bytes=16 * 1024)
+
+
+@pytest.fixture(params=["file", "s3"])
+async def store(request, tmp_path):
+    if request.param == "s3":
+        s3 = request.getfixturevalue("seaweedfs_s3")
+        config = StoreConfig(url=f"s3://{s3.bucket}/{uuid.uuid4().hex}", chunk_bytes=16 * 1024,
+                             s3_endpoint_url=s3.endpoint_url)
+    else:
+        config = file_config(tmp_path)
+    store = await Store(config).start()
+    yield store
+    await store.stop()
+
+
+@pytest.fixture
+async def file_store(tmp_path):
+    store = await Store(file_config(tmp_path)).start()
+    yield store
+    await store.stop()
+
+
+async def expect_error(code: grpc.StatusCode, awaitable) -> str:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await awaitable
+    assert err.value.code() == code, err.value.details()
+    return err.value.details()
+
+
+@in_session_loop
+async def test_push_fetch_round_trip_and_versions(store):
+    config_json, data = make_adapter()
+    info = await store.push("support-bot", config_json, data, owner="acme")
+    assert (info.name, info.version, info.owner_tenant, info.is_public) == ("support-bot", 1, "acme",
+                                                                            False)
+    assert (info.rank, info.alpha, info.base_model) == (8, 16.0, "tiny-llama")
+    assert list(info.target_modules) == ["q_proj", "v_proj"]
+    assert info.num_bytes == len(data) and info.config_json == config_json
+    fetched_info, fetched = await store.fetch("support-bot", 1)
+    assert fetched == data and fetched_info.sha256 == info.sha256
+    assert hashlib.sha256(fetched).hexdigest() == info.sha256
+
+    _, data2 = make_adapter(seed=1)
+    assert (await store.push("support-bot", config_json, data2, owner="acme")).version == 2
+    latest = await store.stub.GetAdapter(pb.GetAdapterRequest(name="support-bot"))
+    assert latest.version == 2
+    assert (await store.fetch("support-bot", 1))[1] == data
+    assert (await store.fetch("support-bot", 2))[1] == data2
+    details = await expect_error(grpc.StatusCode.NOT_FOUND, store.stub.GetAdapter(
+        pb.GetAdapterRequest(name="support-bot", version=3)))
+    assert "no version 3" in details
+
+
+@in_session_loop
+async def test_restart_keeps_registry(store):
+    config_json, data = make_adapter()
+    await store.push("kept", config_json, data, owner="acme")
+    await store.push("kept", config_json, make_adapter(seed=2)[1], owner="acme")
+    await store.push("public-one", config_json, data)
+    await store.restart()
+    listed = await store.stub.ListAdapters(pb.ListAdaptersRequest())
+    assert [(a.name, a.version) for a in listed.adapters] == [("kept", 2), ("public-one", 1)]
+    info, fetched = await store.fetch("kept", 1)
+    assert fetched == data and info.owner_tenant == "acme"
+    assert (await store.push("kept", config_json, data, owner="acme")).version == 3
+
+
+@in_session_loop
+async def test_single_flight_of_cold_adapter(store):
+    config_json, data = make_adapter(num_layers=4)
+    await store.push("hot", config_json, data)
+    key = "adapters/hot/v1/adapter_model.safetensors"
+    store.blobs.get_delay_s = 0.3  # a slow backend: all 100 requests arrive during the one read
+    results = await asyncio.gather(*(store.fetch("hot", 1) for _ in range(100)))
+    assert all(fetched == data for _, fetched in results)
+    assert store.blobs.num_gets[key] == 1
+    await store.fetch("hot", 1)
+    assert store.blobs.num_gets[key] == 1  # served from the host tier
+
+
+@in_session_loop
+async def test_corrupted_object_is_data_loss(store, request):
+    config_json, data = make_adapter()
+    await store.push("fragile", config_json, data)
+    corrupted = bytearray(data)
+    corrupted[-1] ^= 0xFF
+    if store.config.is_s3:  # overwrite the object directly in the bucket
+        s3 = request.getfixturevalue("seaweedfs_s3")
+        key = f"{store.config.s3_prefix}adapters/fragile/v1/{WEIGHTS}"
+        s3.client().put_object(Bucket=s3.bucket, Key=key, Body=bytes(corrupted))
+    else:
+        (store.config.file_root / f"adapters/fragile/v1/{WEIGHTS}").write_bytes(corrupted)
+    for _ in range(2):  # never cached: the second read fails the same way
+        details = await expect_error(grpc.StatusCode.DATA_LOSS, store.fetch("fragile", 1))
+        assert "fragile" in details and "sha256" in details
+
+
+@in_session_loop
+async def test_tenants_see_own_and_public(file_store):
+    config_json, data = make_adapter()
+    await file_store.push("alice-bot", config_json, data, owner="alice")
+    await file_store.push("bob-bot", config_json, data, owner="bob")
+    await file_store.push("shared", config_json, data)
+
+    async def names(tenant):
+        listed = await file_store.stub.ListAdapters(pb.ListAdaptersRequest(tenant=tenant))
+        return [a.name for a in listed.adapters]
+
+    assert await names("alice") == ["alice-bot", "shared"]
+    assert await names("bob") == ["bob-bot", "shared"]
+    assert await names("") == ["alice-bot", "bob-bot", "shared"]
+
+    get = file_store.stub.GetAdapter
+    assert (await get(pb.GetAdapterRequest(name="alice-bot", tenant="alice"))).version == 1
+    assert (await get(pb.GetAdapterRequest(name="shared", tenant="bob"))).is_public
+    hidden = await expect_error(grpc.StatusCode.NOT_FOUND, get(
+        pb.GetAdapterRequest(name="alice-bot", tenant="bob")))
+    hidden_v1 = await expect_error(grpc.StatusCode.NOT_FOUND, get(
+        pb.GetAdapterRequest(name="alice-bot", version=1, tenant="bob")))
+    missing = await expect_error(grpc.StatusCode.NOT_FOUND, get(
+        pb.GetAdapterRequest(name="nobody-bot", tenant="bob")))
+    assert hidden == hidden_v1 == missing.replace("nobody-bot", "alice-bot")
+    # A name belongs to its first owner.
+    await expect_error(grpc.StatusCode.ALREADY_EXISTS,
+                       file_store.push("alice-bot", config_json, data, owner="bob"))
+
+
+@in_session_loop
+async def test_target_modules_string_and_rank_pattern(file_store):
+    tensors = lora_tensors(targets=("q_proj", "v_proj", "down_proj"), rank=8,
+                           ranks={"layers.0.v_proj": 4, "layers.1.v_proj": 4,
+                                  "layers.1.q_proj": 16})
+    config_json = lora_config(targets=(), rank=8, use_rslora=True,
+                              target_modules=r".*\.(q_proj|v_proj|down_proj)",
+                              rank_pattern={"v_proj": 4, "layers.1.self_attn.q_proj": 16})
+    info = await file_store.push("patterned", config_json, safetensors.torch.save(tensors))
+    assert info.rank == 16 and info.use_rslora
+    assert list(info.target_modules) == ["down_proj", "q_proj", "v_proj"]
+
+
+def _with_header(header: dict, data_section: bytes) -> bytes:
+    raw = json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw + data_section
+
+
+def _torch_save_bytes() -> bytes:
+    buffer = io.BytesIO()
+    torch.save(lora_tensors(), buffer)
+    return buffer.getvalue()
+
+
+def _drop(name: str) -> bytes:
+    tensors = lora_tensors()
+    del tensors[name]
+    return safetensors.torch.save(tensors)
+
+
+def _nan() -> bytes:
+    tensors = lora_tensors()
+    tensors["base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"][3, 2] = float("nan")
+    return safetensors.torch.save(tensors)
+
+
+GOOD_CONFIG, GOOD = make_adapter()
+V_B1 = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+BAD_INPUTS = {
+    # case: (name, filename, config_json, data, words the message must contain)
+    "pickle-filename": ("a", "adapter_model.bin", GOOD_CONFIG, _torch_save_bytes(),
+                        ["only safetensors"]),
+    "torch-save-content": ("a", WEIGHTS, GOOD_CONFIG, _torch_save_bytes(), ["only safetensors"]),
+    "pickle-content": ("a", WEIGHTS, GOOD_CONFIG, pickle.dumps({"x": 1}, protocol=4),
+                       ["only safetensors"]),
+    "truncated-data": ("a", WEIGHTS, GOOD_CONFIG, GOOD[:-100], ["truncated", V_B1]),
+    "truncated-header": ("a", WEIGHTS, GOOD_CONFIG, GOOD[:50], ["header length", "truncated"]),
+    "header-length-too-big": ("a", WEIGHTS, GOOD_CONFIG, (2**40).to_bytes(8, "little") + GOOD[8:],
+                              ["header length", "limit"]),
+    "header-not-json": ("a", WEIGHTS, GOOD_CONFIG, (4).to_bytes(8, "little") + b"{{{{",
+                        ["header is not valid"]),
+    "unknown-dtype": ("a", WEIGHTS, GOOD_CONFIG, _with_header(
+        {"t": {"dtype": "F17", "shape": [1], "data_offsets": [0, 4]}}, bytes(4)),
+        ["'t'", "unknown dtype"]),
+    "overlap": ("a", WEIGHTS, GOOD_CONFIG, _with_header(
+        {"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+         "u": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, bytes(8)), ["overlaps"]),
+    "config-not-json": ("a", WEIGHTS, "{r: 8", GOOD, ["adapter_config.json", "not valid JSON"]),
+    "unknown-target-module": ("a", WEIGHTS, lora_config(targets=("q_proj", "lm_head")), GOOD,
+                              ["'lm_head'", "not supported"]),
+    "no-base-model": ("a", WEIGHTS, lora_config(base_model_name_or_path=""), GOOD,
+                      ["base_model_name_or_path"]),
+    "zero-rank": ("a", WEIGHTS, lora_config(rank=0), GOOD, ["r must be a positive integer"]),
+    "missing-B": ("a", WEIGHTS, GOOD_CONFIG, _drop(V_B1),
+                  ["model.layers.1.self_attn.v_proj", "no lora_B"]),
+    "rank-mismatch": ("a", WEIGHTS, lora_config(rank=4), GOOD, ["rank 8 differs from 4"]),
+    "untargeted-tensor": ("a", WEIGHTS, lora_config(targets=("q_proj",)), GOOD,
+                          ["v_proj", "not in target_modules"]),
+    "not-a-lora-key": ("a", WEIGHTS, GOOD_CONFIG, safetensors.torch.save(
+        {**lora_tensors(), "lm_head.weight": torch.zeros(4, 4)}), ["'lm_head.weight'"]),
+    "nan": ("a", WEIGHTS, GOOD_CONFIG, _nan(), [V_B1, "NaN"]),
+    "bad-name-slash": ("a/b", WEIGHTS, GOOD_CONFIG, GOOD, ["adapter name 'a/b' is invalid"]),
+    "bad-name-empty": ("", WEIGHTS, GOOD_CONFIG, GOOD, ["adapter name '' is invalid"]),
+    "bad-name-long": ("x" * 129, WEIGHTS, GOOD_CONFIG, GOOD, ["is invalid", "1-128"]),
+    "bad-name-dotdot": ("..", WEIGHTS, GOOD_CONFIG, GOOD, ["is invalid"]),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+@in_session_loop
+async def test_bad_push_is_invalid_argument(file_store, case):
+    name, filename, config_json, data, words = BAD_INPUTS[case]
+    details = await expect_error(grpc.StatusCode.INVALID_ARGUMENT, file_store.push(
+        name, config_json, data, filename=filename))
+    for word in words:
+        assert word in details
+
+
+@in_session_loop
+async def test_push_stream_must_match_its_header(file_store):
+    short = await expect_error(grpc.StatusCode.INVALID_ARGUMENT, file_store.push(
+        "a", GOOD_CONFIG, GOOD, num_bytes=len(GOOD) + 10))
+    assert f"carried {len(GOOD)} bytes" in short
+    long = await expect_error(grpc.StatusCode.INVALID_ARGUMENT, file_store.push(
+        "a", GOOD_CONFIG, GOOD, num_bytes=len(GOOD) - 10))
+    assert "more than" in long
+    huge = await expect_error(grpc.StatusCode.INVALID_ARGUMENT, file_store.push(
+        "a", GOOD_CONFIG, b"", num_bytes=3 * 1024**3))
+    assert "push limit" in huge
+
+    async def chunk_first():
+        yield pb.PushRequest(chunk=b"x")
+    first = await expect_error(grpc.StatusCode.INVALID_ARGUMENT, file_store.stub.Push(chunk_first()))
+    assert "header" in first
+    listed = await file_store.stub.ListAdapters(pb.ListAdaptersRequest())
+    assert not listed.adapters  # nothing half-stored
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="file:///absolute/dir"):
+        StoreConfig(url="file://relative/dir")
+    with pytest.raises(ValueError, match="bucket"):
+        StoreConfig(url="s3://B_ad/x")
+    env = {"LORAPLEX_STORE_URL": "s3://bucket/pre/fix", "LORAPLEX_HOST_CACHE_MB": "2"}
+    config = StoreConfig.from_env(env, address="0.0.0.0:9000")
+    assert (config.s3_bucket, config.s3_prefix) == ("bucket", "pre/fix/")
+    assert config.host_cache_bytes == 2 * 1024 * 1024 and config.address == "0.0.0.0:9000"
+    with pytest.raises(ValueError, match="LORAPLEX_HOST_CACHE_MB"):
+        StoreConfig.from_env({"LORAPLEX_HOST_CACHE_MB": "lots"})
+
+
+@in_session_loop
+async def test_subprocess_entry_point_and_sigterm(tmp_path):
+    url = (tmp_path / "store").as_uri()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "adapter_store.service", "--url", url, "--port", "0",
+         "--host-cache-mb", "16"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(process.stdout.readline), 30)
+        assert line.startswith("adapter_store listening on 127.0.0.1:"), line
+        address = line.split()[-1]
+        async with insecure_channel(address) as channel:
+            stub = adapter_store_pb2_grpc.AdapterStoreStub(channel)
+            listed = await stub.ListAdapters(pb.ListAdaptersRequest())
+            assert not listed.adapters
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(process.wait, 15) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
