@@ -4,11 +4,13 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Large enough for a prompt of a full context and adapter chunks; executors stream bigger payloads.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -71,8 +73,8 @@ async def run_until_signalled(service: Service, on_stop: Callable[[], Awaitable[
         await on_stop()
 
 
-def run(main: Callable[[], Awaitable[None]]) -> None:
-    """Run an async entry point on uvloop."""
+def run(main: Callable[[], Awaitable[T]]) -> T:
+    """Run an async entry point on uvloop and return its result."""
     import uvloop
 
-    uvloop.run(main())
+    return uvloop.run(main())
