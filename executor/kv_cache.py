@@ -36,7 +36,7 @@ class PagedKVCache:
                              f"[0, {self.num_blocks})")
 
     def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
-        """Flat slots of positions [start, end) of a sequence with this block table: [end - start]."""
+        """[end - start] flat slots of positions [start, end) of a sequence with this table."""
         positions = torch.arange(start, end)
         table = torch.tensor(block_table, dtype=torch.long)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size

@@ -11,8 +11,9 @@ Slot -1 means "base model only" and costs nothing. Running example, 6 rows with 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Protocol
+from typing import Protocol
 
 import torch
 
@@ -52,17 +53,21 @@ class LoraSlotPool:
             raise ValueError(f"adapter pool needs num_slots >= 0 and max_rank > 0, "
                              f"got {num_slots} and {max_rank}")
         self.config, self.num_slots, self.max_rank = config, num_slots, max_rank
+        self.device = torch.device(device)
         num_layers = config.num_hidden_layers
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
         self.scale: dict[str, torch.Tensor] = {}
         for m in LORA_MODULES:
             in_f, out_f = config.module_shape(m)
-            self.a[m] = torch.zeros(num_layers, num_slots, max_rank, in_f, dtype=dtype, device=device)
-            self.b[m] = torch.zeros(num_layers, num_slots, out_f, max_rank, dtype=dtype, device=device)
+            a_shape = (num_layers, num_slots, max_rank, in_f)
+            b_shape = (num_layers, num_slots, out_f, max_rank)
+            self.a[m] = torch.zeros(a_shape, dtype=dtype, device=device)
+            self.b[m] = torch.zeros(b_shape, dtype=dtype, device=device)
             self.scale[m] = torch.zeros(num_layers, num_slots, dtype=dtype, device=device)
         # Host-side mirror of what each slot targets: (layer, module) -> (rank, scale).
-        self.targets: list[dict[tuple[int, str], tuple[int, float]]] = [{} for _ in range(num_slots)]
+        self.targets: list[dict[tuple[int, str], tuple[int, float]]] = [
+            {} for _ in range(num_slots)]
 
     def num_bytes(self) -> int:
         tensors = [*self.a.values(), *self.b.values(), *self.scale.values()]
@@ -119,14 +124,16 @@ class LoraBatchMeta:
     max_seg_len: int
 
     @classmethod
-    def from_row_slots(cls, row_slots: torch.Tensor) -> LoraBatchMeta:
-        """row_slots: [T] long, the adapter slot of every row (-1 = none)."""
+    def from_row_slots(cls, row_slots: torch.Tensor,
+                       device: str | torch.device = "cpu") -> LoraBatchMeta:
+        """row_slots: [T] long on the host, the adapter slot of every row (-1 = none)."""
         slots, lens = torch.unique_consecutive(row_slots, return_counts=True)  # [S'], [S']
         starts = torch.cumsum(lens, 0) - lens
         keep = slots >= 0
         slots, lens, starts = slots[keep], lens[keep], starts[keep]
-        segments = tuple(zip((starts).tolist(), (starts + lens).tolist(), slots.tolist()))
-        return cls(segments=segments, seg_starts=starts, seg_lens=lens, seg_slots=slots,
+        segments = tuple(zip(starts.tolist(), (starts + lens).tolist(), slots.tolist()))
+        return cls(segments=segments, seg_starts=starts.to(device), seg_lens=lens.to(device),
+                   seg_slots=slots.to(device),
                    max_seg_len=max((e - s for s, e, _ in segments), default=0))
 
 
@@ -134,7 +141,7 @@ class LoraBackend(Protocol):
     def __init__(self, pool: LoraSlotPool) -> None: ...
 
     def prepare(self, row_slots: torch.Tensor) -> LoraBatchMeta:
-        """Build the step's metadata from row_slots [T] (once per step)."""
+        """Build the step's metadata from host row_slots [T] (once per step)."""
         ...
 
     def apply(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor,
@@ -150,7 +157,7 @@ class TorchLoraBackend:
         self.pool = pool
 
     def prepare(self, row_slots: torch.Tensor) -> LoraBatchMeta:
-        return LoraBatchMeta.from_row_slots(row_slots)
+        return LoraBatchMeta.from_row_slots(row_slots, self.pool.device)
 
     def apply(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor,
               meta: LoraBatchMeta) -> None:

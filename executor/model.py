@@ -86,10 +86,9 @@ class StepMetadata:
         ctx_lens = torch.tensor([g.start_pos + 1 for g in decode_groups], dtype=torch.long)
         c_max = int(ctx_lens.max()) if decode_groups else 1
         n_blocks = (c_max + bs - 1) // bs
-        tables = torch.zeros(len(decode_groups), n_blocks, dtype=torch.long)  # [Sd, blocks]
-        for i, g in enumerate(decode_groups):
-            used = g.block_table[: (g.start_pos + bs) // bs]
-            tables[i, : len(used)] = torch.tensor(used, dtype=torch.long)
+        used = [g.block_table[: g.start_pos // bs + 1] for g in decode_groups]
+        tables = torch.tensor([u + [0] * (n_blocks - len(u)) for u in used],
+                              dtype=torch.long).view(len(used), n_blocks)  # [Sd, blocks]
         k_pos = torch.arange(c_max)  # [Cmax]
         ctx_slots = tables[:, k_pos // bs] * bs + k_pos % bs  # [Sd, Cmax]
         mask = (k_pos[None, :] < ctx_lens[:, None]) & _visible(

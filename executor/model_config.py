@@ -56,8 +56,8 @@ class ModelConfig:
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
-                f"model config: num_attention_heads ({self.num_attention_heads}) must be a multiple "
-                f"of num_key_value_heads ({self.num_key_value_heads})")
+                f"model config: num_attention_heads ({self.num_attention_heads}) must be a "
+                f"multiple of num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise ValueError(f"model config: head_dim must be even for RoPE, got {self.head_dim}")
         if not (self.rms_norm_eps > 0 and math.isfinite(self.rms_norm_eps)):
@@ -144,7 +144,8 @@ class ModelConfig:
     @classmethod
     def named(cls, name: str) -> ModelConfig:
         if name not in NAMED_CONFIGS:
-            raise ValueError(f"unknown model config name {name!r} (known: {', '.join(NAMED_CONFIGS)})")
+            raise ValueError(f"unknown model config name {name!r} "
+                             f"(known: {', '.join(NAMED_CONFIGS)})")
         return NAMED_CONFIGS[name]
 
 

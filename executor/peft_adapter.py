@@ -34,14 +34,15 @@ class BaseModelMismatchError(AdapterError):
 
 def adapter_rank(config: dict[str, Any]) -> int:
     """Largest rank of any module of the adapter: max of `r` and the `rank_pattern` values."""
-    return max([int(config.get("r", 8)), *(int(r) for r in (config.get("rank_pattern") or {}).values())])
+    pattern_ranks = (config.get("rank_pattern") or {}).values()
+    return max([int(config.get("r", 8)), *(int(r) for r in pattern_ranks)])
 
 
 def _pattern_value(patterns: dict[str, Any], module_key: str, default: Any) -> Any:
     """PEFT's rule (peft.utils.other.get_pattern_key): first pattern matching the key's tail."""
-    for pattern in patterns:
+    for pattern, value in patterns.items():
         if re.match(rf"(.*\.)?({pattern})$", module_key):
-            return patterns[pattern]
+            return value
     return default
 
 
@@ -70,7 +71,8 @@ def _check_config(cfg: dict[str, Any], base: ModelConfig, max_rank: int | None,
                         *((f"alpha_pattern[{k!r}]", v)
                           for k, v in (cfg.get("alpha_pattern") or {}).items())]:
         if not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise AdapterError(f"adapter_config.json: {name} must be a finite number, got {value!r}")
+            raise AdapterError(f"adapter_config.json: {name} must be a finite number, "
+                               f"got {value!r}")
     rank = adapter_rank(cfg)
     if max_rank is not None and rank > max_rank:
         raise AdapterError(f"adapter rank {rank} exceeds the executor's max rank {max_rank}")

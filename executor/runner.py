@@ -5,9 +5,10 @@ batching; no gRPC here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -15,16 +16,8 @@ from executor.kv_cache import PagedKVCache
 from executor.lora import LORA_MODULES, LoraSlotPool, LoraWeights, make_lora_backend
 from executor.model import RowSpec, StepMetadata, Transformer
 from executor.model_config import ModelConfig
-from executor.sampling import make_generator, sample, validate_sampling
+from executor.sampling import SamplingParams, make_generator, sample
 from executor.weights import ModelWeights, load_weights, random_weights
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -139,7 +132,7 @@ class ModelRunner:
         if not -1 <= slot < self.pool.num_slots:
             raise ValueError(f"sequence {seq_id}: adapter slot {slot} out of range "
                              f"[-1, {self.pool.num_slots})")
-        validate_sampling(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed)
+        sampling.validate()
         self._seqs[seq_id] = _Sequence(list(token_ids), 0, [], sampling, slot,
                                        make_generator(sampling.seed, self.device))
 
@@ -161,13 +154,12 @@ class ModelRunner:
     def step_with_logits(self, rows: Sequence[Row]) -> tuple[list[Sampled], torch.Tensor]:
         """Run one step; also return the last-position logits [S, vocab] of the sampled rows."""
         self._validate(rows)
-        groups, row_slots, sample_rows, sampled_seqs = [], [], [], []
+        groups, sample_rows, sampled_seqs = [], [], []
         row = 0
         for r in rows:
             seq = self._seqs[r.seq_id]
             seq.block_table.extend(r.new_block_ids)
             groups.append(RowSpec(seq.num_computed, r.num_tokens, seq.block_table))
-            row_slots += [seq.slot] * r.num_tokens
             row += r.num_tokens
             if seq.num_computed + r.num_tokens == len(seq.token_ids):
                 sample_rows.append(row - 1)
@@ -175,16 +167,18 @@ class ModelRunner:
         if not groups:
             return [], torch.empty(0, self.config.vocab_size)
         tokens = torch.tensor([t for r in rows for t in self._pending(r)], device=self.device)
-        lora_meta = self.lora.prepare(torch.tensor(row_slots, device=self.device))
+        row_slots = torch.repeat_interleave(  # [T]
+            torch.tensor([self._seqs[r.seq_id].slot for r in rows]),
+            torch.tensor([r.num_tokens for r in rows]))
+        lora_meta = self.lora.prepare(row_slots)
         meta = StepMetadata.build(groups, kv=self.kv, sliding_window=self.config.sliding_window,
                                   lora=lora_meta, sample_rows=sample_rows, device=self.device)
         logits = self.model.forward(tokens, meta, self.kv)  # [S, vocab]
         for r in rows:
             self._seqs[r.seq_id].num_computed += r.num_tokens
         seqs = [self._seqs[s] for s in sampled_seqs]
-        token_ids, logprobs = sample(
-            logits, [s.sampling.temperature for s in seqs], [s.sampling.top_k for s in seqs],
-            [s.sampling.top_p for s in seqs], [s.generator for s in seqs])
+        token_ids, logprobs = sample(logits, [s.sampling for s in seqs],
+                                     [s.generator for s in seqs])
         for seq, token in zip(seqs, token_ids):
             seq.token_ids.append(token)
         return ([Sampled(s, t, lp) for s, t, lp in zip(sampled_seqs, token_ids, logprobs)],

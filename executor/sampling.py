@@ -8,8 +8,20 @@ log-probability under the model's unmodified distribution (log_softmax of the ra
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int | None = None  # None = non-deterministic
+
+    def validate(self) -> None:
+        validate_sampling(self.temperature, self.top_k, self.top_p, self.seed)
 
 
 def validate_sampling(temperature: float, top_k: int, top_p: float, seed: int | None) -> None:
@@ -52,7 +64,7 @@ def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int,
     return probs
 
 
-def sample(logits: torch.Tensor, temperatures: list[float], top_ks: list[int], top_ps: list[float],
+def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator]) -> tuple[list[int], list[float]]:
     """logits [S, V] fp32, one row per sequence -> (token ids, logprobs), one per row.
 
@@ -61,9 +73,9 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_ks: list[int], t
     """
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [S, V]
     tokens = torch.argmax(logits, dim=-1)  # [S]
-    for i, temperature in enumerate(temperatures):
-        if temperature > 0:
-            probs = filtered_probs(logits[i], temperature, top_ks[i], top_ps[i])
+    for i, p in enumerate(params):
+        if p.temperature > 0:
+            probs = filtered_probs(logits[i], p.temperature, p.top_k, p.top_p)  # [V]
             tokens[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]  # [S]
     return tokens.tolist(), chosen.tolist()

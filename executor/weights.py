@@ -36,13 +36,10 @@ class ModelWeights:
     lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as `embed` when tied
 
     def num_bytes(self) -> int:
-        seen: dict[int, int] = {}
-        tensors = [self.embed, self.norm, self.lm_head]
+        tensors = {id(t): t for t in (self.embed, self.norm, self.lm_head)}  # tied: counted once
         for layer in self.layers:
-            tensors += [t for t in vars(layer).values() if t is not None]
-        for t in tensors:
-            seen[t.data_ptr()] = t.numel() * t.element_size()
-        return sum(seen.values())
+            tensors.update((id(t), t) for t in vars(layer).values() if t is not None)
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _hf_names(config: ModelConfig) -> list[str]:
@@ -94,7 +91,7 @@ def load_weights(model_dir: str | Path, config: ModelConfig, *, dtype: torch.dty
         if not path.is_file():
             raise ValueError(f"checkpoint shard {path} listed in the index is missing")
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 if name.endswith("rotary_emb.inv_freq"):
                     continue  # a buffer some old checkpoints saved; recomputed from the config
                 if name not in expected | optional:
@@ -124,7 +121,7 @@ def _assemble(config: ModelConfig, raw: dict[str, torch.Tensor]) -> ModelWeights
             bqkv=bqkv,
             wo=raw.pop(f"{attn}o_proj.weight"),
             post_attention_norm=raw.pop(f"model.layers.{i}.post_attention_layernorm.weight"),
-            w_gate_up=torch.cat([raw.pop(f"{mlp}gate_proj.weight"), raw.pop(f"{mlp}up_proj.weight")]),
+            w_gate_up=torch.cat([raw.pop(f"{mlp}{m}_proj.weight") for m in ("gate", "up")]),
             w_down=raw.pop(f"{mlp}down_proj.weight"),
         ))
     embed = raw.pop("model.embed_tokens.weight")

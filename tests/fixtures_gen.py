@@ -23,24 +23,25 @@ MLP = ["gate_proj", "up_proj", "down_proj"]
 
 # name -> LoraConfig arguments. All valid ones fit a pool with max_rank 32.
 ADAPTERS: dict[str, dict[str, Any]] = {
-    "r4_attn": dict(r=4, lora_alpha=8, target_modules=ATTN),
-    "r8_mlp": dict(r=8, lora_alpha=16, target_modules=MLP),
-    "r16_all": dict(r=16, lora_alpha=32, target_modules=ATTN + MLP),
-    "r32_all": dict(r=32, lora_alpha=16, target_modules=ATTN + MLP),
-    "r2_q": dict(r=2, lora_alpha=4, target_modules=["q_proj"]),
-    "r1_down": dict(r=1, lora_alpha=2, target_modules=["down_proj"]),
-    "r8_rslora": dict(r=8, lora_alpha=8, target_modules=ATTN + MLP, use_rslora=True),
-    "r8_patterns": dict(r=8, lora_alpha=16, target_modules=ATTN + MLP,
-                        rank_pattern={"q_proj": 16, "layers.1.mlp.down_proj": 4},
-                        alpha_pattern={"v_proj": 4, "model.layers.2.self_attn.o_proj": 64}),
-    "r12_vo": dict(r=12, lora_alpha=24, target_modules=["v_proj", "o_proj"]),
-    "r6_layers": dict(r=6, lora_alpha=12, target_modules=ATTN + MLP, layers_to_transform=[0, 2]),
-    "r24_k_up": dict(r=24, lora_alpha=12, target_modules=["k_proj", "up_proj"]),
+    "r4_attn": {"r": 4, "lora_alpha": 8, "target_modules": ATTN},
+    "r8_mlp": {"r": 8, "lora_alpha": 16, "target_modules": MLP},
+    "r16_all": {"r": 16, "lora_alpha": 32, "target_modules": ATTN + MLP},
+    "r32_all": {"r": 32, "lora_alpha": 16, "target_modules": ATTN + MLP},
+    "r2_q": {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]},
+    "r1_down": {"r": 1, "lora_alpha": 2, "target_modules": ["down_proj"]},
+    "r8_rslora": {"r": 8, "lora_alpha": 8, "target_modules": ATTN + MLP, "use_rslora": True},
+    "r8_patterns": {"r": 8, "lora_alpha": 16, "target_modules": ATTN + MLP,
+                        "rank_pattern": {"q_proj": 16, "layers.1.mlp.down_proj": 4},
+                        "alpha_pattern": {"v_proj": 4, "model.layers.2.self_attn.o_proj": 64}},
+    "r12_vo": {"r": 12, "lora_alpha": 24, "target_modules": ["v_proj", "o_proj"]},
+    "r6_layers": {"r": 6, "lora_alpha": 12, "target_modules": ATTN + MLP,
+                  "layers_to_transform": [0, 2]},
+    "r24_k_up": {"r": 24, "lora_alpha": 12, "target_modules": ["k_proj", "up_proj"]},
 }
 OTHER_BASE = "other-org/other-base-model"
 BROKEN = {  # name -> LoraConfig arguments (the breakage is applied after saving)
-    "other_base": dict(r=4, lora_alpha=8, target_modules=["q_proj"]),
-    "r64": dict(r=64, lora_alpha=64, target_modules=ATTN + MLP),
+    "other_base": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]},
+    "r64": {"r": 64, "lora_alpha": 64, "target_modules": ATTN + MLP},
 }
 
 
@@ -49,10 +50,10 @@ def tiny_config(model_type: str = "llama", **overrides: Any):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[model_type]
-    args = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
-                max_position_embeddings=2048, rms_norm_eps=1e-6, initializer_range=0.05,
-                bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+    args = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
+                "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "initializer_range": 0.05,
+                "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False}
     if model_type == "llama":
         args["head_dim"] = 64
     args.update(overrides)
@@ -78,9 +79,10 @@ def save_tiny_model(out_dir: Path, model_type: str = "llama", seed: int = 0,
 
 def _training_text(seed: int = 0, num_sentences: int = 300) -> list[str]:
     rng = random.Random(seed)
-    words = ("the a model adapter serves many small fine tunes of one base every request names "
-             "its own tokens batch shares memory kernel scheduler executor store block cache "
-             "rank alpha scale greedy sample river mountain quiet bright seven eleven").split()
+    words = ["the", "a", "model", "adapter", "serves", "many", "small", "fine", "tunes", "of",
+             "one", "base", "every", "request", "names", "its", "own", "tokens", "batch", "shares",
+             "memory", "kernel", "scheduler", "executor", "store", "block", "cache", "rank",
+             "alpha", "scale", "greedy", "sample", "river", "mountain", "quiet", "bright", "seven"]
     return [" ".join(rng.choice(words) for _ in range(rng.randint(4, 14))).capitalize() + "."
             for _ in range(num_sentences)]
 

@@ -11,13 +11,18 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
-from safetensors.torch import load as load_st, save as save_st
+from safetensors.torch import load as load_st
+from safetensors.torch import save as save_st
 from transformers import AutoModelForCausalLM
 
 from executor.lora import LoraBatchMeta
 from executor.model_config import ModelConfig
-from executor.peft_adapter import (AdapterError, BaseModelMismatchError, adapter_rank,
-                                   parse_peft_adapter)
+from executor.peft_adapter import (
+    AdapterError,
+    BaseModelMismatchError,
+    adapter_rank,
+    parse_peft_adapter,
+)
 from executor.runner import MemoryBudget, ModelRunner, Row, SamplingParams
 from executor.sampling import filtered_probs, validate_sampling
 from tests import fixtures_gen
@@ -48,7 +53,8 @@ def read_adapter(fx, name: str) -> tuple[dict, bytes]:
 
 
 def make_runner(fx, **kw) -> ModelRunner:
-    args = dict(num_kv_blocks=512, block_size=BLOCK, num_slots=len(fx["valid"]), max_rank=MAX_RANK)
+    args = {"num_kv_blocks": 512, "block_size": BLOCK, "num_slots": len(fx["valid"]),
+            "max_rank": MAX_RANK}
     runner = ModelRunner.from_pretrained(fx["model_dir"], **{**args, **kw})
     for slot, name in enumerate(fx["valid"][: runner.pool.num_slots]):
         runner.load_adapter(slot, parse_peft_adapter(*read_adapter(fx, name), runner.config))
@@ -68,9 +74,9 @@ class Driver:
         random.Random(seed).shuffle(self.free)
         self.state: dict[int, dict] = {}
 
-    def add(self, seq_id, prompt, slot, sampling=SamplingParams()):
-        self.runner.add_sequence(seq_id, prompt, sampling, slot)
-        self.state[seq_id] = dict(computed=0, total=len(prompt), blocks=[], slot=slot)
+    def add(self, seq_id, prompt, slot, sampling: SamplingParams | None = None):
+        self.runner.add_sequence(seq_id, prompt, sampling or SamplingParams(), slot)
+        self.state[seq_id] = {"computed": 0, "total": len(prompt), "blocks": [], "slot": slot}
 
     def step(self, chunk: int) -> dict[int, tuple[int, torch.Tensor]]:
         rows = []
@@ -158,11 +164,11 @@ def test_chunked_prefill_equals_one_shot(fx):
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 VARIANTS = {
-    "qwen2_bias": dict(model_type="qwen2"),
-    "mistral_sliding": dict(model_type="mistral", sliding_window=6),
-    "llama3_rope_tied": dict(rope_scaling=LLAMA3_ROPE, rope_theta=500000.0,
-                             tie_word_embeddings=True),
-    "sharded": dict(max_shard_size="500KB"),
+    "qwen2_bias": {"model_type": "qwen2"},
+    "mistral_sliding": {"model_type": "mistral", "sliding_window": 6},
+    "llama3_rope_tied": {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0,
+                             "tie_word_embeddings": True},
+    "sharded": {"max_shard_size": "500KB"},
 }
 
 
@@ -185,8 +191,9 @@ def test_loader_variant_matches_hf(tmp_path, variant):
 
 
 def test_model_config_layouts_and_errors():
-    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, vocab_size=100, eos_token_id=1)
+    shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+             "eos_token_id": 1}
     tf4 = {**shape, "rope_theta": 5e5, "rope_scaling": {**LLAMA3_ROPE, "type": "llama3"}}
     tf5 = {**shape, "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 5e5}}
     assert ModelConfig.from_hf_dict(tf4) == ModelConfig.from_hf_dict(tf5)
@@ -218,7 +225,7 @@ ADAPTER_ERRORS = [  # (adapter, config changes, tensor change, message)
     ("r16_all", {}, _retensor(lambda t: t.update({Q0A: torch.zeros(16, 128)})),
      r"layers\.0\.self_attn\.q_proj\.lora_A has shape \(16, 128\), expected \(16, 256\)"),
     ("r16_all", {}, _retensor(lambda t: t[Q0A].__setitem__((0, 0), math.inf)), "non-finite"),
-    ("r16_all", {}, _retensor(lambda t: t.update({Q0A.replace("layers.0", "layers.9"): t[Q0A].clone()})),
+    ("r16_all", {}, _retensor(lambda t: t.update({Q0A.replace(".0.", ".9."): t[Q0A].clone()})),
      "layer 9 does not exist"),
     ("r16_all", {}, _retensor(lambda t: t.pop(Q0A.replace("lora_A", "lora_B"))),
      r"missing lora_B for model\.layers\.0\.self_attn\.q_proj"),
@@ -252,16 +259,17 @@ def test_adapter_base_mismatch_scales_and_infix(fx):
     assert rs.scale == pytest.approx(8 / math.sqrt(8))
     infix = save_st({k.replace(".weight", ".default.weight"): v for k, v in load_st(data).items()})
     again = parse_peft_adapter(cfg, infix, config).modules
-    assert again.keys() == mods.keys() and torch.equal(again[(1, "k_proj")].b, mods[(1, "k_proj")].b)
+    assert again.keys() == mods.keys()
+    assert torch.equal(again[(1, "k_proj")].b, mods[(1, "k_proj")].b)
 
 
 @pytest.mark.parametrize("params,match", [
-    (dict(temperature=-0.1), "temperature"), (dict(temperature=math.nan), "temperature"),
-    (dict(temperature=math.inf), "temperature"), (dict(top_k=-1), "top_k"),
-    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(seed=-1), "seed")])
+    ({"temperature": -0.1}, "temperature"), ({"temperature": math.nan}, "temperature"),
+    ({"temperature": math.inf}, "temperature"), ({"top_k": -1}, "top_k"),
+    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"seed": -1}, "seed")])
 def test_sampling_validation(params, match):
     with pytest.raises(ValueError, match=match):
-        validate_sampling(**{**dict(temperature=1.0, top_k=0, top_p=1.0, seed=None), **params})
+        validate_sampling(**{"temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": None, **params})
 
 
 def test_top_k_top_p_restrict_support():
@@ -280,7 +288,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(fx):
     alone = run(runner, {0: (ps[0], 1, params)}, 12)[0][0]
     others = {i: (ps[i], i % 3 - 1, SamplingParams(temperature=0.8, seed=i)) for i in range(1, 6)}
     batched = run(runner, {0: (ps[0], 1, params), **others}, 12, chunk=4)[0][0]
-    reseeded = run(runner, {0: (ps[0], 1, params.__class__(1.0, 50, 0.9, 8))}, 12)[0][0]
+    reseeded = run(runner, {0: (ps[0], 1, SamplingParams(1.0, 50, 0.9, 8))}, 12)[0][0]
     assert alone == batched and alone != reseeded
     top1 = run(runner, {0: (ps[0], 1, SamplingParams(temperature=1.0, top_k=1, seed=3))}, 8)[0]
     greedy = run(runner, {0: (ps[0], 1, SamplingParams())}, 8)[0]
@@ -322,7 +330,7 @@ def test_lora_segments_and_memory_budget(fx):
     meta = LoraBatchMeta.from_row_slots(torch.tensor([3, 3, -1, 0, 0, 0]))
     assert meta.segments == ((0, 2, 3), (3, 6, 0)) and meta.max_seg_len == 3
     runner = make_runner(fx, num_slots=3)
-    kw = dict(num_kv_blocks=512, block_size=BLOCK, num_slots=3, max_rank=MAX_RANK)
+    kw = {"num_kv_blocks": 512, "block_size": BLOCK, "num_slots": 3, "max_rank": MAX_RANK}
     assert runner.memory_budget() == MemoryBudget.estimate(runner.config, **kw)
     big = MemoryBudget.estimate(ModelConfig.named("llama-3-8b"), **kw, dtype=torch.bfloat16)
     assert 16.0e9 < big.weights_bytes < 16.1e9
