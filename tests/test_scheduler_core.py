@@ -1,0 +1,220 @@
+"""The scheduler's policy without gRPC: admission, residency, preemption, cancel, load failures.
+
+A fake executor answers each plan with one token per sequence that reached the end of its tokens;
+the invariant checker runs after every step.
+"""
+
+import random
+
+import pytest
+
+from loraplex.errors import InvalidArgument, Unavailable
+from scheduler.block_manager import BlockManager
+from scheduler.core import ExecutorState, Limits, Sample, Scheduler
+from scheduler.detokenizer import Finish, OutputProcessor
+from scheduler.fairness import FairnessWeights
+from scheduler.request import ErrorEvent, FinishEvent, Request, Sampling, Status, TokenEvent
+from scheduler.slots import SlotState, SlotTable
+
+
+class World:
+    """One or more executors driven synchronously; loads complete when `complete_loads` runs."""
+
+    def __init__(self, num_executors=1, num_blocks=64, block_size=4, num_slots=2, limits=Limits()):
+        self.loads: list = []
+        self.executors = [ExecutorState(f"ex{i}", BlockManager(num_blocks, block_size), SlotTable(num_slots),
+                                        max_rank=32) for i in range(num_executors)]
+        self.core = Scheduler(self.executors, FairnessWeights(), limits,
+                              start_load=lambda ex, slot: self.loads.append((ex, slot, slot.adapter)),
+                              wake=lambda: None)
+        self.events: dict[int, list] = {}
+        self._ids = iter(range(1, 10**6))
+
+    def request(self, tenant="t", adapter="", prompt_len=5, max_new=4) -> Request:
+        rid = next(self._ids)
+        self.events[rid] = []
+        req = Request(rid, tenant, adapter, 2**20, list(range(1, prompt_len + 1)), Sampling(),
+                      OutputProcessor(None, max_new_tokens=max_new), self.events[rid].append)
+        self.core.submit(req)
+        return req
+
+    def complete_loads(self, error=None) -> None:
+        loads, self.loads = self.loads, []
+        for ex, slot, adapter in loads:
+            self.core.on_load_done(ex, slot, adapter, error)
+
+    def step(self) -> None:
+        for ex in self.executors:
+            plan = self.core.schedule(ex)
+            slots = [seq.slot.index if seq.slot else -1 for seq, _, _ in plan.rows]
+            assert slots == sorted(slots), "rows must be sorted by adapter slot"
+            samples = [Sample(seq.seq_id, 7, -0.1) for seq, n, _ in plan.rows
+                       if seq.num_computed + n == len(seq.token_ids)]
+            self.core.on_step_done(ex, plan, samples)
+            self.core.check_invariants()
+
+    def run(self, max_steps=500) -> None:
+        for _ in range(max_steps):
+            self.complete_loads()
+            self.step()
+            if not any(self.core.has_work(ex) for ex in self.executors) and not self.loads:
+                return
+        raise AssertionError("work did not drain")
+
+    def finished(self, req: Request) -> bool:
+        return any(isinstance(e, FinishEvent) for e in self.events[req.request_id])
+
+
+def test_request_waits_for_its_adapter_then_runs_pinned():
+    w = World()
+    req = w.request(adapter="a@1")
+    assert len(w.loads) == 1, "queueing a request for a cold adapter starts its load (prefetch)"
+    w.step()
+    assert req.status is Status.QUEUED, "not admitted before the adapter is ready"
+    w.complete_loads()
+    w.step()
+    slot = w.executors[0].slots.find("a@1")
+    assert req.status is Status.RUNNING and slot.pins == 1
+    w.run()
+    tokens = [e for e in w.events[req.request_id] if isinstance(e, TokenEvent)]
+    assert len(tokens) == 4 and req.finish_reason is Finish.LENGTH
+    assert slot.pins == 0 and slot.state is SlotState.READY, "an unpinned adapter stays resident"
+
+
+def test_pinned_slots_are_never_evicted_and_requests_wait_instead_of_failing():
+    w = World(num_slots=2)
+    a, b = w.request(adapter="a@1", max_new=50), w.request(adapter="b@1", max_new=50)
+    w.complete_loads()
+    w.step()
+    c = w.request(adapter="c@1", max_new=2)
+    assert not w.loads, "both slots are pinned: no load may evict them"
+    for _ in range(10):
+        w.step()
+    assert c.status is Status.QUEUED and not w.events[c.request_id]
+    w.run()
+    assert all(w.finished(r) for r in (a, b, c))
+
+
+def test_lru_evicts_the_least_recently_used_unpinned_slot():
+    w = World(num_slots=2)
+    for name in ("a@1", "b@1"):
+        w.request(adapter=name, max_new=1)
+        w.run()
+    w.request(adapter="a@1", max_new=1)  # touch a: b is now least recently used
+    w.run()
+    w.request(adapter="c@1", max_new=1)
+    w.run()
+    held = {s.adapter for s in w.executors[0].slots.slots}
+    assert held == {"a@1", "c@1"}
+
+
+def test_rows_of_one_step_are_sorted_by_adapter_and_all_requests_finish():
+    rng = random.Random(0)
+    w = World(num_slots=4, num_blocks=200)
+    reqs = [w.request(tenant=f"t{i % 3}", adapter=rng.choice(["", "a@1", "b@1", "c@1"]),
+                      prompt_len=rng.randint(1, 20), max_new=rng.randint(1, 10)) for i in range(40)]
+    w.run()
+    assert all(w.finished(r) for r in reqs)
+    ex = w.executors[0]
+    assert ex.blocks.num_free == ex.blocks.num_blocks
+
+
+def test_kv_pressure_preempts_and_recomputes_without_losing_requests():
+    w = World(num_blocks=12, block_size=4, limits=Limits(max_num_seqs=8))
+    reqs = [w.request(prompt_len=6, max_new=12) for _ in range(4)]
+    w.run()
+    for req in reqs:
+        tokens = [e for e in w.events[req.request_id] if isinstance(e, TokenEvent)]
+        assert len(tokens) == 12, "a preempted request resumes; nothing is lost or repeated"
+    assert w.executors[0].blocks.num_free == 12
+
+
+def test_chunked_prefill_respects_the_token_budget():
+    w = World(num_blocks=64, limits=Limits(max_batched_tokens=8))
+    req = w.request(prompt_len=30, max_new=2)
+    plan = w.core.schedule(w.executors[0])
+    assert [n for _, n, _ in plan.rows] == [8]
+    w.core.on_step_done(w.executors[0], plan, [])
+    w.run()
+    assert w.finished(req)
+
+
+def test_cancel_frees_blocks_and_pins_whether_queued_or_running():
+    w = World()
+    running = w.request(adapter="a@1", max_new=100)
+    w.complete_loads()
+    w.step()
+    queued = w.request(adapter="zzz@1")
+    (seq_id,) = w.executors[0].running
+    w.core.cancel(running)
+    w.core.cancel(queued)
+    w.core.check_invariants()
+    ex = w.executors[0]
+    assert ex.blocks.num_free == ex.blocks.num_blocks and not ex.running
+    assert ex.slots.find("a@1").pins == 0 and len(w.core.queues) == 0
+    assert w.core.schedule(ex).freed == [seq_id], "the executor is told to forget it"
+
+
+def test_failed_load_is_retried_then_fails_its_requests_unavailable():
+    w = World()
+    req = w.request(adapter="a@1")
+    w.complete_loads(error=Unavailable("store down"))
+    w.step()
+    assert req.status is Status.QUEUED and len(w.loads) == 1, "retried once"
+    w.complete_loads(error=Unavailable("store down"))
+    (event,) = w.events[req.request_id]
+    assert isinstance(event, ErrorEvent) and isinstance(event.error, Unavailable)
+    assert all(s.state is SlotState.EMPTY for s in w.executors[0].slots.slots)
+
+
+def test_invalid_adapter_fails_at_once():
+    w = World()
+    req = w.request(adapter="bad@1")
+    w.complete_loads(error=InvalidArgument("shape mismatch"))
+    (event,) = w.events[req.request_id]
+    assert isinstance(event.error, InvalidArgument) and req.status is Status.FINISHED
+
+
+def test_executor_loss_requeues_its_work_on_another_executor():
+    w = World(num_executors=2)
+    reqs = [w.request(prompt_len=4, max_new=6) for _ in range(6)]
+    w.step()
+    lost = w.executors[0]
+    w.core.on_executor_lost(lost)
+    assert not lost.running
+    w.run()
+    assert all(w.finished(r) for r in reqs)
+
+
+@pytest.mark.parametrize("weights", [(1.0, 1.0), (2.0, 1.0)])
+def test_backlogged_tenants_share_admissions_by_weight(weights):
+    w = World(limits=Limits(max_num_seqs=1))
+    w.core.queues.weights = FairnessWeights(tenant_weights={"a": weights[0], "b": weights[1]})
+    reqs = [w.request(tenant=t, prompt_len=10, max_new=1) for t in ("a", "b") for _ in range(30)]
+    for _ in range(40):
+        w.step()
+    admitted = [r.tenant for r in sorted((r for r in reqs if r.admitted_at), key=lambda r: r.admitted_at)]
+    first = admitted[:15]
+    share = first.count("a") / len(first)
+    assert share == pytest.approx(weights[0] / sum(weights), abs=0.1)
+
+
+def test_long_prompts_cost_their_tenant_more_service():
+    """Input tokens are charged: a tenant sending 10x longer prompts gets ~1/9 the admissions."""
+    w = World(num_blocks=64, limits=Limits(max_num_seqs=1))
+    reqs = [w.request(tenant=t, prompt_len=n, max_new=1) for t, n in (("long", 100), ("short", 10))
+            for _ in range(30)]
+    for _ in range(60):
+        w.step()
+    admitted = [r.tenant for r in sorted((r for r in reqs if r.admitted_at), key=lambda r: r.admitted_at)]
+    served = {t: sum((100 if t == "long" else 10) + 2 for a in admitted[:20] if a == t) for t in ("long", "short")}
+    assert abs(served["long"] - served["short"]) <= 2 * (100 + 2), served
+
+
+def test_adapter_loads_are_charged_to_the_tenant_that_causes_them():
+    w = World(num_slots=8)
+    w.request(tenant="cold", adapter="x@1", max_new=1)
+    w.request(tenant="hot", max_new=1)
+    counters = w.core.queues.counters
+    assert counters["cold"] == pytest.approx(Limits().load_tokens_per_mib * 1.0)  # 1 MiB adapter
+    assert counters.get("hot", 0.0) == pytest.approx(counters["cold"]), "lifted on arrival, not charged"
