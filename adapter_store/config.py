@@ -1,7 +1,8 @@
 """Adapter store configuration: one frozen dataclass, validated at construction.
 
 Environment variables (all optional, read only by `StoreConfig.from_env`, never at import time):
-  LORAPLEX_STORE_URL            file:///abs/dir (default ~/.cache/loraplex/adapters) or s3://bucket/prefix
+  LORAPLEX_STORE_URL            file:///abs/dir or s3://bucket/prefix
+                                (default file://~/.cache/loraplex/adapters)
   LORAPLEX_S3_ENDPOINT_URL      e.g. http://127.0.0.1:8333 (SeaweedFS, MinIO); unset = AWS
   LORAPLEX_S3_ACCESS_KEY_ID     with LORAPLEX_S3_SECRET_ACCESS_KEY; unset = botocore's own chain
   LORAPLEX_S3_SECRET_ACCESS_KEY
@@ -127,12 +128,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", help="file:///abs/dir or s3://bucket/prefix (LORAPLEX_STORE_URL)")
     parser.add_argument("--s3-endpoint-url", help="S3 endpoint, e.g. http://127.0.0.1:8333")
     parser.add_argument("--address", help="host:port to listen on (default 127.0.0.1:0)")
-    parser.add_argument("--port", type=int, help="port to listen on; replaces the port of --address")
+    parser.add_argument("--port", type=int, help="listen port; overrides the port of --address")
     parser.add_argument("--host-cache-mb", type=int, help="warm host-RAM tier size in MiB")
     parser.add_argument("--chunk-bytes", type=int, help="Fetch chunk size in bytes (default 1 MiB)")
 
 
-def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> StoreConfig:
+def config_from_args(args: argparse.Namespace,
+                     environ: Mapping[str, str] | None = None) -> StoreConfig:
     """Flags first, then LORAPLEX_* variables, then defaults."""
     config = StoreConfig.from_env(
         environ, url=args.url, s3_endpoint_url=args.s3_endpoint_url, address=args.address,

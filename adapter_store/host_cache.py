@@ -1,4 +1,4 @@
-"""The warm host-RAM tier: adapter bytes kept in an LRU bounded in bytes, in front of the blob store.
+"""The warm host-RAM tier: adapter bytes in an LRU bounded in bytes, in front of the blob store.
 
 Concurrent requests for a cold adapter share one blob read (single-flight). Every blob read is
 checked against the registry's sha256; a mismatch raises DataLoss and nothing is cached.
@@ -11,7 +11,7 @@ import logging
 
 from adapter_store.blobs import BlobStore
 from adapter_store.registry import AdapterRecord
-from loraplex.errors import DataLoss
+from loraplex.errors import DataLoss, NotFound
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,11 @@ class HostCache:
             task.exception()  # retrieved here too, so a read no caller waited for logs no warning
 
     async def _load(self, record: AdapterRecord) -> bytes:
-        data = await self._blobs.get(record.weights_key)
+        try:
+            data = await self._blobs.get(record.weights_key)
+        except NotFound:
+            raise DataLoss(f"adapter {record.name!r} v{record.version} is registered but its "
+                           "weights are missing from the blob store; push it again") from None
         digest = await asyncio.to_thread(_sha256, data)
         if len(data) != record.num_bytes or digest != record.sha256:
             log.error("%s: read %d bytes with sha256 %s, registry says %d bytes with %s",

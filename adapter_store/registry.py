@@ -1,4 +1,4 @@
-"""The adapter registry: names, versions, owners, kept as manifests beside the bytes in a blob store.
+"""The adapter registry: names, versions and owners, kept as manifests beside the bytes.
 
 Layout of one version (the manifest is written last, so a half-written version is invisible):
   adapters/{name}/v{version}/adapter_model.safetensors
@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import re
 import time
 
@@ -78,29 +79,55 @@ def check_name(name: str) -> None:
 
 
 class Registry:
-    """Every adapter version in a blob store, indexed in memory; pushes assign versions 1, 2, ..."""
+    """Every adapter version in a blob store, indexed in memory; pushes assign versions 1, 2, ...
 
-    def __init__(self, blobs: BlobStore):
+    Several store replicas may share one blob store. A replica learns of another's pushes by
+    re-reading manifests: at once when asked for a name or version it does not know, and at most
+    `refresh_s` late for "latest" (version 0) and for listings.
+    """
+
+    def __init__(self, blobs: BlobStore, refresh_s: float = 2.0):
         self._blobs = blobs
+        self._refresh_s = refresh_s
         self._versions: dict[str, dict[int, AdapterRecord]] = {}  # name -> version -> record
+        self._manifest_keys: set[str] = set()  # manifests already indexed
+        self._refreshed_at: dict[str | None, float] = {}  # name (None: all) -> monotonic time
         self._push_locks: dict[str, asyncio.Lock] = {}  # name -> lock held while pushing it
 
     async def load(self) -> int:
-        """Read every manifest in the blob store; returns the number of versions found."""
-        keys = [k for k in await self._blobs.list_keys(ROOT) if k.endswith("/" + MANIFEST_FILENAME)]
-        limit = asyncio.Semaphore(_LOAD_CONCURRENCY)
-
-        async def read(key: str) -> AdapterRecord | None:
-            async with limit:
-                return self._parse_manifest(key, await self._blobs.get(key))
-
-        for record in await asyncio.gather(*(read(k) for k in keys)):
-            if record is not None:
-                self._versions.setdefault(record.name, {})[record.version] = record
-        num_versions = sum(len(v) for v in self._versions.values())
+        """Read every manifest in the blob store; returns the number of versions known."""
+        await self.refresh()
+        num_versions = len(self._manifest_keys)
         log.info("registry: %d adapters, %d versions in %s",
                  len(self._versions), num_versions, self._blobs.description)
         return num_versions
+
+    async def refresh(self, name: str | None = None) -> None:
+        """Index the manifests of `name` (None: of every adapter) that are not indexed yet."""
+        started = time.monotonic()
+        prefix = ROOT if name is None else f"{ROOT}{name}/"
+        keys = [k for k in await self._blobs.list_keys(prefix)
+                if k.endswith("/" + MANIFEST_FILENAME) and k not in self._manifest_keys]
+        limit = asyncio.Semaphore(_LOAD_CONCURRENCY)
+
+        async def read(key: str) -> tuple[str, AdapterRecord | None]:
+            async with limit:
+                return key, self._parse_manifest(key, await self._blobs.get(key))
+
+        for key, record in await asyncio.gather(*(read(k) for k in keys)):
+            if record is not None:
+                self._index(key, record)
+        if name is None or name in self._versions:  # not remembered for names asked in vain
+            self._refreshed_at[name] = started
+
+    def _index(self, key: str, record: AdapterRecord) -> None:
+        self._manifest_keys.add(key)
+        self._versions.setdefault(record.name, {})[record.version] = record
+
+    def _is_stale(self, name: str | None) -> bool:
+        refreshed_at = max(self._refreshed_at.get(name, -math.inf),
+                           self._refreshed_at.get(None, -math.inf))
+        return time.monotonic() - refreshed_at > self._refresh_s
 
     @staticmethod
     def _parse_manifest(key: str, data: bytes) -> AdapterRecord | None:
@@ -121,6 +148,7 @@ class Registry:
         check_name(name)
         spec = await asyncio.to_thread(validate_adapter, config_json, weights_filename, data)
         async with self._push_locks.setdefault(name, asyncio.Lock()):
+            await self.refresh(name)  # versions other replicas pushed
             versions = self._versions.get(name, {})
             if versions and versions[max(versions)].owner_tenant != owner_tenant:
                 raise AlreadyExists(f"adapter name {name!r} is taken by another owner; "
@@ -135,14 +163,21 @@ class Registry:
             await self._blobs.put(prefix + WEIGHTS_FILENAME, data)
             await self._blobs.put(prefix + CONFIG_FILENAME, config_json.encode("utf-8"))
             await self._blobs.put(prefix + MANIFEST_FILENAME, record.to_json().encode("utf-8"))
-            self._versions.setdefault(name, {})[record.version] = record
+            self._index(prefix + MANIFEST_FILENAME, record)
         log.info("pushed %s v%d (%d bytes, rank %d, owner %r)", name, record.version,
                  record.num_bytes, record.rank, owner_tenant)
         return record
 
-    def get(self, name: str, version: int = 0, tenant: str = "") -> AdapterRecord:
+    async def get(self, name: str, version: int = 0, tenant: str = "") -> AdapterRecord:
         """One version (0 = latest). Another tenant's private adapter reads as missing."""
         check_name(name)
+        known = self._versions.get(name, {})
+        if version:  # versions are immutable: re-read only on a miss
+            needs_refresh = version not in known
+        else:
+            needs_refresh = not known or self._is_stale(name)
+        if needs_refresh:
+            await self.refresh(name)
         versions = self._versions.get(name)
         if not versions or not versions[max(versions)].is_visible_to(tenant):
             raise NotFound(f"adapter {name!r} not found; push it first or check the name")
@@ -153,8 +188,9 @@ class Registry:
                            f"the latest is {max(versions)}")
         return versions[version]
 
-    def list_visible(self, tenant: str = "") -> list[AdapterRecord]:
+    async def list_visible(self, tenant: str = "") -> list[AdapterRecord]:
         """Latest version of every adapter `tenant` may use, sorted by name."""
+        if self._is_stale(None):
+            await self.refresh()
         latest = (versions[max(versions)] for versions in self._versions.values())
         return sorted((r for r in latest if r.is_visible_to(tenant)), key=lambda r: r.name)
-

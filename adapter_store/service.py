@@ -33,8 +33,9 @@ def record_to_pb(record: AdapterRecord) -> common_pb2.AdapterInfo:
     return common_pb2.AdapterInfo(**fields)
 
 
-async def receive_push(requests: AsyncIterator[adapter_store_pb2.PushRequest],
-                       max_bytes: int = MAX_PUSH_BYTES) -> tuple[adapter_store_pb2.PushHeader, bytes]:
+async def receive_push(
+    requests: AsyncIterator[adapter_store_pb2.PushRequest], max_bytes: int = MAX_PUSH_BYTES,
+) -> tuple[adapter_store_pb2.PushHeader, bytes]:
     """The header and the weights of a Push stream, checked against the header's num_bytes."""
     header, data = None, bytearray()
     async for request in requests:
@@ -80,16 +81,17 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
 
     async def GetAdapter(self, request, context) -> common_pb2.AdapterInfo:
         async with grpc_errors(context):
-            return record_to_pb(self._registry.get(request.name, request.version, request.tenant))
+            return record_to_pb(
+                await self._registry.get(request.name, request.version, request.tenant))
 
     async def ListAdapters(self, request, context) -> adapter_store_pb2.ListAdaptersResponse:
         async with grpc_errors(context):
-            records = self._registry.list_visible(request.tenant)
+            records = await self._registry.list_visible(request.tenant)
             return adapter_store_pb2.ListAdaptersResponse(adapters=map(record_to_pb, records))
 
     async def Fetch(self, request, context) -> AsyncIterator[adapter_store_pb2.FetchResponse]:
         async with grpc_errors(context):
-            record = self._registry.get(request.name, request.version)
+            record = await self._registry.get(request.name, request.version)
             data = await self._cache.get(record)
             yield adapter_store_pb2.FetchResponse(info=record_to_pb(record))
             view = memoryview(data)

@@ -138,7 +138,7 @@ def parse_config(config_json: str) -> LoraConfig:
 
 
 def _target_modules(value: object, invalid) -> tuple[str, ...]:
-    """A list of projection names, or a string: one name, "all-linear" or a PEFT full-match regex."""
+    """A list of projection names, or a string: a name, "all-linear" or a PEFT full-match regex."""
     supported = sorted(TARGET_MODULES)
     if isinstance(value, str):
         if value in TARGET_MODULES:

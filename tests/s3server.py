@@ -121,7 +121,8 @@ class SeaweedS3:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.process.poll() is not None:
-                raise RuntimeError(f"weed exited with {self.process.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"weed exited with {self.process.returncode}:\n{self.log_tail()}")
             try:
                 client.list_buckets()
                 return

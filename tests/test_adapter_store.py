@@ -19,6 +19,7 @@ import torch
 from adapter_store.blobs import BlobStore, open_blob_store
 from adapter_store.config import StoreConfig
 from adapter_store.service import start_store
+from loraplex.errors import Unavailable
 from loraplex.server import insecure_channel
 from protos import adapter_store_pb2 as pb
 from protos import adapter_store_pb2_grpc
@@ -157,8 +158,8 @@ async def expect_error(code: grpc.StatusCode, awaitable) -> str:
 async def test_push_fetch_round_trip_and_versions(store):
     config_json, data = make_adapter()
     info = await store.push("support-bot", config_json, data, owner="acme")
-    assert (info.name, info.version, info.owner_tenant, info.is_public) == ("support-bot", 1, "acme",
-                                                                            False)
+    assert (info.name, info.version, info.owner_tenant) == ("support-bot", 1, "acme")
+    assert not info.is_public
     assert (info.rank, info.alpha, info.base_model) == (8, 16.0, "tiny-llama")
     assert list(info.target_modules) == ["q_proj", "v_proj"]
     assert info.num_bytes == len(data) and info.config_json == config_json
@@ -219,6 +220,36 @@ async def test_corrupted_object_is_data_loss(store, request):
     for _ in range(2):  # never cached: the second read fails the same way
         details = await expect_error(grpc.StatusCode.DATA_LOSS, store.fetch("fragile", 1))
         assert "fragile" in details and "sha256" in details
+
+
+@in_session_loop
+async def test_replicas_share_one_blob_store(store):
+    other = await Store(store.config).start()
+    try:
+        config_json, data = make_adapter()
+        await store.push("shared-bot", config_json, data)
+        assert (await other.fetch("shared-bot", 1))[1] == data  # unknown name: re-read at once
+        _, data2 = make_adapter(seed=3)
+        assert (await other.push("shared-bot", config_json, data2)).version == 2
+        assert (await store.fetch("shared-bot", 2))[1] == data2  # unknown version: re-read
+    finally:
+        await other.stop()
+
+
+@in_session_loop
+async def test_missing_weights_is_data_loss(file_store):
+    config_json, data = make_adapter()
+    await file_store.push("gone", config_json, data)
+    (file_store.config.file_root / f"adapters/gone/v1/{WEIGHTS}").unlink()
+    details = await expect_error(grpc.StatusCode.DATA_LOSS, file_store.fetch("gone", 1))
+    assert "missing" in details
+
+
+@in_session_loop
+async def test_missing_bucket_is_unavailable(seaweedfs_s3):
+    config = StoreConfig(url="s3://no-such-bucket/x", s3_endpoint_url=seaweedfs_s3.endpoint_url)
+    with pytest.raises(Unavailable, match="no-such-bucket"):
+        await open_blob_store(config)
 
 
 @in_session_loop
@@ -353,7 +384,8 @@ async def test_push_stream_must_match_its_header(file_store):
 
     async def chunk_first():
         yield pb.PushRequest(chunk=b"x")
-    first = await expect_error(grpc.StatusCode.INVALID_ARGUMENT, file_store.stub.Push(chunk_first()))
+    first = await expect_error(grpc.StatusCode.INVALID_ARGUMENT,
+                               file_store.stub.Push(chunk_first()))
     assert "header" in first
     listed = await file_store.stub.ListAdapters(pb.ListAdaptersRequest())
     assert not listed.adapters  # nothing half-stored
