@@ -18,7 +18,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 MIB = 1024 * 1024
 # The S3 bucket naming rules, loosely: lowercase letters, digits, dots and dashes.
@@ -40,7 +40,7 @@ class StoreConfig:
     s3_endpoint_url: str | None = None
     # None = botocore's default credential chain; with a custom endpoint, dummy keys.
     s3_access_key_id: str | None = None
-    s3_secret_access_key: str | None = None
+    s3_secret_access_key: str | None = dataclasses.field(default=None, repr=False)
     s3_region: str = "us-east-1"
     # Path-style addressing (http://host/bucket/key): what SeaweedFS and MinIO expect.
     s3_path_style: bool = True
@@ -82,7 +82,7 @@ class StoreConfig:
     @property
     def file_root(self) -> Path:
         """The directory of a file:// store."""
-        return Path(urlparse(self.url).path)
+        return Path(unquote(urlparse(self.url).path))
 
     @property
     def s3_bucket(self) -> str:
