@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Protocol
 
 import torch
@@ -172,7 +173,7 @@ class TorchLoraBackend:
             out[start:end] += (x[start:end] @ a.T) @ b.T * scale
 
 
-LORA_BACKENDS: dict[str, type[LoraBackend]] = {"torch": TorchLoraBackend}
+LORA_BACKENDS: Mapping[str, type[LoraBackend]] = MappingProxyType({"torch": TorchLoraBackend})
 
 
 def make_lora_backend(name: str, pool: LoraSlotPool) -> LoraBackend:

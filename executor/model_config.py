@@ -9,8 +9,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -179,7 +181,7 @@ def _eos_ids(cfg: dict[str, Any], gen: dict[str, Any]) -> tuple[int, ...]:
     return tuple(ids)
 
 
-NAMED_CONFIGS: dict[str, ModelConfig] = {
+NAMED_CONFIGS: Mapping[str, ModelConfig] = MappingProxyType({
     "tiny": ModelConfig(
         hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=1024, rms_norm_eps=1e-6,
@@ -195,4 +197,4 @@ NAMED_CONFIGS: dict[str, ModelConfig] = {
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, vocab_size=32768, rms_norm_eps=1e-5, rope_theta=1000000.0,
         max_position_embeddings=32768, eos_token_ids=(2,), model_id="mistralai/Mistral-7B-v0.3"),
-}
+})

@@ -152,7 +152,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step_with_logits(self, rows: Sequence[Row]) -> tuple[list[Sampled], torch.Tensor]:
-        """Run one step; also return the last-position logits [S, vocab] of the sampled rows."""
+        """Run one step; also return the last-position logits [S, vocab] (fp32) of the sampled
+        sequences, row i belonging to the i-th Sampled."""
         self._validate(rows)
         groups, sample_rows, sampled_seqs = [], [], []
         row = 0

@@ -146,9 +146,9 @@ def test_greedy_alone_equals_inside_batch_of_32(fx):
     runner = make_runner(fx)
     slots = [i % (len(fx["valid"]) + 1) - 1 for i in range(32)]
     requests = {sid: (p, s) for sid, (p, s) in enumerate(zip(prompts(32, seed=1), slots))}
-    batched = run(runner, requests, 16, chunk=6, admit=32)
+    batched = run(runner, requests, NUM_TOKENS, chunk=6, admit=32)
     for sid, req in requests.items():
-        alone = run(runner, {sid: req}, 16, seed=sid)
+        alone = run(runner, {sid: req}, NUM_TOKENS, seed=sid)
         assert alone[sid][0] == batched[sid][0], f"sequence {sid} depends on its batch"
 
 
