@@ -10,16 +10,19 @@
 import argparse
 import asyncio
 import pathlib
+import signal
 import sys
+
+import grpc
 
 from loraplex import client
 from loraplex.server import insecure_channel, run
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_WORKDIR = REPO / ".fixtures"
-DEFAULT_SCHEDULER = "127.0.0.1:50051"
-DEFAULT_STORE = "127.0.0.1:50052"
-DEFAULT_EXECUTOR = "127.0.0.1:50053"
+BASE_PORT = 50051  # `up`: scheduler 50051, adapter store(s) from 50052, then executor(s)
+DEFAULT_SCHEDULER = f"127.0.0.1:{BASE_PORT}"
+DEFAULT_STORE = f"127.0.0.1:{BASE_PORT + 1}"
 
 
 def _serve(argv: list[str]) -> None:
@@ -38,8 +41,8 @@ def _up(args: argparse.Namespace) -> None:
     model = args.model or str(fixtures.ensure(DEFAULT_WORKDIR)["model_dir"])
     store_url = args.store_url or (DEFAULT_WORKDIR / "store").resolve().as_uri()
     fleet = Fleet(model=model, store_url=store_url, log_dir=DEFAULT_WORKDIR / "logs",
-                  num_executors=args.executors, num_stores=args.stores,
-                  scheduler_address=args.address)
+                  num_executors=args.executors, num_stores=args.stores, base_port=args.base_port)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # leave the `with` so children stop too
     with fleet:
         for s in fleet.services:
             print(f"{s.name:16s} {s.address:22s} log {s.log_path}")
@@ -88,7 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run all services locally (embedded defaults)")
     up.add_argument("--model", default="", help="HF model dir (default: the tiny fixture model)")
     up.add_argument("--store-url", default="", help="file:///dir or s3://bucket/prefix")
-    up.add_argument("--address", default=DEFAULT_SCHEDULER, help="scheduler host:port")
+    up.add_argument("--base-port", type=int, default=BASE_PORT,
+                    help="scheduler port; stores and executors take the ports after it")
     up.add_argument("--executors", type=int, default=1)
     up.add_argument("--stores", type=int, default=1)
 
@@ -129,10 +133,12 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     if args.command == "up":
         _up(args)
-    elif args.command == "adapters":
-        run(lambda: _push(args))
-    elif args.command == "generate":
-        run(lambda: _generate(args))
+    elif args.command in ("adapters", "generate"):
+        action = _push if args.command == "adapters" else _generate
+        try:
+            run(lambda: action(args))
+        except grpc.aio.AioRpcError as err:
+            sys.exit(f"error: {err.code().name}: {err.details()}")
     elif args.command == "demo":
         from loraplex import demo
 

@@ -81,22 +81,29 @@ class Fleet:
     log_dir: pathlib.Path
     num_executors: int = 1
     num_stores: int = 1
-    scheduler_address: str = "127.0.0.1:0"
+    # 0: every service on a free port. Else the scheduler on base_port, stores on the next ports,
+    # then executors (the CLI's `up` uses 50051: scheduler 50051, store 50052, executor 50053).
+    base_port: int = 0
     executor_args: list[str] = field(default_factory=list)
     scheduler_args: list[str] = field(default_factory=list)
     store_args: list[str] = field(default_factory=list)
     services: list[ServiceProcess] = field(default_factory=list)
 
+    def _address(self, offset: int) -> str:
+        return f"127.0.0.1:{self.base_port + offset if self.base_port else 0}"
+
     def start(self) -> "Fleet":
         try:
             stores = [self._start(f"adapter_store-{i}", "adapter_store.service",
-                                  ["--url", self.store_url, *self.store_args]) for i in range(self.num_stores)]
+                                  ["--url", self.store_url, "--address", self._address(1 + i), *self.store_args])
+                      for i in range(self.num_stores)]
             store_flags = [f for s in stores for f in ("--store", s.address)]
             executors = [self._start(f"executor-{i}", "executor.service",
-                                     ["--model", self.model, *store_flags, *self.executor_args])
+                                     ["--model", self.model, "--address", self._address(1 + self.num_stores + i),
+                                      *store_flags, *self.executor_args])
                          for i in range(self.num_executors)]
             self._start("scheduler", "scheduler.service",
-                        ["--address", self.scheduler_address, *store_flags, *self.scheduler_args,
+                        ["--address", self._address(0), *store_flags, *self.scheduler_args,
                          *(f for e in executors for f in ("--executor", e.address))])
         except BaseException:
             self.stop()
