@@ -20,12 +20,15 @@ class ExecutorConfig:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0  # random-weights seed
+    threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("executor: --model is required (a model directory or random:<name>)")
         if not self.stores:
             raise ValueError("executor: at least one adapter store address is required (--store)")
+        if self.threads < 0:
+            raise ValueError(f"executor: threads must be >= 0, got {self.threads}")
         for name in ("num_kv_blocks", "block_size", "adapter_slots", "max_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"executor: {name} must be >= 1, got {getattr(self, name)}")
@@ -51,8 +54,10 @@ class ExecutorConfig:
         p.add_argument("--dtype", default="float32", choices=DTYPES)
         p.add_argument("--device", default="cpu")
         p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
         a = p.parse_args(argv)
         return cls(model=a.model, stores=tuple(a.store), address=a.address, model_id=a.model_id,
                    num_kv_blocks=a.num_kv_blocks, block_size=a.block_size,
                    adapter_slots=a.adapter_slots, max_rank=a.max_rank,
-                   lora_backend=a.lora_backend, dtype=a.dtype, device=a.device, seed=a.seed)
+                   lora_backend=a.lora_backend, dtype=a.dtype, device=a.device, seed=a.seed,
+                   threads=a.threads)

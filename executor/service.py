@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 def build_runner(config: ExecutorConfig) -> tuple[ModelRunner, str]:
     """The model runner and the model's tokenizer.json text ("" for random weights)."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
     kw = dict(num_kv_blocks=config.num_kv_blocks, block_size=config.block_size,
               num_slots=config.adapter_slots, max_rank=config.max_rank,
               lora_backend=config.lora_backend, dtype=getattr(torch, config.dtype),

@@ -10,6 +10,19 @@ from tests.s3server import seaweedfs_s3  # noqa: F401  (re-exported fixture)
 API_KEYS = {"key-acme": "acme", "key-globex": "globex", "key-initech": "initech"}
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """In-process models here are tiny and overhead-bound: a second intra-op thread only adds
+    OpenMP barriers, and while the services' processes share the 2 cores those spin-waits made the
+    oracle tests ~20x slower (measured: 180 s vs 9 s)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> dict:
     """Manifest of the deterministic tiny model + PEFT adapters (see loraplex/fixtures.py)."""

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import PeftModel
 from safetensors.torch import load as load_st
 from safetensors.torch import save as save_st
 from transformers import AutoModelForCausalLM
@@ -25,35 +24,15 @@ from executor.peft_adapter import (
 )
 from executor.runner import MemoryBudget, ModelRunner, Row, SamplingParams
 from executor.sampling import filtered_probs, validate_sampling
-from tests import fixtures_gen
+from loraplex import fixtures
+from tests.oracle import hf_greedy
 
 BLOCK, MAX_RANK, NUM_TOKENS = 4, 32, 32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The tiny model's ops are overhead-bound: a second intra-op thread only adds OpenMP
-    barriers, and when other processes share the 2 cores those spin-waits made this file ~20x
-    slower (measured: 180 s vs 9 s under load)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
-def fx(tmp_path_factory):
-    return fixtures_gen.generate(tmp_path_factory.mktemp("fixtures"))
-
-
-@pytest.fixture(scope="module")
-def hf_peft(fx):
-    base = AutoModelForCausalLM.from_pretrained(fx["model_dir"])
-    first, *rest = fx["valid"]
-    model = PeftModel.from_pretrained(base, fx["adapters"][first]["path"], adapter_name=first)
-    for name in rest:
-        model.load_adapter(fx["adapters"][name]["path"], adapter_name=name)
-    return model.eval()
+def fx(tiny):
+    return tiny
 
 
 def read_adapter(fx, name: str) -> tuple[dict, bytes]:
@@ -125,19 +104,6 @@ def run(runner, requests: dict, num_tokens: int, chunk: int = 8, admit: int = 10
     return {sid: (tokens, torch.stack(logits)) for sid, (tokens, logits) in out.items()}
 
 
-@torch.no_grad()
-def hf_greedy(model, prompt, num_tokens, adapter: str | None = None):
-    kw = {"adapter_names": [adapter or "__base__"]} if isinstance(model, PeftModel) else {}
-    ids, tokens, logits = torch.tensor([prompt]), [], []
-    out = model(input_ids=ids, **kw)
-    for _ in range(num_tokens):
-        last = out.logits[0, -1]
-        tokens.append(int(last.argmax()))
-        logits.append(last)
-        out = model(input_ids=torch.tensor([[tokens[-1]]]), cache=out.cache, **kw)
-    return tokens, torch.stack(logits)
-
-
 def test_mixed_batch_of_adapters_matches_hf_peft(fx, hf_peft):
     runner = make_runner(fx)
     names = [*fx["valid"], "r16_all", None, None]  # two rows share an adapter; two base-only
@@ -185,7 +151,7 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_loader_variant_matches_hf(tmp_path, variant):
-    model_dir = fixtures_gen.save_tiny_model(tmp_path / variant, seed=7, **VARIANTS[variant])
+    model_dir = fixtures.save_tiny_model(tmp_path / variant, seed=7, **VARIANTS[variant])
     runner = ModelRunner.from_pretrained(model_dir, num_kv_blocks=64, block_size=BLOCK,
                                          num_slots=0, max_rank=8)
     c = runner.config

@@ -29,7 +29,7 @@ def fleet(tiny, seaweedfs_s3, log_dir):
     fleet = Fleet(model=tiny["model_dir"], store_url=f"s3://{seaweedfs_s3.bucket}/fleet",
                   log_dir=log_dir, store_args=["--s3-endpoint-url", seaweedfs_s3.endpoint_url],
                   executor_args=["--adapter-slots", str(NUM_SLOTS), "--max-rank", str(MAX_RANK),
-                                 "--kv-blocks", str(KV_BLOCKS), "--block-size", str(BLOCK)],
+                                 "--kv-blocks", str(KV_BLOCKS), "--block-size", str(BLOCK), "--threads", "1"],
                   scheduler_args=[f for key, t in API_KEYS.items() for f in ("--api-key", f"{key}={t}")])
     with fleet:
         yield fleet
