@@ -7,10 +7,14 @@ Rows of a step come sorted by slot, so each adapter's rows form a segment. For e
 
 Slot -1 means "base model only" and costs nothing. Running example, 6 rows with slots
 [3, 3, -1, 0, 0, 0] -> segments (start, end, slot) = (0, 2, 3), (3, 6, 0).
+
+Projections that share an input form a group (q/k/v, gate/up) and are applied by one backend
+call on the group's fused base output, so a kernel reads x once for all of the group's slices.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -19,8 +23,13 @@ from typing import Protocol
 import torch
 
 from executor.model_config import ModelConfig
+from kernels.segments import SegmentWork
 
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Group name -> its projections, in the column order of the model's fused base output.
+LORA_GROUPS: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)})
 
 
 @dataclass(frozen=True)
@@ -41,11 +50,25 @@ class LoraWeights:
         return max((m.a.shape[0] for m in self.modules.values()), default=0)
 
 
+@dataclass(frozen=True)
+class SliceGroup:
+    """Stacked storage of one group's slices (e.g. q, k, v), laid out for the SGMV kernels."""
+
+    modules: tuple[str, ...]
+    first_module: int  # index of modules[0] in LORA_MODULES (the slices are consecutive)
+    out_sizes: tuple[int, ...]  # out_features of each slice (q and kv differ under GQA)
+    a: torch.Tensor  # [L, num_slots, num_slices, max_rank, in]
+    bt: torch.Tensor  # [L, num_slots, max_rank, sum(out_sizes)]: B transposed, rank-major
+
+
 class LoraSlotPool:
     """Fixed GPU-resident storage for `num_slots` adapters of rank <= `max_rank`.
 
     Per module: A [L, num_slots, max_rank, in], B [L, num_slots, out, max_rank] (zero-padded above
     the adapter's rank), scale [L, num_slots] (0 where the adapter does not target the module).
+    A and B are views into each group's stacked tensors (`groups`), which the kernels read.
+    Host tables `rank_table`, `scale_table` [L, num_slots, 7] give each slot's rank (0 = not
+    targeted) and fp32 scale per layer and module; a step gathers its segments' rows from them.
     """
 
     def __init__(self, config: ModelConfig, *, num_slots: int, max_rank: int,
@@ -56,22 +79,35 @@ class LoraSlotPool:
         self.config, self.num_slots, self.max_rank = config, num_slots, max_rank
         self.device = torch.device(device)
         num_layers = config.num_hidden_layers
+        self.groups: dict[str, SliceGroup] = {}
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
         self.scale: dict[str, torch.Tensor] = {}
-        for m in LORA_MODULES:
-            in_f, out_f = config.module_shape(m)
-            a_shape = (num_layers, num_slots, max_rank, in_f)
-            b_shape = (num_layers, num_slots, out_f, max_rank)
-            self.a[m] = torch.zeros(a_shape, dtype=dtype, device=device)
-            self.b[m] = torch.zeros(b_shape, dtype=dtype, device=device)
-            self.scale[m] = torch.zeros(num_layers, num_slots, dtype=dtype, device=device)
+        for name, modules in LORA_GROUPS.items():
+            in_f = config.module_shape(modules[0])[0]
+            out_sizes = tuple(config.module_shape(m)[1] for m in modules)
+            a = torch.zeros(num_layers, num_slots, len(modules), max_rank, in_f, dtype=dtype,
+                            device=device)
+            bt = torch.zeros(num_layers, num_slots, max_rank, sum(out_sizes), dtype=dtype,
+                             device=device)
+            self.groups[name] = SliceGroup(modules, LORA_MODULES.index(modules[0]), out_sizes,
+                                           a, bt)
+            offset = 0
+            for i, (m, out_f) in enumerate(zip(modules, out_sizes)):
+                self.a[m] = a[:, :, i]  # [L, num_slots, max_rank, in]
+                self.b[m] = bt[..., offset: offset + out_f].transpose(-1, -2)  # [L, slots, out, R]
+                offset += out_f
+                self.scale[m] = torch.zeros(num_layers, num_slots, dtype=dtype, device=device)
+        self.rank_table = torch.zeros(num_layers, num_slots, len(LORA_MODULES), dtype=torch.int32)
+        self.scale_table = torch.zeros(num_layers, num_slots, len(LORA_MODULES))
         # Host-side mirror of what each slot targets: (layer, module) -> (rank, scale).
         self.targets: list[dict[tuple[int, str], tuple[int, float]]] = [
             {} for _ in range(num_slots)]
 
     def num_bytes(self) -> int:
-        tensors = [*self.a.values(), *self.b.values(), *self.scale.values()]
+        tensors = [*self.scale.values()]
+        for g in self.groups.values():
+            tensors += [g.a, g.bt]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def _check_slot(self, slot: int) -> None:
@@ -99,14 +135,19 @@ class LoraSlotPool:
             self.a[module][layer, slot, :r].copy_(w.a)
             self.b[module][layer, slot, :, :r].copy_(w.b)
             self.scale[module][layer, slot] = w.scale
+            self.rank_table[layer, slot, LORA_MODULES.index(module)] = r
+            self.scale_table[layer, slot, LORA_MODULES.index(module)] = w.scale
             self.targets[slot][(layer, module)] = (r, w.scale)
 
     def clear(self, slot: int) -> None:
         self._check_slot(slot)
+        for g in self.groups.values():
+            g.a[:, slot].zero_()
+            g.bt[:, slot].zero_()
         for m in LORA_MODULES:
-            self.a[m][:, slot].zero_()
-            self.b[m][:, slot].zero_()
             self.scale[m][:, slot] = 0.0
+        self.rank_table[:, slot] = 0
+        self.scale_table[:, slot] = 0.0
         self.targets[slot] = {}
 
 
@@ -114,8 +155,8 @@ class LoraSlotPool:
 class LoraBatchMeta:
     """Per-step segment metadata, built once and reused by every layer and module.
 
-    Only segments with an adapter (slot >= 0) are kept. The tensors are for kernels (a Triton
-    shrink/expand grid over segments); `segments` is the same on the host for Python loops.
+    Only segments with an adapter (slot >= 0) are kept. `segments` is the host view for Python
+    loops; `work` (Triton backend only) is the kernels' device-side work list, ranks and scales.
     """
 
     segments: tuple[tuple[int, int, int], ...]  # (start_row, end_row, slot)
@@ -123,6 +164,7 @@ class LoraBatchMeta:
     seg_lens: torch.Tensor  # [S] long
     seg_slots: torch.Tensor  # [S] long
     max_seg_len: int
+    work: SegmentWork | None = None
 
     @classmethod
     def from_row_slots(cls, row_slots: torch.Tensor,
@@ -145,9 +187,10 @@ class LoraBackend(Protocol):
         """Build the step's metadata from host row_slots [T] (once per step)."""
         ...
 
-    def apply(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor,
+    def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor,
               meta: LoraBatchMeta) -> None:
-        """out [T, out_features] += the adapter contribution of x [T, in_features], in place."""
+        """out [T, sum of the group's out_features] += the adapter contributions of the group's
+        projections (LORA_GROUPS[group], side by side in out's columns) to x [T, in], in place."""
         ...
 
 
@@ -160,8 +203,14 @@ class TorchLoraBackend:
     def prepare(self, row_slots: torch.Tensor) -> LoraBatchMeta:
         return LoraBatchMeta.from_row_slots(row_slots, self.pool.device)
 
-    def apply(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor,
+    def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor,
               meta: LoraBatchMeta) -> None:
+        g = self.pool.groups[group]
+        for module, out_m in zip(g.modules, out.split(g.out_sizes, dim=-1)):
+            self._apply_module(layer, module, x, out_m, meta)
+
+    def _apply_module(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor,
+                      meta: LoraBatchMeta) -> None:
         for start, end, slot in meta.segments:
             target = self.pool.targets[slot].get((layer, module))
             if target is None:
@@ -173,10 +222,69 @@ class TorchLoraBackend:
             out[start:end] += (x[start:end] @ a.T) @ b.T * scale
 
 
-LORA_BACKENDS: Mapping[str, type[LoraBackend]] = MappingProxyType({"torch": TorchLoraBackend})
+class TritonLoraBackend:
+    """SGMV kernels (kernels/): per step one work list of (segment, M-tile) items; per group one
+    fused shrink+expand launch for decode-shaped steps (every segment <= `fused_max_rows` rows),
+    else a shrink launch (x read once for all slices) and an expand launch.
+
+    On CPU it runs through the Triton interpreter (TRITON_INTERPRET=1 before triton is imported).
+    """
+
+    def __init__(self, pool: LoraSlotPool, *, fused_max_rows: int = 64,
+                 target_ctas: int | None = None) -> None:
+        from kernels.sgmv_expand import sgmv_expand  # these import triton
+        from kernels.sgmv_fused import sgmv_fused
+        from kernels.sgmv_shrink import sgmv_shrink
+
+        self.pool, self.fused_max_rows = pool, fused_max_rows
+        self._shrink, self._expand, self._fused = sgmv_shrink, sgmv_expand, sgmv_fused
+        if target_ctas is None:
+            is_cuda = pool.device.type == "cuda"
+            target_ctas = (torch.cuda.get_device_properties(pool.device).multi_processor_count
+                           if is_cuda else 4)
+        self.target_ctas = target_ctas
+
+    def prepare(self, row_slots: torch.Tensor) -> LoraBatchMeta:
+        meta = LoraBatchMeta.from_row_slots(row_slots)
+        block_m = 16 if meta.max_seg_len <= self.fused_max_rows else 64
+        work = SegmentWork.build(meta.seg_starts, meta.seg_lens, meta.seg_slots,
+                                 self.pool.rank_table, self.pool.scale_table, block_m=block_m,
+                                 device=self.pool.device)
+        return dataclasses.replace(meta, work=work)
+
+    def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor,
+              meta: LoraBatchMeta) -> None:
+        work, g = meta.work, self.pool.groups[group]
+        if work is None:
+            raise ValueError("TritonLoraBackend.apply needs metadata from its own prepare()")
+        rank_block = work.rank_block(g.first_module, len(g.modules))
+        if work.num_items == 0 or rank_block == 0:
+            return  # no segment's adapter targets this group in any layer
+        m = slice(g.first_module, g.first_module + len(g.modules))
+        ranks, scales = work.ranks[layer, m], work.scales[layer, m]  # [n, S] each
+        if meta.max_seg_len <= self.fused_max_rows:
+            self._fused(x, g.a[layer], g.bt[layer], out, work.items, ranks, scales, g.out_sizes,
+                        block_m=work.block_m, rank_block=rank_block, target_ctas=self.target_ctas)
+        else:
+            t = self._shrink(x, g.a[layer], work.items, ranks, block_m=work.block_m,
+                             rank_block=rank_block, target_ctas=self.target_ctas)
+            self._expand(t, g.bt[layer], out, work.items, ranks, scales, g.out_sizes,
+                         block_m=work.block_m, target_ctas=self.target_ctas)
+
+
+LORA_BACKENDS: Mapping[str, type[LoraBackend]] = MappingProxyType(
+    {"torch": TorchLoraBackend, "triton": TritonLoraBackend})
+
+
+def resolve_lora_backend(name: str, device: str | torch.device) -> str:
+    """'auto' -> 'triton' on CUDA, 'torch' elsewhere; other names pass through."""
+    if name == "auto":
+        return "triton" if torch.device(device).type == "cuda" else "torch"
+    return name
 
 
 def make_lora_backend(name: str, pool: LoraSlotPool) -> LoraBackend:
+    name = resolve_lora_backend(name, pool.device)
     if name not in LORA_BACKENDS:
-        raise ValueError(f"unknown LoRA backend {name!r} (known: {', '.join(LORA_BACKENDS)})")
+        raise ValueError(f"unknown LoRA backend {name!r} (known: auto, {', '.join(LORA_BACKENDS)})")
     return LORA_BACKENDS[name](pool)

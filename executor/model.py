@@ -7,8 +7,8 @@ contiguous. Running example, block_size 4:
     tokens  : [T=8]            positions: [0 1 2 3 4 5 12 7]
     slots   : where each row's k/v is written (from the mirrored block tables)
 
-Every projection is one dense matmul over all T rows, then the LoRA backend adds the adapters of
-its segments. Attention reads each sequence's context back through its block table:
+Every projection is one dense matmul over all T rows (q/k/v fused, gate/up fused), then the LoRA
+backend adds the adapters of its segments with one call per fused output. Attention reads each sequence's context back through its block table:
   - decode rows (one query each) are batched into one SDPA call, keys padded to the longest
     context and masked: a decode step is many short rows, so one call beats a Python loop, and
     padding costs little because decode attention is cheap next to the projections;
@@ -167,9 +167,8 @@ class Transformer:
                    meta: StepMetadata, kv: PagedKVCache) -> torch.Tensor:
         c, w = self.config, self.weights.layers[i]
         qkv = F.linear(x, w.wqkv, w.bqkv)  # [T, q_size + 2 * kv_size]
+        self.lora.apply(i, "qkv", x, qkv, meta.lora)
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        for name, out in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
-            self.lora.apply(i, name, x, out, meta.lora)
         t = x.shape[0]
         q = apply_rope(q.reshape(t, c.num_attention_heads, c.head_dim), cos, sin)  # [T, H, D]
         k = apply_rope(k.reshape(t, c.num_key_value_heads, c.head_dim), cos, sin)  # [T, Hkv, D]
@@ -192,15 +191,15 @@ class Transformer:
             attn[p.start:p.end] = o.transpose(0, 1)
         attn = attn.reshape(t, c.q_size)  # [T, H * D]
         out = F.linear(attn, w.wo)  # [T, hidden]
-        self.lora.apply(i, "o_proj", attn, out, meta.lora)
+        self.lora.apply(i, "o", attn, out, meta.lora)
         return out
 
     def _mlp(self, i: int, x: torch.Tensor, lora: LoraBatchMeta) -> torch.Tensor:
         w = self.weights.layers[i]
-        gate, up = F.linear(x, w.w_gate_up).chunk(2, dim=-1)  # [T, intermediate] each
-        self.lora.apply(i, "gate_proj", x, gate, lora)
-        self.lora.apply(i, "up_proj", x, up, lora)
+        gate_up = F.linear(x, w.w_gate_up)  # [T, 2 * intermediate]
+        self.lora.apply(i, "gate_up", x, gate_up, lora)
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, intermediate] each
         hidden = F.silu(gate) * up  # [T, intermediate]
         out = F.linear(hidden, w.w_down)  # [T, hidden]
-        self.lora.apply(i, "down_proj", hidden, out, lora)
+        self.lora.apply(i, "down", hidden, out, lora)
         return out
