@@ -1,31 +1,39 @@
 """Blob stores: the durable tier under the registry, keyed by "/"-separated relative keys.
 
-Two implementations with one async interface: local files (the embedded default) and S3 via
-aiobotocore. A missing key raises NotFound; any fault of the backend (connection refused, timeout,
-throttling, server error) raises Unavailable, which callers may retry.
+Two implementations with one async interface: local files (the embedded default, in this module)
+and S3 via aiobotocore (`adapter_store.s3_blobs`). A missing key raises NotFound; any fault of the
+backend (connection refused, timeout, throttling, server error) raises Unavailable, which callers
+may retry.
+
+Writes can be conditional, which is what makes the registry safe to share between replicas:
+  put(key, data, if_none_match=True)   create only; PreconditionFailed if the key exists
+  put(key, data, if_match=etag)        replace only if the object still has that etag (CAS)
+S3 and SeaweedFS (>= 3.8x, tested on 4.48) implement both natively (HTTP If-None-Match / If-Match
+on PutObject, 412 PreconditionFailed, exactly one winner under a race). The file store gets the same
+semantics from os.link (atomic create-if-absent) and an flock around compare-and-replace.
 """
 
 import abc
 import asyncio
 import contextlib
+import fcntl
+import hashlib
 import logging
 import os
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
-
-import aiohttp
-import botocore.config
-import botocore.exceptions
-from aiobotocore.session import get_session
 
 from adapter_store.config import StoreConfig
 from loraplex.errors import NotFound, Unavailable
 
 log = logging.getLogger(__name__)
 
-_MISSING_KEY_CODES = {"NoSuchKey", "404", "NotFound"}
 _TEMP_SUFFIX = ".loraplex-tmp"
+_LOCK_SUFFIX = ".loraplex-lock"
+
+
+class PreconditionFailed(Exception):
+    """A conditional put lost: the key exists (if_none_match) or changed (if_match)."""
 
 
 def check_key(key: str) -> None:
@@ -36,29 +44,48 @@ def check_key(key: str) -> None:
 
 
 class BlobStore(abc.ABC):
-    """Async get/put/list of whole objects. Implementations are safe for concurrent use."""
+    """Async get/put/list/delete of whole objects. Implementations are safe for concurrent use."""
 
     # Where the blobs live, for logs and messages (e.g. "file:///data", "s3://bucket/prefix/").
     description: str
 
-    @abc.abstractmethod
     async def get(self, key: str) -> bytes:
         """The whole object; NotFound if there is none."""
+        return (await self.get_with_etag(key))[0]
 
     @abc.abstractmethod
-    async def put(self, key: str, data: bytes) -> None:
-        """Create or replace an object; readers see the old or the new bytes, never a mix."""
+    async def get_with_etag(self, key: str) -> tuple[bytes, str]:
+        """The object and its etag (an opaque version token for `put(if_match=...)`)."""
 
     @abc.abstractmethod
+    async def put(self, key: str, data: bytes, *, if_none_match: bool = False,
+                  if_match: str | None = None) -> None:
+        """Create or replace an object; readers see the old or the new bytes, never a mix.
+        Conditional forms raise PreconditionFailed when the condition does not hold."""
+
+    @abc.abstractmethod
+    async def delete(self, key: str) -> None:
+        """Remove an object; a missing one is not an error."""
+
+    @abc.abstractmethod
+    async def list_objects(self, prefix: str) -> dict[str, str]:
+        """key -> etag of every object whose key starts with `prefix`."""
+
     async def list_keys(self, prefix: str) -> list[str]:
         """Keys starting with `prefix`, sorted."""
+        return sorted(await self.list_objects(prefix))
+
+    async def read_external(self, uri: str) -> bytes:
+        """An object named by a URI outside the registry's keys (register from a prefix)."""
+        raise Unavailable(f"{self.description} cannot read {uri!r}")
 
     async def close(self) -> None:
         """Release connections."""
 
 
 class FileBlobStore(BlobStore):
-    """Blobs as files under `root`; blocking IO runs in worker threads."""
+    """Blobs as files under `root`; blocking IO runs in worker threads. Safe for several processes
+    on one file system (replicas sharing a directory)."""
 
     def __init__(self, root: Path):
         self.root = root
@@ -68,46 +95,77 @@ class FileBlobStore(BlobStore):
         check_key(key)
         return self.root / key
 
-    async def get(self, key: str) -> bytes:
+    async def get_with_etag(self, key: str) -> tuple[bytes, str]:
         path = self._path(key)
         try:
-            return await asyncio.to_thread(path.read_bytes)
+            data = await asyncio.to_thread(path.read_bytes)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise NotFound(f"no blob {key!r} in {self.description}") from None
         except OSError as exc:
             raise Unavailable(f"cannot read {key!r} in {self.description}: {exc}") from exc
+        return data, _etag(data)
 
-    async def put(self, key: str, data: bytes) -> None:
+    async def put(self, key: str, data: bytes, *, if_none_match: bool = False,
+                  if_match: str | None = None) -> None:
         path = self._path(key)
         try:
-            await asyncio.to_thread(_write_atomically, path, data)
+            await asyncio.to_thread(_write_atomically, path, data, if_none_match, if_match)
+        except PreconditionFailed:
+            raise
         except OSError as exc:
             raise Unavailable(f"cannot write {key!r} in {self.description}: {exc}") from exc
 
-    async def list_keys(self, prefix: str) -> list[str]:
+    async def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            await asyncio.to_thread(path.unlink, missing_ok=True)
+        except OSError as exc:
+            raise Unavailable(f"cannot delete {key!r} in {self.description}: {exc}") from exc
+
+    async def list_objects(self, prefix: str) -> dict[str, str]:
         return await asyncio.to_thread(self._list_sync, prefix)
 
-    def _list_sync(self, prefix: str) -> list[str]:
-        # Walk only the directory the prefix names ("a/b/c" -> root/a/b), then filter.
+    def _list_sync(self, prefix: str) -> dict[str, str]:
+        # Walk only the directory the prefix names ("a/b/c" -> root/a/b), then filter. The etag of
+        # a listing is the file's mtime and size: it changes whenever the file is replaced.
         top = self.root / prefix.rpartition("/")[0]
-        keys = []
+        found = {}
         for dirpath, _, filenames in os.walk(top):
             rel_dir = Path(dirpath).relative_to(self.root).as_posix()
             for name in filenames:
-                if _is_temp_file(name):  # a write in progress, or one that crashed
+                if _is_internal_file(name):  # a write in progress, a crashed one, or a lock
                     continue
                 key = name if rel_dir == "." else f"{rel_dir}/{name}"
                 if key.startswith(prefix):
-                    keys.append(key)
-        return sorted(keys)
+                    with contextlib.suppress(FileNotFoundError):
+                        stat = os.stat(os.path.join(dirpath, name))
+                        found[key] = f"{stat.st_mtime_ns}-{stat.st_size}"
+        return found
+
+    async def read_external(self, uri: str) -> bytes:
+        """file:// URIs inside this store's root only: a caller must not read arbitrary files."""
+        from urllib.parse import unquote, urlparse
+
+        parsed = urlparse(uri)
+        path = Path(unquote(parsed.path)).resolve()
+        if parsed.scheme != "file" or not path.is_relative_to(self.root.resolve()):
+            raise ValueError(f"{uri!r}: this store reads file:// URIs under {self.description} only")
+        try:
+            return await asyncio.to_thread(path.read_bytes)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise NotFound(f"no file {uri!r}") from None
 
 
-def _is_temp_file(name: str) -> bool:
-    return name.startswith(".") and name.endswith(_TEMP_SUFFIX)
+def _etag(data: bytes) -> str:
+    return hashlib.md5(data, usedforsecurity=False).hexdigest()  # what S3 reports for simple puts
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    """Write to a temp file beside `path`, fsync, then rename over it."""
+def _is_internal_file(name: str) -> bool:
+    return name.startswith(".") and name.endswith((_TEMP_SUFFIX, _LOCK_SUFFIX))
+
+
+def _write_atomically(path: Path, data: bytes, if_none_match: bool, if_match: str | None) -> None:
+    """Write a temp file beside `path`, fsync, then link (create only) or rename it into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}{_TEMP_SUFFIX}")
     try:
@@ -115,85 +173,32 @@ def _write_atomically(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if if_none_match:
+            try:
+                os.link(tmp, path)  # atomic: fails if `path` exists, even across processes
+            except FileExistsError:
+                raise PreconditionFailed(f"{path.name} exists") from None
+        elif if_match is not None:
+            with open(path.with_name(f".{path.name}{_LOCK_SUFFIX}"), "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                try:
+                    current = _etag(path.read_bytes())
+                except FileNotFoundError:
+                    current = None
+                if current != if_match:
+                    raise PreconditionFailed(f"{path.name} changed")
+                os.replace(tmp, path)
+        else:
+            os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-
-
-class S3BlobStore(BlobStore):
-    """Blobs as objects under s3://bucket/prefix. Build with `await S3BlobStore.open(config)`."""
-
-    def __init__(self, client, bucket: str, prefix: str, exit_stack: contextlib.AsyncExitStack):
-        self._client = client
-        self._bucket = bucket
-        self._prefix = prefix
-        self._exit_stack = exit_stack
-        self.description = f"s3://{bucket}/{prefix}"
-
-    @classmethod
-    async def open(cls, config: StoreConfig) -> "S3BlobStore":
-        """Connect and check that the bucket answers (Unavailable if it does not)."""
-        access_key, secret_key = config.s3_access_key_id, config.s3_secret_access_key
-        if access_key is None and config.s3_endpoint_url is not None:
-            access_key, secret_key = "loraplex", "loraplex"  # SeaweedFS without auth takes any
-        client_config = botocore.config.Config(
-            s3={"addressing_style": "path" if config.s3_path_style else "auto"},
-            retries={"max_attempts": 3, "mode": "standard"},
-            connect_timeout=5, read_timeout=60, max_pool_connections=32)
-        stack = contextlib.AsyncExitStack()
-        client = await stack.enter_async_context(get_session().create_client(
-            "s3", endpoint_url=config.s3_endpoint_url, region_name=config.s3_region,
-            aws_access_key_id=access_key, aws_secret_access_key=secret_key, config=client_config))
-        store = cls(client, config.s3_bucket, config.s3_prefix, stack)
-        try:
-            with store._errors(f"bucket {config.s3_bucket!r}", is_key=False):
-                await client.head_bucket(Bucket=config.s3_bucket)
-        except BaseException:
-            await stack.aclose()
-            raise
-        return store
-
-    @contextlib.contextmanager
-    def _errors(self, what: str, *, is_key: bool = True) -> Iterator[None]:
-        """Map botocore/aiohttp failures to NotFound (a missing key) or Unavailable (the rest)."""
-        try:
-            yield
-        except botocore.exceptions.ClientError as exc:
-            code = exc.response.get("Error", {}).get("Code", "")
-            if is_key and code in _MISSING_KEY_CODES:
-                raise NotFound(f"no blob {what} in {self.description}") from None
-            raise Unavailable(f"S3 error on {what} in {self.description}: {exc}") from exc
-        except (botocore.exceptions.BotoCoreError, aiohttp.ClientError, asyncio.TimeoutError,
-                OSError) as exc:
-            raise Unavailable(f"S3 unreachable for {what} in {self.description}: {exc}") from exc
-
-    async def get(self, key: str) -> bytes:
-        check_key(key)
-        with self._errors(repr(key)):
-            response = await self._client.get_object(Bucket=self._bucket, Key=self._prefix + key)
-            async with response["Body"] as body:
-                return await body.read()
-
-    async def put(self, key: str, data: bytes) -> None:
-        check_key(key)
-        with self._errors(repr(key)):
-            await self._client.put_object(Bucket=self._bucket, Key=self._prefix + key, Body=data)
-
-    async def list_keys(self, prefix: str) -> list[str]:
-        keys = []
-        with self._errors(f"listing {prefix!r}", is_key=False):
-            paginator = self._client.get_paginator("list_objects_v2")
-            async for page in paginator.paginate(Bucket=self._bucket, Prefix=self._prefix + prefix):
-                keys.extend(obj["Key"][len(self._prefix):] for obj in page.get("Contents", []))
-        return sorted(keys)
-
-    async def close(self) -> None:
-        await self._exit_stack.aclose()
 
 
 async def open_blob_store(config: StoreConfig) -> BlobStore:
     """The blob store `config.url` names."""
     if config.is_s3:
+        from adapter_store.s3_blobs import S3BlobStore
+
         store: BlobStore = await S3BlobStore.open(config)
     else:
         config.file_root.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,8 @@ Environment variables (all optional, read only by `StoreConfig.from_env`, never 
   LORAPLEX_STORE_ADDRESS        host:port to listen on (default 127.0.0.1:0 = any free port)
   LORAPLEX_HOST_CACHE_MB        size of the warm host-RAM tier (default 4096)
   LORAPLEX_CHUNK_BYTES          size of Fetch chunks (default 1 MiB)
+  LORAPLEX_MAX_RANK             largest LoRA rank a push may register (default 256)
+  LORAPLEX_REQUIRE_BASE_MODEL   1 = refuse adapters whose base model has no registered config.json
 """
 
 import argparse
@@ -50,6 +52,18 @@ class StoreConfig:
     chunk_bytes: int = 1 * MIB
     # host:port the gRPC server binds; port 0 = any free port.
     address: str = "127.0.0.1:0"
+    # S3 reads: objects larger than one part are read as parallel ranged GETs.
+    s3_part_bytes: int = 8 * MIB
+    s3_max_concurrency: int = 8
+    # Reads of an adapter whose bytes fail the sha256 check before it is declared DATA_LOSS.
+    read_attempts: int = 3
+    # Largest LoRA rank (max over r and rank_pattern) a push may register.
+    max_rank: int = 256
+    # Refuse pushes for base models without a registered config.json (else: shape checks only
+    # when the base model is registered).
+    require_base_model: bool = False
+    # Executors' residency reports expire after this many seconds without renewal.
+    lease_ttl_s: float = 30.0
 
     def __post_init__(self) -> None:
         parsed = urlparse(self.url)
@@ -71,6 +85,11 @@ class StoreConfig:
             raise ValueError(f"host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
         if not 1024 <= self.chunk_bytes <= 32 * MIB:
             raise ValueError(f"chunk_bytes must be within 1 KiB..32 MiB, got {self.chunk_bytes}")
+        if not 64 * 1024 <= self.s3_part_bytes <= 1024 * MIB or not 1 <= self.s3_max_concurrency <= 64:
+            raise ValueError("s3_part_bytes must be within 64 KiB..1 GiB and s3_max_concurrency "
+                             f"within 1..64, got {self.s3_part_bytes} and {self.s3_max_concurrency}")
+        if self.read_attempts < 1 or self.max_rank < 1 or self.lease_ttl_s <= 0:
+            raise ValueError("read_attempts and max_rank must be >= 1 and lease_ttl_s > 0")
         match = _ADDRESS_RE.match(self.address)
         if not match or int(match.group(2)) > 65535:
             raise ValueError(f"address {self.address!r}: use host:port (port 0 = any free port)")
@@ -112,6 +131,10 @@ class StoreConfig:
             values["host_cache_bytes"] = _env_int(env, "LORAPLEX_HOST_CACHE_MB") * MIB
         if env.get("LORAPLEX_CHUNK_BYTES"):
             values["chunk_bytes"] = _env_int(env, "LORAPLEX_CHUNK_BYTES")
+        if env.get("LORAPLEX_MAX_RANK"):
+            values["max_rank"] = _env_int(env, "LORAPLEX_MAX_RANK")
+        if env.get("LORAPLEX_REQUIRE_BASE_MODEL"):
+            values["require_base_model"] = env["LORAPLEX_REQUIRE_BASE_MODEL"] not in ("0", "false")
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
@@ -131,6 +154,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, help="listen port; overrides the port of --address")
     parser.add_argument("--host-cache-mb", type=int, help="warm host-RAM tier size in MiB")
     parser.add_argument("--chunk-bytes", type=int, help="Fetch chunk size in bytes (default 1 MiB)")
+    parser.add_argument("--max-rank", type=int, help="largest LoRA rank a push may register")
+    parser.add_argument("--require-base-model", action="store_true", default=None,
+                        help="refuse adapters whose base model config.json is not registered")
 
 
 def config_from_args(args: argparse.Namespace,
@@ -138,7 +164,8 @@ def config_from_args(args: argparse.Namespace,
     """Flags first, then LORAPLEX_* variables, then defaults."""
     config = StoreConfig.from_env(
         environ, url=args.url, s3_endpoint_url=args.s3_endpoint_url, address=args.address,
-        chunk_bytes=args.chunk_bytes,
+        chunk_bytes=args.chunk_bytes, max_rank=args.max_rank,
+        require_base_model=args.require_base_model,
         host_cache_bytes=None if args.host_cache_mb is None else args.host_cache_mb * MIB)
     if args.port is not None:
         host = config.address.rsplit(":", 1)[0]

@@ -1,9 +1,29 @@
-"""The adapter registry: names, versions and owners, kept as manifests beside the bytes.
+"""The adapter registry: names, immutable versions, aliases and owners, kept in the blob store
+beside the bytes, so it survives restarts and is shared by every store replica.
 
-Layout of one version (the manifest is written last, so a half-written version is invisible):
-  adapters/{name}/v{version}/adapter_model.safetensors
-  adapters/{name}/v{version}/adapter_config.json
-  adapters/{name}/v{version}/manifest.json      the AdapterRecord as JSON
+Layout (keys under the store's URL):
+  adapters/{name}/weights/{sha256}.safetensors   the weights, content-addressed
+  adapters/{name}/v{version}/manifest.json       one immutable AdapterRecord per version
+  adapters/{name}/index.json                     mutable: aliases and deleted versions
+  base-models/{model_id}/base.json               registered base models (see base_models.py)
+  leases/{holder}.json                           executors' resident adapters (see leases.py)
+
+Atomicity, with no lock service and no database: every write that must not be lost to a race is
+a conditional put, which S3 (and SeaweedFS, tested) and the file store make atomic.
+- A version is claimed by creating its manifest with If-None-Match: *. Two replicas pushing the
+  same name at once both write their weights first (content-addressed keys, so they never clash),
+  then race for v{N}: exactly one wins; the other re-reads and takes v{N+1}. A manifest is written
+  once and never changed, so a reader sees a whole version or none, and a version number is never
+  reused, even after a delete (the manifest stays as its tombstone; the index marks it deleted).
+- The name's first version decides its owner; a push by another tenant is ALREADY_EXISTS.
+- Aliases and deletions are one small document per name, updated by compare-and-swap (If-Match
+  on the ETag it was read at, retried on conflict). Moving an alias is one atomic put: a request
+  resolving the alias gets the old version or the new, never neither. Because a delete and an
+  alias move go through the same document, "refuse to delete a version an alias points at" holds
+  under any interleaving across replicas.
+- Alias lookups always re-read the index (one small GET), so a moved alias is seen at once by
+  every replica. Versions are immutable, so a replica re-reads manifests only on a miss, and at
+  most `refresh_s` late for "latest", listings and deletions made on another replica.
 """
 
 import asyncio
@@ -11,118 +31,102 @@ import dataclasses
 import json
 import logging
 import math
+import random
 import re
 import time
 
-from adapter_store.blobs import BlobStore
-from adapter_store.validation import WEIGHTS_FILENAME, validate_adapter
-from loraplex.errors import AlreadyExists, NotFound
+from adapter_store.base_models import BaseModel, base_model_key, check_model_id
+from adapter_store.blobs import BlobStore, PreconditionFailed
+from adapter_store.records import (INDEX_FILENAME, MANIFEST_FILENAME, ROOT, AdapterRecord,
+                                   NameIndex, VersionMeta, check_alias, check_name,
+                                   version_prefix)
+from adapter_store.validation import validate_adapter
+from loraplex.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound,
+                             Unavailable)
 
 log = logging.getLogger(__name__)
 
-ROOT = "adapters/"
-CONFIG_FILENAME = "adapter_config.json"
-MANIFEST_FILENAME = "manifest.json"
-_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
-# Manifests read at once while loading the registry.
-_LOAD_CONCURRENCY = 32
+_MANIFEST_RE = re.compile(r"^adapters/([^/]+)/v(\d+)/manifest\.json$")
+_LOAD_CONCURRENCY = 32  # manifests read at once while loading the registry
+_MAX_CAS_ATTEMPTS = 32
 
 
-@dataclasses.dataclass(frozen=True)
-class AdapterRecord:
-    """One immutable adapter version; the fields of AdapterInfo in common.proto."""
-
-    name: str
-    version: int
-    owner_tenant: str  # "" for public adapters
-    is_public: bool
-    base_model: str
-    rank: int
-    alpha: float
-    use_rslora: bool
-    target_modules: tuple[str, ...]
-    num_bytes: int
-    sha256: str
-    created_unix: float
-    config_json: str
-
-    @property
-    def weights_key(self) -> str:
-        return version_prefix(self.name, self.version) + WEIGHTS_FILENAME
-
-    def is_visible_to(self, tenant: str) -> bool:
-        """An empty tenant is a trusted caller and sees everything."""
-        return not tenant or self.is_public or self.owner_tenant == tenant
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> "AdapterRecord":
-        raw = json.loads(text)
-        fields = {f.name for f in dataclasses.fields(cls)}
-        if not fields <= raw.keys():
-            raise ValueError(f"manifest lacks {sorted(fields - raw.keys())}")
-        values = {k: raw[k] for k in fields}
-        values["target_modules"] = tuple(values["target_modules"])
-        return cls(**values)
-
-
-def version_prefix(name: str, version: int) -> str:
-    return f"{ROOT}{name}/v{version}/"
-
-
-def check_name(name: str) -> None:
-    if not _NAME_RE.match(name) or name in (".", ".."):
-        raise ValueError(f"adapter name {name!r} is invalid: use 1-128 characters of "
-                         "A-Z a-z 0-9 . _ - (not '.' or '..')")
+def _not_found(name: str) -> NotFound:
+    # The same words whether the name does not exist or belongs to another tenant.
+    return NotFound(f"adapter {name!r} not found; push it first or check the name")
 
 
 class Registry:
-    """Every adapter version in a blob store, indexed in memory; pushes assign versions 1, 2, ...
+    """Every adapter version in a blob store, indexed in memory; see the module docstring."""
 
-    Several store replicas may share one blob store. A replica learns of another's pushes by
-    re-reading manifests: at once when asked for a name or version it does not know, and at most
-    `refresh_s` late for "latest" (version 0) and for listings.
-    """
-
-    def __init__(self, blobs: BlobStore, refresh_s: float = 2.0):
+    def __init__(self, blobs: BlobStore, *, max_rank: int = 256, require_base_model: bool = False,
+                 refresh_s: float = 2.0):
         self._blobs = blobs
+        self._max_rank = max_rank
+        self._require_base_model = require_base_model
         self._refresh_s = refresh_s
         self._versions: dict[str, dict[int, AdapterRecord]] = {}  # name -> version -> record
-        self._manifest_keys: set[str] = set()  # manifests already indexed
+        self._indexes: dict[str, NameIndex] = {}
+        self._index_etags: dict[str, str] = {}  # name -> etag of index.json as last listed
         self._refreshed_at: dict[str | None, float] = {}  # name (None: all) -> monotonic time
-        self._push_locks: dict[str, asyncio.Lock] = {}  # name -> lock held while pushing it
+        self._push_locks: dict[str, asyncio.Lock] = {}
+        self._base_models: dict[str, BaseModel] = {}
+
+    # ----- reading the blob store -----
 
     async def load(self) -> int:
-        """Read every manifest in the blob store; returns the number of versions known."""
+        """Read every manifest and index; returns the number of versions known."""
         await self.refresh()
-        num_versions = len(self._manifest_keys)
+        num_versions = sum(len(v) for v in self._versions.values())
         log.info("registry: %d adapters, %d versions in %s",
                  len(self._versions), num_versions, self._blobs.description)
         return num_versions
 
     async def refresh(self, name: str | None = None) -> None:
-        """Index the manifests of `name` (None: of every adapter) that are not indexed yet."""
+        """Index new manifests and changed index documents of `name` (None: of every adapter)."""
         started = time.monotonic()
-        prefix = ROOT if name is None else f"{ROOT}{name}/"
-        keys = [k for k in await self._blobs.list_keys(prefix)
-                if k.endswith("/" + MANIFEST_FILENAME) and k not in self._manifest_keys]
+        listed = await self._blobs.list_objects(ROOT if name is None else f"{ROOT}{name}/")
+        manifests, indexes = [], []
+        for key, etag in listed.items():
+            match = _MANIFEST_RE.match(key)
+            if match and int(match[2]) not in self._versions.get(match[1], {}):
+                manifests.append(key)
+            elif key.endswith("/" + INDEX_FILENAME):
+                adapter = key[len(ROOT):-len(INDEX_FILENAME) - 1]
+                if self._index_etags.get(adapter) != etag:
+                    indexes.append((adapter, etag))
         limit = asyncio.Semaphore(_LOAD_CONCURRENCY)
 
-        async def read(key: str) -> tuple[str, AdapterRecord | None]:
+        async def read_manifest(key: str) -> None:
             async with limit:
-                return key, self._parse_manifest(key, await self._blobs.get(key))
-
-        for key, record in await asyncio.gather(*(read(k) for k in keys)):
+                record = self._parse_manifest(key, await self._blobs.get(key))
             if record is not None:
-                self._index(key, record)
+                self._versions.setdefault(record.name, {})[record.version] = record
+
+        async def read_index(adapter: str, etag: str) -> None:
+            async with limit:
+                await self._read_index(adapter)
+            self._index_etags[adapter] = etag
+
+        await asyncio.gather(*(read_manifest(k) for k in manifests),
+                             *(read_index(a, e) for a, e in indexes))
         if name is None or name in self._versions:  # not remembered for names asked in vain
             self._refreshed_at[name] = started
 
-    def _index(self, key: str, record: AdapterRecord) -> None:
-        self._manifest_keys.add(key)
-        self._versions.setdefault(record.name, {})[record.version] = record
+    async def _read_index(self, name: str) -> tuple[NameIndex, str | None]:
+        """The name's index as stored now, and its etag (None when there is none yet)."""
+        try:
+            data, etag = await self._blobs.get_with_etag(f"{ROOT}{name}/{INDEX_FILENAME}")
+        except NotFound:
+            index, etag = NameIndex(), None
+        else:
+            try:
+                index = NameIndex.from_json(data)
+            except (ValueError, TypeError, AttributeError) as exc:
+                raise Unavailable(f"index of adapter {name!r} is unreadable ({exc}); "
+                                  "repair or remove it") from None
+        self._indexes[name] = index
+        return index, etag
 
     def _is_stale(self, name: str | None) -> bool:
         refreshed_at = max(self._refreshed_at.get(name, -math.inf),
@@ -142,55 +146,275 @@ class Registry:
             return None
         return record
 
+    # ----- pushing versions -----
+
     async def push(self, name: str, owner_tenant: str, config_json: str, weights_filename: str,
-                   data: bytes) -> AdapterRecord:
+                   data: bytes, meta: VersionMeta = VersionMeta()) -> AdapterRecord:
         """Validate and store the next version of `name`; the pushing tenant must own the name."""
         check_name(name)
-        spec = await asyncio.to_thread(validate_adapter, config_json, weights_filename, data)
+        for metric, score in meta.eval_scores.items():
+            if not metric or not math.isfinite(score):
+                raise InvalidArgument(f"eval score {metric!r}={score} must be named and finite")
+        base = await self._base_model_for(config_json)
+        spec = await asyncio.to_thread(validate_adapter, config_json, weights_filename, data,
+                                       max_rank=self._max_rank, base=base)
+        weights_key = f"{ROOT}{name}/weights/{spec.sha256}.safetensors"
         async with self._push_locks.setdefault(name, asyncio.Lock()):
             await self.refresh(name)  # versions other replicas pushed
-            versions = self._versions.get(name, {})
-            if versions and versions[max(versions)].owner_tenant != owner_tenant:
-                raise AlreadyExists(f"adapter name {name!r} is taken by another owner; "
-                                    "choose another name")
-            record = AdapterRecord(
-                name=name, version=max(versions, default=0) + 1, owner_tenant=owner_tenant,
-                is_public=not owner_tenant, base_model=spec.base_model, rank=spec.rank,
-                alpha=spec.alpha, use_rslora=spec.use_rslora, target_modules=spec.target_modules,
-                num_bytes=spec.num_bytes, sha256=spec.sha256, created_unix=time.time(),
-                config_json=config_json)
-            prefix = version_prefix(name, record.version)
-            await self._blobs.put(prefix + WEIGHTS_FILENAME, data)
-            await self._blobs.put(prefix + CONFIG_FILENAME, config_json.encode("utf-8"))
-            await self._blobs.put(prefix + MANIFEST_FILENAME, record.to_json().encode("utf-8"))
-            self._index(prefix + MANIFEST_FILENAME, record)
-        log.info("pushed %s v%d (%d bytes, rank %d, owner %r)", name, record.version,
-                 record.num_bytes, record.rank, owner_tenant)
+            self._check_owner(name, owner_tenant)
+            await self._blobs.put(weights_key, data)  # same key <=> same bytes: safe to repeat
+            for _ in range(_MAX_CAS_ATTEMPTS):
+                record = AdapterRecord(
+                    name=name, version=max(self._versions.get(name, {}), default=0) + 1,
+                    owner_tenant=owner_tenant, is_public=not owner_tenant,
+                    base_model=spec.base_model, rank=spec.rank, alpha=spec.alpha,
+                    use_rslora=spec.use_rslora, target_modules=spec.target_modules,
+                    num_bytes=spec.num_bytes, sha256=spec.sha256, created_unix=time.time(),
+                    config_json=config_json,
+                    base_model_revision=meta.base_model_revision or spec.base_model_revision,
+                    base_config_sha256=base.config_sha256 if base else "", dtype=spec.dtype,
+                    rank_pattern=spec.rank_pattern, alpha_pattern=spec.alpha_pattern,
+                    training_dataset=meta.training_dataset, eval_scores=dict(meta.eval_scores),
+                    source=meta.source or "upload", weights_key=weights_key)
+                key = version_prefix(name, record.version) + MANIFEST_FILENAME
+                try:
+                    await self._blobs.put(key, record.to_json().encode(), if_none_match=True)
+                    break
+                except PreconditionFailed:  # another replica claimed this version first
+                    await self.refresh(name)
+                    self._check_owner(name, owner_tenant)
+            else:
+                raise Unavailable(f"could not claim a version of {name!r}: too many concurrent "
+                                  "pushes; retry")
+            self._versions.setdefault(name, {})[record.version] = record
+        log.info("pushed %s (%d bytes, rank %d, owner %r, from %s)", record.ref,
+                 record.num_bytes, record.rank, owner_tenant, record.source)
         return record
 
-    async def get(self, name: str, version: int = 0, tenant: str = "") -> AdapterRecord:
-        """One version (0 = latest). Another tenant's private adapter reads as missing."""
+    async def register_from_uri(self, uri: str, name: str, owner_tenant: str,
+                                meta: VersionMeta = VersionMeta()) -> AdapterRecord:
+        """Register the PEFT folder at `uri` (adapter_config.json + adapter_model.safetensors)."""
         check_name(name)
+        prefix = uri.rstrip("/") + "/"
+        config, data = await asyncio.gather(
+            self._blobs.read_external(prefix + "adapter_config.json"),
+            self._blobs.read_external(prefix + "adapter_model.safetensors"))
+        try:
+            config_json = config.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidArgument(f"{prefix}adapter_config.json is not UTF-8") from None
+        meta = dataclasses.replace(meta, source=prefix)
+        return await self.push(name, owner_tenant, config_json, "adapter_model.safetensors",
+                               data, meta)
+
+    def _check_owner(self, name: str, owner_tenant: str) -> None:
+        versions = self._versions.get(name)
+        if versions and versions[min(versions)].owner_tenant != owner_tenant:
+            raise AlreadyExists(f"adapter name {name!r} is taken by another owner; "
+                                "choose another name")
+
+    # ----- base models -----
+
+    async def register_base_model(self, model_id: str, config_json: str,
+                                  revision: str = "") -> BaseModel:
+        base = BaseModel.from_config(model_id, config_json, revision)
+        await self._blobs.put(base_model_key(model_id), base.to_json().encode())
+        self._base_models[model_id] = base
+        log.info("registered base model %s (revision %r)", model_id, revision)
+        return base
+
+    async def get_base_model(self, model_id: str) -> BaseModel | None:
+        check_model_id(model_id)
+        try:
+            data = await self._blobs.get(base_model_key(model_id))
+        except NotFound:
+            return None
+        base = BaseModel.from_json(data.decode("utf-8"))
+        self._base_models[model_id] = base
+        return base
+
+    async def _base_model_for(self, config_json: str) -> BaseModel | None:
+        try:
+            model_id = json.loads(config_json).get("base_model_name_or_path")
+        except (ValueError, AttributeError):
+            return None  # validate_adapter names the fault
+        if not isinstance(model_id, str) or not model_id:
+            return None
+        try:
+            base = await self.get_base_model(model_id.rstrip("/"))
+        except InvalidArgument:
+            base = None  # not a registrable id (e.g. a local path): cannot be registered
+        if base is None and self._require_base_model:
+            raise FailedPrecondition(
+                f"base model {model_id!r} is not registered in this store; register its "
+                "config.json first (loraplex adapters base add MODEL_DIR --id ID)")
+        return base
+
+    # ----- lookups -----
+
+    async def get(self, name: str, version: int = 0, tenant: str = "",
+                  alias: str = "") -> AdapterRecord:
+        """One version: exact, by alias, or the latest (version 0, no alias). Another tenant's
+        private adapter, and a deleted version, read as missing."""
+        check_name(name)
+        if alias and version:
+            raise InvalidArgument("give a version or an alias, not both")
         known = self._versions.get(name, {})
-        if version:  # versions are immutable: re-read only on a miss
-            needs_refresh = version not in known
-        else:
-            needs_refresh = not known or self._is_stale(name)
-        if needs_refresh:
+        if alias:
+            check_alias(alias)
+            if not known:
+                await self.refresh(name)
+            index, _ = await self._read_index(name)  # always fresh: aliases move
+            version = index.aliases.get(alias, -1)
+        if version > 0 and version not in self._versions.get(name, {}):
+            await self.refresh(name)  # versions are immutable: re-read only on a miss
+        elif version == 0 and (not known or self._is_stale(name)):
             await self.refresh(name)
         versions = self._versions.get(name)
-        if not versions or not versions[max(versions)].is_visible_to(tenant):
-            raise NotFound(f"adapter {name!r} not found; push it first or check the name")
+        if not versions or not versions[min(versions)].is_visible_to(tenant):
+            raise _not_found(name)
+        index = self._indexes.get(name, NameIndex())
+        live = [v for v in versions if v not in index.deleted]
+        if version == -1:
+            raise NotFound(f"adapter {name!r} has no alias {alias!r}; "
+                           f"its aliases: {sorted(index.aliases) or 'none'}")
         if version == 0:
-            return versions[max(versions)]
+            if not live:
+                raise NotFound(f"adapter {name!r} has no versions left (all deleted)")
+            return versions[max(live)]
+        if version in index.deleted:
+            raise NotFound(f"adapter {name!r} version {version} was deleted")
         if version not in versions:
             raise NotFound(f"adapter {name!r} has no version {version}; "
-                           f"the latest is {max(versions)}")
+                           f"the latest is {max(live, default=0)}")
         return versions[version]
 
-    async def list_visible(self, tenant: str = "") -> list[AdapterRecord]:
-        """Latest version of every adapter `tenant` may use, sorted by name."""
-        if self._is_stale(None):
-            await self.refresh()
-        latest = (versions[max(versions)] for versions in self._versions.values())
-        return sorted((r for r in latest if r.is_visible_to(tenant)), key=lambda r: r.name)
+    @property
+    def description(self) -> str:
+        return self._blobs.description
+
+    def counts(self) -> tuple[int, int]:
+        """(names, live versions) known to this replica."""
+        live = [v for name, versions in self._versions.items() for v in versions
+                if v not in self._indexes.get(name, NameIndex()).deleted]
+        return len({n for n, vs in self._versions.items() if vs}), len(live)
+
+    def aliases_of(self, record: AdapterRecord) -> list[str]:
+        return self._indexes.get(record.name, NameIndex()).aliases_of(record.version)
+
+    async def list_visible(self, tenant: str = "", name: str = "",
+                           all_versions: bool = False) -> list[AdapterRecord]:
+        """Versions `tenant` may use, sorted by name then version: the latest of each name, or
+        every live version; only `name` when given."""
+        if name:
+            check_name(name)
+        if self._is_stale(name or None):
+            await self.refresh(name or None)
+        found = []
+        for adapter, versions in sorted(self._versions.items()):
+            if name and adapter != name or not versions[min(versions)].is_visible_to(tenant):
+                continue
+            deleted = self._indexes.get(adapter, NameIndex()).deleted
+            live = sorted(v for v in versions if v not in deleted)
+            found.extend(versions[v] for v in (live if all_versions else live[-1:]))
+        return found
+
+    # ----- aliases and deletion (compare-and-swap on the name's index) -----
+
+    async def set_alias(self, name: str, alias: str, version: int, tenant: str = "",
+                        expected_version: int | None = None) -> int:
+        """Point `alias` at `version` (0 removes it); returns the version it pointed at before
+        (0 if none). `expected_version`: refuse unless the alias points there now (0 = unset)."""
+        check_alias(alias)
+        record = await self._owned(name, version, tenant) if version else None
+        if not version:
+            await self._owned(name, 0, tenant, allow_deleted=True)
+        previous = 0
+
+        def move(index: NameIndex) -> NameIndex:
+            nonlocal previous
+            previous = index.aliases.get(alias, 0)
+            if expected_version is not None and previous != expected_version:
+                raise FailedPrecondition(
+                    f"alias {name}@{alias} points at version {previous or 'nothing'}, not "
+                    f"{expected_version or 'nothing'}; re-read it and retry")
+            if version in index.deleted:
+                raise NotFound(f"adapter {name!r} version {version} was deleted")
+            aliases = {k: v for k, v in index.aliases.items() if k != alias}
+            if version:
+                aliases[alias] = version
+            return NameIndex(aliases, index.deleted)
+
+        await self._update_index(name, move)
+        log.info("alias %s@%s: v%s -> v%s", name, alias, previous or "-",
+                 record.version if record else "-")
+        return previous
+
+    async def delete(self, name: str, version: int, tenant: str,
+                     is_resident) -> list[int]:
+        """Delete `version` (0: every live version). Refused while an alias points at it or
+        `await is_resident(record)` names a holder. Returns the versions deleted."""
+        await self._owned(name, 0, tenant, allow_deleted=True)
+        index = (await self._read_index(name))[0]
+        versions = self._versions[name]
+        if version:
+            if version not in versions or version in index.deleted:
+                raise NotFound(f"adapter {name!r} has no version {version}")
+            targets = [version]
+        else:
+            targets = sorted(v for v in versions if v not in index.deleted)
+        for v in targets:
+            holders = await is_resident(versions[v])
+            if holders:
+                raise FailedPrecondition(
+                    f"adapter {name}@{v} is resident on {', '.join(holders)}; it can be deleted "
+                    "once no executor holds it (unload it, or wait for the lease to expire)")
+
+        def mark(current: NameIndex) -> NameIndex:
+            for v in targets:
+                aliases = current.aliases_of(v)
+                if aliases:
+                    raise FailedPrecondition(
+                        f"adapter {name}@{v} is the target of alias(es) {', '.join(aliases)}; "
+                        "move or remove them first (loraplex adapters alias)")
+            return NameIndex(current.aliases, current.deleted | set(targets))
+
+        after = await self._update_index(name, mark)
+        live_keys = {r.weights_key for v, r in versions.items() if v not in after.deleted}
+        for key in {versions[v].weights_key for v in targets} - live_keys:
+            await self._blobs.delete(key)  # the manifest stays: the version is never reused
+        log.info("deleted %s versions %s", name, targets)
+        return targets
+
+    async def _owned(self, name: str, version: int, tenant: str,
+                     allow_deleted: bool = False) -> AdapterRecord:
+        """A version the caller may change: its own, or any when trusted (tenant "")."""
+        if allow_deleted:
+            check_name(name)
+            await self.refresh(name)
+            versions = self._versions.get(name)
+            if not versions or not versions[min(versions)].is_visible_to(tenant):
+                raise _not_found(name)
+            record = versions[min(versions)]
+        else:
+            record = await self.get(name, version, tenant)
+        if tenant and record.owner_tenant != tenant:
+            raise FailedPrecondition(f"adapter {name!r} is public; only an operator (no tenant) "
+                                     "may change its aliases or delete it")
+        return record
+
+    async def _update_index(self, name: str, mutate) -> NameIndex:
+        """Read, mutate, compare-and-swap, retried while other writers win."""
+        key = f"{ROOT}{name}/{INDEX_FILENAME}"
+        for attempt in range(_MAX_CAS_ATTEMPTS):
+            current, etag = await self._read_index(name)
+            updated = mutate(current)
+            try:
+                await self._blobs.put(key, updated.to_json(), if_none_match=etag is None,
+                                      if_match=etag)
+            except PreconditionFailed:
+                await asyncio.sleep(random.uniform(0, 0.005 * (attempt + 1)))
+                continue
+            self._indexes[name] = updated
+            return updated
+        raise Unavailable(f"index of {name!r} is changing too fast (conflicts); retry")

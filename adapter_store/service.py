@@ -9,33 +9,62 @@ Prints "adapter_store listening on HOST:PORT" on stdout once it serves; stops on
 import dataclasses
 import logging
 import sys
+import time
 from collections.abc import AsyncIterator, Sequence
 
 
+from adapter_store.base_models import BaseModel
 from adapter_store.blobs import BlobStore, open_blob_store
 from adapter_store.config import StoreConfig, parse_args
 from adapter_store.host_cache import HostCache
-from adapter_store.registry import AdapterRecord, Registry, check_name
+from adapter_store.leases import LeaseBook
+from adapter_store.records import AdapterRecord, VersionMeta, check_alias, check_name
+from adapter_store.registry import Registry
 from adapter_store.validation import WEIGHTS_FILENAME, check_weights_file
 from loraplex import server
 from loraplex.errors import InvalidArgument, grpc_errors
-from protos import adapter_store_pb2, adapter_store_pb2_grpc, common_pb2
+from protos import adapter_store_pb2 as pb
+from protos import adapter_store_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
 
 # Largest adapter a Push may carry (a rank-256 adapter on all projections of a 70B model is ~5 GB
 # in fp32; split such pushes later, with ranged uploads).
 MAX_PUSH_BYTES = 2 * 1024**3
+_MAX_DATASET_CHARS = 256
+_INFO_FIELDS = tuple(common_pb2.AdapterInfo.DESCRIPTOR.fields_by_name)
 
 
 def record_to_pb(record: AdapterRecord) -> common_pb2.AdapterInfo:
     fields = dataclasses.asdict(record)
-    return common_pb2.AdapterInfo(**fields)
+    return common_pb2.AdapterInfo(**{k: fields[k] for k in _INFO_FIELDS})
+
+
+def record_to_details(record: AdapterRecord, aliases: list[str]) -> pb.AdapterDetails:
+    return pb.AdapterDetails(
+        info=record_to_pb(record), base_model_revision=record.base_model_revision,
+        base_config_sha256=record.base_config_sha256, dtype=record.dtype,
+        rank_pattern=record.rank_pattern, alpha_pattern=record.alpha_pattern,
+        training_dataset=record.training_dataset, eval_scores=record.eval_scores,
+        source=record.source, aliases=aliases)
+
+
+def meta_from_pb(metadata: pb.VersionMetadata) -> tuple[VersionMeta, list[str]]:
+    """The pusher's statements, checked, and the aliases to set once the version exists."""
+    if len(metadata.training_dataset) > _MAX_DATASET_CHARS:
+        raise InvalidArgument(f"metadata.training_dataset is longer than {_MAX_DATASET_CHARS} "
+                              "characters")
+    for alias in metadata.aliases:
+        check_alias(alias)
+    meta = VersionMeta(training_dataset=metadata.training_dataset,
+                       eval_scores=dict(metadata.eval_scores),
+                       base_model_revision=metadata.base_model_revision)
+    return meta, list(metadata.aliases)
 
 
 async def receive_push(
-    requests: AsyncIterator[adapter_store_pb2.PushRequest], max_bytes: int = MAX_PUSH_BYTES,
-) -> tuple[adapter_store_pb2.PushHeader, bytes]:
+    requests: AsyncIterator[pb.PushRequest], max_bytes: int = MAX_PUSH_BYTES,
+) -> tuple[pb.PushHeader, bytes]:
     """The header and the weights of a Push stream, checked against the header's num_bytes."""
     header, data = None, bytearray()
     async for request in requests:
@@ -46,6 +75,7 @@ async def receive_push(
             header = request.header
             # Refuse what would fail anyway before receiving the bytes.
             check_name(header.name)
+            meta_from_pb(header.metadata)
             if header.weights_filename != WEIGHTS_FILENAME:
                 check_weights_file(header.weights_filename, b"")
             if header.num_bytes > max_bytes:
@@ -67,37 +97,126 @@ async def receive_push(
 
 
 class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
-    def __init__(self, registry: Registry, cache: HostCache, chunk_bytes: int):
+    """Thin: messages in, Registry / HostCache / LeaseBook, messages out."""
+
+    def __init__(self, config: StoreConfig, registry: Registry, cache: HostCache,
+                 leases: LeaseBook):
+        self._config = config
         self._registry = registry
         self._cache = cache
-        self._chunk_bytes = chunk_bytes
+        self._leases = leases
+        self._num_fetches = 0
+
+    async def _registered(self, record: AdapterRecord, aliases: list[str],
+                          tenant: str) -> common_pb2.AdapterInfo:
+        for alias in aliases:
+            await self._registry.set_alias(record.name, alias, record.version, tenant)
+        return record_to_pb(record)
 
     async def Push(self, request_iterator, context) -> common_pb2.AdapterInfo:
         async with grpc_errors(context):
             header, data = await receive_push(request_iterator)
+            meta, aliases = meta_from_pb(header.metadata)
             record = await self._registry.push(header.name, header.owner_tenant,
-                                               header.config_json, header.weights_filename, data)
-            return record_to_pb(record)
+                                               header.config_json, header.weights_filename, data,
+                                               meta)
+            return await self._registered(record, aliases, header.owner_tenant)
+
+    async def Register(self, request, context) -> common_pb2.AdapterInfo:
+        async with grpc_errors(context):
+            meta, aliases = meta_from_pb(request.metadata)
+            if not request.source_uri:
+                raise InvalidArgument("source_uri is empty: give s3://bucket/prefix of a PEFT "
+                                      "folder")
+            record = await self._registry.register_from_uri(
+                request.source_uri, request.name, request.owner_tenant, meta)
+            return await self._registered(record, aliases, request.owner_tenant)
 
     async def GetAdapter(self, request, context) -> common_pb2.AdapterInfo:
         async with grpc_errors(context):
-            return record_to_pb(
-                await self._registry.get(request.name, request.version, request.tenant))
+            return record_to_pb(await self._registry.get(
+                request.name, request.version, request.tenant, request.alias))
 
-    async def ListAdapters(self, request, context) -> adapter_store_pb2.ListAdaptersResponse:
+    async def DescribeAdapter(self, request, context) -> pb.AdapterDetails:
         async with grpc_errors(context):
-            records = await self._registry.list_visible(request.tenant)
-            return adapter_store_pb2.ListAdaptersResponse(adapters=map(record_to_pb, records))
+            record = await self._registry.get(request.name, request.version, request.tenant,
+                                              request.alias)
+            return record_to_details(record, self._registry.aliases_of(record))
 
-    async def Fetch(self, request, context) -> AsyncIterator[adapter_store_pb2.FetchResponse]:
+    async def ListAdapters(self, request, context) -> pb.ListAdaptersResponse:
         async with grpc_errors(context):
+            records = await self._registry.list_visible(request.tenant, request.name,
+                                                        request.all_versions)
+            return pb.ListAdaptersResponse(adapters=[
+                record_to_details(r, self._registry.aliases_of(r)) for r in records])
+
+    async def SetAlias(self, request, context) -> pb.SetAliasResponse:
+        async with grpc_errors(context):
+            expected = request.expected_version if request.HasField("expected_version") else None
+            previous = await self._registry.set_alias(request.name, request.alias,
+                                                      request.version, request.tenant, expected)
+            return pb.SetAliasResponse(previous_version=previous)
+
+    async def DeleteAdapter(self, request, context) -> pb.DeleteAdapterResponse:
+        async with grpc_errors(context):
+            async def holders(record: AdapterRecord) -> list[str]:
+                return await self._leases.holders_of(record.ref)
+
+            deleted = await self._registry.delete(request.name, request.version, request.tenant,
+                                                  holders)
+            for version in deleted:
+                self._cache.evict(request.name, version)
+            return pb.DeleteAdapterResponse(versions=deleted)
+
+    async def Fetch(self, request, context) -> AsyncIterator[pb.FetchResponse]:
+        async with grpc_errors(context):
+            if not request.version:
+                raise InvalidArgument("Fetch needs an exact version (resolve it with GetAdapter)")
             record = await self._registry.get(request.name, request.version)
             data = await self._cache.get(record)
-            yield adapter_store_pb2.FetchResponse(info=record_to_pb(record))
+            self._num_fetches += 1
+            yield pb.FetchResponse(info=record_to_pb(record))
             view = memoryview(data)
-            for offset in range(0, len(data), self._chunk_bytes):
-                chunk = view[offset:offset + self._chunk_bytes]
-                yield adapter_store_pb2.FetchResponse(chunk=bytes(chunk))
+            for offset in range(0, len(data), self._config.chunk_bytes):
+                yield pb.FetchResponse(chunk=bytes(view[offset:offset + self._config.chunk_bytes]))
+
+    async def Prewarm(self, request, context) -> pb.HostPrewarmResponse:
+        async with grpc_errors(context):
+            record = await self._registry.get(request.name, request.version, request.tenant,
+                                              request.alias)
+            was_cached = record in self._cache
+            started = time.perf_counter()
+            await self._cache.get(record)
+            return pb.HostPrewarmResponse(
+                info=record_to_pb(record), was_cached=was_cached,
+                seconds=0.0 if was_cached else time.perf_counter() - started)
+
+    async def Stats(self, request, context) -> pb.StoreStatsResponse:
+        async with grpc_errors(context):
+            stats, cache = self._cache.stats, self._cache
+            num_adapters, num_versions = self._registry.counts()
+            return pb.StoreStatsResponse(
+                blob_store=self._registry.description, num_adapters=num_adapters,
+                num_versions=num_versions, host_entries=len(cache), host_bytes=cache.num_bytes,
+                host_capacity_bytes=cache.capacity_bytes, host_hits=stats.hits,
+                host_misses=stats.misses, host_joined=stats.joined, blob_reads=stats.blob_reads,
+                blob_bytes_read=stats.bytes_read, checksum_failures=stats.checksum_failures,
+                host_evictions=stats.evictions, fetches=self._num_fetches)
+
+    async def RegisterBaseModel(self, request, context) -> pb.BaseModelInfo:
+        async with grpc_errors(context):
+            base: BaseModel = await self._registry.register_base_model(
+                request.model_id, request.config_json, request.revision)
+            return pb.BaseModelInfo(model_id=base.model_id, revision=base.revision,
+                                    config_sha256=base.config_sha256, num_layers=base.num_layers)
+
+    async def ReportResidency(self, request, context) -> pb.ResidencyAck:
+        async with grpc_errors(context):
+            ttl = request.ttl_seconds or self._config.lease_ttl_s
+            if not 0 < ttl <= 3600:
+                raise InvalidArgument(f"ttl_seconds must be within (0, 3600], got {ttl}")
+            await self._leases.report(request.holder, list(request.adapters), ttl)
+            return pb.ResidencyAck(ttl_seconds=ttl)
 
 
 @dataclasses.dataclass
@@ -123,10 +242,11 @@ async def start_store(config: StoreConfig, blobs: BlobStore | None = None) -> Ru
     """Open the blob store (or use `blobs`), load the registry, then serve and report SERVING."""
     blobs = blobs if blobs is not None else await open_blob_store(config)
     try:
-        registry = Registry(blobs)
+        registry = Registry(blobs, max_rank=config.max_rank,
+                            require_base_model=config.require_base_model)
         await registry.load()
-        cache = HostCache(blobs, config.host_cache_bytes)
-        servicer = AdapterStoreServicer(registry, cache, config.chunk_bytes)
+        cache = HostCache(blobs, config.host_cache_bytes, config.read_attempts)
+        servicer = AdapterStoreServicer(config, registry, cache, LeaseBook(blobs))
         service = server.Service(
             "adapter_store", config.address,
             lambda s: adapter_store_pb2_grpc.add_AdapterStoreServicer_to_server(servicer, s))

@@ -3,8 +3,10 @@
 Checks, in order: the weights file is safetensors (never pickle), its header is well-formed and
 consistent with the file size, adapter_config.json is a LoRA config for LLaMA-family projections,
 tensor names and shapes match the config (both A [r, in] and B [out, r] per module, r from
-r/rank_pattern), and every value is finite. Each failure is an InvalidArgument naming the tensor
-or field at fault.
+r/rank_pattern), the rank is within the store's maximum, shapes fit the base model when it is
+registered (FailedPrecondition when the adapter was made for another revision or shape of it),
+and every value is finite. Each failure is an InvalidArgument (or FailedPrecondition) naming the
+tensor or field at fault.
 """
 
 import dataclasses
@@ -17,8 +19,9 @@ import safetensors.torch
 import torch
 from safetensors import SafetensorError
 
+from adapter_store.base_models import BaseModel
 from adapter_store.safetensors_header import FILE, TensorEntry, parse_header
-from loraplex.errors import InvalidArgument
+from loraplex.errors import FailedPrecondition, InvalidArgument
 
 WEIGHTS_FILENAME = FILE
 # Projection -> the block that holds it in a LLaMA-family decoder layer.
@@ -44,6 +47,10 @@ class AdapterSpec:
     target_modules: tuple[str, ...]  # sorted
     num_bytes: int
     sha256: str
+    dtype: str  # safetensors dtype of the weights ("F32", "BF16"; "BF16,F32" when mixed)
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+    base_model_revision: str  # adapter_config.json's "revision", "" when absent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +61,12 @@ class LoraConfig:
     use_rslora: bool
     target_modules: tuple[str, ...]
     rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+    revision: str
+
+    @property
+    def max_rank(self) -> int:
+        return max([self.r, *self.rank_pattern.values()])
 
     def rank_of(self, module_name: str) -> int:
         """PEFT's rule: an exact rank_pattern key first, else the first key matching as a suffix."""
@@ -65,18 +78,48 @@ class LoraConfig:
         return self.r
 
 
-def validate_adapter(config_json: str, weights_filename: str, data: bytes) -> AdapterSpec:
-    """Check a pushed adapter; CPU-bound (hash, finiteness), so call it from a worker thread."""
+def validate_adapter(config_json: str, weights_filename: str, data: bytes, *,
+                     max_rank: int | None = None, base: BaseModel | None = None) -> AdapterSpec:
+    """Check a pushed adapter; CPU-bound (hash, finiteness), so call it from a worker thread.
+    `base`: the registered base model it names, if any."""
     check_weights_file(weights_filename, data)
     entries = parse_header(data)
     config = parse_config(config_json)
+    if max_rank is not None and config.max_rank > max_rank:
+        raise InvalidArgument(f"adapter_config.json: rank {config.max_rank} (max of r and "
+                              f"rank_pattern) exceeds this store's maximum {max_rank}")
     check_tensors(entries, config)
+    if base is not None:
+        check_base_model(entries, config, base)
     check_finite(data)
     return AdapterSpec(
         base_model=config.base_model, use_rslora=config.use_rslora, alpha=config.alpha,
-        rank=max([config.r, *config.rank_pattern.values()]),
-        target_modules=config.target_modules, num_bytes=len(data),
-        sha256=hashlib.sha256(data).hexdigest())
+        rank=config.max_rank, target_modules=config.target_modules, num_bytes=len(data),
+        sha256=hashlib.sha256(data).hexdigest(),
+        dtype=",".join(sorted({e.dtype for e in entries.values()})),
+        rank_pattern=config.rank_pattern, alpha_pattern=config.alpha_pattern,
+        base_model_revision=config.revision or (base.revision if base else ""))
+
+
+def check_base_model(entries: dict[str, TensorEntry], config: LoraConfig, base: BaseModel) -> None:
+    """Every tensor fits the registered base model: its layer exists, A is [r, in], B [out, r]."""
+    if config.revision and base.revision and config.revision != base.revision:
+        raise FailedPrecondition(
+            f"adapter_config.json: revision {config.revision!r} of {base.model_id!r} differs from "
+            f"the registered revision {base.revision!r}; retrain on it or register that revision")
+    for name, entry in sorted(entries.items()):
+        match = _LORA_KEY_RE.match(name)
+        layer, module, which = int(match[1]), match[3], match[4]
+        if layer >= base.num_layers:
+            raise FailedPrecondition(f"tensor {name!r}: layer {layer} does not exist in "
+                                     f"{base.model_id!r} ({base.num_layers} layers)")
+        in_f, out_f = base.module_shapes[module]
+        got, want, what = ((entry.shape[1], in_f, "input") if which == "A"
+                           else (entry.shape[0], out_f, "output"))
+        if got != want:
+            raise FailedPrecondition(
+                f"tensor {name!r} has shape {list(entry.shape)}: {got} {what} features, but "
+                f"{module} of {base.model_id!r} has {want}; was it trained on another model?")
 
 
 def check_weights_file(weights_filename: str, data: bytes) -> None:
@@ -132,9 +175,14 @@ def parse_config(config_json: str) -> LoraConfig:
     if not isinstance(alpha_pattern, dict) or not all(
             _is_number(a) for a in alpha_pattern.values()):
         raise invalid("alpha_pattern must map module patterns to finite numbers")
+    revision = raw.get("revision") or ""
+    if not isinstance(revision, str):
+        raise invalid(f"revision must be a string, got {revision!r}")
     return LoraConfig(base_model=base_model, r=r, alpha=float(alpha), use_rslora=use_rslora,
                       target_modules=_target_modules(raw.get("target_modules"), invalid),
-                      rank_pattern=dict(rank_pattern))
+                      rank_pattern=dict(rank_pattern),
+                      alpha_pattern={k: float(v) for k, v in alpha_pattern.items()},
+                      revision=revision)
 
 
 def _target_modules(value: object, invalid) -> tuple[str, ...]:

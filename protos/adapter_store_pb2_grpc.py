@@ -40,20 +40,60 @@ class AdapterStoreStub:
                 request_serializer=protos_dot_adapter__store__pb2.PushRequest.SerializeToString,
                 response_deserializer=protos_dot_common__pb2.AdapterInfo.FromString,
                 _registered_method=True)
+        self.Register = channel.unary_unary(
+                '/loraplex.v1.AdapterStore/Register',
+                request_serializer=protos_dot_adapter__store__pb2.RegisterRequest.SerializeToString,
+                response_deserializer=protos_dot_common__pb2.AdapterInfo.FromString,
+                _registered_method=True)
         self.GetAdapter = channel.unary_unary(
                 '/loraplex.v1.AdapterStore/GetAdapter',
                 request_serializer=protos_dot_adapter__store__pb2.GetAdapterRequest.SerializeToString,
                 response_deserializer=protos_dot_common__pb2.AdapterInfo.FromString,
+                _registered_method=True)
+        self.DescribeAdapter = channel.unary_unary(
+                '/loraplex.v1.AdapterStore/DescribeAdapter',
+                request_serializer=protos_dot_adapter__store__pb2.GetAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_adapter__store__pb2.AdapterDetails.FromString,
                 _registered_method=True)
         self.ListAdapters = channel.unary_unary(
                 '/loraplex.v1.AdapterStore/ListAdapters',
                 request_serializer=protos_dot_adapter__store__pb2.ListAdaptersRequest.SerializeToString,
                 response_deserializer=protos_dot_adapter__store__pb2.ListAdaptersResponse.FromString,
                 _registered_method=True)
+        self.SetAlias = channel.unary_unary(
+                '/loraplex.v1.AdapterStore/SetAlias',
+                request_serializer=protos_dot_adapter__store__pb2.SetAliasRequest.SerializeToString,
+                response_deserializer=protos_dot_adapter__store__pb2.SetAliasResponse.FromString,
+                _registered_method=True)
+        self.DeleteAdapter = channel.unary_unary(
+                '/loraplex.v1.AdapterStore/DeleteAdapter',
+                request_serializer=protos_dot_adapter__store__pb2.DeleteAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_adapter__store__pb2.DeleteAdapterResponse.FromString,
+                _registered_method=True)
         self.Fetch = channel.unary_stream(
                 '/loraplex.v1.AdapterStore/Fetch',
                 request_serializer=protos_dot_adapter__store__pb2.FetchRequest.SerializeToString,
                 response_deserializer=protos_dot_adapter__store__pb2.FetchResponse.FromString,
+                _registered_method=True)
+        self.Prewarm = channel.unary_unary(
+                '/loraplex.v1.AdapterStore/Prewarm',
+                request_serializer=protos_dot_adapter__store__pb2.HostPrewarmRequest.SerializeToString,
+                response_deserializer=protos_dot_adapter__store__pb2.HostPrewarmResponse.FromString,
+                _registered_method=True)
+        self.Stats = channel.unary_unary(
+                '/loraplex.v1.AdapterStore/Stats',
+                request_serializer=protos_dot_adapter__store__pb2.StoreStatsRequest.SerializeToString,
+                response_deserializer=protos_dot_adapter__store__pb2.StoreStatsResponse.FromString,
+                _registered_method=True)
+        self.RegisterBaseModel = channel.unary_unary(
+                '/loraplex.v1.AdapterStore/RegisterBaseModel',
+                request_serializer=protos_dot_adapter__store__pb2.RegisterBaseModelRequest.SerializeToString,
+                response_deserializer=protos_dot_adapter__store__pb2.BaseModelInfo.FromString,
+                _registered_method=True)
+        self.ReportResidency = channel.unary_unary(
+                '/loraplex.v1.AdapterStore/ReportResidency',
+                request_serializer=protos_dot_adapter__store__pb2.ResidencyReport.SerializeToString,
+                response_deserializer=protos_dot_adapter__store__pb2.ResidencyAck.FromString,
                 _registered_method=True)
 
 
@@ -68,8 +108,23 @@ class AdapterStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Register(self, request, context):
+        """Register the next version of `name` from a PEFT folder already in S3 (adapter_config.json and
+        adapter_model.safetensors under `source_uri`); validated and copied into the registry.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetAdapter(self, request, context):
-        """Metadata of one adapter version (latest when version is 0).
+        """Metadata of one adapter version: exact, by alias, or the latest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DescribeAdapter(self, request, context):
+        """Everything the registry records about one adapter version, with its current aliases.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -82,8 +137,51 @@ class AdapterStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetAlias(self, request, context):
+        """Point an alias at a version, or remove it; atomic across store replicas.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteAdapter(self, request, context):
+        """Delete a version (or all versions) of an adapter. Refused (FAILED_PRECONDITION) while an alias
+        points at it or an executor reports it resident. Version numbers are never reused.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Fetch(self, request, context):
         """Stream an adapter version: first message carries `info`, the rest chunks of the safetensors bytes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prewarm(self, request, context):
+        """Bring an adapter version into the host-RAM tier ahead of a load.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stats(self, request, context):
+        """Counters of the host tier and the registry of this replica.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegisterBaseModel(self, request, context):
+        """Register (or replace) a base model's config.json: pushes naming it are checked against its shapes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportResidency(self, request, context):
+        """An executor's resident adapter versions; pins them against deletion until the report expires.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -97,20 +195,60 @@ def add_AdapterStoreServicer_to_server(servicer, server):
                     request_deserializer=protos_dot_adapter__store__pb2.PushRequest.FromString,
                     response_serializer=protos_dot_common__pb2.AdapterInfo.SerializeToString,
             ),
+            'Register': grpc.unary_unary_rpc_method_handler(
+                    servicer.Register,
+                    request_deserializer=protos_dot_adapter__store__pb2.RegisterRequest.FromString,
+                    response_serializer=protos_dot_common__pb2.AdapterInfo.SerializeToString,
+            ),
             'GetAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.GetAdapter,
                     request_deserializer=protos_dot_adapter__store__pb2.GetAdapterRequest.FromString,
                     response_serializer=protos_dot_common__pb2.AdapterInfo.SerializeToString,
+            ),
+            'DescribeAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeAdapter,
+                    request_deserializer=protos_dot_adapter__store__pb2.GetAdapterRequest.FromString,
+                    response_serializer=protos_dot_adapter__store__pb2.AdapterDetails.SerializeToString,
             ),
             'ListAdapters': grpc.unary_unary_rpc_method_handler(
                     servicer.ListAdapters,
                     request_deserializer=protos_dot_adapter__store__pb2.ListAdaptersRequest.FromString,
                     response_serializer=protos_dot_adapter__store__pb2.ListAdaptersResponse.SerializeToString,
             ),
+            'SetAlias': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetAlias,
+                    request_deserializer=protos_dot_adapter__store__pb2.SetAliasRequest.FromString,
+                    response_serializer=protos_dot_adapter__store__pb2.SetAliasResponse.SerializeToString,
+            ),
+            'DeleteAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteAdapter,
+                    request_deserializer=protos_dot_adapter__store__pb2.DeleteAdapterRequest.FromString,
+                    response_serializer=protos_dot_adapter__store__pb2.DeleteAdapterResponse.SerializeToString,
+            ),
             'Fetch': grpc.unary_stream_rpc_method_handler(
                     servicer.Fetch,
                     request_deserializer=protos_dot_adapter__store__pb2.FetchRequest.FromString,
                     response_serializer=protos_dot_adapter__store__pb2.FetchResponse.SerializeToString,
+            ),
+            'Prewarm': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prewarm,
+                    request_deserializer=protos_dot_adapter__store__pb2.HostPrewarmRequest.FromString,
+                    response_serializer=protos_dot_adapter__store__pb2.HostPrewarmResponse.SerializeToString,
+            ),
+            'Stats': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stats,
+                    request_deserializer=protos_dot_adapter__store__pb2.StoreStatsRequest.FromString,
+                    response_serializer=protos_dot_adapter__store__pb2.StoreStatsResponse.SerializeToString,
+            ),
+            'RegisterBaseModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterBaseModel,
+                    request_deserializer=protos_dot_adapter__store__pb2.RegisterBaseModelRequest.FromString,
+                    response_serializer=protos_dot_adapter__store__pb2.BaseModelInfo.SerializeToString,
+            ),
+            'ReportResidency': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportResidency,
+                    request_deserializer=protos_dot_adapter__store__pb2.ResidencyReport.FromString,
+                    response_serializer=protos_dot_adapter__store__pb2.ResidencyAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -151,6 +289,33 @@ class AdapterStore:
             _registered_method=True)
 
     @staticmethod
+    def Register(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplex.v1.AdapterStore/Register',
+            protos_dot_adapter__store__pb2.RegisterRequest.SerializeToString,
+            protos_dot_common__pb2.AdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def GetAdapter(request,
             target,
             options=(),
@@ -167,6 +332,33 @@ class AdapterStore:
             '/loraplex.v1.AdapterStore/GetAdapter',
             protos_dot_adapter__store__pb2.GetAdapterRequest.SerializeToString,
             protos_dot_common__pb2.AdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplex.v1.AdapterStore/DescribeAdapter',
+            protos_dot_adapter__store__pb2.GetAdapterRequest.SerializeToString,
+            protos_dot_adapter__store__pb2.AdapterDetails.FromString,
             options,
             channel_credentials,
             insecure,
@@ -205,6 +397,60 @@ class AdapterStore:
             _registered_method=True)
 
     @staticmethod
+    def SetAlias(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplex.v1.AdapterStore/SetAlias',
+            protos_dot_adapter__store__pb2.SetAliasRequest.SerializeToString,
+            protos_dot_adapter__store__pb2.SetAliasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplex.v1.AdapterStore/DeleteAdapter',
+            protos_dot_adapter__store__pb2.DeleteAdapterRequest.SerializeToString,
+            protos_dot_adapter__store__pb2.DeleteAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Fetch(request,
             target,
             options=(),
@@ -221,6 +467,114 @@ class AdapterStore:
             '/loraplex.v1.AdapterStore/Fetch',
             protos_dot_adapter__store__pb2.FetchRequest.SerializeToString,
             protos_dot_adapter__store__pb2.FetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prewarm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplex.v1.AdapterStore/Prewarm',
+            protos_dot_adapter__store__pb2.HostPrewarmRequest.SerializeToString,
+            protos_dot_adapter__store__pb2.HostPrewarmResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplex.v1.AdapterStore/Stats',
+            protos_dot_adapter__store__pb2.StoreStatsRequest.SerializeToString,
+            protos_dot_adapter__store__pb2.StoreStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterBaseModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplex.v1.AdapterStore/RegisterBaseModel',
+            protos_dot_adapter__store__pb2.RegisterBaseModelRequest.SerializeToString,
+            protos_dot_adapter__store__pb2.BaseModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportResidency(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplex.v1.AdapterStore/ReportResidency',
+            protos_dot_adapter__store__pb2.ResidencyReport.SerializeToString,
+            protos_dot_adapter__store__pb2.ResidencyAck.FromString,
             options,
             channel_credentials,
             insecure,

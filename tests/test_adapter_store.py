@@ -57,6 +57,11 @@ def lora_config(targets=("q_proj", "v_proj"), rank=8, **extra) -> str:
     return json.dumps(config)
 
 
+def weights_key(name: str, data: bytes) -> str:
+    """Where the registry keeps these weights (content-addressed)."""
+    return f"adapters/{name}/weights/{hashlib.sha256(data).hexdigest()}.safetensors"
+
+
 def make_adapter(seed=0, **kwargs) -> tuple[str, bytes]:
     return lora_config(), safetensors.torch.save(lora_tensors(seed=seed, **kwargs))
 
@@ -70,16 +75,22 @@ class CountingBlobStore(BlobStore):
         self.num_gets: collections.Counter[str] = collections.Counter()
         self.get_delay_s = 0.0
 
-    async def get(self, key):
+    async def get_with_etag(self, key):
         self.num_gets[key] += 1
         await asyncio.sleep(self.get_delay_s)
-        return await self.inner.get(key)
+        return await self.inner.get_with_etag(key)
 
-    async def put(self, key, data):
-        await self.inner.put(key, data)
+    async def put(self, key, data, **conditions):
+        await self.inner.put(key, data, **conditions)
 
-    async def list_keys(self, prefix):
-        return await self.inner.list_keys(prefix)
+    async def delete(self, key):
+        await self.inner.delete(key)
+
+    async def list_objects(self, prefix):
+        return await self.inner.list_objects(prefix)
+
+    async def read_external(self, uri):
+        return await self.inner.read_external(uri)
 
     async def close(self):
         await self.inner.close()
@@ -186,7 +197,7 @@ async def test_restart_keeps_registry(store):
     await store.push("public-one", config_json, data)
     await store.restart()
     listed = await store.stub.ListAdapters(pb.ListAdaptersRequest())
-    assert [(a.name, a.version) for a in listed.adapters] == [("kept", 2), ("public-one", 1)]
+    assert [(a.info.name, a.info.version) for a in listed.adapters] == [("kept", 2), ("public-one", 1)]
     info, fetched = await store.fetch("kept", 1)
     assert fetched == data and info.owner_tenant == "acme"
     assert (await store.push("kept", config_json, data, owner="acme")).version == 3
@@ -196,7 +207,7 @@ async def test_restart_keeps_registry(store):
 async def test_single_flight_of_cold_adapter(store):
     config_json, data = make_adapter(num_layers=4)
     await store.push("hot", config_json, data)
-    key = "adapters/hot/v1/adapter_model.safetensors"
+    key = weights_key("hot", data)
     store.blobs.get_delay_s = 0.3  # a slow backend: all 100 requests arrive during the one read
     results = await asyncio.gather(*(store.fetch("hot", 1) for _ in range(100)))
     assert all(fetched == data for _, fetched in results)
@@ -213,10 +224,10 @@ async def test_corrupted_object_is_data_loss(store, request):
     corrupted[-1] ^= 0xFF
     if store.config.is_s3:  # overwrite the object directly in the bucket
         s3 = request.getfixturevalue("seaweedfs_s3")
-        key = f"{store.config.s3_prefix}adapters/fragile/v1/{WEIGHTS}"
+        key = store.config.s3_prefix + weights_key("fragile", data)
         s3.client().put_object(Bucket=s3.bucket, Key=key, Body=bytes(corrupted))
     else:
-        (store.config.file_root / f"adapters/fragile/v1/{WEIGHTS}").write_bytes(corrupted)
+        (store.config.file_root / weights_key("fragile", data)).write_bytes(corrupted)
     for _ in range(2):  # never cached: the second read fails the same way
         details = await expect_error(grpc.StatusCode.DATA_LOSS, store.fetch("fragile", 1))
         assert "fragile" in details and "sha256" in details
@@ -240,7 +251,7 @@ async def test_replicas_share_one_blob_store(store):
 async def test_missing_weights_is_data_loss(file_store):
     config_json, data = make_adapter()
     await file_store.push("gone", config_json, data)
-    (file_store.config.file_root / f"adapters/gone/v1/{WEIGHTS}").unlink()
+    (file_store.config.file_root / weights_key("gone", data)).unlink()
     details = await expect_error(grpc.StatusCode.DATA_LOSS, file_store.fetch("gone", 1))
     assert "missing" in details
 
@@ -261,7 +272,7 @@ async def test_tenants_see_own_and_public(file_store):
 
     async def names(tenant):
         listed = await file_store.stub.ListAdapters(pb.ListAdaptersRequest(tenant=tenant))
-        return [a.name for a in listed.adapters]
+        return [a.info.name for a in listed.adapters]
 
     assert await names("alice") == ["alice-bot", "shared"]
     assert await names("bob") == ["bob-bot", "shared"]

@@ -1,0 +1,91 @@
+"""Base models the store knows: the shapes an adapter must fit, from the model's HF config.json.
+
+An operator registers a base model once (`RegisterBaseModel`, `loraplex adapters base add DIR`);
+its config.json (and revision) is stored at base-models/{model_id}/base.json beside the adapters, so every
+replica sees it. A push whose `base_model_name_or_path` names a registered model is checked
+tensor by tensor against it (features in and out of each projection, layer count) and, when both
+sides state one, against its revision. With `require_base_model` a push for an unregistered base is
+refused; without it (the default) only the adapter's own consistency is checked, and the scheduler
+still refuses a base mismatch when a request names the adapter.
+"""
+
+import dataclasses
+import hashlib
+import json
+import re
+
+from loraplex.errors import InvalidArgument
+
+ROOT = "base-models/"
+RECORD_FILENAME = "base.json"  # {"model_id", "revision", "config_json"}
+# HF model ids: "org/name" or "name", plus local-path-like ids made of the same characters.
+_MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95}){0,3}$")
+_FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseModel:
+    """A registered base model: (in, out) features of each LoRA target projection."""
+
+    model_id: str
+    revision: str
+    config_sha256: str
+    num_layers: int
+    module_shapes: dict[str, tuple[int, int]]  # module -> (in_features, out_features)
+    config_json: str
+
+    @classmethod
+    def from_config(cls, model_id: str, config_json: str, revision: str = "") -> "BaseModel":
+        check_model_id(model_id)
+
+        def invalid(message: str) -> InvalidArgument:
+            return InvalidArgument(f"base model {model_id!r} config.json: {message}")
+
+        try:
+            raw = json.loads(config_json)
+        except json.JSONDecodeError as exc:
+            raise invalid(f"not valid JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise invalid("must be a JSON object")
+        if raw.get("model_type") not in _FAMILIES:
+            raise invalid(f"model_type {raw.get('model_type')!r} is not a LLaMA-family model "
+                          f"({', '.join(sorted(_FAMILIES))})")
+        values = {}
+        for field in ("hidden_size", "intermediate_size", "num_attention_heads",
+                      "num_hidden_layers"):
+            value = raw.get(field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise invalid(f"{field} must be a positive integer, got {value!r}")
+            values[field] = value
+        hidden, heads = values["hidden_size"], values["num_attention_heads"]
+        kv_heads = raw.get("num_key_value_heads") or heads
+        head_dim = raw.get("head_dim") or hidden // heads
+        if not all(isinstance(v, int) and v > 0 for v in (kv_heads, head_dim)):
+            raise invalid("num_key_value_heads and head_dim must be positive integers")
+        inter, q, kv = values["intermediate_size"], heads * head_dim, kv_heads * head_dim
+        shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+                  "o_proj": (q, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+                  "down_proj": (inter, hidden)}
+        return cls(model_id=model_id, revision=revision,
+                   config_sha256=hashlib.sha256(config_json.encode()).hexdigest(),
+                   num_layers=values["num_hidden_layers"], module_shapes=shapes,
+                   config_json=config_json)
+
+    def to_json(self) -> str:
+        return json.dumps({"model_id": self.model_id, "revision": self.revision,
+                           "config_json": self.config_json}, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "BaseModel":
+        raw = json.loads(text)
+        return cls.from_config(raw["model_id"], raw["config_json"], raw.get("revision", ""))
+
+
+def check_model_id(model_id: str) -> None:
+    if not _MODEL_ID_RE.match(model_id) or ".." in model_id:
+        raise InvalidArgument(f"base model id {model_id!r} is invalid: use an HF-style id like "
+                              "'org/name' (letters, digits, . _ -)")
+
+
+def base_model_key(model_id: str) -> str:
+    return f"{ROOT}{model_id}/{RECORD_FILENAME}"

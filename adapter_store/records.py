@@ -1,0 +1,118 @@
+"""What the registry stores: immutable version records, the mutable per-name index, and the
+rules for names and aliases. Plain data, JSON in and out; no I/O here."""
+
+import dataclasses
+import json
+import re
+import time
+
+ROOT = "adapters/"
+MANIFEST_FILENAME = "manifest.json"
+INDEX_FILENAME = "index.json"
+_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+_ALIAS_RE = re.compile(r"^[A-Za-z][A-Za-z0-9._-]{0,63}$")
+
+
+@dataclasses.dataclass(frozen=True)
+class VersionMeta:
+    """What the pusher states about a version, beyond what the files say."""
+
+    training_dataset: str = ""  # e.g. "support-tickets@2026-10-01"
+    eval_scores: dict[str, float] = dataclasses.field(default_factory=dict)
+    base_model_revision: str = ""  # overrides adapter_config.json's "revision"
+    source: str = ""  # "upload" or the URI the version was registered from
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterRecord:
+    """One immutable adapter version; the fields of AdapterInfo (common.proto) and the rest of
+    AdapterDetails (adapter_store.proto)."""
+
+    name: str
+    version: int
+    owner_tenant: str  # "" for public adapters
+    is_public: bool
+    base_model: str
+    rank: int
+    alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...]
+    num_bytes: int
+    sha256: str
+    created_unix: float
+    config_json: str
+    # Added by issue 5; defaults keep manifests written before it readable.
+    base_model_revision: str = ""
+    base_config_sha256: str = ""  # of the registered base config.json it was checked against
+    dtype: str = ""
+    rank_pattern: dict[str, int] = dataclasses.field(default_factory=dict)
+    alpha_pattern: dict[str, float] = dataclasses.field(default_factory=dict)
+    training_dataset: str = ""
+    eval_scores: dict[str, float] = dataclasses.field(default_factory=dict)
+    source: str = ""
+    weights_key: str = ""  # "" = the pre-issue-5 layout, v{version}/adapter_model.safetensors
+
+    def __post_init__(self) -> None:
+        if not self.weights_key:
+            object.__setattr__(self, "weights_key",
+                               f"{version_prefix(self.name, self.version)}adapter_model.safetensors")
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}@{self.version}"
+
+    def is_visible_to(self, tenant: str) -> bool:
+        """An empty tenant is a trusted caller and sees everything."""
+        return not tenant or self.is_public or self.owner_tenant == tenant
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "AdapterRecord":
+        raw = json.loads(text)
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        required = {n for n, f in fields.items() if f.default is dataclasses.MISSING
+                    and f.default_factory is dataclasses.MISSING}
+        if not required <= raw.keys():
+            raise ValueError(f"manifest lacks {sorted(required - raw.keys())}")
+        values = {k: raw[k] for k in fields if k in raw}
+        values["target_modules"] = tuple(values["target_modules"])
+        return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True)
+class NameIndex:
+    """The mutable part of a name: alias -> version, and the versions deleted."""
+
+    aliases: dict[str, int] = dataclasses.field(default_factory=dict)
+    deleted: frozenset[int] = frozenset()
+
+    def to_json(self) -> bytes:
+        return json.dumps({"aliases": self.aliases, "deleted": sorted(self.deleted),
+                           "updated_unix": time.time()}, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "NameIndex":
+        raw = json.loads(data)
+        return cls({str(k): int(v) for k, v in raw.get("aliases", {}).items()},
+                   frozenset(int(v) for v in raw.get("deleted", ())))
+
+    def aliases_of(self, version: int) -> list[str]:
+        return sorted(a for a, v in self.aliases.items() if v == version)
+
+
+def version_prefix(name: str, version: int) -> str:
+    return f"{ROOT}{name}/v{version}/"
+
+
+def check_name(name: str) -> None:
+    if not _NAME_RE.match(name) or name in (".", ".."):
+        raise ValueError(f"adapter name {name!r} is invalid: use 1-128 characters of "
+                         "A-Z a-z 0-9 . _ - (not '.' or '..')")
+
+
+def check_alias(alias: str) -> None:
+    if not _ALIAS_RE.match(alias) or alias == "latest":
+        raise ValueError(f"alias {alias!r} is invalid: 1-64 characters of A-Z a-z 0-9 . _ -, "
+                         "starting with a letter, not 'latest'")
