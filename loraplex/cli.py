@@ -2,7 +2,7 @@
 
     loraplex up                        all three services locally on embedded defaults
     loraplex serve scheduler|executor|adapter-store [flags]
-    loraplex adapters push DIR --name N [--tenant T]
+    loraplex adapters push|register|list|show|alias|rm|base|stats ...
     loraplex generate --adapter N "prompt" [--json]
     loraplex demo                      the main job: services + a streaming multi-tenant workload
 """
@@ -12,6 +12,7 @@ import asyncio
 import pathlib
 import signal
 import sys
+import time
 
 import grpc
 
@@ -53,18 +54,96 @@ def _up(args: argparse.Namespace) -> None:
             print("\nstopping")
 
 
-async def _push(args: argparse.Namespace) -> None:
-    def progress(done: int, total: int) -> None:
-        width = 30
-        filled = width * done // max(total, 1)
-        print(f"\r  uploading [{'#' * filled}{'.' * (width - filled)}] {done / 2**20:.1f}/"
-              f"{total / 2**20:.1f} MiB", end="", file=sys.stderr, flush=True)
+def _progress(done: int, total: int) -> None:
+    width = 30
+    filled = width * done // max(total, 1)
+    print(f"\r  uploading [{'#' * filled}{'.' * (width - filled)}] {done / 2**20:.1f}/"
+          f"{total / 2**20:.1f} MiB", end="", file=sys.stderr, flush=True)
 
-    info = await client.push_adapter(args.store, args.dir, args.name, args.tenant, progress)
-    print(file=sys.stderr)
-    owner = info.owner_tenant or "public"
-    print(f"pushed {info.name}@{info.version} (rank {info.rank}, {len(info.target_modules)} modules, "
-          f"{info.num_bytes / 2**20:.2f} MiB, owner {owner}, base {info.base_model})")
+
+def _metadata(args: argparse.Namespace):
+    scores = {}
+    for item in args.eval:
+        metric, _, value = item.partition("=")
+        try:
+            scores[metric] = float(value)
+        except ValueError:
+            sys.exit(f"error: --eval {item!r}: use METRIC=NUMBER")
+    return client.version_metadata(args.dataset, scores, args.base_revision, args.alias)
+
+
+def _describe(d) -> str:
+    i = d.info
+    lines = [f"{i.name}@{i.version}" + (f"  (aliases: {', '.join(d.aliases)})" if d.aliases else ""),
+             f"  owner      {i.owner_tenant or 'public'}",
+             f"  base       {i.base_model}" + (f" @ {d.base_model_revision}" if d.base_model_revision else ""),
+             f"  rank       {i.rank} (alpha {i.alpha:g}{', rsLoRA' if i.use_rslora else ''})"
+             + (f", patterns {dict(d.rank_pattern)}" if d.rank_pattern else ""),
+             f"  targets    {' '.join(i.target_modules)}",
+             f"  weights    {i.num_bytes / 2**20:.2f} MiB {d.dtype}, sha256 {i.sha256[:16]}...",
+             f"  dataset    {d.training_dataset or '-'}",
+             f"  evals      {', '.join(f'{k}={v:g}' for k, v in sorted(d.eval_scores.items())) or '-'}",
+             f"  created    {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(i.created_unix))}"
+             f"  from {d.source or '-'}"]
+    return "\n".join(lines)
+
+
+async def _adapters(args: argparse.Namespace) -> None:
+    from protos import adapter_store_pb2 as pb
+
+    command = args.adapters_command
+    if command == "push":
+        info = await client.push_adapter(args.store, args.dir, args.name, args.tenant, _progress,
+                                         _metadata(args))
+        print(file=sys.stderr)
+    elif command == "register":
+        info = await client.store_call(args.store, "Register", pb.RegisterRequest(
+            name=args.name, owner_tenant=args.tenant, source_uri=args.uri,
+            metadata=_metadata(args)))
+    if command in ("push", "register"):
+        print(f"registered {info.name}@{info.version} (rank {info.rank}, "
+              f"{len(info.target_modules)} modules, {info.num_bytes / 2**20:.2f} MiB, "
+              f"owner {info.owner_tenant or 'public'}, base {info.base_model})")
+    elif command == "list":
+        listed = await client.store_call(args.store, "ListAdapters", pb.ListAdaptersRequest(
+            tenant=args.tenant, name=args.name, all_versions=args.all_versions))
+        print(f"{'ADAPTER':32s} {'OWNER':10s} {'RANK':>4s} {'MIB':>7s}  {'ALIASES':16s} BASE")
+        for d in listed.adapters:
+            i = d.info
+            print(f"{i.name + '@' + str(i.version):32s} {i.owner_tenant or 'public':10s} "
+                  f"{i.rank:4d} {i.num_bytes / 2**20:7.2f}  {','.join(d.aliases) or '-':16s} "
+                  f"{i.base_model}")
+    elif command == "show":
+        name, version, alias = client.split_ref(args.ref)
+        print(_describe(await client.store_call(args.store, "DescribeAdapter", pb.GetAdapterRequest(
+            name=name, version=version, alias=alias, tenant=args.tenant))))
+    elif command == "alias":
+        name, version, _ = client.split_ref(args.ref)
+        request = pb.SetAliasRequest(name=name, alias=args.alias, tenant=args.tenant,
+                                     version=0 if args.remove else version)
+        if not args.remove and not version:
+            sys.exit("error: give the version to point at: NAME@VERSION (or --remove)")
+        if args.expect is not None:
+            request.expected_version = args.expect
+        answer = await client.store_call(args.store, "SetAlias", request)
+        target = "removed" if args.remove else f"-> {name}@{version}"
+        print(f"{name}@{args.alias} {target} (was {answer.previous_version or 'unset'})")
+    elif command == "rm":
+        name, version, alias = client.split_ref(args.ref)
+        if alias or (not version and not args.all_versions):
+            sys.exit("error: name the version to delete (NAME@VERSION), or --all-versions")
+        answer = await client.store_call(args.store, "DeleteAdapter", pb.DeleteAdapterRequest(
+            name=name, version=version, tenant=args.tenant))
+        print(f"deleted {name} versions {', '.join(map(str, answer.versions))}")
+    elif command == "base":
+        folder = pathlib.Path(args.dir)
+        base = await client.store_call(args.store, "RegisterBaseModel", pb.RegisterBaseModelRequest(
+            model_id=args.id, config_json=(folder / "config.json").read_text(),
+            revision=args.revision))
+        print(f"registered base model {base.model_id} ({base.num_layers} layers, revision "
+              f"{base.revision or '-'}, config sha256 {base.config_sha256[:16]}...)")
+    elif command == "stats":
+        print(await client.store_call(args.store, "Stats", pb.StoreStatsRequest()), end="")
 
 
 async def _generate(args: argparse.Namespace) -> None:
@@ -100,11 +179,47 @@ def _parser() -> argparse.ArgumentParser:
 
     adapters = sub.add_parser("adapters", help="manage adapters in the store")
     asub = adapters.add_subparsers(dest="adapters_command", required=True)
-    push = asub.add_parser("push", help="upload a PEFT adapter folder")
+    def store_command(name: str, help: str) -> argparse.ArgumentParser:
+        command = asub.add_parser(name, help=help)
+        command.add_argument("--store", default=DEFAULT_STORE)
+        command.add_argument("--tenant", default="",
+                             help="acting tenant / owner (default: operator, public adapters)")
+        return command
+
+    def metadata_flags(command: argparse.ArgumentParser) -> None:
+        command.add_argument("--dataset", default="", help="training data set version")
+        command.add_argument("--eval", action="append", default=[], metavar="METRIC=SCORE")
+        command.add_argument("--base-revision", default="", help="base model revision / hash")
+        command.add_argument("--alias", action="append", default=[],
+                             help="point this alias at the new version (repeatable)")
+
+    push = store_command("push", "upload a PEFT adapter folder (progress bar)")
     push.add_argument("dir")
     push.add_argument("--name", required=True)
-    push.add_argument("--tenant", default="", help="owner tenant (default: public)")
-    push.add_argument("--store", default=DEFAULT_STORE)
+    metadata_flags(push)
+    register = store_command("register", "register a PEFT folder already in S3 (s3://b/prefix)")
+    register.add_argument("uri")
+    register.add_argument("--name", required=True)
+    metadata_flags(register)
+    listing = store_command("list", "adapters visible to a tenant")
+    listing.add_argument("--name", default="", help="only this adapter")
+    listing.add_argument("--all-versions", action="store_true")
+    show = store_command("show", "everything recorded about NAME[@VERSION|@ALIAS]")
+    show.add_argument("ref")
+    alias = store_command("alias", "point ALIAS at NAME@VERSION (atomic), or --remove it")
+    alias.add_argument("ref", help="NAME@VERSION")
+    alias.add_argument("alias")
+    alias.add_argument("--remove", action="store_true")
+    alias.add_argument("--expect", type=int, default=None,
+                       help="only if the alias points at this version now (0 = unset)")
+    rm = store_command("rm", "delete NAME@VERSION (refused while aliased or resident)")
+    rm.add_argument("ref")
+    rm.add_argument("--all-versions", action="store_true")
+    base = store_command("base", "register a base model's config.json for shape checks")
+    base.add_argument("dir", help="folder with the model's config.json")
+    base.add_argument("--id", required=True, help="model id adapters name as their base")
+    base.add_argument("--revision", default="")
+    store_command("stats", "host tier and registry counters of a store")
 
     gen = sub.add_parser("generate", help="stream a completion")
     gen.add_argument("prompt")
@@ -134,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "up":
         _up(args)
     elif args.command in ("adapters", "generate"):
-        action = _push if args.command == "adapters" else _generate
+        action = _adapters if args.command == "adapters" else _generate
         try:
             run(lambda: action(args))
         except grpc.aio.AioRpcError as err:

@@ -13,8 +13,18 @@ PUSH_CHUNK_BYTES = 1 << 20
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 
 
+def version_metadata(training_dataset: str = "", eval_scores: dict[str, float] | None = None,
+                     base_model_revision: str = "",
+                     aliases: list[str] | None = None) -> adapter_store_pb2.VersionMetadata:
+    return adapter_store_pb2.VersionMetadata(
+        training_dataset=training_dataset, eval_scores=eval_scores or {},
+        base_model_revision=base_model_revision, aliases=aliases or [])
+
+
 async def push_adapter(store: str, folder: str | pathlib.Path, name: str, tenant: str = "",
-                       progress: Callable[[int, int], None] | None = None) -> common_pb2.AdapterInfo:
+                       progress: Callable[[int, int], None] | None = None,
+                       metadata: adapter_store_pb2.VersionMetadata | None = None,
+                       ) -> common_pb2.AdapterInfo:
     """Upload a PEFT adapter folder to the store; returns the registered version."""
     folder = pathlib.Path(folder)
     config_json = (folder / "adapter_config.json").read_text()
@@ -26,7 +36,7 @@ async def push_adapter(store: str, folder: str | pathlib.Path, name: str, tenant
     async def messages():
         yield adapter_store_pb2.PushRequest(header=adapter_store_pb2.PushHeader(
             name=name, owner_tenant=tenant, config_json=config_json, weights_filename=weights.name,
-            num_bytes=len(data)))
+            num_bytes=len(data), metadata=metadata))
         for start in range(0, len(data), PUSH_CHUNK_BYTES):
             yield adapter_store_pb2.PushRequest(chunk=data[start:start + PUSH_CHUNK_BYTES])
             if progress is not None:
@@ -34,6 +44,20 @@ async def push_adapter(store: str, folder: str | pathlib.Path, name: str, tenant
 
     async with insecure_channel(store) as channel:
         return await adapter_store_pb2_grpc.AdapterStoreStub(channel).Push(messages())
+
+
+async def store_call(store: str, method: str, request):
+    """One unary AdapterStore RPC, e.g. store_call(addr, "SetAlias", SetAliasRequest(...))."""
+    async with insecure_channel(store) as channel:
+        return await getattr(adapter_store_pb2_grpc.AdapterStoreStub(channel), method)(request)
+
+
+def split_ref(ref: str) -> tuple[str, int, str]:
+    """"name", "name@3", "name@prod" -> (name, version, alias), for admin commands."""
+    name, _, tail = ref.partition("@")
+    if tail.isdigit():
+        return name, int(tail), ""
+    return name, 0, "" if tail == "latest" else tail
 
 
 @dataclass

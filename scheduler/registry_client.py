@@ -1,4 +1,8 @@
-"""Adapter lookups in the store's registry, from the scheduler."""
+"""Adapter lookups in the store's registry, from the scheduler.
+
+A reference is resolved once, when the request arrives: the request then carries the exact
+"name@version" for its whole life, so moving an alias never changes a running sequence, and the
+next request resolves the alias afresh (the store re-reads aliases on every lookup)."""
 
 import re
 
@@ -8,17 +12,22 @@ from loraplex.errors import InvalidArgument, LoraplexError, Unavailable, from_rp
 from loraplex.server import insecure_channel
 from protos import adapter_store_pb2, adapter_store_pb2_grpc, common_pb2
 
-_ADAPTER_REF = re.compile(r"^(?P<name>[A-Za-z0-9._-]{1,128})(@(?P<version>[0-9]{1,9}|latest))?$")
+_ADAPTER_REF = re.compile(r"^(?P<name>[A-Za-z0-9._-]{1,128})"
+                          r"(@((?P<version>[0-9]{1,9})|(?P<alias>[A-Za-z][A-Za-z0-9._-]{0,63})))?$")
 
 
-def parse_adapter_ref(ref: str) -> tuple[str, int]:
-    """"name", "name@3" or "name@latest" -> (name, version); version 0 means latest."""
+def parse_adapter_ref(ref: str) -> tuple[str, int, str]:
+    """"name", "name@3", "name@latest" or "name@prod" -> (name, version, alias); version 0 and
+    no alias mean the latest."""
     m = _ADAPTER_REF.match(ref)
     if m is None:
-        raise InvalidArgument(f"adapter {ref!r} is not of the form name, name@<version> or "
-                              "name@latest (name: 1-128 of A-Z a-z 0-9 . _ -)")
-    version = m["version"]
-    return m["name"], 0 if version in (None, "latest") else int(version)
+        raise InvalidArgument(f"adapter {ref!r} is not of the form name, name@<version>, "
+                              "name@latest or name@<alias> (name: 1-128 of A-Z a-z 0-9 . _ -; "
+                              "alias: starts with a letter)")
+    alias = m["alias"] or ""
+    if alias == "latest":
+        alias = ""
+    return m["name"], int(m["version"] or 0), alias
 
 
 class RegistryClient:
@@ -27,8 +36,9 @@ class RegistryClient:
 
     async def resolve(self, ref: str, tenant: str) -> common_pb2.AdapterInfo:
         """The exact adapter version `ref` names for `tenant` (NOT_FOUND if it may not see it)."""
-        name, version = parse_adapter_ref(ref)
-        request = adapter_store_pb2.GetAdapterRequest(name=name, version=version, tenant=tenant)
+        name, version, alias = parse_adapter_ref(ref)
+        request = adapter_store_pb2.GetAdapterRequest(name=name, version=version, tenant=tenant,
+                                                      alias=alias)
         last: LoraplexError = Unavailable("no adapter store configured")
         for _, stub in self._stores:
             try:
