@@ -4,6 +4,7 @@ import argparse
 from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
+LORA_BACKENDS = ("auto", "triton", "torch")  # auto: triton on CUDA, torch elsewhere
 
 
 @dataclass(frozen=True)
@@ -16,7 +17,7 @@ class ExecutorConfig:
     block_size: int = 16
     adapter_slots: int = 8
     max_rank: int = 32
-    lora_backend: str = "torch"
+    lora_backend: str = "auto"
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0  # random-weights seed
@@ -32,6 +33,9 @@ class ExecutorConfig:
         for name in ("num_kv_blocks", "block_size", "adapter_slots", "max_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"executor: {name} must be >= 1, got {getattr(self, name)}")
+        if self.lora_backend not in LORA_BACKENDS:
+            raise ValueError(f"executor: lora_backend must be one of {LORA_BACKENDS}, "
+                             f"got {self.lora_backend!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"executor: dtype must be one of {DTYPES}, got {self.dtype!r}")
 
@@ -50,7 +54,8 @@ class ExecutorConfig:
         p.add_argument("--block-size", type=int, default=16)
         p.add_argument("--adapter-slots", type=int, default=8)
         p.add_argument("--max-rank", type=int, default=32)
-        p.add_argument("--lora-backend", default="torch")
+        p.add_argument("--lora-backend", default="auto", choices=LORA_BACKENDS,
+                       help="auto = triton on CUDA, torch on CPU")
         p.add_argument("--dtype", default="float32", choices=DTYPES)
         p.add_argument("--device", default="cpu")
         p.add_argument("--seed", type=int, default=0)

@@ -235,7 +235,11 @@ class TritonLoraBackend:
         from kernels.sgmv_expand import sgmv_expand  # these import triton
         from kernels.sgmv_fused import sgmv_fused
         from kernels.sgmv_shrink import sgmv_shrink
+        from kernels.sgmv_tiles import is_interpreted
 
+        if pool.device.type != "cuda" and not is_interpreted():
+            raise ValueError("the triton LoRA backend needs a CUDA device, or the Triton "
+                             "interpreter on CPU (TRITON_INTERPRET=1 before triton is imported)")
         self.pool, self.fused_max_rows = pool, fused_max_rows
         self._shrink, self._expand, self._fused = sgmv_shrink, sgmv_expand, sgmv_fused
         if target_ctas is None:

@@ -96,6 +96,13 @@ def column_chunks(out_sizes: tuple[int, ...], num_items: int, block_n: int,
     return chunk_n, sum(triton.cdiv(n, chunk_n) for n in out_sizes)
 
 
+def is_interpreted() -> bool:
+    """Whether this process's kernels run in the Triton interpreter (CPU tensors)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(load_item, InterpretedFunction)
+
+
 def numerics(x: torch.Tensor) -> dict:
     """Constexprs for x's dtype and device: UPCAST (interpreter: fp32 compute), EMULATE_RNE
     (interpreter bf16 rounding), IEEE (fp32 dots without tf32 on the GPU), DT."""
