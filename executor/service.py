@@ -97,7 +97,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
     async def UnloadAdapter(self, request, context):
         async with grpc_errors(context):
-            await self._loader.unload(request.slot)
+            await self._loader.unload(request.slot, request.adapter)
             return executor_pb2.UnloadAdapterResponse()
 
 

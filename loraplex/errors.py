@@ -15,9 +15,11 @@ log = logging.getLogger(__name__)
 
 
 class LoraplexError(Exception):
-    """Base class: `code` is the gRPC status the caller receives; the message says what to do."""
+    """Base class: `code` is the gRPC status the caller receives; the message says what to do.
+    `trailers` travel as trailing metadata (e.g. retry-after)."""
 
     code = grpc.StatusCode.INTERNAL
+    trailers: tuple[tuple[str, str], ...] = ()
 
 
 class InvalidArgument(LoraplexError):
@@ -34,6 +36,10 @@ class AlreadyExists(LoraplexError):
 
 class FailedPrecondition(LoraplexError):
     code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class PermissionDenied(LoraplexError):
+    code = grpc.StatusCode.PERMISSION_DENIED
 
 
 class ResourceExhausted(LoraplexError):
@@ -83,6 +89,6 @@ async def grpc_errors(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
         raise
     except Exception as exc:  # noqa: BLE001 - the one place every error becomes a status
         code, message = status_for(exc)
-        await context.abort(code, message)
+        await context.abort(code, message, getattr(exc, "trailers", ()))
 
 

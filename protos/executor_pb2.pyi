@@ -116,10 +116,12 @@ class LoadAdapterResponse(_message.Message):
     def __init__(self, num_bytes: _Optional[int] = ..., load_seconds: _Optional[float] = ..., was_resident: _Optional[bool] = ...) -> None: ...
 
 class UnloadAdapterRequest(_message.Message):
-    __slots__ = ("slot",)
+    __slots__ = ("slot", "adapter")
     SLOT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     slot: int
-    def __init__(self, slot: _Optional[int] = ...) -> None: ...
+    adapter: str
+    def __init__(self, slot: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class UnloadAdapterResponse(_message.Message):
     __slots__ = ()

@@ -17,6 +17,52 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
 
+class PrewarmRequest(_message.Message):
+    __slots__ = ("adapter", "num_executors", "pin", "wait")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXECUTORS_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    num_executors: int
+    pin: bool
+    wait: bool
+    def __init__(self, adapter: _Optional[str] = ..., num_executors: _Optional[int] = ..., pin: _Optional[bool] = ..., wait: _Optional[bool] = ...) -> None: ...
+
+class PrewarmResponse(_message.Message):
+    __slots__ = ("adapter", "executors")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    EXECUTORS_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    executors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, adapter: _Optional[str] = ..., executors: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("adapter", "executor")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    EXECUTOR_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    executor: str
+    def __init__(self, adapter: _Optional[str] = ..., executor: _Optional[str] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("num_evicted",)
+    NUM_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    num_evicted: int
+    def __init__(self, num_evicted: _Optional[int] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("executor",)
+    EXECUTOR_FIELD_NUMBER: _ClassVar[int]
+    executor: str
+    def __init__(self, executor: _Optional[str] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("running",)
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    def __init__(self, running: _Optional[int] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("adapter", "text", "token_ids", "sampling", "max_new_tokens", "stop", "stop_token_ids", "ignore_eos")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
@@ -76,17 +122,21 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SlotStats(_message.Message):
-    __slots__ = ("adapter", "state", "pins")
+    __slots__ = ("adapter", "state", "pins", "is_admin_pinned", "reserved_for")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PINS_FIELD_NUMBER: _ClassVar[int]
+    IS_ADMIN_PINNED_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_FOR_FIELD_NUMBER: _ClassVar[int]
     adapter: str
     state: str
     pins: int
-    def __init__(self, adapter: _Optional[str] = ..., state: _Optional[str] = ..., pins: _Optional[int] = ...) -> None: ...
+    is_admin_pinned: bool
+    reserved_for: str
+    def __init__(self, adapter: _Optional[str] = ..., state: _Optional[str] = ..., pins: _Optional[int] = ..., is_admin_pinned: _Optional[bool] = ..., reserved_for: _Optional[str] = ...) -> None: ...
 
 class ExecutorStats(_message.Message):
-    __slots__ = ("address", "running", "free_kv_blocks", "num_kv_blocks", "slots", "steps", "adapter_loads", "adapter_hits")
+    __slots__ = ("address", "running", "free_kv_blocks", "num_kv_blocks", "slots", "steps", "adapter_loads", "adapter_hits", "queued", "is_draining", "is_drained", "is_up")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +145,10 @@ class ExecutorStats(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_LOADS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_HITS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    IS_DRAINING_FIELD_NUMBER: _ClassVar[int]
+    IS_DRAINED_FIELD_NUMBER: _ClassVar[int]
+    IS_UP_FIELD_NUMBER: _ClassVar[int]
     address: str
     running: int
     free_kv_blocks: int
@@ -103,7 +157,11 @@ class ExecutorStats(_message.Message):
     steps: int
     adapter_loads: int
     adapter_hits: int
-    def __init__(self, address: _Optional[str] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotStats, _Mapping]]] = ..., steps: _Optional[int] = ..., adapter_loads: _Optional[int] = ..., adapter_hits: _Optional[int] = ...) -> None: ...
+    queued: int
+    is_draining: bool
+    is_drained: bool
+    is_up: bool
+    def __init__(self, address: _Optional[str] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotStats, _Mapping]]] = ..., steps: _Optional[int] = ..., adapter_loads: _Optional[int] = ..., adapter_hits: _Optional[int] = ..., queued: _Optional[int] = ..., is_draining: _Optional[bool] = ..., is_drained: _Optional[bool] = ..., is_up: _Optional[bool] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("tenant", "queued", "running", "virtual_counter", "requests", "prompt_tokens", "completion_tokens", "adapter_loads_caused")

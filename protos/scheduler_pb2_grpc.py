@@ -44,6 +44,21 @@ class SchedulerStub:
                 request_serializer=protos_dot_scheduler__pb2.StatsRequest.SerializeToString,
                 response_deserializer=protos_dot_scheduler__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Prewarm = channel.unary_unary(
+                '/loraplex.v1.Scheduler/Prewarm',
+                request_serializer=protos_dot_scheduler__pb2.PrewarmRequest.SerializeToString,
+                response_deserializer=protos_dot_scheduler__pb2.PrewarmResponse.FromString,
+                _registered_method=True)
+        self.Evict = channel.unary_unary(
+                '/loraplex.v1.Scheduler/Evict',
+                request_serializer=protos_dot_scheduler__pb2.EvictRequest.SerializeToString,
+                response_deserializer=protos_dot_scheduler__pb2.EvictResponse.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/loraplex.v1.Scheduler/Drain',
+                request_serializer=protos_dot_scheduler__pb2.DrainRequest.SerializeToString,
+                response_deserializer=protos_dot_scheduler__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -57,7 +72,28 @@ class SchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Stats(self, request, context):
-        """Queues, running sequences, adapter residency and tenant counters, for operators.
+        """Queues, running sequences, adapter residency and tenant counters, for operators and routers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prewarm(self, request, context):
+        """Admin: load an adapter onto N executors ahead of traffic, optionally pinned there.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Evict(self, request, context):
+        """Admin: drop an adapter from executors' slots (refused while running sequences use it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Admin: stop admitting on an executor; its running sequences finish, its queue moves elsewhere.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -75,6 +111,21 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=protos_dot_scheduler__pb2.StatsRequest.FromString,
                     response_serializer=protos_dot_scheduler__pb2.StatsResponse.SerializeToString,
+            ),
+            'Prewarm': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prewarm,
+                    request_deserializer=protos_dot_scheduler__pb2.PrewarmRequest.FromString,
+                    response_serializer=protos_dot_scheduler__pb2.PrewarmResponse.SerializeToString,
+            ),
+            'Evict': grpc.unary_unary_rpc_method_handler(
+                    servicer.Evict,
+                    request_deserializer=protos_dot_scheduler__pb2.EvictRequest.FromString,
+                    response_serializer=protos_dot_scheduler__pb2.EvictResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=protos_dot_scheduler__pb2.DrainRequest.FromString,
+                    response_serializer=protos_dot_scheduler__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +182,87 @@ class Scheduler:
             '/loraplex.v1.Scheduler/Stats',
             protos_dot_scheduler__pb2.StatsRequest.SerializeToString,
             protos_dot_scheduler__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prewarm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplex.v1.Scheduler/Prewarm',
+            protos_dot_scheduler__pb2.PrewarmRequest.SerializeToString,
+            protos_dot_scheduler__pb2.PrewarmResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Evict(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplex.v1.Scheduler/Evict',
+            protos_dot_scheduler__pb2.EvictRequest.SerializeToString,
+            protos_dot_scheduler__pb2.EvictResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplex.v1.Scheduler/Drain',
+            protos_dot_scheduler__pb2.DrainRequest.SerializeToString,
+            protos_dot_scheduler__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

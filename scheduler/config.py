@@ -1,10 +1,11 @@
 """Scheduler configuration: one frozen dataclass, validated at construction."""
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
-from scheduler.core import Limits
+from scheduler.executor_state import Limits
 from scheduler.fairness import FairnessWeights
+from scheduler.ratelimit import RateLimit
 
 
 def _pairs(items: list[str], what: str) -> dict[str, str]:
@@ -23,6 +24,9 @@ class SchedulerConfig:
     stores: tuple[str, ...]  # adapter store addresses (registry lookups), tried in order
     address: str = "127.0.0.1:0"
     api_keys: dict[str, str] = field(default_factory=dict)  # api key -> tenant; empty = open access
+    admin_keys: frozenset[str] = frozenset()  # keys for admin RPCs; empty = admin RPCs open
+    rate_limits: dict[str, RateLimit] = field(default_factory=dict)  # per tenant
+    default_rate_limit: RateLimit = RateLimit()  # tenants without their own (0:0 = unlimited)
     weights: FairnessWeights = field(default_factory=FairnessWeights)
     limits: Limits = field(default_factory=Limits)
     default_max_new_tokens: int = 16
@@ -46,12 +50,20 @@ class SchedulerConfig:
         p.add_argument("--address", default="127.0.0.1:0", help="host:port to listen on (port 0 = any)")
         p.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT",
                        help="accept KEY for TENANT (repeatable); none = open access as tenant 'default'")
+        p.add_argument("--admin-key", action="append", default=[], help="key for admin RPCs (repeatable)")
         p.add_argument("--tenant-weight", action="append", default=[], metavar="TENANT=W")
-        p.add_argument("--max-num-seqs", type=int, default=Limits.max_num_seqs)
-        p.add_argument("--max-batched-tokens", type=int, default=Limits.max_batched_tokens)
+        p.add_argument("--rate-limit", action="append", default=[], metavar="TENANT=RPS:TPS",
+                       help="per-tenant requests/s and tokens/s (0 = unlimited)")
+        p.add_argument("--default-rate-limit", default="0:0", metavar="RPS:TPS")
+        p.add_argument("--load-weight", type=float, default=FairnessWeights.load_weight,
+                       help="how much of an adapter load's time a tenant pays, in token-equivalents")
+        for f in fields(Limits):
+            p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
         a = p.parse_args(argv)
         weights = {t: float(w) for t, w in _pairs(a.tenant_weight, "--tenant-weight").items()}
+        rates = {t: RateLimit.parse(r) for t, r in _pairs(a.rate_limit, "--rate-limit").items()}
         return cls(executors=tuple(a.executor), stores=tuple(a.store), address=a.address,
-                   api_keys=_pairs(a.api_key, "--api-key"),
-                   weights=FairnessWeights(tenant_weights=weights),
-                   limits=Limits(max_num_seqs=a.max_num_seqs, max_batched_tokens=a.max_batched_tokens))
+                   api_keys=_pairs(a.api_key, "--api-key"), admin_keys=frozenset(a.admin_key),
+                   rate_limits=rates, default_rate_limit=RateLimit.parse(a.default_rate_limit),
+                   weights=FairnessWeights(load_weight=a.load_weight, tenant_weights=weights),
+                   limits=Limits(**{f.name: getattr(a, f.name) for f in fields(Limits)}))

@@ -1,106 +1,105 @@
 """The scheduler's policy: plain Python over plain data, no gRPC, no tensors.
 
-The service layer drives it with four calls per executor: `schedule(ex)` builds the next step plan,
-`on_step_done(ex, plan, samples)` applies the sampled tokens, `on_load_done` reports an adapter
-load, `on_executor_lost` hands a dead executor's work back to the queues. Requests enter with
-`submit` and leave with `cancel` or by finishing. `start_load` and `wake` are the only ways out.
+The service (engine.py) and the simulator (simulator.py) drive the very same object:
+`submit`/`cancel` requests; per executor `schedule(ex)` -> StepPlan, then `on_step_done` with the
+sampled tokens; `on_load_done` when an adapter load ends; `on_executor_up/lost`, `drain`, and the
+admin actions in admin.py. `start_load`, `start_unload` and `wake` are its only ways out.
+
+A request is routed to one executor when it arrives (routing.py) and waits in that executor's
+queue (queues.py) until admission finds, in fair order (fairness.py), that its KV blocks fit and its
+adapter is READY there (slots.py); its adapter then stays pinned until it finishes.
 """
 
+import heapq
 import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 from loraplex.errors import LoraplexError, Unavailable
 from scheduler.block_manager import BlockManager
 from scheduler.detokenizer import Finish
-from scheduler.fairness import FairnessWeights, TenantQueues
+from scheduler.executor_state import ExecutorState, Limits, Sample, Sequence, StepPlan
+from scheduler.fairness import FairnessWeights, FairShare
 from scheduler.request import ErrorEvent, FinishEvent, Request, Status
-from scheduler.slots import Slot, SlotState, SlotTable
+from scheduler.routing import score
+from scheduler.slots import Slot, SlotState
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_num_seqs: int = 64  # running sequences per executor
-    max_batched_tokens: int = 2048  # tokens per step per executor (long prompts are chunked)
-    load_tokens_per_mib: float = 64.0  # token-equivalents a tenant pays per MiB of adapter it loads
-    max_load_attempts: int = 2  # a failing adapter load is tried this often, then its requests fail
-
-
-@dataclass(eq=False)
-class Sequence:
-    """A request's current run on one executor (a preempted request gets a new one)."""
-
-    seq_id: int
-    request: Request
-    slot: Slot | None
-    token_ids: list[int]  # every token the executor knows for it
-    num_computed: int = 0  # tokens whose KV the executor has computed
-    is_sent: bool = False  # its NewSequence went out
-
-
-@dataclass
-class ExecutorState:
-    """What the scheduler knows of one executor: the single source of truth for placement."""
-
-    address: str
-    blocks: BlockManager
-    slots: SlotTable
-    max_rank: int
-    running: dict[int, Sequence] = field(default_factory=dict)  # seq_id -> seq, admission order
-    pending_frees: list[int] = field(default_factory=list)
-    is_up: bool = True
-    num_steps: int = 0
-    num_loads: int = 0
-    num_hits: int = 0
-
-
-@dataclass
-class StepPlan:
-    freed: list[int]
-    new: list[Sequence]
-    rows: list[tuple[Sequence, int, list[int]]]  # (seq, num_tokens, new block ids), sorted by slot
-
-    def __bool__(self) -> bool:
-        return bool(self.rows)
-
-
-@dataclass(frozen=True)
-class Sample:
-    seq_id: int
-    token_id: int
-    logprob: float
+__all__ = ["ExecutorState", "Limits", "Sample", "Scheduler", "Sequence", "StepPlan"]
 
 
 class Scheduler:
     def __init__(self, executors: Iterable[ExecutorState], weights: FairnessWeights, limits: Limits,
-                 start_load: Callable[[ExecutorState, Slot], None], wake: Callable[[], None]):
+                 start_load: Callable[[ExecutorState, Slot], None], wake: Callable[[], None],
+                 start_unload: Callable[[ExecutorState, int, str], None] = lambda ex, slot, adapter: None,
+                 clock: Callable[[], float] = time.monotonic):
         self.executors = list(executors)
         self.limits = limits
-        self.queues: TenantQueues[Request] = TenantQueues(weights)
-        self._start_load = start_load
-        self._wake = wake
+        self.fair = FairShare(weights)
+        self.orphans: list[Request] = []  # queued while no executor can take work
+        self.clock = clock
+        self._start_load, self._start_unload, self._wake = start_load, start_unload, wake
         self._seq_ids = itertools.count(1)
-        self._load_failures: dict[str, int] = {}
 
     # ---- requests in and out ----------------------------------------------------------------
     def submit(self, req: Request) -> None:
-        self.queues.push(req.tenant, req)
-        self._ensure_loading(req)
+        req.arrival = self.clock()
+        req.work_left = len(req.prompt_ids) + req.output.max_new_tokens
+        self._route(req)
         self._wake()
 
     def cancel(self, req: Request) -> None:
         """Forget a request whose client went away; frees whatever it held."""
         if req.status is Status.QUEUED:
-            self.queues.remove(req.tenant, req)
+            self._dequeue(req)
         elif req.status is Status.RUNNING:
-            ex, seq = self._find_running(req)
+            ex, seq = req.executor, self._sequence_of(req)
             self._release(ex, seq)
-        req.status = Status.FINISHED
+        self._end(req)
         self._wake()
+
+    # ---- routing ----------------------------------------------------------------------------
+    def _route(self, req: Request, front: bool = False) -> None:
+        candidates = [ex for ex in self.executors if ex.is_up and not ex.is_draining]
+        if not candidates:
+            req.executor = None
+            self.orphans.append(req)
+            self.fair.on_enqueue(req.tenant)
+            return
+        ex = min(candidates, key=lambda e: self._score(e, req))
+        req.executor = ex
+        ex.queue.push(req, front)
+        ex.work_tokens += req.work_left
+        self.fair.on_enqueue(req.tenant)
+        if req.adapter and ex.slots.find(req.adapter) is None:
+            self._place(ex, req)
+
+    def _score(self, ex: ExecutorState, req: Request) -> float:
+        resident = not req.adapter or ex.slots.find(req.adapter) is not None
+        return score(ex.work_tokens, ex.rates, resident, resident or ex.slots.can_place(req.adapter),
+                     req.adapter_bytes, self.limits.slot_wait_s)
+
+    def _place(self, ex: ExecutorState, req: Request) -> bool:
+        """Start loading req's adapter on ex if a slot can take it (prefetch); charge the load."""
+        if not ex.slots.can_place(req.adapter):
+            return False
+        self.start_load_on(ex, req.adapter)
+        req.caused_load = True
+        seconds = ex.rates.load_seconds(req.adapter_bytes)
+        self.fair.charge(req.tenant, self.fair.weights.load_weight * seconds * ex.rates.tokens_per_second)
+        return True
+
+    def start_load_on(self, ex: ExecutorState, adapter: str) -> Slot:
+        """Claim a slot of ex for `adapter` and start loading it there (caller checked can_place)."""
+        slot = ex.slots.place(adapter, wanted=ex.queue.demand)
+        self._start_load(ex, slot)
+        return slot
+
+    def evict_slot(self, ex: ExecutorState, slot: Slot) -> None:
+        adapter = slot.adapter
+        ex.slots.clear(slot)
+        self._start_unload(ex, slot.index, adapter)
 
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self, ex: ExecutorState) -> StepPlan:
@@ -110,126 +109,119 @@ class Scheduler:
         for seq in list(ex.running.values()):
             if budget == 0:
                 break
-            if seq.seq_id not in ex.running:  # preempted to make room for an earlier one
+            if seq.seq_id not in ex.running:  # preempted to make room for another
                 continue
             n = min(len(seq.token_ids) - seq.num_computed, budget)
-            if not self._make_room(ex, seq, seq.num_computed + n):
-                continue
-            rows.append((seq, n, ex.blocks.grow(seq.seq_id, seq.num_computed + n)))
-            budget -= n
-        if ex.is_up:
+            if self._make_room(ex, seq, seq.num_computed + n):
+                rows.append((seq, n, ex.blocks.grow(seq.seq_id, seq.num_computed + n)))
+                budget -= n
+        rows = [row for row in rows if row[0].seq_id in ex.running]
+        if ex.is_up and not ex.is_draining:
             rows += self._admit(ex, budget)
         rows.sort(key=lambda row: row[0].slot.index if row[0].slot else -1)
         new = [seq for seq, _, _ in rows if not seq.is_sent]
         freed, ex.pending_frees = ex.pending_frees, []
         return StepPlan(freed, new, rows)
 
-    def on_step_done(self, ex: ExecutorState, plan: StepPlan, samples: Iterable[Sample]) -> None:
+    def on_step_done(self, ex: ExecutorState, plan: StepPlan, samples: Iterable[Sample],
+                     step_seconds: float = 0.0) -> None:
         ex.num_steps += 1
+        ex.rates.observe_step(sum(n for _, n, _ in plan.rows), step_seconds)
         for seq in plan.new:
             seq.is_sent = True
         for seq, n, _ in plan.rows:
             seq.num_computed += n
+            seq.request.work_left -= n
+            ex.work_tokens -= n
+        now = self.clock()
         for sample in samples:
             seq = ex.running.get(sample.seq_id)
             if seq is None:  # cancelled or preempted while the step ran
                 continue
             seq.token_ids.append(sample.token_id)
             req = seq.request
-            self.queues.charge_output(req.tenant)
-            finish = req.on_sample(sample.token_id, sample.logprob)
+            self.fair.charge_output(req.tenant)
+            finish = req.on_sample(sample.token_id, sample.logprob, now)
             if finish is not None:
                 self._finish(ex, seq, finish)
-
-    def on_load_done(self, ex: ExecutorState, slot: Slot, adapter: str, error: LoraplexError | None) -> None:
-        if slot.adapter != adapter or slot.state is not SlotState.LOADING:
-            return  # the executor was lost meanwhile
-        if error is None:
-            ex.slots.mark_ready(slot)
-            ex.num_loads += 1
-            self._load_failures.pop(adapter, None)
-        else:
-            ex.slots.clear(slot)
-            failures = self._load_failures.get(adapter, 0) + 1
-            self._load_failures[adapter] = failures
-            log.warning("loading %s on %s failed (%d): %s", adapter, ex.address, failures, error)
-            if failures >= self.limits.max_load_attempts or not isinstance(error, Unavailable):
-                self._load_failures.pop(adapter, None)
-                self._fail_queued(adapter, error)
-        self._wake()
-
-    def on_executor_lost(self, ex: ExecutorState) -> None:
-        """Requeue the work of an executor that went away; its slots and blocks are gone."""
-        ex.is_up = False
-        for seq in list(ex.running.values()):
-            self._preempt(ex, seq)
-        ex.pending_frees.clear()
-        for slot in ex.slots.slots:
-            slot.state, slot.adapter, slot.pins = SlotState.EMPTY, "", 0
-        for req in [r for _, r in self.queues.in_fair_order()]:
-            self._ensure_loading(req)
-        self._wake()
-
-    def has_work(self, ex: ExecutorState) -> bool:
-        return bool(ex.running) or (ex.is_up and len(self.queues) > 0)
 
     # ---- admission --------------------------------------------------------------------------
     def _admit(self, ex: ExecutorState, budget: int) -> list[tuple[Sequence, int, list[int]]]:
         rows = []
-        for tenant, req in self.queues.in_fair_order():
-            if budget == 0 or len(ex.running) >= self.limits.max_num_seqs:
-                break
-            slot = ex.slots.find(req.adapter) if req.adapter else None
-            if req.adapter and (slot is None or slot.state is not SlotState.READY):
-                self._ensure_loading(req)
-                continue  # waits for its adapter without holding anyone else back
+        for slot in ex.slots.slots:  # a reservation lapses when nobody waits for it any more
+            if slot.reserved_for and slot.reserved_for not in ex.queue.demand:
+                slot.reserved_for = ""
+        active = {seq.request.adapter for seq in ex.running.values() if seq.request.adapter}
+        heap = [(self.fair.counter(t), t) for t in ex.queue.tenants()]
+        heapq.heapify(heap)
+        while heap and budget > 0 and len(ex.running) < self.limits.max_num_seqs:
+            counter, tenant = heapq.heappop(heap)
+            if counter != self.fair.counter(tenant):  # charged since it was pushed
+                heapq.heappush(heap, (self.fair.counter(tenant), tenant))
+                continue
+            req = self._pick(ex, tenant, active)
+            if req is None:
+                continue  # nothing of this tenant can start here yet
             tokens = req.all_token_ids
             seq_id = next(self._seq_ids)
             if not ex.blocks.can_grow(seq_id, len(tokens) + 1):
                 break  # the fairest request does not fit: admit nobody behind it
-            self.queues.remove(tenant, req)
-            blocks = ex.blocks.grow(seq_id, len(tokens))
-            seq = Sequence(seq_id, req, slot, list(tokens))
-            ex.running[seq_id] = seq
-            if slot is not None:
-                ex.slots.pin(slot)
-                ex.num_hits += not req.caused_load
-            if not req.is_charged:
-                self.queues.charge_input(tenant, len(req.prompt_ids))
-                req.is_charged = True
-            req.status = Status.RUNNING
-            req.admitted_at = req.admitted_at or time.monotonic()
+            seq = self._start(ex, req, seq_id, tokens)
             n = min(len(tokens), budget)
-            rows.append((seq, n, blocks))
+            rows.append((seq, n, ex.blocks.grow(seq_id, len(tokens))))
             budget -= n
+            if req.adapter:
+                active.add(req.adapter)
+            if ex.queue.queued(tenant):
+                heapq.heappush(heap, (self.fair.counter(tenant), tenant))
         return rows
 
-    def _ensure_loading(self, req: Request) -> None:
-        """Prefetch: start loading the adapter of a queued request on the best executor for it."""
-        if not req.adapter:
-            return
-        up = [ex for ex in self.executors if ex.is_up]
-        if any(ex.slots.find(req.adapter) for ex in up):
-            return
-        candidates = [ex for ex in up if ex.slots.can_place()]
-        if not candidates:
-            return  # every slot is pinned: it waits, and is never failed for lack of a slot
-        ex = min(candidates, key=lambda e: (not self._has_empty_slot(e), len(e.running)))
-        slot = ex.slots.place(req.adapter, wanted={r.adapter for _, r in self.queues.in_fair_order()})
-        req.caused_load = True
-        self.queues.charge(req.tenant, self.limits.load_tokens_per_mib * req.adapter_bytes / 2**20)
-        self._start_load(ex, slot)
+    def _pick(self, ex: ExecutorState, tenant: str, active: set[str]) -> Request | None:
+        """The tenant's oldest request that can start on ex now; starts loads on the way."""
+        heads = ex.queue.heads(tenant)
+        wait = self.limits.affinity_max_wait_s
+        if wait > 0 and heads and self.clock() - heads[0].arrival < wait:
+            heads.sort(key=lambda r: r.adapter not in active)  # stable: FIFO within each class
+        max_adapters = self.limits.max_adapters_per_batch
+        for req in heads:
+            if not req.adapter:
+                return req
+            slot = ex.slots.find(req.adapter)
+            if slot is None:
+                if not self._place(ex, req) and ex.slots.num_reserved() < self.limits.max_reserved_slots:
+                    ex.slots.reserve(req.adapter)
+                continue
+            if not ex.slots.is_admissible(slot):
+                continue
+            if max_adapters and req.adapter not in active and len(active) >= max_adapters:
+                continue
+            return req
+        return None
 
-    @staticmethod
-    def _has_empty_slot(ex: ExecutorState) -> bool:
-        return any(s.state is SlotState.EMPTY for s in ex.slots.slots)
+    def _start(self, ex: ExecutorState, req: Request, seq_id: int, tokens: list[int]) -> Sequence:
+        self._dequeue(req)
+        slot = ex.slots.find(req.adapter) if req.adapter else None
+        seq = Sequence(seq_id, req, slot, list(tokens))
+        ex.running[seq_id] = seq
+        ex.work_tokens += req.work_left
+        req.executor = ex
+        if slot is not None:
+            ex.slots.pin(slot)
+            ex.num_hits += not req.caused_load
+        if not req.is_charged:
+            self.fair.charge_input(req.tenant, len(req.prompt_ids))
+            req.is_charged = True
+        req.status = Status.RUNNING
+        req.admitted_at = req.admitted_at or self.clock()
+        return seq
 
     # ---- leaving the running set ------------------------------------------------------------
     def _make_room(self, ex: ExecutorState, seq: Sequence, num_tokens: int) -> bool:
-        """Preempt the latest admitted sequences until `seq` can hold `num_tokens`; False if `seq`
-        itself had to go."""
+        """Preempt the most-served tenants' latest sequences until `seq` can hold `num_tokens`;
+        False if `seq` itself had to go."""
         while not ex.blocks.can_grow(seq.seq_id, num_tokens):
-            victim = next(reversed(ex.running.values()))
+            victim = max(ex.running.values(),
+                         key=lambda s: (self.fair.counter(s.request.tenant), s.seq_id))
             self._preempt(ex, victim)
             if victim is seq:
                 return False
@@ -238,52 +230,101 @@ class Scheduler:
     def _preempt(self, ex: ExecutorState, seq: Sequence) -> None:
         """Give a running sequence's blocks back; its request recomputes later from all its tokens."""
         self._release(ex, seq)
-        seq.request.status = Status.QUEUED
-        self.queues.push(seq.request.tenant, seq.request, front=True)
+        req = seq.request
+        req.status = Status.QUEUED
+        req.work_left += seq.num_computed
+        self._route(req, front=True)
 
     def _finish(self, ex: ExecutorState, seq: Sequence, reason: Finish) -> None:
         self._release(ex, seq)
-        seq.request.status = Status.FINISHED
         seq.request.finish_reason = reason
+        self._end(seq.request)
         seq.request.emit(FinishEvent(reason))
 
     def _release(self, ex: ExecutorState, seq: Sequence) -> None:
         del ex.running[seq.seq_id]
         ex.blocks.free(seq.seq_id)
+        ex.work_tokens -= seq.request.work_left
         if seq.slot is not None:
             ex.slots.unpin(seq.slot)
         if seq.is_sent:
             ex.pending_frees.append(seq.seq_id)
 
-    def _fail_queued(self, adapter: str, error: LoraplexError) -> None:
-        for tenant, req in list(self.queues.in_fair_order()):
-            if req.adapter == adapter:
-                self.queues.remove(tenant, req)
-                req.status = Status.FINISHED
-                req.emit(ErrorEvent(error))
+    def _dequeue(self, req: Request) -> None:
+        if req.executor is None:
+            self.orphans.remove(req)
+        else:
+            req.executor.queue.remove(req)
+            req.executor.work_tokens -= req.work_left
+        self.fair.on_dequeue(req.tenant)
 
-    def _find_running(self, req: Request) -> tuple[ExecutorState, Sequence]:
-        for ex in self.executors:
-            for seq in ex.running.values():
-                if seq.request is req:
-                    return ex, seq
-        raise RuntimeError(f"request {req.request_id} is RUNNING but on no executor")
+    def _end(self, req: Request) -> None:
+        req.status = Status.FINISHED
+        req.work_left = 0
 
-    # ---- checks -----------------------------------------------------------------------------
-    def check_invariants(self) -> None:
-        """Raise AssertionError when the bookkeeping is inconsistent (tests call it every step)."""
-        for ex in self.executors:
-            pins: dict[int, int] = {}
-            for seq in ex.running.values():
-                assert seq.request.status is Status.RUNNING, f"seq {seq.seq_id} runs a non-running request"
-                if seq.slot is not None:
-                    assert seq.slot.adapter == seq.request.adapter, f"seq {seq.seq_id} on a foreign slot"
-                    pins[seq.slot.index] = pins.get(seq.slot.index, 0) + 1
-            for slot in ex.slots.slots:
-                assert slot.pins == pins.get(slot.index, 0), f"{ex.address} slot {slot.index} pins"
-                assert slot.pins == 0 or slot.state is SlotState.READY, f"slot {slot.index} pinned unready"
-            held = [a for a in (s.adapter for s in ex.slots.slots) if a]
-            assert len(held) == len(set(held)), f"{ex.address}: an adapter in two slots"
-            assert set(ex.blocks.tables) == set(ex.running), f"{ex.address}: blocks of unknown sequences"
-            in_tables = sum(len(t) for t in ex.blocks.tables.values())
-            assert in_tables == ex.blocks.num_allocated(), f"{ex.address}: blocks leaked"
+    def _fail(self, req: Request, error: LoraplexError) -> None:
+        self._dequeue(req)
+        self._end(req)
+        req.emit(ErrorEvent(error))
+
+    def _sequence_of(self, req: Request) -> Sequence:
+        return next(seq for seq in req.executor.running.values() if seq.request is req)
+
+    # ---- executors and loads ----------------------------------------------------------------
+    def on_load_done(self, ex: ExecutorState, slot: Slot, adapter: str, error: LoraplexError | None,
+                     num_bytes: int = 0, seconds: float = 0.0) -> None:
+        if slot.adapter != adapter or slot.state is not SlotState.LOADING:
+            return  # the executor was lost or reset meanwhile
+        if error is None:
+            ex.slots.mark_ready(slot)
+            ex.num_loads += 1
+            ex.rates.observe_load(num_bytes, seconds)
+            ex.load_failures.pop(adapter, None)
+        else:
+            ex.slots.clear(slot)
+            failures = ex.load_failures.get(adapter, 0) + 1
+            ex.load_failures[adapter] = failures
+            log.warning("loading %s on %s failed (%d): %s", adapter, ex.address, failures, error)
+            if failures >= self.limits.max_load_attempts or not isinstance(error, Unavailable):
+                ex.load_failures.pop(adapter, None)
+                for req in [r for r in ex.queue if r.adapter == adapter]:
+                    self._fail(req, error)
+        self._wake()
+
+    def add_executor(self, ex: ExecutorState) -> None:
+        """A new (or reconnected) executor: take its place and the work that had nowhere to go."""
+        self.executors = [e for e in self.executors if e.address != ex.address] + [ex]
+        orphans, self.orphans = self.orphans, []
+        for req in orphans:
+            self.fair.on_dequeue(req.tenant)
+            self._route(req)
+        self._wake()
+
+    def on_executor_lost(self, ex: ExecutorState) -> None:
+        """Hand a dead executor's work to the others; its slots and blocks are gone."""
+        ex.is_up = False
+        self._evacuate(ex, running=True)
+        ex.pending_frees.clear()
+        ex.slots.reset()
+        ex.blocks = BlockManager(ex.blocks.num_blocks, ex.blocks.block_size)
+        self._wake()
+
+    def drain(self, ex: ExecutorState) -> None:
+        """Admit nothing new on ex; its running sequences finish, its queue moves elsewhere."""
+        ex.is_draining = True
+        self._evacuate(ex, running=False)
+        self._wake()
+
+    def _evacuate(self, ex: ExecutorState, running: bool) -> None:
+        if running:
+            for seq in list(ex.running.values()):
+                self._preempt(ex, seq)
+        for req in list(ex.queue):
+            self._dequeue(req)
+            self._route(req)
+
+    def wake(self) -> None:
+        self._wake()
+
+    def has_work(self, ex: ExecutorState) -> bool:
+        return bool(ex.running) or (ex.is_up and not ex.is_draining and len(ex.queue) > 0)

@@ -41,7 +41,7 @@ class ExecutorLink:
                                    SlotTable(self.info.num_adapter_slots), self.info.max_lora_rank)
         self._call = self.stub.Step()
 
-    async def step(self, plan: StepPlan) -> list[Sample]:
+    async def step(self, plan: StepPlan) -> tuple[list[Sample], float]:
         req = executor_pb2.StepRequest(
             freed_seq_ids=plan.freed,
             new_sequences=[executor_pb2.NewSequence(
@@ -53,7 +53,7 @@ class ExecutorLink:
         resp = await self._call.read()
         if resp is grpc.aio.EOF:
             raise Unavailable(f"executor {self.address} closed its step stream")
-        return [Sample(s.seq_id, s.token_id, s.logprob) for s in resp.samples]
+        return [Sample(s.seq_id, s.token_id, s.logprob) for s in resp.samples], resp.step_seconds
 
     def close(self) -> None:
         if self._call is not None:
@@ -69,7 +69,7 @@ def _sampling_pb(s) -> common_pb2.SamplingParams:
 class Engine:
     def __init__(self, addresses: tuple[str, ...], weights: FairnessWeights, limits: Limits):
         self.links = [ExecutorLink(a) for a in addresses]
-        self.core = Scheduler([], weights, limits, self._start_load, self._wake)
+        self.core = Scheduler([], weights, limits, self._start_load, self._wake, self._start_unload)
         self.first_info: asyncio.Future[executor_pb2.InfoResponse] = asyncio.get_running_loop().create_future()
         self._tasks: set[asyncio.Task] = set()
 
@@ -112,13 +112,9 @@ class Engine:
         model_id = self.first_info.result().model_id
         if link.info.model_id != model_id:
             raise Unavailable(f"executor {link.address} serves {link.info.model_id!r}, pool is {model_id!r}")
-        old = next((ex for ex in self.core.executors if ex.address == link.address), None)
-        if old is not None:
-            self.core.executors.remove(old)
-        self.core.executors.append(link.state)
+        self.core.add_executor(link.state)
         log.info("executor %s up: %d KV blocks, %d slots", link.address, link.info.num_kv_blocks,
                  link.info.num_adapter_slots)
-        self._wake()
 
     async def _step_loop(self, link: ExecutorLink) -> None:
         ex = link.state
@@ -128,8 +124,8 @@ class Engine:
             if not plan:
                 await link.woken.wait()
                 continue
-            samples = await link.step(plan)
-            self.core.on_step_done(ex, plan, samples)
+            samples, seconds = await link.step(plan)
+            self.core.on_step_done(ex, plan, samples, seconds)
 
     def _start_load(self, ex: ExecutorState, slot: Slot) -> None:
         link = next(link for link in self.links if link.state is ex)
@@ -137,10 +133,23 @@ class Engine:
 
     async def _load(self, link: ExecutorLink, ex: ExecutorState, slot: Slot, adapter: str) -> None:
         name, _, version = adapter.rpartition("@")
-        error = None
         try:
-            await link.stub.LoadAdapter(executor_pb2.LoadAdapterRequest(
+            resp = await link.stub.LoadAdapter(executor_pb2.LoadAdapterRequest(
                 name=name, version=int(version), slot=slot.index))
         except grpc.aio.AioRpcError as err:
             error = from_rpc_error(err, f"loading adapter {adapter} on executor {link.address}")
-        self.core.on_load_done(ex, slot, adapter, error)
+            self.core.on_load_done(ex, slot, adapter, error)
+        else:
+            self.core.on_load_done(ex, slot, adapter, None, resp.num_bytes, resp.load_seconds)
+
+    def _start_unload(self, ex: ExecutorState, slot: int, adapter: str) -> None:
+        link = next(link for link in self.links if link.state is ex)
+        request = executor_pb2.UnloadAdapterRequest(slot=slot, adapter=adapter)
+        self._spawn(self._unload(link, request))
+
+    @staticmethod
+    async def _unload(link: ExecutorLink, request: executor_pb2.UnloadAdapterRequest) -> None:
+        try:
+            await link.stub.UnloadAdapter(request)
+        except grpc.aio.AioRpcError as err:  # the scheduler's table is the truth; this only tidies
+            log.warning("unloading slot %d on %s failed: %s", request.slot, link.address, err.details())

@@ -1,31 +1,33 @@
 """Virtual-time fairness across tenants: the Virtual Token Counter (VTC, OSDI'24), extended so a
-tenant also pays for the adapter loads its admissions cause.
+tenant also pays for the adapter loads its requests cause.
 
 Each tenant u has a counter c[u] of weighted service received:
-    admission of a request:  c[u] += input_weight * prompt_tokens / w[u]
-    each generated token:    c[u] += output_weight / w[u]
-    an adapter load it caused: c[u] += load_tokens / w[u]   (token-equivalents of the load)
+    admission of a request:    c[u] += input_weight * prompt_tokens / w[u]
+    each generated token:      c[u] += output_weight / w[u]
+    an adapter load it caused: c[u] += load_tokens / w[u]
+where load_tokens = load_weight * (adapter bytes / load bandwidth) * executor token rate: the tokens
+the executor could have produced in the time the load takes (both rates measured, see routing.py).
 Admission always serves the backlogged tenant with the smallest counter. When a tenant becomes
-backlogged its counter is lifted to the smallest counter among the other backlogged tenants (or to
-the largest counter when nobody else waits), so idle time is not banked as credit.
+backlogged its counter is lifted to the smallest counter among the backlogged tenants (or to the
+largest counter when nobody else waits), so idle time is never banked as credit.
 
-Bound (VTC Theorem, with loads folded into the per-admission charge): for two tenants backlogged
-over an interval, |W_f/w_f - W_g/w_g| <= 2 * max(input_weight * L_in + load_tokens, output_weight * M)
-where L_in is the largest prompt, M the largest batch's output per step. `service_bound` computes it.
+Guarantee (VTC Theorem 4.4, with loads folded into the admission charge): over any interval in
+which tenants f and g are both backlogged, their weighted service differs by at most
+
+    |W_f / w_f - W_g / w_g| <= 2 * max(input_weight * L_in + L_load, output_weight * M)
+
+with L_in the longest prompt, L_load the largest load charge and M the most tokens one tenant can
+receive in one step (its running sequences). `service_bound` computes it; tests check it.
 """
 
-from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class FairnessWeights:
     input_weight: float = 1.0
     output_weight: float = 2.0
+    load_weight: float = 1.0
     tenant_weights: dict[str, float] = field(default_factory=dict)
 
     def weight(self, tenant: str) -> float:
@@ -37,44 +39,29 @@ def service_bound(w: FairnessWeights, max_prompt: int, max_load_tokens: float, m
     return 2 * max(w.input_weight * max_prompt + max_load_tokens, w.output_weight * max_step_tokens)
 
 
-class TenantQueues(Generic[T]):
-    """Per-tenant FIFO queues ordered by virtual counters."""
+class FairShare:
+    """Virtual counters of every tenant and how many requests each has waiting (anywhere)."""
 
     def __init__(self, weights: FairnessWeights):
         self.weights = weights
         self.counters: dict[str, float] = {}
-        self._queues: dict[str, deque[T]] = {}
+        self.backlog: dict[str, int] = {}  # tenant -> queued requests
 
-    def __len__(self) -> int:
-        return sum(len(q) for q in self._queues.values())
+    def counter(self, tenant: str) -> float:
+        return self.counters.get(tenant, 0.0)
 
-    def queued(self, tenant: str) -> int:
-        return len(self._queues.get(tenant, ()))
-
-    def push(self, tenant: str, item: T, front: bool = False) -> None:
-        queue = self._queues.setdefault(tenant, deque())
-        if not queue:
+    def on_enqueue(self, tenant: str) -> None:
+        if not self.backlog.get(tenant):
             self._lift(tenant)
-        queue.appendleft(item) if front else queue.append(item)
+        self.backlog[tenant] = self.backlog.get(tenant, 0) + 1
 
-    def remove(self, tenant: str, item: T) -> bool:
-        queue = self._queues.get(tenant)
-        if queue is None or item not in queue:
-            return False
-        queue.remove(item)
-        return True
-
-    def in_fair_order(self) -> Iterator[tuple[str, T]]:
-        """Queued items, tenants by ascending counter, each tenant's queue in FIFO order.
-
-        Iterating a tenant past its head lets a request whose adapter is ready go ahead of one
-        whose adapter is still loading, so a cold adapter never holds its tenant's other work back.
-        """
-        for tenant in sorted((t for t, q in self._queues.items() if q), key=self._key):
-            yield from ((tenant, item) for item in list(self._queues[tenant]))
+    def on_dequeue(self, tenant: str) -> None:
+        self.backlog[tenant] -= 1
+        if not self.backlog[tenant]:
+            del self.backlog[tenant]
 
     def charge(self, tenant: str, token_equivalents: float) -> None:
-        self.counters[tenant] = self.counters.get(tenant, 0.0) + token_equivalents / self.weights.weight(tenant)
+        self.counters[tenant] = self.counter(tenant) + token_equivalents / self.weights.weight(tenant)
 
     def charge_input(self, tenant: str, num_tokens: int) -> None:
         self.charge(tenant, self.weights.input_weight * num_tokens)
@@ -82,12 +69,7 @@ class TenantQueues(Generic[T]):
     def charge_output(self, tenant: str, num_tokens: int = 1) -> None:
         self.charge(tenant, self.weights.output_weight * num_tokens)
 
-    def _key(self, tenant: str) -> tuple[float, str]:
-        return self.counters.get(tenant, 0.0), tenant
-
     def _lift(self, tenant: str) -> None:
-        """Lift a newly backlogged tenant to the smallest backlogged counter; when nobody else
-        waits, nobody is owed service, so it joins at the largest counter seen."""
-        others = [self.counters.get(t, 0.0) for t, q in self._queues.items() if q and t != tenant]
+        others = [self.counter(t) for t in self.backlog if t != tenant]
         floor = min(others) if others else max(self.counters.values(), default=0.0)
-        self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+        self.counters[tenant] = max(self.counter(tenant), floor)

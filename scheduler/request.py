@@ -1,9 +1,9 @@
 """A client request as the scheduler sees it, and the events it streams back."""
 
 import enum
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 from loraplex.errors import LoraplexError
 from scheduler.detokenizer import Finish, OutputProcessor
@@ -56,12 +56,14 @@ class Request:
     output: OutputProcessor
     emit: Callable[[Event], None]
     status: Status = Status.QUEUED
-    arrival: float = field(default_factory=time.monotonic)
+    arrival: float = 0.0  # set by the scheduler's clock at submit
     admitted_at: float | None = None  # first admission
     first_token_at: float | None = None
     finish_reason: Finish | None = None
     is_charged: bool = False  # input tokens charged once, not again after a preemption
-    caused_load: bool = False  # its arrival started the load of its adapter
+    caused_load: bool = False  # it started the load of its adapter
+    executor: Any = None  # the ExecutorState it is queued or running on
+    work_left: int = 0  # tokens still to compute for it (prompt + outputs), for routing
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -75,10 +77,10 @@ class Request:
     def __post_init__(self) -> None:
         self._sampled: list[int] = []
 
-    def on_sample(self, token_id: int, logprob: float) -> Finish | None:
+    def on_sample(self, token_id: int, logprob: float, now: float) -> Finish | None:
         """Record a sampled token, stream what it adds; returns the finish reason, if any."""
         if self.first_token_at is None:
-            self.first_token_at = time.monotonic()
+            self.first_token_at = now
         self._sampled.append(token_id)
         text, finish = self.output.append(token_id)
         self.emit(TokenEvent(token_id, logprob, text))

@@ -7,15 +7,18 @@ import sys
 
 from tokenizers import Tokenizer
 
-from loraplex.errors import InvalidArgument, Unauthenticated, grpc_errors, status_for
+from loraplex.errors import (InvalidArgument, PermissionDenied, Unauthenticated, Unavailable,
+                             grpc_errors, status_for)
 from loraplex.server import Service, run, run_until_signalled
 from protos import scheduler_pb2, scheduler_pb2_grpc
-from scheduler import validation
+from scheduler import admin, validation
 from scheduler.config import SchedulerConfig
 from scheduler.detokenizer import Finish, OutputProcessor
 from scheduler.engine import Engine
+from scheduler.ratelimit import RateLimiter
 from scheduler.registry_client import RegistryClient
 from scheduler.request import ErrorEvent, Event, FinishEvent, Request, Status
+from scheduler.slots import SlotState
 
 log = logging.getLogger(__name__)
 
@@ -31,18 +34,20 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._info = engine.first_info.result()
         self._tokenizer = Tokenizer.from_str(self._info.tokenizer_json) if self._info.tokenizer_json else None
         self._ids = itertools.count(1)
+        self._rate_limiter = RateLimiter(config.rate_limits, config.default_rate_limit)
         self.tenant_totals: dict[str, dict[str, int]] = {}
 
     async def Generate(self, request, context):
         events: asyncio.Queue[Event] = asyncio.Queue()
         async with grpc_errors(context):
             req = await self._make_request(request, self._tenant(context), events.put_nowait)
+            self._rate_limiter.admit(req.tenant, len(req.prompt_ids) + req.output.max_new_tokens)
             self._engine.core.submit(req)
         try:
             while True:
                 event = await events.get()
                 if isinstance(event, ErrorEvent):
-                    await context.abort(*status_for(event.error))
+                    await context.abort(*status_for(event.error), event.error.trailers)
                 if isinstance(event, FinishEvent):
                     yield scheduler_pb2.GenerateResponse(finish_reason=_FINISH_PB[event.reason],
                                                          usage=self._usage(req))
@@ -57,12 +62,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def _tenant(self, context) -> str:
         if not self._config.api_keys:
             return DEFAULT_TENANT
-        auth = dict(context.invocation_metadata()).get("authorization", "")
-        key = auth.removeprefix("Bearer ").strip()
-        tenant = self._config.api_keys.get(key)
+        tenant = self._config.api_keys.get(_bearer(context))
         if tenant is None:
             raise Unauthenticated("missing or unknown API key: send metadata 'authorization: Bearer <key>'")
         return tenant
+
+    def _check_admin(self, context) -> None:
+        if self._config.admin_keys and _bearer(context) not in self._config.admin_keys:
+            raise PermissionDenied("admin RPCs need an admin key: 'authorization: Bearer <admin key>'")
 
     async def _make_request(self, pb: scheduler_pb2.GenerateRequest, tenant: str, emit) -> Request:
         info = self._info
@@ -105,24 +112,66 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Stats(self, request, context):
         core = self._engine.core
-        executors = [scheduler_pb2.ExecutorStats(
-            address=ex.address, running=len(ex.running), free_kv_blocks=ex.blocks.num_free,
-            num_kv_blocks=ex.blocks.num_blocks, steps=ex.num_steps, adapter_loads=ex.num_loads,
-            adapter_hits=ex.num_hits,
-            slots=[scheduler_pb2.SlotStats(adapter=s.adapter, state=s.state.value, pins=s.pins)
-                   for s in ex.slots.slots]) for ex in core.executors]
         running: dict[str, int] = {}
         for ex in core.executors:
             for seq in ex.running.values():
                 running[seq.request.tenant] = running.get(seq.request.tenant, 0) + 1
-        tenants = sorted(set(core.queues.counters) | set(self.tenant_totals))
-        return scheduler_pb2.StatsResponse(executors=executors, tenants=[scheduler_pb2.TenantStats(
-            tenant=t, queued=core.queues.queued(t), running=running.get(t, 0),
-            virtual_counter=core.queues.counters.get(t, 0.0),
-            requests=self.tenant_totals.get(t, {}).get("requests", 0),
-            prompt_tokens=self.tenant_totals.get(t, {}).get("prompt", 0),
-            completion_tokens=self.tenant_totals.get(t, {}).get("completion", 0),
-            adapter_loads_caused=self.tenant_totals.get(t, {}).get("loads", 0)) for t in tenants])
+        queued = {t: sum(ex.queue.queued(t) for ex in core.executors) for t in core.fair.backlog}
+        tenants = sorted(set(core.fair.counters) | set(self.tenant_totals))
+        totals = {t: self.tenant_totals.get(t, {}) for t in tenants}
+        return scheduler_pb2.StatsResponse(
+            executors=[_executor_stats(ex) for ex in core.executors],
+            tenants=[scheduler_pb2.TenantStats(
+                tenant=t, queued=queued.get(t, 0), running=running.get(t, 0),
+                virtual_counter=core.fair.counter(t), requests=totals[t].get("requests", 0),
+                prompt_tokens=totals[t].get("prompt", 0), completion_tokens=totals[t].get("completion", 0),
+                adapter_loads_caused=totals[t].get("loads", 0)) for t in tenants])
+
+    async def Prewarm(self, request, context):
+        async with grpc_errors(context):
+            self._check_admin(context)
+            found = await self._registry.resolve(request.adapter, "")
+            validation.check_adapter(found, self._info)
+            key = f"{found.name}@{found.version}"
+            core = self._engine.core
+            chosen = admin.prewarm(core, key, found.num_bytes, request.num_executors or 1, request.pin)
+            core.wake()
+            while request.wait and any(ex.slots.find(key) is not None and
+                                       ex.slots.find(key).state is SlotState.LOADING for ex in chosen):
+                await asyncio.sleep(0.02)
+            failed = [ex.address for ex in chosen if ex.slots.find(key) is None]
+            if request.wait and failed:
+                raise Unavailable(f"loading {key} failed on {', '.join(failed)}; see the executor logs")
+            return scheduler_pb2.PrewarmResponse(adapter=key, executors=[ex.address for ex in chosen])
+
+    async def Evict(self, request, context):
+        async with grpc_errors(context):
+            self._check_admin(context)
+            found = await self._registry.resolve(request.adapter, "")
+            num = admin.evict(self._engine.core, f"{found.name}@{found.version}", request.executor)
+            return scheduler_pb2.EvictResponse(num_evicted=num)
+
+    async def Drain(self, request, context):
+        async with grpc_errors(context):
+            self._check_admin(context)
+            ex = admin.find_executor(self._engine.core, request.executor)
+            self._engine.core.drain(ex)
+            return scheduler_pb2.DrainResponse(running=len(ex.running))
+
+
+def _bearer(context) -> str:
+    return dict(context.invocation_metadata()).get("authorization", "").removeprefix("Bearer ").strip()
+
+
+def _executor_stats(ex) -> scheduler_pb2.ExecutorStats:
+    return scheduler_pb2.ExecutorStats(
+        address=ex.address, running=len(ex.running), free_kv_blocks=ex.blocks.num_free,
+        num_kv_blocks=ex.blocks.num_blocks, steps=ex.num_steps, adapter_loads=ex.num_loads,
+        adapter_hits=ex.num_hits, queued=len(ex.queue), is_draining=ex.is_draining,
+        is_drained=ex.is_drained, is_up=ex.is_up,
+        slots=[scheduler_pb2.SlotStats(adapter=s.adapter, state=s.state.value, pins=s.pins,
+                                       is_admin_pinned=s.is_admin_pinned, reserved_for=s.reserved_for)
+               for s in ex.slots.slots])
 
 
 async def serve(config: SchedulerConfig, ready_timeout: float = 300.0) -> None:

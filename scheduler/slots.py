@@ -1,8 +1,13 @@
 """Adapter residency on one executor: which adapter each GPU slot holds, and who pins it.
 
 A slot is EMPTY, LOADING or READY. Running sequences pin the slot of their adapter for their whole
-life; a pinned slot is never evicted. Among unpinned READY slots the least recently used is the
-one given up when a new adapter needs room.
+life; a pinned slot is never evicted, nor is one an operator pinned (pre-warm with pin). Among the
+other READY slots the least recently used is given up when a new adapter needs room, sparing
+adapters that queued requests still want while another choice exists.
+
+When every slot is pinned, the fairest waiting request may RESERVE one (the least pinned, then
+least recently used): no new sequence is admitted onto a reserved slot, so it drains and goes to
+that request's adapter. This bounds how long a cold adapter can wait under sustained load.
 """
 
 import enum
@@ -17,42 +22,62 @@ class SlotState(enum.Enum):
     READY = "ready"
 
 
-@dataclass
+@dataclass(eq=False)
 class Slot:
     index: int
     state: SlotState = SlotState.EMPTY
     adapter: str = ""  # "name@version" while LOADING or READY
-    pins: int = 0
+    pins: int = 0  # running sequences using it
     last_used: int = 0  # logical clock, for LRU
+    is_admin_pinned: bool = False  # pre-warmed with pin: never evicted until evicted by an operator
+    reserved_for: str = ""  # adapter waiting for this slot to drain
 
 
 class SlotTable:
     def __init__(self, num_slots: int):
         self.slots = [Slot(i) for i in range(num_slots)]
+        self._by_adapter: dict[str, Slot] = {}
         self._clock = itertools.count(1)
 
     def find(self, adapter: str) -> Slot | None:
         """The slot holding or loading `adapter`, if any."""
-        for slot in self.slots:
-            if slot.adapter == adapter and slot.state is not SlotState.EMPTY:
-                return slot
-        return None
+        return self._by_adapter.get(adapter)
 
     def is_ready(self, adapter: str) -> bool:
-        slot = self.find(adapter)
+        slot = self._by_adapter.get(adapter)
         return slot is not None and slot.state is SlotState.READY
 
-    def can_place(self) -> bool:
-        return self._victim(frozenset()) is not None
+    def is_admissible(self, slot: Slot) -> bool:
+        """May a new sequence pin `slot` now?"""
+        return slot.state is SlotState.READY and not slot.reserved_for
+
+    def can_place(self, adapter: str = "") -> bool:
+        return self._victim(adapter, frozenset()) is not None
 
     def place(self, adapter: str, wanted: Collection[str] = frozenset()) -> Slot:
-        """Claim a slot for loading `adapter`: an empty one, else the least recently used unpinned
-        one, sparing adapters in `wanted` (queued requests need them) while another choice exists."""
-        slot = self._victim(wanted)
+        """Claim a slot for loading `adapter` (see module docstring for the choice)."""
+        slot = self._victim(adapter, wanted)
         if slot is None:
             raise RuntimeError(f"no slot can take {adapter}: every slot is pinned or loading")
+        self._by_adapter.pop(slot.adapter, None)
         slot.state, slot.adapter, slot.pins = SlotState.LOADING, adapter, 0
+        slot.is_admin_pinned, slot.reserved_for = False, ""
+        self._by_adapter[adapter] = slot
         return slot
+
+    def reserve(self, adapter: str) -> Slot | None:
+        """Reserve the least pinned, least recently used slot for `adapter`, unless one already is."""
+        if any(s.reserved_for == adapter for s in self.slots):
+            return None
+        free = [s for s in self.slots if s.state is SlotState.READY and not s.reserved_for
+                and not s.is_admin_pinned]
+        slot = min(free, key=lambda s: (s.pins, s.last_used), default=None)
+        if slot is not None:
+            slot.reserved_for = adapter
+        return slot
+
+    def num_reserved(self) -> int:
+        return sum(1 for s in self.slots if s.reserved_for)
 
     def mark_ready(self, slot: Slot) -> None:
         slot.state = SlotState.READY
@@ -61,7 +86,14 @@ class SlotTable:
     def clear(self, slot: Slot) -> None:
         if slot.pins:
             raise RuntimeError(f"slot {slot.index} ({slot.adapter}) is pinned {slot.pins} times")
-        slot.state, slot.adapter = SlotState.EMPTY, ""
+        self._by_adapter.pop(slot.adapter, None)
+        slot.state, slot.adapter, slot.is_admin_pinned, slot.reserved_for = SlotState.EMPTY, "", False, ""
+
+    def reset(self) -> None:
+        """Forget everything (the executor went away)."""
+        for slot in self.slots:
+            slot.pins = 0
+            self.clear(slot)
 
     def pin(self, slot: Slot) -> None:
         if slot.state is not SlotState.READY:
@@ -75,9 +107,14 @@ class SlotTable:
         slot.pins -= 1
         slot.last_used = next(self._clock)
 
-    def _victim(self, wanted: Collection[str]) -> Slot | None:
-        empty = [s for s in self.slots if s.state is SlotState.EMPTY]
+    def _victim(self, adapter: str, wanted: Collection[str]) -> Slot | None:
+        reserved = [s for s in self.slots if s.reserved_for == adapter and s.pins == 0
+                    and s.state is not SlotState.LOADING]
+        if reserved:
+            return reserved[0]
+        empty = [s for s in self.slots if s.state is SlotState.EMPTY and not s.reserved_for]
         if empty:
             return empty[0]
-        evictable = [s for s in self.slots if s.state is SlotState.READY and s.pins == 0]
+        evictable = [s for s in self.slots if s.state is SlotState.READY and s.pins == 0
+                     and not s.is_admin_pinned and not s.reserved_for]
         return min(evictable, key=lambda s: (s.adapter in wanted, s.last_used), default=None)

@@ -13,6 +13,7 @@ from scheduler.block_manager import BlockManager
 from scheduler.core import ExecutorState, Limits, Sample, Scheduler
 from scheduler.detokenizer import Finish, OutputProcessor
 from scheduler.fairness import FairnessWeights
+from scheduler.invariants import check_invariants
 from scheduler.request import ErrorEvent, FinishEvent, Request, Sampling, Status, TokenEvent
 from scheduler.slots import SlotState, SlotTable
 
@@ -20,14 +21,17 @@ from scheduler.slots import SlotState, SlotTable
 class World:
     """One or more executors driven synchronously; loads complete when `complete_loads` runs."""
 
-    def __init__(self, num_executors=1, num_blocks=64, block_size=4, num_slots=2, limits=Limits()):
+    def __init__(self, num_executors=1, num_blocks=64, block_size=4, num_slots=2, limits=Limits(),
+                 weights=FairnessWeights()):
         self.loads: list = []
         self.executors = [ExecutorState(f"ex{i}", BlockManager(num_blocks, block_size), SlotTable(num_slots),
                                         max_rank=32) for i in range(num_executors)]
-        self.core = Scheduler(self.executors, FairnessWeights(), limits,
+        self.now = 0.0
+        self.core = Scheduler(self.executors, weights, limits,
                               start_load=lambda ex, slot: self.loads.append((ex, slot, slot.adapter)),
-                              wake=lambda: None)
+                              wake=lambda: None, clock=lambda: self.now)
         self.events: dict[int, list] = {}
+        self.requests: list[Request] = []
         self._ids = iter(range(1, 10**6))
 
     def request(self, tenant="t", adapter="", prompt_len=5, max_new=4) -> Request:
@@ -36,6 +40,7 @@ class World:
         req = Request(rid, tenant, adapter, 2**20, list(range(1, prompt_len + 1)), Sampling(),
                       OutputProcessor(None, max_new_tokens=max_new), self.events[rid].append)
         self.core.submit(req)
+        self.requests.append(req)
         return req
 
     def complete_loads(self, error=None) -> None:
@@ -44,6 +49,7 @@ class World:
             self.core.on_load_done(ex, slot, adapter, error)
 
     def step(self) -> None:
+        self.now += 0.01
         for ex in self.executors:
             plan = self.core.schedule(ex)
             slots = [seq.slot.index if seq.slot else -1 for seq, _, _ in plan.rows]
@@ -51,7 +57,7 @@ class World:
             samples = [Sample(seq.seq_id, 7, -0.1) for seq, n, _ in plan.rows
                        if seq.num_computed + n == len(seq.token_ids)]
             self.core.on_step_done(ex, plan, samples)
-            self.core.check_invariants()
+            check_invariants(self.core, self.requests)
 
     def run(self, max_steps=500) -> None:
         for _ in range(max_steps):
@@ -148,10 +154,10 @@ def test_cancel_frees_blocks_and_pins_whether_queued_or_running():
     (seq_id,) = w.executors[0].running
     w.core.cancel(running)
     w.core.cancel(queued)
-    w.core.check_invariants()
+    check_invariants(w.core, w.requests)
     ex = w.executors[0]
     assert ex.blocks.num_free == ex.blocks.num_blocks and not ex.running
-    assert ex.slots.find("a@1").pins == 0 and len(w.core.queues) == 0
+    assert ex.slots.find("a@1").pins == 0 and len(ex.queue) == 0
     assert w.core.schedule(ex).freed == [seq_id], "the executor is told to forget it"
 
 
@@ -188,8 +194,8 @@ def test_executor_loss_requeues_its_work_on_another_executor():
 
 @pytest.mark.parametrize("weights", [(1.0, 1.0), (2.0, 1.0)])
 def test_backlogged_tenants_share_admissions_by_weight(weights):
-    w = World(limits=Limits(max_num_seqs=1))
-    w.core.queues.weights = FairnessWeights(tenant_weights={"a": weights[0], "b": weights[1]})
+    w = World(limits=Limits(max_num_seqs=1),
+              weights=FairnessWeights(tenant_weights={"a": weights[0], "b": weights[1]}))
     reqs = [w.request(tenant=t, prompt_len=10, max_new=1) for t in ("a", "b") for _ in range(30)]
     for _ in range(40):
         w.step()
@@ -215,6 +221,8 @@ def test_adapter_loads_are_charged_to_the_tenant_that_causes_them():
     w = World(num_slots=8)
     w.request(tenant="cold", adapter="x@1", max_new=1)
     w.request(tenant="hot", max_new=1)
-    counters = w.core.queues.counters
-    assert counters["cold"] == pytest.approx(Limits().load_tokens_per_mib * 1.0)  # 1 MiB adapter
+    counters = w.core.fair.counters
+    rates = w.executors[0].rates
+    expected = rates.load_seconds(2**20) * rates.tokens_per_second  # the 1 MiB adapter's load
+    assert counters["cold"] == pytest.approx(expected)
     assert counters.get("hot", 0.0) == pytest.approx(counters["cold"]), "lifted on arrival, not charged"

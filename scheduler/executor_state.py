@@ -1,0 +1,82 @@
+"""Plain data the scheduler keeps per executor, and what one step carries."""
+
+from dataclasses import dataclass, field
+
+from scheduler.block_manager import BlockManager
+from scheduler.queues import ExecutorQueue
+from scheduler.request import Request
+from scheduler.routing import Rates
+from scheduler.slots import Slot, SlotTable
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_num_seqs: int = 64  # running sequences per executor
+    max_batched_tokens: int = 2048  # tokens per step per executor (long prompts are chunked)
+    max_adapters_per_batch: int = 0  # distinct adapters running at once per executor; 0 = no limit
+    max_load_attempts: int = 2  # a failing adapter load is tried this often, then its requests fail
+    affinity_max_wait_s: float = 0.0  # prefer requests whose adapter runs, for at most this long
+    slot_wait_s: float = 2.0  # routing: expected wait when every slot of an executor is pinned
+    max_reserved_slots: int = 1  # slots per executor that may drain for a waiting adapter
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_batched_tokens", "max_load_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"scheduler limit {name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_adapters_per_batch", "affinity_max_wait_s", "slot_wait_s", "max_reserved_slots"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"scheduler limit {name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request's current run on one executor (a preempted request gets a new one)."""
+
+    seq_id: int
+    request: Request
+    slot: Slot | None
+    token_ids: list[int]  # every token the executor knows for it
+    num_computed: int = 0  # tokens whose KV the executor has computed
+    is_sent: bool = False  # its NewSequence went out
+
+
+@dataclass(eq=False)
+class ExecutorState:
+    """What the scheduler knows of one executor: the single source of truth for placement."""
+
+    address: str
+    blocks: BlockManager
+    slots: SlotTable
+    max_rank: int
+    queue: ExecutorQueue = field(default_factory=ExecutorQueue)
+    running: dict[int, Sequence] = field(default_factory=dict)  # seq_id -> seq, admission order
+    pending_frees: list[int] = field(default_factory=list)
+    rates: Rates = field(default_factory=Rates)
+    work_tokens: float = 0.0  # tokens still to compute for its queued and running requests
+    load_failures: dict[str, int] = field(default_factory=dict)
+    is_up: bool = True
+    is_draining: bool = False
+    num_steps: int = 0
+    num_loads: int = 0
+    num_hits: int = 0
+
+    @property
+    def is_drained(self) -> bool:
+        return self.is_draining and not self.running
+
+
+@dataclass
+class StepPlan:
+    freed: list[int]
+    new: list[Sequence]
+    rows: list[tuple[Sequence, int, list[int]]]  # (seq, num_tokens, new block ids), sorted by slot
+
+    def __bool__(self) -> bool:
+        return bool(self.rows)
+
+
+@dataclass(frozen=True)
+class Sample:
+    seq_id: int
+    token_id: int
+    logprob: float

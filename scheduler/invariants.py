@@ -1,0 +1,52 @@
+"""The scheduler's bookkeeping rules, checked after every step in tests and, optionally, in the
+simulator. Each failure names the executor and what disagrees."""
+
+from collections import Counter
+from collections.abc import Iterable
+
+from scheduler.core import Scheduler
+from scheduler.request import Request, Status
+from scheduler.slots import SlotState
+
+
+def check_invariants(core: Scheduler, live: Iterable[Request] = ()) -> None:
+    """Raise AssertionError when the scheduler's state is inconsistent.
+
+    `live` are requests submitted and not yet finished: each must sit in exactly one queue or run
+    on exactly one executor (no request lost).
+    """
+    queued_by_tenant: Counter[str] = Counter(r.tenant for r in core.orphans)
+    placed: Counter[int] = Counter(id(r) for r in core.orphans)
+    for ex in core.executors:
+        where = ex.address
+        pins: Counter[int] = Counter()
+        for seq in ex.running.values():
+            req = seq.request
+            assert req.status is Status.RUNNING and req.executor is ex, f"{where}: seq {seq.seq_id} misfiled"
+            placed[id(req)] += 1
+            if seq.slot is not None:
+                assert seq.slot.adapter == req.adapter, f"{where}: seq {seq.seq_id} on a foreign slot"
+                pins[seq.slot.index] += 1
+        held = Counter(s.adapter for s in ex.slots.slots if s.adapter)
+        assert all(n == 1 for n in held.values()), f"{where}: an adapter in two slots: {held}"
+        for slot in ex.slots.slots:
+            assert slot.pins == pins[slot.index], f"{where}: slot {slot.index} pins {slot.pins} != {pins[slot.index]}"
+            assert slot.pins == 0 or slot.state is SlotState.READY, f"{where}: slot {slot.index} pinned unready"
+            assert (slot.state is SlotState.EMPTY) == (not slot.adapter), f"{where}: slot {slot.index} state"
+            if slot.adapter:
+                assert ex.slots.find(slot.adapter) is slot, f"{where}: slot index of {slot.adapter} stale"
+        assert set(ex.blocks.tables) == set(ex.running), f"{where}: blocks of unknown sequences"
+        in_tables = sum(len(t) for t in ex.blocks.tables.values())
+        assert in_tables == ex.blocks.num_allocated(), f"{where}: blocks leaked"
+        demand: Counter[str] = Counter()
+        for req in ex.queue:
+            assert req.status is Status.QUEUED and req.executor is ex, f"{where}: request {req.request_id} misfiled"
+            queued_by_tenant[req.tenant] += 1
+            placed[id(req)] += 1
+            demand[req.adapter] += 1
+        assert demand == Counter(ex.queue.demand), f"{where}: adapter demand counts drifted"
+        assert len(ex.queue) == sum(demand.values()), f"{where}: queue length drifted"
+    assert queued_by_tenant == Counter(core.fair.backlog), "tenant backlogs drifted"
+    for req in live:
+        if req.status is not Status.FINISHED:
+            assert placed[id(req)] == 1, f"request {req.request_id} is in {placed[id(req)]} places"
