@@ -289,6 +289,12 @@ class Registry:
                            f"the latest is {max(live, default=0)}")
         return versions[version]
 
+    async def check_live(self, record: AdapterRecord) -> None:
+        """NotFound if `record` was deleted, read fresh (e.g. on another replica, moments ago)."""
+        index, _ = await self._read_index(record.name)
+        if record.version in index.deleted:
+            raise NotFound(f"adapter {record.name!r} version {record.version} was deleted")
+
     @property
     def description(self) -> str:
         return self._blobs.description
@@ -305,11 +311,13 @@ class Registry:
     async def list_visible(self, tenant: str = "", name: str = "",
                            all_versions: bool = False) -> list[AdapterRecord]:
         """Versions `tenant` may use, sorted by name then version: the latest of each name, or
-        every live version; only `name` when given."""
-        if name:
+        every live version; only `name` when given. Without a name, up to `refresh_s` behind
+        other replicas."""
+        if name:  # one name is one LIST: always current
             check_name(name)
-        if self._is_stale(name or None):
-            await self.refresh(name or None)
+            await self.refresh(name)
+        elif self._is_stale(None):
+            await self.refresh()
         found = []
         for adapter, versions in sorted(self._versions.items()):
             if name and adapter != name or not versions[min(versions)].is_visible_to(tenant):

@@ -22,7 +22,7 @@ from adapter_store.records import AdapterRecord, VersionMeta, check_alias, check
 from adapter_store.registry import Registry
 from adapter_store.validation import WEIGHTS_FILENAME, check_weights_file
 from loraplex import server
-from loraplex.errors import InvalidArgument, grpc_errors
+from loraplex.errors import DataLoss, InvalidArgument, grpc_errors
 from protos import adapter_store_pb2 as pb
 from protos import adapter_store_pb2_grpc, common_pb2
 
@@ -107,6 +107,15 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
         self._leases = leases
         self._num_fetches = 0
 
+    async def _read(self, record: AdapterRecord) -> bytes:
+        """The weights via the host tier; a version deleted on another replica since this one
+        last looked is NOT_FOUND, not DATA_LOSS."""
+        try:
+            return await self._cache.get(record)
+        except DataLoss:
+            await self._registry.check_live(record)
+            raise
+
     async def _registered(self, record: AdapterRecord, aliases: list[str],
                           tenant: str) -> common_pb2.AdapterInfo:
         for alias in aliases:
@@ -173,7 +182,7 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
             if not request.version:
                 raise InvalidArgument("Fetch needs an exact version (resolve it with GetAdapter)")
             record = await self._registry.get(request.name, request.version)
-            data = await self._cache.get(record)
+            data = await self._read(record)
             self._num_fetches += 1
             yield pb.FetchResponse(info=record_to_pb(record))
             view = memoryview(data)
@@ -186,7 +195,7 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
                                               request.alias)
             was_cached = record in self._cache
             started = time.perf_counter()
-            await self._cache.get(record)
+            await self._read(record)
             return pb.HostPrewarmResponse(
                 info=record_to_pb(record), was_cached=was_cached,
                 seconds=0.0 if was_cached else time.perf_counter() - started)
