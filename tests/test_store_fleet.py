@@ -1,0 +1,81 @@
+"""Aliases through the real services: two store replicas on SeaweedFS, an executor and the
+scheduler as separate processes. Moving `prod` while requests stream: running sequences keep the
+version they resolved, new requests get the new version at once (through the other replica)."""
+
+import asyncio
+
+import pytest
+
+from loraplex import client
+from loraplex.launch import Fleet
+from loraplex.server import insecure_channel
+from protos import adapter_store_pb2 as pb
+from protos import scheduler_pb2_grpc
+from tests.conftest import API_KEYS
+
+KEY = next(key for key, tenant in API_KEYS.items() if tenant == "acme")
+PROMPTS = ["the model serves many adapters", "tokens stream quickly", "a batch of tokens",
+           "many adapters serve the batch"]
+NUM_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny, seaweedfs_s3, log_dir):
+    fleet = Fleet(model=tiny["model_dir"], store_url=f"s3://{seaweedfs_s3.bucket}/alias-fleet",
+                  log_dir=log_dir / "alias-fleet", num_stores=2,
+                  store_args=["--s3-endpoint-url", seaweedfs_s3.endpoint_url],
+                  executor_args=["--adapter-slots", "4", "--max-rank", "32", "--kv-blocks", "128",
+                                 "--block-size", "8", "--threads", "1"],
+                  scheduler_args=[f for key, t in API_KEYS.items()
+                                  for f in ("--api-key", f"{key}={t}")])
+    with fleet:
+        yield fleet
+
+
+async def test_alias_moved_while_requests_run(fleet, tiny):
+    first, second = fleet.stores
+    for fixture in ("r8_mlp", "r16_all"):  # bot@1, bot@2
+        await client.push_adapter(first, tiny["adapters"][fixture]["path"], "bot", "acme")
+    await client.store_call(first, "SetAlias", pb.SetAliasRequest(
+        name="bot", alias="prod", version=1, tenant="acme"))
+
+    async with insecure_channel(fleet.scheduler) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+
+        def request(adapter: str, prompt: str) -> object:
+            return client.generate_request(adapter, prompt, NUM_TOKENS, ignore_eos=True)
+
+        # Reference outputs of each exact version.
+        expected = {(ref, p): (await client.generate(stub, request(f"bot@{ref}", p), KEY)).token_ids
+                    for ref in (1, 2) for p in PROMPTS}
+        assert all(expected[(1, p)] != expected[(2, p)] for p in PROMPTS)
+
+        started = asyncio.Event()
+        num_started = [0]
+
+        async def running(prompt: str) -> client.Generation:
+            out = client.Generation()
+            async for response in client.stream(stub, request("bot@prod", prompt), KEY):
+                if response.HasField("token_id"):
+                    out.token_ids.append(response.token_id)
+                    if len(out.token_ids) == 1:
+                        num_started[0] += 1
+                        if num_started[0] == len(PROMPTS):
+                            started.set()
+                out.usage = response.usage if response.finish_reason else out.usage
+            return out
+
+        before = [asyncio.create_task(running(p)) for p in PROMPTS]
+        await asyncio.wait_for(started.wait(), 60)
+        # Every stream has its first token; move the alias through the *other* replica.
+        moved = await client.store_call(second, "SetAlias", pb.SetAliasRequest(
+            name="bot", alias="prod", version=2, tenant="acme"))
+        assert moved.previous_version == 1
+        assert not all(task.done() for task in before)  # the move landed mid-stream
+        after = await asyncio.gather(*(client.generate(stub, request("bot@prod", p), KEY)
+                                       for p in PROMPTS))
+        before = await asyncio.gather(*before)
+
+    for prompt, old, new in zip(PROMPTS, before, after):
+        assert old.usage.adapter == "bot@1" and old.token_ids == expected[(1, prompt)]
+        assert new.usage.adapter == "bot@2" and new.token_ids == expected[(2, prompt)]
