@@ -8,6 +8,12 @@ from __future__ import annotations
 
 import torch
 
+# Kernel vs reference: (rtol, atol as a fraction of the largest expected magnitude) per dtype.
+# fp32 to 1e-5; bf16 / fp16 about one ulp (2^-7 / 2^-10 relative): kernels and references round
+# at the same points and differ only in the order of fp32 accumulation.
+TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2**-7, 2**-7),
+              torch.float16: (2**-10, 2**-10)}
+
 
 def _items(items: torch.Tensor):
     """Yield (row_start, row_end, slot, segment) of every work item, as ints."""

@@ -69,7 +69,7 @@ def _sgmv_fused_kernel(
 def sgmv_fused(x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, out: torch.Tensor,
                items: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
                out_sizes: tuple[int, ...], *, block_m: int, rank_block: int,
-               target_ctas: int = 132, block_k: int = 256, block_n: int = 128,
+               target_ctas: int = 132, block_k: int | None = None, block_n: int = 128,
                num_warps: int = 4) -> None:
     """out [T, sum(out_sizes)] += per slice i and item rows: scale * (x @ A_i^T) @ B_i^T.
 
@@ -91,6 +91,7 @@ def sgmv_fused(x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, out: torch.Te
     num_items = items.shape[1]
     if num_items == 0:
         return
+    block_k = block_k or max(32, min(256, 32768 // (rank_block * x.element_size())))  # <= 32 KB
     chunk_n, num_chunks = column_chunks(out_sizes, num_items, block_n, target_ctas)
     _sgmv_fused_kernel[(num_items, num_chunks)](
         x, a, bt, out, items, ranks, scales, num_items, x.shape[1], *padded_sizes(out_sizes),

@@ -61,8 +61,8 @@ def _sgmv_shrink_kernel(
 
 
 def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, items: torch.Tensor, ranks: torch.Tensor, *,
-                block_m: int, rank_block: int, target_ctas: int = 132, block_k: int = 128,
-                num_warps: int = 4) -> torch.Tensor:
+                block_m: int, rank_block: int, target_ctas: int = 132,
+                block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """x [T, K]; a [num_slots, n, R, K] (one layer of a SliceGroup); items [4, W] int32;
     ranks [n, S] int32 -> t [T, n, rank_block] fp32, written only on the items' rows (zero
     above each segment's rank)."""
@@ -76,6 +76,10 @@ def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, items: torch.Tensor, ranks: to
     if rank_block < 16 or rank_block & (rank_block - 1):
         raise ValueError(f"rank_block must be a power of two >= 16, got {rank_block}")
     num_items, k = items.shape[1], x.shape[1]
+    slices_p2 = triton.next_power_of_2(num_slices)
+    # A tile of at most 32 KB per pipeline stage; 8 warps once the accumulator is large.
+    block_k = block_k or max(32, min(128, 32768 // (slices_p2 * rank_block * x.element_size())))
+    num_warps = num_warps or (8 if block_m * slices_p2 * rank_block >= 8192 else 4)
     split_k = max(1, min(triton.cdiv(target_ctas, max(num_items, 1)), triton.cdiv(k, block_k)))
     alloc = torch.zeros if split_k > 1 else torch.empty
     t = alloc(x.shape[0], num_slices, rank_block, device=x.device,
@@ -85,7 +89,7 @@ def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, items: torch.Tensor, ranks: to
     _sgmv_shrink_kernel[(num_items, split_k)](
         x, a, t, items, ranks, num_items, k, split_k,
         x.stride(0), a.stride(0), a.stride(1), a.stride(2), t.stride(0), ranks.stride(0),
-        NUM_SLICES=num_slices, SLICES_P2=triton.next_power_of_2(num_slices),
+        NUM_SLICES=num_slices, SLICES_P2=slices_p2,
         RANK_BLOCK=rank_block, BLOCK_M=block_m, BLOCK_K=block_k, ATOMIC=split_k > 1,
         num_warps=num_warps, **numerics(x))
     return t

@@ -25,7 +25,12 @@ from executor.lora import (  # noqa: E402
     TritonLoraBackend,
 )
 from executor.model_config import ModelConfig  # noqa: E402
-from kernels.reference import sgmv_expand_ref, sgmv_fused_ref, sgmv_shrink_ref  # noqa: E402
+from kernels.reference import (  # noqa: E402
+    TOLERANCES,
+    sgmv_expand_ref,
+    sgmv_fused_ref,
+    sgmv_shrink_ref,
+)
 from kernels.segments import SegmentWork  # noqa: E402
 from kernels.sgmv_expand import sgmv_expand  # noqa: E402
 from kernels.sgmv_fused import sgmv_fused  # noqa: E402
@@ -33,11 +38,6 @@ from kernels.sgmv_shrink import sgmv_shrink  # noqa: E402
 from tests.oracle import hf_greedy  # noqa: E402
 from tests.test_model_oracle import make_runner, prompts, run  # noqa: E402
 
-# (rtol, atol as a fraction of the largest expected magnitude) per dtype. fp32: the 1e-5;
-# bf16 / fp16: about one ulp (2^-7 / 2^-10 relative), the kernels and references rounding at
-# the same points and differing only in fp32 accumulation order.
-TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2**-7, 2**-7),
-              torch.float16: (2**-10, 2**-10)}
 # Small tiles keep the interpreter fast; target_ctas 4 makes the column chunking split slices.
 TUNING = {"target_ctas": 4, "block_k": 32}
 EXPAND_TUNING = {"target_ctas": 4, "block_n": 16}
