@@ -1,7 +1,8 @@
 """Base models the store knows: the shapes an adapter must fit, from the model's HF config.json.
 
 An operator registers a base model once (`RegisterBaseModel`, `loraplex adapters base add DIR`);
-its config.json (and revision) is stored at base-models/{model_id}/base.json beside the adapters, so every
+its config.json (and revision) is stored at base-models/{model_id}/base.json beside the
+adapters, so every
 replica sees it. A push whose `base_model_name_or_path` names a registered model is checked
 tensor by tensor against it (features in and out of each projection, layer count) and, when both
 sides state one, against its revision. With `require_base_model` a push for an unregistered base is
@@ -19,7 +20,8 @@ from loraplex.errors import InvalidArgument
 ROOT = "base-models/"
 RECORD_FILENAME = "base.json"  # {"model_id", "revision", "config_json"}
 # HF model ids: "org/name" or "name", plus local-path-like ids made of the same characters.
-_MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95}){0,3}$")
+_PART = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
+_MODEL_ID_RE = re.compile(rf"^{_PART}(/{_PART}){{0,3}}$")
 _FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}
 
 

@@ -149,7 +149,8 @@ class FileBlobStore(BlobStore):
         parsed = urlparse(uri)
         path = Path(unquote(parsed.path)).resolve()
         if parsed.scheme != "file" or not path.is_relative_to(self.root.resolve()):
-            raise ValueError(f"{uri!r}: this store reads file:// URIs under {self.description} only")
+            raise ValueError(f"{uri!r}: this store reads file:// URIs under "
+                             f"{self.description} only")
         try:
             return await asyncio.to_thread(path.read_bytes)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):

@@ -85,9 +85,11 @@ class StoreConfig:
             raise ValueError(f"host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
         if not 1024 <= self.chunk_bytes <= 32 * MIB:
             raise ValueError(f"chunk_bytes must be within 1 KiB..32 MiB, got {self.chunk_bytes}")
-        if not 64 * 1024 <= self.s3_part_bytes <= 1024 * MIB or not 1 <= self.s3_max_concurrency <= 64:
-            raise ValueError("s3_part_bytes must be within 64 KiB..1 GiB and s3_max_concurrency "
-                             f"within 1..64, got {self.s3_part_bytes} and {self.s3_max_concurrency}")
+        if not (64 * 1024 <= self.s3_part_bytes <= 1024 * MIB
+                and 1 <= self.s3_max_concurrency <= 64):
+            raise ValueError(
+                "s3_part_bytes must be within 64 KiB..1 GiB and s3_max_concurrency within 1..64, "
+                f"got {self.s3_part_bytes} and {self.s3_max_concurrency}")
         if self.read_attempts < 1 or self.max_rank < 1 or self.lease_ttl_s <= 0:
             raise ValueError("read_attempts and max_rank must be >= 1 and lease_ttl_s > 0")
         match = _ADDRESS_RE.match(self.address)

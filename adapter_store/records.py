@@ -54,8 +54,8 @@ class AdapterRecord:
 
     def __post_init__(self) -> None:
         if not self.weights_key:
-            object.__setattr__(self, "weights_key",
-                               f"{version_prefix(self.name, self.version)}adapter_model.safetensors")
+            legacy = f"{version_prefix(self.name, self.version)}adapter_model.safetensors"
+            object.__setattr__(self, "weights_key", legacy)
 
     @property
     def ref(self) -> str:

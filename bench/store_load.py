@@ -163,8 +163,9 @@ def report(rows) -> str:
             f"{ms(pct(cold, .5))} / {ms(pct(cold, .99))} | "
             f"{pct(cold, .5) / pct(raw, .5):.2f}x | {ms(pct(warm, .5))} / {ms(pct(warm, .99))} | "
             f"{ms(pct(hit, .5))} / {ms(pct(hit, .99))} |")
+    throughput = statistics.mean(r[1] / pct(r[3], .5) for r in rows) / 2**20
     lines += ["", f"Machine: {torch.get_num_threads()} torch threads; "
-              f"mean raw GET throughput {statistics.mean(r[1] / pct(r[3], .5) for r in rows) / 2**20:.0f} MiB/s.", ""]
+              f"mean raw GET throughput {throughput:.0f} MiB/s.", ""]
     return "\n".join(lines)
 
 

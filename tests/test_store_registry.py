@@ -200,7 +200,8 @@ async def test_base_model_shapes_and_revision_are_checked_at_push(seaweedfs_s3):
         assert base.num_layers == 2
         assert (await push(store, "fits")).version == 1
         details = await store.stub.DescribeAdapter(pb.GetAdapterRequest(name="fits"))
-        assert details.base_model_revision == "r1" and details.base_config_sha256 == base.config_sha256
+        assert details.base_model_revision == "r1"
+        assert details.base_config_sha256 == base.config_sha256
         wide = json.dumps({**TINY_BASE, "hidden_size": 512, "num_attention_heads": 8})
         await store.stub.RegisterBaseModel(pb.RegisterBaseModelRequest(
             model_id="wide-llama", config_json=wide))
