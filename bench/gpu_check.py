@@ -81,7 +81,7 @@ def section(title: str):
             REPORT.append(f"\n## {title}\n")
             try:
                 return fn(*a, **kw)
-            except Exception:  # report and go on: the other sections still measure
+            except Exception:  # noqa: BLE001 (report and go on: the other sections still measure)
                 err = traceback.format_exc()
                 print(err, flush=True)
                 REPORT.append(f"**FAILED**\n\n```\n{err[-3000:]}\n```\n")
@@ -92,10 +92,10 @@ def section(title: str):
 
 
 def write_report() -> None:
+    device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke)"
     head = [f"# GPU check: SGMV LoRA kernels ({MODEL} shapes)\n",
-            f"Device: {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'cpu (smoke)'}; "
-            f"torch {torch.__version__}, triton {triton.__version__}; "
-            f"{time.strftime('%Y-%m-%d %H:%M')}; {time.perf_counter() - START:.0f} s.\n"]
+            (f"Device: {device}; torch {torch.__version__}, triton {triton.__version__}; "
+             f"{time.strftime('%Y-%m-%d %H:%M')}; {time.perf_counter() - START:.0f} s.\n")]
     Path(OPTS.out).parent.mkdir(parents=True, exist_ok=True)
     Path(OPTS.out).write_text("\n".join(head + REPORT) + "\n")
 
@@ -337,48 +337,61 @@ def host_us(fn, n: int = 50) -> float:
     return us
 
 
+def time_group(pool, group, meta, other, other_meta, row_slots, rank, num_adapters,
+               copy_gbs, base_cache, auto) -> list:
+    """One row of the timing table: a LoRA group of one layer at one (tokens, adapters, rank)."""
+    dtype, e, tokens = pool.groups[group].a.dtype, 2, len(row_slots)
+    in_f, n = group_shapes(group)
+    x = torch.randn(tokens, in_f, device=DEVICE).to(dtype)
+    out = torch.zeros(tokens, n, device=DEVICE, dtype=dtype)
+    if (tokens, group) not in base_cache:
+        w = torch.randn(n, in_f, device=DEVICE).to(dtype)
+        base_cache[(tokens, group)] = bench_ms(lambda: F.linear(x, w))
+    ms = bench_ms(lambda: auto.apply(0, group, x, out, meta))
+    other_ms = (bench_ms(lambda: other.apply(0, group, x, out, other_meta))
+                if tokens <= 256 else float("nan"))
+    slots_dev = row_slots.to(DEVICE)
+    baseline_ms = bench_ms(lambda: gather_bmm(pool, group, x, out, slots_dev))
+    moved = e * (tokens * in_f + num_adapters * rank * (len(LORA_GROUPS[group]) * in_f + n)
+                 + 2 * tokens * n)
+    gbs = moved / ms / 1e6
+    path = "fused" if meta.max_seg_len <= auto.fused_max_rows else "shr+exp"
+    return [tokens, num_adapters, rank, group, path, ms * 1e3, other_ms * 1e3, gbs,
+            gbs / copy_gbs, ms / base_cache[(tokens, group)], baseline_ms / ms,
+            host_us(lambda: auto.apply(0, group, x, out, meta))]
+
+
+def time_rank(rank: int, copy_gbs: float, base_cache: dict) -> tuple[list, int]:
+    """Timing rows for every (tokens, adapters) at one rank; and how many configs were skipped."""
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    pool = one_layer_pool(max(ADAPTERS), rank, dtype, lambda s: dict.fromkeys(LORA_MODULES, rank))
+    auto, rows, skipped = TritonLoraBackend(pool), [], 0
+    for tokens in TOKENS:
+        for num_adapters in (a for a in ADAPTERS if a <= tokens):
+            if time.perf_counter() > START + OPTS.budget_s:
+                skipped += 1
+                continue
+            row_slots = torch.arange(tokens) * num_adapters // tokens  # sorted, all adapted
+            meta = auto.prepare(row_slots)
+            is_fused = meta.max_seg_len <= auto.fused_max_rows
+            other = TritonLoraBackend(pool, fused_max_rows=0 if is_fused else 1 << 30)
+            other_meta = other.prepare(row_slots)
+            for group in LORA_GROUPS:
+                rows.append(time_group(pool, group, meta, other, other_meta, row_slots, rank,
+                                       num_adapters, copy_gbs, base_cache, auto))
+            print(rows[-4:], flush=True)
+    return rows, skipped
+
+
 @section("4. Kernel timings (bf16, Llama-3-8B projections, one layer)")
 def kernel_timings(copy_gbs: float) -> None:
-    dtype, e = torch.bfloat16 if DEVICE == "cuda" else torch.float32, 2
     rows, base_cache, skipped = [], {}, 0
     for rank in RANKS:
-        num_slots = max(ADAPTERS)
-        pool = one_layer_pool(num_slots, rank, dtype, lambda s: dict.fromkeys(LORA_MODULES, rank))
-        auto = TritonLoraBackend(pool)
-        for tokens in TOKENS:
-            for num_adapters in (a for a in ADAPTERS if a <= tokens):
-                if time.perf_counter() > START + OPTS.budget_s:
-                    skipped += 1
-                    continue
-                row_slots = torch.arange(tokens) * num_adapters // tokens  # sorted, all adapted
-                meta = auto.prepare(row_slots)
-                other = TritonLoraBackend(pool, fused_max_rows=0 if meta.max_seg_len <= 64
-                                          else 1 << 30)
-                other_meta = other.prepare(row_slots)
-                slots_dev = row_slots.to(DEVICE)
-                for group in LORA_GROUPS:
-                    in_f, n = group_shapes(group)
-                    x = torch.randn(tokens, in_f, device=DEVICE).to(dtype)
-                    out = torch.zeros(tokens, n, device=DEVICE, dtype=dtype)
-                    key = (tokens, group)
-                    if key not in base_cache:
-                        w = torch.randn(n, in_f, device=DEVICE).to(dtype)
-                        base_cache[key] = bench_ms(lambda: F.linear(x, w))
-                    ms = bench_ms(lambda: auto.apply(0, group, x, out, meta))
-                    other_ms = (bench_ms(lambda: other.apply(0, group, x, out, other_meta))
-                                if tokens <= 256 else float("nan"))
-                    base_ms = bench_ms(lambda: gather_bmm(pool, group, x, out, slots_dev))
-                    slices = len(LORA_GROUPS[group])
-                    moved = e * (tokens * in_f + num_adapters * rank * (slices * in_f + n)
-                                 + 2 * tokens * n)
-                    gbs = moved / ms / 1e6
-                    path = "fused" if meta.max_seg_len <= auto.fused_max_rows else "shr+exp"
-                    rows.append([tokens, num_adapters, rank, group, path, ms * 1e3,
-                                 other_ms * 1e3, gbs, gbs / copy_gbs,
-                                 ms / base_cache[key], base_ms / ms,
-                                 host_us(lambda: auto.apply(0, group, x, out, meta))])
-                print(rows[-4:], flush=True)
-        del pool, auto
+        rank_rows, rank_skipped = time_rank(rank, copy_gbs, base_cache)
+        rows += rank_rows
+        skipped += rank_skipped
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
     REPORT.append(
         "Per LoRA group of one layer (qkv: q|k|v slices; gate_up: gate|up). Rows split evenly "
         "over the adapters, every row adapted, each adapter at the stated rank. us = GPU time "

@@ -8,7 +8,8 @@ contiguous. Running example, block_size 4:
     slots   : where each row's k/v is written (from the mirrored block tables)
 
 Every projection is one dense matmul over all T rows (q/k/v fused, gate/up fused), then the LoRA
-backend adds the adapters of its segments with one call per fused output. Attention reads each sequence's context back through its block table:
+backend adds the adapters of its segments with one call per fused output. Attention reads each
+sequence's context back through its block table:
   - decode rows (one query each) are batched into one SDPA call, keys padded to the longest
     context and masked: a decode step is many short rows, so one call beats a Python loop, and
     padding costs little because decode attention is cheap next to the projections;

@@ -1,4 +1,5 @@
-"""SGMV expand: out[rows_s, slice i columns] += scale_{s,i} * t[rows_s, i, :r] @ B_{slot_s,i}[:, :r]^T.
+"""SGMV expand: out[rows_s, columns of slice i] += scale_si * t[rows_s, i, :r] @ B_si[:, :r]^T,
+for segment s with its adapter's slice i (B_si of rank r = the segment's rank for that slice).
 
 The output is a group's fused base output (q | k | v side by side, q wider than k and v under
 GQA); the grid is (work item, column chunk) with chunks cut per slice (see sgmv_tiles), so no

@@ -66,6 +66,11 @@ def _sgmv_fused_kernel(
                     EMULATE_RNE, IEEE)
 
 
+def fused_block_k(rank_block: int, element_size: int) -> int:
+    """BLOCK_K for an A tile of at most 32 KB per pipeline stage."""
+    return max(32, min(256, 32768 // (rank_block * element_size)))
+
+
 def sgmv_fused(x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, out: torch.Tensor,
                items: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
                out_sizes: tuple[int, ...], *, block_m: int, rank_block: int,
@@ -91,7 +96,7 @@ def sgmv_fused(x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, out: torch.Te
     num_items = items.shape[1]
     if num_items == 0:
         return
-    block_k = block_k or max(32, min(256, 32768 // (rank_block * x.element_size())))  # <= 32 KB
+    block_k = block_k or fused_block_k(rank_block, x.element_size())
     chunk_n, num_chunks = column_chunks(out_sizes, num_items, block_n, target_ctas)
     _sgmv_fused_kernel[(num_items, num_chunks)](
         x, a, bt, out, items, ranks, scales, num_items, x.shape[1], *padded_sizes(out_sizes),

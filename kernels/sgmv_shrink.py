@@ -60,6 +60,15 @@ def _sgmv_shrink_kernel(
         tl.store(t_ptrs, acc, mask=t_mask)
 
 
+def shrink_tiles(num_slices: int, rank_block: int, block_m: int,
+                 element_size: int) -> tuple[int, int]:
+    """(BLOCK_K, num_warps): a stacked A tile of at most 32 KB per pipeline stage; 8 warps once
+    the [BLOCK_M, slices * RANK_BLOCK] accumulator is large."""
+    stacked = triton.next_power_of_2(num_slices) * rank_block
+    return (max(32, min(128, 32768 // (stacked * element_size))),
+            8 if block_m * stacked >= 8192 else 4)
+
+
 def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, items: torch.Tensor, ranks: torch.Tensor, *,
                 block_m: int, rank_block: int, target_ctas: int = 132,
                 block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
@@ -77,9 +86,8 @@ def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, items: torch.Tensor, ranks: to
         raise ValueError(f"rank_block must be a power of two >= 16, got {rank_block}")
     num_items, k = items.shape[1], x.shape[1]
     slices_p2 = triton.next_power_of_2(num_slices)
-    # A tile of at most 32 KB per pipeline stage; 8 warps once the accumulator is large.
-    block_k = block_k or max(32, min(128, 32768 // (slices_p2 * rank_block * x.element_size())))
-    num_warps = num_warps or (8 if block_m * slices_p2 * rank_block >= 8192 else 4)
+    auto_k, auto_warps = shrink_tiles(num_slices, rank_block, block_m, x.element_size())
+    block_k, num_warps = block_k or auto_k, num_warps or auto_warps
     split_k = max(1, min(triton.cdiv(target_ctas, max(num_items, 1)), triton.cdiv(k, block_k)))
     alloc = torch.zeros if split_k > 1 else torch.empty
     t = alloc(x.shape[0], num_slices, rank_block, device=x.device,
