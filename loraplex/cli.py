@@ -4,6 +4,7 @@
     loraplex serve scheduler|executor|adapter-store [flags]
     loraplex adapters push|register|list|show|alias|rm|base|stats ...
     loraplex generate --adapter N "prompt" [--json]
+    loraplex simulate CONFIG           the scheduler policy against a simulated workload
     loraplex demo                      the main job: services + a streaming multi-tenant workload
 """
 
@@ -162,6 +163,22 @@ async def _generate(args: argparse.Namespace) -> None:
         print()
 
 
+def _simulate(args: argparse.Namespace) -> None:
+    import dataclasses
+    import time
+
+    from scheduler.sim_config import SimConfig
+    from scheduler.simulator import Simulator, format_report
+
+    config = SimConfig.load(args.config)
+    if args.requests:
+        config = dataclasses.replace(config, num_requests=args.requests)
+    start = time.perf_counter()
+    result = Simulator(config).run()
+    print(format_report(config, result))
+    print(f"(simulated in {time.perf_counter() - start:.0f}s of wall time)")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loraplex", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -235,6 +252,10 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="one JSON object per token")
 
+    sim = sub.add_parser("simulate", help="run the scheduler policy against a simulated workload")
+    sim.add_argument("config", help="TOML workload (see bench/sim/zipf1000.toml)")
+    sim.add_argument("--requests", type=int, default=0, help="override num_requests")
+
     demo = sub.add_parser("demo", help="the main job: services + a streaming multi-tenant workload")
     demo.add_argument("--requests", type=int, default=96)
     demo.add_argument("--concurrency", type=int, default=32)
@@ -254,6 +275,8 @@ def main(argv: list[str] | None = None) -> None:
             run(lambda: action(args))
         except grpc.aio.AioRpcError as err:
             sys.exit(f"error: {err.code().name}: {err.details()}")
+    elif args.command == "simulate":
+        _simulate(args)
     elif args.command == "demo":
         from loraplex import demo
 

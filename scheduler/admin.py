@@ -25,7 +25,7 @@ def prewarm(core: Scheduler, adapter: str, adapter_bytes: int, num_executors: in
     chosen = holding + others[:max(0, num_executors - len(holding))]
     for ex in chosen:
         if ex.slots.find(adapter) is None:
-            if not ex.slots.can_place(adapter):
+            if not ex.slots.can_place(adapter, ex.queue.demand):
                 raise FailedPrecondition(f"executor {ex.address}: every adapter slot is pinned; "
                                          f"evict or unpin one before pre-warming {adapter}")
             core.start_load_on(ex, adapter)

@@ -22,7 +22,7 @@ from scheduler.detokenizer import Finish
 from scheduler.executor_state import ExecutorState, Limits, Sample, Sequence, StepPlan
 from scheduler.fairness import FairnessWeights, FairShare
 from scheduler.request import ErrorEvent, FinishEvent, Request, Status
-from scheduler.routing import score
+from scheduler.routing import home, score
 from scheduler.slots import Slot, SlotState
 
 log = logging.getLogger(__name__)
@@ -34,13 +34,15 @@ class Scheduler:
                  start_load: Callable[[ExecutorState, Slot], None], wake: Callable[[], None],
                  start_unload: Callable[[ExecutorState, int, str], None] = lambda ex, slot, adapter: None,
                  clock: Callable[[], float] = time.monotonic):
-        self.executors = list(executors)
+        self.executors = []
         self.limits = limits
         self.fair = FairShare(weights)
         self.orphans: list[Request] = []  # queued while no executor can take work
         self.clock = clock
         self._start_load, self._start_unload, self._wake = start_load, start_unload, wake
         self._seq_ids = itertools.count(1)
+        for ex in executors:
+            self.add_executor(ex)
 
     # ---- requests in and out ----------------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -67,22 +69,26 @@ class Scheduler:
             self.orphans.append(req)
             self.fair.on_enqueue(req.tenant)
             return
-        ex = min(candidates, key=lambda e: self._score(e, req))
+        home_address = home(req.adapter, [e.address for e in candidates]) if req.adapter else ""
+        ex = min(candidates, key=lambda e: self._score(e, req, e.address != home_address))
         req.executor = ex
+        if req.adapter and not front:
+            ex.popularity.hit(req.adapter, req.arrival)
         ex.queue.push(req, front)
         ex.work_tokens += req.work_left
         self.fair.on_enqueue(req.tenant)
         if req.adapter and ex.slots.find(req.adapter) is None:
             self._place(ex, req)
 
-    def _score(self, ex: ExecutorState, req: Request) -> float:
+    def _score(self, ex: ExecutorState, req: Request, is_away: bool) -> float:
         resident = not req.adapter or ex.slots.find(req.adapter) is not None
-        return score(ex.work_tokens, ex.rates, resident, resident or ex.slots.can_place(req.adapter),
-                     req.adapter_bytes, self.limits.slot_wait_s)
+        can_place = resident or ex.slots.can_place(req.adapter, ex.queue.demand)
+        return score(ex.work_tokens, ex.rates, resident, can_place, req.adapter_bytes,
+                     self.limits.slot_wait_s, self.limits.home_bias_s if is_away else 0.0)
 
     def _place(self, ex: ExecutorState, req: Request) -> bool:
         """Start loading req's adapter on ex if a slot can take it (prefetch); charge the load."""
-        if not ex.slots.can_place(req.adapter):
+        if not ex.slots.can_place(req.adapter, ex.queue.demand):
             return False
         self.start_load_on(ex, req.adapter)
         req.caused_load = True
@@ -92,7 +98,8 @@ class Scheduler:
 
     def start_load_on(self, ex: ExecutorState, adapter: str) -> Slot:
         """Claim a slot of ex for `adapter` and start loading it there (caller checked can_place)."""
-        slot = ex.slots.place(adapter, wanted=ex.queue.demand)
+        now = self.clock()
+        slot = ex.slots.place(adapter, ex.queue.demand, lambda a: ex.popularity.value(a, now))
         self._start_load(ex, slot)
         return slot
 
@@ -154,12 +161,18 @@ class Scheduler:
         active = {seq.request.adapter for seq in ex.running.values() if seq.request.adapter}
         heap = [(self.fair.counter(t), t) for t in ex.queue.tenants()]
         heapq.heapify(heap)
+        is_fairest = True
+        window = self.limits.fairness_window
+        ceiling = self.fair.min_backlogged() + window if window else float("inf")
         while heap and budget > 0 and len(ex.running) < self.limits.max_num_seqs:
             counter, tenant = heapq.heappop(heap)
             if counter != self.fair.counter(tenant):  # charged since it was pushed
                 heapq.heappush(heap, (self.fair.counter(tenant), tenant))
                 continue
-            req = self._pick(ex, tenant, active)
+            if counter > ceiling:
+                break  # everyone left is too far ahead of a tenant still waiting
+            req = self._pick(ex, tenant, active, is_fairest)
+            is_fairest = False
             if req is None:
                 continue  # nothing of this tenant can start here yet
             tokens = req.all_token_ids
@@ -176,26 +189,26 @@ class Scheduler:
                 heapq.heappush(heap, (self.fair.counter(tenant), tenant))
         return rows
 
-    def _pick(self, ex: ExecutorState, tenant: str, active: set[str]) -> Request | None:
-        """The tenant's oldest request that can start on ex now; starts loads on the way."""
-        heads = ex.queue.heads(tenant)
-        wait = self.limits.affinity_max_wait_s
-        if wait > 0 and heads and self.clock() - heads[0].arrival < wait:
-            heads.sort(key=lambda r: r.adapter not in active)  # stable: FIFO within each class
-        max_adapters = self.limits.max_adapters_per_batch
-        for req in heads:
-            if not req.adapter:
-                return req
-            slot = ex.slots.find(req.adapter)
-            if slot is None:
-                if not self._place(ex, req) and ex.slots.num_reserved() < self.limits.max_reserved_slots:
-                    ex.slots.reserve(req.adapter)
-                continue
-            if not ex.slots.is_admissible(slot):
-                continue
-            if max_adapters and req.adapter not in active and len(active) >= max_adapters:
-                continue
-            return req
+    def _pick(self, ex: ExecutorState, tenant: str, active: set[str], is_fairest: bool) -> Request | None:
+        """The tenant's oldest request that can start on ex now (its adapter READY here, within the
+        distinct-adapter limit, preferring running adapters for up to affinity_max_wait_s).
+        When none can, bring in the adapter of its oldest request: load it if a slot is free, or,
+        for the fairest tenant, reserve a slot to drain for it."""
+        q, max_adapters = ex.queue, self.limits.max_adapters_per_batch
+        heads = [q.head(tenant, "")] + [q.head(tenant, s.adapter) for s in ex.slots.admissible()]
+        heads = [r for r in heads if r is not None and (
+            not max_adapters or not r.adapter or r.adapter in active or len(active) < max_adapters)]
+        if heads:
+            heads.sort(key=lambda r: r.arrival)
+            wait = self.limits.affinity_max_wait_s
+            if wait > 0 and self.clock() - heads[0].arrival < wait:
+                heads.sort(key=lambda r: bool(r.adapter) and r.adapter not in active)
+            return heads[0]
+        oldest = q.oldest(tenant)
+        if oldest is not None and oldest.adapter and ex.slots.find(oldest.adapter) is None:
+            if not self._place(ex, oldest) and is_fairest and \
+                    ex.slots.num_reserved() < self.limits.max_reserved_slots:
+                ex.slots.reserve(oldest.adapter)
         return None
 
     def _start(self, ex: ExecutorState, req: Request, seq_id: int, tokens: list[int]) -> Sequence:
@@ -293,6 +306,7 @@ class Scheduler:
 
     def add_executor(self, ex: ExecutorState) -> None:
         """A new (or reconnected) executor: take its place and the work that had nowhere to go."""
+        ex.popularity.half_life_s = self.limits.popularity_half_life_s
         self.executors = [e for e in self.executors if e.address != ex.address] + [ex]
         orphans, self.orphans = self.orphans, []
         for req in orphans:

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from scheduler.block_manager import BlockManager
 from scheduler.queues import ExecutorQueue
 from scheduler.request import Request
-from scheduler.routing import Rates
+from scheduler.routing import Popularity, Rates
 from scheduler.slots import Slot, SlotTable
 
 
@@ -17,13 +17,21 @@ class Limits:
     max_load_attempts: int = 2  # a failing adapter load is tried this often, then its requests fail
     affinity_max_wait_s: float = 0.0  # prefer requests whose adapter runs, for at most this long
     slot_wait_s: float = 2.0  # routing: expected wait when every slot of an executor is pinned
+    home_bias_s: float = 2.0  # routing: how much busier a cold adapter's home may be and still win
+    popularity_half_life_s: float = 60.0  # eviction: decay of adapters' request counts
     max_reserved_slots: int = 1  # slots per executor that may drain for a waiting adapter
+    # A tenant more than this many token-equivalents ahead of the least-served backlogged tenant is
+    # not admitted (even if that tenant waits for a load): bounds the fairness gap; 0 = no bound.
+    fairness_window: float = 8192.0
 
     def __post_init__(self) -> None:
+        if self.popularity_half_life_s <= 0:
+            raise ValueError(f"popularity_half_life_s must be > 0, got {self.popularity_half_life_s}")
         for name in ("max_num_seqs", "max_batched_tokens", "max_load_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"scheduler limit {name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_adapters_per_batch", "affinity_max_wait_s", "slot_wait_s", "max_reserved_slots"):
+        for name in ("max_adapters_per_batch", "affinity_max_wait_s", "slot_wait_s", "max_reserved_slots",
+                     "fairness_window", "home_bias_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"scheduler limit {name} must be >= 0, got {getattr(self, name)}")
 
@@ -52,6 +60,7 @@ class ExecutorState:
     running: dict[int, Sequence] = field(default_factory=dict)  # seq_id -> seq, admission order
     pending_frees: list[int] = field(default_factory=list)
     rates: Rates = field(default_factory=Rates)
+    popularity: Popularity = field(default_factory=Popularity)  # of adapters routed here
     work_tokens: float = 0.0  # tokens still to compute for its queued and running requests
     load_failures: dict[str, int] = field(default_factory=dict)
     is_up: bool = True

@@ -11,13 +11,19 @@ Admission always serves the backlogged tenant with the smallest counter. When a 
 backlogged its counter is lifted to the smallest counter among the backlogged tenants (or to the
 largest counter when nobody else waits), so idle time is never banked as credit.
 
-Guarantee (VTC Theorem 4.4, with loads folded into the admission charge): over any interval in
-which tenants f and g are both backlogged, their weighted service differs by at most
-
+Guarantee. Pure VTC (Theorem 4.4, loads folded into the admission charge) bounds the service gap
+of two tenants f, g backlogged over an interval by
     |W_f / w_f - W_g / w_g| <= 2 * max(input_weight * L_in + L_load, output_weight * M)
-
 with L_in the longest prompt, L_load the largest load charge and M the most tokens one tenant can
-receive in one step (its running sequences). `service_bound` computes it; tests check it.
+receive in one step. `service_bound` computes it. With adapters, a tenant can be backlogged yet not
+admissible (its adapter is loading, or waits for a slot to drain); a work-conserving scheduler
+then serves others and the gap grows without bound. So admission also skips every tenant whose
+counter exceeds the least-served backlogged tenant's by more than `fairness_window` (Limits):
+    counter spread of backlogged tenants <= fairness_window + input_weight * L_in + L_load
+                                             + output_weight * R
+with R the tokens a tenant's already-running sequences may still produce (they are never stopped).
+`spread_bound` computes it; the tests and the simulator check it. Window 0 gives plain
+work-conserving VTC.
 """
 
 from dataclasses import dataclass, field
@@ -35,8 +41,15 @@ class FairnessWeights:
 
 
 def service_bound(w: FairnessWeights, max_prompt: int, max_load_tokens: float, max_step_tokens: int) -> float:
-    """The largest gap in weighted service between two backlogged tenants the policy allows."""
+    """Pure VTC's bound on the service gap of two backlogged tenants (window 0, no load waits)."""
     return 2 * max(w.input_weight * max_prompt + max_load_tokens, w.output_weight * max_step_tokens)
+
+
+def spread_bound(w: FairnessWeights, window: float, max_prompt: int, max_load_tokens: float,
+                 max_running_output: int) -> float:
+    """Our bound on the counter spread of backlogged tenants: the window, plus one admission's
+    charge, plus the output its already-running sequences may still be charged."""
+    return window + w.input_weight * max_prompt + max_load_tokens + w.output_weight * max_running_output
 
 
 class FairShare:
@@ -49,6 +62,9 @@ class FairShare:
 
     def counter(self, tenant: str) -> float:
         return self.counters.get(tenant, 0.0)
+
+    def min_backlogged(self) -> float:
+        return min((self.counter(t) for t in self.backlog), default=0.0)
 
     def on_enqueue(self, tenant: str) -> None:
         if not self.backlog.get(tenant):

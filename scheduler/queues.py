@@ -1,12 +1,15 @@
 """Queued requests of one executor: per tenant, per adapter, FIFO.
 
-Grouping by adapter lets admission look at each tenant's oldest request per adapter only, so a
-request whose adapter is still loading never holds back the same tenant's other requests, and the
-cost of one admission is O(adapters of that tenant), not O(queue length).
+Grouping by adapter lets admission ask "what is this tenant's oldest request for an adapter that
+is resident here?" by looking at the resident adapters only (a few slots), so a request whose
+adapter is still loading never holds back the same tenant's other requests, and an admission costs
+O(slots), not O(queue length). A per-tenant FIFO (entries checked lazily) gives the tenant's oldest
+request overall, whose adapter is the one to bring in next.
 
-    tenant "acme":  {"bot@3": [r7, r9], "": [r8]}      heads: r7 (bot@3), r8 (base model)
+    tenant "acme":  groups {"bot@3": [r7, r9], "": [r8]}   fifo [r7, r8, r9]
 """
 
+import itertools
 from collections import deque
 from collections.abc import Iterator
 
@@ -15,7 +18,10 @@ from scheduler.request import Request
 
 class ExecutorQueue:
     def __init__(self) -> None:
-        self._tenants: dict[str, dict[str, deque[Request]]] = {}
+        self._groups: dict[str, dict[str, deque[Request]]] = {}  # tenant -> adapter -> FIFO
+        self._fifo: dict[str, deque[tuple[int, Request]]] = {}  # tenant -> (entry token, request)
+        self._tokens = itertools.count(1)
+        self._entry: dict[int, int] = {}  # id(request) -> token of its live fifo entry
         self.demand: dict[str, int] = {}  # adapter -> queued requests for it
         self.num_queued = 0
 
@@ -23,19 +29,27 @@ class ExecutorQueue:
         return self.num_queued
 
     def tenants(self) -> list[str]:
-        return list(self._tenants)
+        return list(self._groups)
 
     def queued(self, tenant: str) -> int:
-        return sum(len(q) for q in self._tenants.get(tenant, {}).values())
+        return sum(len(q) for q in self._groups.get(tenant, {}).values())
 
     def push(self, req: Request, front: bool = False) -> None:
-        group = self._tenants.setdefault(req.tenant, {}).setdefault(req.adapter, deque())
-        group.appendleft(req) if front else group.append(req)
+        group = self._groups.setdefault(req.tenant, {}).setdefault(req.adapter, deque())
+        fifo = self._fifo.setdefault(req.tenant, deque())
+        token = next(self._tokens)
+        self._entry[id(req)] = token
+        if front:
+            group.appendleft(req)
+            fifo.appendleft((token, req))
+        else:
+            group.append(req)
+            fifo.append((token, req))
         self.demand[req.adapter] = self.demand.get(req.adapter, 0) + 1
         self.num_queued += 1
 
     def remove(self, req: Request) -> None:
-        groups = self._tenants[req.tenant]
+        groups = self._groups[req.tenant]
         group = groups[req.adapter]
         if group[0] is req:
             group.popleft()
@@ -44,17 +58,30 @@ class ExecutorQueue:
         if not group:
             del groups[req.adapter]
             if not groups:
-                del self._tenants[req.tenant]
+                del self._groups[req.tenant]
+                del self._fifo[req.tenant]
+        del self._entry[id(req)]
         self.demand[req.adapter] -= 1
         if not self.demand[req.adapter]:
             del self.demand[req.adapter]
         self.num_queued -= 1
 
-    def heads(self, tenant: str) -> list[Request]:
-        """The oldest queued request of each adapter group of `tenant`, oldest first."""
-        return sorted((q[0] for q in self._tenants.get(tenant, {}).values()), key=lambda r: r.arrival)
+    def head(self, tenant: str, adapter: str) -> Request | None:
+        """The tenant's oldest queued request for `adapter` ("" = base model)."""
+        group = self._groups.get(tenant, {}).get(adapter)
+        return group[0] if group else None
+
+    def oldest(self, tenant: str) -> Request | None:
+        """The tenant's oldest queued request, whatever its adapter."""
+        fifo = self._fifo.get(tenant)
+        while fifo:
+            token, req = fifo[0]
+            if self._entry.get(id(req)) == token:
+                return req
+            fifo.popleft()  # removed since it was queued
+        return None
 
     def __iter__(self) -> Iterator[Request]:
-        for groups in self._tenants.values():
+        for groups in self._groups.values():
             for group in groups.values():
                 yield from group

@@ -4,12 +4,18 @@
               + time to bring the adapter in, if ex does not hold it  (bytes / load bandwidth)
               + slot_wait_s, if every slot of ex is pinned            (it must wait for one)
 
+              + home_bias_s, if ex is not the adapter's home and does not hold it
+
 Both rates are measured (exponential moving averages of step and load timings), so a busy
 executor holding the adapter loses to an idle one once its backlog outweighs a load: that is how
-a hot adapter gets replicated as its traffic grows, and a cold one lands where a load is cheapest.
+a hot adapter gets replicated as its traffic grows. A cold adapter goes to its home executor
+(rendezvous hashing) unless that one is `home_bias_s` busier: executors then cache different
+adapters instead of the same popular ones, so the pool's slots add up.
 """
 
-from dataclasses import dataclass
+import hashlib
+import math
+from dataclasses import dataclass, field
 
 EMA = 0.2  # weight of the newest measurement
 
@@ -35,9 +41,31 @@ class Rates:
 
 
 def score(work_tokens: float, rates: Rates, is_resident: bool, can_place: bool, adapter_bytes: int,
-          slot_wait_s: float) -> float:
-    """Expected seconds until a request could start on an executor (lower is better)."""
+          slot_wait_s: float, away_s: float = 0.0) -> float:
+    """Expected seconds until a request could start on an executor (lower is better); `away_s`
+    is added when the adapter is not resident and this is not its home executor."""
     seconds = work_tokens / rates.tokens_per_second
     if not is_resident:
-        seconds += rates.load_seconds(adapter_bytes) + (0.0 if can_place else slot_wait_s)
+        seconds += rates.load_seconds(adapter_bytes) + (0.0 if can_place else slot_wait_s) + away_s
     return seconds
+
+
+def home(adapter: str, addresses: list[str]) -> str:
+    """The adapter's home executor by rendezvous hashing: stable as executors come and go."""
+    return max(addresses, key=lambda a: hashlib.blake2b(f"{adapter}|{a}".encode(), digest_size=8).digest())
+
+
+@dataclass
+class Popularity:
+    """Exponentially decayed request counts per adapter (half-life in seconds): eviction keeps the
+    adapters asked for most lately, which beats plain LRU on skewed (Zipf) traffic."""
+
+    half_life_s: float = 60.0
+    _counts: dict[str, tuple[float, float]] = field(default_factory=dict)  # adapter -> (count, at)
+
+    def hit(self, adapter: str, now: float) -> None:
+        self._counts[adapter] = (self.value(adapter, now) + 1.0, now)
+
+    def value(self, adapter: str, now: float) -> float:
+        count, at = self._counts.get(adapter, (0.0, now))
+        return count * math.exp2(-(now - at) / self.half_life_s)

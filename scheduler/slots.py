@@ -2,8 +2,9 @@
 
 A slot is EMPTY, LOADING or READY. Running sequences pin the slot of their adapter for their whole
 life; a pinned slot is never evicted, nor is one an operator pinned (pre-warm with pin). Among the
-other READY slots the least recently used is given up when a new adapter needs room, sparing
-adapters that queued requests still want while another choice exists.
+other READY slots the least popular one (decayed request counts, routing.Popularity; LRU among equals)
+that no queued request wants is given up when a new adapter needs room; a wanted adapter is never
+evicted to prefetch another.
 
 When every slot is pinned, the fairest waiting request may RESERVE one (the least pinned, then
 least recently used): no new sequence is admitted onto a reserved slot, so it drains and goes to
@@ -12,7 +13,7 @@ that request's adapter. This bounds how long a cold adapter can wait under susta
 
 import enum
 import itertools
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 
@@ -43,27 +44,26 @@ class SlotTable:
         """The slot holding or loading `adapter`, if any."""
         return self._by_adapter.get(adapter)
 
-    def is_ready(self, adapter: str) -> bool:
-        slot = self._by_adapter.get(adapter)
-        return slot is not None and slot.state is SlotState.READY
+    def can_place(self, adapter: str, wanted: Collection[str] = frozenset()) -> bool:
+        return self._victim(adapter, wanted) is not None
 
-    def is_admissible(self, slot: Slot) -> bool:
-        """May a new sequence pin `slot` now?"""
-        return slot.state is SlotState.READY and not slot.reserved_for
-
-    def can_place(self, adapter: str = "") -> bool:
-        return self._victim(adapter, frozenset()) is not None
-
-    def place(self, adapter: str, wanted: Collection[str] = frozenset()) -> Slot:
-        """Claim a slot for loading `adapter` (see module docstring for the choice)."""
-        slot = self._victim(adapter, wanted)
+    def place(self, adapter: str, wanted: Collection[str] = frozenset(),
+              popularity: Callable[[str], float] | None = None) -> Slot:
+        """Claim a slot for loading `adapter`: its reserved slot once drained, else an empty one,
+        else the unpinned one whose adapter no queued request wants and is least popular (least
+        recently used among equals; plain LRU without `popularity`)."""
+        slot = self._victim(adapter, wanted, popularity)
         if slot is None:
-            raise RuntimeError(f"no slot can take {adapter}: every slot is pinned or loading")
+            raise RuntimeError(f"no slot can take {adapter}: every slot is pinned, loading or wanted")
         self._by_adapter.pop(slot.adapter, None)
         slot.state, slot.adapter, slot.pins = SlotState.LOADING, adapter, 0
         slot.is_admin_pinned, slot.reserved_for = False, ""
         self._by_adapter[adapter] = slot
         return slot
+
+    def admissible(self) -> list[Slot]:
+        """Slots a new sequence may pin now."""
+        return [s for s in self.slots if s.state is SlotState.READY and not s.reserved_for]
 
     def reserve(self, adapter: str) -> Slot | None:
         """Reserve the least pinned, least recently used slot for `adapter`, unless one already is."""
@@ -107,14 +107,16 @@ class SlotTable:
         slot.pins -= 1
         slot.last_used = next(self._clock)
 
-    def _victim(self, adapter: str, wanted: Collection[str]) -> Slot | None:
-        reserved = [s for s in self.slots if s.reserved_for == adapter and s.pins == 0
-                    and s.state is not SlotState.LOADING]
-        if reserved:
-            return reserved[0]
-        empty = [s for s in self.slots if s.state is SlotState.EMPTY and not s.reserved_for]
-        if empty:
-            return empty[0]
+    def _victim(self, adapter: str, wanted: Collection[str],
+                popularity: Callable[[str], float] | None = None) -> Slot | None:
+        for s in self.slots:
+            if s.reserved_for == adapter and s.pins == 0 and s.state is not SlotState.LOADING:
+                return s
+        for s in self.slots:
+            if s.state is SlotState.EMPTY and not s.reserved_for:
+                return s
         evictable = [s for s in self.slots if s.state is SlotState.READY and s.pins == 0
-                     and not s.is_admin_pinned and not s.reserved_for]
-        return min(evictable, key=lambda s: (s.adapter in wanted, s.last_used), default=None)
+                     and not s.is_admin_pinned and not s.reserved_for and s.adapter not in wanted]
+        if popularity is None:
+            return min(evictable, key=lambda s: s.last_used, default=None)
+        return min(evictable, key=lambda s: (popularity(s.adapter), s.last_used), default=None)

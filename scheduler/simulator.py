@@ -1,0 +1,231 @@
+"""A discrete-event simulator that drives the real scheduler core (scheduler/core.py) with a cost
+model in place of executors: `loraplex simulate CONFIG`.
+
+Events are arrivals, step completions and load completions, in time order. An idle executor with
+work runs `schedule`; its step takes cost.step_base_s + per-token + per-distinct-adapter time; every
+row that reaches the end of its tokens samples one token. Loads take latency + bytes / bandwidth,
+one at a time per executor. The scheduler's clock is the simulated clock.
+"""
+
+import heapq
+import itertools
+import random
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from scheduler.belady import belady_hits, lru_hits
+from scheduler.block_manager import BlockManager
+from scheduler.core import Scheduler
+from scheduler.detokenizer import OutputProcessor
+from scheduler.executor_state import ExecutorState, Sample
+from scheduler.fairness import FairnessWeights, spread_bound
+from scheduler.request import FinishEvent, Request, Sampling
+from scheduler.sim_config import SimConfig
+from scheduler.slots import SlotTable
+
+ARRIVAL, STEP_DONE, LOAD_DONE = 0, 1, 2
+
+
+@dataclass
+class TenantResult:
+    requests: int = 0
+    tokens: int = 0
+    ttft: list[float] = field(default_factory=list)
+    latency: list[float] = field(default_factory=list)
+
+
+@dataclass
+class SimResult:
+    seconds: float
+    tenants: dict[str, TenantResult]
+    adapter_admissions: int
+    loads: int
+    belady_hits: int
+    lru_hits: int
+    max_counter_gap: float
+    fairness_bound: float
+    unfinished: int
+
+
+class Simulator:
+    def __init__(self, config: SimConfig):
+        self.cfg = c = config
+        self.rng = random.Random(c.seed)
+        self.now = 0.0
+        self._events: list = []
+        self._order = itertools.count()
+        weights = dict(zip((f"t{i}" for i in range(c.tenants.count)), c.tenants.weights or ()))
+        self.executors = [ExecutorState(f"ex{i}", BlockManager(c.executors.kv_blocks, c.executors.block_size),
+                                        SlotTable(c.executors.slots), max_rank=max(c.adapters.ranks))
+                          for i in range(c.executors.count)]
+        self.core = Scheduler(self.executors, FairnessWeights(tenant_weights=weights), c.limits,
+                              start_load=self._start_load, wake=lambda: None, clock=lambda: self.now)
+        self._busy: set[int] = set()
+        self._load_free_at = [0.0] * len(self.executors)
+        self._adapter_weights = [1.0 / (k + 1) ** c.adapters.zipf_s for k in range(c.adapters.count)]
+        self._cum = list(itertools.accumulate(self._adapter_weights))
+        self._indices = range(len(self._cum))
+        self.trace: dict[str, list[str]] = defaultdict(list)  # executor -> adapters admitted, in order
+        self.results: dict[str, TenantResult] = defaultdict(TenantResult)
+        self.max_gap = 0.0
+        self._live = 0
+
+    # ---- workload ---------------------------------------------------------------------------
+    def _adapter_bytes(self, k: int) -> int:
+        a = self.cfg.adapters
+        return a.ranks[k % len(a.ranks)] * a.bytes_per_rank
+
+    def _adapter(self) -> tuple[int, str, int]:
+        k = self.rng.choices(self._indices, cum_weights=self._cum)[0]
+        return k, f"a{k}@1", self._adapter_bytes(k)
+
+    def _length(self, mean: int, cap: int) -> int:
+        return max(1, min(cap, int(self.rng.expovariate(1.0 / mean)) + 1))
+
+    def _next_arrival(self) -> float:
+        """Poisson; or bursty: all traffic in bursts of period/burst_factor at burst_factor x rate."""
+        a = self.cfg.arrivals
+        if a.process == "poisson":
+            return self.now + self.rng.expovariate(a.rate_per_s)
+        on = a.burst_period_s / a.burst_factor
+        t = self.now + self.rng.expovariate(a.rate_per_s * a.burst_factor)
+        phase = self.now % a.burst_period_s
+        if phase >= on or phase + (t - self.now) >= on:  # outside a burst: carry into the next one
+            start = self.now - phase + a.burst_period_s
+            t = start + (t - self.now) % on
+        return t
+
+    def _arrive(self, request_id: int) -> None:
+        k, adapter, num_bytes = self._adapter()
+        tenant = f"t{k % self.cfg.tenants.count}"
+        lengths = self.cfg.lengths
+        prompt = [1] * self._length(lengths.prompt_mean, lengths.prompt_max)
+        output = OutputProcessor(None, max_new_tokens=self._length(lengths.output_mean, lengths.output_max))
+        req = Request(request_id, tenant, adapter, num_bytes, prompt, Sampling(), output, lambda e: None)
+        req.emit = lambda event, req=req: self._on_event(req, event)
+        self._live += 1
+        self.core.submit(req)
+
+    def _on_event(self, req: Request, event) -> None:
+        if isinstance(event, FinishEvent):
+            r = self.results[req.tenant]
+            r.requests += 1
+            r.tokens += req.output.num_tokens
+            r.ttft.append(req.first_token_at - req.arrival)
+            r.latency.append(self.now - req.arrival)
+            self._live -= 1
+
+    # ---- executors --------------------------------------------------------------------------
+    def _start_load(self, ex: ExecutorState, slot) -> None:
+        i = self.executors.index(ex)
+        num_bytes = self._adapter_bytes(int(slot.adapter[1:].partition("@")[0]))
+        seconds = self.cfg.cost.load_latency_s + num_bytes / self.cfg.cost.load_bytes_per_s
+        start = max(self.now, self._load_free_at[i])
+        self._load_free_at[i] = start + seconds
+        self._push(start + seconds, LOAD_DONE, (ex, slot, slot.adapter, num_bytes, seconds))
+
+    def _try_steps(self) -> None:
+        for i, ex in enumerate(self.executors):
+            if i in self._busy or not self.core.has_work(ex):
+                continue
+            plan = self.core.schedule(ex)
+            if not plan:
+                continue
+            for seq, _, _ in plan.rows:
+                if seq.num_computed == 0 and seq.request.adapter:
+                    self.trace[ex.address].append(seq.request.adapter)
+            tokens = sum(n for _, n, _ in plan.rows)
+            adapters = len({seq.request.adapter for seq, _, _ in plan.rows if seq.request.adapter})
+            c = self.cfg.cost
+            seconds = c.step_base_s + c.step_per_token_s * tokens + c.step_per_adapter_s * adapters
+            self._busy.add(i)
+            self._push(self.now + seconds, STEP_DONE, (i, plan, seconds))
+
+    def _step_done(self, i: int, plan, seconds: float) -> None:
+        self._busy.discard(i)
+        samples = [Sample(seq.seq_id, 7, 0.0) for seq, n, _ in plan.rows
+                   if seq.num_computed + n == len(seq.token_ids)]
+        self.core.on_step_done(self.executors[i], plan, samples, seconds)
+
+    def _push(self, when: float, kind: int, payload) -> None:
+        heapq.heappush(self._events, (when, next(self._order), kind, payload))
+
+    def _sample_fairness(self) -> None:
+        backlogged = [self.core.fair.counter(t) for t in self.core.fair.backlog]
+        if len(backlogged) > 1:
+            self.max_gap = max(self.max_gap, max(backlogged) - min(backlogged))
+
+    # ---- run --------------------------------------------------------------------------------
+    def run(self) -> SimResult:
+        n = self.cfg.num_requests
+        self._push(self._next_arrival(), ARRIVAL, 0)
+        handled = 0
+        while self._events:
+            self.now, _, kind, payload = heapq.heappop(self._events)
+            if kind == ARRIVAL:
+                self._arrive(payload)
+                if payload + 1 < n:
+                    self._push(self._next_arrival(), ARRIVAL, payload + 1)
+            elif kind == STEP_DONE:
+                self._step_done(*payload)
+            else:
+                self.core.on_load_done(*payload[:3], None, *payload[3:])
+            self._try_steps()
+            handled += 1
+            if handled % 64 == 0:
+                self._sample_fairness()
+        return self._result()
+
+    def _result(self) -> SimResult:
+        cfg = self.cfg
+        accesses = sum(len(t) for t in self.trace.values())
+        opt = sum(belady_hits(t, cfg.executors.slots) for t in self.trace.values())
+        lru = sum(lru_hits(t, cfg.executors.slots) for t in self.trace.values())
+        max_load_tokens = max(ex.rates.load_seconds(cfg.adapters.bytes_per_rank * max(cfg.adapters.ranks))
+                              * ex.rates.tokens_per_second for ex in self.executors)
+        # R: one tenant's running sequences on every executor, each up to the longest output.
+        running_output = cfg.limits.max_num_seqs * cfg.executors.count * cfg.lengths.output_max
+        bound = spread_bound(self.core.fair.weights, cfg.limits.fairness_window, cfg.lengths.prompt_max,
+                             max_load_tokens, running_output)
+        return SimResult(self.now, dict(self.results), accesses, sum(ex.num_loads for ex in self.executors),
+                         opt, lru, self.max_gap, bound, self._live)
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+def format_report(cfg: SimConfig, r: SimResult) -> str:
+    """A readable table of what the simulation measured."""
+    total = sum(t.requests for t in r.tenants.values())
+    tokens = sum(t.tokens for t in r.tenants.values())
+    hit = 1 - r.loads / max(r.adapter_admissions, 1)
+    opt = r.belady_hits / max(r.adapter_admissions, 1)
+    lines = [
+        f"simulated {total:,} requests ({r.unfinished} unfinished) in {r.seconds:,.1f} s of model time: "
+        f"{total / r.seconds:,.1f} req/s, {tokens / r.seconds:,.0f} output tokens/s",
+        f"{cfg.adapters.count} adapters (Zipf {cfg.adapters.zipf_s}), {cfg.executors.count} executors x "
+        f"{cfg.executors.slots} slots, {cfg.arrivals.process} arrivals at {cfg.arrivals.rate_per_s:g}/s",
+        "",
+        f"{'tenant':8s}{'requests':>10s}{'tokens/s':>10s}{'TTFT p50':>10s}{'TTFT p99':>10s}"
+        f"{'lat p50':>10s}{'lat p99':>10s}",
+    ]
+    for name in sorted(r.tenants, key=lambda t: int(t[1:])):
+        t = r.tenants[name]
+        lines.append(f"{name:8s}{t.requests:10,d}{t.tokens / r.seconds:10,.0f}"
+                     f"{_pct(t.ttft, 50):9.3f}s{_pct(t.ttft, 99):9.3f}s"
+                     f"{_pct(t.latency, 50):9.3f}s{_pct(t.latency, 99):9.3f}s")
+    lines += [
+        "",
+        f"GPU adapter hit rate: {hit:.1%} ({r.loads:,} loads for {r.adapter_admissions:,} adapter admissions)",
+        f"Belady's offline optimum on the same per-executor traces: {opt:.1%} "
+        f"(online / optimal = {hit / opt if opt else float('nan'):.3f}); plain LRU on them: "
+        f"{r.lru_hits / max(r.adapter_admissions, 1):.1%}",
+        f"largest virtual-counter gap between backlogged tenants: {r.max_counter_gap:,.0f} token-equivalents "
+        f"(bound: window {cfg.limits.fairness_window:,.0f} + one admission + running output = "
+        f"{r.fairness_bound:,.0f})",
+    ]
+    return "\n".join(lines)
