@@ -1,0 +1,64 @@
+"""A synchronous harness around the scheduler core: executors answer every plan at once with one
+token per sequence that reached the end of its tokens; loads finish when told to. The invariant
+checker runs after every step."""
+
+from scheduler.block_manager import BlockManager
+from scheduler.core import ExecutorState, Limits, Sample, Scheduler
+from scheduler.detokenizer import OutputProcessor
+from scheduler.fairness import FairnessWeights
+from scheduler.invariants import check_invariants
+from scheduler.request import FinishEvent, Request, Sampling
+from scheduler.slots import SlotTable
+
+
+class World:
+    """One or more executors driven synchronously; loads complete when `complete_loads` runs."""
+
+    def __init__(self, num_executors=1, num_blocks=64, block_size=4, num_slots=2, limits=Limits(),
+                 weights=FairnessWeights()):
+        self.loads: list = []
+        self.executors = [ExecutorState(f"ex{i}", BlockManager(num_blocks, block_size), SlotTable(num_slots),
+                                        max_rank=32) for i in range(num_executors)]
+        self.now = 0.0
+        self.core = Scheduler(self.executors, weights, limits,
+                              start_load=lambda ex, slot: self.loads.append((ex, slot, slot.adapter)),
+                              wake=lambda: None, clock=lambda: self.now)
+        self.events: dict[int, list] = {}
+        self.requests: list[Request] = []
+        self._ids = iter(range(1, 10**6))
+
+    def request(self, tenant="t", adapter="", prompt_len=5, max_new=4) -> Request:
+        rid = next(self._ids)
+        self.events[rid] = []
+        req = Request(rid, tenant, adapter, 2**20, list(range(1, prompt_len + 1)), Sampling(),
+                      OutputProcessor(None, max_new_tokens=max_new), self.events[rid].append)
+        self.core.submit(req)
+        self.requests.append(req)
+        return req
+
+    def complete_loads(self, error=None) -> None:
+        loads, self.loads = self.loads, []
+        for ex, slot, adapter in loads:
+            self.core.on_load_done(ex, slot, adapter, error)
+
+    def step(self) -> None:
+        self.now += 0.01
+        for ex in self.executors:
+            plan = self.core.schedule(ex)
+            slots = [seq.slot.index if seq.slot else -1 for seq, _, _ in plan.rows]
+            assert slots == sorted(slots), "rows must be sorted by adapter slot"
+            samples = [Sample(seq.seq_id, 7, -0.1) for seq, n, _ in plan.rows
+                       if seq.num_computed + n == len(seq.token_ids)]
+            self.core.on_step_done(ex, plan, samples)
+            check_invariants(self.core, self.requests)
+
+    def run(self, max_steps=500) -> None:
+        for _ in range(max_steps):
+            self.complete_loads()
+            self.step()
+            if not any(self.core.has_work(ex) for ex in self.executors) and not self.loads:
+                return
+        raise AssertionError("work did not drain")
+
+    def finished(self, req: Request) -> bool:
+        return any(isinstance(e, FinishEvent) for e in self.events[req.request_id])
