@@ -1,0 +1,111 @@
+"""The scheduler drives two executor processes: pre-warm onto both, routing by residency, evict,
+and drain of one executor while requests keep completing on the other."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from loraplex import client
+from loraplex.launch import Fleet
+from loraplex.server import insecure_channel
+from protos import scheduler_pb2, scheduler_pb2_grpc
+
+ADMIN = "admin-key"
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny, tmp_path_factory, log_dir):
+    store = tmp_path_factory.mktemp("store").as_uri()
+    fleet = Fleet(model=tiny["model_dir"], store_url=store, log_dir=log_dir / "routing", num_executors=2,
+                  executor_args=["--adapter-slots", "4", "--threads", "1"],
+                  scheduler_args=["--admin-key", ADMIN])
+    with fleet:
+        yield fleet
+
+
+@pytest.fixture(scope="module")
+async def adapters(fleet, tiny):
+    for name in ("r4_attn", "r8_mlp", "r16_all"):
+        await client.push_adapter(fleet.stores[0], tiny["adapters"][name]["path"], name)
+
+
+@pytest.fixture
+async def stub(fleet):
+    async with insecure_channel(fleet.scheduler) as channel:
+        yield scheduler_pb2_grpc.SchedulerStub(channel)
+
+
+def admin():
+    return client.metadata(ADMIN)
+
+
+async def stats(stub) -> dict[str, scheduler_pb2.ExecutorStats]:
+    return {ex.address: ex for ex in (await stub.Stats(scheduler_pb2.StatsRequest())).executors}
+
+
+def holders(executors: dict, adapter: str) -> set[str]:
+    return {a for a, ex in executors.items() if any(s.adapter == adapter and s.state == "ready" for s in ex.slots)}
+
+
+async def test_prewarm_onto_both_executors_pinned(fleet, adapters, stub):
+    resp = await stub.Prewarm(scheduler_pb2.PrewarmRequest(adapter="r4_attn", num_executors=2, pin=True, wait=True),
+                              metadata=admin())
+    assert resp.adapter == "r4_attn@1" and len(resp.executors) == 2
+    executors = await stats(stub)
+    assert holders(executors, "r4_attn@1") == set(executors)
+    assert all(s.is_admin_pinned for ex in executors.values() for s in ex.slots if s.adapter == "r4_attn@1")
+
+
+async def test_admin_rpcs_need_the_admin_key(fleet, adapters, stub):
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Prewarm(scheduler_pb2.PrewarmRequest(adapter="r4_attn"))
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Drain(scheduler_pb2.DrainRequest(executor="127.0.0.1:1"), metadata=admin())
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_requests_follow_residency(fleet, adapters, stub):
+    resp = await stub.Prewarm(scheduler_pb2.PrewarmRequest(adapter="r8_mlp", num_executors=1, wait=True),
+                              metadata=admin())
+    (home,) = resp.executors
+    before = await stats(stub)
+    for i in range(6):  # one at a time: the executor holding it is never busy enough to lose
+        await client.generate(stub, client.generate_request("r8_mlp", f"follow {i}", 4, ignore_eos=True))
+    after = await stats(stub)
+    assert holders(after, "r8_mlp@1") == {home}, "no second executor loaded it"
+    assert sum(ex.adapter_loads for ex in after.values()) == sum(ex.adapter_loads for ex in before.values())
+    assert after[home].adapter_hits - before[home].adapter_hits == 6
+
+    evicted = await stub.Evict(scheduler_pb2.EvictRequest(adapter="r8_mlp"), metadata=admin())
+    assert evicted.num_evicted == 1 and not holders(await stats(stub), "r8_mlp@1")
+
+
+async def test_drain_one_executor_while_requests_keep_completing(fleet, adapters, stub):
+    await stub.Prewarm(scheduler_pb2.PrewarmRequest(adapter="r16_all", num_executors=2, wait=True), metadata=admin())
+    calls = [asyncio.create_task(client.generate(stub, client.generate_request(
+        "r16_all", f"long running {i}", 300, ignore_eos=True))) for i in range(8)]
+    for _ in range(200):
+        executors = await stats(stub)
+        if sum(ex.running for ex in executors.values()) == 8:
+            break
+        await asyncio.sleep(0.01)
+    busy = max(executors.values(), key=lambda ex: ex.running)
+    assert busy.running > 0, "work is running when the drain starts"
+    with pytest.raises(grpc.aio.AioRpcError) as info:  # its adapter is pinned by running sequences
+        await stub.Evict(scheduler_pb2.EvictRequest(adapter="r16_all", executor=busy.address), metadata=admin())
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    await stub.Drain(scheduler_pb2.DrainRequest(executor=busy.address), metadata=admin())
+
+    later = [asyncio.create_task(client.generate(stub, client.generate_request(
+        "r16_all", f"after drain {i}", 8, ignore_eos=True))) for i in range(6)]
+    results = await asyncio.gather(*calls, *later)
+    assert [len(r.token_ids) for r in results] == [300] * 8 + [8] * 6, "every request completed"
+    executors = await stats(stub)
+    drained = executors[busy.address]
+    assert drained.is_draining and drained.is_drained and drained.running == 0
+    steps = drained.steps
+    await asyncio.gather(*(client.generate(stub, client.generate_request(
+        "r16_all", f"still served {i}", 4, ignore_eos=True)) for i in range(4)))
+    assert (await stats(stub))[busy.address].steps == steps, "the drained executor admits nothing new"
