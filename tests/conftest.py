@@ -7,7 +7,7 @@ import pytest
 from loraplex import fixtures
 from tests.s3server import seaweedfs_s3  # noqa: F401  (re-exported fixture)
 
-API_KEYS = {"key-acme": "acme", "key-globex": "globex", "key-initech": "initech"}
+API_KEYS = {"key-acme": "acme", "key-globex": "globex", "key-initech": "initech", "key-limited": "limited"}
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -170,3 +170,15 @@ def test_adapter_loads_are_charged_to_the_tenant_that_causes_them():
     expected = rates.load_seconds(2**20) * rates.tokens_per_second  # the 1 MiB adapter's load
     assert counters["cold"] == pytest.approx(expected)
     assert counters.get("hot", 0.0) == pytest.approx(counters["cold"]), "lifted on arrival, not charged"
+
+
+def test_distinct_adapters_per_batch_are_limited():
+    w = World(num_slots=4, limits=Limits(max_adapters_per_batch=2))
+    reqs = [w.request(adapter=a, max_new=6) for a in ("a@1", "b@1", "c@1", "d@1")]
+    w.complete_loads()
+    for _ in range(3):
+        w.step()
+        running = {seq.request.adapter for seq in w.executors[0].running.values()}
+        assert len(running) <= 2
+    w.run()
+    assert all(w.finished(r) for r in reqs)

@@ -30,7 +30,8 @@ def fleet(tiny, seaweedfs_s3, log_dir):
                   log_dir=log_dir, store_args=["--s3-endpoint-url", seaweedfs_s3.endpoint_url],
                   executor_args=["--adapter-slots", str(NUM_SLOTS), "--max-rank", str(MAX_RANK),
                                  "--kv-blocks", str(KV_BLOCKS), "--block-size", str(BLOCK), "--threads", "1"],
-                  scheduler_args=[f for key, t in API_KEYS.items() for f in ("--api-key", f"{key}={t}")])
+                  scheduler_args=[f for key, t in API_KEYS.items() for f in ("--api-key", f"{key}={t}")]
+                  + ["--rate-limit", "limited=0.5:0"])
     with fleet:
         yield fleet
 
@@ -154,3 +155,16 @@ async def test_cancel_frees_blocks_and_pins(fleet, pushed, stub):
         await asyncio.sleep(0.05)
     assert ex.running == 0 and ex.free_kv_blocks == KV_BLOCKS
     assert all(slot.pins == 0 for slot in ex.slots)
+
+
+async def test_rate_limit_is_resource_exhausted_with_retry_after(fleet, pushed, stub):
+    ok = await client.generate(stub, client.generate_request("r4_attn", "first one", 2), "key-limited")
+    assert len(ok.token_ids) >= 1
+    call = stub.Generate(client.generate_request("r4_attn", "too soon", 2), metadata=client.metadata("key-limited"))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in call:
+            pass
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    retry_after = float(dict(info.value.trailing_metadata())["retry-after"])
+    assert 0 < retry_after <= 2.0
+    await client.generate(stub, client.generate_request("r4_attn", "other tenants pass", 2), "key-acme")

@@ -1,0 +1,35 @@
+"""Per-tenant token buckets (requests/s and tokens/s)."""
+
+import pytest
+
+from loraplex.errors import ResourceExhausted
+from scheduler.ratelimit import RateLimit, RateLimiter
+
+
+def test_buckets_refill_at_their_rate_and_say_when_to_retry():
+    now = [0.0]
+    limiter = RateLimiter({"a": RateLimit(requests_per_s=2, tokens_per_s=100)}, clock=lambda: now[0])
+    limiter.admit("a", 10)
+    limiter.admit("a", 10)
+    with pytest.raises(ResourceExhausted) as info:
+        limiter.admit("a", 10)
+    assert dict(info.value.trailers)["retry-after"] == "0.500"
+    now[0] = 0.5
+    limiter.admit("a", 10)
+    limiter.admit("b", 10**6)  # tenants without a limit are never held back
+
+
+def test_a_full_bucket_lets_one_large_request_through_then_makes_it_wait():
+    now = [0.0]
+    limiter = RateLimiter({}, default=RateLimit(tokens_per_s=100), clock=lambda: now[0])
+    limiter.admit("a", 500)  # larger than the bucket: allowed once, into debt
+    with pytest.raises(ResourceExhausted):
+        limiter.admit("a", 1)
+    now[0] = 5.0
+    limiter.admit("a", 1)
+
+
+@pytest.mark.parametrize("text", ["5", "a:b", "-1:3"])
+def test_bad_rate_limit_text_is_refused(text):
+    with pytest.raises(ValueError):
+        RateLimit.parse(text)
