@@ -73,7 +73,7 @@ class _Sequence:
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, weights: ModelWeights, *, num_kv_blocks: int,
-                 block_size: int, num_slots: int, max_rank: int, lora_backend: str = "torch",
+                 block_size: int, num_slots: int, max_rank: int, lora_backend: str = "auto",
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
         self.config, self.weights, self.device = config, weights, torch.device(device)
         self.kv = PagedKVCache(num_layers=config.num_hidden_layers, num_blocks=num_kv_blocks,

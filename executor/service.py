@@ -15,6 +15,7 @@ import torch
 
 from executor.adapter_loader import AdapterLoader
 from executor.config import ExecutorConfig
+from executor.lora import resolve_lora_backend
 from executor.runner import ModelRunner, Row, SamplingParams
 from loraplex.errors import FailedPrecondition, grpc_errors
 from loraplex.server import Service, run, run_until_signalled
@@ -55,7 +56,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             block_size=self._config.block_size, num_adapter_slots=self._config.adapter_slots,
             max_lora_rank=self._config.max_rank, tokenizer_json=self._tokenizer_json,
             weight_bytes=budget.weights_bytes, kv_cache_bytes=budget.kv_cache_bytes,
-            adapter_pool_bytes=budget.adapter_pool_bytes, lora_backend=self._config.lora_backend,
+            adapter_pool_bytes=budget.adapter_pool_bytes,
+            lora_backend=resolve_lora_backend(self._config.lora_backend, self._config.device),
             device=self._config.device, slot_adapters=self._loader.slot_adapters)
 
     async def Step(self, request_iterator, context):
