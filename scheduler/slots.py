@@ -32,6 +32,7 @@ class Slot:
     last_used: int = 0  # logical clock, for LRU
     is_admin_pinned: bool = False  # pre-warmed with pin: never evicted until evicted by an operator
     reserved_for: str = ""  # adapter waiting for this slot to drain
+    uses: int = 0  # sequences that pinned it since it became ready
 
 
 class SlotTable:
@@ -66,11 +67,13 @@ class SlotTable:
         return [s for s in self.slots if s.state is SlotState.READY and not s.reserved_for]
 
     def reserve(self, adapter: str) -> Slot | None:
-        """Reserve the least pinned, least recently used slot for `adapter`, unless one already is."""
+        """Reserve the least pinned, least recently used slot for `adapter`, unless one already is.
+        A slot whose adapter has not served anyone since it loaded is left alone: taking it before
+        its waiting requests ran would let two adapters take turns loading forever."""
         if any(s.reserved_for == adapter for s in self.slots):
             return None
         free = [s for s in self.slots if s.state is SlotState.READY and not s.reserved_for
-                and not s.is_admin_pinned]
+                and not s.is_admin_pinned and s.uses]
         slot = min(free, key=lambda s: (s.pins, s.last_used), default=None)
         if slot is not None:
             slot.reserved_for = adapter
@@ -80,7 +83,7 @@ class SlotTable:
         return sum(1 for s in self.slots if s.reserved_for)
 
     def mark_ready(self, slot: Slot) -> None:
-        slot.state = SlotState.READY
+        slot.state, slot.uses = SlotState.READY, 0
         slot.last_used = next(self._clock)
 
     def clear(self, slot: Slot) -> None:
@@ -99,6 +102,7 @@ class SlotTable:
         if slot.state is not SlotState.READY:
             raise RuntimeError(f"slot {slot.index} is {slot.state.value}, cannot pin")
         slot.pins += 1
+        slot.uses += 1
         slot.last_used = next(self._clock)
 
     def unpin(self, slot: Slot) -> None:
