@@ -107,7 +107,8 @@ async def serve(config: ExecutorConfig) -> None:
     runner, tokenizer_json = await asyncio.to_thread(build_runner, config)
     servicer = ExecutorServicer(config, runner, tokenizer_json)
     service = Service("executor", config.address,
-                      lambda server: executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server))
+                      lambda server: executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server),
+                      [executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name])
     port = await service.start()
     await service.mark_serving()
     budget = runner.memory_budget()

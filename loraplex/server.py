@@ -3,17 +3,20 @@
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # Large enough for a prompt of a full context and adapter chunks; executors stream bigger payloads.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# How long a stopping service answers health checks with NOT_SERVING before it refuses RPCs.
+NOT_SERVING_NOTICE_S = 0.5
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -26,33 +29,50 @@ def insecure_channel(address: str) -> grpc.aio.Channel:
 
 
 class Service:
-    """A grpc.aio server with the health service, bound to `address` ("host:port", port 0 = any).
+    """A grpc.aio server with the health and reflection services, bound to `address`
+    ("host:port", port 0 = any), so `grpcurl` and Kubernetes' gRPC probes work against it.
 
-    `add_servicers(server)` registers the service's servicers. `start()` returns the bound port;
-    health reports SERVING only once `mark_serving()` is called (after warm-up).
+    `add_servicers(server)` registers the service's servicers; `service_names` are their full
+    names (e.g. "loraplex.v1.Scheduler"), listed by reflection. `start()` returns the bound port;
+    health reports SERVING only once `mark_serving()` is called (after warm-up), and NOT_SERVING
+    again as soon as `stop()` begins.
     """
 
-    def __init__(self, name: str, address: str, add_servicers: Callable[[grpc.aio.Server], None]):
+    def __init__(self, name: str, address: str, add_servicers: Callable[[grpc.aio.Server], None],
+                 service_names: Sequence[str] = ()):
         self.name = name
         self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
         add_servicers(self._server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self._service_names = tuple(service_names)
+        reflection.enable_server_reflection(
+            (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), self._server)
         self.port = self._server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"{name}: cannot bind {address}")
 
     async def start(self) -> int:
         await self._server.start()
-        await self._health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         return self.port
 
     async def mark_serving(self) -> None:
-        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    async def mark_not_serving(self) -> None:
+        """Draining: probes and load balancers stop sending new work."""
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def stop(self, grace: float = 5.0) -> None:
-        await self._health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.mark_not_serving()
         await self._server.stop(grace)
+
+    async def _set_health(self, status) -> None:
+        """Overall health ("") and every named service's follow the same state."""
+        for name in ("", *self._service_names):
+            await self._health.set(name, status)
 
     async def wait(self) -> None:
         await self._server.wait_for_termination()
@@ -60,14 +80,17 @@ class Service:
 
 async def run_until_signalled(service: Service, on_stop: Callable[[], Awaitable[None]] | None = None,
                               grace: float = 5.0) -> None:
-    """Serve until SIGINT/SIGTERM, then stop taking RPCs, let in-flight ones finish within `grace`,
-    then run `on_stop`."""
+    """Serve until SIGINT/SIGTERM. Then report NOT_SERVING for NOT_SERVING_NOTICE_S (so probes
+    and load balancers stop sending work), stop taking RPCs, let in-flight ones finish within
+    `grace`, and run `on_stop`."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("%s: stopping (grace %.1fs)", service.name, grace)
+    await service.mark_not_serving()
+    await asyncio.sleep(NOT_SERVING_NOTICE_S)
     await service.stop(grace)
     if on_stop is not None:
         await on_stop()

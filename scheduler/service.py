@@ -181,7 +181,8 @@ async def serve(config: SchedulerConfig, ready_timeout: float = 300.0) -> None:
     await asyncio.wait_for(asyncio.shield(engine.first_info), ready_timeout)
     servicer = SchedulerServicer(config, engine, RegistryClient(config.stores))
     service = Service("scheduler", config.address,
-                      lambda server: scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server))
+                      lambda server: scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server),
+                      [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name])
     port = await service.start()
     await service.mark_serving()
     print(f"scheduler listening on {config.address.rsplit(':', 1)[0]}:{port}", flush=True)
