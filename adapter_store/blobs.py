@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from adapter_store.config import StoreConfig
@@ -52,6 +53,11 @@ class BlobStore(abc.ABC):
     async def get(self, key: str) -> bytes:
         """The whole object; NotFound if there is none."""
         return (await self.get_with_etag(key))[0]
+
+    async def iter_parts(self, key: str) -> AsyncIterator[bytes]:
+        """The object in pieces, in order, each as soon as it and those before it are in;
+        NotFound if there is none. This default reads it whole; S3 hands on ranged parts."""
+        yield await self.get(key)
 
     @abc.abstractmethod
     async def get_with_etag(self, key: str) -> tuple[bytes, str]:

@@ -38,11 +38,12 @@ def _invalid(message: str) -> InvalidArgument:
 
 
 def parse_header(data: bytes) -> dict[str, TensorEntry]:
-    """The tensors a safetensors file declares, checked against the file's real size."""
+    """The tensors a safetensors file declares, checked against the file's real size. `data` is
+    any bytes-like object (bytes, memoryview, a uint8 numpy array)."""
     if len(data) < 8:
         raise _invalid(f"the file is {len(data)} bytes, too short for the 8-byte header length "
                        "(truncated upload?)")
-    header_len = int.from_bytes(data[:8], "little")
+    header_len = int.from_bytes(bytes(data[:8]), "little")
     if header_len > MAX_HEADER_BYTES:
         raise _invalid(f"header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit "
                        "(not a safetensors file?)")
@@ -50,7 +51,7 @@ def parse_header(data: bytes) -> dict[str, TensorEntry]:
         raise _invalid(f"header length {header_len} exceeds the {len(data) - 8} bytes after it "
                        "(truncated or not a safetensors file)")
     try:
-        header = json.loads(data[8:8 + header_len].decode("utf-8"))
+        header = json.loads(bytes(data[8:8 + header_len]).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise _invalid(f"header is not valid UTF-8 JSON: {exc}") from None
     if not isinstance(header, dict):

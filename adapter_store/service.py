@@ -6,6 +6,7 @@
 Prints "adapter_store listening on HOST:PORT" on stdout once it serves; stops on SIGTERM/SIGINT.
 """
 
+import contextlib
 import dataclasses
 import logging
 import sys
@@ -16,7 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 from adapter_store.base_models import BaseModel
 from adapter_store.blobs import BlobStore, open_blob_store
 from adapter_store.config import StoreConfig, parse_args
-from adapter_store.host_cache import HostCache
+from adapter_store.host_cache import RESTART, HostCache
 from adapter_store.leases import LeaseBook
 from adapter_store.records import AdapterRecord, VersionMeta, check_alias, check_name
 from adapter_store.registry import Registry
@@ -107,11 +108,12 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
         self._leases = leases
         self._num_fetches = 0
 
-    async def _read(self, record: AdapterRecord) -> bytes:
-        """The weights via the host tier; a version deleted on another replica since this one
-        last looked is NOT_FOUND, not DATA_LOSS."""
+    @contextlib.asynccontextmanager
+    async def _reading(self, record: AdapterRecord) -> AsyncIterator[None]:
+        """Around host-tier reads: a version deleted on another replica since this one last
+        looked is NOT_FOUND, not DATA_LOSS."""
         try:
-            return await self._cache.get(record)
+            yield
         except DataLoss:
             await self._registry.check_live(record)
             raise
@@ -182,12 +184,17 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
             if not request.version:
                 raise InvalidArgument("Fetch needs an exact version (resolve it with GetAdapter)")
             record = await self._registry.get(request.name, request.version)
-            data = await self._read(record)
             self._num_fetches += 1
             yield pb.FetchResponse(info=record_to_pb(record))
-            view = memoryview(data)
-            for offset in range(0, len(data), self._config.chunk_bytes):
-                yield pb.FetchResponse(chunk=bytes(view[offset:offset + self._config.chunk_bytes]))
+            chunk_bytes = self._config.chunk_bytes
+            async with self._reading(record):
+                async for piece in self._cache.stream(record):  # as it arrives from S3 if cold
+                    if piece is RESTART:
+                        yield pb.FetchResponse(restart=True)
+                        continue
+                    for offset in range(0, len(piece), chunk_bytes):
+                        yield pb.FetchResponse(chunk=piece if len(piece) <= chunk_bytes else
+                                               piece[offset:offset + chunk_bytes])
 
     async def Prewarm(self, request, context) -> pb.HostPrewarmResponse:
         async with grpc_errors(context):
@@ -195,7 +202,8 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
                                               request.alias)
             was_cached = record in self._cache
             started = time.perf_counter()
-            await self._read(record)
+            async with self._reading(record):
+                await self._cache.warm(record)
             return pb.HostPrewarmResponse(
                 info=record_to_pb(record), was_cached=was_cached,
                 seconds=0.0 if was_cached else time.perf_counter() - started)

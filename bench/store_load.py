@@ -6,8 +6,10 @@ A SeaweedFS S3 server, two adapter store processes on one S3 prefix (one with no
 every Fetch reads S3; one with a warm host tier), and an in-process AdapterLoader over a
 random-weight model sized so that 1, 16 and 64 MiB fp32 adapters fit its slots. Per size:
 - raw S3 GET: one GetObject of the adapter's bytes (aiobotocore, whole body), the baseline;
-- S3 -> slot: LoadAdapter path from a cold store: parallel ranged GETs + sha256 in the store,
-  gRPC chunks to the loader (hashed on arrival), parse + validation, copy into the slot;
+- S3 -> slot: LoadAdapter path from a cold store: parallel ranged GETs streamed on as they
+  arrive (hashed in the store on the way), gRPC chunks to the loader (written to staging and
+  hashed on arrival), parse + validation, copy into the slot (emptying the slot beforehand, a
+  separate unload, is not timed);
 - host hit -> slot: the same from a store that holds the adapter in RAM;
 - host hit Fetch: the store's part alone (Fetch RPC of a cached adapter, all chunks received).
 The full run writes bench/results/store-load-cpu.md.
@@ -76,13 +78,17 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def measure(reps: int, fn) -> list[float]:
-    await fn()  # warm-up (connections, allocator)
+async def measure(reps: int, fn, prepare=None) -> list[float]:
+    """Seconds of `fn` per rep, after one warm-up (connections, allocator); `prepare` runs
+    untimed before each call."""
     times = []
-    for _ in range(reps):
+    for rep in range(reps + 1):
+        if prepare is not None:
+            await prepare()
         start = time.perf_counter()
         await fn()
-        times.append(time.perf_counter() - start)
+        if rep:
+            times.append(time.perf_counter() - start)
     return times
 
 
@@ -113,16 +119,19 @@ async def run(quick: bool) -> str:
                     async with response["Body"] as body:
                         await body.read()
 
-                def load_via(address: str):
+                def load_via(address: str) -> tuple:
+                    """(load, empty the slot it loads next): the unload is not timed."""
                     loader = AdapterLoader(runner, (address,), holder=f"bench-{address}")
                     state = {"slot": 0}
 
-                    async def load() -> None:
+                    async def unload_next() -> None:
                         state["slot"] ^= 1
                         await loader.unload(state["slot"])
+
+                    async def load() -> None:
                         result = await loader.load(name, info.version, state["slot"])
                         assert not result.was_resident
-                    return load
+                    return load, unload_next
 
                 async with insecure_channel(warm.address) as channel:
                     stub = adapter_store_pb2_grpc.AdapterStoreStub(channel)
@@ -134,8 +143,8 @@ async def run(quick: bool) -> str:
                             pass
 
                     raw = await measure(reps, raw_get)
-                    cold_load = await measure(reps, load_via(cold.address))
-                    warm_load = await measure(reps, load_via(warm.address))
+                    cold_load = await measure(reps, *load_via(cold.address))
+                    warm_load = await measure(reps, *load_via(warm.address))
                     hit = await measure(reps, fetch_hit)
                 rows.append((label, size, reps, raw, cold_load, warm_load, hit))
                 print(f"{label}: raw p50 {pct(raw, .5) * 1e3:.1f} ms, S3->slot p50 "

@@ -1,14 +1,17 @@
 """Brings an adapter version from an adapter store into a slot of the pool.
 
 The path, and why each step sits where it does:
-1. Fetch: chunks stream from the first store that answers; each chunk is hashed as it arrives, so
-   the sha256 check costs nothing after the last byte. Size and sha256 must match what the store
-   announced, else DATA_LOSS (and the next store is tried): a bad or partial adapter never
-   reaches the pool.
-2. Parse: PEFT config + safetensors, validated against the base model, in a worker thread.
-3. Copy: on CUDA, tensors go through pinned host staging and are copied into the slot on a side
-   CUDA stream, in a worker thread; the step loop (its own thread, default stream) never waits on
-   a load. On CPU it is a plain copy. The slot reads as empty until the copy is complete.
+1. Fetch: chunks stream from the first store that answers into a reused host staging buffer
+   (pinned on CUDA); one worker thread writes and hashes them in order while the next chunks are
+   on the wire, so the sha256 check costs little after the last byte. Size and sha256 must match
+   what the store announced, else DATA_LOSS (and the next store is tried): a bad or partial
+   adapter never reaches the pool. A `restart` message (the store's own read failed its check and
+   was read again) discards what came before it.
+2. Parse: PEFT config + safetensors, validated against the base model, in a worker thread; the
+   tensors are views into the staging buffer, not copies.
+3. Copy: on CUDA, from the pinned staging buffer into the slot on a side CUDA stream, in a worker
+   thread; the step loop (its own thread, default stream) never waits on a load. On CPU it is a
+   plain copy. The slot reads as empty until the copy is complete.
 The measured seconds from request to slot ready go back in LoadAdapterResponse.load_seconds.
 
 Residency: after every load or unload, and every `report_interval_s`, the loader reports the
@@ -16,6 +19,7 @@ adapters it holds to a store (ReportResidency), which pins them against deletion
 """
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hashlib
 import json
@@ -40,6 +44,72 @@ log = logging.getLogger(__name__)
 
 REPORT_INTERVAL_S = 10.0
 LEASE_TTL_S = 30.0
+_MAX_FREE_STAGING = 2  # staging buffers kept for reuse between loads
+
+
+class StagingBuffers:
+    """Host buffers that fetched adapters land in, reused between loads: a fresh 64 MiB buffer
+    costs its page faults on every load (CPU), or a pinned allocation (CUDA)."""
+
+    def __init__(self, pin_memory: bool):
+        self._pin_memory = pin_memory
+        self._free: list[torch.Tensor] = []
+
+    def take(self, num_bytes: int) -> torch.Tensor:
+        """A uint8 buffer of at least `num_bytes`; give it back with `release` once unused."""
+        fitting = [i for i, b in enumerate(self._free) if b.numel() >= num_bytes]
+        if fitting:  # (list.remove would compare tensors by value)
+            return self._free.pop(min(fitting, key=lambda i: self._free[i].numel()))
+        return torch.empty(max(num_bytes, 1), dtype=torch.uint8, pin_memory=self._pin_memory)
+
+    def release(self, buffer: torch.Tensor) -> None:
+        self._free.append(buffer)
+        self._free.sort(key=torch.Tensor.numel, reverse=True)
+        del self._free[_MAX_FREE_STAGING:]  # keep the largest
+
+
+class _ChunkWriter:
+    """Writes a Fetch's chunks in order into a staging buffer and hashes them, in one worker
+    thread (hashlib drops the GIL on large chunks), while the event loop receives the next."""
+
+    def __init__(self, buffer: torch.Tensor, worker: concurrent.futures.ThreadPoolExecutor):
+        self._view = memoryview(buffer.numpy())
+        self._worker = worker
+        self._digest = hashlib.sha256()
+        self._pending: list[asyncio.Future] = []
+        self.num_bytes = 0
+
+    def add(self, chunk: bytes) -> bool:
+        """Queue `chunk` after the previous ones; False when it would overflow the buffer."""
+        end = self.num_bytes + len(chunk)
+        if end > len(self._view):
+            return False
+        self._submit(self._write, self.num_bytes, chunk)
+        self.num_bytes = end
+        return True
+
+    def restart(self) -> None:
+        """Discard everything queued so far: the object follows again from its first byte."""
+        self._submit(self._reset)
+        self.num_bytes = 0
+
+    async def hexdigest(self) -> str:
+        await self.wait()
+        return self._digest.hexdigest()
+
+    async def wait(self) -> None:
+        """Until the worker has done everything queued (the buffer may then be reused)."""
+        await asyncio.gather(*self._pending, return_exceptions=True)
+
+    def _submit(self, fn, *args) -> None:
+        self._pending.append(asyncio.get_running_loop().run_in_executor(self._worker, fn, *args))
+
+    def _write(self, offset: int, chunk: bytes) -> None:
+        self._view[offset:offset + len(chunk)] = chunk
+        self._digest.update(chunk)
+
+    def _reset(self) -> None:
+        self._digest = hashlib.sha256()
 
 
 @dataclass(frozen=True)
@@ -63,6 +133,9 @@ class AdapterLoader:
         self._reporter: asyncio.Task | None = None
         is_cuda = runner.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(runner.device) if is_cuda else None
+        self._staging = StagingBuffers(pin_memory=is_cuda)
+        self._chunk_worker = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="adapter-chunks")
 
     async def load(self, name: str, version: int, slot: int) -> LoadResult:
         if not 0 <= slot < len(self.slot_adapters):
@@ -72,27 +145,31 @@ class AdapterLoader:
             if self.slot_adapters[slot] == key:
                 return LoadResult(0, 0.0, True)
             start = time.perf_counter()
-            config_json, data = await self._fetch(name, version)
-            fetched = time.perf_counter()
+            config_json, staging, num_bytes = await self._fetch(name, version)
             try:
-                weights = await asyncio.to_thread(
-                    parse_peft_adapter, json.loads(config_json), data, self._runner.config,
-                    max_rank=self._runner.pool.max_rank)
-            except BaseModelMismatchError as err:
-                raise FailedPrecondition(f"adapter {key}: {err}") from None
-            except AdapterError as err:
-                raise InvalidArgument(f"adapter {key}: {err}") from None
-            parsed = time.perf_counter()
-            self.slot_adapters[slot] = ""
-            self._residency_changed()
-            await asyncio.to_thread(self._copy_into_slot, slot, weights)
+                fetched = time.perf_counter()
+                try:
+                    weights = await asyncio.to_thread(
+                        parse_peft_adapter, json.loads(config_json), staging[:num_bytes],
+                        self._runner.config, max_rank=self._runner.pool.max_rank)
+                except BaseModelMismatchError as err:
+                    raise FailedPrecondition(f"adapter {key}: {err}") from None
+                except AdapterError as err:
+                    raise InvalidArgument(f"adapter {key}: {err}") from None
+                parsed = time.perf_counter()
+                self.slot_adapters[slot] = ""
+                self._residency_changed()
+                await asyncio.to_thread(self._copy_into_slot, slot, weights)
+                del weights  # views into the staging buffer
+            finally:
+                self._staging.release(staging)
             self.slot_adapters[slot] = key
             self._residency_changed()
             seconds = time.perf_counter() - start
             log.info("loaded %s into slot %d: %d bytes in %.3fs (fetch %.3f, parse %.3f, copy "
-                     "%.3f)", key, slot, len(data), seconds, fetched - start, parsed - fetched,
+                     "%.3f)", key, slot, num_bytes, seconds, fetched - start, parsed - fetched,
                      seconds - (parsed - start))
-            return LoadResult(len(data), seconds, False)
+            return LoadResult(num_bytes, seconds, False)
 
     async def unload(self, slot: int, adapter: str = "") -> None:
         """Empty `slot`; with `adapter`, only while the slot still holds that adapter."""
@@ -106,19 +183,17 @@ class AdapterLoader:
         self._residency_changed()
 
     def _copy_into_slot(self, slot: int, weights: LoraWeights) -> None:
-        """Runs in a worker thread. CUDA: pinned staging, then copies on the side stream."""
+        """Runs in a worker thread. CUDA: from pinned staging, on the side stream."""
         if self._copy_stream is None:
             self._runner.load_adapter(slot, weights)
             return
-        staged = LoraWeights(modules={
-            key: LoraModuleWeights(a=w.a.pin_memory(), b=w.b.pin_memory(), scale=w.scale)
-            for key, w in weights.modules.items()})
         with torch.cuda.stream(self._copy_stream):
-            self._runner.load_adapter(slot, staged)
+            self._runner.load_adapter(slot, weights)
         self._copy_stream.synchronize()  # this thread waits; the step loop's stream does not
 
-    async def _fetch(self, name: str, version: int) -> tuple[str, bytes]:
-        """(adapter_config.json, safetensors bytes) from the first store that can serve them."""
+    async def _fetch(self, name: str, version: int) -> tuple[str, torch.Tensor, int]:
+        """(adapter_config.json, staging buffer holding the safetensors bytes, their size) from
+        the first store that can serve them. The caller releases the buffer."""
         last: LoraplexError = Unavailable("no adapter store configured")
         for address, stub in zip(self._stores, self._stubs):
             try:
@@ -131,26 +206,33 @@ class AdapterLoader:
                 last = err
         raise last
 
-    @staticmethod
-    async def _fetch_from(stub: adapter_store_pb2_grpc.AdapterStoreStub, name: str,
-                          version: int) -> tuple[str, bytes]:
-        info, chunks, num_bytes, digest = None, [], 0, hashlib.sha256()
-        async for msg in stub.Fetch(adapter_store_pb2.FetchRequest(name=name, version=version)):
-            if msg.HasField("info"):
-                info = msg.info
-                continue
-            num_bytes += len(msg.chunk)
-            if info is None or num_bytes > info.num_bytes:
-                raise DataLoss(f"adapter {name}@{version}: the store sent bytes beyond the "
-                               "announced size, or no metadata first")
-            digest.update(msg.chunk)  # hashed while the next chunk is on the wire
-            chunks.append(msg.chunk)
-        if info is None:
-            raise DataLoss(f"adapter {name}@{version}: the store sent no metadata")
-        if num_bytes != info.num_bytes or digest.hexdigest() != info.sha256:
-            raise DataLoss(f"adapter {name}@{version}: received {num_bytes} bytes that do not "
-                           f"match the store's size {info.num_bytes} and sha256")
-        return info.config_json, b"".join(chunks)
+    async def _fetch_from(self, stub: adapter_store_pb2_grpc.AdapterStoreStub, name: str,
+                          version: int) -> tuple[str, torch.Tensor, int]:
+        info, staging, writer = None, None, None
+        try:
+            async for msg in stub.Fetch(adapter_store_pb2.FetchRequest(name=name,
+                                                                       version=version)):
+                kind = msg.WhichOneof("payload")
+                if kind == "info" and info is None:
+                    info = msg.info
+                    staging = self._staging.take(info.num_bytes)
+                    writer = _ChunkWriter(staging[:info.num_bytes], self._chunk_worker)
+                elif kind == "restart" and writer is not None:
+                    writer.restart()
+                elif kind != "chunk" or writer is None or not writer.add(msg.chunk):
+                    raise DataLoss(f"adapter {name}@{version}: the store sent bytes beyond the "
+                                   "announced size, or no metadata first")
+            if info is None:
+                raise DataLoss(f"adapter {name}@{version}: the store sent no metadata")
+            if writer.num_bytes != info.num_bytes or await writer.hexdigest() != info.sha256:
+                raise DataLoss(f"adapter {name}@{version}: received {writer.num_bytes} bytes that "
+                               f"do not match the store's size {info.num_bytes} and sha256")
+            return info.config_json, staging, info.num_bytes
+        except BaseException:
+            if staging is not None:
+                await writer.wait()  # no queued write may land in a buffer handed out again
+                self._staging.release(staging)
+            raise
 
     # ----- residency reports -----
 

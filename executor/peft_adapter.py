@@ -13,15 +13,19 @@ import re
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as load_safetensors
-
+from adapter_store.safetensors_header import parse_header
 from executor.lora import LORA_MODULES, LoraModuleWeights, LoraWeights
 from executor.model_config import ModelConfig
+from loraplex.errors import InvalidArgument
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\."
                   r"(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 _MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+_TORCH_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2, "U16": torch.uint16, "I16": torch.int16, "F16": torch.float16,
+    "BF16": torch.bfloat16, "U32": torch.uint32, "I32": torch.int32, "F32": torch.float32,
+    "U64": torch.uint64, "I64": torch.int64, "F64": torch.float64}
 
 
 class AdapterError(ValueError):
@@ -88,23 +92,51 @@ def _check_config(cfg: dict[str, Any], base: ModelConfig, max_rank: int | None,
             f"adapter was trained on base model {wanted!r}, this pool serves {base.model_id!r}")
 
 
-def _load_tensors(data: bytes) -> dict[str, torch.Tensor]:
-    if data[:2] == b"PK" or data[:1] == b"\x80":
+def _load_tensors(data: bytes | torch.Tensor) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors file, as views into `data` when it is a uint8 tensor (the loader's
+    staging buffer: no copy); `bytes` are copied once into a tensor first."""
+    if isinstance(data, torch.Tensor):
+        raw = data  # [num_bytes] uint8
+    else:
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(
+            0, dtype=torch.uint8)
+    head = raw[:2].numpy().tobytes()
+    if head[:2] == b"PK" or head[:1] == b"\x80":
         raise AdapterError("adapter_model: looks like a pickle/torch.save file; "
                            "only adapter_model.safetensors is accepted")
     try:
-        return load_safetensors(data)
-    except SafetensorError as err:
+        entries = parse_header(raw.numpy())  # bounds and tiling checked before any view is made
+    except InvalidArgument as err:
         raise AdapterError(f"adapter_model.safetensors is malformed or truncated: {err}") from None
+    start = 8 + int.from_bytes(raw[:8].numpy().tobytes(), "little")
+    tensors = {}
+    for name, entry in entries.items():
+        dtype = _TORCH_DTYPES[entry.dtype]
+        span = raw[start + entry.begin:start + entry.end]
+        if (start + entry.begin) % dtype.itemsize:
+            span = span.clone()  # misaligned for its dtype: view a copy
+        tensors[name] = span.view(dtype).view(entry.shape)
+    return tensors
 
 
-def parse_peft_adapter(adapter_config: dict[str, Any], safetensors_bytes: bytes,
+def _is_finite(tensor: torch.Tensor) -> bool:
+    """All values finite; min and max propagate NaN, so two reductions decide (no mask)."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return True
+    if tensor.dtype.itemsize == 1:  # float8: aminmax has no kernel
+        return bool(torch.isfinite(tensor.float()).all())
+    low, high = torch.aminmax(tensor)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
+def parse_peft_adapter(adapter_config: dict[str, Any], safetensors_bytes: bytes | torch.Tensor,
                        base: ModelConfig, *, max_rank: int | None = None,
                        check_base_model: bool = True,
                        dtype: torch.dtype = torch.float32) -> LoraWeights:
     """Validate a PEFT LoRA adapter against `base` and return its per-module weights and scales.
 
-    Raises AdapterError naming the field or tensor at fault; BaseModelMismatchError when the
+    `safetensors_bytes` may be a 1-D uint8 tensor: the weights returned are then views into it
+    (when already of `dtype`). Raises AdapterError naming the field or tensor at fault; BaseModelMismatchError when the
     adapter's `base_model_name_or_path` is not `base.model_id`.
     """
     cfg = adapter_config
@@ -122,7 +154,7 @@ def parse_peft_adapter(adapter_config: dict[str, Any], safetensors_bytes: bytes,
         if layer >= base.num_hidden_layers:
             raise AdapterError(f"adapter tensor {key!r}: layer {layer} does not exist "
                                f"(base model has {base.num_hidden_layers} layers)")
-        if not torch.isfinite(tensor).all():
+        if not _is_finite(tensor):
             raise AdapterError(f"adapter tensor {key!r} has non-finite values")
         pairs.setdefault((layer, module), {})[which] = tensor
     if not pairs:

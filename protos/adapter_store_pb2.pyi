@@ -180,12 +180,14 @@ class FetchRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class FetchResponse(_message.Message):
-    __slots__ = ("info", "chunk")
+    __slots__ = ("info", "chunk", "restart")
     INFO_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    RESTART_FIELD_NUMBER: _ClassVar[int]
     info: _common_pb2.AdapterInfo
     chunk: bytes
-    def __init__(self, info: _Optional[_Union[_common_pb2.AdapterInfo, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+    restart: bool
+    def __init__(self, info: _Optional[_Union[_common_pb2.AdapterInfo, _Mapping]] = ..., chunk: _Optional[bytes] = ..., restart: _Optional[bool] = ...) -> None: ...
 
 class HostPrewarmRequest(_message.Message):
     __slots__ = ("name", "version", "tenant", "alias")

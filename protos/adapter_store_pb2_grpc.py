@@ -153,7 +153,8 @@ class AdapterStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Fetch(self, request, context):
-        """Stream an adapter version: first message carries `info`, the rest chunks of the safetensors bytes.
+        """Stream an adapter version: first message carries `info`, the rest chunks of the safetensors bytes
+        (a `restart` among them discards the chunks before it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

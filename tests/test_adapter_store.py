@@ -2,6 +2,7 @@
 
 import asyncio
 import collections
+import contextlib
 import hashlib
 import io
 import json
@@ -79,6 +80,13 @@ class CountingBlobStore(BlobStore):
         self.num_gets[key] += 1
         await asyncio.sleep(self.get_delay_s)
         return await self.inner.get_with_etag(key)
+
+    async def iter_parts(self, key):
+        self.num_gets[key] += 1
+        await asyncio.sleep(self.get_delay_s)
+        async with contextlib.aclosing(self.inner.iter_parts(key)) as parts:
+            async for part in parts:
+                yield part
 
     async def put(self, key, data, **conditions):
         await self.inner.put(key, data, **conditions)
