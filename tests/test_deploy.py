@@ -1,0 +1,420 @@
+"""The Kubernetes manifests and the container build file in deploy/.
+
+Every kustomization is rendered here without a kustomize binary (a renderer for the subset that
+deploy/ uses, cross-checked against `kubectl kustomize` where kubectl exists), validated against
+the Kubernetes JSON schemas that kubernetes-validate ships (offline, strict: unknown fields fail),
+and held to the rules the services need: native gRPC probes on the right port, a grace period
+that covers the drain, a GPU per executor, secrets only in Secrets. The Dockerfile cannot be built
+here (no container engine), so its steps are checked against the Makefile and the manifests.
+"""
+
+import copy
+import json
+import re
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+RENDERINGS = ["base", "overlays/production", "overlays/cpu-smoke"]
+GPU_RENDERINGS = ["base", "overlays/production"]
+# Native gRPC probes are GA from 1.27 (the oldest version we support); 1.37 is the newest
+# schema set the pinned kubernetes-validate ships.
+K8S_VERSIONS = ["1.27.0", "1.37.0"]
+# component label -> (gRPC port, termination grace the service's drain needs, in seconds)
+COMPONENTS = {"scheduler": (50051, 60), "adapter-store": (50052, 30), "executor": (50053, 60)}
+METRICS_PORT = 9090
+RUN_AS_USER = 10001
+# Names of configuration that must come from a Secret (MAX_BATCHED_TOKENS is no secret).
+SECRET_NAME_RE = re.compile(r"(API|ADMIN|ACCESS|SECRET|AUTH)_?KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL"
+                            r"|(AUTH|ACCESS|BEARER|API|SESSION|REFRESH)_?TOKEN", re.IGNORECASE)
+
+
+# --- a renderer for the kustomize subset deploy/ uses -----------------------------------------
+
+KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "namespace", "images", "patches"}
+CLUSTER_SCOPED = {"Namespace", "PersistentVolume", "StorageClass", "ClusterRole",
+                  "ClusterRoleBinding", "CustomResourceDefinition", "PriorityClass"}
+
+
+def render(folder: Path) -> list[dict]:
+    """The objects `kustomize build folder` prints, for kustomizations that use only
+    resources, namespace, images and JSON 6902 patches (anything else is refused)."""
+    k = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    unknown = set(k) - KUSTOMIZATION_KEYS
+    assert not unknown, f"{folder}: kustomization uses {unknown}, which this renderer does not"
+    objects: list[dict] = []
+    for entry in k.get("resources", []):
+        path = (folder / entry).resolve()
+        if path.is_dir():
+            objects += render(path)
+        else:
+            objects += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    for patch in k.get("patches", []):
+        ops = yaml.safe_load(patch["patch"] if "patch" in patch else (folder / patch["path"]).read_text())
+        assert isinstance(ops, list), f"{folder}: only JSON 6902 patches (a list of ops) are rendered"
+        targets = [o for o in objects if _matches(o, patch["target"])]
+        assert targets, f"{folder}: patch target {patch['target']} matches nothing"
+        for obj in targets:
+            for op in ops:
+                _apply_op(obj, op)
+    for obj in objects:
+        if "namespace" in k and obj["kind"] not in CLUSTER_SCOPED:
+            obj["metadata"]["namespace"] = k["namespace"]
+        for image in k.get("images", []):
+            for container in _containers(obj):
+                _set_image(container, image)
+    return objects
+
+
+def _matches(obj: dict, target: dict) -> bool:
+    assert set(target) <= {"kind", "name"}, f"patch target {target}: only kind and name are rendered"
+    return target.get("kind", obj["kind"]) == obj["kind"] and \
+        target.get("name", obj["metadata"]["name"]) == obj["metadata"]["name"]
+
+
+def _apply_op(doc: dict, op: dict) -> None:
+    """One RFC 6902 operation (add, remove, replace) on `doc`, in place."""
+    *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
+    node = doc
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    if isinstance(node, list):
+        index = len(node) if last == "-" else int(last)
+        assert op["op"] == "add" or index < len(node), f"{op['path']}: no such item"
+        if op["op"] == "add":
+            node.insert(index, copy.deepcopy(op["value"]))
+        elif op["op"] == "replace":
+            node[index] = copy.deepcopy(op["value"])
+        elif op["op"] == "remove":
+            del node[index]
+        else:
+            raise AssertionError(f"JSON patch op {op['op']!r} is not rendered here")
+    else:
+        assert op["op"] == "add" or last in node, f"{op['path']}: no such field"
+        if op["op"] in ("add", "replace"):
+            node[last] = copy.deepcopy(op["value"])
+        elif op["op"] == "remove":
+            del node[last]
+        else:
+            raise AssertionError(f"JSON patch op {op['op']!r} is not rendered here")
+
+
+def _containers(obj: dict) -> list[dict]:
+    pod = obj.get("spec", {}).get("template", {}).get("spec", {})
+    return pod.get("initContainers", []) + pod.get("containers", [])
+
+
+def _set_image(container: dict, image: dict) -> None:
+    name, _, tag = container["image"].partition(":")
+    if name == image["name"]:
+        container["image"] = f"{image.get('newName', name)}:{image.get('newTag', tag or 'latest')}"
+
+
+@pytest.fixture(scope="module", params=RENDERINGS)
+def rendering(request) -> tuple[str, list[dict]]:
+    return request.param, render(DEPLOY / request.param)
+
+
+def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
+
+
+def deployments(objects: list[dict]) -> dict[str, dict]:
+    """component label -> Deployment."""
+    return {d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]: d
+            for d in by_kind(objects, "Deployment").values()}
+
+
+def container(deployment: dict) -> dict:
+    (only,) = deployment["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+# --- schemas ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_every_manifest_validates_against_the_kubernetes_schemas(rendering, version):
+    name, objects = rendering
+    assert len(objects) >= 12, f"{name}: rendered only {len(objects)} objects"
+    for obj in objects:
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            pytest.fail(f"{name}: {obj['kind']}/{obj['metadata']['name']} is not valid "
+                        f"Kubernetes {version}: {e.message} at {list(e.absolute_path)}")
+
+
+def test_the_validator_catches_a_misspelt_probe_field():
+    """The schema check is live: an unknown field in a probe fails strict validation."""
+    executor = copy.deepcopy(deployments(render(DEPLOY / "base"))["executor"])
+    container(executor)["readinessProbe"]["grpc"] = {"prot": 50053}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(executor, K8S_VERSIONS[0], strict=True)
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (its built-in kustomize) not installed")
+@pytest.mark.parametrize("name", RENDERINGS)
+def test_the_renderer_agrees_with_kubectl_kustomize(name):
+    out = subprocess.run(["kubectl", "kustomize", str(DEPLOY / name)], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+
+    def key(o):
+        return o["kind"], o["metadata"]["name"]
+
+    expected = sorted((d for d in yaml.safe_load_all(out) if d), key=key)
+    ours = sorted(render(DEPLOY / name), key=key)
+    assert [key(o) for o in ours] == [key(o) for o in expected]
+    for mine, theirs in zip(ours, expected):
+        assert json.dumps(mine, sort_keys=True) == json.dumps(theirs, sort_keys=True), key(mine)
+
+
+# --- what the services need -------------------------------------------------------------------
+
+def test_one_deployment_per_service_with_native_grpc_probes_on_its_port(rendering):
+    name, objects = rendering
+    found = deployments(objects)
+    assert set(found) == set(COMPONENTS), name
+    for component, deployment in found.items():
+        port = COMPONENTS[component][0]
+        c = container(deployment)
+        assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": port,
+                                                                    "metrics": METRICS_PORT}
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            handlers = set(c[probe]) & {"grpc", "httpGet", "tcpSocket", "exec"}
+            assert handlers == {"grpc"}, f"{name}/{component}: {probe} must be a native gRPC probe"
+            assert c[probe]["grpc"]["port"] == port, f"{name}/{component}: {probe} port"
+        assert listen_address(objects, deployment) == f"0.0.0.0:{port}", f"{name}/{component}"
+
+
+def listen_address(objects: list[dict], deployment: dict) -> str:
+    """--address, or the store's LORAPLEX_STORE_ADDRESS from its ConfigMap."""
+    c = container(deployment)
+    flags = [a.removeprefix("--address=") for a in c.get("args", []) if a.startswith("--address=")]
+    if flags:
+        return flags[-1]
+    configs = by_kind(objects, "ConfigMap")
+    (address,) = [configs[s["configMapRef"]["name"]]["data"]["LORAPLEX_STORE_ADDRESS"]
+                  for s in c["envFrom"] if "configMapRef" in s]
+    return address
+
+
+def test_termination_grace_covers_the_drain(rendering):
+    name, objects = rendering
+    for component, deployment in deployments(objects).items():
+        pod = deployment["spec"]["template"]["spec"]
+        pre_stop = container(deployment).get("lifecycle", {}).get("preStop", {})
+        pause = int(pre_stop["exec"]["command"][-1]) if pre_stop else 0
+        assert pod["terminationGracePeriodSeconds"] >= COMPONENTS[component][1], f"{name}/{component}"
+        assert pause < pod["terminationGracePeriodSeconds"] / 4, f"{name}/{component}: preStop eats the drain"
+
+
+@pytest.mark.parametrize("name", GPU_RENDERINGS)
+def test_each_executor_requests_one_gpu(name):
+    resources = container(deployments(render(DEPLOY / name))["executor"])["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == "1"
+    assert resources["requests"]["nvidia.com/gpu"] == "1"
+    config = by_kind(render(DEPLOY / name), "ConfigMap")["loraplex-executor-config"]["data"]
+    assert (config["EXECUTOR_DEVICE"], config["EXECUTOR_DTYPE"]) == ("cuda", "bfloat16")
+
+
+def test_only_gpu_executors_ask_for_gpus():
+    for obj in render(DEPLOY / "overlays/cpu-smoke"):
+        assert "nvidia.com/gpu" not in json.dumps(obj), f"{obj['kind']}/{obj['metadata']['name']}"
+
+
+def test_secrets_stay_in_secrets(rendering):
+    name, objects = rendering
+    secret_values = {v for s in by_kind(objects, "Secret").values()
+                     for v in {**s.get("stringData", {}), **s.get("data", {})}.values()}
+    assert secret_values, f"{name}: no Secret holds the API keys"
+    for cm in by_kind(objects, "ConfigMap").values():
+        for key, value in cm.get("data", {}).items():
+            assert not SECRET_NAME_RE.search(key), f"{name}: ConfigMap key {key} looks like a secret"
+            assert value not in secret_values, f"{name}: ConfigMap {key} holds a Secret's value"
+    for component, deployment in deployments(objects).items():
+        c = container(deployment)
+        for env in c.get("env", []):
+            if SECRET_NAME_RE.search(env["name"]):
+                assert "secretKeyRef" in env.get("valueFrom", {}), f"{name}/{component}: {env['name']}"
+        literal = json.dumps([c.get("args", []), c.get("command", []), c.get("env", [])])
+        assert not any(v in literal for v in secret_values), f"{name}/{component}: a secret in the spec"
+    scheduler_env = {e["name"]: e for e in container(deployments(objects)["scheduler"])["env"]}
+    api_key_flags = [a for a in container(deployments(objects)["scheduler"])["args"]
+                     if a.startswith(("--api-key=", "--admin-key="))]
+    assert len(api_key_flags) >= 2
+    for flag in api_key_flags:
+        var = re.fullmatch(r"--[a-z-]+=\$\((\w+)\)", flag).group(1)
+        assert scheduler_env[var]["valueFrom"]["secretKeyRef"]["name"] == "loraplex-api-keys"
+
+
+def test_every_variable_in_the_flags_is_defined(rendering):
+    """Kubernetes passes an undefined $(NAME) through literally: every one must be defined."""
+    name, objects = rendering
+    keys = {("configMapRef", n): set(o.get("data", {})) for n, o in by_kind(objects, "ConfigMap").items()}
+    keys |= {("secretRef", n): set(o.get("stringData", {})) | set(o.get("data", {}))
+             for n, o in by_kind(objects, "Secret").items()}
+    for component, deployment in deployments(objects).items():
+        c = container(deployment)
+        defined = {e["name"] for e in c.get("env", [])}
+        for source in c.get("envFrom", []):
+            ((kind, ref),) = source.items()
+            defined |= keys[(kind, ref["name"])]
+        used = set(re.findall(r"\$\((\w+)\)", " ".join(c.get("command", []) + c.get("args", []))))
+        assert used <= defined, f"{name}/{component}: undefined {sorted(used - defined)}"
+
+
+def test_discovery_services_and_selectors(rendering):
+    name, objects = rendering
+    services = by_kind(objects, "Service")
+    pods = {c: d["spec"]["template"]["metadata"]["labels"] for c, d in deployments(objects).items()}
+    for service in services.values():
+        selected = [c for c, labels in pods.items() if service["spec"]["selector"].items() <= labels.items()]
+        assert len(selected) == 1, f"{name}: Service {service['metadata']['name']} selects {selected}"
+        (port,) = service["spec"]["ports"]
+        assert (port["port"], port["targetPort"]) == (COMPONENTS[selected[0]][0], "grpc")
+    assert services["loraplex-executor"]["spec"]["clusterIP"] == "None"
+    assert services["loraplex-adapter-store-headless"]["spec"]["clusterIP"] == "None"
+    assert services["loraplex-scheduler"]["spec"]["type"] == "ClusterIP"
+    dns = "dns:///{}.$(POD_NAMESPACE).svc.$(CLUSTER_DOMAIN):{}"
+    scheduler_args = container(deployments(objects)["scheduler"])["args"]
+    assert "--executor=" + dns.format("loraplex-executor", 50053) in scheduler_args
+    for component in ("scheduler", "executor"):
+        args = container(deployments(objects)[component])["args"]
+        assert "--store=" + dns.format("loraplex-adapter-store-headless", 50052) in args
+
+
+def test_disruption_budgets_and_the_store_autoscaler(rendering):
+    name, objects = rendering
+    pods = {c: d["spec"]["template"]["metadata"]["labels"] for c, d in deployments(objects).items()}
+    budgets = {c for pdb in by_kind(objects, "PodDisruptionBudget").values()
+               for c, labels in pods.items() if pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()}
+    assert budgets >= {"adapter-store", "executor"}, name
+    (hpa,) = by_kind(objects, "HorizontalPodAutoscaler").values()
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                             "name": "loraplex-adapter-store"}
+    assert 2 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+    found = deployments(objects)
+    assert "replicas" not in found["adapter-store"]["spec"], "the HPA owns the store's replicas"
+    assert found["executor"]["spec"]["replicas"] >= 1
+    # An executor takes one scheduler's Step stream at a time: one scheduler per pool, replaced
+    # by Recreate (a surge replica could not drive the executors).
+    assert found["scheduler"]["spec"]["replicas"] == 1
+    assert found["scheduler"]["spec"]["strategy"]["type"] == "Recreate"
+
+
+def test_pods_run_locked_down_with_resources(rendering):
+    name, objects = rendering
+    for component, deployment in deployments(objects).items():
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] == RUN_AS_USER
+        assert pod["automountServiceAccountToken"] is False
+        c = container(deployment)
+        assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                        "capabilities": {"drop": ["ALL"]}}, f"{name}/{component}"
+        assert {"cpu", "memory"} <= set(c["resources"]["requests"]), f"{name}/{component}"
+        assert "memory" in c["resources"]["limits"], f"{name}/{component}"
+        assert "/tmp" in {m["mountPath"] for m in c["volumeMounts"]}, "HOME and caches need a writable /tmp"
+        assert container(deployment)["command"][:2] == ["python", "-m"]
+        module = c["command"][2]
+        assert (ROOT / (module.replace(".", "/") + ".py")).is_file(), module
+
+
+def test_metrics_port_is_annotated_for_prometheus(rendering):
+    name, objects = rendering
+    for component, deployment in deployments(objects).items():
+        annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        assert annotations["prometheus.io/port"] == str(METRICS_PORT)
+        assert f"--metrics-port={METRICS_PORT}" in container(deployment)["args"], f"{name}/{component}"
+
+
+def test_store_and_executor_configs_agree(rendering):
+    name, objects = rendering
+    config = {n: o["data"] for n, o in by_kind(objects, "ConfigMap").items()}
+    store, executor = config["loraplex-adapter-store-config"], config["loraplex-executor-config"]
+    assert store["LORAPLEX_MAX_RANK"] == executor["EXECUTOR_MAX_RANK"], \
+        f"{name}: the store would register ranks the executors cannot hold"
+    memory = container(deployments(objects)["adapter-store"])["resources"]["requests"]["memory"]
+    assert _mebibytes(memory) > int(store["LORAPLEX_HOST_CACHE_MB"]), f"{name}: host tier exceeds memory"
+
+
+def _mebibytes(quantity: str) -> float:
+    units = {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024, "Ti": 1024 ** 2}
+    number, unit = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]i)", quantity).groups()
+    return float(number) * units[unit]
+
+
+# --- the container build file -----------------------------------------------------------------
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    lines, current = [], ""
+    for raw in (DEPLOY / "Dockerfile").read_text().splitlines():
+        line = raw.strip()
+        if not current and (not line or line.startswith("#")):
+            continue
+        current += " " + line.removesuffix("\\").strip()
+        if not line.endswith("\\"):
+            lines.append(current.strip())
+            current = ""
+    assert not current, "Dockerfile ends inside a continued line"
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
+
+
+def makefile() -> tuple[dict[str, str], dict[str, list[str]]]:
+    """The Makefile's variables and each rule's prerequisites, variables expanded."""
+    text = (ROOT / "Makefile").read_text()
+    variables = {m[0]: m[2].strip() for m in re.findall(r"^(\w+)\s*(\?=|:=|=)(.*)$", text, re.MULTILINE)}
+
+    def expand(s: str) -> str:
+        while m := re.search(r"\$\((\w+)\)", s):
+            s = s.replace(m.group(0), variables[m.group(1)])
+        return s
+
+    rules = {}
+    for target, prereqs in re.findall(r"^([^\s#.=:][^=:]*|\$\(\w+\)):(?!=)(.*)$", text, re.MULTILINE):
+        rules[expand(target.strip())] = expand(prereqs).split()
+    return {k: expand(v) for k, v in variables.items()}, rules
+
+
+def test_dockerfile_installs_with_the_readme_make_rule_only():
+    _, rules = makefile()
+    # `make demo` and `make test`, the README's two commands, both start with the install rule.
+    (install,) = set(rules["demo"]) & set(rules["test"])
+    runs = [args for instruction, args in dockerfile_instructions() if instruction == "RUN"]
+    steps = [step.strip() for run in runs for step in run.split("&&")]
+    assert f"make {install}" in steps
+    for step in steps:
+        assert "pip" not in step.split(), f"a pip step outside the Makefile: {step!r}"
+        allowed = (step.startswith(("apt-get update", "apt-get install ", "rm -rf /var/lib/apt/lists",
+                                    "useradd "))
+                   or (step.startswith("make ") and set(step.split()[1:]) <= set(rules)))
+        assert allowed, f"RUN step {step!r} is not a README/Makefile install step"
+
+
+def test_dockerfile_matches_the_manifests_and_pyproject():
+    instructions = dockerfile_instructions()
+    variables, _ = makefile()
+    workdir = next(args for i, args in instructions if i == "WORKDIR")
+    env = " ".join(args for i, args in instructions if i == "ENV")
+    assert f"PATH={workdir}/{variables['VENV']}/bin:" in env, "manifests run `python` from the venv"
+    assert "HOME=/tmp" in env
+    user = next(args for i, args in instructions if i == "USER")
+    assert user.split(":")[0] == str(RUN_AS_USER)
+    exposed = {int(p) for i, args in instructions if i == "EXPOSE" for p in args.split()}
+    assert exposed == {port for port, _ in COMPONENTS.values()} | {METRICS_PORT}
+    assert ("COPY", ". .") in instructions
+    python = next(args for i, args in instructions if i == "ARG" and args.startswith("PYTHON_VERSION="))
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    minimum = tuple(int(x) for x in requires.removeprefix(">=").split("."))
+    assert tuple(int(x) for x in python.split("=")[1].split(".")) >= minimum
+    ignored = (DEPLOY / "Dockerfile.dockerignore").read_text().split()
+    assert {".venv", ".fixtures", ".git"} <= set(ignored), "the host's venv must not enter the image"
