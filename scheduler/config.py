@@ -29,6 +29,7 @@ class SchedulerConfig:
     default_rate_limit: RateLimit = RateLimit()  # tenants without their own (0:0 = unlimited)
     weights: FairnessWeights = field(default_factory=FairnessWeights)
     limits: Limits = field(default_factory=Limits)
+    discovery_interval_s: float = 5.0  # how often executor names are re-resolved
     default_max_new_tokens: int = 16
     max_stop_strings: int = 16
     max_stop_chars: int = 256
@@ -45,7 +46,10 @@ class SchedulerConfig:
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> "SchedulerConfig":
         p = argparse.ArgumentParser(prog="loraplex serve scheduler")
-        p.add_argument("--executor", action="append", default=[], help="executor host:port (repeatable)")
+        p.add_argument("--executor", action="append", default=[],
+                       help="executor host:port, dns:///name:port (all its addresses) or "
+                            "file:///path (one address per line); repeatable, re-resolved periodically")
+        p.add_argument("--discovery-interval-s", type=float, default=5.0)
         p.add_argument("--store", action="append", default=[], help="adapter store host:port (repeatable)")
         p.add_argument("--address", default="127.0.0.1:0", help="host:port to listen on (port 0 = any)")
         p.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT",
@@ -63,6 +67,7 @@ class SchedulerConfig:
         weights = {t: float(w) for t, w in _pairs(a.tenant_weight, "--tenant-weight").items()}
         rates = {t: RateLimit.parse(r) for t, r in _pairs(a.rate_limit, "--rate-limit").items()}
         return cls(executors=tuple(a.executor), stores=tuple(a.store), address=a.address,
+                   discovery_interval_s=a.discovery_interval_s,
                    api_keys=_pairs(a.api_key, "--api-key"), admin_keys=frozenset(a.admin_key),
                    rate_limits=rates, default_rate_limit=RateLimit.parse(a.default_rate_limit),
                    weights=FairnessWeights(load_weight=a.load_weight, tenant_weights=weights),

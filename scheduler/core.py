@@ -63,22 +63,38 @@ class Scheduler:
 
     # ---- routing ----------------------------------------------------------------------------
     def _route(self, req: Request, front: bool = False) -> None:
-        candidates = [ex for ex in self.executors if ex.is_up and not ex.is_draining]
-        if not candidates:
+        ex = self._best_executor(req)
+        self.fair.on_enqueue(req.tenant)
+        if ex is None:
             req.executor = None
             self.orphans.append(req)
-            self.fair.on_enqueue(req.tenant)
             return
+        self._enqueue(ex, req, front)
+
+    def _best_executor(self, req: Request) -> ExecutorState | None:
+        candidates = [ex for ex in self.executors if ex.is_up and not ex.is_draining]
+        if not candidates:
+            return None
         home_address = home(req.adapter, [e.address for e in candidates]) if req.adapter else ""
-        ex = min(candidates, key=lambda e: self._score(e, req, e.address != home_address))
+        return min(candidates, key=lambda e: self._score(e, req, e.address != home_address))
+
+    def _enqueue(self, ex: ExecutorState, req: Request, front: bool = False) -> None:
         req.executor = ex
         if req.adapter and not front:
             ex.popularity.hit(req.adapter, req.arrival)
         ex.queue.push(req, front)
         ex.work_tokens += req.work_left
-        self.fair.on_enqueue(req.tenant)
         if req.adapter and ex.slots.find(req.adapter) is None:
             self._place(ex, req)
+
+    def _rebalance(self) -> None:
+        """Move queued requests to where they would start sooner now (an executor joined)."""
+        for req in sorted((r for ex in self.executors for r in ex.queue), key=lambda r: r.arrival):
+            best = self._best_executor(req)
+            if best is not None and best is not req.executor:
+                req.executor.queue.remove(req)
+                req.executor.work_tokens -= req.work_left
+                self._enqueue(best, req)
 
     def _score(self, ex: ExecutorState, req: Request, is_away: bool) -> float:
         resident = not req.adapter or ex.slots.find(req.adapter) is not None
@@ -312,7 +328,14 @@ class Scheduler:
         for req in orphans:
             self.fair.on_dequeue(req.tenant)
             self._route(req)
+        self._rebalance()
         self._wake()
+
+    def remove_executor(self, ex: ExecutorState) -> None:
+        """Forget an executor for good (it left the pool); its work moves to the others."""
+        if ex.is_up:
+            self.on_executor_lost(ex)
+        self.executors = [e for e in self.executors if e is not ex]
 
     def on_executor_lost(self, ex: ExecutorState) -> None:
         """Hand a dead executor's work to the others; its slots and blocks are gone."""

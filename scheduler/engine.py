@@ -9,10 +9,13 @@ import logging
 
 import grpc
 
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from loraplex.errors import LoraplexError, Unavailable, from_rpc_error
 from loraplex.server import insecure_channel
 from protos import common_pb2, executor_pb2, executor_pb2_grpc
 from scheduler.block_manager import BlockManager
+from scheduler.discovery import resolve
 from scheduler.core import ExecutorState, Limits, Sample, Scheduler, StepPlan
 from scheduler.fairness import FairnessWeights
 from scheduler.slots import Slot, SlotTable
@@ -27,7 +30,10 @@ class ExecutorLink:
 
     def __init__(self, address: str):
         self.address = address
-        self.stub = executor_pb2_grpc.ExecutorStub(insecure_channel(address))
+        self.channel = insecure_channel(address)
+        self.stub = executor_pb2_grpc.ExecutorStub(self.channel)
+        self.is_leaving = False  # gone from discovery: forget it once drained
+        self.is_stopping = False  # its health said NOT_SERVING: release it once drained
         self.info: executor_pb2.InfoResponse | None = None
         self.state = ExecutorState(address, BlockManager(1, 1), SlotTable(0), max_rank=0, is_up=False)
         self._call = None
@@ -35,6 +41,7 @@ class ExecutorLink:
 
     async def connect(self) -> None:
         """Fetch Info, reset our view of the executor, and open a fresh step stream."""
+        self.is_stopping = False
         self.info = await self.stub.Info(executor_pb2.InfoRequest())
         # Slots the executor still holds from an earlier scheduler are not ours to trust: reload.
         self.state = ExecutorState(self.address, BlockManager(self.info.num_kv_blocks, self.info.block_size),
@@ -67,42 +74,101 @@ def _sampling_pb(s) -> common_pb2.SamplingParams:
 
 
 class Engine:
-    def __init__(self, addresses: tuple[str, ...], weights: FairnessWeights, limits: Limits):
-        self.links = [ExecutorLink(a) for a in addresses]
+    def __init__(self, executor_specs: tuple[str, ...], weights: FairnessWeights, limits: Limits,
+                 discovery_interval_s: float = 5.0):
+        self.links: dict[str, ExecutorLink] = {}
         self.core = Scheduler([], weights, limits, self._start_load, self._wake, self._start_unload)
         self.first_info: asyncio.Future[executor_pb2.InfoResponse] = asyncio.get_running_loop().create_future()
+        self._specs = executor_specs
+        self._interval = discovery_interval_s
         self._tasks: set[asyncio.Task] = set()
+        self._link_tasks: dict[str, list[asyncio.Task]] = {}
 
     def start(self) -> None:
-        for link in self.links:
-            self._spawn(self._run(link))
+        self._spawn(self._discover())
 
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for link in self.links:
+        for link in self.links.values():
             link.close()
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def _wake(self) -> None:
-        for link in self.links:
+        for link in self.links.values():
             link.woken.set()
 
+    # ---- discovery --------------------------------------------------------------------------
+    async def _discover(self) -> None:
+        """Re-resolve the executor specs; connect to newcomers, drain those that left."""
+        while True:
+            try:
+                found = await asyncio.to_thread(resolve, self._specs)
+            except (OSError, ValueError) as err:
+                log.warning("resolving executors failed: %s", err)
+                found = set(self.links)
+            for address in sorted(found - set(self.links)):
+                log.info("executor %s joined", address)
+                link = self.links[address] = ExecutorLink(address)
+                self._link_tasks[address] = [self._spawn(self._run(link)), self._spawn(self._watch(link))]
+            for address in sorted(set(self.links) - found):
+                self._leave(self.links[address])
+            await asyncio.sleep(self._interval)
+
+    def _leave(self, link: ExecutorLink) -> None:
+        """Stop admitting on a departing executor; its link goes once its sequences finish."""
+        if not link.is_leaving:
+            log.info("executor %s left: draining", link.address)
+            link.is_leaving = True
+            if link.state.is_up:
+                self.core.drain(link.state)
+            link.woken.set()
+
+    def _forget(self, link: ExecutorLink) -> None:
+        for task in self._link_tasks.pop(link.address, []):
+            if task is not asyncio.current_task():
+                task.cancel()
+        self.links.pop(link.address, None)
+        self.core.remove_executor(link.state)
+        link.close()
+
+    async def _watch(self, link: ExecutorLink) -> None:
+        """Drain an executor as soon as its health says NOT_SERVING (it is shutting down)."""
+        stub = health_pb2_grpc.HealthStub(link.channel)
+        while True:
+            try:
+                async for status in stub.Watch(health_pb2.HealthCheckRequest(service="")):
+                    if status.status == health_pb2.HealthCheckResponse.NOT_SERVING and link.state.is_up:
+                        link.is_stopping = True
+                        self.core.drain(link.state)
+                        link.woken.set()
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(RECONNECT_SECONDS)
+
+    # ---- one executor -----------------------------------------------------------------------
     async def _run(self, link: ExecutorLink) -> None:
+        failures = 0
         while True:
             try:
                 await self._connect(link)
+                failures = 0
                 await self._step_loop(link)
             except (grpc.aio.AioRpcError, LoraplexError) as err:
-                log.warning("executor %s lost: %s", link.address, err)
+                failures += 1
+                if failures == 1:
+                    log.warning("executor %s unreachable: %s", link.address, err)
             link.close()
             if link.state.is_up:
                 self.core.on_executor_lost(link.state)
+            if link.is_leaving:
+                return self._forget(link)
             await asyncio.sleep(RECONNECT_SECONDS)
 
     async def _connect(self, link: ExecutorLink) -> None:
@@ -117,8 +183,10 @@ class Engine:
                  link.info.num_adapter_slots)
 
     async def _step_loop(self, link: ExecutorLink) -> None:
+        """Step until the executor is drained and leaving or stopping: closing the step stream then
+        lets a stopping executor exit at once. An operator's Drain keeps it listed, idle."""
         ex = link.state
-        while True:
+        while not (ex.is_drained and (link.is_leaving or link.is_stopping)):
             link.woken.clear()
             plan = self.core.schedule(ex)
             if not plan:
@@ -126,9 +194,10 @@ class Engine:
                 continue
             samples, seconds = await link.step(plan)
             self.core.on_step_done(ex, plan, samples, seconds)
+        log.info("executor %s drained", link.address)
 
     def _start_load(self, ex: ExecutorState, slot: Slot) -> None:
-        link = next(link for link in self.links if link.state is ex)
+        link = self.links[ex.address]
         self._spawn(self._load(link, ex, slot, slot.adapter))
 
     async def _load(self, link: ExecutorLink, ex: ExecutorState, slot: Slot, adapter: str) -> None:
@@ -143,7 +212,7 @@ class Engine:
             self.core.on_load_done(ex, slot, adapter, None, resp.num_bytes, resp.load_seconds)
 
     def _start_unload(self, ex: ExecutorState, slot: int, adapter: str) -> None:
-        link = next(link for link in self.links if link.state is ex)
+        link = self.links[ex.address]
         request = executor_pb2.UnloadAdapterRequest(slot=slot, adapter=adapter)
         self._spawn(self._unload(link, request))
 

@@ -175,7 +175,7 @@ def _executor_stats(ex) -> scheduler_pb2.ExecutorStats:
 
 
 async def serve(config: SchedulerConfig, ready_timeout: float = 300.0) -> None:
-    engine = Engine(config.executors, config.weights, config.limits)
+    engine = Engine(config.executors, config.weights, config.limits, config.discovery_interval_s)
     engine.start()
     # Tokenizer and model facts come from the executors: wait for the first one.
     await asyncio.wait_for(asyncio.shield(engine.first_info), ready_timeout)
