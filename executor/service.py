@@ -10,14 +10,15 @@ import pathlib
 import sys
 import time
 
-import grpc
 import torch
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from executor.adapter_loader import AdapterLoader
 from executor.config import ExecutorConfig
 from executor.lora import resolve_lora_backend
 from executor.runner import ModelRunner, Row, SamplingParams
 from loraplex.errors import FailedPrecondition, grpc_errors
+from loraplex.metrics import serve_metrics
 from loraplex.server import Service, run, run_until_signalled
 from protos import executor_pb2, executor_pb2_grpc
 
@@ -40,8 +41,23 @@ def build_runner(config: ExecutorConfig) -> tuple[ModelRunner, str]:
     return runner, tokenizer.read_text() if tokenizer.exists() else ""
 
 
+class ExecutorMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.step = Histogram("loraplex_executor_step_seconds", "Forward pass and sampling of one step.",
+                              buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+                              registry=r)
+        self.rows = Counter("loraplex_executor_tokens", "Tokens computed (prefill and decode rows).",
+                            registry=r)
+        self.loads = Counter("loraplex_executor_adapter_loads", "Adapters loaded into slots.", registry=r)
+        self.load = Histogram("loraplex_executor_adapter_load_seconds", "Fetch, parse and copy of one load.",
+                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=r)
+        self.load_bytes = Counter("loraplex_executor_adapter_load_bytes", "Adapter bytes fetched.", registry=r)
+
+
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     def __init__(self, config: ExecutorConfig, runner: ModelRunner, tokenizer_json: str):
+        self.metrics = ExecutorMetrics()
         self._config = config
         self._runner = runner
         self._tokenizer_json = tokenizer_json
@@ -85,6 +101,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             self._runner.add_sequence(new.seq_id, list(new.token_ids), sampling, new.slot)
         rows = [Row(r.seq_id, r.num_tokens, tuple(r.new_block_ids)) for r in req.rows]
         samples = self._runner.step(rows) if rows else []
+        self.metrics.step.observe(time.perf_counter() - start)
+        self.metrics.rows.inc(sum(r.num_tokens for r in rows))
         return executor_pb2.StepResponse(
             samples=[executor_pb2.SampledToken(seq_id=s.seq_id, token_id=s.token_id, logprob=s.logprob)
                      for s in samples],
@@ -93,6 +111,10 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     async def LoadAdapter(self, request, context):
         async with grpc_errors(context):
             result = await self._loader.load(request.name, request.version, request.slot)
+            if not result.was_resident:
+                self.metrics.loads.inc()
+                self.metrics.load.observe(result.load_seconds)
+                self.metrics.load_bytes.inc(result.num_bytes)
             return executor_pb2.LoadAdapterResponse(num_bytes=result.num_bytes,
                                                     load_seconds=result.load_seconds,
                                                     was_resident=result.was_resident)
@@ -110,6 +132,7 @@ async def serve(config: ExecutorConfig) -> None:
                       lambda server: executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server),
                       [executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name])
     port = await service.start()
+    serve_metrics(config.metrics_port, servicer.metrics.registry)
     await service.mark_serving()
     budget = runner.memory_budget()
     log.info("executor: model %s, weights %.1f MiB, KV %.1f MiB, adapter pool %.1f MiB",

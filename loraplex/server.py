@@ -21,11 +21,14 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# Clients spread calls over every address a name resolves to (dns:///stores.ns.svc:50052 with a
+# headless Service): gRPC's own resolver re-resolves, its round_robin policy balances.
+CLIENT_OPTIONS = CHANNEL_OPTIONS + [("grpc.lb_policy_name", "round_robin")]
 
 
 def insecure_channel(address: str) -> grpc.aio.Channel:
     """A client channel with the same message limits as our servers."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
 
 
 class Service:

@@ -116,6 +116,7 @@ class Scheduler:
         """Claim a slot of ex for `adapter` and start loading it there (caller checked can_place)."""
         now = self.clock()
         slot = ex.slots.place(adapter, ex.queue.demand, lambda a: ex.popularity.value(a, now))
+        ex.num_evictions += bool(slot.evicted)
         self._start_load(ex, slot)
         return slot
 

@@ -18,6 +18,7 @@ from scheduler.block_manager import BlockManager
 from scheduler.discovery import resolve
 from scheduler.core import ExecutorState, Limits, Sample, Scheduler, StepPlan
 from scheduler.fairness import FairnessWeights
+from scheduler.metrics import SchedulerMetrics
 from scheduler.slots import Slot, SlotTable
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class Engine:
                  discovery_interval_s: float = 5.0):
         self.links: dict[str, ExecutorLink] = {}
         self.core = Scheduler([], weights, limits, self._start_load, self._wake, self._start_unload)
+        self.metrics = SchedulerMetrics(self.core)
         self.first_info: asyncio.Future[executor_pb2.InfoResponse] = asyncio.get_running_loop().create_future()
         self._specs = executor_specs
         self._interval = discovery_interval_s
@@ -193,6 +195,7 @@ class Engine:
                 await link.woken.wait()
                 continue
             samples, seconds = await link.step(plan)
+            self.metrics.on_step(link.address, plan, seconds)
             self.core.on_step_done(ex, plan, samples, seconds)
         log.info("executor %s drained", link.address)
 
@@ -209,6 +212,8 @@ class Engine:
             error = from_rpc_error(err, f"loading adapter {adapter} on executor {link.address}")
             self.core.on_load_done(ex, slot, adapter, error)
         else:
+            if not resp.was_resident:
+                self.metrics.load.labels(link.address).observe(resp.load_seconds)
             self.core.on_load_done(ex, slot, adapter, None, resp.num_bytes, resp.load_seconds)
 
     def _start_unload(self, ex: ExecutorState, slot: int, adapter: str) -> None:

@@ -68,6 +68,7 @@ class ExecutorState:
     num_steps: int = 0
     num_loads: int = 0
     num_hits: int = 0
+    num_evictions: int = 0
 
     @property
     def is_drained(self) -> bool:

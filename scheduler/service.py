@@ -9,6 +9,7 @@ from tokenizers import Tokenizer
 
 from loraplex.errors import (InvalidArgument, PermissionDenied, Unauthenticated, Unavailable,
                              grpc_errors, status_for)
+from loraplex.metrics import serve_metrics
 from loraplex.server import Service, run, run_until_signalled
 from protos import scheduler_pb2, scheduler_pb2_grpc
 from scheduler import admin, validation
@@ -103,6 +104,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             adapter=req.adapter)
 
     def _count(self, req: Request) -> None:
+        self._engine.metrics.on_finish(req, self._engine.core.clock())
         totals = self.tenant_totals.setdefault(req.tenant, {"requests": 0, "prompt": 0, "completion": 0,
                                                             "loads": 0})
         totals["requests"] += 1
@@ -184,6 +186,7 @@ async def serve(config: SchedulerConfig, ready_timeout: float = 300.0) -> None:
                       lambda server: scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server),
                       [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name])
     port = await service.start()
+    serve_metrics(config.metrics_port, engine.metrics.registry)
     await service.mark_serving()
     print(f"scheduler listening on {config.address.rsplit(':', 1)[0]}:{port}", flush=True)
     await run_until_signalled(service, on_stop=engine.stop)

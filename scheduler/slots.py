@@ -33,6 +33,7 @@ class Slot:
     is_admin_pinned: bool = False  # pre-warmed with pin: never evicted until evicted by an operator
     reserved_for: str = ""  # adapter waiting for this slot to drain
     uses: int = 0  # sequences that pinned it since it became ready
+    evicted: str = ""  # the adapter its last placement replaced ("" if it was empty)
 
 
 class SlotTable:
@@ -57,6 +58,7 @@ class SlotTable:
         if slot is None:
             raise RuntimeError(f"no slot can take {adapter}: every slot is pinned, loading or wanted")
         self._by_adapter.pop(slot.adapter, None)
+        slot.evicted = slot.adapter
         slot.state, slot.adapter, slot.pins = SlotState.LOADING, adapter, 0
         slot.is_admin_pinned, slot.reserved_for = False, ""
         self._by_adapter[adapter] = slot

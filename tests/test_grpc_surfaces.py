@@ -1,23 +1,65 @@
-"""Standard gRPC surfaces on every service: server reflection (what `grpcurl list` uses) and
-health checking that reports SERVING once warm and NOT_SERVING while stopping."""
+"""Standard surfaces on every service: server reflection (what `grpcurl list` uses), health
+checking that reports SERVING once warm and NOT_SERVING while stopping, Prometheus metrics."""
 
 import asyncio
 import signal
+import socket
+import urllib.request
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from prometheus_client.parser import text_string_to_metric_families
+
+from loraplex import client
 from loraplex.launch import Fleet, start_service
 from loraplex.server import insecure_channel
+from protos import scheduler_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+METRICS = {"scheduler": free_port(), "executor": free_port()}
 
 
 @pytest.fixture(scope="module")
 def fleet(tiny, tmp_path_factory, log_dir):
     with Fleet(model=tiny["model_dir"], store_url=tmp_path_factory.mktemp("store").as_uri(),
-               log_dir=log_dir / "surfaces", executor_args=["--threads", "1"]) as fleet:
+               log_dir=log_dir / "surfaces",
+               executor_args=["--threads", "1", "--metrics-port", str(METRICS["executor"])],
+               scheduler_args=["--metrics-port", str(METRICS["scheduler"])]) as fleet:
         yield fleet
+
+
+def scrape(port: int) -> dict[str, float]:
+    """Sum of every sample of each metric name (labels folded)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+async def test_metrics_count_tokens_steps_loads_and_hits(fleet, tiny):
+    await client.push_adapter(fleet.stores[0], tiny["adapters"]["r4_attn"]["path"], "r4_attn")
+    async with insecure_channel(fleet.scheduler) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        for i in range(3):
+            await client.generate(stub, client.generate_request("r4_attn", f"metrics {i}", 5, ignore_eos=True))
+    s = scrape(METRICS["scheduler"])
+    assert s["loraplex_tokens_total"] >= 15 and s["loraplex_steps_total"] > 0
+    assert s["loraplex_adapter_loads_total"] >= 1 and s["loraplex_adapter_hits_total"] >= 2
+    assert s["loraplex_time_to_first_token_seconds_count"] == 3
+    assert "loraplex_tenant_virtual_counter" in s
+    e = scrape(METRICS["executor"])
+    assert e["loraplex_executor_adapter_loads_total"] >= 1 and e["loraplex_executor_tokens_total"] > 0
 
 
 async def list_services(address: str) -> set[str]:

@@ -1,0 +1,87 @@
+"""The scheduler's Prometheus metrics: request latencies and step shapes as histograms, and the
+core's counters (loads, hits, evictions, virtual counters) read from its state at scrape time."""
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from loraplex.metrics import BoundedLabel
+from scheduler.core import Scheduler
+from scheduler.request import Request
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class SchedulerMetrics:
+    def __init__(self, core: Scheduler, tenant_limit: int = 50):
+        self.registry = CollectorRegistry()
+        self.tenant = BoundedLabel(tenant_limit)
+        r = self.registry
+        self.ttft = Histogram("loraplex_time_to_first_token_seconds", "Arrival to first token.",
+                              ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("loraplex_time_per_output_token_seconds", "Mean time between output tokens.",
+                              ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("loraplex_queue_seconds", "Arrival to admission.", ["tenant"],
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.tokens = Counter("loraplex_tokens", "Tokens served.", ["tenant", "kind"], registry=r)
+        self.step = Histogram("loraplex_step_seconds", "Executor step time (forward + sampling).",
+                              ["executor"], buckets=LATENCY_BUCKETS, registry=r)
+        self.batch = Histogram("loraplex_step_rows", "Rows (sequences) per step.", ["executor"],
+                               buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.adapters = Histogram("loraplex_step_distinct_adapters", "Distinct adapters per step.",
+                                  ["executor"], buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+        self.load = Histogram("loraplex_adapter_load_seconds", "Adapter load time, request to slot ready.",
+                              ["executor"], buckets=LATENCY_BUCKETS, registry=r)
+        r.register(_CoreCollector(core, self.tenant))
+
+    def on_step(self, executor: str, plan, seconds: float) -> None:
+        self.step.labels(executor).observe(seconds)
+        self.batch.labels(executor).observe(len(plan.rows))
+        self.adapters.labels(executor).observe(len({seq.slot.index for seq, _, _ in plan.rows if seq.slot}))
+
+    def on_finish(self, req: Request, now: float) -> None:
+        tenant = self.tenant(req.tenant)
+        self.tokens.labels(tenant, "prompt").inc(len(req.prompt_ids))
+        self.tokens.labels(tenant, "completion").inc(req.output.num_tokens)
+        if req.admitted_at is not None:
+            self.queue.labels(tenant).observe(req.admitted_at - req.arrival)
+        if req.first_token_at is not None:
+            self.ttft.labels(tenant).observe(req.first_token_at - req.arrival)
+            if req.output.num_tokens > 1:
+                self.tpot.labels(tenant).observe((now - req.first_token_at) / (req.output.num_tokens - 1))
+
+
+class _CoreCollector:
+    """Reads the scheduler core's own counters when Prometheus scrapes."""
+
+    def __init__(self, core: Scheduler, tenant: BoundedLabel):
+        self._core, self._tenant = core, tenant
+
+    def collect(self):
+        per_executor = {
+            "loraplex_adapter_loads": ("Adapter loads completed.", "num_loads"),
+            "loraplex_adapter_hits": ("Admissions that found their adapter resident.", "num_hits"),
+            "loraplex_adapter_evictions": ("Adapters evicted to make room.", "num_evictions"),
+            "loraplex_steps": ("Steps run.", "num_steps"),
+        }
+        for name, (doc, attr) in per_executor.items():
+            family = CounterMetricFamily(name, doc, labels=["executor"])
+            for ex in self._core.executors:
+                family.add_metric([ex.address], getattr(ex, attr))
+            yield family
+        running = GaugeMetricFamily("loraplex_running_sequences", "Sequences running.", labels=["executor"])
+        queued = GaugeMetricFamily("loraplex_queued_requests", "Requests queued.", labels=["executor"])
+        free = GaugeMetricFamily("loraplex_free_kv_blocks", "Free KV blocks.", labels=["executor"])
+        for ex in self._core.executors:
+            running.add_metric([ex.address], len(ex.running))
+            queued.add_metric([ex.address], len(ex.queue))
+            free.add_metric([ex.address], ex.blocks.num_free)
+        yield from (running, queued, free)
+        counters = GaugeMetricFamily("loraplex_tenant_virtual_counter",
+                                     "Virtual-time counter of each tenant (token-equivalents).", labels=["tenant"])
+        by_label: dict[str, float] = {}
+        for tenant, value in self._core.fair.counters.items():
+            label = self._tenant(tenant)
+            by_label[label] = max(by_label.get(label, 0.0), value)
+        for label, value in sorted(by_label.items()):
+            counters.add_metric([label], value)
+        yield counters
