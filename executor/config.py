@@ -13,6 +13,7 @@ class ExecutorConfig:
     stores: tuple[str, ...]  # adapter store addresses, tried in order
     address: str = "127.0.0.1:0"
     metrics_port: int = 0  # Prometheus endpoint; 0 = off
+    grace_s: float = 30.0  # on SIGTERM: how long in-flight work may take to finish
     model_id: str = ""  # overrides the model's own identity (what adapters' base_model must say)
     num_kv_blocks: int = 512
     block_size: int = 16
@@ -52,6 +53,7 @@ class ExecutorConfig:
         p.add_argument("--address", default="127.0.0.1:0", help="host:port to listen on (port 0 = any)")
         p.add_argument("--model-id", default="", help="override the base model identity")
         p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = off)")
+        p.add_argument("--grace-s", type=float, default=30.0, help="on SIGTERM, time to finish in-flight work")
         p.add_argument("--kv-blocks", type=int, default=512, dest="num_kv_blocks")
         p.add_argument("--block-size", type=int, default=16)
         p.add_argument("--adapter-slots", type=int, default=8)
@@ -64,7 +66,7 @@ class ExecutorConfig:
         p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
         a = p.parse_args(argv)
         return cls(model=a.model, stores=tuple(a.store), address=a.address, model_id=a.model_id,
-                   metrics_port=a.metrics_port,
+                   metrics_port=a.metrics_port, grace_s=a.grace_s,
                    num_kv_blocks=a.num_kv_blocks, block_size=a.block_size,
                    adapter_slots=a.adapter_slots, max_rank=a.max_rank,
                    lora_backend=a.lora_backend, dtype=a.dtype, device=a.device, seed=a.seed,

@@ -139,7 +139,7 @@ async def serve(config: ExecutorConfig) -> None:
              runner.config.model_id, budget.weights_bytes / 2**20, budget.kv_cache_bytes / 2**20,
              budget.adapter_pool_bytes / 2**20)
     print(f"executor listening on {config.address.rsplit(':', 1)[0]}:{port}", flush=True)
-    await run_until_signalled(service)
+    await run_until_signalled(service, grace=config.grace_s)
 
 
 def main(argv: list[str] | None = None) -> None:

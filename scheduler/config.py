@@ -24,6 +24,7 @@ class SchedulerConfig:
     stores: tuple[str, ...]  # adapter store addresses (registry lookups), tried in order
     address: str = "127.0.0.1:0"
     metrics_port: int = 0  # Prometheus endpoint; 0 = off
+    grace_s: float = 30.0  # on SIGTERM: how long in-flight work may take to finish
     api_keys: dict[str, str] = field(default_factory=dict)  # api key -> tenant; empty = open access
     admin_keys: frozenset[str] = frozenset()  # keys for admin RPCs; empty = admin RPCs open
     rate_limits: dict[str, RateLimit] = field(default_factory=dict)  # per tenant
@@ -54,6 +55,7 @@ class SchedulerConfig:
         p.add_argument("--store", action="append", default=[], help="adapter store host:port (repeatable)")
         p.add_argument("--address", default="127.0.0.1:0", help="host:port to listen on (port 0 = any)")
         p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = off)")
+        p.add_argument("--grace-s", type=float, default=30.0, help="on SIGTERM, time to finish in-flight work")
         p.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT",
                        help="accept KEY for TENANT (repeatable); none = open access as tenant 'default'")
         p.add_argument("--api-key-file", default="", help="file of KEY=TENANT lines (keeps keys off the command line)")
@@ -73,7 +75,7 @@ class SchedulerConfig:
         weights = {t: float(w) for t, w in _pairs(a.tenant_weight, "--tenant-weight").items()}
         rates = {t: RateLimit.parse(r) for t, r in _pairs(a.rate_limit, "--rate-limit").items()}
         return cls(executors=tuple(a.executor), stores=tuple(a.store), address=a.address,
-                   discovery_interval_s=a.discovery_interval_s, metrics_port=a.metrics_port,
+                   discovery_interval_s=a.discovery_interval_s, metrics_port=a.metrics_port, grace_s=a.grace_s,
                    api_keys=_pairs(a.api_key, "--api-key"), admin_keys=frozenset(a.admin_key),
                    rate_limits=rates, default_rate_limit=RateLimit.parse(a.default_rate_limit),
                    weights=FairnessWeights(load_weight=a.load_weight, tenant_weights=weights),

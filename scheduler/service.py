@@ -189,7 +189,7 @@ async def serve(config: SchedulerConfig, ready_timeout: float = 300.0) -> None:
     serve_metrics(config.metrics_port, engine.metrics.registry)
     await service.mark_serving()
     print(f"scheduler listening on {config.address.rsplit(':', 1)[0]}:{port}", flush=True)
-    await run_until_signalled(service, on_stop=engine.stop)
+    await run_until_signalled(service, on_stop=engine.stop, grace=config.grace_s)
 
 
 def main(argv: list[str] | None = None) -> None:
