@@ -157,9 +157,14 @@ class AdapterLoader:
                 except AdapterError as err:
                     raise InvalidArgument(f"adapter {key}: {err}") from None
                 parsed = time.perf_counter()
+                # Empty while the copy runs. Reported once the load ends (below, or on failure):
+                # a report now would put its RPC and lease write beside the copy, for nothing.
                 self.slot_adapters[slot] = ""
-                self._residency_changed()
-                await asyncio.to_thread(self._copy_into_slot, slot, weights)
+                try:
+                    await asyncio.to_thread(self._copy_into_slot, slot, weights)
+                except BaseException:
+                    self._residency_changed()
+                    raise
                 del weights  # views into the staging buffer
             finally:
                 self._staging.release(staging)

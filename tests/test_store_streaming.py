@@ -1,0 +1,152 @@
+"""Streaming a cold adapter through the store while it is still being read: parts go out as they
+arrive, the last part of a read waits for its sha256 check, a read that fails the check is
+followed by RESTART and a good read, and the loader ends up with exactly the right weights
+(also when its staging buffers are reused by adapters of other sizes)."""
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+
+import pytest
+import safetensors.torch
+import torch
+
+from adapter_store.blobs import open_blob_store
+from adapter_store.service import start_store
+from executor.adapter_loader import AdapterLoader, StagingBuffers
+from executor.peft_adapter import parse_peft_adapter
+from executor.runner import ModelRunner
+from loraplex.fixtures import MODEL_ID
+from loraplex.server import insecure_channel
+from protos import adapter_store_pb2 as pb
+from protos import adapter_store_pb2_grpc
+from tests.test_adapter_store import (CountingBlobStore, Store, file_config, in_session_loop,
+                                      lora_config, lora_tensors)
+
+PART = 64 * 1024
+CONFIG_JSON = lora_config(rank=64, base_model_name_or_path=MODEL_ID)
+BIG = safetensors.torch.save(lora_tensors(rank=64, num_layers=4, seed=21))  # ~0.9 MB, 15 parts
+SMALL_CONFIG_JSON = lora_config(rank=4, base_model_name_or_path=MODEL_ID)
+SMALL = safetensors.torch.save(lora_tensors(rank=4, num_layers=4, seed=22))
+
+
+class PartedBlobStore(CountingBlobStore):
+    """Hands an object on in PART-sized pieces; the first `num_bad_reads` reads have one flipped
+    bit in their first part; a read waits at part `hold_at` until `release` is set."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.num_bad_reads = 0
+        self.hold_at = -1
+        self.release = asyncio.Event()
+        self.num_parts_read = 0
+
+    async def iter_parts(self, key):
+        self.num_gets[key] += 1
+        data = await self.inner.get(key)
+        is_bad = self.num_bad_reads > 0
+        self.num_bad_reads -= 1
+        for index, offset in enumerate(range(0, len(data), PART)):
+            if index == self.hold_at:
+                await self.release.wait()
+            part = bytearray(data[offset:offset + PART])
+            if is_bad and index == 0:
+                part[100] ^= 0x01
+            self.num_parts_read += 1
+            yield bytes(part)
+
+
+class PartedStore(Store):
+    async def start(self) -> "PartedStore":
+        self.blobs = PartedBlobStore(await open_blob_store(self.config))
+        self.running = await start_store(self.config, blobs=self.blobs)
+        self.channel = insecure_channel(self.running.address)
+        self.stub = adapter_store_pb2_grpc.AdapterStoreStub(self.channel)
+        return self
+
+
+@pytest.fixture
+async def store(tmp_path):
+    config = dataclasses.replace(file_config(tmp_path), chunk_bytes=PART, host_cache_bytes=0)
+    store = await PartedStore(config).start()
+    await store.push("big", CONFIG_JSON, BIG, chunk=256 * 1024)
+    await store.push("small", SMALL_CONFIG_JSON, SMALL)
+    yield store
+    await store.stop()
+
+
+@pytest.fixture(scope="module")
+def runner(tiny):
+    return ModelRunner.from_pretrained(tiny["model_dir"], num_kv_blocks=8, block_size=8,
+                                       num_slots=2, max_rank=64)
+
+
+async def payloads(store: PartedStore, name: str):
+    """(kind, value) of every Fetch message."""
+    async for msg in store.stub.Fetch(pb.FetchRequest(name=name, version=1)):
+        kind = msg.WhichOneof("payload")
+        yield kind, getattr(msg, kind)
+
+
+@in_session_loop
+async def test_cold_fetch_streams_before_the_read_ends_and_holds_the_last_part(store):
+    store.blobs.hold_at = 5
+    received = []
+    try:
+        with contextlib.suppress(asyncio.TimeoutError):
+            async with asyncio.timeout(1.0):
+                async for kind, value in payloads(store, "big"):
+                    received.append((kind, value))
+    finally:
+        store.blobs.release.set()  # the read goes on; the next Fetch joins it from its start
+    # info, then parts 0..3: part 4 is the newest read and waits for part 5 (or the check)
+    assert [k for k, _ in received] == ["info"] + ["chunk"] * 4
+    assert b"".join(v for _, v in received[1:]) == BIG[:4 * PART]
+    assert b"".join([v async for k, v in payloads(store, "big") if k == "chunk"]) == BIG
+
+
+@in_session_loop
+async def test_a_read_that_fails_its_check_is_restarted_with_a_good_one(store):
+    store.blobs.num_bad_reads = 1
+    messages = [(k, v) async for k, v in payloads(store, "big")]
+    kinds = [k for k, _ in messages]
+    restart = kinds.index("restart")
+    assert kinds[0] == "info" and kinds.count("restart") == 1
+    before = b"".join(v for _, v in messages[1:restart])
+    assert len(before) < len(BIG) and before != BIG[:len(before)]  # bad bytes, never the end
+    assert b"".join(v for _, v in messages[restart + 1:]) == BIG
+    stats = await store.stub.Stats(pb.StoreStatsRequest())
+    assert (stats.blob_reads, stats.checksum_failures) == (2, 1)
+
+
+@in_session_loop
+async def test_loader_gets_the_right_weights_after_a_restart_and_with_reused_staging(store,
+                                                                                      runner):
+    loader = AdapterLoader(runner, (store.running.address,), holder="test-stream")
+    expected = {name: parse_peft_adapter(json.loads(cfg), data, runner.config, max_rank=64)
+                for name, cfg, data in [("big", CONFIG_JSON, BIG), ("small", SMALL_CONFIG_JSON,
+                                                                     SMALL)]}
+    try:
+        store.blobs.num_bad_reads = 1
+        for name, slot in [("big", 0), ("small", 1), ("small", 0), ("big", 1), ("big", 0)]:
+            await loader.unload(slot)
+            result = await loader.load(name, 1, slot)
+            assert result.num_bytes == len(BIG if name == "big" else SMALL)
+            for (layer, module), weights in expected[name].modules.items():
+                r = weights.a.shape[0]
+                assert torch.equal(runner.pool.a[module][layer, slot, :r], weights.a)
+                assert torch.equal(runner.pool.b[module][layer, slot, :, :r], weights.b)
+    finally:
+        for slot in (0, 1):
+            await loader.unload(slot)
+
+
+def test_staging_buffers_reuse_the_smallest_fitting_and_keep_the_largest():
+    staging = StagingBuffers(pin_memory=False)
+    buffers = [staging.take(n) for n in (100, 300, 200)]
+    for buffer in buffers:
+        staging.release(buffer)
+    again = staging.take(150)
+    assert again is buffers[2]  # 200 fits best; 100 was dropped (two kept)
+    assert staging.take(250) is buffers[1] and staging.take(50).numel() == 50
