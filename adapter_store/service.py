@@ -266,7 +266,8 @@ async def start_store(config: StoreConfig, blobs: BlobStore | None = None) -> Ru
         servicer = AdapterStoreServicer(config, registry, cache, LeaseBook(blobs))
         service = server.Service(
             "adapter_store", config.address,
-            lambda s: adapter_store_pb2_grpc.add_AdapterStoreServicer_to_server(servicer, s))
+            lambda s: adapter_store_pb2_grpc.add_AdapterStoreServicer_to_server(servicer, s),
+            [pb.DESCRIPTOR.services_by_name["AdapterStore"].full_name])
         await service.start()
     except BaseException:
         await blobs.close()
