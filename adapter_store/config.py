@@ -52,6 +52,10 @@ class StoreConfig:
     chunk_bytes: int = 1 * MIB
     # host:port the gRPC server binds; port 0 = any free port.
     address: str = "127.0.0.1:0"
+    # Prometheus /metrics port; 0 = off.
+    metrics_port: int = 0
+    # On SIGTERM: how long in-flight RPCs may take to finish.
+    grace_s: float = 30.0
     # S3 reads: objects larger than one part are read as parallel ranged GETs.
     s3_part_bytes: int = 8 * MIB
     s3_max_concurrency: int = 8
@@ -157,6 +161,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-cache-mb", type=int, help="warm host-RAM tier size in MiB")
     parser.add_argument("--chunk-bytes", type=int, help="Fetch chunk size in bytes (default 1 MiB)")
     parser.add_argument("--max-rank", type=int, help="largest LoRA rank a push may register")
+    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = off)")
+    parser.add_argument("--grace-s", type=float, default=30.0, help="on SIGTERM, time to finish in-flight RPCs")
     parser.add_argument("--require-base-model", action="store_true", default=None,
                         help="refuse adapters whose base model config.json is not registered")
 
@@ -169,6 +175,7 @@ def config_from_args(args: argparse.Namespace,
         chunk_bytes=args.chunk_bytes, max_rank=args.max_rank,
         require_base_model=args.require_base_model,
         host_cache_bytes=None if args.host_cache_mb is None else args.host_cache_mb * MIB)
+    config = dataclasses.replace(config, metrics_port=args.metrics_port, grace_s=args.grace_s)
     if args.port is not None:
         host = config.address.rsplit(":", 1)[0]
         config = dataclasses.replace(config, address=f"{host}:{args.port}")

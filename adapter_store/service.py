@@ -19,11 +19,13 @@ from adapter_store.blobs import BlobStore, open_blob_store
 from adapter_store.config import StoreConfig, parse_args
 from adapter_store.host_cache import RESTART, HostCache
 from adapter_store.leases import LeaseBook
+from adapter_store.metrics import store_registry
 from adapter_store.records import AdapterRecord, VersionMeta, check_alias, check_name
 from adapter_store.registry import Registry
 from adapter_store.validation import WEIGHTS_FILENAME, check_weights_file
 from loraplex import server
 from loraplex.errors import DataLoss, InvalidArgument, grpc_errors
+from loraplex.metrics import serve_metrics
 from protos import adapter_store_pb2 as pb
 from protos import adapter_store_pb2_grpc, common_pb2
 
@@ -279,9 +281,10 @@ async def start_store(config: StoreConfig, blobs: BlobStore | None = None) -> Ru
 async def serve(config: StoreConfig) -> None:
     """Serve until SIGTERM/SIGINT, then drain in-flight RPCs and close the blob store."""
     store = await start_store(config)
+    serve_metrics(config.metrics_port, store_registry(store.cache))
     print(f"adapter_store listening on {store.address}", flush=True)
     try:
-        await server.run_until_signalled(store.service)
+        await server.run_until_signalled(store.service, grace=config.grace_s)
     finally:
         await store.blobs.close()
 

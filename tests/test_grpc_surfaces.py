@@ -25,7 +25,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-METRICS = {"scheduler": free_port(), "executor": free_port()}
+METRICS = {"scheduler": free_port(), "executor": free_port(), "store": free_port()}
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,8 @@ def fleet(tiny, tmp_path_factory, log_dir):
     with Fleet(model=tiny["model_dir"], store_url=tmp_path_factory.mktemp("store").as_uri(),
                log_dir=log_dir / "surfaces",
                executor_args=["--threads", "1", "--metrics-port", str(METRICS["executor"])],
-               scheduler_args=["--metrics-port", str(METRICS["scheduler"])]) as fleet:
+               scheduler_args=["--metrics-port", str(METRICS["scheduler"])],
+               store_args=["--metrics-port", str(METRICS["store"])]) as fleet:
         yield fleet
 
 
@@ -60,6 +61,9 @@ async def test_metrics_count_tokens_steps_loads_and_hits(fleet, tiny):
     assert "loraplex_tenant_virtual_counter" in s
     e = scrape(METRICS["executor"])
     assert e["loraplex_executor_adapter_loads_total"] >= 1 and e["loraplex_executor_tokens_total"] > 0
+    st = scrape(METRICS["store"])
+    assert st["loraplex_store_host_tier_hits_total"] + st["loraplex_store_host_tier_misses_total"] >= 1
+    assert st["loraplex_store_blob_read_bytes_total"] > 0
 
 
 async def list_services(address: str) -> set[str]:
