@@ -13,7 +13,6 @@ import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 
-
 from adapter_store.base_models import BaseModel
 from adapter_store.blobs import BlobStore, open_blob_store
 from adapter_store.config import StoreConfig, parse_args
