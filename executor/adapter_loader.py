@@ -239,6 +239,14 @@ class AdapterLoader:
                 self._staging.release(staging)
             raise
 
+    async def close(self) -> None:
+        """Stop the background residency reports."""
+        if self._reporter is not None:
+            self._reporter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reporter
+            self._reporter = None
+
     # ----- residency reports -----
 
     def _residency_changed(self) -> None:

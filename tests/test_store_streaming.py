@@ -140,6 +140,7 @@ async def test_loader_gets_the_right_weights_after_a_restart_and_with_reused_sta
     finally:
         for slot in (0, 1):
             await loader.unload(slot)
+        await loader.close()
 
 
 def test_staging_buffers_reuse_the_smallest_fitting_and_keep_the_largest():
