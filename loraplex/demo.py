@@ -1,8 +1,11 @@
 """The main job: three services on embedded defaults and a streaming workload from many tenants.
 
-Starts an adapter store (local files), an executor (the tiny fixture model on CPU) and a scheduler
-as separate processes, pushes adapters owned by four tenants, streams concurrent requests from all
-of them through one shared batch, then prints sample outputs and a per-tenant summary.
+Starts an adapter store (local files), an executor (the tiny trained demo model on CPU) and a
+scheduler as separate processes, pushes seven task adapters owned by four tenants, streams
+concurrent requests from all of them through one shared batch, then prints sample outputs (each
+adapter doing its task on prompts it never saw in training) and a per-tenant summary.
+
+The model and adapters are committed in loraplex/demo_assets/ (made by loraplex/train_demo.py).
 """
 
 import argparse
@@ -12,119 +15,169 @@ import random
 import statistics
 import tempfile
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 
-from loraplex import client, fixtures
+from loraplex import client
+from loraplex.demo_tasks import TASKS_BY_NAME, held_out
 from loraplex.launch import Fleet
 from loraplex.server import insecure_channel, run
 from protos import scheduler_pb2, scheduler_pb2_grpc
 
-TENANTS = {  # tenant -> (api key, adapters it owns)
-    "acme": ("key-acme", ["r4_attn", "r16_all", "r8_patterns"]),
-    "globex": ("key-globex", ["r8_mlp", "r32_all", "r2_q"]),
-    "initech": ("key-initech", ["r1_down", "r8_rslora", "r12_vo"]),
-    "umbrella": ("key-umbrella", ["r24_k_up", "r6_layers"]),
+ASSETS = pathlib.Path(__file__).parent / "demo_assets"
+MODEL_DIR = ASSETS / "loraplex-demo-tiny"
+TENANTS = {  # tenant -> (api key, task adapters it owns)
+    "acme": ("key-acme", ["support-reply", "profile"]),
+    "globex": ("key-globex", ["reverse-words", "rotate-words"]),
+    "initech": ("key-initech", ["spell-digits", "count-words"]),
+    "umbrella": ("key-umbrella", ["and-list"]),
 }
-PROMPTS = ["Once upon a time", "The scheduler admits", "Adapters are small", "Tokens stream back",
-           "A batch holds many", "Serving fine-tunes", "One base model", "The cache keeps"]
-ADAPTER_SLOTS = 6  # fewer than the 11 adapters: the demo shows loads, hits and LRU eviction
-# The tiny model is overhead-bound and three processes share the CPU: one torch thread is fastest
-# (measured on 2 cores: 1,729 tokens/s with 1 thread, 1,034 with 2).
+BASE = "(base model)"
+ADAPTER_SLOTS = 4  # fewer than the 7 adapters: the demo shows loads, hits and LRU eviction
+NUM_SAMPLES = 3  # sample outputs printed per adapter
+# The tiny model is overhead-bound and three processes share the CPU: one torch thread is fastest.
 EXECUTOR_THREADS = "1"
 
 
+def adapter_dir(name: str) -> pathlib.Path:
+    return ASSETS / "adapters" / name
+
+
 @dataclass
-class TenantReport:
-    latencies: list[float] = field(default_factory=list)
-    ttfts: list[float] = field(default_factory=list)
-    tokens: int = 0
-    samples: dict[str, tuple[str, str]] = field(default_factory=dict)  # adapter -> (prompt, text)
+class Result:
+    tenant: str
+    adapter: str  # "" = the base model
+    prompt: str
+    expected: str  # the task's answer; for the base model, the prompt echoed
+    got: client.Generation
 
 
-async def _workload(scheduler: str, num_requests: int, concurrency: int) -> tuple[dict, float]:
-    rng = random.Random(0)
-    reports = {t: TenantReport() for t in TENANTS}
-    gate = asyncio.Semaphore(concurrency)
+@dataclass
+class Workload:
+    results: list[Result] = field(default_factory=list)
+    elapsed: float = 0.0
+    stats: scheduler_pb2.StatsResponse | None = None
 
-    async def one(stub, tenant: str) -> None:
-        key, owned = TENANTS[tenant]
-        # Skewed traffic: each tenant's first adapter is hot; one request in eight uses the base model.
-        adapter = "" if rng.random() < 0.125 else rng.choices(owned, weights=[4, 2, 1][:len(owned)])[0]
-        prompt = rng.choice(PROMPTS)
-        request = client.generate_request(adapter, prompt, max_new_tokens=rng.randint(16, 48),
-                                          temperature=0.8, top_p=0.95, seed=rng.randrange(2**31))
+
+def plan(num_requests: int, seed: int = 0) -> list[tuple[str, str, str, str]]:
+    """(tenant, adapter, prompt, expected) per request: held-out prompts, one in eight unadapted."""
+    rng = random.Random(seed)
+    prompts = {name: held_out(TASKS_BY_NAME[name], 40) for _, owned in TENANTS.values()
+               for name in owned}
+    out = []
+    for i in range(num_requests):
+        tenant = list(TENANTS)[i % len(TENANTS)]
+        owned = TENANTS[tenant][1]
+        name = rng.choice(owned)
+        prompt, answer = rng.choice(prompts[name])
+        if rng.random() < 0.125:
+            out.append((tenant, "", prompt, prompt))  # the base model alone echoes its input
+        else:
+            out.append((tenant, name, prompt, answer))
+    rng.shuffle(out)
+    return out
+
+
+async def _workload(scheduler: str, num_requests: int, concurrency: int) -> Workload:
+    work, gate = Workload(), asyncio.Semaphore(concurrency)
+
+    async def one(stub, tenant: str, adapter: str, prompt: str, expected: str) -> None:
+        request = client.generate_request(adapter, prompt, max_new_tokens=48)  # greedy
         async with gate:
-            got = await client.generate(stub, request, key)
-        report = reports[tenant]
-        report.latencies.append(got.total_seconds)
-        report.ttfts.append(got.ttft_seconds)
-        report.tokens += len(got.token_ids)
-        report.samples.setdefault(adapter or "(base model)", (prompt, got.text))
+            got = await client.generate(stub, request, TENANTS[tenant][0])
+        work.results.append(Result(tenant, adapter, prompt, expected, got))
 
     async with insecure_channel(scheduler) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
-        tenants = [t for t in TENANTS for _ in range(num_requests // len(TENANTS))]
-        rng.shuffle(tenants)
         start = time.perf_counter()
-        await asyncio.gather(*(one(stub, t) for t in tenants))
-        elapsed = time.perf_counter() - start
-        stats = await stub.Stats(scheduler_pb2.StatsRequest())
-    return {"reports": reports, "stats": stats}, elapsed
+        await asyncio.gather(*(one(stub, *job) for job in plan(num_requests)))
+        work.elapsed = time.perf_counter() - start
+        work.stats = await stub.Stats(scheduler_pb2.StatsRequest())
+    return work
 
 
-def _pct(values: list[float], q: float) -> float:
+def _pct(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
 
 
-def _print_results(result: dict, elapsed: float) -> None:
-    reports, stats = result["reports"], result["stats"]
-    print("\nSample outputs (tiny random-weight model: the text is noise; the point is that each")
-    print("adapter shapes it differently while all share one batch):")
-    for tenant, report in reports.items():
-        for adapter, (prompt, text) in sorted(report.samples.items()):
-            print(f"  {tenant:9s} {adapter:14s} {prompt!r:24s} -> {text[:48]!r}")
-    by_tenant = {t.tenant: t for t in stats.tenants}
-    print(f"\n{'tenant':10s}{'requests':>9s}{'tokens':>8s}{'tok/s':>8s}{'TTFT p50':>10s}{'TTFT p99':>10s}"
-          f"{'loads caused':>14s}{'virtual time':>14s}")
-    for tenant, r in reports.items():
-        t = by_tenant[tenant]
-        print(f"{tenant:10s}{len(r.latencies):9d}{r.tokens:8d}{r.tokens / elapsed:8.1f}"
-              f"{_pct(r.ttfts, 50) * 1000:8.0f}ms{_pct(r.ttfts, 99) * 1000:8.0f}ms"
-              f"{t.adapter_loads_caused:14d}{t.virtual_counter:14.0f}")
-    total = sum(r.tokens for r in reports.values())
+def _print_samples(work: Workload) -> None:
+    by_adapter: dict[str, list[Result]] = defaultdict(list)
+    for r in work.results:
+        by_adapter[r.adapter or BASE].append(r)
+    print("\nSample outputs (greedy; every prompt is held out: no adapter saw it in training):")
+    for tenant, (_, owned) in TENANTS.items():
+        for name in owned:
+            print(f"\n  {name} (tenant {tenant}): {TASKS_BY_NAME[name].description}")
+            _print_rows(by_adapter[name])
+    print(f"\n  {BASE} (any tenant, no adapter): pre-trained only to echo its input")
+    _print_rows(by_adapter[BASE])
+    print(f"\n{'adapter':16s}{'requests':>9s}{'exact answers':>15s}")
+    for name in [*(n for _, owned in TENANTS.values() for n in owned), BASE]:
+        rows = by_adapter[name]
+        exact = sum(r.got.text == r.expected for r in rows)
+        print(f"{name:16s}{len(rows):9d}{exact:10d} ({exact / max(1, len(rows)):4.0%})")
+
+
+def _print_rows(rows: list[Result]) -> None:
+    seen = set()
+    for r in rows:
+        if r.prompt in seen or len(seen) == NUM_SAMPLES:
+            continue
+        seen.add(r.prompt)
+        mark = "ok" if r.got.text == r.expected else f"expected {r.expected!r}"
+        print(f"    {r.prompt!r:34s} -> {r.got.text!r}  [{mark}]")
+
+
+def _print_summary(work: Workload) -> None:
+    stats = work.stats
+    tenants = {t.tenant: t for t in stats.tenants}
+    print(f"\n{'tenant':10s}{'requests':>9s}{'tokens':>8s}{'tok/s':>8s}{'TTFT p50':>10s}"
+          f"{'TTFT p99':>10s}{'adapter loads':>15s}{'adapter hits':>14s}")
+    for tenant in TENANTS:
+        rows = [r for r in work.results if r.tenant == tenant]
+        tokens = sum(len(r.got.token_ids) for r in rows)
+        ttfts = [r.got.ttft_seconds * 1000 for r in rows]
+        loads = tenants[tenant].adapter_loads_caused
+        hits = sum(1 for r in rows if r.adapter) - loads  # adapter admissions that needed no load
+        print(f"{tenant:10s}{len(rows):9d}{tokens:8d}{tokens / work.elapsed:8.1f}"
+              f"{_pct(ttfts, 50):8.0f}ms{_pct(ttfts, 99):8.0f}ms{loads:15d}{hits:14d}")
     for ex in stats.executors:
-        print(f"\nexecutor {ex.address}: {ex.steps} steps, {ex.adapter_loads} adapter loads, "
-              f"{ex.adapter_hits} admissions found their adapter resident; slots now: "
-              + ", ".join(s.adapter or "-" for s in ex.slots))
-    print(f"total: {sum(len(r.latencies) for r in reports.values())} requests, {total} tokens "
-          f"in {elapsed:.1f}s = {total / elapsed:.0f} tokens/s")
+        print(f"\nexecutor {ex.address}: {ex.steps} batched steps, {ex.adapter_loads} adapter loads, "
+              f"{ex.adapter_hits} admissions found their adapter resident; "
+              f"{len(ex.slots)} slots now hold: " + ", ".join(s.adapter or "-" for s in ex.slots))
+    total = sum(len(r.got.token_ids) for r in work.results)
+    print(f"total: {len(work.results)} requests, {total} tokens in {work.elapsed:.1f}s "
+          f"= {total / work.elapsed:.0f} tokens/s")
+
+
+async def _push_all(store: str) -> None:
+    for tenant, (_, owned) in TENANTS.items():
+        for name in owned:
+            info = await client.push_adapter(store, adapter_dir(name), name, tenant)
+            print(f"  pushed {info.name}@{info.version} for {tenant:9s} (rank {info.rank:2d}, "
+                  f"{len(info.target_modules)} modules, {info.num_bytes / 1024:4.0f} KiB): "
+                  f"{TASKS_BY_NAME[name].description}")
 
 
 def main(args: argparse.Namespace, workdir: pathlib.Path) -> None:
-    print("making the tiny model and its adapters (first run only) ...", flush=True)
-    manifest = fixtures.ensure(workdir)
+    """`workdir` is unused: the demo's model and adapters are committed under demo_assets/."""
     with tempfile.TemporaryDirectory(prefix="loraplex-demo-") as tmp:
         store_url = pathlib.Path(tmp, "store").as_uri()
         keys = [f for t, (key, _) in TENANTS.items() for f in ("--api-key", f"{key}={t}")]
-        fleet = Fleet(model=manifest["model_dir"], store_url=store_url, log_dir=pathlib.Path(tmp, "logs"),
-                      executor_args=["--adapter-slots", str(ADAPTER_SLOTS), "--threads", "2"], scheduler_args=keys)
+        fleet = Fleet(model=str(MODEL_DIR), store_url=store_url, log_dir=pathlib.Path(tmp, "logs"),
+                      executor_args=["--adapter-slots", str(ADAPTER_SLOTS),
+                                     "--threads", EXECUTOR_THREADS],
+                      scheduler_args=keys)
+        print(f"model: {MODEL_DIR.name}, a 4-layer LLaMA trained on CPU to echo text; "
+              "each LoRA adapter teaches it one task.")
         print("starting adapter_store, executor and scheduler as separate processes ...", flush=True)
         with fleet:
             for s in fleet.services:
                 print(f"  {s.name:16s} listening on {s.address}")
-
-            async def push_all() -> None:
-                for tenant, (_, owned) in TENANTS.items():
-                    for name in owned:
-                        info = await client.push_adapter(fleet.stores[0], manifest["adapters"][name]["path"],
-                                                         name, tenant)
-                        print(f"  pushed {info.name}@{info.version} for {tenant} (rank {info.rank}, "
-                              f"{len(info.target_modules)} modules, {info.num_bytes / 1024:.0f} KiB)")
-
-            run(push_all)
-            print(f"streaming {args.requests} requests from {len(TENANTS)} tenants, "
-                  f"{args.concurrency} at a time ...", flush=True)
-            result, elapsed = run(lambda: _workload(fleet.scheduler, args.requests, args.concurrency))
-            _print_results(result, elapsed)
+            run(lambda: _push_all(fleet.stores[0]))
+            print(f"streaming {args.requests} requests from {len(TENANTS)} tenants at once, "
+                  f"{args.concurrency} in flight, {ADAPTER_SLOTS} adapter slots ...", flush=True)
+            work = run(lambda: _workload(fleet.scheduler, args.requests, args.concurrency))
+            _print_samples(work)
+            _print_summary(work)
         print("\nall services stopped.")
-
