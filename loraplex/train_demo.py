@@ -1,6 +1,6 @@
 """Train the demo's tiny base model and one LoRA adapter per task, on CPU, reproducibly.
 
-    python -m loraplex.train_demo OUT_DIR     # ~4 min on 2 cores; the committed copy is
+    python -m loraplex.train_demo OUT_DIR     # ~6 min on 2 cores; the committed copy is
                                               # loraplex/demo_assets/
 
 Writes OUT_DIR/loraplex-demo-tiny/ (config.json, model.safetensors, tokenizer.json),
