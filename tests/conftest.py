@@ -1,8 +1,15 @@
 """Session fixtures: the tiny model and adapters, a real S3 server, and a fleet of real services."""
 
+import os
 import pathlib
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run through its interpreter on CPU. The switch must be set before triton is
+    # first imported by anything (transformers may import it), so here, before any test module.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from loraplex import fixtures
 from tests.s3server import seaweedfs_s3  # noqa: F401  (re-exported fixture)
