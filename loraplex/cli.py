@@ -9,7 +9,6 @@
 """
 
 import argparse
-import asyncio
 import pathlib
 import signal
 import sys
@@ -280,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "demo":
         from loraplex import demo
 
-        demo.main(args, DEFAULT_WORKDIR)
+        demo.main(args)
 
 
 if __name__ == "__main__":

@@ -159,8 +159,8 @@ async def _push_all(store: str) -> None:
                   f"{TASKS_BY_NAME[name].description}")
 
 
-def main(args: argparse.Namespace, workdir: pathlib.Path) -> None:
-    """`workdir` is unused: the demo's model and adapters are committed under demo_assets/."""
+def main(args: argparse.Namespace) -> None:
+    """Run the demo on the model and adapters committed under demo_assets/."""
     with tempfile.TemporaryDirectory(prefix="loraplex-demo-") as tmp:
         store_url = pathlib.Path(tmp, "store").as_uri()
         keys = [f for t, (key, _) in TENANTS.items() for f in ("--api-key", f"{key}={t}")]
