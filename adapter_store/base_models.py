@@ -25,6 +25,17 @@ _MODEL_ID_RE = re.compile(rf"^{_PART}(/{_PART}){{0,3}}$")
 _FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}
 
 
+def load_json_object(text: str, what: str) -> dict:
+    """`text` parsed as a JSON object; INVALID_ARGUMENT prefixed with `what` otherwise."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"{what}: not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise InvalidArgument(f"{what}: must be a JSON object")
+    return raw
+
+
 @dataclasses.dataclass(frozen=True)
 class BaseModel:
     """A registered base model: (in, out) features of each LoRA target projection."""
@@ -43,12 +54,7 @@ class BaseModel:
         def invalid(message: str) -> InvalidArgument:
             return InvalidArgument(f"base model {model_id!r} config.json: {message}")
 
-        try:
-            raw = json.loads(config_json)
-        except json.JSONDecodeError as exc:
-            raise invalid(f"not valid JSON: {exc}") from None
-        if not isinstance(raw, dict):
-            raise invalid("must be a JSON object")
+        raw = load_json_object(config_json, f"base model {model_id!r} config.json")
         if raw.get("model_type") not in _FAMILIES:
             raise invalid(f"model_type {raw.get('model_type')!r} is not a LLaMA-family model "
                           f"({', '.join(sorted(_FAMILIES))})")

@@ -9,7 +9,6 @@ Prints "adapter_store listening on HOST:PORT" on stdout once it serves; stops on
 import contextlib
 import dataclasses
 import logging
-import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -281,7 +280,7 @@ async def serve(config: StoreConfig) -> None:
     """Serve until SIGTERM/SIGINT, then drain in-flight RPCs and close the blob store."""
     store = await start_store(config)
     serve_metrics(config.metrics_port, store_registry(store.cache))
-    print(f"adapter_store listening on {store.address}", flush=True)
+    server.announce("adapter_store", store.address)
     try:
         await server.run_until_signalled(store.service, grace=config.grace_s)
     finally:
@@ -289,8 +288,7 @@ async def serve(config: StoreConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server.configure_logging("adapter_store")
     config = parse_args(argv)
     server.run(lambda: serve(config))
 

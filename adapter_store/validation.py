@@ -11,7 +11,6 @@ tensor or field at fault.
 
 import dataclasses
 import hashlib
-import json
 import math
 import re
 
@@ -19,7 +18,7 @@ import safetensors.torch
 import torch
 from safetensors import SafetensorError
 
-from adapter_store.base_models import BaseModel
+from adapter_store.base_models import BaseModel, load_json_object
 from adapter_store.safetensors_header import FILE, TensorEntry, parse_header
 from loraplex.errors import FailedPrecondition, InvalidArgument
 
@@ -142,12 +141,7 @@ def parse_config(config_json: str) -> LoraConfig:
     def invalid(message: str) -> InvalidArgument:
         return InvalidArgument(f"adapter_config.json: {message}")
 
-    try:
-        raw = json.loads(config_json)
-    except json.JSONDecodeError as exc:
-        raise invalid(f"not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise invalid("must be a JSON object")
+    raw = load_json_object(config_json, "adapter_config.json")
     if raw.get("peft_type", "LORA") != "LORA":
         raise invalid(f"peft_type {raw['peft_type']!r} is not supported; only LORA is")
     if raw.get("use_dora"):

@@ -7,7 +7,6 @@ responsive while a step computes, and a load never stalls the step loop.
 import asyncio
 import logging
 import pathlib
-import sys
 import time
 
 import torch
@@ -19,7 +18,7 @@ from executor.lora import resolve_lora_backend
 from executor.runner import ModelRunner, Row, SamplingParams
 from loraplex.errors import FailedPrecondition, grpc_errors
 from loraplex.metrics import serve_metrics
-from loraplex.server import Service, run, run_until_signalled
+from loraplex.server import Service, announce, configure_logging, run, run_until_signalled
 from protos import executor_pb2, executor_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -138,13 +137,12 @@ async def serve(config: ExecutorConfig) -> None:
     log.info("executor: model %s, weights %.1f MiB, KV %.1f MiB, adapter pool %.1f MiB",
              runner.config.model_id, budget.weights_bytes / 2**20, budget.kv_cache_bytes / 2**20,
              budget.adapter_pool_bytes / 2**20)
-    print(f"executor listening on {config.address.rsplit(':', 1)[0]}:{port}", flush=True)
+    announce("executor", f"{config.address.rsplit(':', 1)[0]}:{port}")
     await run_until_signalled(service, grace=config.grace_s)
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s executor %(levelname)s %(message)s")
+    configure_logging("executor")
     run(lambda: serve(ExecutorConfig.from_args(argv)))
 
 

@@ -3,6 +3,7 @@
 import asyncio
 import logging
 import signal
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
@@ -97,6 +98,17 @@ async def run_until_signalled(service: Service, on_stop: Callable[[], Awaitable[
     await service.stop(grace)
     if on_stop is not None:
         await on_stop()
+
+
+def configure_logging(name: str) -> None:
+    """Log lines on stderr, named for the service (stdout carries only `announce`)."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+
+
+def announce(name: str, address: str) -> None:
+    """The one stdout line a service prints once it serves; loraplex.launch waits for it."""
+    print(f"{name} listening on {address}", flush=True)
 
 
 def run(main: Callable[[], Awaitable[T]]) -> T:

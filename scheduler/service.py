@@ -3,14 +3,19 @@
 import asyncio
 import itertools
 import logging
-import sys
 
 from tokenizers import Tokenizer
 
-from loraplex.errors import (InvalidArgument, PermissionDenied, Unauthenticated, Unavailable,
-                             grpc_errors, status_for)
+from loraplex.errors import (
+    InvalidArgument,
+    PermissionDenied,
+    Unauthenticated,
+    Unavailable,
+    grpc_errors,
+    status_for,
+)
 from loraplex.metrics import serve_metrics
-from loraplex.server import Service, run, run_until_signalled
+from loraplex.server import Service, announce, configure_logging, run, run_until_signalled
 from protos import scheduler_pb2, scheduler_pb2_grpc
 from scheduler import admin, validation
 from scheduler.config import SchedulerConfig
@@ -188,13 +193,12 @@ async def serve(config: SchedulerConfig, ready_timeout: float = 300.0) -> None:
     port = await service.start()
     serve_metrics(config.metrics_port, engine.metrics.registry)
     await service.mark_serving()
-    print(f"scheduler listening on {config.address.rsplit(':', 1)[0]}:{port}", flush=True)
+    announce("scheduler", f"{config.address.rsplit(':', 1)[0]}:{port}")
     await run_until_signalled(service, on_stop=engine.stop, grace=config.grace_s)
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s scheduler %(levelname)s %(message)s")
+    configure_logging("scheduler")
     run(lambda: serve(SchedulerConfig.from_args(argv)))
 
 

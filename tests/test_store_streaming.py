@@ -21,8 +21,14 @@ from loraplex.fixtures import MODEL_ID
 from loraplex.server import insecure_channel
 from protos import adapter_store_pb2 as pb
 from protos import adapter_store_pb2_grpc
-from tests.test_adapter_store import (CountingBlobStore, Store, file_config, in_session_loop,
-                                      lora_config, lora_tensors)
+from tests.test_adapter_store import (
+    CountingBlobStore,
+    Store,
+    file_config,
+    in_session_loop,
+    lora_config,
+    lora_tensors,
+)
 
 PART = 64 * 1024
 CONFIG_JSON = lora_config(rank=64, base_model_name_or_path=MODEL_ID)
