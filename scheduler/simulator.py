@@ -13,7 +13,7 @@ import random
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from scheduler.belady import belady_hits, lru_hits
+from scheduler.belady import belady_hits, lru_hits, pinned_belady_hits
 from scheduler.block_manager import BlockManager
 from scheduler.core import Scheduler
 from scheduler.detokenizer import OutputProcessor
@@ -40,7 +40,8 @@ class SimResult:
     tenants: dict[str, TenantResult]
     adapter_admissions: int
     loads: int
-    belady_hits: int
+    belady_hits: int  # clairvoyant eviction with plain slots (no pins): an upper bound
+    pinned_belady_hits: int  # clairvoyant eviction under the same pins as the online policy
     lru_hits: int
     max_counter_gap: float
     fairness_bound: float
@@ -65,7 +66,9 @@ class Simulator:
         self._adapter_weights = [1.0 / (k + 1) ** c.adapters.zipf_s for k in range(c.adapters.count)]
         self._cum = list(itertools.accumulate(self._adapter_weights))
         self._indices = range(len(self._cum))
-        self.trace: dict[str, list[str]] = defaultdict(list)  # executor -> adapters admitted, in order
+        # Per executor, its adapter sequences' starts and ends in order: a pinned trace (belady.py).
+        self.trace: dict[str, list[tuple[str, str, int]]] = defaultdict(list)
+        self._pinning: list[dict[int, str]] = [{} for _ in self.executors]  # seq_id -> adapter
         self.results: dict[str, TenantResult] = defaultdict(TenantResult)
         self.max_gap = 0.0
         self._live = 0
@@ -129,11 +132,13 @@ class Simulator:
             if i in self._busy or not self.core.has_work(ex):
                 continue
             plan = self.core.schedule(ex)
-            if not plan:
-                continue
+            self._record_ends(i)  # preempted ones
             for seq, _, _ in plan.rows:
                 if seq.num_computed == 0 and seq.request.adapter:
-                    self.trace[ex.address].append(seq.request.adapter)
+                    self.trace[ex.address].append(("+", seq.request.adapter, seq.seq_id))
+                    self._pinning[i][seq.seq_id] = seq.request.adapter
+            if not plan:
+                continue
             tokens = sum(n for _, n, _ in plan.rows)
             adapters = len({seq.request.adapter for seq, _, _ in plan.rows if seq.request.adapter})
             c = self.cfg.cost
@@ -146,6 +151,13 @@ class Simulator:
         samples = [Sample(seq.seq_id, 7, 0.0) for seq, n, _ in plan.rows
                    if seq.num_computed + n == len(seq.token_ids)]
         self.core.on_step_done(self.executors[i], plan, samples, seconds)
+        self._record_ends(i)
+
+    def _record_ends(self, i: int) -> None:
+        """Trace the ends of executor i's sequences that left its running set."""
+        ex, pinning = self.executors[i], self._pinning[i]
+        for seq_id in [s for s in pinning if s not in ex.running]:
+            self.trace[ex.address].append(("-", pinning.pop(seq_id), seq_id))
 
     def _push(self, when: float, kind: int, payload) -> None:
         heapq.heappush(self._events, (when, next(self._order), kind, payload))
@@ -178,17 +190,19 @@ class Simulator:
 
     def _result(self) -> SimResult:
         cfg = self.cfg
-        accesses = sum(len(t) for t in self.trace.values())
-        opt = sum(belady_hits(t, cfg.executors.slots) for t in self.trace.values())
-        lru = sum(lru_hits(t, cfg.executors.slots) for t in self.trace.values())
+        accesses = [[item for kind, item, _ in t if kind == "+"] for t in self.trace.values()]
+        opt = sum(belady_hits(t, cfg.executors.slots) for t in accesses)
+        pinned_opt = sum(pinned_belady_hits(t, cfg.executors.slots) for t in self.trace.values())
+        lru = sum(lru_hits(t, cfg.executors.slots) for t in accesses)
         max_load_tokens = max(ex.rates.load_seconds(cfg.adapters.bytes_per_rank * max(cfg.adapters.ranks))
                               * ex.rates.tokens_per_second for ex in self.executors)
         # R: one tenant's running sequences on every executor, each up to the longest output.
         running_output = cfg.limits.max_num_seqs * cfg.executors.count * cfg.lengths.output_max
         bound = spread_bound(self.core.fair.weights, cfg.limits.fairness_window, cfg.lengths.prompt_max,
                              max_load_tokens, running_output)
-        return SimResult(self.now, dict(self.results), accesses, sum(ex.num_loads for ex in self.executors),
-                         opt, lru, self.max_gap, bound, self._live)
+        return SimResult(self.now, dict(self.results), sum(map(len, accesses)),
+                         sum(ex.num_loads for ex in self.executors), opt, pinned_opt, lru, self.max_gap,
+                         bound, self._live)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -204,6 +218,7 @@ def format_report(cfg: SimConfig, r: SimResult) -> str:
     tokens = sum(t.tokens for t in r.tenants.values())
     hit = 1 - r.loads / max(r.adapter_admissions, 1)
     opt = r.belady_hits / max(r.adapter_admissions, 1)
+    pinned_opt = r.pinned_belady_hits / max(r.adapter_admissions, 1)
     lines = [
         f"simulated {total:,} requests ({r.unfinished} unfinished) in {r.seconds:,.1f} s of model time: "
         f"{total / r.seconds:,.1f} req/s, {tokens / r.seconds:,.0f} output tokens/s",
@@ -221,8 +236,10 @@ def format_report(cfg: SimConfig, r: SimResult) -> str:
     lines += [
         "",
         f"GPU adapter hit rate: {hit:.1%} ({r.loads:,} loads for {r.adapter_admissions:,} adapter admissions)",
-        f"Belady's offline optimum on the same per-executor traces: {opt:.1%} "
-        f"(online / optimal = {hit / opt if opt else float('nan'):.3f}); plain LRU on them: "
+        f"Belady (clairvoyant eviction) on the same per-executor traces, with the same pins: "
+        f"{pinned_opt:.1%} (online / optimal = {hit / pinned_opt if pinned_opt else float('nan'):.3f})",
+        f"  without pins (slots never held by running sequences, unreachable): {opt:.1%} "
+        f"({hit / opt if opt else float('nan'):.3f}); plain LRU without pins: "
         f"{r.lru_hits / max(r.adapter_admissions, 1):.1%}",
         f"largest virtual-counter gap between backlogged tenants: {r.max_counter_gap:,.0f} token-equivalents "
         f"(bound: window {cfg.limits.fairness_window:,.0f} + one admission + running output = "

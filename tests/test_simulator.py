@@ -1,0 +1,133 @@
+"""The eviction yardsticks (scheduler/belady.py) against brute force, and the simulator driving the
+real scheduler core on a small workload."""
+
+import functools
+import random
+
+import pytest
+
+from scheduler.belady import belady_hits, lru_hits, pinned_belady_hits
+from scheduler.invariants import check_invariants
+from scheduler.sim_config import SimConfig
+from scheduler.simulator import Simulator, format_report
+
+
+def best_hits(events: list[tuple[str, str, int]], capacity: int) -> int:
+    """The most hits any eviction choice reaches on a pinned trace (exhaustive search); pinned
+    items cannot be evicted unless every cached one is pinned."""
+    pins_before, pins = [], {}
+    for kind, item, _ in events:
+        pins_before.append(dict(pins))
+        pins[item] = pins.get(item, 0) + (1 if kind == "+" else -1)
+
+    @functools.cache
+    def hits(i: int, cached: frozenset) -> int:
+        if i == len(events):
+            return 0
+        kind, item, _ = events[i]
+        if kind == "-":
+            return hits(i + 1, cached)
+        if item in cached:
+            return 1 + hits(i + 1, cached)
+        if len(cached) < capacity:
+            return hits(i + 1, cached | {item})
+        victims = [c for c in cached if not pins_before[i].get(c)] or list(cached)
+        return max(hits(i + 1, cached - {v} | {item}) for v in victims)
+
+    return hits(0, frozenset())
+
+
+def unpinned(trace: list[str]) -> list[tuple[str, str, int]]:
+    return [e for item in trace for e in (("+", item, 0), ("-", item, 0))]
+
+
+def pinned_trace(rng: random.Random, capacity: int) -> list[tuple[str, str, int]]:
+    """Random sequence starts and ends that never pin more distinct items than `capacity` (as on
+    an executor: every running sequence's adapter holds a slot)."""
+    events, running = [], []
+    for seq in range(1, rng.randint(2, 16)):
+        item = rng.choice("abcdef")
+        distinct = {i for i, _ in running}
+        if running and (rng.random() < 0.45 or (item not in distinct and len(distinct) >= capacity)):
+            events.append(("-", *running.pop(rng.randrange(len(running)))))
+        else:
+            events.append(("+", item, seq))
+            running.append((item, seq))
+    return events + [("-", item, seq) for item, seq in running]
+
+
+def test_belady_is_the_optimum_without_pins():
+    rng = random.Random(0)
+    for _ in range(400):
+        trace = [rng.choice("abcdef") for _ in range(rng.randint(1, 14))]
+        capacity = rng.randint(1, 4)
+        assert belady_hits(trace, capacity) == best_hits(unpinned(trace), capacity), (trace, capacity)
+        assert lru_hits(trace, capacity) <= belady_hits(trace, capacity)
+
+
+def test_pinned_belady_is_the_optimum_under_the_same_pins():
+    rng = random.Random(1)
+    for _ in range(1500):
+        capacity = rng.randint(1, 3)
+        events = pinned_trace(rng, capacity)
+        got = pinned_belady_hits(events, capacity)
+        assert got == best_hits(events, capacity), (events, capacity)
+        assert got <= belady_hits([item for kind, item, _ in events if kind == "+"], capacity)
+
+
+def test_a_pin_forces_a_worse_victim():
+    # Two slots; "a" runs throughout and is never asked for again. Without pins, "c" replaces "a"
+    # and "b" hits; with a's pin, "c" must replace "b", which then misses.
+    events = [("+", "a", 1), ("+", "b", 2), ("-", "b", 2), ("+", "c", 3), ("-", "c", 3),
+              ("+", "b", 4), ("-", "b", 4), ("-", "a", 1)]
+    assert belady_hits(["a", "b", "c", "b"], 2) == 1
+    assert pinned_belady_hits(events, 2) == 0 == best_hits(events, 2)
+
+
+SMALL = {
+    "seed": 3, "num_requests": 4000,
+    "arrivals": {"process": "bursty", "rate_per_s": 120, "burst_factor": 3, "burst_period_s": 5},
+    "lengths": {"prompt_mean": 64, "prompt_max": 512, "output_mean": 16, "output_max": 64},
+    "adapters": {"count": 60, "zipf_s": 1.0, "ranks": [8, 16], "bytes_per_rank": 5_242_880},
+    "tenants": {"count": 3, "weights": [1, 1, 2]},
+    "executors": {"count": 2, "slots": 6, "kv_blocks": 512, "block_size": 16},
+}
+
+
+@pytest.fixture(scope="module")
+def small_run():
+    config = SimConfig.from_dict(SMALL)
+    sim = Simulator(config)
+    core_schedule = sim.core.schedule
+
+    def checked_schedule(ex):  # the invariants after every step the simulator plans
+        plan = core_schedule(ex)
+        check_invariants(sim.core)
+        return plan
+
+    sim.core.schedule = checked_schedule
+    return config, sim, sim.run()
+
+
+def test_simulator_finishes_every_request_within_the_yardsticks(small_run):
+    config, sim, result = small_run
+    assert result.unfinished == 0
+    assert sum(t.requests for t in result.tenants.values()) == config.num_requests
+    assert result.adapter_admissions >= config.num_requests
+    hits = result.adapter_admissions - result.loads
+    # No online policy beats the clairvoyant one under the same pins, which no pins can beat.
+    assert 0 < hits <= result.pinned_belady_hits <= result.belady_hits
+    assert result.max_counter_gap <= result.fairness_bound
+    report = format_report(config, result)
+    assert "with the same pins" in report and "t2" in report
+
+
+def test_simulator_traces_never_pin_more_adapters_than_slots(small_run):
+    config, sim, _ = small_run
+    for events in sim.trace.values():
+        running: dict[str, int] = {}
+        for kind, adapter, _ in events:
+            running[adapter] = running.get(adapter, 0) + (1 if kind == "+" else -1)
+            assert sum(1 for n in running.values() if n > 0) <= config.executors.slots
+            assert running[adapter] >= 0
+        assert not any(running.values())  # every sequence that started also ended
