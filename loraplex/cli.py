@@ -5,6 +5,7 @@
     loraplex adapters push|register|list|show|alias|rm|base|stats ...
     loraplex generate --adapter N "prompt" [--json]
     loraplex simulate CONFIG           the scheduler policy against a simulated workload
+    loraplex fit-cost TIMINGS...       the simulator's [cost] fitted to a scheduler's --timings-out
     loraplex demo                      the main job: services + a streaming multi-tenant workload
 """
 
@@ -162,6 +163,22 @@ async def _generate(args: argparse.Namespace) -> None:
         print()
 
 
+def _fit_cost(args: argparse.Namespace) -> None:
+    import itertools
+
+    from scheduler.timings import fit_cost, format_fit
+
+    files = [open(path) for path in args.timings]
+    try:
+        fit = fit_cost(itertools.chain.from_iterable(files))
+    except ValueError as err:
+        sys.exit(f"error: {err}")
+    finally:
+        for f in files:
+            f.close()
+    print(format_fit(fit, args.timings))
+
+
 def _simulate(args: argparse.Namespace) -> None:
     import dataclasses
     import time
@@ -255,6 +272,9 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("config", help="TOML workload (see bench/sim/zipf1000.toml)")
     sim.add_argument("--requests", type=int, default=0, help="override num_requests")
 
+    fit = sub.add_parser("fit-cost", help="fit the simulator's cost model to measured step and load times")
+    fit.add_argument("timings", nargs="+", help="files a scheduler wrote with --timings-out")
+
     demo = sub.add_parser("demo", help="the main job: services + a streaming multi-tenant workload")
     demo.add_argument("--requests", type=int, default=96)
     demo.add_argument("--concurrency", type=int, default=32)
@@ -276,6 +296,8 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"error: {err.code().name}: {err.details()}")
     elif args.command == "simulate":
         _simulate(args)
+    elif args.command == "fit-cost":
+        _fit_cost(args)
     elif args.command == "demo":
         from loraplex import demo
 

@@ -32,6 +32,7 @@ class SchedulerConfig:
     weights: FairnessWeights = field(default_factory=FairnessWeights)
     limits: Limits = field(default_factory=Limits)
     discovery_interval_s: float = 5.0  # how often executor names are re-resolved
+    timings_out: str = ""  # append a JSON line per step and per load here (scheduler/timings.py)
     default_max_new_tokens: int = 16
     max_stop_strings: int = 16
     max_stop_chars: int = 256
@@ -56,6 +57,8 @@ class SchedulerConfig:
         p.add_argument("--address", default="127.0.0.1:0", help="host:port to listen on (port 0 = any)")
         p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = off)")
         p.add_argument("--grace-s", type=float, default=30.0, help="on SIGTERM, time to finish in-flight work")
+        p.add_argument("--timings-out", default="", metavar="PATH",
+                       help="append each step's and load's measured time here, for `loraplex fit-cost`")
         p.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT",
                        help="accept KEY for TENANT (repeatable); none = open access as tenant 'default'")
         p.add_argument("--api-key-file", default="", help="file of KEY=TENANT lines (keeps keys off the command line)")
@@ -76,6 +79,7 @@ class SchedulerConfig:
         rates = {t: RateLimit.parse(r) for t, r in _pairs(a.rate_limit, "--rate-limit").items()}
         return cls(executors=tuple(a.executor), stores=tuple(a.store), address=a.address,
                    discovery_interval_s=a.discovery_interval_s, metrics_port=a.metrics_port, grace_s=a.grace_s,
+                   timings_out=a.timings_out,
                    api_keys=_pairs(a.api_key, "--api-key"), admin_keys=frozenset(a.admin_key),
                    rate_limits=rates, default_rate_limit=RateLimit.parse(a.default_rate_limit),
                    weights=FairnessWeights(load_weight=a.load_weight, tenant_weights=weights),

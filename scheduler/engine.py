@@ -19,6 +19,7 @@ from scheduler.discovery import resolve
 from scheduler.core import ExecutorState, Limits, Sample, Scheduler, StepPlan
 from scheduler.fairness import FairnessWeights
 from scheduler.metrics import SchedulerMetrics
+from scheduler.timings import TimingLog
 from scheduler.slots import Slot, SlotTable
 
 log = logging.getLogger(__name__)
@@ -76,8 +77,9 @@ def _sampling_pb(s) -> common_pb2.SamplingParams:
 
 class Engine:
     def __init__(self, executor_specs: tuple[str, ...], weights: FairnessWeights, limits: Limits,
-                 discovery_interval_s: float = 5.0):
+                 discovery_interval_s: float = 5.0, timings: TimingLog | None = None):
         self.links: dict[str, ExecutorLink] = {}
+        self.timings = timings
         self.core = Scheduler([], weights, limits, self._start_load, self._wake, self._start_unload)
         self.metrics = SchedulerMetrics(self.core)
         self.first_info: asyncio.Future[executor_pb2.InfoResponse] = asyncio.get_running_loop().create_future()
@@ -95,6 +97,8 @@ class Engine:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for link in self.links.values():
             link.close()
+        if self.timings is not None:
+            self.timings.close()
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -196,6 +200,9 @@ class Engine:
                 continue
             samples, seconds = await link.step(plan)
             self.metrics.on_step(link.address, plan, seconds)
+            if self.timings is not None:
+                self.timings.step(link.address, sum(n for _, n, _ in plan.rows),
+                                  len({seq.slot.index for seq, _, _ in plan.rows if seq.slot}), seconds)
             self.core.on_step_done(ex, plan, samples, seconds)
         log.info("executor %s drained", link.address)
 
@@ -214,6 +221,8 @@ class Engine:
         else:
             if not resp.was_resident:
                 self.metrics.load.labels(link.address).observe(resp.load_seconds)
+                if self.timings is not None:
+                    self.timings.load(link.address, resp.num_bytes, resp.load_seconds)
             self.core.on_load_done(ex, slot, adapter, None, resp.num_bytes, resp.load_seconds)
 
     def _start_unload(self, ex: ExecutorState, slot: int, adapter: str) -> None:

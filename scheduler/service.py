@@ -21,6 +21,7 @@ from scheduler import admin, validation
 from scheduler.config import SchedulerConfig
 from scheduler.detokenizer import Finish, OutputProcessor
 from scheduler.engine import Engine
+from scheduler.timings import TimingLog
 from scheduler.ratelimit import RateLimiter
 from scheduler.registry_client import RegistryClient
 from scheduler.request import ErrorEvent, Event, FinishEvent, Request, Status
@@ -182,7 +183,8 @@ def _executor_stats(ex) -> scheduler_pb2.ExecutorStats:
 
 
 async def serve(config: SchedulerConfig, ready_timeout: float = 300.0) -> None:
-    engine = Engine(config.executors, config.weights, config.limits, config.discovery_interval_s)
+    engine = Engine(config.executors, config.weights, config.limits, config.discovery_interval_s,
+                    TimingLog(config.timings_out) if config.timings_out else None)
     engine.start()
     # Tokenizer and model facts come from the executors: wait for the first one.
     await asyncio.wait_for(asyncio.shield(engine.first_info), ready_timeout)

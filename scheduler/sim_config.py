@@ -8,7 +8,7 @@
     [tenants]    count, weights = [...]  (adapters are split among tenants round-robin)
     [executors]  count, slots, kv_blocks, block_size, max_num_seqs, max_batched_tokens
     [cost]       step_base_s, step_per_token_s, step_per_adapter_s, load_latency_s,
-                 load_bytes_per_s   (fit them from bench/ measurements)
+                 load_bytes_per_s   (`loraplex fit-cost` fits them to a scheduler's --timings-out)
     [limits]     any field of scheduler.executor_state.Limits
 """
 

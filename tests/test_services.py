@@ -2,6 +2,7 @@
 server (SeaweedFS), outputs checked against HF transformers + PEFT."""
 
 import asyncio
+import json
 import math
 import random
 
@@ -13,6 +14,7 @@ from loraplex import client
 from loraplex.launch import Fleet
 from loraplex.server import insecure_channel
 from protos import scheduler_pb2, scheduler_pb2_grpc
+from scheduler.timings import fit_cost
 from tests.conftest import API_KEYS
 from tests.oracle import hf_greedy
 
@@ -31,7 +33,7 @@ def fleet(tiny, seaweedfs_s3, log_dir):
                   executor_args=["--adapter-slots", str(NUM_SLOTS), "--max-rank", str(MAX_RANK),
                                  "--kv-blocks", str(KV_BLOCKS), "--block-size", str(BLOCK), "--threads", "1"],
                   scheduler_args=[f for key, t in API_KEYS.items() for f in ("--api-key", f"{key}={t}")]
-                  + ["--rate-limit", "limited=0.5:0"])
+                  + ["--rate-limit", "limited=0.5:0", "--timings-out", str(log_dir / "timings.jsonl")])
     with fleet:
         yield fleet
 
@@ -168,3 +170,18 @@ async def test_rate_limit_is_resource_exhausted_with_retry_after(fleet, pushed, 
     retry_after = float(dict(info.value.trailing_metadata())["retry-after"])
     assert 0 < retry_after <= 2.0
     await client.generate(stub, client.generate_request("r4_attn", "other tenants pass", 2), "key-acme")
+
+
+async def test_timings_of_every_step_and_load_fit_the_cost_model(fleet, pushed, log_dir):
+    """--timings-out logged the steps and loads of the traffic above; fit-cost reads them."""
+    lines = (log_dir / "timings.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    steps = [r for r in records if "step" in r]
+    loads = [r for r in records if "load" in r]
+    assert steps and all(r["step"] == fleet.by_name("executor")[0].address and 0 < r["tokens"] and 0 <= r["adapters"] <= NUM_SLOTS
+                         and r["seconds"] > 0 for r in steps)
+    assert len(loads) > NUM_SLOTS  # ten adapters through six slots: some were evicted and loaded again
+    assert all(r["bytes"] in {info.num_bytes for info in pushed.values()} and r["seconds"] > 0 for r in loads)
+    fit = fit_cost(lines)
+    assert (fit.num_steps, fit.num_loads) == (len(steps), len(loads))
+    assert fit.cost.step_per_token_s > 0 and fit.cost.load_bytes_per_s > 0
