@@ -1,0 +1,24 @@
+"""bench/gpu_check.sh in its CPU smoke mode (tiny shapes, Triton interpreter): the GPU check must
+not be first run, and fail, on the rare machine that has a GPU for a few minutes."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_smoke_runs_every_section_and_every_check_passes(tmp_path):
+    out = tmp_path / "smoke.md"
+    env = {**os.environ, "PYTHON": sys.executable, "TRITON_INTERPRET": "1"}
+    run = subprocess.run(["bash", "bench/gpu_check.sh", "--smoke", "--out", str(out)], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = out.read_text()
+    for section in ("## 1. Copy bandwidth", "## 2. Kernels vs torch references", "## 3. Executor decode step",
+                    "## 4. Kernel timings"):
+        assert section in report
+    checks = [line for line in report.splitlines() if line.startswith("| bfloat16") or line.startswith("| float16")]
+    assert len(checks) == 16 and all(line.rstrip().endswith("| yes |") for line in checks)
+    assert "4 distinct adapters | torch" in report and "4 distinct adapters | triton" in report
