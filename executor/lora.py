@@ -115,7 +115,8 @@ class LoraSlotPool:
             raise ValueError(f"adapter slot {slot} out of range [0, {self.num_slots})")
 
     def load(self, slot: int, weights: LoraWeights) -> None:
-        """Copy an adapter into `slot`, replacing whatever was there."""
+        """Copy an adapter into `slot`, replacing whatever was there; afterwards the slot holds
+        exactly what it would in a fresh pool (zero above each module's rank)."""
         self._check_slot(slot)
         if weights.rank > self.max_rank:
             raise ValueError(f"adapter rank {weights.rank} exceeds the pool's max rank "
@@ -129,7 +130,9 @@ class LoraSlotPool:
             if w.a.shape != (r, in_f) or w.b.shape != (out_f, r):
                 raise ValueError(f"layer {layer} {module}: A {tuple(w.a.shape)} / B "
                                  f"{tuple(w.b.shape)} do not fit [r, {in_f}] / [{out_f}, r]")
-        self.clear(slot)
+        self._zero_written(slot)
+        # Recorded before the copy: whatever a failed copy wrote is zeroed by the next clear.
+        self.targets[slot] = {key: (w.a.shape[0], w.scale) for key, w in weights.modules.items()}
         for (layer, module), w in weights.modules.items():
             r = w.a.shape[0]
             self.a[module][layer, slot, :r].copy_(w.a)
@@ -137,15 +140,24 @@ class LoraSlotPool:
             self.scale[module][layer, slot] = w.scale
             self.rank_table[layer, slot, LORA_MODULES.index(module)] = r
             self.scale_table[layer, slot, LORA_MODULES.index(module)] = w.scale
-            self.targets[slot][(layer, module)] = (r, w.scale)
 
     def clear(self, slot: int) -> None:
         self._check_slot(slot)
+        self._zero_written(slot)
+
+    def _zero_written(self, slot: int) -> None:
+        """Zero what `slot`'s adapter wrote, and its table entries. A slot is zero outside its
+        adapter's ranks (as in a fresh pool), so per group only the ranks below the largest the
+        adapter used there need it: a rank-8 adapter costs a rank-8 memset, not one of the whole
+        slot at max_rank."""
+        targets = self.targets[slot]
         for g in self.groups.values():
-            g.a[:, slot].zero_()
-            g.bt[:, slot].zero_()
-        for m in LORA_MODULES:
-            self.scale[m][:, slot] = 0.0
+            rank = max((r for (_, m), (r, _) in targets.items() if m in g.modules), default=0)
+            if rank:
+                g.a[:, slot, :, :rank].zero_()  # [L, n, rank, in]
+                g.bt[:, slot, :rank].zero_()  # [L, rank, sum(out)]
+        for module in {module for _, module in targets}:
+            self.scale[module][:, slot] = 0.0
         self.rank_table[:, slot] = 0
         self.scale_table[:, slot] = 0.0
         self.targets[slot] = {}
