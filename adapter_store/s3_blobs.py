@@ -1,11 +1,13 @@
-"""Blobs as S3 objects, via aiobotocore: conditional puts and parallel ranged GETs.
+"""Blobs as S3 objects, via aiobotocore: conditional puts and parallel ranged GETs, streamed.
 
-A GET asks for the first `part_bytes` as a ranged read; the Content-Range of the answer gives the
-object's size, and the remaining parts are read at once, `max_concurrency` at a time, each pinned
-to the first part's ETag. `iter_parts` hands each part on as soon as the parts before it are in,
-so a caller streams while the later parts are still on the wire. One connection reads ~300-500
-MiB/s from SeaweedFS here; eight parallel ranges ~700-960 MiB/s (measured, see ENV-NOTES). Small
-objects cost one request.
+A read asks for the first `part_bytes` as a ranged GET; as soon as its headers are in, the
+Content-Range gives the object's size and the remaining parts start as ranged GETs,
+`max_concurrency` at a time, each pinned to the first part's ETag. Every GET's body is handed on
+as it arrives, in order, in pieces of at most `piece_bytes` (the size of a Fetch chunk), so a
+caller hashes and forwards the first bytes while the rest are still on the wire, and no part is
+first gathered whole and then copied again. An object of one part costs one request.
+One connection reads ~300-500 MiB/s from SeaweedFS here; parallel ranges help where a single
+connection is the limit (AWS S3), not on two shared cores.
 """
 
 import asyncio
@@ -30,13 +32,14 @@ class S3BlobStore(BlobStore):
     """Blobs as objects under s3://bucket/prefix. Build with `await S3BlobStore.open(config)`."""
 
     def __init__(self, client, bucket: str, prefix: str, exit_stack: contextlib.AsyncExitStack,
-                 part_bytes: int = 8 << 20, max_concurrency: int = 8):
+                 part_bytes: int = 8 << 20, max_concurrency: int = 8, piece_bytes: int = 1 << 20):
         self._client = client
         self._bucket = bucket
         self._prefix = prefix
         self._exit_stack = exit_stack
         self._part_bytes = part_bytes
         self._max_concurrency = max_concurrency
+        self._piece_bytes = piece_bytes
         self.description = f"s3://{bucket}/{prefix}"
 
     @classmethod
@@ -55,7 +58,8 @@ class S3BlobStore(BlobStore):
             "s3", endpoint_url=config.s3_endpoint_url, region_name=config.s3_region,
             aws_access_key_id=access_key, aws_secret_access_key=secret_key, config=client_config))
         store = cls(client, config.s3_bucket, config.s3_prefix, stack,
-                    part_bytes=config.s3_part_bytes, max_concurrency=config.s3_max_concurrency)
+                    part_bytes=config.s3_part_bytes, max_concurrency=config.s3_max_concurrency,
+                    piece_bytes=config.chunk_bytes)
         try:
             with store._errors(f"bucket {config.s3_bucket!r}", is_key=False):
                 await client.head_bucket(Bucket=config.s3_bucket)
@@ -87,64 +91,92 @@ class S3BlobStore(BlobStore):
 
     async def iter_parts(self, key: str) -> AsyncIterator[bytes]:
         check_key(key)
-        what, full_key = repr(key), self._prefix + key
-        with self._errors(what):
-            head, etag, total = await self._read_first(self._bucket, full_key)
-            yield head
-            async with contextlib.aclosing(self._read_rest(
-                    self._bucket, full_key, what, etag, len(head), total)) as rest:
-                async for part in rest:  # closing this stream cancels the reads still running
-                    yield part
+        async with contextlib.aclosing(self._stream(self._bucket, self._prefix + key,
+                                                    repr(key))) as pieces:
+            async for piece in pieces:  # closing this stream cancels the reads still running
+                yield piece
 
     async def _read_all(self, bucket: str, full_key: str, what: str) -> tuple[bytes, str]:
-        with self._errors(what):
-            head, etag, total = await self._read_first(bucket, full_key)
-            parts = [head]
-            async for part in self._read_rest(bucket, full_key, what, etag, len(head), total):
-                parts.append(part)
-        return b"".join(parts) if len(parts) > 1 else head, etag
+        etag: list[str] = []
+        async with contextlib.aclosing(self._stream(bucket, full_key, what, etag)) as pieces:
+            data = [piece async for piece in pieces]
+        return (data[0] if len(data) == 1 else b"".join(data)), etag[0]
 
-    async def _read_first(self, bucket: str, full_key: str) -> tuple[bytes, str, int]:
-        """The first part, the object's ETag and its total size (from Content-Range)."""
-        first = f"bytes=0-{self._part_bytes - 1}"
-        try:
-            response = await self._client.get_object(Bucket=bucket, Key=full_key, Range=first)
-        except botocore.exceptions.ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") != "InvalidRange":
-                raise
-            response = await self._client.get_object(Bucket=bucket, Key=full_key)  # empty
-        etag = response.get("ETag", "").strip('"')
-        async with response["Body"] as body:
-            head = await body.read()
-        return head, etag, _total_size(response.get("ContentRange"), len(head))
-
-    async def _read_rest(self, bucket: str, full_key: str, what: str, etag: str, start: int,
-                         total: int) -> AsyncIterator[bytes]:
-        """Bytes [start, total) as parallel ranged GETs, yielded in order as each completes."""
+    async def _stream(self, bucket: str, full_key: str, what: str,
+                      etag_out: list[str] | None = None) -> AsyncIterator[bytes]:
+        """The object in pieces of at most `piece_bytes`, in order, as its bytes arrive: a GET of
+        the first part; once its headers give the object's size, the other parts as ranged GETs
+        pinned to its ETag, all streaming at once (at most `max_concurrency`). The ETag goes into
+        `etag_out` before the first piece."""
         limit = asyncio.Semaphore(self._max_concurrency)
-
-        async def read_part(begin: int) -> bytes:
-            end = min(begin + self._part_bytes, total)
-            async with limit:
-                # IfMatch: every part comes from the same version of the object.
-                part = await self._client.get_object(
-                    Bucket=bucket, Key=full_key, Range=f"bytes={begin}-{end - 1}", IfMatch=etag)
-                async with part["Body"] as part_body:
-                    data = await part_body.read()
-            if len(data) != end - begin:
-                raise Unavailable(f"S3 returned {len(data)} bytes for range {begin}-{end - 1} "
-                                  f"of {what}")
-            return data
-
-        reads = [asyncio.ensure_future(read_part(s)) for s in range(start, total,
-                                                                      self._part_bytes)]
+        queues: list[asyncio.Queue] = []
+        reads: list[asyncio.Future] = []
         try:
-            for read in reads:
-                yield await read
+            with self._errors(what):
+                await limit.acquire()
+                try:
+                    first = await self._get_first(bucket, full_key)
+                except BaseException:
+                    limit.release()
+                    raise
+                etag = first.get("ETag", "").strip('"')
+                first_size = first.get("ContentLength", 0)
+                total = _total_size(first.get("ContentRange"), first_size)
+                ranges = [(0, first_size)] + [(begin, min(begin + self._part_bytes, total))
+                                              for begin in range(first_size, total,
+                                                                 self._part_bytes)]
+                for index, (begin, end) in enumerate(ranges):
+                    queues.append(asyncio.Queue())
+                    reads.append(asyncio.ensure_future(self._read_range(
+                        bucket, full_key, what, etag, begin, end, queues[-1], limit,
+                        first if index == 0 else None)))
+                if etag_out is not None:
+                    etag_out.append(etag)
+                async for piece in _coalesce(queues, self._piece_bytes):
+                    yield piece
         finally:
             for read in reads:
                 read.cancel()
             await asyncio.gather(*reads, return_exceptions=True)
+
+    async def _get_first(self, bucket: str, full_key: str) -> dict:
+        """The GetObject response (headers; the body still on the wire) of the first part."""
+        try:
+            return await self._client.get_object(Bucket=bucket, Key=full_key,
+                                                 Range=f"bytes=0-{self._part_bytes - 1}")
+        except botocore.exceptions.ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") != "InvalidRange":
+                raise
+            return await self._client.get_object(Bucket=bucket, Key=full_key)  # empty object
+
+    async def _read_range(self, bucket: str, full_key: str, what: str, etag: str, begin: int,
+                          end: int, out: asyncio.Queue, limit: asyncio.Semaphore,
+                          response: dict | None = None) -> None:
+        """Bytes [begin, end) into `out` as they arrive, then _END, or the exception that
+        stopped the read (the reader raises it in order). `response`: a GET already made, which
+        holds one of `limit`'s slots."""
+        holds_slot = response is not None
+        try:
+            if response is None:
+                await limit.acquire()
+                holds_slot = True
+                # IfMatch: every part comes from the same version of the object.
+                response = await self._client.get_object(
+                    Bucket=bucket, Key=full_key, Range=f"bytes={begin}-{end - 1}", IfMatch=etag)
+            num_read = 0
+            async with response["Body"] as body:
+                while chunk := await body.read(self._piece_bytes):
+                    num_read += len(chunk)
+                    out.put_nowait(chunk)
+            if num_read != end - begin:
+                raise Unavailable(f"S3 returned {num_read} bytes for range {begin}-{end - 1} "
+                                  f"of {what}")
+            out.put_nowait(_END)
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            out.put_nowait(exc)
+        finally:
+            if holds_slot:
+                limit.release()
 
     async def put(self, key: str, data: bytes, *, if_none_match: bool = False,
                   if_match: str | None = None) -> None:
@@ -182,6 +214,28 @@ class S3BlobStore(BlobStore):
 
     async def close(self) -> None:
         await self._exit_stack.aclose()
+
+
+_END = object()  # marks the end of one range's chunks in its queue
+
+
+async def _coalesce(queues: list[asyncio.Queue], piece_bytes: int) -> AsyncIterator[bytes]:
+    """The chunks of each range's queue, ranges in order, joined into pieces of at most
+    `piece_bytes` (a chunk is never larger): few gRPC messages and hash calls, and no piece
+    waits for more than it needs."""
+    pending: list[bytes] = []
+    num_pending = 0
+    for queue in queues:
+        while (chunk := await queue.get()) is not _END:
+            if isinstance(chunk, BaseException):
+                raise chunk
+            if pending and num_pending + len(chunk) > piece_bytes:
+                yield pending[0] if len(pending) == 1 else b"".join(pending)
+                pending, num_pending = [], 0
+            pending.append(chunk)
+            num_pending += len(chunk)
+    if pending:
+        yield pending[0] if len(pending) == 1 else b"".join(pending)
 
 
 def _total_size(content_range: str | None, num_read: int) -> int:

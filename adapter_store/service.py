@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 
+from adapter_store.allocator import keep_freed_memory
 from adapter_store.base_models import BaseModel
 from adapter_store.blobs import BlobStore, open_blob_store
 from adapter_store.config import StoreConfig, parse_args
@@ -290,6 +291,7 @@ async def serve(config: StoreConfig) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     server.configure_logging("adapter_store")
     config = parse_args(argv)
+    keep_freed_memory()  # Fetch streams MiB-sized messages: no page faults for each
     server.run(lambda: serve(config))
 
 
