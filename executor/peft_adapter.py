@@ -92,9 +92,12 @@ def _check_config(cfg: dict[str, Any], base: ModelConfig, max_rank: int | None,
             f"adapter was trained on base model {wanted!r}, this pool serves {base.model_id!r}")
 
 
-def _load_tensors(data: bytes | torch.Tensor) -> dict[str, torch.Tensor]:
+def _load_tensors(data: bytes | torch.Tensor) -> tuple[dict[str, torch.Tensor],
+                                                       torch.Tensor | None]:
     """Tensors of a safetensors file, as views into `data` when it is a uint8 tensor (the loader's
-    staging buffer: no copy); `bytes` are copied once into a tensor first."""
+    staging buffer: no copy); `bytes` are copied once into a tensor first. Also the whole data
+    section as one tensor when every tensor has the same floating dtype (they tile it, so one
+    reduction over it checks them all), else None."""
     if isinstance(data, torch.Tensor):
         raw = data  # [num_bytes] uint8
     else:
@@ -116,7 +119,11 @@ def _load_tensors(data: bytes | torch.Tensor) -> dict[str, torch.Tensor]:
         if (start + entry.begin) % dtype.itemsize:
             span = span.clone()  # misaligned for its dtype: view a copy
         tensors[name] = span.view(dtype).view(entry.shape)
-    return tensors
+    dtypes = {t.dtype for t in tensors.values()}
+    dtype = dtypes.pop() if len(dtypes) == 1 else None
+    if dtype is None or not dtype.is_floating_point or start % dtype.itemsize:
+        return tensors, None
+    return tensors, raw[start:].view(dtype)  # [every value of every tensor]
 
 
 def _is_finite(tensor: torch.Tensor) -> bool:
@@ -141,7 +148,9 @@ def parse_peft_adapter(adapter_config: dict[str, Any], safetensors_bytes: bytes 
     """
     cfg = adapter_config
     _check_config(cfg, base, max_rank, check_base_model)
-    tensors = _load_tensors(safetensors_bytes)
+    tensors, section = _load_tensors(safetensors_bytes)
+    # One check for all tensors; tensor by tensor only to name a culprit (or for mixed dtypes).
+    are_all_finite = section is not None and _is_finite(section)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.match(key)
@@ -154,7 +163,7 @@ def parse_peft_adapter(adapter_config: dict[str, Any], safetensors_bytes: bytes 
         if layer >= base.num_hidden_layers:
             raise AdapterError(f"adapter tensor {key!r}: layer {layer} does not exist "
                                f"(base model has {base.num_hidden_layers} layers)")
-        if not _is_finite(tensor):
+        if not are_all_finite and not _is_finite(tensor):
             raise AdapterError(f"adapter tensor {key!r} has non-finite values")
         pairs.setdefault((layer, module), {})[which] = tensor
     if not pairs:

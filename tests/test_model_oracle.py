@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -193,6 +194,7 @@ def _retensor(fn):
 
 
 Q0A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+D1B = "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"
 ADAPTER_ERRORS = [  # (adapter, config changes, tensor change, message)
     ("r64", {}, None, r"rank 64 exceeds the executor's max rank 32"),
     ("r16_all", {"target_modules": ["q_proj", "lm_head"]}, None, "unknown target module 'lm_head'"),
@@ -202,6 +204,13 @@ ADAPTER_ERRORS = [  # (adapter, config changes, tensor change, message)
     ("r16_all", {}, _retensor(lambda t: t.update({Q0A: torch.zeros(16, 128)})),
      r"layers\.0\.self_attn\.q_proj\.lora_A has shape \(16, 128\), expected \(16, 256\)"),
     ("r16_all", {}, _retensor(lambda t: t[Q0A].__setitem__((0, 0), math.inf)), "non-finite"),
+    # One check covers the whole data section; a failure still names the tensor at fault, also
+    # among tensors of mixed dtypes (then checked one by one).
+    ("r16_all", {}, _retensor(lambda t: t[D1B].__setitem__((5, 3), math.nan)),
+     rf"{re.escape(D1B)}' has non-finite"),
+    ("r16_all", {}, _retensor(lambda t: t.update({Q0A: t[Q0A].bfloat16(), D1B: t[D1B].clone()
+                                                 .index_fill_(0, torch.tensor([2]), -math.inf)})),
+     rf"{re.escape(D1B)}' has non-finite"),
     ("r16_all", {}, _retensor(lambda t: t.update({Q0A.replace(".0.", ".9."): t[Q0A].clone()})),
      "layer 9 does not exist"),
     ("r16_all", {}, _retensor(lambda t: t.pop(Q0A.replace("lora_A", "lora_B"))),
