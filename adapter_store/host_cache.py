@@ -1,14 +1,17 @@
 """The warm host-RAM tier: adapter bytes in an LRU bounded in bytes, in front of the blob store.
 
 Concurrent requests for a cold adapter share one blob read (single-flight), and each of them
-streams the read's parts as they arrive from the blob store, in order, instead of waiting for the
-whole object. Every blob read is hashed as it arrives and checked against the registry's size and
-sha256; a mismatch is read again (a torn or flipped read in transit heals), and after
-`read_attempts` mismatching reads raises DataLoss. Nothing that fails the check is cached, and a
-follower never receives the last part of a read that failed it: the newest part is held back
-until the next one arrives or the check passes, and after a failed read followers get RESTART
-and the next read from its first byte. (The executor checks size and sha256 again before a byte
-goes to a GPU.)
+streams the read's pieces as they are cut from what arrives from the blob store, in order,
+instead of waiting for the whole object. Pieces are what a Fetch sends: `piece_bytes` each (one
+gRPC message), except the object's last LAST_PIECE_BYTES, a piece of their own. Every blob read
+is hashed as it arrives (in a worker thread, a batch at a time) and checked against the
+registry's size and sha256; a mismatch is read again (a torn or flipped read in transit heals),
+and after `read_attempts` mismatching reads raises DataLoss. Nothing that fails the check is
+cached, and a follower never receives the last piece of a read that failed it: the newest piece
+is held back until the next one arrives or the check passes, and after a failed read followers
+get RESTART and the next read from its first byte. Keeping that last piece small lets the
+executor receive and hash the rest while this check finishes. (The executor checks size and
+sha256 again before a byte goes to a GPU.)
 """
 
 import asyncio
@@ -26,8 +29,10 @@ from loraplex.errors import DataLoss, NotFound
 log = logging.getLogger(__name__)
 
 _Key = tuple[str, int]  # (name, version); versions are immutable
-_Parts = tuple[bytes, ...]  # an adapter's bytes, in the pieces the blob store returned
+_Parts = tuple[bytes, ...]  # an adapter's bytes, in the pieces a Fetch sends
 _RETRY_DELAY_S = 0.05
+LAST_PIECE_BYTES = 64 * 1024
+_HASH_BATCH_BYTES = 256 * 1024  # arrived bytes hashed by one call in the worker thread
 
 
 class Restart:
@@ -105,15 +110,17 @@ class HostCache:
     """Whole adapters in host RAM, at most `capacity_bytes` in all (an adapter larger than that is
     served but not kept)."""
 
-    def __init__(self, blobs: BlobStore, capacity_bytes: int, read_attempts: int = 3):
+    def __init__(self, blobs: BlobStore, capacity_bytes: int, read_attempts: int = 3,
+                 piece_bytes: int = 1 << 20):
         self._blobs = blobs
         self.capacity_bytes = capacity_bytes
         self.read_attempts = read_attempts
+        self.piece_bytes = piece_bytes
         self.num_bytes = 0
         self.stats = CacheStats()
         self._entries: collections.OrderedDict[_Key, _Parts] = collections.OrderedDict()  # LRU 1st
         self._in_flight: dict[_Key, _Flight] = {}
-        # Hashes each read's parts in order while the next ones arrive (hashlib drops the GIL).
+        # Hashes each read's bytes in order while the next ones arrive (hashlib drops the GIL).
         self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sha256")
 
     def __contains__(self, record: AdapterRecord) -> bool:
@@ -122,16 +129,14 @@ class HostCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    async def stream(self, record: AdapterRecord) -> AsyncIterator[bytes | Restart]:
+    def stream(self, record: AdapterRecord) -> AsyncIterator[bytes | Restart]:
         """The adapter's weights in pieces, from RAM or (one read for all concurrent callers)
-        from the blob store as they arrive; RESTART means: drop what came before, start over."""
+        from the blob store as they arrive; RESTART means: drop what came before, start over.
+        A blob read starts at this call, before the first piece is asked for."""
         parts = self._hit(record)
         if parts is not None:
-            for part in parts:
-                yield part
-            return
-        async for piece in self._flight(record).follow():
-            yield piece
+            return _iterate(parts)
+        return self._flight(record).follow()
 
     async def warm(self, record: AdapterRecord) -> None:
         """Bring the adapter into RAM (when it fits), reading it once for all concurrent callers."""
@@ -199,17 +204,29 @@ class HostCache:
         once the object is longer than the registry says (the check fails anyway)."""
         loop = asyncio.get_running_loop()
         digest, hashed, num_bytes = hashlib.sha256(), [], 0
+        batch: list[bytes] = []
+        cutter = _PieceCutter(record.num_bytes, self.piece_bytes, flight.add)
+
+        def hash_batch() -> None:
+            hashed.append(loop.run_in_executor(self._hasher, _update, digest, tuple(batch)))
+            batch.clear()
+
         try:
             parts = self._blobs.iter_parts(record.weights_key)
             try:
                 async for part in parts:
-                    hashed.append(loop.run_in_executor(self._hasher, digest.update, part))
-                    flight.add(part)
+                    batch.append(part)
                     num_bytes += len(part)
+                    if sum(map(len, batch)) >= _HASH_BATCH_BYTES:
+                        hash_batch()
+                    cutter.add(part)
                     if num_bytes > record.num_bytes:
                         break
             finally:
                 await parts.aclose()
+            if batch:
+                hash_batch()
+            cutter.finish()
         except NotFound:
             raise DataLoss(f"adapter {record.ref} is registered but its weights are missing "
                            "from the blob store; push it again") from None
@@ -226,3 +243,50 @@ class HostCache:
             self.stats.evictions += 1
         self._entries[key] = parts
         self.num_bytes += num_bytes
+
+
+async def _iterate(parts: _Parts) -> AsyncIterator[bytes]:
+    for part in parts:
+        yield part
+
+
+def _update(digest, parts: tuple[bytes, ...]) -> None:
+    for part in parts:
+        digest.update(part)
+
+
+class _PieceCutter:
+    """Cuts arriving bytes into the pieces of an object of `num_bytes`: `piece_bytes` each, the
+    last LAST_PIECE_BYTES apart (bytes beyond `num_bytes` form one more piece at `finish`). A
+    piece that is one whole arrived part is passed on as it is, else joined once."""
+
+    def __init__(self, num_bytes: int, piece_bytes: int, emit) -> None:
+        last_start = max(0, num_bytes - LAST_PIECE_BYTES)
+        self._ends = [*range(piece_bytes, last_start, piece_bytes), last_start, num_bytes]
+        self._ends = [end for end in dict.fromkeys(self._ends) if end > 0]  # [piece ends]
+        self._next = 0  # index into _ends
+        self._emit = emit
+        self._pending: list[bytes | memoryview] = []
+        self._offset = 0  # of the next byte to arrive
+
+    def add(self, part: bytes) -> None:
+        view, position = memoryview(part), 0
+        while position < len(part):
+            end = self._ends[self._next] if self._next < len(self._ends) else None
+            take = len(part) - position if end is None else min(len(part) - position,
+                                                                end - self._offset)
+            self._pending.append(part if take == len(part) else view[position:position + take])
+            position += take
+            self._offset += take
+            if self._offset == end:
+                self._flush()
+                self._next += 1
+
+    def finish(self) -> None:
+        if self._pending:
+            self._flush()
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        self._emit(pending[0] if len(pending) == 1 and isinstance(pending[0], bytes)
+                   else b"".join(pending))

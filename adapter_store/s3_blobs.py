@@ -2,10 +2,10 @@
 
 A read asks for the first `part_bytes` as a ranged GET; as soon as its headers are in, the
 Content-Range gives the object's size and the remaining parts start as ranged GETs,
-`max_concurrency` at a time, each pinned to the first part's ETag. Every GET's body is handed on
-as it arrives, in order, in pieces of at most `piece_bytes` (the size of a Fetch chunk), so a
-caller hashes and forwards the first bytes while the rest are still on the wire, and no part is
-first gathered whole and then copied again. An object of one part costs one request.
+`max_concurrency` at a time, each pinned to the first part's ETag. `iter_parts` hands every GET's
+body on as it arrives, in order, in the pieces the connection delivers (at most `read_bytes`), so
+a caller hashes and forwards the first bytes while the rest are still on the wire, and no part is
+gathered whole and then copied again. An object of one part costs one request.
 One connection reads ~300-500 MiB/s from SeaweedFS here; parallel ranges help where a single
 connection is the limit (AWS S3), not on two shared cores.
 """
@@ -32,14 +32,14 @@ class S3BlobStore(BlobStore):
     """Blobs as objects under s3://bucket/prefix. Build with `await S3BlobStore.open(config)`."""
 
     def __init__(self, client, bucket: str, prefix: str, exit_stack: contextlib.AsyncExitStack,
-                 part_bytes: int = 8 << 20, max_concurrency: int = 8, piece_bytes: int = 1 << 20):
+                 part_bytes: int = 8 << 20, max_concurrency: int = 8, read_bytes: int = 1 << 20):
         self._client = client
         self._bucket = bucket
         self._prefix = prefix
         self._exit_stack = exit_stack
         self._part_bytes = part_bytes
         self._max_concurrency = max_concurrency
-        self._piece_bytes = piece_bytes
+        self._read_bytes = read_bytes
         self.description = f"s3://{bucket}/{prefix}"
 
     @classmethod
@@ -59,7 +59,7 @@ class S3BlobStore(BlobStore):
             aws_access_key_id=access_key, aws_secret_access_key=secret_key, config=client_config))
         store = cls(client, config.s3_bucket, config.s3_prefix, stack,
                     part_bytes=config.s3_part_bytes, max_concurrency=config.s3_max_concurrency,
-                    piece_bytes=config.chunk_bytes)
+                    read_bytes=config.chunk_bytes)
         try:
             with store._errors(f"bucket {config.s3_bucket!r}", is_key=False):
                 await client.head_bucket(Bucket=config.s3_bucket)
@@ -104,10 +104,9 @@ class S3BlobStore(BlobStore):
 
     async def _stream(self, bucket: str, full_key: str, what: str,
                       etag_out: list[str] | None = None) -> AsyncIterator[bytes]:
-        """The object in pieces of at most `piece_bytes`, in order, as its bytes arrive: a GET of
-        the first part; once its headers give the object's size, the other parts as ranged GETs
-        pinned to its ETag, all streaming at once (at most `max_concurrency`). The ETag goes into
-        `etag_out` before the first piece."""
+        """The object in pieces, in order, as its bytes arrive: a GET of the first part; once its
+        headers give the object's size, the other parts as ranged GETs pinned to its ETag, all
+        streaming at once (at most `max_concurrency`). The ETag goes into `etag_out` first."""
         limit = asyncio.Semaphore(self._max_concurrency)
         queues: list[asyncio.Queue] = []
         reads: list[asyncio.Future] = []
@@ -132,8 +131,11 @@ class S3BlobStore(BlobStore):
                         first if index == 0 else None)))
                 if etag_out is not None:
                     etag_out.append(etag)
-                async for piece in _coalesce(queues, self._piece_bytes):
-                    yield piece
+                for queue in queues:
+                    while (piece := await queue.get()) is not _END:
+                        if isinstance(piece, BaseException):
+                            raise piece
+                        yield piece
         finally:
             for read in reads:
                 read.cancel()
@@ -165,7 +167,7 @@ class S3BlobStore(BlobStore):
                     Bucket=bucket, Key=full_key, Range=f"bytes={begin}-{end - 1}", IfMatch=etag)
             num_read = 0
             async with response["Body"] as body:
-                while chunk := await body.read(self._piece_bytes):
+                while chunk := await body.read(self._read_bytes):
                     num_read += len(chunk)
                     out.put_nowait(chunk)
             if num_read != end - begin:
@@ -217,25 +219,6 @@ class S3BlobStore(BlobStore):
 
 
 _END = object()  # marks the end of one range's chunks in its queue
-
-
-async def _coalesce(queues: list[asyncio.Queue], piece_bytes: int) -> AsyncIterator[bytes]:
-    """The chunks of each range's queue, ranges in order, joined into pieces of at most
-    `piece_bytes` (a chunk is never larger): few gRPC messages and hash calls, and no piece
-    waits for more than it needs."""
-    pending: list[bytes] = []
-    num_pending = 0
-    for queue in queues:
-        while (chunk := await queue.get()) is not _END:
-            if isinstance(chunk, BaseException):
-                raise chunk
-            if pending and num_pending + len(chunk) > piece_bytes:
-                yield pending[0] if len(pending) == 1 else b"".join(pending)
-                pending, num_pending = [], 0
-            pending.append(chunk)
-            num_pending += len(chunk)
-    if pending:
-        yield pending[0] if len(pending) == 1 else b"".join(pending)
 
 
 def _total_size(content_range: str | None, num_read: int) -> int:

@@ -186,16 +186,14 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
                 raise InvalidArgument("Fetch needs an exact version (resolve it with GetAdapter)")
             record = await self._registry.get(request.name, request.version)
             self._num_fetches += 1
-            yield pb.FetchResponse(info=record_to_pb(record))
-            chunk_bytes = self._config.chunk_bytes
-            async with self._reading(record):
-                async for piece in self._cache.stream(record):  # as it arrives from S3 if cold
-                    if piece is RESTART:
-                        yield pb.FetchResponse(restart=True)
-                        continue
-                    for offset in range(0, len(piece), chunk_bytes):
-                        yield pb.FetchResponse(chunk=piece if len(piece) <= chunk_bytes else
-                                               piece[offset:offset + chunk_bytes])
+            # Pieces of at most chunk_bytes, as they arrive from S3 if cold: the read starts
+            # here, while the first message is on its way.
+            pieces = self._cache.stream(record)
+            async with self._reading(record), contextlib.aclosing(pieces):
+                yield pb.FetchResponse(info=record_to_pb(record))
+                async for piece in pieces:
+                    yield (pb.FetchResponse(restart=True) if piece is RESTART else
+                           pb.FetchResponse(chunk=piece))
 
     async def Prewarm(self, request, context) -> pb.HostPrewarmResponse:
         async with grpc_errors(context):
@@ -263,7 +261,8 @@ async def start_store(config: StoreConfig, blobs: BlobStore | None = None) -> Ru
         registry = Registry(blobs, max_rank=config.max_rank,
                             require_base_model=config.require_base_model)
         await registry.load()
-        cache = HostCache(blobs, config.host_cache_bytes, config.read_attempts)
+        cache = HostCache(blobs, config.host_cache_bytes, config.read_attempts,
+                          piece_bytes=config.chunk_bytes)
         servicer = AdapterStoreServicer(config, registry, cache, LeaseBook(blobs))
         service = server.Service(
             "adapter_store", config.address,

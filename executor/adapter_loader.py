@@ -2,13 +2,15 @@
 
 The path, and why each step sits where it does:
 1. Fetch: chunks stream from the first store that answers into a reused host staging buffer
-   (pinned on CUDA); one worker thread writes and hashes them in order while the next chunks are
-   on the wire, so the sha256 check costs little after the last byte. Size and sha256 must match
-   what the store announced, else DATA_LOSS (and the next store is tried): a bad or partial
-   adapter never reaches the pool. A `restart` message (the store's own read failed its check and
-   was read again) discards what came before it.
+   (pinned on CUDA), written as they come; one worker thread hashes them in order while the next
+   chunks are on the wire, so the sha256 check costs little after the last byte. Size and sha256
+   must match what the store announced, else DATA_LOSS (and the next store is tried): a bad or
+   partial adapter never reaches the pool. A `restart` message (the store's own read failed its
+   check and was read again) discards what came before it.
 2. Parse: PEFT config + safetensors, validated against the base model, in a worker thread; the
-   tensors are views into the staging buffer, not copies.
+   tensors are views into the staging buffer, not copies. It starts once the last chunk is
+   written, beside the hashing of the last chunks; its result is used only once the sha256
+   matched (a mismatch is DATA_LOSS, whatever the parse made of the bytes).
 3. Copy: on CUDA, from the pinned staging buffer into the slot on a side CUDA stream, in a worker
    thread; the step loop (its own thread, default stream) never waits on a load. On CPU it is a
    plain copy. The slot reads as empty until the copy is complete.
@@ -69,8 +71,10 @@ class StagingBuffers:
 
 
 class _ChunkWriter:
-    """Writes a Fetch's chunks in order into a staging buffer and hashes them, in one worker
-    thread (hashlib drops the GIL on large chunks), while the event loop receives the next."""
+    """Writes a Fetch's chunks in order into a staging buffer as they come (a memcpy, in the
+    event loop) and hashes them in one worker thread (hashlib drops the GIL) while the next ones
+    are on the wire: when the stream ends the bytes are in place, and only the hashing of the last
+    chunks remains."""
 
     def __init__(self, buffer: torch.Tensor, worker: concurrent.futures.ThreadPoolExecutor):
         self._view = memoryview(buffer.numpy())
@@ -80,17 +84,19 @@ class _ChunkWriter:
         self.num_bytes = 0
 
     def add(self, chunk: bytes) -> bool:
-        """Queue `chunk` after the previous ones; False when it would overflow the buffer."""
+        """Write `chunk` after the previous ones; False when it would overflow the buffer."""
         end = self.num_bytes + len(chunk)
         if end > len(self._view):
             return False
-        self._submit(self._write, self.num_bytes, chunk)
+        self._view[self.num_bytes:end] = chunk
+        self._pending.append(asyncio.get_running_loop().run_in_executor(
+            self._worker, self._digest.update, chunk))
         self.num_bytes = end
         return True
 
     def restart(self) -> None:
-        """Discard everything queued so far: the object follows again from its first byte."""
-        self._submit(self._reset)
+        """Discard everything so far: the object follows again from its first byte."""
+        self._digest = hashlib.sha256()  # updates still queued go to the old one
         self.num_bytes = 0
 
     async def hexdigest(self) -> str:
@@ -98,18 +104,8 @@ class _ChunkWriter:
         return self._digest.hexdigest()
 
     async def wait(self) -> None:
-        """Until the worker has done everything queued (the buffer may then be reused)."""
+        """Until the worker has hashed everything queued."""
         await asyncio.gather(*self._pending, return_exceptions=True)
-
-    def _submit(self, fn, *args) -> None:
-        self._pending.append(asyncio.get_running_loop().run_in_executor(self._worker, fn, *args))
-
-    def _write(self, offset: int, chunk: bytes) -> None:
-        self._view[offset:offset + len(chunk)] = chunk
-        self._digest.update(chunk)
-
-    def _reset(self) -> None:
-        self._digest = hashlib.sha256()
 
 
 @dataclass(frozen=True)
@@ -145,18 +141,9 @@ class AdapterLoader:
             if self.slot_adapters[slot] == key:
                 return LoadResult(0, 0.0, True)
             start = time.perf_counter()
-            config_json, staging, num_bytes = await self._fetch(name, version)
+            staging, num_bytes, weights = await self._fetch(name, version)
             try:
                 fetched = time.perf_counter()
-                try:
-                    weights = await asyncio.to_thread(
-                        parse_peft_adapter, json.loads(config_json), staging[:num_bytes],
-                        self._runner.config, max_rank=self._runner.pool.max_rank)
-                except BaseModelMismatchError as err:
-                    raise FailedPrecondition(f"adapter {key}: {err}") from None
-                except AdapterError as err:
-                    raise InvalidArgument(f"adapter {key}: {err}") from None
-                parsed = time.perf_counter()
                 # Empty while the copy runs. Reported once the load ends (below, or on failure):
                 # a report now would put its RPC and lease write beside the copy, for nothing.
                 self.slot_adapters[slot] = ""
@@ -171,9 +158,9 @@ class AdapterLoader:
             self.slot_adapters[slot] = key
             self._residency_changed()
             seconds = time.perf_counter() - start
-            log.info("loaded %s into slot %d: %d bytes in %.3fs (fetch %.3f, parse %.3f, copy "
-                     "%.3f)", key, slot, num_bytes, seconds, fetched - start, parsed - fetched,
-                     seconds - (parsed - start))
+            log.info("loaded %s into slot %d: %d bytes in %.4fs (fetch + check + parse %.4f, "
+                     "copy %.4f)", key, slot, num_bytes, seconds, fetched - start,
+                     seconds - (fetched - start))
             return LoadResult(num_bytes, seconds, False)
 
     async def unload(self, slot: int, adapter: str = "") -> None:
@@ -196,9 +183,9 @@ class AdapterLoader:
             self._runner.load_adapter(slot, weights)
         self._copy_stream.synchronize()  # this thread waits; the step loop's stream does not
 
-    async def _fetch(self, name: str, version: int) -> tuple[str, torch.Tensor, int]:
-        """(adapter_config.json, staging buffer holding the safetensors bytes, their size) from
-        the first store that can serve them. The caller releases the buffer."""
+    async def _fetch(self, name: str, version: int) -> tuple[torch.Tensor, int, LoraWeights]:
+        """(staging buffer holding the safetensors bytes, their size, the adapter parsed from
+        them) from the first store that can serve them. The caller releases the buffer."""
         last: LoraplexError = Unavailable("no adapter store configured")
         for address, stub in zip(self._stores, self._stubs):
             try:
@@ -212,8 +199,11 @@ class AdapterLoader:
         raise last
 
     async def _fetch_from(self, stub: adapter_store_pb2_grpc.AdapterStoreStub, name: str,
-                          version: int) -> tuple[str, torch.Tensor, int]:
-        info, staging, writer = None, None, None
+                          version: int) -> tuple[torch.Tensor, int, LoraWeights]:
+        """Receive, then parse while the hashing of the last chunks finishes; the parse counts
+        only once size and sha256 matched the store's (else DATA_LOSS, whatever it found)."""
+        info, staging, writer, parsing = None, None, None, None
+        key = f"{name}@{version}"
         try:
             async for msg in stub.Fetch(adapter_store_pb2.FetchRequest(name=name,
                                                                        version=version)):
@@ -225,19 +215,34 @@ class AdapterLoader:
                 elif kind == "restart" and writer is not None:
                     writer.restart()
                 elif kind != "chunk" or writer is None or not writer.add(msg.chunk):
-                    raise DataLoss(f"adapter {name}@{version}: the store sent bytes beyond the "
-                                   "announced size, or no metadata first")
+                    raise DataLoss(f"adapter {key}: the store sent bytes beyond the announced "
+                                   "size, or no metadata first")
             if info is None:
-                raise DataLoss(f"adapter {name}@{version}: the store sent no metadata")
+                raise DataLoss(f"adapter {key}: the store sent no metadata")
+            if writer.num_bytes == info.num_bytes:
+                parsing = asyncio.ensure_future(asyncio.to_thread(
+                    self._parse, key, info.config_json, staging[:info.num_bytes]))
             if writer.num_bytes != info.num_bytes or await writer.hexdigest() != info.sha256:
-                raise DataLoss(f"adapter {name}@{version}: received {writer.num_bytes} bytes that "
-                               f"do not match the store's size {info.num_bytes} and sha256")
-            return info.config_json, staging, info.num_bytes
+                raise DataLoss(f"adapter {key}: received {writer.num_bytes} bytes that do not "
+                               f"match the store's size {info.num_bytes} and sha256")
+            return staging, info.num_bytes, await parsing
         except BaseException:
+            if parsing is not None:  # (a thread: it runs to its end, cancelled or not)
+                await asyncio.gather(parsing, return_exceptions=True)
             if staging is not None:
-                await writer.wait()  # no queued write may land in a buffer handed out again
+                await writer.wait()
                 self._staging.release(staging)
             raise
+
+    def _parse(self, key: str, config_json: str, data: torch.Tensor) -> LoraWeights:
+        """Runs in a worker thread: the PEFT adapter in `data`, validated; views into it."""
+        try:
+            return parse_peft_adapter(json.loads(config_json), data, self._runner.config,
+                                      max_rank=self._runner.pool.max_rank)
+        except BaseModelMismatchError as err:
+            raise FailedPrecondition(f"adapter {key}: {err}") from None
+        except AdapterError as err:
+            raise InvalidArgument(f"adapter {key}: {err}") from None
 
     async def close(self) -> None:
         """Stop the background residency reports."""

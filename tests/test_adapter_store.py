@@ -75,6 +75,7 @@ class CountingBlobStore(BlobStore):
         self.description = inner.description
         self.num_gets: collections.Counter[str] = collections.Counter()
         self.get_delay_s = 0.0
+        self.gate: asyncio.Event | None = None  # when set, weight reads wait for it
 
     async def get_with_etag(self, key):
         self.num_gets[key] += 1
@@ -84,6 +85,8 @@ class CountingBlobStore(BlobStore):
     async def iter_parts(self, key):
         self.num_gets[key] += 1
         await asyncio.sleep(self.get_delay_s)
+        if self.gate is not None:
+            await self.gate.wait()
         async with contextlib.aclosing(self.inner.iter_parts(key)) as parts:
             async for part in parts:
                 yield part

@@ -126,8 +126,14 @@ async def test_single_flight_of_100_fetches_of_a_cold_multipart_adapter(own_s3):
     store = await start_store(own_s3)
     try:
         calls = count_s3_gets(store)
-        store.blobs.get_delay_s = 0.2  # all 100 requests arrive while the one read is running
-        results = await asyncio.gather(*(store.fetch("big", 1) for _ in range(100)))
+        store.blobs.gate = asyncio.Event()  # the one read waits until all 100 requests are in
+        fetches = [asyncio.ensure_future(store.fetch("big", 1)) for _ in range(100)]
+        for _ in range(500):
+            if (await store.stub.Stats(pb.StoreStatsRequest())).fetches == 100:
+                break
+            await asyncio.sleep(0.01)
+        store.blobs.gate.set()
+        results = await asyncio.gather(*fetches)
         assert all(data == DATA for _, data in results)
         stats = await store.stub.Stats(pb.StoreStatsRequest())
         assert (stats.blob_reads, stats.host_misses, stats.host_joined) == (1, 1, 99)

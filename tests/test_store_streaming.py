@@ -13,10 +13,12 @@ import safetensors.torch
 import torch
 
 from adapter_store.blobs import open_blob_store
+from adapter_store.host_cache import LAST_PIECE_BYTES, _PieceCutter
 from adapter_store.service import start_store
 from executor.adapter_loader import AdapterLoader, StagingBuffers
 from executor.peft_adapter import parse_peft_adapter
 from executor.runner import ModelRunner
+from loraplex.errors import DataLoss
 from loraplex.fixtures import MODEL_ID
 from loraplex.server import insecure_channel
 from protos import adapter_store_pb2 as pb
@@ -147,6 +149,47 @@ async def test_loader_gets_the_right_weights_after_a_restart_and_with_reused_sta
         for slot in (0, 1):
             await loader.unload(slot)
         await loader.close()
+
+
+@in_session_loop
+async def test_loader_checks_the_bytes_itself_before_the_parse_counts(tmp_path, runner):
+    """A store that serves bad bytes past its own check (here: its RAM copy damaged after the
+    check) gets DATA_LOSS at the executor, not the INVALID_ARGUMENT the parse of the damaged bytes
+    (done beside the hashing) would give; the slot is untouched."""
+    config = dataclasses.replace(file_config(tmp_path), chunk_bytes=PART)
+    store = await PartedStore(config).start()
+    loader = AdapterLoader(runner, (store.running.address,), holder="test-own-check")
+    try:
+        await store.push("big", CONFIG_JSON, BIG, chunk=256 * 1024)
+        await store.stub.Prewarm(pb.HostPrewarmRequest(name="big", version=1))
+        entries = store.running.cache._entries
+        parts = list(entries[("big", 1)])
+        parts[0] = b"\xff" * 8 + parts[0][8:]  # a header length past the end: parse fails too
+        entries[("big", 1)] = tuple(parts)
+        await loader.unload(0)
+        with pytest.raises(DataLoss, match="do not match the store's size"):
+            await loader.load("big", 1, 0)
+        assert not runner.pool.targets[0] and loader.slot_adapters[0] == ""
+    finally:
+        await loader.close()
+        await store.stop()
+
+
+@pytest.mark.parametrize("num_bytes", [0, 1, LAST_PIECE_BYTES, LAST_PIECE_BYTES + 1,
+                                       3 * PART - 7, 3 * PART, 5 * PART + LAST_PIECE_BYTES + 3])
+def test_pieces_are_fetch_chunks_with_a_small_last_one(num_bytes):
+    data = bytes(range(256)) * (num_bytes // 256 + 1)
+    data = data[:num_bytes]
+    pieces: list[bytes] = []
+    cutter = _PieceCutter(num_bytes, PART, pieces.append)
+    for offset in range(0, num_bytes, 5000):  # parts of any size, split at any byte
+        cutter.add(data[offset:offset + 5000])
+    cutter.finish()
+    assert b"".join(pieces) == data and all(isinstance(p, bytes) for p in pieces)
+    assert all(0 < len(p) <= PART for p in pieces)
+    if num_bytes:
+        assert len(pieces[-1]) == min(num_bytes, LAST_PIECE_BYTES)
+        assert all(len(p) == PART for p in pieces[:-2])  # full chunks up to the tail
 
 
 def test_staging_buffers_reuse_the_smallest_fitting_and_keep_the_largest():
