@@ -4,19 +4,30 @@
 
 A SeaweedFS S3 server, two adapter store processes on one S3 prefix (one with no host tier, so
 every Fetch reads S3; one with a warm host tier), and an in-process AdapterLoader over a
-random-weight model sized so that 1, 16 and 64 MiB fp32 adapters fit its slots. Per size:
-- raw S3 GET: one GetObject of the adapter's bytes (aiobotocore, whole body), the baseline;
-- S3 -> slot: LoadAdapter path from a cold store: parallel ranged GETs streamed on as they
+random-weight model sized so that 1, 16 and 64 MiB fp32 adapters fit its slots. This process
+plays the executor's: uvloop, and freed memory kept for reuse (adapter_store.allocator), as in
+the store. Per size, measured in rounds, each round one rep of every kind in turn, so that
+machine noise (two cores shared with S3 and the stores) falls on all of them alike:
+- raw S3 GET, the baseline: one GetObject of the adapter's bytes, its body taken as it arrives
+  and kept (no checksum: a ranged answer, as the store gets, carries none);
+- raw GET read(): the same through aiobotocore's read() of the whole body (the former baseline:
+  it joins the body and checks S3's CRC32 on it);
+- S3 -> slot: LoadAdapter's path from the store without host tier: GETs streamed on as they
   arrive (hashed in the store on the way), gRPC chunks to the loader (written to staging and
-  hashed on arrival), parse + validation, copy into the slot (emptying the slot beforehand, a
-  separate unload, is not timed);
-- host hit -> slot: the same from a store that holds the adapter in RAM;
+  hashed as they come), parse + validation, copy into the slot;
+- host hit -> slot: the same from the store that holds the adapter in RAM;
 - host hit Fetch: the store's part alone (Fetch RPC of a cached adapter, all chunks received).
-The full run writes bench/results/store-load-cpu.md.
+Before each rep, its untimed preparation (emptying the slot a load fills, a separate unload);
+the reps follow each other without pause: on this VM an idle pause of 20 ms adds ~2 ms to the
+next 1 MiB GET (CPU wake-up), as it would to anything measured after it. The bench's loaders send
+no residency reports (BenchLoader): those go out after each load or unload, in the background,
+and here would land in the next rep's time.
+Ratios: p50 over p50, and the median of each round's S3 -> slot over its raw GET.
+The full run writes bench/results/store-load-cpu.md (the table; the analysis there is by hand).
 """
 
 import argparse
-import asyncio
+import contextlib
 import json
 import pathlib
 import statistics
@@ -25,14 +36,16 @@ import tempfile
 import time
 import uuid
 
+import botocore.config
 import safetensors.torch
 import torch
+import uvloop
+from aiobotocore.session import get_session
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from adapter_store.config import StoreConfig  # noqa: E402
-from adapter_store.s3_blobs import S3BlobStore  # noqa: E402
+from adapter_store.allocator import keep_freed_memory  # noqa: E402
 from executor.adapter_loader import AdapterLoader  # noqa: E402
 from executor.model_config import ModelConfig  # noqa: E402
 from executor.runner import ModelRunner  # noqa: E402
@@ -41,7 +54,7 @@ from loraplex.launch import start_service  # noqa: E402
 from loraplex.server import insecure_channel  # noqa: E402
 from protos import adapter_store_pb2 as pb  # noqa: E402
 from protos import adapter_store_pb2_grpc  # noqa: E402
-from tests.s3server import SeaweedS3  # noqa: E402
+from tests.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "store-load-cpu.md"
 MODEL = ModelConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
@@ -54,6 +67,7 @@ MODULES = {"q_proj": ("self_attn", 1024, 1024), "k_proj": ("self_attn", 1024, 10
 # size label -> (targets, rank): fp32 bytes = 4 * rank * sum(in + out) * layers
 SIZES = {"1 MiB": (("q_proj", "v_proj"), 8), "16 MiB": (tuple(MODULES), 27),
          "64 MiB": (tuple(MODULES), 106)}
+KINDS = ("raw", "raw_read", "cold", "warm", "hit")  # the order of the reps in a round
 
 
 def make_adapter(folder: pathlib.Path, targets: tuple[str, ...], rank: int) -> int:
@@ -78,115 +92,167 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def measure(reps: int, fn, prepare=None) -> list[float]:
-    """Seconds of `fn` per rep, after one warm-up (connections, allocator); `prepare` runs
-    untimed before each call."""
-    times = []
-    for rep in range(reps + 1):
-        if prepare is not None:
-            await prepare()
-        start = time.perf_counter()
-        await fn()
-        if rep:
-            times.append(time.perf_counter() - start)
-    return times
+async def no_preparation() -> None:
+    pass
 
 
-async def run(quick: bool) -> str:
+@contextlib.asynccontextmanager
+async def s3_client(s3: SeaweedS3):
+    config = botocore.config.Config(s3={"addressing_style": "path"},
+                                    response_checksum_validation="when_required")
+    async with get_session().create_client(
+            "s3", endpoint_url=s3.endpoint_url, region_name="us-east-1",
+            aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
+            config=config) as s3c:
+        yield s3c
+
+
+class BenchLoader(AdapterLoader):
+    """An AdapterLoader that keeps its residency to itself (see the module docstring)."""
+
+    async def report_residency(self) -> bool:
+        return True
+
+
+class SizeBench:
+    """The five kinds of rep for one adapter: kind -> (untimed preparation, timed call)."""
+
+    def __init__(self, s3c, bucket: str, key: str, info, runner: ModelRunner,
+                 cold_address: str, warm_address: str,
+                 warm_stub: adapter_store_pb2_grpc.AdapterStoreStub):
+        self.s3c, self.bucket, self.key = s3c, bucket, key
+        self.name, self.version = info.name, info.version
+        self.warm_stub = warm_stub
+        self.loaders = [BenchLoader(runner, (cold_address,), holder="bench-cold"),
+                        BenchLoader(runner, (warm_address,), holder="bench-warm")]
+        self.reps = {"raw": (no_preparation, self.raw_get),
+                     "raw_read": (no_preparation, self.raw_get_read),
+                     "cold": self.loads(self.loaders[0]),
+                     "warm": self.loads(self.loaders[1]),
+                     "hit": (no_preparation, self.fetch_hit)}
+
+    async def raw_get(self) -> None:
+        response = await self.s3c.get_object(Bucket=self.bucket, Key=self.key)
+        async with response["Body"] as body:
+            parts = [chunk async for chunk in body.iter_chunks(1 << 20)]
+        assert sum(map(len, parts)) == response["ContentLength"]
+
+    async def raw_get_read(self) -> None:
+        response = await self.s3c.get_object(Bucket=self.bucket, Key=self.key,
+                                             ChecksumMode="ENABLED")
+        async with response["Body"] as body:
+            await body.read()
+
+    def loads(self, loader: AdapterLoader) -> tuple:
+        """(empty the slot the next load fills, load into it): the unload is not timed."""
+        state = {"slot": 0}
+
+        async def unload_next() -> None:
+            state["slot"] ^= 1
+            await loader.unload(state["slot"])
+
+        async def load() -> None:
+            result = await loader.load(self.name, self.version, state["slot"])
+            assert not result.was_resident
+        return unload_next, load
+
+    async def fetch_hit(self) -> None:
+        async for _ in self.warm_stub.Fetch(pb.FetchRequest(name=self.name,
+                                                            version=self.version)):
+            pass
+
+    async def run(self, reps: int) -> dict[str, list[float]]:
+        """Seconds per rep of every kind, rounds interleaved, after one warm-up round."""
+        times: dict[str, list[float]] = {kind: [] for kind in KINDS}
+        for rep in range(reps + 1):
+            for kind in KINDS:
+                prepare, call = self.reps[kind]
+                await prepare()
+                start = time.perf_counter()
+                await call()
+                if rep:
+                    times[kind].append(time.perf_counter() - start)
+        return times
+
+    async def close(self) -> None:
+        for loader in self.loaders:
+            await loader.close()
+
+
+async def run(quick: bool) -> list[tuple]:
+    keep_freed_memory()
     work = pathlib.Path(tempfile.mkdtemp(prefix="loraplex-bench-"))
     rows = []
     with SeaweedS3.start() as s3:
-        url = f"s3://{s3.bucket}/bench-{uuid.uuid4().hex[:8]}"
-        common = ["--url", url, "--s3-endpoint-url", s3.endpoint_url]
+        prefix = f"bench-{uuid.uuid4().hex[:8]}"
+        common = ["--url", f"s3://{s3.bucket}/{prefix}", "--s3-endpoint-url", s3.endpoint_url]
         cold = start_service("store-cold", "adapter_store.service",
                              [*common, "--host-cache-mb", "0"], work / "logs")
         warm = start_service("store-warm", "adapter_store.service",
                              [*common, "--host-cache-mb", "1024"], work / "logs")
-        blobs = await S3BlobStore.open(StoreConfig(url=url, s3_endpoint_url=s3.endpoint_url))
         runner = ModelRunner.random(MODEL, num_kv_blocks=8, block_size=8, num_slots=2,
                                     max_rank=128)
         try:
-            for label, (targets, rank) in SIZES.items():
-                name = f"bench-{label.split()[0]}mib"
-                size = make_adapter(work / name, targets, rank)
-                info = await client.push_adapter(cold.address, work / name, name)
-                reps = 5 if quick else (30 if size < 32 << 20 else 15)
-                key = f"adapters/{name}/weights/{info.sha256}.safetensors"
-
-                async def raw_get() -> None:
-                    response = await blobs._client.get_object(Bucket=s3.bucket,
-                                                              Key=blobs._prefix + key)
-                    async with response["Body"] as body:
-                        await body.read()
-
-                def load_via(address: str) -> tuple:
-                    """(load, empty the slot it loads next): the unload is not timed."""
-                    loader = AdapterLoader(runner, (address,), holder=f"bench-{address}")
-                    state = {"slot": 0}
-
-                    async def unload_next() -> None:
-                        state["slot"] ^= 1
-                        await loader.unload(state["slot"])
-
-                    async def load() -> None:
-                        result = await loader.load(name, info.version, state["slot"])
-                        assert not result.was_resident
-                    return load, unload_next
-
-                async with insecure_channel(warm.address) as channel:
-                    stub = adapter_store_pb2_grpc.AdapterStoreStub(channel)
-                    await stub.Prewarm(pb.HostPrewarmRequest(name=name, version=info.version))
-
-                    async def fetch_hit() -> None:
-                        async for _ in stub.Fetch(pb.FetchRequest(name=name,
-                                                                  version=info.version)):
-                            pass
-
-                    raw = await measure(reps, raw_get)
-                    cold_load = await measure(reps, *load_via(cold.address))
-                    warm_load = await measure(reps, *load_via(warm.address))
-                    hit = await measure(reps, fetch_hit)
-                rows.append((label, size, reps, raw, cold_load, warm_load, hit))
-                print(f"{label}: raw p50 {pct(raw, .5) * 1e3:.1f} ms, S3->slot p50 "
-                      f"{pct(cold_load, .5) * 1e3:.1f} ms", flush=True)
+            async with s3_client(s3) as s3c, insecure_channel(warm.address) as channel:
+                warm_stub = adapter_store_pb2_grpc.AdapterStoreStub(channel)
+                for label, (targets, rank) in SIZES.items():
+                    name = f"bench-{label.split()[0]}mib"
+                    size = make_adapter(work / name, targets, rank)
+                    info = await client.push_adapter(cold.address, work / name, name)
+                    await warm_stub.Prewarm(pb.HostPrewarmRequest(name=name,
+                                                                  version=info.version))
+                    reps = 5 if quick else (40 if size < 32 << 20 else 20)
+                    key = f"{prefix}/adapters/{name}/weights/{info.sha256}.safetensors"
+                    bench = SizeBench(s3c, s3.bucket, key, info, runner, cold.address,
+                                      warm.address, warm_stub)
+                    try:
+                        times = await bench.run(reps)
+                    finally:
+                        await bench.close()
+                    rows.append((label, size, reps, times))
+                    print(f"{label}: raw p50 {pct(times['raw'], .5) * 1e3:.1f} ms, S3->slot p50 "
+                          f"{pct(times['cold'], .5) * 1e3:.1f} ms", flush=True)
         finally:
-            await blobs.close()
             for service in (cold, warm):
                 service.stop(grace=2)
-    return report(rows)
+    return rows
 
 
-def report(rows) -> str:
-    ms = lambda v: f"{v * 1e3:.1f}"  # noqa: E731
+def report(rows: list[tuple]) -> str:
+    def ms(values: list[float]) -> str:
+        return f"{pct(values, .5) * 1e3:.1f} / {pct(values, .99) * 1e3:.1f}"
+
     lines = [
         "# Adapter load latency, S3 -> slot (CPU)", "",
-        "`bench/store_load.py`: SeaweedFS 4.48 on loopback, two store processes (no host tier / "
-        "warm host tier), in-process executor loader over a random 8-layer hidden-1024 model, "
-        "fp32 adapters. Milliseconds; p50 / p99 over the reps after one warm-up.", "",
-        "| adapter | bytes | reps | raw S3 GET p50 / p99 | S3 -> slot p50 / p99 | ratio p50 "
-        "| host hit -> slot p50 / p99 | host hit Fetch p50 / p99 |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for label, size, reps, raw, cold, warm, hit in rows:
+        "`bench/store_load.py` (see its docstring): SeaweedFS 4.48 on loopback, two store "
+        "processes (no host tier / warm host tier), in-process executor loader (uvloop) over a "
+        "random 8-layer hidden-1024 model, fp32 adapters, all on the same 2 cores. Milliseconds; "
+        "p50 / p99 over the rounds after one warm-up round; the kinds of rep interleaved.", "",
+        "| adapter | bytes | rounds | raw S3 GET p50 / p99 | S3 -> slot p50 / p99 | ratio p50 "
+        "| ratio, median of rounds | host hit -> slot p50 / p99 | host hit Fetch p50 / p99 "
+        "| raw GET read() p50 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for label, size, reps, t in rows:
+        paired = statistics.median(c / r for c, r in zip(t["cold"], t["raw"], strict=True))
         lines.append(
-            f"| {label} | {size:,} | {reps} | {ms(pct(raw, .5))} / {ms(pct(raw, .99))} | "
-            f"{ms(pct(cold, .5))} / {ms(pct(cold, .99))} | "
-            f"{pct(cold, .5) / pct(raw, .5):.2f}x | {ms(pct(warm, .5))} / {ms(pct(warm, .99))} | "
-            f"{ms(pct(hit, .5))} / {ms(pct(hit, .99))} |")
-    throughput = statistics.mean(r[1] / pct(r[3], .5) for r in rows) / 2**20
-    lines += ["", f"Machine: {torch.get_num_threads()} torch threads; "
-              f"mean raw GET throughput {throughput:.0f} MiB/s.", ""]
+            f"| {label} | {size:,} | {reps} | {ms(t['raw'])} | {ms(t['cold'])} | "
+            f"{pct(t['cold'], .5) / pct(t['raw'], .5):.2f}x | {paired:.2f}x | {ms(t['warm'])} | "
+            f"{ms(t['hit'])} | {pct(t['raw_read'], .5) * 1e3:.1f} |")
+    throughput = statistics.mean(size / pct(t["raw"], .5) for _, size, _, t in rows) / 2**20
+    lines += ["", f"Machine: {torch.get_num_threads()} torch threads; mean raw GET throughput "
+              f"{throughput:.0f} MiB/s.", ""]
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="5 reps, no results file")
+    parser.add_argument("--quick", action="store_true", help="5 rounds, no results file")
     args = parser.parse_args()
-    table = asyncio.run(run(args.quick))
+    table = report(uvloop.run(run(args.quick)))
     print(table)
     if not args.quick:
         RESULTS.write_text(table)
-        print(f"wrote {RESULTS}")
+        print(f"wrote {RESULTS} (add the analysis by hand)")
 
 
 if __name__ == "__main__":

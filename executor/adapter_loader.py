@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from executor.lora import LoraModuleWeights, LoraWeights
+from executor.lora import LoraWeights
 from executor.peft_adapter import AdapterError, BaseModelMismatchError, parse_peft_adapter
 from executor.runner import ModelRunner
 from loraplex.errors import (DataLoss, FailedPrecondition, InvalidArgument, LoraplexError,
