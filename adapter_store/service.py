@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 
-from adapter_store.allocator import keep_freed_memory
+from loraplex.allocator import keep_freed_memory
 from adapter_store.base_models import BaseModel
 from adapter_store.blobs import BlobStore, open_blob_store
 from adapter_store.config import StoreConfig, parse_args

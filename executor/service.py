@@ -16,6 +16,7 @@ from executor.adapter_loader import AdapterLoader
 from executor.config import ExecutorConfig
 from executor.lora import resolve_lora_backend
 from executor.runner import ModelRunner, Row, SamplingParams
+from loraplex.allocator import keep_freed_memory
 from loraplex.errors import FailedPrecondition, grpc_errors
 from loraplex.metrics import serve_metrics
 from loraplex.server import Service, announce, configure_logging, run, run_until_signalled
@@ -143,6 +144,7 @@ async def serve(config: ExecutorConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     configure_logging("executor")
+    keep_freed_memory()  # received adapter chunks reuse freed blocks instead of faulting in pages
     run(lambda: serve(ExecutorConfig.from_args(argv)))
 
 
