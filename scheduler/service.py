@@ -187,7 +187,8 @@ async def serve(config: SchedulerConfig, ready_timeout: float = 300.0) -> None:
                     TimingLog(config.timings_out) if config.timings_out else None)
     engine.start()
     # Tokenizer and model facts come from the executors: wait for the first one.
-    await asyncio.wait_for(asyncio.shield(engine.first_info), ready_timeout)
+    async with asyncio.timeout(ready_timeout):
+        await asyncio.shield(engine.first_info)
     servicer = SchedulerServicer(config, engine, RegistryClient(config.stores))
     service = Service("scheduler", config.address,
                       lambda server: scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server),

@@ -160,11 +160,29 @@ class SeaweedS3:
         self.process.wait()
 
     def restart(self) -> None:
-        """After kill(): the same server (ports, data) again; returns once S3 answers."""
+        """After kill(): the same server (ports, data) again; returns once S3 answers and serves
+        the bucket's objects (S3 answers listings before the volume server is back)."""
         for sock in (self.workdir / "filer.sock", self.workdir / "s3.sock"):
             sock.unlink(missing_ok=True)
         self.process = self.launch(self.workdir, self.ports).process
         self.wait_ready()
+        self.wait_readable()
+
+    def wait_readable(self, timeout_s: float = _START_TIMEOUT_S) -> None:
+        """Poll until an object of the bucket (the first listed, if any) can be read."""
+        client = self.client()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                listed = client.list_objects_v2(Bucket=self.bucket, MaxKeys=1).get("Contents", [])
+                if listed:
+                    client.get_object(Bucket=self.bucket, Key=listed[0]["Key"])["Body"].read()
+                return
+            except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"weed S3 objects not readable after {timeout_s}s:\n"
+                                       f"{self.log_tail()}")
+                time.sleep(0.2)
 
     def stop(self) -> None:
         """SIGTERM, a short grace, SIGKILL; then remove the temp folder and weed's sockets."""

@@ -91,6 +91,7 @@ async def test_corrupted_object_is_data_loss_after_retries_and_never_reaches_a_s
         assert loader.slot_adapters[0] == "big@1" and not slot_is_empty(runner, 0)
     finally:
         await loader.unload(0)
+        await loader.close()
         await store.stop()
 
 
@@ -118,6 +119,7 @@ async def test_s3_killed_mid_load_is_unavailable_and_recovers(own_s3, runner):
         if own_s3.process.poll() is not None:
             own_s3.restart()
         await loader.unload(1)
+        await loader.close()
         await store.stop()
 
 
@@ -163,4 +165,5 @@ async def test_executor_reports_residency_and_pins_against_delete(own_s3, runner
         assert list((await store.stub.DeleteAdapter(delete)).versions) == [1]
         assert torch.count_nonzero(runner.pool.a["q_proj"][:, 0]) == 0
     finally:
+        await loader.close()
         await store.stop()
