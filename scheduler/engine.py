@@ -8,19 +8,18 @@ import asyncio
 import logging
 
 import grpc
-
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loraplex.errors import LoraplexError, Unavailable, from_rpc_error
 from loraplex.server import insecure_channel
 from protos import common_pb2, executor_pb2, executor_pb2_grpc
 from scheduler.block_manager import BlockManager
-from scheduler.discovery import resolve
 from scheduler.core import ExecutorState, Limits, Sample, Scheduler, StepPlan
+from scheduler.discovery import resolve
 from scheduler.fairness import FairnessWeights
 from scheduler.metrics import SchedulerMetrics
-from scheduler.timings import TimingLog
 from scheduler.slots import Slot, SlotTable
+from scheduler.timings import TimingLog
 
 log = logging.getLogger(__name__)
 

@@ -21,11 +21,11 @@ from scheduler import admin, validation
 from scheduler.config import SchedulerConfig
 from scheduler.detokenizer import Finish, OutputProcessor
 from scheduler.engine import Engine
-from scheduler.timings import TimingLog
 from scheduler.ratelimit import RateLimiter
 from scheduler.registry_client import RegistryClient
 from scheduler.request import ErrorEvent, Event, FinishEvent, Request, Status
 from scheduler.slots import SlotState
+from scheduler.timings import TimingLog
 
 log = logging.getLogger(__name__)
 

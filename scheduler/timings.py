@@ -29,7 +29,7 @@ class TimingLog:
     """Appends timing lines to a file (line-buffered: a killed scheduler loses at most one)."""
 
     def __init__(self, path: str):
-        self._file: IO[str] = open(path, "a", buffering=1)
+        self._file: IO[str] = open(path, "a", buffering=1)  # noqa: SIM115 (open for the process's life)
 
     def step(self, executor: str, tokens: int, adapters: int, seconds: float) -> None:
         self._write({"step": executor, "tokens": tokens, "adapters": adapters, "seconds": seconds})
@@ -108,8 +108,8 @@ def _nonnegative_lstsq(rows: list[tuple[float, ...]], default: tuple[float, ...]
 def format_fit(fit: Fit, sources: list[str]) -> str:
     c = fit.cost
     return "\n".join([
-        f"# fitted from {fit.num_steps:,} steps (R^2 {fit.step_r2:.3f}) and {fit.num_loads:,} loads "
-        f"(R^2 {fit.load_r2:.3f}) in {', '.join(sources)}",
+        (f"# fitted from {fit.num_steps:,} steps (R^2 {fit.step_r2:.3f}) and {fit.num_loads:,} loads "
+         f"(R^2 {fit.load_r2:.3f}) in {', '.join(sources)}"),
         "[cost]",
         f"step_base_s = {c.step_base_s:.6g}",
         f"step_per_token_s = {c.step_per_token_s:.6g}",

@@ -13,12 +13,12 @@ def test_gpu_check_smoke_runs_every_section_and_every_check_passes(tmp_path):
     out = tmp_path / "smoke.md"
     env = {**os.environ, "PYTHON": sys.executable, "TRITON_INTERPRET": "1"}
     run = subprocess.run(["bash", "bench/gpu_check.sh", "--smoke", "--out", str(out)], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=240)
+                         capture_output=True, text=True, timeout=240, check=False)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = out.read_text()
     for section in ("## 1. Copy bandwidth", "## 2. Kernels vs torch references", "## 3. Executor decode step",
                     "## 4. Kernel timings"):
         assert section in report
-    checks = [line for line in report.splitlines() if line.startswith("| bfloat16") or line.startswith("| float16")]
+    checks = [line for line in report.splitlines() if line.startswith(("| bfloat16", "| float16"))]
     assert len(checks) == 16 and all(line.rstrip().endswith("| yes |") for line in checks)
     assert "4 distinct adapters | torch" in report and "4 distinct adapters | triton" in report

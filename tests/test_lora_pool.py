@@ -10,6 +10,7 @@ from executor.lora import (LORA_GROUPS, LORA_MODULES, LoraModuleWeights, LoraSlo
                            LoraWeights, TorchLoraBackend, TritonLoraBackend)
 from executor.model_config import ModelConfig
 from tests.test_kernels import random_adapter
+from tests.test_lora_torch import backend_outputs
 
 CONFIG = ModelConfig(hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, vocab_size=32)
@@ -100,16 +101,5 @@ def test_outputs_of_a_reused_pool_are_bit_identical(backend):
         return TorchLoraBackend(pool, gather_max_rows=0 if backend == "torch_exact" else 8)
 
     row_slots = torch.tensor([-1, 0, 0, 1, 2, 2, 2, -1, 1])
-    got_backend, want_backend = make(reused), make(fresh)
-    got_meta, want_meta = got_backend.prepare(row_slots), want_backend.prepare(row_slots)
-    g = torch.Generator().manual_seed(3)
-    for layer in range(CONFIG.num_hidden_layers):
-        for group, modules in LORA_GROUPS.items():
-            in_f = CONFIG.module_shape(modules[0])[0]
-            width = sum(CONFIG.module_shape(m)[1] for m in modules)
-            x = torch.randn(len(row_slots), in_f, generator=g)
-            base = torch.randn(len(row_slots), width, generator=g)
-            got, want = base.clone(), base.clone()
-            got_backend.apply(layer, group, x, got, got_meta)
-            want_backend.apply(layer, group, x, want, want_meta)
-            assert torch.equal(got, want), (layer, group)
+    for layer, group, _, got, want in backend_outputs(CONFIG, make(reused), make(fresh), row_slots, seed=3):
+        assert torch.equal(got, want), (layer, group)

@@ -43,16 +43,24 @@ def test_gathered_rows_match_per_segment_matmuls(pool, row_slots):
     meta_fast, meta_exact = fast.prepare(row_slots), exact.prepare(row_slots)
     assert meta_exact.short is None
     assert (meta_fast.short is not None) == bool((row_slots >= 0).any())
-    g = torch.Generator().manual_seed(5)
-    for layer in range(CONFIG.num_hidden_layers):
+    for _, _, base, got, want in backend_outputs(CONFIG, fast, exact, row_slots, seed=5):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        untouched = row_slots < 0
+        assert torch.equal(got[untouched], base[untouched])  # rows without adapter cost nothing
+
+
+def backend_outputs(config, first, second, row_slots, seed):
+    """(layer, group, base, first's output, second's output) of two LoRA backends' apply on the
+    same random inputs, for every layer and group."""
+    first_meta, second_meta = first.prepare(row_slots), second.prepare(row_slots)
+    g = torch.Generator().manual_seed(seed)
+    for layer in range(config.num_hidden_layers):
         for group, modules in LORA_GROUPS.items():
-            in_f = CONFIG.module_shape(modules[0])[0]
-            width = sum(CONFIG.module_shape(m)[1] for m in modules)
+            in_f = config.module_shape(modules[0])[0]
+            width = sum(config.module_shape(m)[1] for m in modules)
             x = torch.randn(len(row_slots), in_f, generator=g)
             base = torch.randn(len(row_slots), width, generator=g)
             got, want = base.clone(), base.clone()
-            fast.apply(layer, group, x, got, meta_fast)
-            exact.apply(layer, group, x, want, meta_exact)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-            untouched = row_slots < 0
-            assert torch.equal(got[untouched], base[untouched])  # rows without adapter cost nothing
+            first.apply(layer, group, x, got, first_meta)
+            second.apply(layer, group, x, want, second_meta)
+            yield layer, group, base, got, want

@@ -110,7 +110,7 @@ def small_run():
 
 
 def test_simulator_finishes_every_request_within_the_yardsticks(small_run):
-    config, sim, result = small_run
+    config, _, result = small_run
     assert result.unfinished == 0
     assert sum(t.requests for t in result.tenants.values()) == config.num_requests
     assert result.adapter_admissions >= config.num_requests
