@@ -13,7 +13,7 @@ import safetensors.torch
 import torch
 
 from adapter_store.blobs import open_blob_store
-from adapter_store.host_cache import LAST_PIECE_BYTES, _PieceCutter
+from adapter_store.host_cache import HEAD_PIECES, LAST_PIECE_BYTES, _PieceCutter
 from adapter_store.service import start_store
 from executor.adapter_loader import AdapterLoader, StagingBuffers
 from executor.peft_adapter import parse_peft_adapter
@@ -108,8 +108,9 @@ async def test_cold_fetch_streams_before_the_read_ends_and_holds_the_last_part(s
                     received.append((kind, value))
     finally:
         store.blobs.release.set()  # the read goes on; the next Fetch joins it from its start
-    # info, then parts 0..3: part 4 is the newest read and waits for part 5 (or the check)
-    assert [k for k, _ in received] == ["info"] + ["chunk"] * 4
+    # info, then parts 0..3 (part 0 in HEAD_PIECES pieces): part 4 is the newest read and waits
+    # for part 5 (or the check)
+    assert [k for k, _ in received] == ["info"] + ["chunk"] * (HEAD_PIECES + 3)
     assert b"".join(v for _, v in received[1:]) == BIG[:4 * PART]
     assert b"".join([v async for k, v in payloads(store, "big") if k == "chunk"]) == BIG
 
@@ -177,7 +178,7 @@ async def test_loader_checks_the_bytes_itself_before_the_parse_counts(tmp_path, 
 
 @pytest.mark.parametrize("num_bytes", [0, 1, LAST_PIECE_BYTES, LAST_PIECE_BYTES + 1,
                                        3 * PART - 7, 3 * PART, 5 * PART + LAST_PIECE_BYTES + 3])
-def test_pieces_are_fetch_chunks_with_a_small_last_one(num_bytes):
+def test_pieces_are_fetch_chunks_with_small_first_and_last_ones(num_bytes):
     data = bytes(range(256)) * (num_bytes // 256 + 1)
     data = data[:num_bytes]
     pieces: list[bytes] = []
@@ -189,7 +190,13 @@ def test_pieces_are_fetch_chunks_with_a_small_last_one(num_bytes):
     assert all(0 < len(p) <= PART for p in pieces)
     if num_bytes:
         assert len(pieces[-1]) == min(num_bytes, LAST_PIECE_BYTES)
-        assert all(len(p) == PART for p in pieces[:-2])  # full chunks up to the tail
+    body = pieces[:-2]  # up to the tail: the first chunk in HEAD_PIECES pieces, then full ones
+    head = PART // HEAD_PIECES
+    if num_bytes >= PART + LAST_PIECE_BYTES:
+        assert [len(p) for p in body[:HEAD_PIECES]] == [head] * HEAD_PIECES
+        assert all(len(p) == PART for p in body[HEAD_PIECES:])
+    else:
+        assert all(len(p) == head for p in body)
 
 
 def test_staging_buffers_reuse_the_smallest_fitting_and_keep_the_largest():
