@@ -12,8 +12,8 @@ and after `read_attempts` mismatching reads raises DataLoss. Nothing that fails 
 cached, and a follower never receives the last piece of a read that failed it: the newest piece
 is held back until the next one arrives or the check passes, and after a failed read followers
 get RESTART and the next read from its first byte. Keeping that last piece small lets the
-executor receive and hash the rest while this check finishes. (The executor checks size and
-sha256 again before a byte goes to a GPU.)
+executor receive and check the rest while this check finishes. (The executor checks size and
+the version's CRC-32 before a byte goes to a GPU.)
 """
 
 import asyncio

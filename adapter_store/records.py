@@ -51,6 +51,7 @@ class AdapterRecord:
     eval_scores: dict[str, float] = dataclasses.field(default_factory=dict)
     source: str = ""
     weights_key: str = ""  # "" = the pre-issue-5 layout, v{version}/adapter_model.safetensors
+    crc32: int | None = None  # zlib.crc32 of the weights; None in manifests written before it
 
     def __post_init__(self) -> None:
         if not self.weights_key:

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import math
 import re
+import zlib
 
 import safetensors.torch
 import torch
@@ -46,6 +47,7 @@ class AdapterSpec:
     target_modules: tuple[str, ...]  # sorted
     num_bytes: int
     sha256: str
+    crc32: int  # zlib.crc32, what executors check the bytes a store sends them against
     dtype: str  # safetensors dtype of the weights ("F32", "BF16"; "BF16,F32" when mixed)
     rank_pattern: dict[str, int]
     alpha_pattern: dict[str, float]
@@ -94,7 +96,7 @@ def validate_adapter(config_json: str, weights_filename: str, data: bytes, *,
     return AdapterSpec(
         base_model=config.base_model, use_rslora=config.use_rslora, alpha=config.alpha,
         rank=config.max_rank, target_modules=config.target_modules, num_bytes=len(data),
-        sha256=hashlib.sha256(data).hexdigest(),
+        sha256=hashlib.sha256(data).hexdigest(), crc32=zlib.crc32(data),
         dtype=",".join(sorted({e.dtype for e in entries.values()})),
         rank_pattern=config.rank_pattern, alpha_pattern=config.alpha_pattern,
         base_model_revision=config.revision or (base.revision if base else ""))

@@ -19,7 +19,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class AdapterInfo(_message.Message):
-    __slots__ = ("name", "version", "owner_tenant", "is_public", "base_model", "rank", "alpha", "use_rslora", "target_modules", "num_bytes", "sha256", "created_unix", "config_json")
+    __slots__ = ("name", "version", "owner_tenant", "is_public", "base_model", "rank", "alpha", "use_rslora", "target_modules", "num_bytes", "sha256", "created_unix", "config_json", "crc32")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OWNER_TENANT_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class AdapterInfo(_message.Message):
     SHA256_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     owner_tenant: str
@@ -46,4 +47,5 @@ class AdapterInfo(_message.Message):
     sha256: str
     created_unix: float
     config_json: str
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., owner_tenant: _Optional[str] = ..., is_public: _Optional[bool] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., use_rslora: _Optional[bool] = ..., target_modules: _Optional[_Iterable[str]] = ..., num_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., created_unix: _Optional[float] = ..., config_json: _Optional[str] = ...) -> None: ...
+    crc32: int
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., owner_tenant: _Optional[str] = ..., is_public: _Optional[bool] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., use_rslora: _Optional[bool] = ..., target_modules: _Optional[_Iterable[str]] = ..., num_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., created_unix: _Optional[float] = ..., config_json: _Optional[str] = ..., crc32: _Optional[int] = ...) -> None: ...

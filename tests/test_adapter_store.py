@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import uuid
+import zlib
 
 import grpc
 import pytest
@@ -188,6 +189,7 @@ async def test_push_fetch_round_trip_and_versions(store):
     fetched_info, fetched = await store.fetch("support-bot", 1)
     assert fetched == data and fetched_info.sha256 == info.sha256
     assert hashlib.sha256(fetched).hexdigest() == info.sha256
+    assert fetched_info.HasField("crc32") and fetched_info.crc32 == zlib.crc32(data)
 
     _, data2 = make_adapter(seed=1)
     assert (await store.push("support-bot", config_json, data2, owner="acme")).version == 2

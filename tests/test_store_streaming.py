@@ -14,6 +14,7 @@ import torch
 
 from adapter_store.blobs import open_blob_store
 from adapter_store.host_cache import HEAD_PIECES, LAST_PIECE_BYTES, _PieceCutter
+from adapter_store.records import MANIFEST_FILENAME, version_prefix
 from adapter_store.service import start_store
 from executor.adapter_loader import AdapterLoader, StagingBuffers
 from executor.peft_adapter import parse_peft_adapter
@@ -152,26 +153,50 @@ async def test_loader_gets_the_right_weights_after_a_restart_and_with_reused_sta
         await loader.close()
 
 
+def damage(part: bytes, where: str) -> bytes:
+    if where == "header":  # a header length past the end: the parse fails too
+        return b"\xff" * 8 + part[8:]
+    middle = len(part) // 2  # one flipped bit in a tensor value: the parse would accept it
+    return part[:middle] + bytes([part[middle] ^ 0x10]) + part[middle + 1:]
+
+
+@pytest.mark.parametrize("where", ["header", "value"])
+@pytest.mark.parametrize("manifest", ["current", "without crc32"])
 @in_session_loop
-async def test_loader_checks_the_bytes_itself_before_the_parse_counts(tmp_path, runner):
+async def test_loader_checks_the_bytes_itself_before_the_parse_counts(tmp_path, runner, where,
+                                                                      manifest):
     """A store that serves bad bytes past its own check (here: its RAM copy damaged after the
     check) gets DATA_LOSS at the executor, not the INVALID_ARGUMENT the parse of the damaged bytes
-    (done beside the hashing) would give; the slot is untouched."""
+    (done beside the checksum) would give, nor a load of wrong weights; the slot is untouched.
+    The executor checks the version's CRC-32, or sha256 for a version whose manifest was written
+    before CRC-32s were recorded; the undamaged adapter then loads either way."""
     config = dataclasses.replace(file_config(tmp_path), chunk_bytes=PART)
     store = await PartedStore(config).start()
+    await store.push("big", CONFIG_JSON, BIG, chunk=256 * 1024)
+    if manifest == "without crc32":  # as written before the field existed; a new replica reads it
+        key = version_prefix("big", 1) + MANIFEST_FILENAME
+        old = json.loads(await store.blobs.get(key))
+        del old["crc32"]
+        await store.blobs.put(key, json.dumps(old).encode())
+        await store.restart()
+    info = await store.stub.GetAdapter(pb.GetAdapterRequest(name="big", version=1))
+    assert info.HasField("crc32") == (manifest == "current")
     loader = AdapterLoader(runner, (store.running.address,), holder="test-own-check")
     try:
-        await store.push("big", CONFIG_JSON, BIG, chunk=256 * 1024)
         await store.stub.Prewarm(pb.HostPrewarmRequest(name="big", version=1))
         entries = store.running.cache._entries
-        parts = list(entries[("big", 1)])
-        parts[0] = b"\xff" * 8 + parts[0][8:]  # a header length past the end: parse fails too
-        entries[("big", 1)] = tuple(parts)
+        intact = entries[("big", 1)]
+        index = 0 if where == "header" else len(intact) // 2
+        entries[("big", 1)] = (*intact[:index], damage(intact[index], where), *intact[index + 1:])
         await loader.unload(0)
         with pytest.raises(DataLoss, match="do not match the store's size"):
             await loader.load("big", 1, 0)
         assert not runner.pool.targets[0] and loader.slot_adapters[0] == ""
+        entries[("big", 1)] = intact
+        assert not (await loader.load("big", 1, 0)).was_resident
+        assert loader.slot_adapters[0] == "big@1"
     finally:
+        await loader.unload(0)
         await loader.close()
         await store.stop()
 
