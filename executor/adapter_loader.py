@@ -42,6 +42,7 @@ import torch
 from executor.lora import LoraWeights
 from executor.peft_adapter import AdapterError, BaseModelMismatchError, parse_peft_adapter
 from executor.runner import ModelRunner
+from executor.slot_copy import SlotCopier, StagingBuffers
 from loraplex.errors import (DataLoss, FailedPrecondition, InvalidArgument, LoraplexError,
                              Unavailable, from_rpc_error)
 from loraplex.server import insecure_channel
@@ -51,28 +52,6 @@ log = logging.getLogger(__name__)
 
 REPORT_INTERVAL_S = 10.0
 LEASE_TTL_S = 30.0
-_MAX_FREE_STAGING = 2  # staging buffers kept for reuse between loads
-
-
-class StagingBuffers:
-    """Host buffers that fetched adapters land in, reused between loads: a fresh 64 MiB buffer
-    costs its page faults on every load (CPU), or a pinned allocation (CUDA)."""
-
-    def __init__(self, pin_memory: bool):
-        self._pin_memory = pin_memory
-        self._free: list[torch.Tensor] = []
-
-    def take(self, num_bytes: int) -> torch.Tensor:
-        """A uint8 buffer of at least `num_bytes`; give it back with `release` once unused."""
-        fitting = [i for i, b in enumerate(self._free) if b.numel() >= num_bytes]
-        if fitting:  # (list.remove would compare tensors by value)
-            return self._free.pop(min(fitting, key=lambda i: self._free[i].numel()))
-        return torch.empty(max(num_bytes, 1), dtype=torch.uint8, pin_memory=self._pin_memory)
-
-    def release(self, buffer: torch.Tensor) -> None:
-        self._free.append(buffer)
-        self._free.sort(key=torch.Tensor.numel, reverse=True)
-        del self._free[_MAX_FREE_STAGING:]  # keep the largest
 
 
 class _Crc32:
@@ -152,9 +131,8 @@ class AdapterLoader:
         self._report_interval_s = report_interval_s
         self._report_wanted = asyncio.Event()
         self._reporter: asyncio.Task | None = None
-        is_cuda = runner.device.type == "cuda"
-        self._copy_stream = torch.cuda.Stream(runner.device) if is_cuda else None
-        self._staging = StagingBuffers(pin_memory=is_cuda)
+        self._copier = SlotCopier(runner)
+        self._staging = StagingBuffers(pin_memory=runner.device.type == "cuda")
         self._chunk_worker = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="adapter-chunks")
 
@@ -173,7 +151,7 @@ class AdapterLoader:
                 # a report now would put its RPC and lease write beside the copy, for nothing.
                 self.slot_adapters[slot] = ""
                 try:
-                    await asyncio.to_thread(self._copy_into_slot, slot, weights)
+                    await asyncio.to_thread(self._copier.copy, slot, weights)
                 except BaseException:
                     self._residency_changed()
                     raise
@@ -198,15 +176,6 @@ class AdapterLoader:
             self.slot_adapters[slot] = ""
             await asyncio.to_thread(self._runner.unload_adapter, slot)
         self._residency_changed()
-
-    def _copy_into_slot(self, slot: int, weights: LoraWeights) -> None:
-        """Runs in a worker thread. CUDA: from pinned staging, on the side stream."""
-        if self._copy_stream is None:
-            self._runner.load_adapter(slot, weights)
-            return
-        with torch.cuda.stream(self._copy_stream):
-            self._runner.load_adapter(slot, weights)
-        self._copy_stream.synchronize()  # this thread waits; the step loop's stream does not
 
     async def _fetch(self, name: str, version: int) -> tuple[torch.Tensor, int, LoraWeights]:
         """(staging buffer holding the safetensors bytes, their size, the adapter parsed from
@@ -263,7 +232,7 @@ class AdapterLoader:
         """Runs in a worker thread: the PEFT adapter in `data`, validated; views into it."""
         try:
             return parse_peft_adapter(json.loads(config_json), data, self._runner.config,
-                                      max_rank=self._runner.pool.max_rank)
+                                      max_rank=self._runner.pool.max_rank, dtype=None)
         except BaseModelMismatchError as err:
             raise FailedPrecondition(f"adapter {key}: {err}") from None
         except AdapterError as err:

@@ -116,7 +116,10 @@ class LoraSlotPool:
 
     def load(self, slot: int, weights: LoraWeights) -> None:
         """Copy an adapter into `slot`, replacing whatever was there; afterwards the slot holds
-        exactly what it would in a fresh pool (zero above each module's rank)."""
+        exactly what it would in a fresh pool (zero above each module's rank). The weights may
+        be of another dtype or device: converted while copied. On CUDA the copies are queued on
+        the current stream without a wait each: a pinned source must stay untouched until that
+        stream has passed them (SlotCopier waits for it)."""
         self._check_slot(slot)
         if weights.rank > self.max_rank:
             raise ValueError(f"adapter rank {weights.rank} exceeds the pool's max rank "
@@ -135,8 +138,8 @@ class LoraSlotPool:
         self.targets[slot] = {key: (w.a.shape[0], w.scale) for key, w in weights.modules.items()}
         for (layer, module), w in weights.modules.items():
             r = w.a.shape[0]
-            self.a[module][layer, slot, :r].copy_(w.a)
-            self.b[module][layer, slot, :, :r].copy_(w.b)
+            self.a[module][layer, slot, :r].copy_(w.a, non_blocking=True)
+            self.b[module][layer, slot, :, :r].copy_(w.b, non_blocking=True)
             self.scale[module][layer, slot] = w.scale
             self.rank_table[layer, slot, LORA_MODULES.index(module)] = r
             self.scale_table[layer, slot, LORA_MODULES.index(module)] = w.scale

@@ -139,11 +139,12 @@ def _is_finite(tensor: torch.Tensor) -> bool:
 def parse_peft_adapter(adapter_config: dict[str, Any], safetensors_bytes: bytes | torch.Tensor,
                        base: ModelConfig, *, max_rank: int | None = None,
                        check_base_model: bool = True,
-                       dtype: torch.dtype = torch.float32) -> LoraWeights:
-    """Validate a PEFT LoRA adapter against `base` and return its per-module weights and scales.
+                       dtype: torch.dtype | None = torch.float32) -> LoraWeights:
+    """Validate a PEFT LoRA adapter against `base` and return its per-module weights and scales,
+    converted to `dtype` (None: as stored; the slot pool converts while it copies).
 
     `safetensors_bytes` may be a 1-D uint8 tensor: the weights returned are then views into it
-    (when already of `dtype`). Raises AdapterError naming the field or tensor at fault; BaseModelMismatchError when the
+    (when already of `dtype`, or `dtype` is None). Raises AdapterError naming the field or tensor at fault; BaseModelMismatchError when the
     adapter's `base_model_name_or_path` is not `base.model_id`.
     """
     cfg = adapter_config
@@ -186,5 +187,6 @@ def parse_peft_adapter(adapter_config: dict[str, Any], safetensors_bytes: bytes 
                                    f"{tuple(ab[which].shape)}, expected {shape} (rank {r})")
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
         modules[(layer, module)] = LoraModuleWeights(
-            a=ab["A"].to(dtype), b=ab["B"].to(dtype), scale=scale)
+            a=ab["A"].to(dtype or ab["A"].dtype), b=ab["B"].to(dtype or ab["B"].dtype),
+            scale=scale)
     return LoraWeights(modules=modules)

@@ -17,8 +17,12 @@ def test_gpu_check_smoke_runs_every_section_and_every_check_passes(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = out.read_text()
     for section in ("## 1. Copy bandwidth", "## 2. Kernels vs torch references", "## 3. Executor decode step",
-                    "## 4. Kernel timings"):
+                    "## 4. Adapter load into a slot", "## 5. Kernel timings"):
         assert section in report
+    assert "**FAILED**" not in report
+    loads = [line for line in report.splitlines() if line.startswith("| float32 file")]
+    assert len(loads) == 1 and loads[0].rstrip().endswith("| yes |")
+    assert "loads ran beside it" in report
     checks = [line for line in report.splitlines() if line.startswith(("| bfloat16", "| float16"))]
     assert len(checks) == 16 and all(line.rstrip().endswith("| yes |") for line in checks)
     assert "4 distinct adapters | torch" in report and "4 distinct adapters | triton" in report

@@ -16,9 +16,10 @@ from adapter_store.blobs import open_blob_store
 from adapter_store.host_cache import HEAD_PIECES, LAST_PIECE_BYTES, _PieceCutter
 from adapter_store.records import MANIFEST_FILENAME, version_prefix
 from adapter_store.service import start_store
-from executor.adapter_loader import AdapterLoader, StagingBuffers
+from executor.adapter_loader import AdapterLoader
 from executor.peft_adapter import parse_peft_adapter
 from executor.runner import ModelRunner
+from executor.slot_copy import StagingBuffers
 from loraplex.errors import DataLoss
 from loraplex.fixtures import MODEL_ID
 from loraplex.server import insecure_channel
@@ -38,6 +39,8 @@ CONFIG_JSON = lora_config(rank=64, base_model_name_or_path=MODEL_ID)
 BIG = safetensors.torch.save(lora_tensors(rank=64, num_layers=4, seed=21))  # ~0.9 MB, 15 parts
 SMALL_CONFIG_JSON = lora_config(rank=4, base_model_name_or_path=MODEL_ID)
 SMALL = safetensors.torch.save(lora_tensors(rank=4, num_layers=4, seed=22))
+HALF = safetensors.torch.save({k: v.to(torch.bfloat16)  # the pool (fp32) converts it
+                               for k, v in lora_tensors(rank=4, num_layers=4, seed=23).items()})
 
 
 class PartedBlobStore(CountingBlobStore):
@@ -81,6 +84,7 @@ async def store(tmp_path):
     store = await PartedStore(config).start()
     await store.push("big", CONFIG_JSON, BIG, chunk=256 * 1024)
     await store.push("small", SMALL_CONFIG_JSON, SMALL)
+    await store.push("half", SMALL_CONFIG_JSON, HALF)
     yield store
     await store.stop()
 
@@ -134,15 +138,17 @@ async def test_a_read_that_fails_its_check_is_restarted_with_a_good_one(store):
 async def test_loader_gets_the_right_weights_after_a_restart_and_with_reused_staging(store,
                                                                                       runner):
     loader = AdapterLoader(runner, (store.running.address,), holder="test-stream")
+    adapters = {"big": (CONFIG_JSON, BIG), "small": (SMALL_CONFIG_JSON, SMALL),
+                "half": (SMALL_CONFIG_JSON, HALF)}
     expected = {name: parse_peft_adapter(json.loads(cfg), data, runner.config, max_rank=64)
-                for name, cfg, data in [("big", CONFIG_JSON, BIG), ("small", SMALL_CONFIG_JSON,
-                                                                     SMALL)]}
+                for name, (cfg, data) in adapters.items()}  # converted to fp32 by the parse
     try:
         store.blobs.num_bad_reads = 1
-        for name, slot in [("big", 0), ("small", 1), ("small", 0), ("big", 1), ("big", 0)]:
+        for name, slot in [("big", 0), ("small", 1), ("small", 0), ("big", 1), ("half", 1),
+                           ("big", 0), ("half", 0)]:
             await loader.unload(slot)
             result = await loader.load(name, 1, slot)
-            assert result.num_bytes == len(BIG if name == "big" else SMALL)
+            assert result.num_bytes == len(adapters[name][1])
             for (layer, module), weights in expected[name].modules.items():
                 r = weights.a.shape[0]
                 assert torch.equal(runner.pool.a[module][layer, slot, :r], weights.a)

@@ -1,0 +1,55 @@
+"""The last hop of an adapter load: host staging buffers, and the copy from one into a pool slot.
+
+On CUDA the staging buffers are pinned and the copy runs on a side stream of its own, its
+transfers queued without a wait each (the staging buffer is not reused before the copy ends)
+and one wait at the end, in the loading thread: the step loop, on its own thread and the default
+stream, never waits on it. The weights are copied as the file stores them (views into staging);
+the pool converts to its dtype on the GPU. On CPU it is a plain copy.
+No gRPC here: bench/gpu_check.py runs this path on a GPU machine that has only torch and triton.
+"""
+
+import torch
+
+from executor.lora import LoraWeights
+from executor.runner import ModelRunner
+
+_MAX_FREE_STAGING = 2  # staging buffers kept for reuse between loads
+
+
+class StagingBuffers:
+    """Host buffers that fetched adapters land in, reused between loads: a fresh 64 MiB buffer
+    costs its page faults on every load (CPU), or a pinned allocation (CUDA)."""
+
+    def __init__(self, pin_memory: bool):
+        self._pin_memory = pin_memory
+        self._free: list[torch.Tensor] = []
+
+    def take(self, num_bytes: int) -> torch.Tensor:
+        """A uint8 buffer of at least `num_bytes`; give it back with `release` once unused."""
+        fitting = [i for i, b in enumerate(self._free) if b.numel() >= num_bytes]
+        if fitting:  # (list.remove would compare tensors by value)
+            return self._free.pop(min(fitting, key=lambda i: self._free[i].numel()))
+        return torch.empty(max(num_bytes, 1), dtype=torch.uint8, pin_memory=self._pin_memory)
+
+    def release(self, buffer: torch.Tensor) -> None:
+        self._free.append(buffer)
+        self._free.sort(key=torch.Tensor.numel, reverse=True)
+        del self._free[_MAX_FREE_STAGING:]  # keep the largest
+
+
+class SlotCopier:
+    """Copies parsed adapters into `runner`'s pool; call `copy` from a worker thread."""
+
+    def __init__(self, runner: ModelRunner):
+        self._runner = runner
+        is_cuda = runner.device.type == "cuda"
+        self._stream = torch.cuda.Stream(runner.device) if is_cuda else None
+
+    def copy(self, slot: int, weights: LoraWeights) -> None:
+        """Returns once the slot holds `weights` (their source may be reused after)."""
+        if self._stream is None:
+            self._runner.load_adapter(slot, weights)
+            return
+        with torch.cuda.stream(self._stream):
+            self._runner.load_adapter(slot, weights)
+        self._stream.synchronize()  # this thread waits; the step loop's stream does not
