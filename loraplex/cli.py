@@ -6,6 +6,7 @@
     loraplex generate --adapter N "prompt" [--json]
     loraplex simulate CONFIG           the scheduler policy against a simulated workload
     loraplex fit-cost TIMINGS...       the simulator's [cost] fitted to a scheduler's --timings-out
+    loraplex budget [--model M ...]    an executor's GPU memory for a model and traffic mix
     loraplex demo                      the main job: services + a streaming multi-tenant workload
 """
 
@@ -275,6 +276,9 @@ def _parser() -> argparse.ArgumentParser:
     fit = sub.add_parser("fit-cost", help="fit the simulator's cost model to measured step and load times")
     fit.add_argument("timings", nargs="+", help="files a scheduler wrote with --timings-out")
 
+    sub.add_parser("budget", add_help=False,
+                   help="an executor's GPU memory for a model and traffic mix (no GPU needed)")
+
     demo = sub.add_parser("demo", help="the main job: services + a streaming multi-tenant workload")
     demo.add_argument("--requests", type=int, default=96)
     demo.add_argument("--concurrency", type=int, default=32)
@@ -285,6 +289,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "serve":
         return _serve(argv[1:])
+    if argv and argv[0] == "budget":
+        from loraplex import budget
+
+        return budget.main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "up":
         _up(args)
@@ -298,6 +306,7 @@ def main(argv: list[str] | None = None) -> None:
         _simulate(args)
     elif args.command == "fit-cost":
         _fit_cost(args)
+
     elif args.command == "demo":
         from loraplex import demo
 

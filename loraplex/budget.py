@@ -1,0 +1,177 @@
+"""`loraplex budget`: an executor's GPU memory for a model and a traffic mix, before anything starts.
+
+    loraplex budget --model random:llama-3-8b --gpu-gib 80 --adapter-slots 64 --max-rank 16 \
+        --seqs 64 --context 4096
+
+Base weights and the adapter slot pool are exact (MemoryBudget.estimate: what the executor
+allocates, checked against a real runner by the tests). The step workspace is an estimate of the
+largest live tensors of one step: one layer's activations at --max-batched-tokens, the K/V a
+decode step gathers for attention (every running sequence at --context), and the logits. The KV
+cache takes what is left of --gpu-gib x --utilization, in blocks of --block-size tokens: the
+--kv-blocks to start the executor with. Then the traffic mix: whether --seqs sequences of
+--context tokens fit in that cache at once, and if not, how many do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+
+import torch
+
+from executor.lora import LORA_MODULES
+from executor.model_config import NAMED_CONFIGS, ModelConfig
+from executor.runner import MemoryBudget
+
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    config: ModelConfig
+    dtype: torch.dtype
+    usable_bytes: int  # gpu memory x utilization
+    weights_bytes: int
+    pool_bytes: int
+    slot_bytes: int  # one slot: max_rank on all 7 projections of every layer
+    workspace_bytes: int  # an estimate: step_bytes + attention's gathered K/V
+    kv_bytes_per_token: int
+    block_size: int
+    num_kv_blocks: int  # what fits in the rest; < 1 means nothing does
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+
+def model_config(model: str) -> ModelConfig:
+    """`random:<name>` (a named config) or an HF model directory."""
+    if model.startswith("random:"):
+        return ModelConfig.named(model.removeprefix("random:"))
+    return ModelConfig.from_pretrained(model)
+
+
+def step_bytes(c: ModelConfig, size: int, *, max_batched_tokens: int, max_num_seqs: int) -> int:
+    """The step workspace but attention's gathered K/V (an estimate): one layer's activations
+    over the step's tokens (residual, normed input, q|k|v, attention output, gate|up, their
+    product, the projection's output) and the fp32 logits of the rows that sample."""
+    per_token = 3 * c.hidden_size + 2 * c.q_size + 2 * c.kv_size + 3 * c.intermediate_size
+    return max_batched_tokens * per_token * size + max_num_seqs * c.vocab_size * 4
+
+
+def plan(config: ModelConfig, *, dtype: torch.dtype, gpu_bytes: float, utilization: float,
+         adapter_slots: int, max_rank: int, block_size: int, max_batched_tokens: int,
+         max_num_seqs: int, context: int) -> Plan:
+    size = torch.empty((), dtype=dtype).element_size()
+    fixed = MemoryBudget.estimate(config, num_kv_blocks=0, block_size=block_size,
+                                  num_slots=adapter_slots, max_rank=max_rank, dtype=dtype)
+    one_slot = MemoryBudget.estimate(config, num_kv_blocks=0, block_size=block_size,
+                                     num_slots=1, max_rank=max_rank, dtype=dtype)
+    kv_per_token = 2 * config.num_hidden_layers * config.kv_size * size  # every layer's K and V
+    gather_per_token = 2 * config.kv_size * size  # one layer's, gathered for attention
+    usable = int(gpu_bytes * utilization)
+    step = step_bytes(config, size, max_batched_tokens=max_batched_tokens,
+                      max_num_seqs=max_num_seqs)
+    rest = usable - fixed.weights_bytes - fixed.adapter_pool_bytes - step
+    # A decode step gathers the K/V of every running sequence: of all the mix wants, or of all
+    # the cache holds when that is less.
+    wanted = max_num_seqs * context
+    kv_tokens = (rest - wanted * gather_per_token) // kv_per_token
+    if kv_tokens < wanted:
+        kv_tokens = rest // (kv_per_token + gather_per_token)
+    num_blocks = kv_tokens // block_size
+    workspace = step + min(wanted, max(num_blocks, 0) * block_size) * gather_per_token
+    return Plan(config, dtype, usable, fixed.weights_bytes, fixed.adapter_pool_bytes,
+                one_slot.adapter_pool_bytes, workspace, kv_per_token, block_size, num_blocks)
+
+
+def format_plan(p: Plan, *, adapter_slots: int, max_rank: int, seqs: int, context: int) -> str:
+    c = p.config
+    dtype = str(p.dtype).removeprefix("torch.")
+    rank_bytes = p.slot_bytes // max_rank
+    lines = [
+        f"model {c.model_id or '(unnamed)'} in {dtype}: {c.num_hidden_layers} layers, hidden "
+        f"{c.hidden_size}, {c.num_attention_heads} heads / {c.num_key_value_heads} KV heads, "
+        f"vocab {c.vocab_size}",
+        f"  usable GPU memory     {p.usable_bytes / GB:8.2f} GB",
+        f"  base weights          {p.weights_bytes / GB:8.2f} GB",
+        f"  adapter slot pool     {p.pool_bytes / GB:8.2f} GB   ({adapter_slots} slots of rank "
+        f"<= {max_rank}: {p.slot_bytes / 1e6:.1f} MB each, {rank_bytes / 1e6:.2f} MB per rank "
+        f"on all {len(LORA_MODULES)} projections)",
+        f"  step workspace        {p.workspace_bytes / GB:8.2f} GB   (estimate)",
+    ]
+    if p.num_kv_blocks < 1:
+        short = -(p.usable_bytes - p.weights_bytes - p.pool_bytes - p.workspace_bytes)
+        lines.append(f"  KV cache              does not fit: {max(short, 0) / GB:.2f} GB short "
+                     "before a single block; use fewer or smaller adapter slots, a smaller "
+                     "workspace (--max-batched-tokens, --seqs, --context) or a larger GPU")
+        return "\n".join(lines)
+    lines.append(
+        f"  KV cache              {p.num_kv_blocks * p.block_size * p.kv_bytes_per_token / GB:8.2f}"
+        f" GB   ({p.num_kv_blocks:,} blocks of {p.block_size} tokens = {p.kv_tokens:,} tokens, "
+        f"{p.kv_bytes_per_token / 1024:.0f} KiB per token)")
+    per_seq = math.ceil(context / p.block_size) * p.block_size
+    need = seqs * per_seq
+    lines.append(f"start the executor with: --kv-blocks {p.num_kv_blocks} --block-size "
+                 f"{p.block_size} --adapter-slots {adapter_slots} --max-rank {max_rank} "
+                 f"--dtype {dtype}")
+    if need <= p.kv_tokens:
+        verdict = (f"fits: {need:,} of {p.kv_tokens:,} KV tokens "
+                   f"({100 * need / p.kv_tokens:.0f}%)")
+    else:
+        verdict = (f"does NOT fit: {need:,} KV tokens wanted, {p.kv_tokens:,} held; at "
+                   f"{context} tokens {p.kv_tokens // per_seq} sequences fit at once (the "
+                   "scheduler queues the rest)")
+    lines.append(f"traffic: {seqs} sequences of {context} tokens at once {verdict}")
+    if context > c.max_position_embeddings:
+        lines.append(f"warning: --context {context} exceeds the model's max_position_embeddings "
+                     f"{c.max_position_embeddings}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="loraplex budget", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    names = ", ".join(NAMED_CONFIGS)
+    p.add_argument("--model", default="random:llama-3-8b",
+                   help=f"HF model directory, or random:<name> ({names})")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--gpu-gib", type=float, default=80.0, help="GPU memory in GiB")
+    p.add_argument("--utilization", type=float, default=0.9,
+                   help="share of the GPU memory loraplex may take (the rest: CUDA context, "
+                        "allocator slack)")
+    p.add_argument("--adapter-slots", type=int, default=64)
+    p.add_argument("--max-rank", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-batched-tokens", type=int, default=2048,
+                   help="tokens per step (the scheduler's flag of the same name)")
+    p.add_argument("--seqs", type=int, default=64,
+                   help="sequences running at once (the scheduler's --max-num-seqs)")
+    p.add_argument("--context", type=int, default=4096, help="tokens per sequence (prompt + output)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    for name in ("adapter_slots", "max_rank", "block_size", "max_batched_tokens", "seqs",
+                 "context"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1, "
+                             f"got {getattr(args, name)}")
+    if not (args.gpu_gib > 0 and 0 < args.utilization <= 1):
+        raise SystemExit(f"error: --gpu-gib must be > 0 and --utilization in (0, 1], got "
+                         f"{args.gpu_gib} and {args.utilization}")
+    try:
+        config = model_config(args.model)
+    except (ValueError, OSError) as err:
+        raise SystemExit(f"error: --model {args.model}: {err}") from None
+    result = plan(config, dtype=getattr(torch, args.dtype), gpu_bytes=args.gpu_gib * 2**30,
+                  utilization=args.utilization, adapter_slots=args.adapter_slots,
+                  max_rank=args.max_rank, block_size=args.block_size,
+                  max_batched_tokens=args.max_batched_tokens, max_num_seqs=args.seqs,
+                  context=args.context)
+    print(format_plan(result, adapter_slots=args.adapter_slots, max_rank=args.max_rank,
+                      seqs=args.seqs, context=args.context))
+    if result.num_kv_blocks < 1:
+        raise SystemExit(2)

@@ -1,0 +1,86 @@
+"""`loraplex budget`: the executor's memory for a model and traffic mix, before anything starts.
+Weights, slot pool and KV cache must be what a runner built with the printed flags allocates; the
+plan must fit the usable memory and leave no whole block unused."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from executor.model_config import ModelConfig
+from executor.runner import MemoryBudget, ModelRunner
+from loraplex.budget import plan
+
+GIB = 2**30
+
+
+def make_plan(config: ModelConfig, **changes):
+    kw = dict(dtype=torch.float32, gpu_bytes=0.05 * GIB, utilization=0.9, adapter_slots=4,
+              max_rank=8, block_size=16, max_batched_tokens=256, max_num_seqs=8, context=512)
+    return plan(config, **{**kw, **changes})
+
+
+def check_fits_and_is_maximal(p, wanted_tokens: int) -> None:
+    """Everything fits; one block more would not (with the K/V a step would gather of it, when
+    the cache, not the mix, bounds what a step gathers)."""
+    kv = p.num_kv_blocks * p.block_size * p.kv_bytes_per_token
+    assert p.weights_bytes + p.pool_bytes + p.workspace_bytes + kv <= p.usable_bytes
+    one_more = p.block_size * p.kv_bytes_per_token
+    if wanted_tokens > p.kv_tokens:
+        one_more += p.block_size * p.kv_bytes_per_token // p.config.num_hidden_layers
+    assert p.weights_bytes + p.pool_bytes + p.workspace_bytes + kv + one_more > p.usable_bytes
+
+
+@pytest.mark.parametrize("context", [64, 100_000])  # the mix fits / the cache bounds the gather
+def test_plan_is_what_a_runner_with_its_flags_allocates(context):
+    config = ModelConfig.named("tiny")
+    p = make_plan(config, context=context)
+    assert p.num_kv_blocks >= 1 and (8 * context > p.kv_tokens) == (context > 64)
+    check_fits_and_is_maximal(p, 8 * context)
+    runner = ModelRunner.random(config, num_kv_blocks=p.num_kv_blocks, block_size=p.block_size,
+                                num_slots=4, max_rank=8)
+    kv = p.num_kv_blocks * p.block_size * p.kv_bytes_per_token
+    assert runner.memory_budget() == MemoryBudget(p.weights_bytes, kv, p.pool_bytes)
+    one_slot = ModelRunner.random(config, num_kv_blocks=1, block_size=16, num_slots=1,
+                                  max_rank=8).pool.num_bytes()
+    assert p.slot_bytes == one_slot
+
+
+def test_a_larger_mix_leaves_less_cache_until_the_cache_bounds_it():
+    config = ModelConfig.named("llama-3-8b")
+    kw = dict(dtype=torch.bfloat16, gpu_bytes=80 * GIB, adapter_slots=64, max_rank=16,
+              max_batched_tokens=2048, max_num_seqs=64)
+    contexts = (1024, 4096, 10**7)
+    small, large, huge = (make_plan(config, **kw, context=c) for c in contexts)
+    assert small.num_kv_blocks > large.num_kv_blocks > huge.num_kv_blocks >= 1
+    for p, context in zip((small, large, huge), contexts):
+        check_fits_and_is_maximal(p, 64 * context)
+    # 8B in bf16: 16.06 GB of weights, 83.9 MB per rank-16 slot, 128 KiB of KV per token
+    assert (round(small.weights_bytes / 1e9, 2), round(small.slot_bytes / 1e6, 1),
+            small.kv_bytes_per_token) == (16.06, 83.9, 128 * 1024)
+
+
+def budget(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "loraplex.cli", "budget", *args],
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_cli_prints_the_flags_and_whether_the_mix_fits(tiny):
+    fits = budget("--model", tiny["model_dir"], "--dtype", "float32", "--gpu-gib", "0.05",
+                  "--adapter-slots", "4", "--max-rank", "8", "--seqs", "8", "--context", "64",
+                  "--max-batched-tokens", "256")
+    assert fits.returncode == 0, fits.stderr
+    p = make_plan(ModelConfig.from_pretrained(tiny["model_dir"]), context=64)
+    assert f"--kv-blocks {p.num_kv_blocks} --block-size 16 --adapter-slots 4" in fits.stdout
+    assert "traffic: 8 sequences of 64 tokens at once fits" in fits.stdout
+    crowded = budget("--seqs", "512", "--context", "32768")  # 8B on 80 GiB
+    assert crowded.returncode == 0 and "does NOT fit" in crowded.stdout
+    assert "sequences fit at once" in crowded.stdout
+    too_small = budget("--gpu-gib", "16")
+    assert too_small.returncode == 2 and "does not fit" in too_small.stdout
+    for bad, message in [(("--seqs", "0"), "--seqs must be >= 1"),
+                         (("--utilization", "1.5"), "--utilization in (0, 1]"),
+                         (("--model", "/nonexistent"), "config.json not found")]:
+        run = budget(*bad)
+        assert run.returncode == 1 and message in run.stderr, run.stderr
