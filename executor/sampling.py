@@ -50,7 +50,10 @@ def make_generator(seed: int | None, device: str | torch.device) -> torch.Genera
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int,
                    top_p: float) -> torch.Tensor:
     """logits [V] -> probabilities [V] after temperature, top-k and top-p (nucleus) filtering."""
-    scaled = logits.float() / temperature
+    # Shifted so the largest is 0 before dividing: a tiny temperature (1e-40) then sends the others
+    # to -inf instead of every logit to +-inf (inf - inf is NaN: no distribution to draw from).
+    logits = logits.float()
+    scaled = (logits - logits.max()) / temperature  # [V]
     if 0 < top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, -math.inf)

@@ -1,0 +1,52 @@
+"""Bad input on the scheduler's and the executor's gRPC surfaces gets a clear error with the right
+status, never a crash, a hang, an INTERNAL status or a corrupted neighbour. Real services over
+loopback gRPC; cases already covered in test_services.py (bad sampling ranges, unknown or foreign
+adapters, prompt length, API keys) are not repeated here."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from loraplex import client
+from loraplex.launch import Fleet
+from loraplex.server import insecure_channel
+from protos import scheduler_pb2_grpc
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny, tmp_path_factory, log_dir):
+    with Fleet(model=tiny["model_dir"], store_url=tmp_path_factory.mktemp("store").as_uri(),
+               log_dir=log_dir / "bad_input", executor_args=["--threads", "1", "--adapter-slots", "2"]) as fleet:
+        yield fleet
+
+
+@pytest.fixture(scope="module")
+async def pushed(fleet, tiny):
+    await client.push_adapter(fleet.stores[0], tiny["adapters"]["r4_attn"]["path"], "r4_attn")
+
+
+@pytest.fixture
+async def stub(fleet):
+    async with insecure_channel(fleet.scheduler) as channel:
+        yield scheduler_pb2_grpc.SchedulerStub(channel)
+
+
+async def rpc_error(call) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await asyncio.wait_for(call, 30)
+    return info.value
+
+
+# ---- scheduler: Generate --------------------------------------------------------------------
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-38])
+async def test_tiny_positive_temperature_samples_like_greedy(fleet, stub, temperature):
+    """logits / 1e-40 overflowed to inf, the executor's step failed (INTERNAL), the scheduler
+    reconnected and replayed the request forever: it hung and preempted everyone else."""
+    greedy = await client.generate(stub, client.generate_request("", "tiny temperature", 6, ignore_eos=True))
+    req = client.generate_request("", "tiny temperature", 6, temperature=temperature, seed=1, ignore_eos=True)
+    got = await asyncio.wait_for(client.generate(stub, req), 15)
+    assert got.token_ids == greedy.token_ids and got.finish_reason == "FINISH_REASON_LENGTH"
