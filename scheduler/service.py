@@ -40,6 +40,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._registry = registry
         self._info = engine.first_info.result()
         self._tokenizer = Tokenizer.from_str(self._info.tokenizer_json) if self._info.tokenizer_json else None
+        self._chars_per_token = validation.max_chars_per_token(self._tokenizer) if self._tokenizer else 1
         self._ids = itertools.count(1)
         self._rate_limiter = RateLimiter(config.rate_limits, config.default_rate_limit)
         self.tenant_totals: dict[str, dict[str, int]] = {}
@@ -87,15 +88,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             found = await self._registry.resolve(pb.adapter, tenant)
             validation.check_adapter(found, info)
             adapter, adapter_bytes = f"{found.name}@{found.version}", found.num_bytes
+        max_new = pb.max_new_tokens or self._config.default_max_new_tokens
         if pb.WhichOneof("prompt") == "text":
             if self._tokenizer is None:
                 raise InvalidArgument("this model has no tokenizer: send prompt token ids")
+            # Tokenizing holds the event loop (and the GIL): a text that cannot fit is refused first.
+            validation.check_text_length(pb.text, max_new, self._chars_per_token, info)
             prompt = self._tokenizer.encode(pb.text).ids
         else:
-            prompt = list(pb.token_ids.ids)
-        validation.check_prompt(prompt, info.vocab_size)
-        max_new = pb.max_new_tokens or self._config.default_max_new_tokens
+            prompt = pb.token_ids.ids  # copied once checked: it may hold millions of ids
         validation.check_length(len(prompt), max_new, info)
+        validation.check_prompt(prompt, info.vocab_size)
+        prompt = list(prompt)
         stop_ids = list(pb.stop_token_ids) + ([] if pb.ignore_eos else list(info.eos_token_ids))
         output = OutputProcessor(self._tokenizer, max_new_tokens=max_new, stop_token_ids=stop_ids,
                                  stop=list(pb.stop))

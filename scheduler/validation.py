@@ -2,6 +2,9 @@
 FAILED_PRECONDITION for a base-model mismatch) with a message that says what to change."""
 
 import math
+from collections.abc import Sequence
+
+from tokenizers import Tokenizer
 
 from loraplex.errors import FailedPrecondition, InvalidArgument
 from protos import common_pb2, executor_pb2, scheduler_pb2
@@ -19,7 +22,7 @@ def check_sampling(s: common_pb2.SamplingParams, vocab_size: int) -> Sampling:
                     seed=s.seed if s.HasField("seed") else None)
 
 
-def check_prompt(ids: list[int], vocab_size: int) -> None:
+def check_prompt(ids: Sequence[int], vocab_size: int) -> None:
     if not ids:
         raise InvalidArgument("prompt is empty: give text or at least one token id")
     bad = next((i for i in ids if i >= vocab_size), None)
@@ -27,8 +30,31 @@ def check_prompt(ids: list[int], vocab_size: int) -> None:
         raise InvalidArgument(f"prompt token id {bad} is outside the vocabulary (size {vocab_size})")
 
 
+def context_limit(info: executor_pb2.InfoResponse) -> int:
+    """Most tokens (prompt + output) one sequence may hold."""
+    return min(info.max_model_len, info.num_kv_blocks * info.block_size)
+
+
+def max_chars_per_token(tokenizer: Tokenizer) -> int:
+    """An upper bound on the characters of text one token stands for: its longest vocabulary entry
+    (byte-level entries have one character per byte, and a character is at least one byte). A
+    normalizer may first merge characters (NFC composes a few into one): allow 4 per character."""
+    longest = max(map(len, tokenizer.get_vocab(with_added_tokens=True)), default=1)
+    return longest * (4 if tokenizer.normalizer is not None else 1)
+
+
+def check_text_length(text: str, max_new_tokens: int, chars_per_token: int,
+                      info: executor_pb2.InfoResponse) -> None:
+    """Refuse a text too long to fit whatever it tokenizes to, before spending time tokenizing it."""
+    limit, min_tokens = context_limit(info), -(-len(text) // chars_per_token)
+    if min_tokens + max_new_tokens > limit:
+        raise InvalidArgument(f"text of {len(text)} characters is at least {min_tokens} tokens, which with "
+                              f"max_new_tokens ({max_new_tokens}) exceeds the context of {limit} tokens: "
+                              f"shorten the text")
+
+
 def check_length(prompt_len: int, max_new_tokens: int, info: executor_pb2.InfoResponse) -> None:
-    limit = min(info.max_model_len, info.num_kv_blocks * info.block_size)
+    limit = context_limit(info)
     if prompt_len + max_new_tokens > limit:
         raise InvalidArgument(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
                               f"the context of {limit} tokens: shorten the prompt or ask for fewer tokens")

@@ -4,6 +4,7 @@ loopback gRPC; cases already covered in test_services.py (bad sampling ranges, u
 adapters, prompt length, API keys) are not repeated here."""
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -50,3 +51,13 @@ async def test_tiny_positive_temperature_samples_like_greedy(fleet, stub, temper
     req = client.generate_request("", "tiny temperature", 6, temperature=temperature, seed=1, ignore_eos=True)
     got = await asyncio.wait_for(client.generate(stub, req), 15)
     assert got.token_ids == greedy.token_ids and got.finish_reason == "FINISH_REASON_LENGTH"
+
+
+async def test_huge_text_prompt_is_refused_without_tokenizing_it(fleet, stub):
+    """A 16 MiB text was tokenized on the scheduler's event loop (seconds in which no stream moved)
+    only to be refused for its length afterwards."""
+    start = time.perf_counter()
+    err = await rpc_error(client.generate(stub, client.generate_request("", "word " * (16 << 18), 4)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "text" in err.details() and "characters" in err.details(), err.details()
+    assert time.perf_counter() - start < 5
