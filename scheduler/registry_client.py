@@ -12,18 +12,18 @@ from loraplex.errors import InvalidArgument, LoraplexError, Unavailable, from_rp
 from loraplex.server import insecure_channel
 from protos import adapter_store_pb2, adapter_store_pb2_grpc, common_pb2
 
-_ADAPTER_REF = re.compile(r"^(?P<name>[A-Za-z0-9._-]{1,128})"
-                          r"(@((?P<version>[0-9]{1,9})|(?P<alias>[A-Za-z][A-Za-z0-9._-]{0,63})))?$")
+_ADAPTER_REF = re.compile(r"(?P<name>[A-Za-z0-9._-]{1,128})"
+                          r"(@((?P<version>[1-9][0-9]{0,8})|(?P<alias>[A-Za-z][A-Za-z0-9._-]{0,63})))?")
 
 
 def parse_adapter_ref(ref: str) -> tuple[str, int, str]:
     """"name", "name@3", "name@latest" or "name@prod" -> (name, version, alias); version 0 and
     no alias mean the latest."""
-    m = _ADAPTER_REF.match(ref)
+    m = _ADAPTER_REF.fullmatch(ref)  # not match(): its "$" also matches before a final newline
     if m is None:
-        raise InvalidArgument(f"adapter {ref!r} is not of the form name, name@<version>, "
+        raise InvalidArgument(f"adapter {ref[:200]!r} is not of the form name, name@<version>, "
                               "name@latest or name@<alias> (name: 1-128 of A-Z a-z 0-9 . _ -; "
-                              "alias: starts with a letter)")
+                              "version: a number from 1; alias: starts with a letter)")
     alias = m["alias"] or ""
     if alias == "latest":
         alias = ""

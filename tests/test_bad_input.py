@@ -12,7 +12,7 @@ import pytest
 from loraplex import client
 from loraplex.launch import Fleet
 from loraplex.server import insecure_channel
-from protos import scheduler_pb2_grpc
+from protos import scheduler_pb2, scheduler_pb2_grpc
 
 BLOCK = 16
 
@@ -61,3 +61,34 @@ async def test_huge_text_prompt_is_refused_without_tokenizing_it(fleet, stub):
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "text" in err.details() and "characters" in err.details(), err.details()
     assert time.perf_counter() - start < 5
+
+
+@pytest.mark.parametrize("ref", ["a@", "@3", "a@b@c", "a@@1", "réfé", "a" * 10_000, "r4_attn\n",
+                                 "r4_attn@0", "r4_attn@-1", "r4_attn@ 1", " r4_attn"])
+async def test_malformed_adapter_refs_are_invalid_argument(fleet, pushed, stub, ref):
+    err = await rpc_error(client.generate(stub, client.generate_request(ref, "hello", 2)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert "is not of the form" in err.details()
+
+
+# ---- scheduler: admin RPCs --------------------------------------------------------------------
+
+@pytest.mark.parametrize("method, request_, code, words", [
+    ("Prewarm", scheduler_pb2.PrewarmRequest(adapter=""), grpc.StatusCode.INVALID_ARGUMENT, "not of the form"),
+    ("Prewarm", scheduler_pb2.PrewarmRequest(adapter="r4_attn@0"), grpc.StatusCode.INVALID_ARGUMENT, "not of the form"),
+    ("Prewarm", scheduler_pb2.PrewarmRequest(adapter="nope"), grpc.StatusCode.NOT_FOUND, "nope"),
+    ("Prewarm", scheduler_pb2.PrewarmRequest(adapter="r4_attn@99"), grpc.StatusCode.NOT_FOUND, "version 99"),
+    ("Evict", scheduler_pb2.EvictRequest(adapter="r4_attn", executor="127.0.0.1:1"), grpc.StatusCode.NOT_FOUND,
+     "127.0.0.1:1"),
+    ("Evict", scheduler_pb2.EvictRequest(adapter="a@b@c"), grpc.StatusCode.INVALID_ARGUMENT, "not of the form"),
+    ("Evict", scheduler_pb2.EvictRequest(adapter="nope"), grpc.StatusCode.NOT_FOUND, "nope"),
+    ("Drain", scheduler_pb2.DrainRequest(executor=""), grpc.StatusCode.NOT_FOUND, "no executor ''"),
+])
+async def test_admin_rpcs_with_bad_arguments(fleet, pushed, stub, method, request_, code, words):
+    err = await rpc_error(getattr(stub, method)(request_))
+    assert err.code() == code and words in err.details(), err.details()
+
+
+async def test_prewarm_caps_num_executors_at_the_pool(fleet, pushed, stub):
+    resp = await stub.Prewarm(scheduler_pb2.PrewarmRequest(adapter="r4_attn", num_executors=2**32 - 1, wait=True))
+    assert resp.adapter == "r4_attn@1" and len(resp.executors) == 1
