@@ -63,6 +63,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self._tokenizer_json = tokenizer_json
         self._loader = AdapterLoader(runner, config.stores)
         self._driver: object | None = None  # the one Step stream allowed at a time
+        self._closing: asyncio.Future | None = None  # the last stream's end: its final step, free_all
 
     async def Info(self, request, context):
         c, budget = self._runner.config, self._runner.memory_budget()
@@ -81,14 +82,32 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             if self._driver is not None:
                 raise FailedPrecondition("executor is already driven by another scheduler stream")
             self._driver = context
+        step: asyncio.Future | None = None
         try:
+            if self._closing is not None:
+                await asyncio.shield(self._closing)
             async for req in request_iterator:
+                # Shielded: when the client cancels, the step runs on in its thread, and the next
+                # stream must not start before it ends (same sequence ids, same KV blocks).
+                step = asyncio.ensure_future(asyncio.to_thread(self._step, req))
                 async with grpc_errors(context):
-                    response = await asyncio.to_thread(self._step, req)
+                    response = await asyncio.shield(step)
                 yield response
         finally:
+            self._closing = asyncio.ensure_future(self._close_stream(self._closing, step))
             self._driver = None
-            self._runner.free_all()
+
+    async def _close_stream(self, previous: asyncio.Future | None,
+                            last_step: asyncio.Future | None) -> None:
+        """Forget the stream's sequences once its last step (which a cancel does not stop) and the
+        end of the stream before it are over."""
+        if previous is not None:
+            await asyncio.wait([previous])
+        if last_step is not None and not last_step.done():  # the client went away mid-step
+            await asyncio.wait([last_step])
+            if not last_step.cancelled() and last_step.exception() is not None:
+                log.info("the last step of a cancelled Step stream failed: %s", last_step.exception())
+        self._runner.free_all()
 
     def _step(self, req: executor_pb2.StepRequest) -> executor_pb2.StepResponse:
         start = time.perf_counter()

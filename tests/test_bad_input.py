@@ -10,9 +10,9 @@ import grpc
 import pytest
 
 from loraplex import client
-from loraplex.launch import Fleet
+from loraplex.launch import Fleet, start_service
 from loraplex.server import insecure_channel
-from protos import scheduler_pb2, scheduler_pb2_grpc
+from protos import common_pb2, executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 BLOCK = 16
 
@@ -92,3 +92,106 @@ async def test_admin_rpcs_with_bad_arguments(fleet, pushed, stub, method, reques
 async def test_prewarm_caps_num_executors_at_the_pool(fleet, pushed, stub):
     resp = await stub.Prewarm(scheduler_pb2.PrewarmRequest(adapter="r4_attn", num_executors=2**32 - 1, wait=True))
     assert resp.adapter == "r4_attn@1" and len(resp.executors) == 1
+
+
+# ---- executor: the Step stream ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def executor(tiny, log_dir):
+    """An executor of its own: the fleet's is driven by its scheduler. No store is reachable."""
+    service = start_service("bad-input-executor", "executor.service",
+                            ["--model", tiny["model_dir"], "--store", "127.0.0.1:9", "--threads", "1",
+                             "--kv-blocks", "512", "--block-size", str(BLOCK), "--adapter-slots", "2"],
+                            log_dir / "bad_input")
+    yield service.address
+    service.stop()
+
+
+@pytest.fixture
+async def ex_stub(executor):
+    async with insecure_channel(executor) as channel:
+        yield executor_pb2_grpc.ExecutorStub(channel)
+
+
+def new_seq(seq_id: int, token_ids: list[int], **sampling) -> executor_pb2.NewSequence:
+    return executor_pb2.NewSequence(seq_id=seq_id, token_ids=token_ids, slot=-1,
+                                    sampling=common_pb2.SamplingParams(**sampling))
+
+
+def row(seq_id: int, num_tokens: int, blocks: list[int] = ()) -> executor_pb2.ScheduledRow:
+    return executor_pb2.ScheduledRow(seq_id=seq_id, num_tokens=num_tokens, new_block_ids=blocks)
+
+
+async def open_step(ex_stub):
+    """A Step stream, once the executor takes one (the scheduler retries the same way)."""
+    for _ in range(100):
+        call = ex_stub.Step()
+        try:
+            await call.write(executor_pb2.StepRequest())
+            await call.read()
+            return call
+        except grpc.aio.AioRpcError:  # a write to a refused stream fails with a status of its own
+            if await call.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+        await asyncio.sleep(0.05)
+    raise AssertionError("the executor never took a new Step stream")
+
+
+async def greedy_tokens(call, seq_id: int, prompt: list[int], num: int, pause_s: float = 0.0) -> list[int]:
+    """Prefill `prompt` into block 0 onwards, then decode: `num` greedy tokens in all."""
+    await call.write(executor_pb2.StepRequest(new_sequences=[new_seq(seq_id, prompt)],
+                                              rows=[row(seq_id, len(prompt), [0])]))
+    tokens = [(await call.read()).samples[0].token_id]
+    while len(tokens) < num:
+        position = len(prompt) + len(tokens) - 1  # of the token computed now
+        blocks = [position // BLOCK] if position % BLOCK == 0 else []
+        await call.write(executor_pb2.StepRequest(rows=[row(seq_id, 1, blocks)]))
+        tokens.append((await call.read()).samples[0].token_id)
+        await asyncio.sleep(pause_s)
+    return tokens
+
+
+async def test_second_step_stream_is_refused_until_the_first_ends(ex_stub):
+    first = await open_step(ex_stub)
+    err = await rpc_error(ex_stub.Step().read())
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "already driven" in err.details()
+    first.cancel()
+    (await open_step(ex_stub)).cancel()
+
+
+@pytest.mark.parametrize("step, words", [
+    (executor_pb2.StepRequest(rows=[row(77, 1)]), "unknown sequence id 77"),
+    (executor_pb2.StepRequest(new_sequences=[new_seq(1, [5]), new_seq(1, [6])]), "already exists"),
+    (executor_pb2.StepRequest(new_sequences=[new_seq(1, [5])], rows=[row(1, 1, [512])]), "block id 512"),
+    (executor_pb2.StepRequest(new_sequences=[new_seq(1, [5], temperature=float("nan"))]), "temperature"),
+    (executor_pb2.StepRequest(new_sequences=[new_seq(1, [5], top_p=float("inf"))]), "top_p"),
+    (executor_pb2.StepRequest(new_sequences=[new_seq(1, [])]), "empty prompt"),
+    (executor_pb2.StepRequest(new_sequences=[executor_pb2.NewSequence(seq_id=1, token_ids=[5], slot=-2)]),
+     "slot -2"),
+])
+async def test_bad_step_is_invalid_argument_and_frees_the_executor(ex_stub, step, words):
+    call = await open_step(ex_stub)
+    await call.write(step)
+    err = await rpc_error(call.read())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.details(), err.details()
+    (await open_step(ex_stub)).cancel()  # the failed stream let go of the executor
+
+
+async def test_stream_cancelled_mid_step_does_not_touch_the_next_stream(ex_stub):
+    """A cancelled stream's step ran on in its thread beside the next stream's steps: it wrote its
+    KV into blocks the new stream had been given and counted its tokens into the new stream's
+    sequence of the same id, whose greedy tokens then differed from a clean run's."""
+    prompt = [7, 8, 9, 10, 11]
+    call = await open_step(ex_stub)
+    expected = await greedy_tokens(call, 1, prompt, 10)
+    call.cancel()
+    big = await open_step(ex_stub)  # two 1500-token prefills in blocks 0..187: most of a second
+    per = 1500 // BLOCK + 1
+    await big.write(executor_pb2.StepRequest(
+        new_sequences=[new_seq(i, [5 + j % 50 for j in range(1500)]) for i in (1, 2)],
+        rows=[row(i, 1500, list(range((i - 1) * per, i * per))) for i in (1, 2)]))
+    await asyncio.sleep(0.1)
+    big.cancel()
+    call = await open_step(ex_stub)
+    assert await greedy_tokens(call, 1, prompt, 10, pause_s=0.1) == expected
+    call.cancel()
