@@ -4,6 +4,7 @@ loopback gRPC; cases already covered in test_services.py (bad sampling ranges, u
 adapters, prompt length, API keys) are not repeated here."""
 
 import asyncio
+import math
 import time
 
 import grpc
@@ -61,6 +62,25 @@ async def test_huge_text_prompt_is_refused_without_tokenizing_it(fleet, stub):
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "text" in err.details() and "characters" in err.details(), err.details()
     assert time.perf_counter() - start < 5
+
+
+def no_prompt() -> scheduler_pb2.GenerateRequest:
+    return scheduler_pb2.GenerateRequest(max_new_tokens=4)
+
+
+@pytest.mark.parametrize("request_, words", [
+    (no_prompt(), "prompt is empty"),
+    (client.generate_request("", "hi", 4, temperature=math.inf), "temperature"),
+    (client.generate_request("", "hi", 4, top_p=-0.5), "top_p"),
+    (client.generate_request("", "hi", 4, top_p=math.nan), "top_p"),
+    (client.generate_request("", "hi", 2**32 - 1), "max_new_tokens (4294967295)"),
+    (client.generate_request("", "hi", 4, stop=["x"] * 17), "at most 16 stop strings"),
+    (client.generate_request("", "hi", 4, stop=["x" * 257]), "at most 256 characters"),
+])
+async def test_generate_requests_out_of_range(fleet, stub, request_, words):
+    """Cases test_services.py does not already cover."""
+    err = await rpc_error(client.generate(stub, request_))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.details(), err.details()
 
 
 @pytest.mark.parametrize("ref", ["a@", "@3", "a@b@c", "a@@1", "réfé", "a" * 10_000, "r4_attn\n",
