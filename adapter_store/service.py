@@ -10,7 +10,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from loraplex.allocator import keep_freed_memory
 from adapter_store.base_models import BaseModel
@@ -23,6 +23,7 @@ from adapter_store.records import AdapterRecord, VersionMeta, check_alias, check
 from adapter_store.registry import Registry
 from adapter_store.validation import WEIGHTS_FILENAME, check_weights_file
 from loraplex import server
+from loraplex.client import PUSH_ACCEPTED
 from loraplex.errors import DataLoss, InvalidArgument, grpc_errors
 from loraplex.metrics import serve_metrics
 from protos import adapter_store_pb2 as pb
@@ -65,9 +66,11 @@ def meta_from_pb(metadata: pb.VersionMetadata) -> tuple[VersionMeta, list[str]]:
 
 
 async def receive_push(
-    requests: AsyncIterator[pb.PushRequest], max_bytes: int = MAX_PUSH_BYTES,
+    requests: AsyncIterator[pb.PushRequest], accepted: Callable[[], Awaitable[None]],
+    max_bytes: int = MAX_PUSH_BYTES,
 ) -> tuple[pb.PushHeader, bytes]:
-    """The header and the weights of a Push stream, checked against the header's num_bytes."""
+    """The header and the weights of a Push stream, checked against the header's num_bytes;
+    `accepted` is awaited once the header passed its checks, before any chunk is read."""
     header, data = None, bytearray()
     async for request in requests:
         kind = request.WhichOneof("payload")
@@ -83,6 +86,7 @@ async def receive_push(
             if header.num_bytes > max_bytes:
                 raise InvalidArgument(f"adapter of {header.num_bytes} bytes exceeds the "
                                       f"{max_bytes}-byte push limit")
+            await accepted()
         elif kind == "chunk":
             if len(data) + len(request.chunk) > header.num_bytes:
                 raise InvalidArgument(f"the Push stream carries more than the {header.num_bytes} "
@@ -127,7 +131,8 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
 
     async def Push(self, request_iterator, context) -> common_pb2.AdapterInfo:
         async with grpc_errors(context):
-            header, data = await receive_push(request_iterator)
+            header, data = await receive_push(
+                request_iterator, lambda: context.send_initial_metadata((PUSH_ACCEPTED,)))
             meta, aliases = meta_from_pb(header.metadata)
             record = await self._registry.push(header.name, header.owner_tenant,
                                                header.config_json, header.weights_filename, data,

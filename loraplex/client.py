@@ -1,5 +1,7 @@
 """Client helpers for the CLI, the demo, benchmarks and tests: push adapters, stream generations."""
 
+import asyncio
+import contextlib
 import json
 import pathlib
 import time
@@ -10,6 +12,7 @@ from loraplex.server import insecure_channel
 from protos import adapter_store_pb2, adapter_store_pb2_grpc, common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 PUSH_CHUNK_BYTES = 1 << 20
+PUSH_ACCEPTED = ("loraplex-push", "header-accepted")  # a store's initial metadata on Push
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 
 
@@ -32,18 +35,33 @@ async def push_adapter(store: str, folder: str | pathlib.Path, name: str, tenant
     if weights is None:
         raise FileNotFoundError(f"{folder} has no adapter_model.safetensors")
     data = weights.read_bytes()
-
-    async def messages():
-        yield adapter_store_pb2.PushRequest(header=adapter_store_pb2.PushHeader(
-            name=name, owner_tenant=tenant, config_json=config_json, weights_filename=weights.name,
-            num_bytes=len(data), metadata=metadata))
-        for start in range(0, len(data), PUSH_CHUNK_BYTES):
-            yield adapter_store_pb2.PushRequest(chunk=data[start:start + PUSH_CHUNK_BYTES])
-            if progress is not None:
-                progress(min(start + PUSH_CHUNK_BYTES, len(data)), len(data))
-
+    header = adapter_store_pb2.PushHeader(
+        name=name, owner_tenant=tenant, config_json=config_json, weights_filename=weights.name,
+        num_bytes=len(data), metadata=metadata)
     async with insecure_channel(store) as channel:
-        return await adapter_store_pb2_grpc.AdapterStoreStub(channel).Push(messages())
+        return await push(adapter_store_pb2_grpc.AdapterStoreStub(channel), header, data,
+                          progress=progress)
+
+
+async def push(stub: adapter_store_pb2_grpc.AdapterStoreStub, header: adapter_store_pb2.PushHeader,
+               data: bytes, chunk_bytes: int = PUSH_CHUNK_BYTES,
+               progress: Callable[[int, int], None] | None = None) -> common_pb2.AdapterInfo:
+    """One Push: the header, then (once the store accepted it) the weights in chunks.
+    Waiting for the store's initial metadata before the chunks (see adapter_store.proto) means
+    a refused header costs no upload, and its status arrives as the store sent it: a store that
+    ends the call while a chunk is on its way makes gRPC report INTERNAL instead."""
+    call = stub.Push()
+    await call.write(adapter_store_pb2.PushRequest(header=header))
+    accepted = PUSH_ACCEPTED in tuple(await call.initial_metadata())
+    with contextlib.suppress(asyncio.InvalidStateError):  # the store ended it: its status follows
+        if accepted:  # (else the call ends with the store's refusal)
+            for start in range(0, len(data), chunk_bytes):
+                await call.write(adapter_store_pb2.PushRequest(
+                    chunk=data[start:start + chunk_bytes]))
+                if progress is not None:
+                    progress(min(start + chunk_bytes, len(data)), len(data))
+            await call.done_writing()
+    return await call
 
 
 async def store_call(store: str, method: str, request):

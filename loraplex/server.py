@@ -1,6 +1,7 @@
 """Shared gRPC server plumbing: one place that builds, starts and gracefully stops a service."""
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -107,7 +108,12 @@ def configure_logging(name: str) -> None:
 
 
 def announce(name: str, address: str) -> None:
-    """The one stdout line a service prints once it serves; loraplex.launch waits for it."""
+    """The one stdout line a service prints once it serves; loraplex.launch waits for it.
+    Everything built so far (modules, torch, weights' Python objects) is moved out of the garbage
+    collector's sight first: a full collection over it stalls the event loop for ~100 ms (an
+    adapter store's first SetAlias took 130 ms instead of 20 when one landed there)."""
+    gc.collect()
+    gc.freeze()
     print(f"{name} listening on {address}", flush=True)
 
 

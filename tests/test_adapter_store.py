@@ -21,6 +21,7 @@ import torch
 from adapter_store.blobs import BlobStore, open_blob_store
 from adapter_store.config import StoreConfig
 from adapter_store.service import start_store
+from loraplex import client
 from loraplex.errors import Unavailable
 from loraplex.server import insecure_channel
 from protos import adapter_store_pb2 as pb
@@ -131,13 +132,10 @@ class Store:
 
     async def push(self, name, config_json, data, owner="", filename=WEIGHTS, num_bytes=None,
                    chunk=20_000):
-        async def requests():
-            yield pb.PushRequest(header=pb.PushHeader(
-                name=name, owner_tenant=owner, config_json=config_json, weights_filename=filename,
-                num_bytes=len(data) if num_bytes is None else num_bytes))
-            for offset in range(0, len(data), chunk):
-                yield pb.PushRequest(chunk=data[offset:offset + chunk])
-        return await self.stub.Push(requests())
+        header = pb.PushHeader(name=name, owner_tenant=owner, config_json=config_json,
+                               weights_filename=filename,
+                               num_bytes=len(data) if num_bytes is None else num_bytes)
+        return await client.push(self.stub, header, data, chunk_bytes=chunk)
 
     async def fetch(self, name, version):
         responses = [r async for r in self.stub.Fetch(pb.FetchRequest(name=name, version=version))]
@@ -392,6 +390,23 @@ async def test_bad_push_is_invalid_argument(file_store, case):
         name, config_json, data, filename=filename))
     for word in words:
         assert word in details
+
+
+@in_session_loop
+async def test_a_refused_header_costs_no_upload_and_keeps_its_status(file_store):
+    """The client sends chunks only after the store's header-accepted metadata: a refused header
+    comes back as INVALID_ARGUMENT every time (a chunk in flight would turn it into INTERNAL)."""
+    for name in ("a/b", "ok"):
+        sent: list[int] = []
+        header = pb.PushHeader(name=name, config_json=GOOD_CONFIG, weights_filename=WEIGHTS,
+                               num_bytes=len(GOOD))
+        pushing = client.push(file_store.stub, header, GOOD, chunk_bytes=1000,
+                              progress=lambda done, total: sent.append(done))
+        if name == "a/b":
+            assert "is invalid" in await expect_error(grpc.StatusCode.INVALID_ARGUMENT, pushing)
+            assert sent == []
+        else:
+            assert (await pushing).version == 1 and sent[-1] == len(GOOD) and len(sent) > 1
 
 
 @in_session_loop

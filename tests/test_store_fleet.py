@@ -16,7 +16,7 @@ from tests.conftest import API_KEYS
 KEY = next(key for key, tenant in API_KEYS.items() if tenant == "acme")
 PROMPTS = ["the model serves many adapters", "tokens stream quickly", "a batch of tokens",
            "many adapters serve the batch"]
-NUM_TOKENS = 24
+NUM_TOKENS = 64  # streams long enough (~0.3 s) that the alias move lands mid-stream
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import pytest
 import safetensors.torch
 
 from adapter_store.config import StoreConfig
+from loraplex import client
 from protos import adapter_store_pb2 as pb
 from tests.test_adapter_store import (HIDDEN, Store, expect_error, in_session_loop, lora_config,
                                       lora_tensors, make_adapter)
@@ -44,13 +45,10 @@ def meta(**kw) -> pb.VersionMetadata:
 
 
 async def push(store, name, owner="", data=DATA, config_json=CONFIG_JSON, **metadata):
-    async def requests():
-        yield pb.PushRequest(header=pb.PushHeader(
-            name=name, owner_tenant=owner, config_json=config_json,
-            weights_filename="adapter_model.safetensors", num_bytes=len(data),
-            metadata=meta(**metadata)))
-        yield pb.PushRequest(chunk=data)
-    return await store.stub.Push(requests())
+    return await client.push(store.stub, pb.PushHeader(
+        name=name, owner_tenant=owner, config_json=config_json,
+        weights_filename="adapter_model.safetensors", num_bytes=len(data),
+        metadata=meta(**metadata)), data)
 
 
 @in_session_loop
@@ -299,11 +297,8 @@ async def _drain(call):
 ])
 @in_session_loop
 async def test_bad_push_metadata(replicas, case, metadata, config_json, words):
-    async def requests():
-        yield pb.PushRequest(header=pb.PushHeader(
-            name="meta", config_json=config_json, weights_filename="adapter_model.safetensors",
-            num_bytes=len(DATA), metadata=metadata))
-        yield pb.PushRequest(chunk=DATA)
-    details = await expect_error(INVALID, replicas[0].stub.Push(requests()))
+    details = await expect_error(INVALID, client.push(replicas[0].stub, pb.PushHeader(
+        name="meta", config_json=config_json, weights_filename="adapter_model.safetensors",
+        num_bytes=len(DATA), metadata=metadata), DATA))
     for word in words:
         assert word in details, details
