@@ -338,9 +338,19 @@ class Scheduler:
             self.on_executor_lost(ex)
         self.executors = [e for e in self.executors if e is not ex]
 
-    def on_executor_lost(self, ex: ExecutorState) -> None:
-        """Hand a dead executor's work to the others; its slots and blocks are gone."""
+    def on_executor_lost(self, ex: ExecutorState, error: LoraplexError | None = None) -> None:
+        """Hand a dead executor's work to the others; its slots and blocks are gone. A running
+        request under its max_executor_failures-th lost executor fails with `error`."""
         ex.is_up = False
+        for seq in list(ex.running.values()):
+            req = seq.request
+            req.executor_failures += 1
+            if req.executor_failures >= self.limits.max_executor_failures:
+                self._release(ex, seq)
+                self._end(req)
+                req.emit(ErrorEvent(Unavailable(
+                    f"{req.executor_failures} executors failed while running this request, the "
+                    f"last {ex.address}: {error or 'it went away'}")))
         self._evacuate(ex, running=True)
         ex.pending_frees.clear()
         ex.slots.reset()

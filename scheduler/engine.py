@@ -161,17 +161,22 @@ class Engine:
     async def _run(self, link: ExecutorLink) -> None:
         failures = 0
         while True:
+            error: LoraplexError | None = None
             try:
                 await self._connect(link)
                 failures = 0
                 await self._step_loop(link)
-            except (grpc.aio.AioRpcError, LoraplexError) as err:
+            except grpc.aio.AioRpcError as err:
+                error = from_rpc_error(err, f"executor {link.address}")
+            except LoraplexError as err:
+                error = err
+            if error is not None:
                 failures += 1
                 if failures == 1:
-                    log.warning("executor %s unreachable: %s", link.address, err)
+                    log.warning("executor %s unreachable: %s", link.address, error)
             link.close()
             if link.state.is_up:
-                self.core.on_executor_lost(link.state)
+                self.core.on_executor_lost(link.state, error)
             if link.is_leaving:
                 return self._forget(link)
             await asyncio.sleep(RECONNECT_SECONDS)

@@ -15,6 +15,10 @@ class Limits:
     max_batched_tokens: int = 2048  # tokens per step per executor (long prompts are chunked)
     max_adapters_per_batch: int = 0  # distinct adapters running at once per executor; 0 = no limit
     max_load_attempts: int = 2  # a failing adapter load is tried this often, then its requests fail
+    # A request running on an executor that fails (a step errors, the stream or process dies) is
+    # recomputed elsewhere; the time this many executors failed under it, it fails too: a request
+    # whose step always fails must not bring executors down forever.
+    max_executor_failures: int = 3
     affinity_max_wait_s: float = 0.0  # prefer requests whose adapter runs, for at most this long
     slot_wait_s: float = 2.0  # routing: expected wait when every slot of an executor is pinned
     home_bias_s: float = 2.0  # routing: how much busier a cold adapter's home may be and still win
@@ -27,7 +31,8 @@ class Limits:
     def __post_init__(self) -> None:
         if self.popularity_half_life_s <= 0:
             raise ValueError(f"popularity_half_life_s must be > 0, got {self.popularity_half_life_s}")
-        for name in ("max_num_seqs", "max_batched_tokens", "max_load_attempts"):
+        for name in ("max_num_seqs", "max_batched_tokens", "max_load_attempts",
+                     "max_executor_failures"):
             if getattr(self, name) < 1:
                 raise ValueError(f"scheduler limit {name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_adapters_per_batch", "affinity_max_wait_s", "slot_wait_s", "max_reserved_slots",

@@ -62,6 +62,7 @@ class Request:
     finish_reason: Finish | None = None
     is_charged: bool = False  # input tokens charged once, not again after a preemption
     caused_load: bool = False  # it started the load of its adapter
+    executor_failures: int = 0  # executors lost while it ran there (their step failed or they left)
     executor: Any = None  # the ExecutorState it is queued or running on
     work_left: int = 0  # tokens still to compute for it (prompt + outputs), for routing
 

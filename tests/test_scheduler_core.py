@@ -6,12 +6,14 @@ import random
 import pytest
 
 from loraplex.errors import InvalidArgument, Unavailable
+from scheduler.block_manager import BlockManager
 from scheduler.core import Limits
+from scheduler.executor_state import ExecutorState
 from scheduler.detokenizer import Finish
 from scheduler.fairness import FairnessWeights
 from scheduler.invariants import check_invariants
 from scheduler.request import ErrorEvent, Status, TokenEvent
-from scheduler.slots import SlotState
+from scheduler.slots import SlotState, SlotTable
 from tests.sched_world import World
 
 
@@ -134,6 +136,31 @@ def test_executor_loss_requeues_its_work_on_another_executor():
     assert not lost.running
     w.run()
     assert all(w.finished(r) for r in reqs)
+
+
+def test_a_request_under_which_executors_keep_failing_fails_after_the_limit():
+    """A request whose step fails every time (the executor errors, the scheduler reconnects and
+    recomputes it) must not loop forever: at its max_executor_failures-th lost executor it gets
+    the error. Requests that were only queued there are not counted."""
+    w = World(limits=Limits(max_num_seqs=1, max_executor_failures=3))
+    poison, queued = w.request(prompt_len=4, max_new=50), w.request(prompt_len=4, max_new=50)
+    for attempt in range(1, 4):
+        w.step()
+        assert poison.status is Status.RUNNING and queued.status is Status.QUEUED
+        lost = w.executors[0]
+        w.core.on_executor_lost(lost, Unavailable("step failed: boom"))
+        w.executors[0] = ExecutorState(lost.address, BlockManager(64, 4), SlotTable(2), max_rank=32)
+        w.core.add_executor(w.executors[0])  # it reconnects: a fresh view of it
+        if attempt < 3:
+            assert poison.status is Status.QUEUED
+            assert not any(isinstance(e, ErrorEvent) for e in w.events[poison.request_id])
+    (event,) = [e for e in w.events[poison.request_id] if isinstance(e, ErrorEvent)]
+    assert isinstance(event.error, Unavailable) and "3 executors failed" in str(event.error)
+    assert "boom" in str(event.error) and poison.status is Status.FINISHED
+    check_invariants(w.core)
+    w.run()
+    assert w.finished(queued) and queued.executor_failures < 3
+    assert all(ex.blocks.num_free == ex.blocks.num_blocks for ex in w.executors)
 
 
 @pytest.mark.parametrize("weights", [(1.0, 1.0), (2.0, 1.0)])
