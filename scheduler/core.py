@@ -3,7 +3,8 @@
 The service (engine.py) and the simulator (simulator.py) drive the very same object:
 `submit`/`cancel` requests; per executor `schedule(ex)` -> StepPlan, then `on_step_done` with the
 sampled tokens; `on_load_done` when an adapter load ends; `on_executor_up/lost`, `drain`, and the
-admin actions in admin.py. `start_load`, `start_unload` and `wake` are its only ways out.
+admin actions in admin.py. `start_load`, `start_unload`, `warm_host` and `wake` are its only
+ways out.
 
 A request is routed to one executor when it arrives (routing.py) and waits in that executor's
 queue (queues.py) until admission finds, in fair order (fairness.py), that its KV blocks fit and its
@@ -33,13 +34,15 @@ class Scheduler:
     def __init__(self, executors: Iterable[ExecutorState], weights: FairnessWeights, limits: Limits,
                  start_load: Callable[[ExecutorState, Slot], None], wake: Callable[[], None],
                  start_unload: Callable[[ExecutorState, int, str], None] = lambda ex, slot, adapter: None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 warm_host: Callable[[str], None] = lambda adapter: None):
         self.executors = []
         self.limits = limits
         self.fair = FairShare(weights)
         self.orphans: list[Request] = []  # queued while no executor can take work
         self.clock = clock
         self._start_load, self._start_unload, self._wake = start_load, start_unload, wake
+        self._warm_host = warm_host
         self._seq_ids = itertools.count(1)
         for ex in executors:
             self.add_executor(ex)
@@ -84,8 +87,10 @@ class Scheduler:
             ex.popularity.hit(req.adapter, req.arrival)
         ex.queue.push(req, front)
         ex.work_tokens += req.work_left
-        if req.adapter and ex.slots.find(req.adapter) is None:
-            self._place(ex, req)
+        if req.adapter and ex.slots.find(req.adapter) is None and not self._place(ex, req):
+            # No slot for it yet (all pinned): have the store bring it into RAM meanwhile, so
+            # that the load, once a slot frees, does not wait on S3.
+            self._warm_host(req.adapter)
 
     def _rebalance(self) -> None:
         """Move queued requests to where they would start sooner now (an executor joined)."""

@@ -6,6 +6,8 @@ stream), `on_step_done`. Everything it decides comes from scheduler.core.
 
 import asyncio
 import logging
+import time
+from collections.abc import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -24,6 +26,7 @@ from scheduler.timings import TimingLog
 log = logging.getLogger(__name__)
 
 RECONNECT_SECONDS = 1.0
+WARM_AGAIN_S = 30.0  # an adapter waiting for a slot is brought into a store's RAM this often
 
 
 class ExecutorLink:
@@ -76,10 +79,14 @@ def _sampling_pb(s) -> common_pb2.SamplingParams:
 
 class Engine:
     def __init__(self, executor_specs: tuple[str, ...], weights: FairnessWeights, limits: Limits,
-                 discovery_interval_s: float = 5.0, timings: TimingLog | None = None):
+                 discovery_interval_s: float = 5.0, timings: TimingLog | None = None,
+                 warm_host: Callable[[str, int], Awaitable[None]] | None = None):
         self.links: dict[str, ExecutorLink] = {}
         self.timings = timings
-        self.core = Scheduler([], weights, limits, self._start_load, self._wake, self._start_unload)
+        self.core = Scheduler([], weights, limits, self._start_load, self._wake, self._start_unload,
+                              warm_host=self._warm_host)
+        self._warm = warm_host
+        self._warmed: dict[str, float] = {}  # adapter -> when it was last asked for (monotonic)
         self.metrics = SchedulerMetrics(self.core)
         self.first_info: asyncio.Future[executor_pb2.InfoResponse] = asyncio.get_running_loop().create_future()
         self._specs = executor_specs
@@ -228,6 +235,17 @@ class Engine:
                 if self.timings is not None:
                     self.timings.load(link.address, resp.num_bytes, resp.load_seconds)
             self.core.on_load_done(ex, slot, adapter, None, resp.num_bytes, resp.load_seconds)
+
+    def _warm_host(self, adapter: str) -> None:
+        """Ask the store to bring `adapter` into its RAM tier (at most once per WARM_AGAIN_S)."""
+        now = time.monotonic()
+        if self._warm is None or now - self._warmed.get(adapter, -WARM_AGAIN_S) < WARM_AGAIN_S:
+            return
+        self._warmed = {a: t for a, t in self._warmed.items() if now - t < WARM_AGAIN_S}
+        self._warmed[adapter] = now
+        name, _, version = adapter.rpartition("@")
+        self.metrics.host_prewarms.inc()
+        self._spawn(self._warm(name, int(version)))
 
     def _start_unload(self, ex: ExecutorState, slot: int, adapter: str) -> None:
         link = self.links[ex.address]

@@ -31,6 +31,9 @@ class SchedulerMetrics:
                                   ["executor"], buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         self.load = Histogram("loraplex_adapter_load_seconds", "Adapter load time, request to slot ready.",
                               ["executor"], buckets=LATENCY_BUCKETS, registry=r)
+        self.host_prewarms = Counter(
+            "loraplex_host_prewarms", "Adapters a store was asked to bring into RAM while their "
+            "requests waited for a slot.", registry=r)
         r.register(_CoreCollector(core, self.tenant))
 
     def on_step(self, executor: str, plan, seconds: float) -> None:

@@ -4,6 +4,7 @@ A reference is resolved once, when the request arrives: the request then carries
 "name@version" for its whole life, so moving an alias never changes a running sequence, and the
 next request resolves the alias afresh (the store re-reads aliases on every lookup)."""
 
+import logging
 import re
 
 import grpc
@@ -30,9 +31,26 @@ def parse_adapter_ref(ref: str) -> tuple[str, int, str]:
     return m["name"], int(m["version"] or 0), alias
 
 
+log = logging.getLogger(__name__)
+
+
 class RegistryClient:
     def __init__(self, stores: tuple[str, ...]):
         self._stores = [(a, adapter_store_pb2_grpc.AdapterStoreStub(insecure_channel(a))) for a in stores]
+
+    async def warm(self, name: str, version: int) -> None:
+        """Have the first store that answers bring the version into its RAM tier (best effort:
+        the executor's load reads it either way). Executors fetch from the first store that
+        answers too, so with the same store list both meet at the same replica."""
+        request = adapter_store_pb2.HostPrewarmRequest(name=name, version=version)
+        for address, stub in self._stores:
+            try:
+                await stub.Prewarm(request, timeout=60)
+                return
+            except grpc.aio.AioRpcError as err:
+                log.warning("warming %s@%d in store %s: %s", name, version, address, err.details())
+                if err.code() != grpc.StatusCode.UNAVAILABLE:
+                    return
 
     async def resolve(self, ref: str, tenant: str) -> common_pb2.AdapterInfo:
         """The exact adapter version `ref` names for `tenant` (NOT_FOUND if it may not see it)."""

@@ -187,13 +187,15 @@ def _executor_stats(ex) -> scheduler_pb2.ExecutorStats:
 
 
 async def serve(config: SchedulerConfig, ready_timeout: float = 300.0) -> None:
+    registry = RegistryClient(config.stores)
     engine = Engine(config.executors, config.weights, config.limits, config.discovery_interval_s,
-                    TimingLog(config.timings_out) if config.timings_out else None)
+                    TimingLog(config.timings_out) if config.timings_out else None,
+                    warm_host=registry.warm)
     engine.start()
     # Tokenizer and model facts come from the executors: wait for the first one.
     async with asyncio.timeout(ready_timeout):
         await asyncio.shield(engine.first_info)
-    servicer = SchedulerServicer(config, engine, RegistryClient(config.stores))
+    servicer = SchedulerServicer(config, engine, registry)
     service = Service("scheduler", config.address,
                       lambda server: scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server),
                       [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name])

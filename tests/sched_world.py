@@ -17,12 +17,14 @@ class World:
     def __init__(self, num_executors=1, num_blocks=64, block_size=4, num_slots=2, limits=Limits(),
                  weights=FairnessWeights()):
         self.loads: list = []
+        self.warmed: list[str] = []  # adapters the core asked a store to bring into RAM
         self.executors = [ExecutorState(f"ex{i}", BlockManager(num_blocks, block_size), SlotTable(num_slots),
                                         max_rank=32) for i in range(num_executors)]
         self.now = 0.0
         self.core = Scheduler(self.executors, weights, limits,
                               start_load=lambda ex, slot: self.loads.append((ex, slot, slot.adapter)),
-                              wake=lambda: None, clock=lambda: self.now)
+                              wake=lambda: None, clock=lambda: self.now,
+                              warm_host=self.warmed.append)
         self.events: dict[int, list] = {}
         self.requests: list[Request] = []
         self._ids = iter(range(1, 10**6))

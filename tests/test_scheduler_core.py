@@ -47,6 +47,19 @@ def test_pinned_slots_are_never_evicted_and_requests_wait_instead_of_failing():
     assert all(w.finished(r) for r in (a, b, c))
 
 
+def test_an_adapter_waiting_for_a_slot_is_warmed_in_the_store_meanwhile():
+    w = World(num_slots=1)
+    w.request(adapter="a@1", max_new=50)
+    assert w.warmed == [], "a free slot: the load itself reads it"
+    w.complete_loads()
+    w.step()
+    w.request(adapter="a@1", max_new=1)
+    b = w.request(adapter="b@1", max_new=1)
+    assert w.warmed == ["b@1"] and not w.loads, "the only slot is pinned: warm b, load nothing"
+    w.run()
+    assert w.finished(b)
+
+
 def test_lru_evicts_the_least_recently_used_unpinned_slot():
     w = World(num_slots=2)
     for name in ("a@1", "b@1"):

@@ -1,0 +1,61 @@
+"""Through the real services: a request whose adapter cannot get a GPU slot yet (the only slot is
+pinned by a running sequence) has its adapter brought into the store's RAM tier while it waits,
+so its load, once the slot frees, is a host hit and not a blob read."""
+
+import asyncio
+
+import pytest
+
+from loraplex import client
+from loraplex.launch import Fleet
+from loraplex.server import insecure_channel
+from protos import adapter_store_pb2 as pb
+from protos import scheduler_pb2_grpc
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny, tmp_path_factory, log_dir):
+    with Fleet(model=tiny["model_dir"], store_url=tmp_path_factory.mktemp("store").as_uri(),
+               log_dir=log_dir / "host-prefetch",
+               executor_args=["--adapter-slots", "1", "--max-rank", "32", "--threads", "1"]) as fleet:
+        yield fleet
+
+
+async def store_stats(fleet) -> pb.StoreStatsResponse:
+    return await client.store_call(fleet.stores[0], "Stats", pb.StoreStatsRequest())
+
+
+async def test_waiting_adapter_is_warmed_in_the_store_and_loads_from_ram(fleet, tiny):
+    for name in ("r8_mlp", "r16_all"):
+        await client.push_adapter(fleet.stores[0], tiny["adapters"][name]["path"], name)
+    async with insecure_channel(fleet.scheduler) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        first_token = asyncio.Event()
+
+        async def long_running() -> client.Generation:
+            out = client.Generation()
+            request = client.generate_request("r8_mlp", "hold the slot", 1000, ignore_eos=True)
+            async for response in client.stream(stub, request):
+                if response.HasField("token_id"):
+                    out.token_ids.append(response.token_id)
+                    first_token.set()
+            return out
+
+        holder = asyncio.create_task(long_running())
+        await asyncio.wait_for(first_token.wait(), 60)
+        before = await store_stats(fleet)
+        assert (before.host_entries, before.fetches) == (1, 1)  # r8_mlp, loaded into the slot
+        waiting = asyncio.create_task(client.generate(
+            stub, client.generate_request("r16_all", "wait for the slot", 4, ignore_eos=True)))
+        for _ in range(100):  # the scheduler asks the store to warm r16_all while it waits
+            during = await store_stats(fleet)
+            if during.host_entries == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert during.host_entries == 2 and during.fetches == 1, "warmed, not loaded"
+        assert not holder.done(), "the slot was still pinned while the adapter was warmed"
+        assert len((await holder).token_ids) == 1000
+        assert len((await waiting).token_ids) == 4
+    after = await store_stats(fleet)
+    assert after.fetches == 2 and after.blob_reads == before.blob_reads + 1
+    assert after.host_hits == before.host_hits + 1, "its load read RAM, not the blob store"
