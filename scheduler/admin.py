@@ -1,6 +1,6 @@
 """Operator actions on residency and executors, in terms of the scheduler core."""
 
-from loraplex.errors import FailedPrecondition, NotFound
+from loraplex.errors import FailedPrecondition, NotFound, Unavailable
 from scheduler.core import Scheduler
 from scheduler.executor_state import ExecutorState
 from scheduler.routing import score
@@ -19,6 +19,9 @@ def prewarm(core: Scheduler, adapter: str, adapter_bytes: int, num_executors: in
     """Make `adapter` resident on `num_executors` executors (those already holding it count),
     choosing the least loaded others; with `pin`, LRU never takes those slots back."""
     up = [ex for ex in core.executors if ex.is_up and not ex.is_draining]
+    if not up:
+        raise Unavailable(f"no executor is up and admitting work to pre-warm {adapter} on "
+                          f"({len(core.executors)} known, all down or draining)")
     holding = [ex for ex in up if ex.slots.find(adapter)]
     others = sorted((ex for ex in up if ex not in holding),
                     key=lambda ex: score(ex.work_tokens, ex.rates, False, True, adapter_bytes, 0.0))

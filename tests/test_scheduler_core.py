@@ -6,6 +6,7 @@ import random
 import pytest
 
 from loraplex.errors import InvalidArgument, Unavailable
+from scheduler import admin
 from scheduler.block_manager import BlockManager
 from scheduler.core import Limits
 from scheduler.executor_state import ExecutorState
@@ -58,6 +59,15 @@ def test_an_adapter_waiting_for_a_slot_is_warmed_in_the_store_meanwhile():
     assert w.warmed == ["b@1"] and not w.loads, "the only slot is pinned: warm b, load nothing"
     w.run()
     assert w.finished(b)
+
+
+def test_prewarm_with_no_executor_admitting_is_unavailable_not_a_silent_ok():
+    w = World(num_executors=2)
+    assert [ex.address for ex in admin.prewarm(w.core, "a@1", 1 << 20, 1, pin=False)] == ["ex0"]
+    for ex in w.executors:
+        w.core.drain(ex)
+    with pytest.raises(Unavailable, match="no executor is up and admitting"):
+        admin.prewarm(w.core, "b@1", 1 << 20, 1, pin=False)
 
 
 def test_lru_evicts_the_least_recently_used_unpinned_slot():
