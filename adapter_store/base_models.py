@@ -21,7 +21,7 @@ ROOT = "base-models/"
 RECORD_FILENAME = "base.json"  # {"model_id", "revision", "config_json"}
 # HF model ids: "org/name" or "name", plus local-path-like ids made of the same characters.
 _PART = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
-_MODEL_ID_RE = re.compile(rf"^{_PART}(/{_PART}){{0,3}}$")
+_MODEL_ID_RE = re.compile(rf"{_PART}(/{_PART}){{0,3}}")  # fullmatch: no trailing newline
 _FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}
 
 
@@ -29,7 +29,9 @@ def load_json_object(text: str, what: str) -> dict:
     """`text` parsed as a JSON object; INVALID_ARGUMENT prefixed with `what` otherwise."""
     try:
         raw = json.loads(text)
-    except json.JSONDecodeError as exc:
+    except RecursionError:
+        raise InvalidArgument(f"{what}: JSON nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, or an integer of more than 4300 digits
         raise InvalidArgument(f"{what}: not valid JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise InvalidArgument(f"{what}: must be a JSON object")
@@ -68,7 +70,8 @@ class BaseModel:
         hidden, heads = values["hidden_size"], values["num_attention_heads"]
         kv_heads = raw.get("num_key_value_heads") or heads
         head_dim = raw.get("head_dim") or hidden // heads
-        if not all(isinstance(v, int) and v > 0 for v in (kv_heads, head_dim)):
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0
+                   for v in (kv_heads, head_dim)):
             raise invalid("num_key_value_heads and head_dim must be positive integers")
         inter, q, kv = values["intermediate_size"], heads * head_dim, kv_heads * head_dim
         shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
@@ -90,7 +93,7 @@ class BaseModel:
 
 
 def check_model_id(model_id: str) -> None:
-    if not _MODEL_ID_RE.match(model_id) or ".." in model_id:
+    if not _MODEL_ID_RE.fullmatch(model_id) or ".." in model_id:
         raise InvalidArgument(f"base model id {model_id!r} is invalid: use an HF-style id like "
                               "'org/name' (letters, digits, . _ -)")
 

@@ -9,8 +9,9 @@ import time
 ROOT = "adapters/"
 MANIFEST_FILENAME = "manifest.json"
 INDEX_FILENAME = "index.json"
-_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
-_ALIAS_RE = re.compile(r"^[A-Za-z][A-Za-z0-9._-]{0,63}$")
+# Matched with fullmatch: "$" would also accept a trailing newline.
+_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_ALIAS_RE = re.compile(r"[A-Za-z][A-Za-z0-9._-]{0,63}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,12 +109,12 @@ def version_prefix(name: str, version: int) -> str:
 
 
 def check_name(name: str) -> None:
-    if not _NAME_RE.match(name) or name in (".", ".."):
+    if not _NAME_RE.fullmatch(name) or name in (".", ".."):
         raise ValueError(f"adapter name {name!r} is invalid: use 1-128 characters of "
                          "A-Z a-z 0-9 . _ - (not '.' or '..')")
 
 
 def check_alias(alias: str) -> None:
-    if not _ALIAS_RE.match(alias) or alias == "latest":
+    if not _ALIAS_RE.fullmatch(alias) or alias == "latest":
         raise ValueError(f"alias {alias!r} is invalid: 1-64 characters of A-Z a-z 0-9 . _ -, "
                          "starting with a letter, not 'latest'")

@@ -125,7 +125,8 @@ class Registry:
             except (ValueError, TypeError, AttributeError) as exc:
                 raise Unavailable(f"index of adapter {name!r} is unreadable ({exc}); "
                                   "repair or remove it") from None
-        self._indexes[name] = index
+        if etag is not None or name in self._versions:  # names asked in vain leave nothing
+            self._indexes[name] = index
         return index, etag
 
     def _is_stale(self, name: str | None) -> bool:
@@ -237,7 +238,7 @@ class Registry:
     async def _base_model_for(self, config_json: str) -> BaseModel | None:
         try:
             model_id = json.loads(config_json).get("base_model_name_or_path")
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             return None  # validate_adapter names the fault
         if not isinstance(model_id, str) or not model_id:
             return None

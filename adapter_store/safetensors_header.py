@@ -52,7 +52,9 @@ def parse_header(data: bytes) -> dict[str, TensorEntry]:
                        "(truncated or not a safetensors file)")
     try:
         header = json.loads(bytes(data[8:8 + header_len]).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except RecursionError:
+        raise _invalid("header JSON is nested too deeply") from None
+    except ValueError as exc:  # not UTF-8, not JSON, or an integer of more than 4300 digits
         raise _invalid(f"header is not valid UTF-8 JSON: {exc}") from None
     if not isinstance(header, dict):
         raise _invalid("header JSON must be an object of tensor entries")
@@ -71,7 +73,7 @@ def _parse_entry(name: str, raw: object, data_len: int) -> TensorEntry:
     if not isinstance(raw, dict):
         raise _invalid(f"entry of tensor {name!r} must be an object")
     dtype, shape, offsets = raw.get("dtype"), raw.get("shape"), raw.get("data_offsets")
-    if dtype not in DTYPE_BYTES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:  # a list is unhashable
         raise _invalid(f"tensor {name!r} has unknown dtype {dtype!r}")
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
         raise _invalid(f"tensor {name!r} has invalid shape {shape!r}")
