@@ -20,6 +20,7 @@ import torch
 from safetensors import SafetensorError
 
 from adapter_store.base_models import BaseModel, load_json_object
+from adapter_store.module_patterns import compile_pattern, fullmatches
 from adapter_store.safetensors_header import FILE, TensorEntry, parse_header
 from loraplex.errors import FailedPrecondition, InvalidArgument
 
@@ -32,7 +33,7 @@ TARGET_MODULES = {
 FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 _LORA_KEY_RE = re.compile(
-    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight$")
+    r"^base_model\.model\.model\.layers\.(\d{1,9})\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight$")
 _KEY_FORMAT = "base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight"
 
 
@@ -69,14 +70,17 @@ class LoraConfig:
     def max_rank(self) -> int:
         return max([self.r, *self.rank_pattern.values()])
 
-    def rank_of(self, module_name: str) -> int:
-        """PEFT's rule: an exact rank_pattern key first, else the first key matching as a suffix."""
-        if module_name in self.rank_pattern:
-            return self.rank_pattern[module_name]
-        for pattern, rank in self.rank_pattern.items():
-            if re.match(rf"(.*\.)?({pattern})$", module_name):
-                return rank
-        return self.r
+    def ranks_of(self, module_names: list[str]) -> dict[str, int]:
+        """PEFT's rule per module: an exact rank_pattern key first, else the first key matching
+        as a suffix, else r."""
+        patterns = list(self.rank_pattern)
+        matched = fullmatches(patterns, module_names, "adapter_config.json: rank_pattern keys",
+                              as_suffix=True)
+        ranks = {}
+        for j, name in enumerate(module_names):
+            first = next((p for i, p in enumerate(patterns) if matched[i][j]), None)
+            ranks[name] = self.rank_pattern.get(name, self.rank_pattern.get(first, self.r))
+        return ranks
 
 
 def validate_adapter(config_json: str, weights_filename: str, data: bytes, *,
@@ -166,11 +170,13 @@ def parse_config(config_json: str) -> LoraConfig:
     for pattern, rank in rank_pattern.items():
         if not _is_int(rank) or rank <= 0:
             raise invalid(f"rank_pattern[{pattern!r}] must be a positive integer, got {rank!r}")
-        _compile(pattern, "rank_pattern key", invalid)
+        compile_pattern(pattern, "adapter_config.json: rank_pattern key")
     alpha_pattern = raw.get("alpha_pattern") or {}
     if not isinstance(alpha_pattern, dict) or not all(
             _is_number(a) for a in alpha_pattern.values()):
         raise invalid("alpha_pattern must map module patterns to finite numbers")
+    for pattern in alpha_pattern:
+        compile_pattern(pattern, "adapter_config.json: alpha_pattern key")
     revision = raw.get("revision") or ""
     if not isinstance(revision, str):
         raise invalid(f"revision must be a string, got {revision!r}")
@@ -189,9 +195,12 @@ def _target_modules(value: object, invalid) -> tuple[str, ...]:
             return (value,)
         if value == "all-linear":
             return tuple(supported)
-        pattern = _compile(value, "target_modules regex", invalid)
-        matched = [m for m, block in TARGET_MODULES.items()
-                   if pattern.fullmatch(f"model.layers.0.{block}.{m}")]
+        compile_pattern(value, "adapter_config.json: target_modules regex")
+        modules = list(TARGET_MODULES)
+        (is_match,) = fullmatches([value], [f"model.layers.0.{TARGET_MODULES[m]}.{m}"
+                                            for m in modules],
+                                  "adapter_config.json: target_modules regex")
+        matched = [m for m, hit in zip(modules, is_match) if hit]
         if not matched:
             raise invalid(f"target_modules regex {value!r} matches none of {supported}")
         return tuple(sorted(matched))
@@ -227,15 +236,20 @@ def check_tensors(entries: dict[str, TensorEntry], config: LoraConfig) -> None:
     if not pairs:
         raise InvalidArgument(f"{WEIGHTS_FILENAME} holds no LoRA tensors")
 
+    prefixes = {key: f"model.layers.{key[0]}.{TARGET_MODULES[key[1]]}.{key[1]}" for key in pairs}
+    ranks = config.ranks_of(sorted(prefixes.values()))
+    # Executors match alpha_pattern keys the same way: a key that backtracks for ever stops here.
+    fullmatches(list(config.alpha_pattern), sorted(prefixes.values()),
+                "adapter_config.json: alpha_pattern keys", as_suffix=True)
     dims: dict[str, tuple[int, int]] = {}  # module -> (in, out), equal across layers
     for (layer, module), pair in sorted(pairs.items()):
-        prefix = f"model.layers.{layer}.{TARGET_MODULES[module]}.{module}"
+        prefix = prefixes[layer, module]
         for which, other in (("A", "B"), ("B", "A")):
             if which not in pair:
                 raise InvalidArgument(f"module {prefix} has lora_{other} but no lora_{which} "
                                       f"(base_model.model.{prefix}.lora_{which}.weight)")
         a, b = pair["A"], pair["B"]  # a: [r, in], b: [out, r]
-        rank = config.rank_of(prefix)
+        rank = ranks[prefix]
         for entry, got in ((a, a.shape[0]), (b, b.shape[1])):
             if got != rank:
                 raise InvalidArgument(
@@ -269,10 +283,3 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _compile(pattern: str, what: str, invalid) -> re.Pattern:
-    try:
-        return re.compile(pattern)
-    except re.error as exc:
-        raise invalid(f"{what} {pattern!r} is not a valid regex: {exc}") from None
