@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from adapter_store.config import StoreConfig
-from loraplex.errors import NotFound, Unavailable
+from loraplex.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,8 @@ class BlobStore(abc.ABC):
         return sorted(await self.list_objects(prefix))
 
     async def read_external(self, uri: str) -> bytes:
-        """An object named by a URI outside the registry's keys (register from a prefix)."""
+        """An object named by a URI outside the registry's keys (register from a prefix), of at
+        most `max_external_bytes` (INVALID_ARGUMENT, before reading it, when larger)."""
         raise Unavailable(f"{self.description} cannot read {uri!r}")
 
     async def close(self) -> None:
@@ -93,9 +94,10 @@ class FileBlobStore(BlobStore):
     """Blobs as files under `root`; blocking IO runs in worker threads. Safe for several processes
     on one file system (replicas sharing a directory)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, max_external_bytes: int = 2 * 1024**3):
         self.root = root
         self.description = root.as_uri()
+        self.max_external_bytes = max_external_bytes
 
     def _path(self, key: str) -> Path:
         check_key(key)
@@ -158,9 +160,28 @@ class FileBlobStore(BlobStore):
             raise ValueError(f"{uri!r}: this store reads file:// URIs under "
                              f"{self.description} only")
         try:
-            return await asyncio.to_thread(path.read_bytes)
+            return await asyncio.to_thread(_read_at_most, path, self.max_external_bytes, uri)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise NotFound(f"no file {uri!r}") from None
+        except PermissionError:
+            raise PermissionDenied(f"the store may not read {uri!r}; make it readable") from None
+        except OSError as exc:
+            raise Unavailable(f"cannot read {uri!r}: {exc}") from exc
+
+
+def _read_at_most(path: Path, max_bytes: int, uri: str) -> bytes:
+    """The file, refused by its size before a byte is read when larger than `max_bytes`."""
+    with open(path, "rb") as f:
+        num_bytes = os.fstat(f.fileno()).st_size
+        data = f.read(max_bytes + 1) if num_bytes <= max_bytes else b""
+    if num_bytes > max_bytes or len(data) > max_bytes:  # large, or grew while read
+        raise InvalidArgument(too_large(repr(uri), max(num_bytes, len(data)), max_bytes))
+    return data
+
+
+def too_large(what: str, num_bytes: int, max_bytes: int) -> str:
+    return (f"{what} is {num_bytes} bytes, over this store's {max_bytes}-byte limit of an "
+            "adapter")
 
 
 def _etag(data: bytes) -> str:
@@ -209,6 +230,6 @@ async def open_blob_store(config: StoreConfig) -> BlobStore:
         store: BlobStore = await S3BlobStore.open(config)
     else:
         config.file_root.mkdir(parents=True, exist_ok=True)
-        store = FileBlobStore(config.file_root)
+        store = FileBlobStore(config.file_root, config.max_adapter_bytes)
     log.info("blob store: %s", store.description)
     return store

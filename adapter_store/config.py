@@ -68,6 +68,9 @@ class StoreConfig:
     require_base_model: bool = False
     # Executors' residency reports expire after this many seconds without renewal.
     lease_ttl_s: float = 30.0
+    # Largest adapter a Push or Register may carry (a rank-256 adapter on all projections of a
+    # 70B model is ~5 GB in fp32; split such pushes later, with ranged uploads).
+    max_adapter_bytes: int = 2 * 1024**3
 
     def __post_init__(self) -> None:
         parsed = urlparse(self.url)
@@ -94,8 +97,10 @@ class StoreConfig:
             raise ValueError(
                 "s3_part_bytes must be within 64 KiB..1 GiB and s3_max_concurrency within 1..64, "
                 f"got {self.s3_part_bytes} and {self.s3_max_concurrency}")
-        if self.read_attempts < 1 or self.max_rank < 1 or self.lease_ttl_s <= 0:
-            raise ValueError("read_attempts and max_rank must be >= 1 and lease_ttl_s > 0")
+        if (self.read_attempts < 1 or self.max_rank < 1 or self.lease_ttl_s <= 0
+                or self.max_adapter_bytes < 1):
+            raise ValueError("read_attempts, max_rank and max_adapter_bytes must be >= 1 and "
+                             "lease_ttl_s > 0")
         match = _ADDRESS_RE.match(self.address)
         if not match or int(match.group(2)) > 65535:
             raise ValueError(f"address {self.address!r}: use host:port (port 0 = any free port)")

@@ -20,11 +20,13 @@ import botocore.config
 import botocore.exceptions
 from aiobotocore.session import get_session
 
-from adapter_store.blobs import BlobStore, PreconditionFailed, check_key
+from adapter_store.blobs import BlobStore, PreconditionFailed, check_key, too_large
 from adapter_store.config import StoreConfig
-from loraplex.errors import NotFound, Unavailable
+from loraplex.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
 
 _MISSING_KEY_CODES = {"NoSuchKey", "404", "NotFound"}
+_MISSING_BUCKET_CODES = {"NoSuchBucket"}
+_DENIED_CODES = {"AccessDenied", "403", "AllAccessDisabled"}
 _PRECONDITION_CODES = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
 
 
@@ -32,7 +34,8 @@ class S3BlobStore(BlobStore):
     """Blobs as objects under s3://bucket/prefix. Build with `await S3BlobStore.open(config)`."""
 
     def __init__(self, client, bucket: str, prefix: str, exit_stack: contextlib.AsyncExitStack,
-                 part_bytes: int = 8 << 20, max_concurrency: int = 8, read_bytes: int = 1 << 20):
+                 part_bytes: int = 8 << 20, max_concurrency: int = 8, read_bytes: int = 1 << 20,
+                 max_external_bytes: int = 2 * 1024**3):
         self._client = client
         self._bucket = bucket
         self._prefix = prefix
@@ -40,6 +43,7 @@ class S3BlobStore(BlobStore):
         self._part_bytes = part_bytes
         self._max_concurrency = max_concurrency
         self._read_bytes = read_bytes
+        self.max_external_bytes = max_external_bytes
         self.description = f"s3://{bucket}/{prefix}"
 
     @classmethod
@@ -59,7 +63,7 @@ class S3BlobStore(BlobStore):
             aws_access_key_id=access_key, aws_secret_access_key=secret_key, config=client_config))
         store = cls(client, config.s3_bucket, config.s3_prefix, stack,
                     part_bytes=config.s3_part_bytes, max_concurrency=config.s3_max_concurrency,
-                    read_bytes=config.chunk_bytes)
+                    read_bytes=config.chunk_bytes, max_external_bytes=config.max_adapter_bytes)
         try:
             with store._errors(f"bucket {config.s3_bucket!r}", is_key=False):
                 await client.head_bucket(Bucket=config.s3_bucket)
@@ -69,13 +73,19 @@ class S3BlobStore(BlobStore):
         return store
 
     @contextlib.contextmanager
-    def _errors(self, what: str, *, is_key: bool = True) -> Iterator[None]:
+    def _errors(self, what: str, *, is_key: bool = True, is_external: bool = False
+                ) -> Iterator[None]:
         """Map botocore/aiohttp failures to NotFound (a missing key), PreconditionFailed (a lost
-        conditional put) or Unavailable (the rest)."""
+        conditional put) or Unavailable (the rest). `is_external`: a caller's URI, whose missing
+        bucket is NotFound and whose refused read is PermissionDenied, not a fault of ours."""
         try:
             yield
         except botocore.exceptions.ClientError as exc:
             code = exc.response.get("Error", {}).get("Code", "")
+            if is_external and code in _MISSING_BUCKET_CODES:
+                raise NotFound(f"no bucket for {what}: check the bucket name") from None
+            if is_external and code in _DENIED_CODES:
+                raise PermissionDenied(f"the store's credentials may not read {what}") from None
             if is_key and code in _MISSING_KEY_CODES:
                 raise NotFound(f"no blob {what} in {self.description}") from None
             if code in _PRECONDITION_CODES:
@@ -96,22 +106,26 @@ class S3BlobStore(BlobStore):
             async for piece in pieces:  # closing this stream cancels the reads still running
                 yield piece
 
-    async def _read_all(self, bucket: str, full_key: str, what: str) -> tuple[bytes, str]:
+    async def _read_all(self, bucket: str, full_key: str, what: str, *,
+                        max_bytes: int | None = None) -> tuple[bytes, str]:
         etag: list[str] = []
-        async with contextlib.aclosing(self._stream(bucket, full_key, what, etag)) as pieces:
+        async with contextlib.aclosing(self._stream(bucket, full_key, what, etag,
+                                                    max_bytes=max_bytes)) as pieces:
             data = [piece async for piece in pieces]
         return (data[0] if len(data) == 1 else b"".join(data)), etag[0]
 
     async def _stream(self, bucket: str, full_key: str, what: str,
-                      etag_out: list[str] | None = None) -> AsyncIterator[bytes]:
+                      etag_out: list[str] | None = None, *,
+                      max_bytes: int | None = None) -> AsyncIterator[bytes]:
         """The object in pieces, in order, as its bytes arrive: a GET of the first part; once its
         headers give the object's size, the other parts as ranged GETs pinned to its ETag, all
-        streaming at once (at most `max_concurrency`). The ETag goes into `etag_out` first."""
+        streaming at once (at most `max_concurrency`). The ETag goes into `etag_out` first.
+        `max_bytes` (a caller's object): refused by its size before its body is read."""
         limit = asyncio.Semaphore(self._max_concurrency)
         queues: list[asyncio.Queue] = []
         reads: list[asyncio.Future] = []
         try:
-            with self._errors(what):
+            with self._errors(what, is_external=max_bytes is not None):
                 await limit.acquire()
                 try:
                     first = await self._get_first(bucket, full_key)
@@ -121,6 +135,9 @@ class S3BlobStore(BlobStore):
                 etag = first.get("ETag", "").strip('"')
                 first_size = first.get("ContentLength", 0)
                 total = _total_size(first.get("ContentRange"), first_size)
+                if max_bytes is not None and total > max_bytes:
+                    first["Body"].close()
+                    raise InvalidArgument(too_large(what, total, max_bytes))
                 ranges = [(0, first_size)] + [(begin, min(begin + self._part_bytes, total))
                                               for begin in range(first_size, total,
                                                                  self._part_bytes)]
@@ -212,7 +229,8 @@ class S3BlobStore(BlobStore):
         key = parsed.path.lstrip("/")
         if parsed.scheme != "s3" or not parsed.netloc or not key:
             raise ValueError(f"{uri!r}: use s3://bucket/key")
-        return (await self._read_all(parsed.netloc, key, repr(uri)))[0]
+        return (await self._read_all(parsed.netloc, key, repr(uri),
+                                     max_bytes=self.max_external_bytes))[0]
 
     async def close(self) -> None:
         await self._exit_stack.aclose()

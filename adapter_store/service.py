@@ -31,9 +31,6 @@ from protos import adapter_store_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
 
-# Largest adapter a Push may carry (a rank-256 adapter on all projections of a 70B model is ~5 GB
-# in fp32; split such pushes later, with ranged uploads).
-MAX_PUSH_BYTES = 2 * 1024**3
 _MAX_DATASET_CHARS = 256
 _INFO_FIELDS = tuple(common_pb2.AdapterInfo.DESCRIPTOR.fields_by_name)
 
@@ -67,7 +64,7 @@ def meta_from_pb(metadata: pb.VersionMetadata) -> tuple[VersionMeta, list[str]]:
 
 async def receive_push(
     requests: AsyncIterator[pb.PushRequest], accepted: Callable[[], Awaitable[None]],
-    max_bytes: int = MAX_PUSH_BYTES,
+    max_bytes: int,
 ) -> tuple[pb.PushHeader, bytes]:
     """The header and the weights of a Push stream, checked against the header's num_bytes;
     `accepted` is awaited once the header passed its checks, before any chunk is read."""
@@ -132,7 +129,8 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
     async def Push(self, request_iterator, context) -> common_pb2.AdapterInfo:
         async with grpc_errors(context):
             header, data = await receive_push(
-                request_iterator, lambda: context.send_initial_metadata((PUSH_ACCEPTED,)))
+                request_iterator, lambda: context.send_initial_metadata((PUSH_ACCEPTED,)),
+                self._config.max_adapter_bytes)
             meta, aliases = meta_from_pb(header.metadata)
             record = await self._registry.push(header.name, header.owner_tenant,
                                                header.config_json, header.weights_filename, data,
