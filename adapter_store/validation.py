@@ -71,15 +71,16 @@ class LoraConfig:
         return max([self.r, *self.rank_pattern.values()])
 
     def ranks_of(self, module_names: list[str]) -> dict[str, int]:
-        """PEFT's rule per module: an exact rank_pattern key first, else the first key matching
-        as a suffix, else r."""
+        """PEFT's rule per module (peft.utils.other.get_pattern_key), which executors follow too:
+        the first rank_pattern key, in the config's order, matching a whole dotted suffix of the
+        name (an exact key is one such suffix, not preferred over an earlier one), else r."""
         patterns = list(self.rank_pattern)
         matched = fullmatches(patterns, module_names, "adapter_config.json: rank_pattern keys",
                               as_suffix=True)
         ranks = {}
         for j, name in enumerate(module_names):
             first = next((p for i, p in enumerate(patterns) if matched[i][j]), None)
-            ranks[name] = self.rank_pattern.get(name, self.rank_pattern.get(first, self.r))
+            ranks[name] = self.r if first is None else self.rank_pattern[first]
         return ranks
 
 

@@ -21,6 +21,8 @@ import torch
 from adapter_store.blobs import BlobStore, open_blob_store
 from adapter_store.config import StoreConfig
 from adapter_store.service import start_store
+from executor.model_config import ModelConfig
+from executor.peft_adapter import parse_peft_adapter
 from loraplex import client
 from loraplex.errors import Unavailable
 from loraplex.server import insecure_channel
@@ -315,6 +317,26 @@ async def test_target_modules_string_and_rank_pattern(file_store):
     info = await file_store.push("patterned", config_json, safetensors.torch.save(tensors))
     assert info.rank == 16 and info.use_rslora
     assert list(info.target_modules) == ["down_proj", "q_proj", "v_proj"]
+
+
+@in_session_loop
+async def test_rank_pattern_takes_the_first_matching_key_as_peft_and_executors_do(file_store):
+    """PEFT gives a module the rank of the first rank_pattern key that matches it, even when a
+    later key names it exactly: with {"q_proj": 4, "model.layers.1.self_attn.q_proj": 16} every
+    q_proj has rank 4. The store must check the same ranks the executor's parse computes."""
+    config_json = lora_config(targets=("q_proj",), rank=8, rank_pattern={
+        "q_proj": 4, "model.layers.1.self_attn.q_proj": 16})
+    as_peft = lora_tensors(targets=("q_proj",), ranks={"layers.0.q_proj": 4, "layers.1.q_proj": 4})
+    info = await file_store.push("first-key", config_json, safetensors.torch.save(as_peft))
+    assert info.version == 1
+    weights = parse_peft_adapter(json.loads(config_json), safetensors.torch.save(as_peft),
+                                 ModelConfig.named("tiny"), check_base_model=False)
+    assert {w.a.shape[0] for w in weights.modules.values()} == {4}
+    exact_wins = lora_tensors(targets=("q_proj",), ranks={"layers.0.q_proj": 4,
+                                                          "layers.1.q_proj": 16})
+    details = await expect_error(grpc.StatusCode.INVALID_ARGUMENT, file_store.push(
+        "first-key", config_json, safetensors.torch.save(exact_wins)))
+    assert "rank 16 differs from 4" in details
 
 
 def _with_header(header: dict, data_section: bytes) -> bytes:
