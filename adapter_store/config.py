@@ -11,6 +11,8 @@ Environment variables (all optional, read only by `StoreConfig.from_env`, never 
   LORAPLEX_HOST_CACHE_MB        size of the warm host-RAM tier (default 4096)
   LORAPLEX_CHUNK_BYTES          size of Fetch chunks (default 1 MiB)
   LORAPLEX_MAX_RANK             largest LoRA rank a push may register (default 256)
+  LORAPLEX_MAX_ADAPTER_MB       largest adapter_model.safetensors a push or register takes
+                                (default 2048)
   LORAPLEX_REQUIRE_BASE_MODEL   1 = refuse adapters whose base model has no registered config.json
 """
 
@@ -144,6 +146,8 @@ class StoreConfig:
             values["chunk_bytes"] = _env_int(env, "LORAPLEX_CHUNK_BYTES")
         if env.get("LORAPLEX_MAX_RANK"):
             values["max_rank"] = _env_int(env, "LORAPLEX_MAX_RANK")
+        if env.get("LORAPLEX_MAX_ADAPTER_MB"):
+            values["max_adapter_bytes"] = _env_int(env, "LORAPLEX_MAX_ADAPTER_MB") * MIB
         if env.get("LORAPLEX_REQUIRE_BASE_MODEL"):
             values["require_base_model"] = env["LORAPLEX_REQUIRE_BASE_MODEL"] not in ("0", "false")
         values.update({k: v for k, v in overrides.items() if v is not None})
@@ -166,6 +170,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-cache-mb", type=int, help="warm host-RAM tier size in MiB")
     parser.add_argument("--chunk-bytes", type=int, help="Fetch chunk size in bytes (default 1 MiB)")
     parser.add_argument("--max-rank", type=int, help="largest LoRA rank a push may register")
+    parser.add_argument("--max-adapter-mb", type=int,
+                        help="largest adapter_model.safetensors a push or register takes (MiB)")
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = off)")
     parser.add_argument("--grace-s", type=float, default=30.0, help="on SIGTERM, time to finish in-flight RPCs")
     parser.add_argument("--require-base-model", action="store_true", default=None,
@@ -179,7 +185,8 @@ def config_from_args(args: argparse.Namespace,
         environ, url=args.url, s3_endpoint_url=args.s3_endpoint_url, address=args.address,
         chunk_bytes=args.chunk_bytes, max_rank=args.max_rank,
         require_base_model=args.require_base_model,
-        host_cache_bytes=None if args.host_cache_mb is None else args.host_cache_mb * MIB)
+        host_cache_bytes=None if args.host_cache_mb is None else args.host_cache_mb * MIB,
+        max_adapter_bytes=None if args.max_adapter_mb is None else args.max_adapter_mb * MIB)
     config = dataclasses.replace(config, metrics_port=args.metrics_port, grace_s=args.grace_s)
     if args.port is not None:
         host = config.address.rsplit(":", 1)[0]

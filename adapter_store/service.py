@@ -31,7 +31,9 @@ from protos import adapter_store_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
 
-_MAX_DATASET_CHARS = 256
+_MAX_METADATA_CHARS = 256  # training_dataset, base_model_revision, an eval score's name
+_MAX_EVAL_SCORES = 64
+_MAX_ALIASES = 16  # set by one push
 _INFO_FIELDS = tuple(common_pb2.AdapterInfo.DESCRIPTOR.fields_by_name)
 
 
@@ -51,9 +53,16 @@ def record_to_details(record: AdapterRecord, aliases: list[str]) -> pb.AdapterDe
 
 def meta_from_pb(metadata: pb.VersionMetadata) -> tuple[VersionMeta, list[str]]:
     """The pusher's statements, checked, and the aliases to set once the version exists."""
-    if len(metadata.training_dataset) > _MAX_DATASET_CHARS:
-        raise InvalidArgument(f"metadata.training_dataset is longer than {_MAX_DATASET_CHARS} "
-                              "characters")
+    for field, text in (("training_dataset", metadata.training_dataset),
+                        ("base_model_revision", metadata.base_model_revision),
+                        *(("eval_scores key", name) for name in metadata.eval_scores)):
+        if len(text) > _MAX_METADATA_CHARS:
+            raise InvalidArgument(f"metadata.{field} is longer than {_MAX_METADATA_CHARS} "
+                                  "characters")
+    for field, items, limit in (("eval_scores", metadata.eval_scores, _MAX_EVAL_SCORES),
+                                ("aliases", metadata.aliases, _MAX_ALIASES)):
+        if len(items) > limit:
+            raise InvalidArgument(f"metadata.{field} has {len(items)} entries; at most {limit}")
     for alias in metadata.aliases:
         check_alias(alias)
     meta = VersionMeta(training_dataset=metadata.training_dataset,

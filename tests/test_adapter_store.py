@@ -19,7 +19,7 @@ import safetensors.torch
 import torch
 
 from adapter_store.blobs import BlobStore, open_blob_store
-from adapter_store.config import StoreConfig
+from adapter_store.config import StoreConfig, parse_args
 from adapter_store.service import start_store
 from executor.model_config import ModelConfig
 from executor.peft_adapter import parse_peft_adapter
@@ -463,6 +463,9 @@ def test_config_validation():
     assert config.host_cache_bytes == 2 * 1024 * 1024 and config.address == "0.0.0.0:9000"
     with pytest.raises(ValueError, match="LORAPLEX_HOST_CACHE_MB"):
         StoreConfig.from_env({"LORAPLEX_HOST_CACHE_MB": "lots"})
+    assert StoreConfig.from_env({"LORAPLEX_MAX_ADAPTER_MB": "3"}).max_adapter_bytes == 3 * 2**20
+    assert parse_args(["--max-adapter-mb", "5"], environ={
+        "LORAPLEX_MAX_ADAPTER_MB": "3"}).max_adapter_bytes == 5 * 2**20  # the flag wins
 
 
 @in_session_loop

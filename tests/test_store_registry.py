@@ -292,6 +292,13 @@ async def _drain(call):
 @pytest.mark.parametrize("case, metadata, config_json, words", [
     ("eval-nan", meta(eval_scores={"acc": math.nan}), CONFIG_JSON, ["eval score 'acc'"]),
     ("dataset-too-long", meta(training_dataset="x" * 300), CONFIG_JSON, ["training_dataset"]),
+    ("revision-too-long", meta(base_model_revision="r" * 300), CONFIG_JSON,
+     ["base_model_revision"]),
+    ("eval-name-too-long", meta(eval_scores={"m" * 300: 1.0}), CONFIG_JSON, ["eval_scores key"]),
+    ("too-many-evals", meta(eval_scores={f"m{i}": 1.0 for i in range(65)}), CONFIG_JSON,
+     ["eval_scores has 65 entries"]),
+    ("too-many-aliases", meta(aliases=[f"a{i}" for i in range(17)]), CONFIG_JSON,
+     ["aliases has 17 entries"]),
     ("rank-above-store-max", meta(), lora_config(rank=8, rank_pattern={"q_proj": 512}),
      ["rank 512", "maximum 256"]),
 ])
