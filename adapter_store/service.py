@@ -24,7 +24,7 @@ from adapter_store.registry import Registry
 from adapter_store.validation import WEIGHTS_FILENAME, check_weights_file
 from loraplex import server
 from loraplex.client import PUSH_ACCEPTED
-from loraplex.errors import DataLoss, InvalidArgument, grpc_errors
+from loraplex.errors import DataLoss, InvalidArgument, ResourceExhausted, grpc_errors
 from loraplex.metrics import serve_metrics
 from protos import adapter_store_pb2 as pb
 from protos import adapter_store_pb2_grpc, common_pb2
@@ -72,11 +72,12 @@ def meta_from_pb(metadata: pb.VersionMetadata) -> tuple[VersionMeta, list[str]]:
 
 
 async def receive_push(
-    requests: AsyncIterator[pb.PushRequest], accepted: Callable[[], Awaitable[None]],
+    requests: AsyncIterator[pb.PushRequest], accepted: Callable[[pb.PushHeader], Awaitable[None]],
     max_bytes: int,
 ) -> tuple[pb.PushHeader, bytes]:
     """The header and the weights of a Push stream, checked against the header's num_bytes;
-    `accepted` is awaited once the header passed its checks, before any chunk is read."""
+    `accepted(header)` is awaited once the header passed its checks, before any chunk is read
+    (it may still refuse the push by raising)."""
     header, data = None, bytearray()
     async for request in requests:
         kind = request.WhichOneof("payload")
@@ -92,7 +93,7 @@ async def receive_push(
             if header.num_bytes > max_bytes:
                 raise InvalidArgument(f"adapter of {header.num_bytes} bytes exceeds the "
                                       f"{max_bytes}-byte push limit")
-            await accepted()
+            await accepted(header)
         elif kind == "chunk":
             if len(data) + len(request.chunk) > header.num_bytes:
                 raise InvalidArgument(f"the Push stream carries more than the {header.num_bytes} "
@@ -118,6 +119,7 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
         self._cache = cache
         self._leases = leases
         self._num_fetches = 0
+        self._push_bytes = 0  # announced by the pushes being received; each is held in RAM
 
     @contextlib.asynccontextmanager
     async def _reading(self, record: AdapterRecord) -> AsyncIterator[None]:
@@ -136,14 +138,31 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
         return record_to_pb(record)
 
     async def Push(self, request_iterator, context) -> common_pb2.AdapterInfo:
+        reserved = 0
+
+        async def accept(header: pb.PushHeader) -> None:
+            """Reserve the push's bytes within the budget, then tell the client to send them."""
+            nonlocal reserved
+            budget = 2 * self._config.max_adapter_bytes
+            if self._push_bytes + header.num_bytes > budget:
+                raise ResourceExhausted(
+                    f"pushes of {self._push_bytes} bytes are being received and this one "
+                    f"announces {header.num_bytes}: over the store's {budget}-byte budget for "
+                    "pushes in flight; retry in a moment or push to another replica")
+            reserved = header.num_bytes
+            self._push_bytes += reserved
+            await context.send_initial_metadata((PUSH_ACCEPTED,))
+
         async with grpc_errors(context):
-            header, data = await receive_push(
-                request_iterator, lambda: context.send_initial_metadata((PUSH_ACCEPTED,)),
-                self._config.max_adapter_bytes)
-            meta, aliases = meta_from_pb(header.metadata)
-            record = await self._registry.push(header.name, header.owner_tenant,
-                                               header.config_json, header.weights_filename, data,
-                                               meta)
+            try:
+                header, data = await receive_push(request_iterator, accept,
+                                                  self._config.max_adapter_bytes)
+                meta, aliases = meta_from_pb(header.metadata)
+                record = await self._registry.push(header.name, header.owner_tenant,
+                                                   header.config_json, header.weights_filename,
+                                                   data, meta)
+            finally:
+                self._push_bytes -= reserved
             return await self._registered(record, aliases, header.owner_tenant)
 
     async def Register(self, request, context) -> common_pb2.AdapterInfo:

@@ -3,6 +3,7 @@
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import hashlib
 import io
 import json
@@ -429,6 +430,36 @@ async def test_a_refused_header_costs_no_upload_and_keeps_its_status(file_store)
             assert sent == []
         else:
             assert (await pushing).version == 1 and sent[-1] == len(GOOD) and len(sent) > 1
+
+
+@in_session_loop
+async def test_pushes_in_flight_are_bounded_in_bytes(tmp_path):
+    """Each push is held in RAM until registered: past twice max_adapter_bytes of pushes being
+    received, a new one is RESOURCE_EXHAUSTED at its header; the budget frees as pushes end."""
+    limit = len(GOOD) + 1000
+    store = await Store(dataclasses.replace(file_config(tmp_path), max_adapter_bytes=limit)).start()
+    try:
+        def header(name: str) -> pb.PushHeader:
+            return pb.PushHeader(name=name, config_json=GOOD_CONFIG, weights_filename=WEIGHTS,
+                                 num_bytes=len(GOOD))
+        slow = []
+        for name in ("slow-1", "slow-2"):  # accepted, then they send nothing yet
+            call = store.stub.Push()
+            await call.write(pb.PushRequest(header=header(name)))
+            assert client.PUSH_ACCEPTED in tuple(await call.initial_metadata())
+            slow.append(call)
+        details = await expect_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                     client.push(store.stub, header("third"), GOOD))
+        assert "budget for pushes in flight" in details
+        await slow[0].write(pb.PushRequest(chunk=GOOD))
+        await slow[0].done_writing()
+        assert (await slow[0]).version == 1
+        slow[1].cancel()  # a client that goes away frees its share too
+        await asyncio.sleep(0.1)
+        assert (await client.push(store.stub, header("third"), GOOD)).version == 1
+        assert (await client.push(store.stub, header("fourth"), GOOD)).version == 1
+    finally:
+        await store.stop()
 
 
 @in_session_loop
