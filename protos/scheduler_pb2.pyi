@@ -63,6 +63,18 @@ class DrainResponse(_message.Message):
     running: int
     def __init__(self, running: _Optional[int] = ...) -> None: ...
 
+class ResumeRequest(_message.Message):
+    __slots__ = ("executor",)
+    EXECUTOR_FIELD_NUMBER: _ClassVar[int]
+    executor: str
+    def __init__(self, executor: _Optional[str] = ...) -> None: ...
+
+class ResumeResponse(_message.Message):
+    __slots__ = ("queued",)
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    queued: int
+    def __init__(self, queued: _Optional[int] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("adapter", "text", "token_ids", "sampling", "max_new_tokens", "stop", "stop_token_ids", "ignore_eos")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]

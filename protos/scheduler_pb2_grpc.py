@@ -59,6 +59,11 @@ class SchedulerStub:
                 request_serializer=protos_dot_scheduler__pb2.DrainRequest.SerializeToString,
                 response_deserializer=protos_dot_scheduler__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/loraplex.v1.Scheduler/Resume',
+                request_serializer=protos_dot_scheduler__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=protos_dot_scheduler__pb2.ResumeResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -99,6 +104,13 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Resume(self, request, context):
+        """Admin: admit on a drained executor again (undoes Drain; queued work rebalances onto it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +138,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=protos_dot_scheduler__pb2.DrainRequest.FromString,
                     response_serializer=protos_dot_scheduler__pb2.DrainResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=protos_dot_scheduler__pb2.ResumeRequest.FromString,
+                    response_serializer=protos_dot_scheduler__pb2.ResumeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +280,33 @@ class Scheduler:
             '/loraplex.v1.Scheduler/Drain',
             protos_dot_scheduler__pb2.DrainRequest.SerializeToString,
             protos_dot_scheduler__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplex.v1.Scheduler/Resume',
+            protos_dot_scheduler__pb2.ResumeRequest.SerializeToString,
+            protos_dot_scheduler__pb2.ResumeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -368,6 +368,12 @@ class Scheduler:
         self._evacuate(ex, running=False)
         self._wake()
 
+    def resume(self, ex: ExecutorState) -> None:
+        """Admit on a drained executor again; queued requests that would start sooner there move."""
+        ex.is_draining = False
+        self._rebalance()
+        self._wake()
+
     def _evacuate(self, ex: ExecutorState, running: bool) -> None:
         if running:
             for seq in list(ex.running.values()):

@@ -7,6 +7,7 @@ import logging
 from tokenizers import Tokenizer
 
 from loraplex.errors import (
+    FailedPrecondition,
     InvalidArgument,
     PermissionDenied,
     Unauthenticated,
@@ -169,6 +170,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             ex = admin.find_executor(self._engine.core, request.executor)
             self._engine.core.drain(ex)
             return scheduler_pb2.DrainResponse(running=len(ex.running))
+
+    async def Resume(self, request, context):
+        async with grpc_errors(context):
+            self._check_admin(context)
+            ex = admin.find_executor(self._engine.core, request.executor)
+            link = self._engine.links.get(ex.address)
+            if link is None or link.is_stopping or link.is_leaving or not ex.is_up:
+                raise FailedPrecondition(f"executor {ex.address} is shutting down, down or "
+                                         "leaving the pool; it cannot admit work")
+            self._engine.core.resume(ex)
+            return scheduler_pb2.ResumeResponse(queued=len(ex.queue))
 
 
 def _bearer(context) -> str:

@@ -1,5 +1,5 @@
 """The scheduler drives two executor processes: pre-warm onto both, routing by residency, evict,
-and drain of one executor while requests keep completing on the other."""
+drain of one executor while requests keep completing on the other, and its resume."""
 
 import asyncio
 
@@ -109,3 +109,12 @@ async def test_drain_one_executor_while_requests_keep_completing(fleet, adapters
     await asyncio.gather(*(client.generate(stub, client.generate_request(
         "r16_all", f"still served {i}", 4, ignore_eos=True)) for i in range(4)))
     assert (await stats(stub))[busy.address].steps == steps, "the drained executor admits nothing new"
+
+    await stub.Resume(scheduler_pb2.ResumeRequest(executor=busy.address), metadata=admin())
+    assert not (await stats(stub))[busy.address].is_draining
+    await asyncio.gather(*(client.generate(stub, client.generate_request(
+        "r16_all", f"resumed {i}", 200, ignore_eos=True)) for i in range(8)))
+    assert (await stats(stub))[busy.address].steps > steps, "resumed, it admits work again"
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Resume(scheduler_pb2.ResumeRequest(executor="127.0.0.1:1"), metadata=admin())
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND

@@ -70,6 +70,18 @@ def test_prewarm_with_no_executor_admitting_is_unavailable_not_a_silent_ok():
         admin.prewarm(w.core, "b@1", 1 << 20, 1, pin=False)
 
 
+def test_resume_undoes_drain_and_queued_work_moves_back():
+    w = World(num_executors=2, limits=Limits(max_num_seqs=1))
+    first, second = w.executors
+    w.core.drain(first)
+    reqs = [w.request(prompt_len=4, max_new=20) for _ in range(4)]
+    assert all(r.executor is second for r in reqs), "a draining executor takes nothing"
+    w.core.resume(first)
+    assert not first.is_draining and any(r.executor is first for r in reqs), "queue rebalanced"
+    w.run()
+    assert all(w.finished(r) for r in reqs)
+
+
 def test_lru_evicts_the_least_recently_used_unpinned_slot():
     w = World(num_slots=2)
     for name in ("a@1", "b@1"):
