@@ -150,9 +150,14 @@ class AdapterLoader:
                 # Empty while the copy runs. Reported once the load ends (below, or on failure):
                 # a report now would put its RPC and lease write beside the copy, for nothing.
                 self.slot_adapters[slot] = ""
+                copying = asyncio.ensure_future(asyncio.to_thread(self._copier.copy, slot,
+                                                                  weights))
                 try:
-                    await asyncio.to_thread(self._copier.copy, slot, weights)
+                    await asyncio.shield(copying)
                 except BaseException:
+                    # Cancelled or failed: the staging buffer and the slot lock are released
+                    # only once the copy thread no longer reads or writes them.
+                    await asyncio.wait([copying])
                     self._residency_changed()
                     raise
                 del weights  # views into the staging buffer
@@ -174,7 +179,7 @@ class AdapterLoader:
             if adapter and self.slot_adapters[slot] != adapter:
                 return
             self.slot_adapters[slot] = ""
-            await asyncio.to_thread(self._runner.unload_adapter, slot)
+            await asyncio.to_thread(self._copier.clear, slot)
         self._residency_changed()
 
     async def _fetch(self, name: str, version: int) -> tuple[torch.Tensor, int, LoraWeights]:

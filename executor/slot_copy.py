@@ -3,7 +3,8 @@
 On CUDA the staging buffers are pinned and the copy runs on a side stream of its own, its
 transfers queued without a wait each (the staging buffer is not reused before the copy ends)
 and one wait at the end, in the loading thread: the step loop, on its own thread and the default
-stream, never waits on it. The weights are copied as the file stores them (views into staging);
+stream, never waits on it. Unloads zero the slot on that same stream, so that a load into the
+slot is ordered after them. The weights are copied as the file stores them (views into staging);
 the pool converts to its dtype on the GPU. On CPU it is a plain copy.
 No gRPC here: bench/gpu_check.py runs this path on a GPU machine that has only torch and triton.
 """
@@ -46,10 +47,21 @@ class SlotCopier:
         self._stream = torch.cuda.Stream(runner.device) if is_cuda else None
 
     def copy(self, slot: int, weights: LoraWeights) -> None:
-        """Returns once the slot holds `weights` (their source may be reused after)."""
+        """Returns once the slot holds `weights` (their source may be reused after), or once
+        nothing queued reads them any more when the copy failed."""
+        self._on_side_stream(self._runner.load_adapter, slot, weights)
+
+    def clear(self, slot: int) -> None:
+        """Empty `slot`, on the same stream as the copies: a load that follows cannot overtake
+        the zeroing (on the default stream nothing would order the two)."""
+        self._on_side_stream(self._runner.unload_adapter, slot)
+
+    def _on_side_stream(self, write, *args) -> None:
         if self._stream is None:
-            self._runner.load_adapter(slot, weights)
+            write(*args)
             return
-        with torch.cuda.stream(self._stream):
-            self._runner.load_adapter(slot, weights)
-        self._stream.synchronize()  # this thread waits; the step loop's stream does not
+        try:
+            with torch.cuda.stream(self._stream):
+                write(*args)
+        finally:
+            self._stream.synchronize()  # this thread waits; the step loop's stream does not

@@ -102,10 +102,12 @@ def format_plan(p: Plan, *, adapter_slots: int, max_rank: int, seqs: int, contex
         f"  step workspace        {p.workspace_bytes / GB:8.2f} GB   (estimate)",
     ]
     if p.num_kv_blocks < 1:
-        short = -(p.usable_bytes - p.weights_bytes - p.pool_bytes - p.workspace_bytes)
-        lines.append(f"  KV cache              does not fit: {max(short, 0) / GB:.2f} GB short "
-                     "before a single block; use fewer or smaller adapter slots, a smaller "
-                     "workspace (--max-batched-tokens, --seqs, --context) or a larger GPU")
+        rest = p.usable_bytes - p.weights_bytes - p.pool_bytes - p.workspace_bytes
+        one_block = p.block_size * p.kv_bytes_per_token * (1 + 1 / c.num_hidden_layers)
+        lines.append(f"  KV cache              does not fit: {(one_block - rest) / GB:.2f} GB short "
+                     "of a single block (and the K/V a step gathers of it); use fewer or smaller "
+                     "adapter slots, a smaller step (--max-batched-tokens, --seqs) or a larger "
+                     "GPU")
         return "\n".join(lines)
     lines.append(
         f"  KV cache              {p.num_kv_blocks * p.block_size * p.kv_bytes_per_token / GB:8.2f}"

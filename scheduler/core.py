@@ -93,7 +93,7 @@ class Scheduler:
             self._warm_host(req.adapter)
 
     def _rebalance(self) -> None:
-        """Move queued requests to where they would start sooner now (an executor joined)."""
+        """Move queued requests to where they would start sooner now."""
         for req in sorted((r for ex in self.executors for r in ex.queue), key=lambda r: r.arrival):
             best = self._best_executor(req)
             if best is not None and best is not req.executor:
@@ -330,6 +330,11 @@ class Scheduler:
         """A new (or reconnected) executor: take its place and the work that had nowhere to go."""
         ex.popularity.half_life_s = self.limits.popularity_half_life_s
         self.executors = [e for e in self.executors if e.address != ex.address] + [ex]
+        self._place_work()
+
+    def _place_work(self) -> None:
+        """Route the requests that had nowhere to go, and move queued ones to where they would
+        start sooner now (an executor joined or admits again)."""
         orphans, self.orphans = self.orphans, []
         for req in orphans:
             self.fair.on_dequeue(req.tenant)
@@ -369,10 +374,10 @@ class Scheduler:
         self._wake()
 
     def resume(self, ex: ExecutorState) -> None:
-        """Admit on a drained executor again; queued requests that would start sooner there move."""
+        """Admit on a drained executor again: requests that had nowhere to go (every executor
+        drained) go to it, queued ones that would start sooner there move."""
         ex.is_draining = False
-        self._rebalance()
-        self._wake()
+        self._place_work()
 
     def _evacuate(self, ex: ExecutorState, running: bool) -> None:
         if running:

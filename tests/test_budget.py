@@ -10,7 +10,7 @@ import torch
 
 from executor.model_config import ModelConfig
 from executor.runner import MemoryBudget, ModelRunner
-from loraplex.budget import plan
+from loraplex.budget import format_plan, plan
 
 GIB = 2**30
 
@@ -79,6 +79,21 @@ def test_cli_prints_the_flags_and_whether_the_mix_fits(tiny):
     assert "sequences fit at once" in crowded.stdout
     too_small = budget("--gpu-gib", "16")
     assert too_small.returncode == 2 and "does not fit" in too_small.stdout
+
+
+def test_a_gpu_short_of_one_block_says_by_how_much():
+    config = ModelConfig.named("llama-3-8b")
+    kw = dict(dtype=torch.bfloat16, adapter_slots=64, max_rank=16, block_size=4096,
+              max_batched_tokens=2048, max_num_seqs=64)
+    empty = make_plan(config, gpu_bytes=0, **kw)
+    room = empty.weights_bytes + empty.pool_bytes + empty.workspace_bytes
+    room += 2048 * empty.kv_bytes_per_token  # half a block of 4096 tokens: not one block
+    edge = make_plan(config, gpu_bytes=room / 0.9 + 1, **kw)
+    assert edge.num_kv_blocks == 0
+    text = format_plan(edge, adapter_slots=64, max_rank=16, seqs=64, context=4096)
+    short = float(text.split("does not fit: ")[1].split(" GB")[0])
+    k = edge.kv_bytes_per_token  # a block plus the K/V a step gathers of it, less the room
+    assert short == pytest.approx((4096 * k * (1 + 1 / 32) - 2048 * k) / 1e9, abs=0.01)
     for bad, message in [(("--seqs", "0"), "--seqs must be >= 1"),
                          (("--utilization", "1.5"), "--utilization in (0, 1]"),
                          (("--model", "/nonexistent"), "config.json not found")]:

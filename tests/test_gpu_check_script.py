@@ -22,7 +22,7 @@ def test_gpu_check_smoke_runs_every_section_and_every_check_passes(tmp_path):
     assert "**FAILED**" not in report
     loads = [line for line in report.splitlines() if line.startswith("| float32 file")]
     assert len(loads) == 1 and loads[0].rstrip().endswith("| yes |")
-    assert "loads ran beside it" in report
+    assert "loads ran beside it" in report and "Slot bit-exact after them: yes" in report
     checks = [line for line in report.splitlines() if line.startswith(("| bfloat16", "| float16"))]
     assert len(checks) == 16 and all(line.rstrip().endswith("| yes |") for line in checks)
     assert "4 distinct adapters | torch" in report and "4 distinct adapters | triton" in report

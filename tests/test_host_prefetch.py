@@ -47,7 +47,7 @@ async def test_waiting_adapter_is_warmed_in_the_store_and_loads_from_ram(fleet, 
         assert (before.host_entries, before.fetches) == (1, 1)  # r8_mlp, loaded into the slot
         waiting = asyncio.create_task(client.generate(
             stub, client.generate_request("r16_all", "wait for the slot", 4, ignore_eos=True)))
-        for _ in range(100):  # the scheduler asks the store to warm r16_all while it waits
+        for _ in range(600):  # the scheduler asks the store to warm r16_all while it waits
             during = await store_stats(fleet)
             if during.host_entries == 2:
                 break

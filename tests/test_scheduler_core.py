@@ -80,6 +80,14 @@ def test_resume_undoes_drain_and_queued_work_moves_back():
     assert not first.is_draining and any(r.executor is first for r in reqs), "queue rebalanced"
     w.run()
     assert all(w.finished(r) for r in reqs)
+    for ex in w.executors:  # every executor drained: requests wait with nowhere to go ...
+        w.core.drain(ex)
+    waiting = w.request(prompt_len=4, max_new=3)
+    assert waiting.executor is None
+    w.core.resume(second)  # ... until one admits again
+    assert waiting.executor is second
+    w.run()
+    assert w.finished(waiting)
 
 
 def test_lru_evicts_the_least_recently_used_unpinned_slot():

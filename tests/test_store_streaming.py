@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import threading
 
 import pytest
 import safetensors.torch
@@ -238,3 +239,40 @@ def test_staging_buffers_reuse_the_smallest_fitting_and_keep_the_largest():
     again = staging.take(150)
     assert again is buffers[2]  # 200 fits best; 100 was dropped (two kept)
     assert staging.take(250) is buffers[1] and staging.take(50).numel() == 50
+
+
+@in_session_loop
+async def test_a_load_cancelled_mid_copy_keeps_its_staging_and_slot_until_the_copy_ends(store,
+                                                                                        runner):
+    """The copy runs in a thread (on CUDA, queued on a side stream): a cancelled load must not
+    hand its staging buffer to the next load, nor free the slot, while the copy still reads and
+    writes them (the next load would then fill the same buffer or slot beside it)."""
+    loader = AdapterLoader(runner, (store.running.address,), holder="test-cancel-copy")
+    entered, release = threading.Event(), threading.Event()
+    copy = loader._copier.copy
+
+    def slow_copy(slot, weights):
+        entered.set()
+        release.wait(10)
+        copy(slot, weights)
+
+    loader._copier.copy = slow_copy
+    try:
+        await loader.unload(0)
+        loading = asyncio.create_task(loader.load("big", 1, 0))
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        loading.cancel()
+        await asyncio.sleep(0.2)
+        assert not loading.done(), "the cancelled load waits for its copy"
+        assert not loader._staging._free, "its staging buffer is not given back meanwhile"
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await loading
+        assert loader._staging._free and loader.slot_adapters[0] == ""
+        loader._copier.copy = copy
+        assert not (await loader.load("big", 1, 0)).was_resident  # the slot works as before
+    finally:
+        release.set()
+        await loader.unload(0)
+        await loader.close()
