@@ -73,6 +73,9 @@ class StoreConfig:
     # Largest adapter a Push or Register may carry (a rank-256 adapter on all projections of a
     # 70B model is ~5 GB in fp32; split such pushes later, with ranged uploads).
     max_adapter_bytes: int = 2 * 1024**3
+    # A Push whose client sends nothing for this long is dropped (UNAVAILABLE): an accepted
+    # push holds a share of the in-flight budget, a stalled client must not hold it for ever.
+    push_idle_s: float = 60.0
 
     def __post_init__(self) -> None:
         parsed = urlparse(self.url)
@@ -90,6 +93,8 @@ class StoreConfig:
                 raise ValueError(f"s3 endpoint {self.s3_endpoint_url!r}: use http(s)://host:port")
         if (self.s3_access_key_id is None) != (self.s3_secret_access_key is None):
             raise ValueError("give both the S3 access key id and the secret access key, or neither")
+        if not self.push_idle_s > 0:
+            raise ValueError(f"push_idle_s must be > 0, got {self.push_idle_s}")
         if self.host_cache_bytes < 0:
             raise ValueError(f"host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
         if not 1024 <= self.chunk_bytes <= 32 * MIB:

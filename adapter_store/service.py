@@ -6,6 +6,7 @@
 Prints "adapter_store listening on HOST:PORT" on stdout once it serves; stops on SIGTERM/SIGINT.
 """
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -24,7 +25,7 @@ from adapter_store.registry import Registry
 from adapter_store.validation import WEIGHTS_FILENAME, check_weights_file
 from loraplex import server
 from loraplex.client import PUSH_ACCEPTED
-from loraplex.errors import DataLoss, InvalidArgument, ResourceExhausted, grpc_errors
+from loraplex.errors import DataLoss, InvalidArgument, ResourceExhausted, Unavailable, grpc_errors
 from loraplex.metrics import serve_metrics
 from protos import adapter_store_pb2 as pb
 from protos import adapter_store_pb2_grpc, common_pb2
@@ -73,13 +74,13 @@ def meta_from_pb(metadata: pb.VersionMetadata) -> tuple[VersionMeta, list[str]]:
 
 async def receive_push(
     requests: AsyncIterator[pb.PushRequest], accepted: Callable[[pb.PushHeader], Awaitable[None]],
-    max_bytes: int,
+    max_bytes: int, idle_s: float,
 ) -> tuple[pb.PushHeader, bytes]:
     """The header and the weights of a Push stream, checked against the header's num_bytes;
     `accepted(header)` is awaited once the header passed its checks, before any chunk is read
-    (it may still refuse the push by raising)."""
+    (it may still refuse the push by raising). UNAVAILABLE when `idle_s` pass without a message."""
     header, data = None, bytearray()
-    async for request in requests:
+    async for request in _with_idle_limit(requests, idle_s):
         kind = request.WhichOneof("payload")
         if header is None:
             if kind != "header":
@@ -107,6 +108,20 @@ async def receive_push(
         raise InvalidArgument(f"the Push stream carried {len(data)} bytes but its header announced "
                               f"{header.num_bytes} (interrupted upload?)")
     return header, bytes(data)
+
+
+async def _with_idle_limit(messages: AsyncIterator, idle_s: float) -> AsyncIterator:
+    iterator = aiter(messages)
+    while True:
+        try:
+            async with asyncio.timeout(idle_s):
+                message = await anext(iterator)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise Unavailable(f"the Push stream sent nothing for {idle_s:g} s; the upload was "
+                              "dropped, push again") from None
+        yield message
 
 
 class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
@@ -156,7 +171,8 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
         async with grpc_errors(context):
             try:
                 header, data = await receive_push(request_iterator, accept,
-                                                  self._config.max_adapter_bytes)
+                                                  self._config.max_adapter_bytes,
+                                                  self._config.push_idle_s)
                 meta, aliases = meta_from_pb(header.metadata)
                 record = await self._registry.push(header.name, header.owner_tenant,
                                                    header.config_json, header.weights_filename,

@@ -306,7 +306,6 @@ def main(argv: list[str] | None = None) -> None:
         _simulate(args)
     elif args.command == "fit-cost":
         _fit_cost(args)
-
     elif args.command == "demo":
         from loraplex import demo
 

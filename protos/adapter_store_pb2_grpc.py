@@ -104,9 +104,11 @@ class AdapterStoreServicer:
         """Upload a PEFT adapter folder as a stream: first message carries `header`, the rest carry
         chunks of adapter_model.safetensors. Creates the next version of `name`. The store sends its
         initial metadata (loraplex-push: header-accepted) once the header passed its checks (name,
-        metadata, file name, size limit); a client should wait for it before it sends chunks: a
-        refused header then costs no upload, and its status (INVALID_ARGUMENT) is not lost to a
-        chunk in flight, which gRPC reports as INTERNAL.
+        metadata, file name, size limit, room among the pushes in flight); a client should wait for
+        it before it sends chunks: a refused header then costs no upload, and its status
+        (INVALID_ARGUMENT, or RESOURCE_EXHAUSTED when too many bytes are being pushed at once) is not
+        lost to a chunk in flight, which gRPC reports as INTERNAL. A stream idle for a minute is
+        dropped (UNAVAILABLE).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

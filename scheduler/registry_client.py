@@ -13,6 +13,7 @@ from loraplex.errors import InvalidArgument, LoraplexError, Unavailable, from_rp
 from loraplex.server import insecure_channel
 from protos import adapter_store_pb2, adapter_store_pb2_grpc, common_pb2
 
+log = logging.getLogger(__name__)
 _ADAPTER_REF = re.compile(r"(?P<name>[A-Za-z0-9._-]{1,128})"
                           r"(@((?P<version>[1-9][0-9]{0,8})|(?P<alias>[A-Za-z][A-Za-z0-9._-]{0,63})))?")
 
@@ -29,9 +30,6 @@ def parse_adapter_ref(ref: str) -> tuple[str, int, str]:
     if alias == "latest":
         alias = ""
     return m["name"], int(m["version"] or 0), alias
-
-
-log = logging.getLogger(__name__)
 
 
 class RegistryClient:

@@ -475,6 +475,28 @@ async def test_pushes_in_flight_are_bounded_in_bytes(tmp_path):
 
 
 @in_session_loop
+async def test_a_stalled_push_is_dropped_and_frees_its_share(tmp_path):
+    config = dataclasses.replace(file_config(tmp_path), max_adapter_bytes=len(GOOD),
+                                 push_idle_s=0.3)  # the budget: two pushes of GOOD
+    store = await Store(config).start()
+    try:
+        header = pb.PushHeader(name="stalled", config_json=GOOD_CONFIG, weights_filename=WEIGHTS,
+                               num_bytes=len(GOOD))
+        stalled = [store.stub.Push() for _ in range(2)]
+        for call in stalled:  # accepted, then nothing: they hold the whole budget
+            await call.write(pb.PushRequest(header=header))
+            assert client.PUSH_ACCEPTED in tuple(await call.initial_metadata())
+        for call in stalled:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "sent nothing for 0.3 s" in info.value.details()
+        assert (await client.push(store.stub, header, GOOD)).version == 1
+    finally:
+        await store.stop()
+
+
+@in_session_loop
 async def test_push_stream_must_match_its_header(file_store):
     short = await expect_error(grpc.StatusCode.INVALID_ARGUMENT, file_store.push(
         "a", GOOD_CONFIG, GOOD, num_bytes=len(GOOD) + 10))
