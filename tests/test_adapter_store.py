@@ -178,6 +178,16 @@ async def expect_error(code: grpc.StatusCode, awaitable) -> str:
     return err.value.details()
 
 
+def call_rpc(stub, method: str, request, **kw):
+    """One store RPC, awaitable; the streaming Fetch is read to its end."""
+    call = getattr(stub, method)(request, **kw)
+    return _read_all(call) if method == "Fetch" else call
+
+
+async def _read_all(call) -> list:
+    return [message async for message in call]
+
+
 @in_session_loop
 async def test_push_fetch_round_trip_and_versions(store):
     config_json, data = make_adapter()

@@ -17,7 +17,7 @@ import safetensors.torch
 from adapter_store import module_patterns
 from adapter_store.config import StoreConfig
 from protos import adapter_store_pb2 as pb
-from tests.test_adapter_store import (WEIGHTS, Store, expect_error, file_config,
+from tests.test_adapter_store import (WEIGHTS, Store, call_rpc, expect_error, file_config,
                                       in_session_loop, lora_config, lora_tensors, make_adapter)
 
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
@@ -113,16 +113,9 @@ BAD_RPCS = {
 @in_session_loop
 async def test_bad_input_is_invalid_argument_naming_the_field(store, case):
     method, request, words = BAD_RPCS[case]
-    call = getattr(store.stub, method)(request, timeout=20)
-    if method == "Fetch":
-        call = _drain(call)
-    details = await expect_error(INVALID, call)
+    details = await expect_error(INVALID, call_rpc(store.stub, method, request, timeout=20))
     for word in words:
         assert word in details, details
-
-
-async def _drain(call):
-    return [m async for m in call]
 
 
 V_A0 = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"

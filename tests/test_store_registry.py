@@ -15,8 +15,8 @@ import safetensors.torch
 from adapter_store.config import StoreConfig
 from loraplex import client
 from protos import adapter_store_pb2 as pb
-from tests.test_adapter_store import (HIDDEN, Store, expect_error, in_session_loop, lora_config,
-                                      lora_tensors, make_adapter)
+from tests.test_adapter_store import (HIDDEN, Store, call_rpc, expect_error, in_session_loop,
+                                      lora_config, lora_tensors, make_adapter)
 
 TINY_BASE = {"model_type": "llama", "hidden_size": HIDDEN, "intermediate_size": 512,
              "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}
@@ -277,16 +277,9 @@ async def test_bad_rpc_input(replicas, case):
     if not (await a.stub.ListAdapters(pb.ListAdaptersRequest(name="bot"))).adapters:
         await push(a, "bot")
     method, request, code, words = BAD_RPCS[case]
-    call = getattr(a.stub, method)(request)
-    if method == "Fetch":
-        call = _drain(call)
-    details = await expect_error(code, call)
+    details = await expect_error(code, call_rpc(a.stub, method, request))
     for word in words:
         assert word in details, details
-
-
-async def _drain(call):
-    return [m async for m in call]
 
 
 @pytest.mark.parametrize("case, metadata, config_json, words", [
