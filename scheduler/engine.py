@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 
 RECONNECT_SECONDS = 1.0
 WARM_AGAIN_S = 30.0  # an adapter waiting for a slot is brought into a store's RAM this often
+# Warms at once: best effort, so a burst of cold adapters neither flushes hot ones from a store's
+# RAM tier nor queues its reads ahead of the loads executors are waiting for.
+MAX_WARMS_IN_FLIGHT = 4
 
 
 class ExecutorLink:
@@ -87,6 +90,7 @@ class Engine:
                               warm_host=self._warm_host)
         self._warm = warm_host
         self._warmed: dict[str, float] = {}  # adapter -> when it was last asked for (monotonic)
+        self._warming: set[asyncio.Task] = set()
         self.metrics = SchedulerMetrics(self.core)
         self.first_info: asyncio.Future[executor_pb2.InfoResponse] = asyncio.get_running_loop().create_future()
         self._specs = executor_specs
@@ -237,15 +241,19 @@ class Engine:
             self.core.on_load_done(ex, slot, adapter, None, resp.num_bytes, resp.load_seconds)
 
     def _warm_host(self, adapter: str) -> None:
-        """Ask the store to bring `adapter` into its RAM tier (at most once per WARM_AGAIN_S)."""
+        """Ask the store to bring `adapter` into its RAM tier: at most once per WARM_AGAIN_S, and
+        not while MAX_WARMS_IN_FLIGHT others are (a later request for it asks again)."""
         now = time.monotonic()
-        if self._warm is None or now - self._warmed.get(adapter, -WARM_AGAIN_S) < WARM_AGAIN_S:
+        if (self._warm is None or len(self._warming) >= MAX_WARMS_IN_FLIGHT
+                or now - self._warmed.get(adapter, -WARM_AGAIN_S) < WARM_AGAIN_S):
             return
         self._warmed = {a: t for a, t in self._warmed.items() if now - t < WARM_AGAIN_S}
         self._warmed[adapter] = now
         name, _, version = adapter.rpartition("@")
         self.metrics.host_prewarms.inc()
-        self._spawn(self._warm(name, int(version)))
+        task = self._spawn(self._warm(name, int(version)))
+        self._warming.add(task)
+        task.add_done_callback(self._warming.discard)
 
     def _start_unload(self, ex: ExecutorState, slot: int, adapter: str) -> None:
         link = self.links[ex.address]

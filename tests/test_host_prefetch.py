@@ -1,6 +1,7 @@
 """Through the real services: a request whose adapter cannot get a GPU slot yet (the only slot is
 pinned by a running sequence) has its adapter brought into the store's RAM tier while it waits,
-so its load, once the slot frees, is a host hit and not a blob read."""
+so its load, once the slot frees, is a host hit and not a blob read. And the scheduler's engine
+asks for such warms a few at a time, each adapter once in a while."""
 
 import asyncio
 
@@ -11,6 +12,9 @@ from loraplex.launch import Fleet
 from loraplex.server import insecure_channel
 from protos import adapter_store_pb2 as pb
 from protos import scheduler_pb2_grpc
+from scheduler.core import Limits
+from scheduler.engine import MAX_WARMS_IN_FLIGHT, Engine
+from scheduler.fairness import FairnessWeights
 
 
 @pytest.fixture(scope="module")
@@ -19,6 +23,30 @@ def fleet(tiny, tmp_path_factory, log_dir):
                log_dir=log_dir / "host-prefetch",
                executor_args=["--adapter-slots", "1", "--max-rank", "32", "--threads", "1"]) as fleet:
         yield fleet
+
+
+async def test_warms_run_a_few_at_a_time_and_each_adapter_once():
+    started, release = [], asyncio.Event()
+
+    async def warm(name: str, version: int) -> None:
+        started.append(f"{name}@{version}")
+        await release.wait()
+
+    engine = Engine((), FairnessWeights(), Limits(), warm_host=warm)
+    try:
+        for i in range(10):
+            engine._warm_host(f"a{i}@1")
+        engine._warm_host("a0@1")
+        await asyncio.sleep(0.05)
+        assert started == [f"a{i}@1" for i in range(MAX_WARMS_IN_FLIGHT)]
+        release.set()
+        await asyncio.sleep(0.05)
+        engine._warm_host("a0@1")  # asked for less than WARM_AGAIN_S ago: not again
+        engine._warm_host("a9@1")  # skipped while the others ran: asked again, warmed now
+        await asyncio.sleep(0.05)
+        assert started[MAX_WARMS_IN_FLIGHT:] == ["a9@1"]
+    finally:
+        await engine.stop()
 
 
 async def store_stats(fleet) -> pb.StoreStatsResponse:
