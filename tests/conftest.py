@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
 
 from loraplex import fixtures
 from tests.s3server import seaweedfs_s3  # noqa: F401  (re-exported fixture)
+from tests.test_adapter_store import file_store  # noqa: F401  (re-exported fixture)
 
 API_KEYS = {"key-acme": "acme", "key-globex": "globex", "key-initech": "initech", "key-limited": "limited"}
 
