@@ -13,7 +13,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
-from loraplex.allocator import keep_freed_memory
 from adapter_store.base_models import BaseModel
 from adapter_store.blobs import BlobStore, open_blob_store
 from adapter_store.config import StoreConfig, parse_args
@@ -24,6 +23,7 @@ from adapter_store.records import AdapterRecord, VersionMeta, check_alias, check
 from adapter_store.registry import Registry
 from adapter_store.validation import WEIGHTS_FILENAME, check_weights_file
 from loraplex import server
+from loraplex.allocator import keep_freed_memory
 from loraplex.client import PUSH_ACCEPTED
 from loraplex.errors import DataLoss, InvalidArgument, ResourceExhausted, Unavailable, grpc_errors
 from loraplex.metrics import serve_metrics
@@ -75,11 +75,12 @@ def meta_from_pb(metadata: pb.VersionMetadata) -> tuple[VersionMeta, list[str]]:
 async def receive_push(
     requests: AsyncIterator[pb.PushRequest], accepted: Callable[[pb.PushHeader], Awaitable[None]],
     max_bytes: int, idle_s: float,
-) -> tuple[pb.PushHeader, bytes]:
-    """The header and the weights of a Push stream, checked against the header's num_bytes;
-    `accepted(header)` is awaited once the header passed its checks, before any chunk is read
-    (it may still refuse the push by raising). UNAVAILABLE when `idle_s` pass without a message."""
-    header, data = None, bytearray()
+) -> tuple[pb.PushHeader, VersionMeta, list[str], bytes]:
+    """The header, its checked metadata (and the aliases to set) and the weights of a Push
+    stream, checked against the header's num_bytes. `accepted(header)` is awaited once the header
+    passed its checks, before any chunk is read (it may still refuse the push by raising).
+    UNAVAILABLE when `idle_s` pass without a message."""
+    header, meta, aliases, data = None, VersionMeta(), [], bytearray()
     async for request in _with_idle_limit(requests, idle_s):
         kind = request.WhichOneof("payload")
         if header is None:
@@ -88,7 +89,7 @@ async def receive_push(
             header = request.header
             # Refuse what would fail anyway before receiving the bytes.
             check_name(header.name)
-            meta_from_pb(header.metadata)
+            meta, aliases = meta_from_pb(header.metadata)
             if header.weights_filename != WEIGHTS_FILENAME:
                 check_weights_file(header.weights_filename, b"")
             if header.num_bytes > max_bytes:
@@ -107,7 +108,7 @@ async def receive_push(
     if len(data) != header.num_bytes:
         raise InvalidArgument(f"the Push stream carried {len(data)} bytes but its header announced "
                               f"{header.num_bytes} (interrupted upload?)")
-    return header, bytes(data)
+    return header, meta, aliases, bytes(data)
 
 
 async def _with_idle_limit(messages: AsyncIterator, idle_s: float) -> AsyncIterator:
@@ -170,10 +171,9 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
 
         async with grpc_errors(context):
             try:
-                header, data = await receive_push(request_iterator, accept,
-                                                  self._config.max_adapter_bytes,
-                                                  self._config.push_idle_s)
-                meta, aliases = meta_from_pb(header.metadata)
+                header, meta, aliases, data = await receive_push(
+                    request_iterator, accept, self._config.max_adapter_bytes,
+                    self._config.push_idle_s)
                 record = await self._registry.push(header.name, header.owner_tenant,
                                                    header.config_json, header.weights_filename,
                                                    data, meta)
