@@ -198,9 +198,15 @@ class Registry:
         """Register the PEFT folder at `uri` (adapter_config.json + adapter_model.safetensors)."""
         check_name(name)
         prefix = uri.rstrip("/") + "/"
+        # Both read at once; when both fail, the config's error is the one reported (the first
+        # file a user checks), whichever read failed first.
         config, data = await asyncio.gather(
             self._blobs.read_external(prefix + "adapter_config.json"),
-            self._blobs.read_external(prefix + "adapter_model.safetensors"))
+            self._blobs.read_external(prefix + "adapter_model.safetensors"),
+            return_exceptions=True)
+        for result in (config, data):
+            if isinstance(result, BaseException):
+                raise result
         try:
             config_json = config.decode("utf-8")
         except UnicodeDecodeError:
