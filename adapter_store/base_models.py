@@ -15,7 +15,10 @@ import hashlib
 import json
 import re
 
-from loraplex.errors import InvalidArgument
+from common.errors import InvalidArgument
+from common.peft.config import load_json_object
+from common.peft.layout import BaseShapes
+from common.peft.modules import projection_shapes
 
 ROOT = "base-models/"
 RECORD_FILENAME = "base.json"  # {"model_id", "revision", "config_json"}
@@ -23,19 +26,6 @@ RECORD_FILENAME = "base.json"  # {"model_id", "revision", "config_json"}
 _PART = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
 _MODEL_ID_RE = re.compile(rf"{_PART}(/{_PART}){{0,3}}")  # fullmatch: no trailing newline
 _FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}
-
-
-def load_json_object(text: str, what: str) -> dict:
-    """`text` parsed as a JSON object; INVALID_ARGUMENT prefixed with `what` otherwise."""
-    try:
-        raw = json.loads(text)
-    except RecursionError:
-        raise InvalidArgument(f"{what}: JSON nested too deeply") from None
-    except ValueError as exc:  # JSONDecodeError, or an integer of more than 4300 digits
-        raise InvalidArgument(f"{what}: not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise InvalidArgument(f"{what}: must be a JSON object")
-    return raw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,14 +63,16 @@ class BaseModel:
         if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0
                    for v in (kv_heads, head_dim)):
             raise invalid("num_key_value_heads and head_dim must be positive integers")
-        inter, q, kv = values["intermediate_size"], heads * head_dim, kv_heads * head_dim
-        shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
-                  "o_proj": (q, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
-                  "down_proj": (inter, hidden)}
+        shapes = projection_shapes(hidden, values["intermediate_size"], heads, kv_heads,
+                                   head_dim)
         return cls(model_id=model_id, revision=revision,
                    config_sha256=hashlib.sha256(config_json.encode()).hexdigest(),
                    num_layers=values["num_hidden_layers"], module_shapes=shapes,
                    config_json=config_json)
+
+    @property
+    def shapes(self) -> BaseShapes:
+        return BaseShapes(self.model_id, self.num_layers, self.module_shapes)
 
     def to_json(self) -> str:
         return json.dumps({"model_id": self.model_id, "revision": self.revision,

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 
 from adapter_store.blobs import BlobStore
 from adapter_store.records import AdapterRecord
-from loraplex.errors import DataLoss, NotFound
+from common.errors import DataLoss, NotFound
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import time
 
 from adapter_store.blobs import BlobStore
 from adapter_store.records import check_name
-from loraplex.errors import NotFound
+from common.errors import NotFound
 
 ROOT = "leases/"
 # Matched with fullmatch: "$" would also accept a trailing newline.

@@ -37,12 +37,19 @@ import time
 
 from adapter_store.base_models import BaseModel, base_model_key, check_model_id
 from adapter_store.blobs import BlobStore, PreconditionFailed
-from adapter_store.records import (INDEX_FILENAME, MANIFEST_FILENAME, ROOT, AdapterRecord,
-                                   NameIndex, VersionMeta, check_alias, check_name,
-                                   version_prefix)
+from adapter_store.records import (
+    INDEX_FILENAME,
+    MANIFEST_FILENAME,
+    ROOT,
+    AdapterRecord,
+    NameIndex,
+    VersionMeta,
+    check_alias,
+    check_name,
+    version_prefix,
+)
 from adapter_store.validation import validate_adapter
-from loraplex.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound,
-                             Unavailable)
+from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from aiobotocore.session import get_session
 
 from adapter_store.blobs import BlobStore, PreconditionFailed, check_key, too_large
 from adapter_store.config import StoreConfig
-from loraplex.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
+from common.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
 
 _MISSING_KEY_CODES = {"NoSuchKey", "404", "NotFound"}
 _MISSING_BUCKET_CODES = {"NoSuchBucket"}

@@ -14,19 +14,21 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from adapter_store.base_models import BaseModel
-from adapter_store.blobs import BlobStore, open_blob_store
+from adapter_store.blob_backends import open_blob_store
+from adapter_store.blobs import BlobStore
 from adapter_store.config import StoreConfig, parse_args
 from adapter_store.host_cache import RESTART, HostCache
 from adapter_store.leases import LeaseBook
 from adapter_store.metrics import store_registry
 from adapter_store.records import AdapterRecord, VersionMeta, check_alias, check_name
 from adapter_store.registry import Registry
-from adapter_store.validation import WEIGHTS_FILENAME, check_weights_file
-from loraplex import server
-from loraplex.allocator import keep_freed_memory
-from loraplex.client import PUSH_ACCEPTED
-from loraplex.errors import DataLoss, InvalidArgument, ResourceExhausted, Unavailable, grpc_errors
-from loraplex.metrics import serve_metrics
+from common import server
+from common.allocator import keep_freed_memory
+from common.errors import DataLoss, InvalidArgument, ResourceExhausted, Unavailable, grpc_errors
+from common.metrics import serve_metrics
+from common.peft.safetensors_header import WEIGHTS_FILE
+from common.peft.tensors import check_weights_file
+from common.wire import PUSH_ACCEPTED
 from protos import adapter_store_pb2 as pb
 from protos import adapter_store_pb2_grpc, common_pb2
 
@@ -90,7 +92,7 @@ async def receive_push(
             # Refuse what would fail anyway before receiving the bytes.
             check_name(header.name)
             meta, aliases = meta_from_pb(header.metadata)
-            if header.weights_filename != WEIGHTS_FILENAME:
+            if header.weights_filename != WEIGHTS_FILE:
                 check_weights_file(header.weights_filename, b"")
             if header.num_bytes > max_bytes:
                 raise InvalidArgument(f"adapter of {header.num_bytes} bytes exceeds the "

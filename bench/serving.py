@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
+from common.server import insecure_channel, run
 from loraplex import client, fixtures
 from loraplex.launch import Fleet
-from loraplex.server import insecure_channel, run
 from protos import scheduler_pb2, scheduler_pb2_grpc
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

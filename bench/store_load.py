@@ -5,7 +5,7 @@
 A SeaweedFS S3 server, two adapter store processes on one S3 prefix (one with no host tier, so
 every Fetch reads S3; one with a warm host tier), and an in-process AdapterLoader over a
 random-weight model sized so that 1, 16 and 64 MiB fp32 adapters fit its slots. This process
-plays the executor's: uvloop, and freed memory kept for reuse (loraplex.allocator), as in
+plays the executor's: uvloop, and freed memory kept for reuse (common.allocator), as in
 the store. Per size, measured in rounds, each round one rep of every kind in turn, so that
 machine noise (two cores shared with S3 and the stores) falls on all of them alike:
 - raw GET streamed: one GetObject of the adapter's bytes, its body taken as it arrives and kept
@@ -52,13 +52,13 @@ from aiobotocore.session import get_session
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from loraplex.allocator import keep_freed_memory  # noqa: E402
+from common.allocator import keep_freed_memory  # noqa: E402
+from common.server import insecure_channel  # noqa: E402
 from executor.adapter_loader import AdapterLoader  # noqa: E402
 from executor.model_config import ModelConfig  # noqa: E402
 from executor.runner import ModelRunner  # noqa: E402
 from loraplex import client  # noqa: E402
 from loraplex.launch import start_service  # noqa: E402
-from loraplex.server import insecure_channel  # noqa: E402
 from protos import adapter_store_pb2 as pb  # noqa: E402
 from protos import adapter_store_pb2_grpc  # noqa: E402
 from tests.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3  # noqa: E402

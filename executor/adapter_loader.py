@@ -28,7 +28,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import socket
@@ -39,13 +38,18 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from common.errors import (
+    DataLoss,
+    InvalidArgument,
+    LoraplexError,
+    Unavailable,
+    from_rpc_error,
+)
+from common.server import insecure_channel
 from executor.lora import LoraWeights
-from executor.peft_adapter import AdapterError, BaseModelMismatchError, parse_peft_adapter
+from executor.peft_adapter import parse_peft_adapter
 from executor.runner import ModelRunner
 from executor.slot_copy import SlotCopier, StagingBuffers
-from loraplex.errors import (DataLoss, FailedPrecondition, InvalidArgument, LoraplexError,
-                             Unavailable, from_rpc_error)
-from loraplex.server import insecure_channel
 from protos import adapter_store_pb2, adapter_store_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
@@ -236,12 +240,10 @@ class AdapterLoader:
     def _parse(self, key: str, config_json: str, data: torch.Tensor) -> LoraWeights:
         """Runs in a worker thread: the PEFT adapter in `data`, validated; views into it."""
         try:
-            return parse_peft_adapter(json.loads(config_json), data, self._runner.config,
+            return parse_peft_adapter(config_json, data, self._runner.config,
                                       max_rank=self._runner.pool.max_rank, dtype=None)
-        except BaseModelMismatchError as err:
-            raise FailedPrecondition(f"adapter {key}: {err}") from None
-        except AdapterError as err:
-            raise InvalidArgument(f"adapter {key}: {err}") from None
+        except LoraplexError as err:
+            raise type(err)(f"adapter {key}: {err}") from None
 
     async def close(self) -> None:
         """Stop the background residency reports."""

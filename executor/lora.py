@@ -22,10 +22,10 @@ from typing import Protocol
 
 import torch
 
+from common.peft.modules import LORA_MODULES
 from executor.model_config import ModelConfig
 from kernels.segments import SegmentWork
 
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Group name -> its projections, in the column order of the model's fused base output.
 LORA_GROUPS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),

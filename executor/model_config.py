@@ -15,6 +15,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from common.peft.modules import projection_shapes
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
@@ -82,11 +84,9 @@ class ModelConfig:
 
     def module_shape(self, module: str) -> tuple[int, int]:
         """(in_features, out_features) of one of the 7 LoRA-targetable projections."""
-        h, i = self.hidden_size, self.intermediate_size
-        shapes = {"q_proj": (h, self.q_size), "k_proj": (h, self.kv_size),
-                  "v_proj": (h, self.kv_size), "o_proj": (self.q_size, h),
-                  "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-        return shapes[module]
+        return projection_shapes(self.hidden_size, self.intermediate_size,
+                                 self.num_attention_heads, self.num_key_value_heads,
+                                 self.head_dim)[module]
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from executor.kv_cache import PagedKVCache
-from executor.lora import LORA_MODULES, LoraSlotPool, LoraWeights, make_lora_backend
+from common.peft.modules import LORA_MODULES
+from executor.lora import LoraSlotPool, LoraWeights, make_lora_backend
 from executor.model import RowSpec, StepMetadata, Transformer
 from executor.model_config import ModelConfig
 from executor.sampling import SamplingParams, make_generator, sample

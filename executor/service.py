@@ -12,14 +12,14 @@ import time
 import torch
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from common.allocator import keep_freed_memory
+from common.errors import FailedPrecondition, grpc_errors
+from common.metrics import serve_metrics
+from common.server import Service, announce, configure_logging, run, run_until_signalled
 from executor.adapter_loader import AdapterLoader
 from executor.config import ExecutorConfig
 from executor.lora import resolve_lora_backend
 from executor.runner import ModelRunner, Row, SamplingParams
-from loraplex.allocator import keep_freed_memory
-from loraplex.errors import FailedPrecondition, grpc_errors
-from loraplex.metrics import serve_metrics
-from loraplex.server import Service, announce, configure_logging, run, run_until_signalled
 from protos import executor_pb2, executor_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from executor.lora import LORA_MODULES
+from common.peft.modules import LORA_MODULES
 from executor.model_config import NAMED_CONFIGS, ModelConfig
 from executor.runner import MemoryBudget
 

@@ -18,8 +18,8 @@ import time
 
 import grpc
 
+from common.server import insecure_channel, run
 from loraplex import client
-from loraplex.server import insecure_channel, run
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_WORKDIR = REPO / ".fixtures"

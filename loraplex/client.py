@@ -8,11 +8,17 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from loraplex.server import insecure_channel
-from protos import adapter_store_pb2, adapter_store_pb2_grpc, common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from common import wire
+from common.server import insecure_channel
+from protos import (
+    adapter_store_pb2,
+    adapter_store_pb2_grpc,
+    common_pb2,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
 
 PUSH_CHUNK_BYTES = 1 << 20
-PUSH_ACCEPTED = ("loraplex-push", "header-accepted")  # a store's initial metadata on Push
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 
 
@@ -52,7 +58,7 @@ async def push(stub: adapter_store_pb2_grpc.AdapterStoreStub, header: adapter_st
     ends the call while a chunk is on its way makes gRPC report INTERNAL instead."""
     call = stub.Push()
     await call.write(adapter_store_pb2.PushRequest(header=header))
-    accepted = PUSH_ACCEPTED in tuple(await call.initial_metadata())
+    accepted = wire.PUSH_ACCEPTED in tuple(await call.initial_metadata())
     with contextlib.suppress(asyncio.InvalidStateError):  # the store ended it: its status follows
         if accepted:  # (else the call ends with the store's refusal)
             for start in range(0, len(data), chunk_bytes):
@@ -105,7 +111,7 @@ def generate_request(adapter: str = "", prompt: str | list[int] = "", max_new_to
 
 
 def metadata(api_key: str) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+    return ((wire.AUTHORIZATION, f"{wire.BEARER}{api_key}"),) if api_key else ()
 
 
 async def stream(stub: scheduler_pb2_grpc.SchedulerStub, request: scheduler_pb2.GenerateRequest,

@@ -18,10 +18,10 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from common.server import insecure_channel, run
 from loraplex import client
 from loraplex.demo_tasks import TASKS_BY_NAME, held_out
 from loraplex.launch import Fleet
-from loraplex.server import insecure_channel, run
 from protos import scheduler_pb2, scheduler_pb2_grpc
 
 ASSETS = pathlib.Path(__file__).parent / "demo_assets"

@@ -1,6 +1,6 @@
 """Operator actions on residency and executors, in terms of the scheduler core."""
 
-from loraplex.errors import FailedPrecondition, NotFound, Unavailable
+from common.errors import FailedPrecondition, NotFound, Unavailable
 from scheduler.core import Scheduler
 from scheduler.executor_state import ExecutorState
 from scheduler.routing import score

@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-from loraplex.errors import LoraplexError, Unavailable
+from common.errors import LoraplexError, Unavailable
 from scheduler.block_manager import BlockManager
 from scheduler.detokenizer import Finish
 from scheduler.executor_state import ExecutorState, Limits, Sample, Sequence, StepPlan

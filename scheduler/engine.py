@@ -12,8 +12,8 @@ from collections.abc import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from loraplex.errors import LoraplexError, Unavailable, from_rpc_error
-from loraplex.server import insecure_channel
+from common.errors import LoraplexError, Unavailable, from_rpc_error
+from common.server import insecure_channel
 from protos import common_pb2, executor_pb2, executor_pb2_grpc
 from scheduler.block_manager import BlockManager
 from scheduler.core import ExecutorState, Limits, Sample, Scheduler, StepPlan

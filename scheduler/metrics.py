@@ -4,7 +4,7 @@ core's counters (loads, hits, evictions, virtual counters) read from its state a
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from loraplex.metrics import BoundedLabel
+from common.metrics import BoundedLabel
 from scheduler.core import Scheduler
 from scheduler.request import Request
 

@@ -9,7 +9,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from loraplex.errors import ResourceExhausted
+from common import wire
+from common.errors import ResourceExhausted
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ class RateLimiter:
         if wait > 0:
             err = ResourceExhausted(f"tenant {tenant!r} is over its rate limit ({limit.requests_per_s:g} "
                                     f"requests/s, {limit.tokens_per_s:g} tokens/s); retry in {wait:.2f}s")
-            err.trailers = (("retry-after", f"{wait:.3f}"),)
+            err.trailers = ((wire.RETRY_AFTER, f"{wait:.3f}"),)
             raise err
         requests.pay(1)
         tokens.pay(num_tokens)

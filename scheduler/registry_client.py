@@ -9,8 +9,8 @@ import re
 
 import grpc
 
-from loraplex.errors import InvalidArgument, LoraplexError, Unavailable, from_rpc_error
-from loraplex.server import insecure_channel
+from common.errors import InvalidArgument, LoraplexError, Unavailable, from_rpc_error
+from common.server import insecure_channel
 from protos import adapter_store_pb2, adapter_store_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from loraplex.errors import LoraplexError
+from common.errors import LoraplexError
 from scheduler.detokenizer import Finish, OutputProcessor
 
 

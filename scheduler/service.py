@@ -6,7 +6,8 @@ import logging
 
 from tokenizers import Tokenizer
 
-from loraplex.errors import (
+from common import wire
+from common.errors import (
     FailedPrecondition,
     InvalidArgument,
     PermissionDenied,
@@ -15,8 +16,8 @@ from loraplex.errors import (
     grpc_errors,
     status_for,
 )
-from loraplex.metrics import serve_metrics
-from loraplex.server import Service, announce, configure_logging, run, run_until_signalled
+from common.metrics import serve_metrics
+from common.server import Service, announce, configure_logging, run, run_until_signalled
 from protos import scheduler_pb2, scheduler_pb2_grpc
 from scheduler import admin, validation
 from scheduler.config import SchedulerConfig
@@ -184,7 +185,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
 
 def _bearer(context) -> str:
-    return dict(context.invocation_metadata()).get("authorization", "").removeprefix("Bearer ").strip()
+    metadata = dict(context.invocation_metadata())
+    return metadata.get(wire.AUTHORIZATION, "").removeprefix(wire.BEARER).strip()
 
 
 def _executor_stats(ex) -> scheduler_pb2.ExecutorStats:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from tokenizers import Tokenizer
 
-from loraplex.errors import FailedPrecondition, InvalidArgument
+from common.errors import FailedPrecondition, InvalidArgument
 from protos import common_pb2, executor_pb2, scheduler_pb2
 from scheduler.request import Sampling
 

@@ -16,14 +16,15 @@ import pytest
 import safetensors.torch
 import torch
 
-from adapter_store.blobs import BlobStore, open_blob_store
+from adapter_store.blob_backends import open_blob_store
+from adapter_store.blobs import BlobStore
 from adapter_store.config import StoreConfig, parse_args
 from adapter_store.service import start_store
+from common.errors import Unavailable
+from common.server import insecure_channel
 from executor.model_config import ModelConfig
 from executor.peft_adapter import parse_peft_adapter
 from loraplex import client
-from loraplex.errors import Unavailable
-from loraplex.server import insecure_channel
 from protos import adapter_store_pb2 as pb
 from protos import adapter_store_pb2_grpc
 
@@ -337,7 +338,7 @@ async def test_rank_pattern_takes_the_first_matching_key_as_peft_and_executors_d
     as_peft = lora_tensors(targets=("q_proj",), ranks={"layers.0.q_proj": 4, "layers.1.q_proj": 4})
     info = await file_store.push("first-key", config_json, safetensors.torch.save(as_peft))
     assert info.version == 1
-    weights = parse_peft_adapter(json.loads(config_json), safetensors.torch.save(as_peft),
+    weights = parse_peft_adapter(config_json, safetensors.torch.save(as_peft),
                                  ModelConfig.named("tiny"), check_base_model=False)
     assert {w.a.shape[0] for w in weights.modules.values()} == {4}
     exact_wins = lora_tensors(targets=("q_proj",), ranks={"layers.0.q_proj": 4,

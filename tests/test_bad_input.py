@@ -10,9 +10,9 @@ import time
 import grpc
 import pytest
 
+from common.server import insecure_channel
 from loraplex import client
 from loraplex.launch import Fleet, start_service
-from loraplex.server import insecure_channel
 from protos import common_pb2, executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 BLOCK = 16

@@ -8,13 +8,13 @@ import json
 import pytest
 import torch
 
+from common.server import insecure_channel
 from executor.peft_adapter import parse_peft_adapter
 from executor.runner import ModelRunner
 from loraplex import client
 from loraplex.demo import MODEL_DIR, adapter_dir
 from loraplex.demo_tasks import TASKS, held_out
 from loraplex.launch import Fleet
-from loraplex.server import insecure_channel
 from protos import scheduler_pb2_grpc
 from tests.oracle import hf_greedy
 from tests.test_model_oracle import run as run_runner
@@ -81,7 +81,7 @@ def test_executor_matches_hf_peft_on_trained_weights():
     for slot, task in enumerate(TASKS):
         folder = adapter_dir(task.name)
         runner.load_adapter(slot, parse_peft_adapter(
-            json.loads((folder / "adapter_config.json").read_text()),
+            (folder / "adapter_config.json").read_text(),
             (folder / "adapter_model.safetensors").read_bytes(), runner.config))
     first, *rest = TASKS
     hf = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(MODEL_DIR),

@@ -6,9 +6,9 @@ import asyncio
 import grpc
 import pytest
 
+from common.server import insecure_channel
 from loraplex import client
 from loraplex.launch import Fleet
-from loraplex.server import insecure_channel
 from protos import scheduler_pb2, scheduler_pb2_grpc
 
 ADMIN = "admin-key"

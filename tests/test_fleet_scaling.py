@@ -5,9 +5,9 @@ lost), and a store killed outright is routed around."""
 import asyncio
 import signal
 
+from common.server import insecure_channel
 from loraplex import client
 from loraplex.launch import start_service
-from loraplex.server import insecure_channel
 from protos import scheduler_pb2, scheduler_pb2_grpc
 
 MAX_NEW = 24

@@ -11,12 +11,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.server import insecure_channel
 from loraplex import client, server
 from loraplex.launch import Fleet, start_service
-from loraplex.server import insecure_channel
 from protos import scheduler_pb2_grpc
 
 

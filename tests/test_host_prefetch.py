@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
+from common.server import insecure_channel
 from loraplex import client
 from loraplex.launch import Fleet
-from loraplex.server import insecure_channel
 from protos import adapter_store_pb2 as pb
 from protos import scheduler_pb2_grpc
 from scheduler.core import Limits

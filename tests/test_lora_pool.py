@@ -6,8 +6,15 @@ import random
 import pytest
 import torch
 
-from executor.lora import (LORA_GROUPS, LORA_MODULES, LoraModuleWeights, LoraSlotPool,
-                           LoraWeights, TorchLoraBackend, TritonLoraBackend)
+from executor.lora import (
+    LORA_GROUPS,
+    LORA_MODULES,
+    LoraModuleWeights,
+    LoraSlotPool,
+    LoraWeights,
+    TorchLoraBackend,
+    TritonLoraBackend,
+)
 from executor.model_config import ModelConfig
 from tests.test_kernels import random_adapter
 from tests.test_lora_torch import backend_outputs

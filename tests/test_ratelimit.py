@@ -2,7 +2,7 @@
 
 import pytest
 
-from loraplex.errors import ResourceExhausted
+from common.errors import ResourceExhausted
 from scheduler.ratelimit import RateLimit, RateLimiter
 
 

@@ -5,12 +5,12 @@ import random
 
 import pytest
 
-from loraplex.errors import InvalidArgument, Unavailable
+from common.errors import InvalidArgument, Unavailable
 from scheduler import admin
 from scheduler.block_manager import BlockManager
 from scheduler.core import Limits
-from scheduler.executor_state import ExecutorState
 from scheduler.detokenizer import Finish
+from scheduler.executor_state import ExecutorState
 from scheduler.fairness import FairnessWeights
 from scheduler.invariants import check_invariants
 from scheduler.request import ErrorEvent, Status, TokenEvent

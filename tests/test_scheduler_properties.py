@@ -4,7 +4,7 @@ executor loss, drains and returns (hypothesis drives the sequence of events)."""
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loraplex.errors import InvalidArgument, Unavailable
+from common.errors import InvalidArgument, Unavailable
 from scheduler.core import Limits
 from scheduler.invariants import check_invariants
 from scheduler.request import ErrorEvent, FinishEvent, Status

@@ -10,9 +10,9 @@ import grpc
 import pytest
 from tokenizers import Tokenizer
 
+from common.server import insecure_channel
 from loraplex import client
 from loraplex.launch import Fleet
-from loraplex.server import insecure_channel
 from protos import scheduler_pb2, scheduler_pb2_grpc
 from scheduler.timings import fit_cost
 from tests.conftest import API_KEYS

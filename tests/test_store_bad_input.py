@@ -14,11 +14,20 @@ import grpc
 import pytest
 import safetensors.torch
 
-from adapter_store import module_patterns
 from adapter_store.config import StoreConfig
+from common.peft import patterns as module_patterns
 from protos import adapter_store_pb2 as pb
-from tests.test_adapter_store import (WEIGHTS, Store, call_rpc, expect_error, file_config,
-                                      in_session_loop, lora_config, lora_tensors, make_adapter)
+from tests.test_adapter_store import (
+    WEIGHTS,
+    Store,
+    call_rpc,
+    expect_error,
+    file_config,
+    in_session_loop,
+    lora_config,
+    lora_tensors,
+    make_adapter,
+)
 
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
 CONFIG_JSON, DATA = make_adapter()
@@ -121,7 +130,11 @@ async def test_bad_input_is_invalid_argument_naming_the_field(store, case):
 V_A0 = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
 # Pushes refused with INVALID_ARGUMENT: (config_json, weights, words the message must contain).
 BAD_PUSHES = {
-    "config-deep-json": (DEEP_JSON, DATA, ["adapter_config.json", "nested too deeply"]),
+    # Deep but under the config's size bound (a bigger one is refused for its size).
+    "config-deep-json": ("[" * 30_000 + "]" * 30_000, DATA,
+                         ["adapter_config.json", "nested too deeply"]),
+    "config-too-large": ('{"r": 8, "notes": "' + "x" * 70_000 + '"}', DATA,
+                         ["adapter_config.json", "over 65536 bytes"]),
     "config-huge-int": ('{"r": 1' + "0" * 5000 + "}", DATA, ["adapter_config.json", "digits"]),
     "header-deep-json": (CONFIG_JSON, len(DEEP_JSON).to_bytes(8, "little") + DEEP_JSON.encode(),
                          ["adapter_model.safetensors", "nested too deeply"]),

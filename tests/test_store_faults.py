@@ -12,14 +12,20 @@ import safetensors.torch
 import torch
 
 from adapter_store.config import StoreConfig
+from common.errors import DataLoss, Unavailable
 from executor.adapter_loader import AdapterLoader
 from executor.runner import ModelRunner
-from loraplex.errors import DataLoss, Unavailable
 from loraplex.fixtures import MODEL_ID
 from protos import adapter_store_pb2 as pb
 from tests.s3server import SeaweedS3, find_weed
-from tests.test_adapter_store import (Store, expect_error, in_session_loop, lora_config,
-                                      lora_tensors, weights_key)
+from tests.test_adapter_store import (
+    Store,
+    expect_error,
+    in_session_loop,
+    lora_config,
+    lora_tensors,
+    weights_key,
+)
 
 PART = 64 * 1024
 # Attention-only LoRA fits the tiny fixture model (hidden 256, 2 kv heads of 64): ~0.9 MB, 15 parts.

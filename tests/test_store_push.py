@@ -13,10 +13,19 @@ import pytest
 import safetensors.torch
 import torch
 
+from common import wire
 from loraplex import client
 from protos import adapter_store_pb2 as pb
-from tests.test_adapter_store import (WEIGHTS, Store, expect_error, file_config,
-                                      in_session_loop, lora_config, lora_tensors, make_adapter)
+from tests.test_adapter_store import (
+    WEIGHTS,
+    Store,
+    expect_error,
+    file_config,
+    in_session_loop,
+    lora_config,
+    lora_tensors,
+    make_adapter,
+)
 
 
 def _with_header(header: dict, data_section: bytes) -> bytes:
@@ -73,7 +82,7 @@ BAD_INPUTS = {
                   ["model.layers.1.self_attn.v_proj", "no lora_B"]),
     "rank-mismatch": ("a", WEIGHTS, lora_config(rank=4), GOOD, ["rank 8 differs from 4"]),
     "untargeted-tensor": ("a", WEIGHTS, lora_config(targets=("q_proj",)), GOOD,
-                          ["v_proj", "not in target_modules"]),
+                          ["v_proj", "target_modules ['q_proj'] does not name"]),
     "not-a-lora-key": ("a", WEIGHTS, GOOD_CONFIG, safetensors.torch.save(
         {**lora_tensors(), "lm_head.weight": torch.zeros(4, 4)}), ["'lm_head.weight'"]),
     "nan": ("a", WEIGHTS, GOOD_CONFIG, _nan(), [V_B1, "NaN"]),
@@ -125,7 +134,7 @@ async def test_pushes_in_flight_are_bounded_in_bytes(tmp_path):
         for name in ("slow-1", "slow-2"):  # accepted, then they send nothing yet
             call = store.stub.Push()
             await call.write(pb.PushRequest(header=header(name)))
-            assert client.PUSH_ACCEPTED in tuple(await call.initial_metadata())
+            assert wire.PUSH_ACCEPTED in tuple(await call.initial_metadata())
             slow.append(call)
         details = await expect_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                      client.push(store.stub, header("third"), GOOD))
@@ -138,7 +147,7 @@ async def test_pushes_in_flight_are_bounded_in_bytes(tmp_path):
             pair = [store.stub.Push() for _ in range(2)]
             for call, name in zip(pair, ("third", "fourth")):
                 await call.write(pb.PushRequest(header=header(name)))
-            accepted = [client.PUSH_ACCEPTED in tuple(await c.initial_metadata()) for c in pair]
+            accepted = [wire.PUSH_ACCEPTED in tuple(await c.initial_metadata()) for c in pair]
             if all(accepted):
                 break
             for call in pair:
@@ -164,7 +173,7 @@ async def test_a_stalled_push_is_dropped_and_frees_its_share(tmp_path):
         stalled = [store.stub.Push() for _ in range(2)]
         for call in stalled:  # accepted, then nothing: they hold the whole budget
             await call.write(pb.PushRequest(header=header))
-            assert client.PUSH_ACCEPTED in tuple(await call.initial_metadata())
+            assert wire.PUSH_ACCEPTED in tuple(await call.initial_metadata())
         for call in stalled:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await call

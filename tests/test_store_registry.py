@@ -15,8 +15,16 @@ import safetensors.torch
 from adapter_store.config import StoreConfig
 from loraplex import client
 from protos import adapter_store_pb2 as pb
-from tests.test_adapter_store import (HIDDEN, Store, call_rpc, expect_error, in_session_loop,
-                                      lora_config, lora_tensors, make_adapter)
+from tests.test_adapter_store import (
+    HIDDEN,
+    Store,
+    call_rpc,
+    expect_error,
+    in_session_loop,
+    lora_config,
+    lora_tensors,
+    make_adapter,
+)
 
 TINY_BASE = {"model_type": "llama", "hidden_size": HIDDEN, "intermediate_size": 512,
              "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}

@@ -13,17 +13,17 @@ import pytest
 import safetensors.torch
 import torch
 
-from adapter_store.blobs import open_blob_store
+from adapter_store.blob_backends import open_blob_store
 from adapter_store.host_cache import HEAD_PIECES, LAST_PIECE_BYTES, _PieceCutter
 from adapter_store.records import MANIFEST_FILENAME, version_prefix
 from adapter_store.service import start_store
+from common.errors import DataLoss
+from common.server import insecure_channel
 from executor.adapter_loader import AdapterLoader
 from executor.peft_adapter import parse_peft_adapter
 from executor.runner import ModelRunner
 from executor.slot_copy import StagingBuffers
-from loraplex.errors import DataLoss
 from loraplex.fixtures import MODEL_ID
-from loraplex.server import insecure_channel
 from protos import adapter_store_pb2 as pb
 from protos import adapter_store_pb2_grpc
 from tests.test_adapter_store import (
@@ -141,7 +141,7 @@ async def test_loader_gets_the_right_weights_after_a_restart_and_with_reused_sta
     loader = AdapterLoader(runner, (store.running.address,), holder="test-stream")
     adapters = {"big": (CONFIG_JSON, BIG), "small": (SMALL_CONFIG_JSON, SMALL),
                 "half": (SMALL_CONFIG_JSON, HALF)}
-    expected = {name: parse_peft_adapter(json.loads(cfg), data, runner.config, max_rank=64)
+    expected = {name: parse_peft_adapter(cfg, data, runner.config, max_rank=64)
                 for name, (cfg, data) in adapters.items()}  # converted to fp32 by the parse
     try:
         store.blobs.num_bad_reads = 1

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from loraplex.errors import InvalidArgument
+from common.errors import InvalidArgument
 
 TIMEOUT_S = 5.0  # a child matching a sane pattern is done in ~20 ms, its start included
 MATCH_BUDGET_S = 0.1  # the matching itself: a sane pattern takes microseconds

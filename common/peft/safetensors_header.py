@@ -10,7 +10,7 @@ import dataclasses
 import json
 import math
 
-from loraplex.errors import InvalidArgument
+from common.errors import InvalidArgument
 
 # A header is a few KB per tensor; 100 MB is the limit the safetensors library itself enforces.
 MAX_HEADER_BYTES = 100_000_000
@@ -20,7 +20,7 @@ DTYPE_BYTES = {
     "U32": 4, "I32": 4, "F32": 4,
     "U64": 8, "I64": 8, "F64": 8,
 }
-FILE = "adapter_model.safetensors"
+WEIGHTS_FILE = "adapter_model.safetensors"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +34,7 @@ class TensorEntry:
 
 
 def _invalid(message: str) -> InvalidArgument:
-    return InvalidArgument(f"{FILE}: {message}")
+    return InvalidArgument(f"{WEIGHTS_FILE}: {message}")
 
 
 def parse_header(data: bytes) -> dict[str, TensorEntry]:

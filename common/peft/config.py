@@ -1,0 +1,183 @@
+"""adapter_config.json as PEFT writes it, limited to what loraplex serves: plain LoRA on the 7
+projections of a LLaMA-family model. The adapter store checks it at a push's header (before any
+upload) and executors read the same fields at every load.
+
+    {"peft_type": "LORA", "r": 16, "lora_alpha": 32, "use_rslora": false,
+     "target_modules": ["q_proj", "v_proj"],            or a PEFT regex, or "all-linear"
+     "rank_pattern": {"v_proj": 8}, "alpha_pattern": {"layers.0.self_attn.q_proj": 64},
+     "base_model_name_or_path": "meta-llama/Llama-3.1-8B", "revision": null}
+
+Scale of a module = alpha / r (alpha / sqrt(r) with rsLoRA), r and alpha from the first matching
+rank_pattern / alpha_pattern key (PEFT's rule, see common.peft.patterns), else `r`, `lora_alpha`.
+"""
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+
+from common.errors import InvalidArgument
+from common.peft.modules import LORA_MODULES, module_path
+from common.peft.patterns import compile_pattern, fullmatches
+
+# A PEFT config is well under 4 KiB; one of this size still lists thousands of patterns. Bigger
+# ones are refused at the header: the config travels in every Fetch and listing.
+MAX_CONFIG_BYTES = 64 * 1024
+# Modules PEFT may adapt that loraplex never serves: the vocabulary-sized ones.
+_VOCAB_MODULES = ("lm_head", "embed_tokens")
+
+
+def _invalid(message: str) -> InvalidArgument:
+    return InvalidArgument(f"adapter_config.json: {message}")
+
+
+def load_json_object(text: str, what: str) -> dict:
+    """`text` parsed as a JSON object; INVALID_ARGUMENT prefixed with `what` otherwise."""
+    try:
+        raw = json.loads(text)
+    except RecursionError:
+        raise InvalidArgument(f"{what}: JSON nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, or an integer of more than 4300 digits
+        raise InvalidArgument(f"{what}: not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise InvalidArgument(f"{what}: must be a JSON object")
+    return raw
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    base_model: str  # base_model_name_or_path
+    r: int
+    alpha: float
+    use_rslora: bool
+    # A list of projection names or dotted suffixes of module paths ("self_attn.q_proj"), or one
+    # regex matched against whole module paths (PEFT's two forms); "all-linear" is expanded.
+    target_modules: tuple[str, ...] | str
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+    revision: str  # of the base model, "" when the config names none
+
+    @property
+    def max_rank(self) -> int:
+        """Largest rank of any module: max of r and the rank_pattern values."""
+        return max([self.r, *self.rank_pattern.values()])
+
+    def scale(self, rank: int, alpha: float) -> float:
+        return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
+
+    def targets(self, paths: Sequence[str]) -> list[bool]:
+        """Whether each module path ("model.layers.3.mlp.up_proj") is one the adapter targets."""
+        if isinstance(self.target_modules, str):
+            (hits,) = fullmatches([self.target_modules], list(paths),
+                                  "adapter_config.json: target_modules regex")
+            return hits
+        return [any(p == t or p.endswith("." + t) for t in self.target_modules) for p in paths]
+
+    def ranks_and_alphas(self, paths: Sequence[str]) -> list[tuple[int, float]]:
+        """(rank, alpha) of each module path by PEFT's rule: the first rank_pattern /
+        alpha_pattern key, in the config's order, matching a whole dotted suffix of the path (an
+        exact key is one such suffix, not preferred over an earlier one), else r / lora_alpha.
+        Keys are matched with a time bound (common.peft.patterns), both fields in one go."""
+        rank_keys, alpha_keys = list(self.rank_pattern), list(self.alpha_pattern)
+        fields = " and ".join(f for f, keys in (("rank_pattern", rank_keys),
+                                                ("alpha_pattern", alpha_keys)) if keys)
+        matched = fullmatches(rank_keys + alpha_keys, list(paths),
+                              f"adapter_config.json: {fields} keys", as_suffix=True)
+        rank_rows, alpha_rows = matched[:len(rank_keys)], matched[len(rank_keys):]
+        out = []
+        for j in range(len(paths)):
+            rank = next((self.rank_pattern[k] for k, row in zip(rank_keys, rank_rows) if row[j]),
+                        self.r)
+            alpha = next((self.alpha_pattern[k] for k, row in zip(alpha_keys, alpha_rows)
+                          if row[j]), self.alpha)
+            out.append((rank, alpha))
+        return out
+
+
+def parse_config(config_json: str) -> LoraConfig:
+    """The config, checked; INVALID_ARGUMENT naming the field at fault."""
+    if len(config_json.encode("utf-8", "surrogatepass")) > MAX_CONFIG_BYTES:
+        raise _invalid(f"is over {MAX_CONFIG_BYTES} bytes; a LoRA config is a few hundred "
+                       "(drop unused fields or long pattern lists)")
+    raw = load_json_object(config_json, "adapter_config.json")
+    if raw.get("peft_type", "LORA") != "LORA":
+        raise _invalid(f"peft_type {raw['peft_type']!r} is not supported; only LORA is")
+    for flag, what in (("use_dora", "DoRA"), ("lora_bias", "LoRA biases"),
+                       ("fan_in_fan_out", "fan_in_fan_out (Conv1D layouts)")):
+        if raw.get(flag):
+            raise _invalid(f"{flag}: {what} is not supported; push a plain LoRA adapter")
+    if raw.get("modules_to_save"):
+        raise _invalid(f"modules_to_save {raw['modules_to_save']!r} is not supported: loraplex "
+                       "serves LoRA on the 7 projections only, with the base model's own heads")
+    r = raw.get("r")
+    if not _is_int(r) or r <= 0:
+        raise _invalid(f"r must be a positive integer, got {r!r}")
+    alpha = raw.get("lora_alpha")
+    if not _is_number(alpha) or alpha <= 0:
+        raise _invalid(f"lora_alpha must be a positive finite number, got {alpha!r}")
+    use_rslora = raw.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise _invalid(f"use_rslora must be true or false, got {use_rslora!r}")
+    base_model = raw.get("base_model_name_or_path")
+    if not isinstance(base_model, str) or not base_model:
+        raise _invalid("base_model_name_or_path is missing; set it to the base model's name")
+    rank_pattern = raw.get("rank_pattern") or {}
+    if not isinstance(rank_pattern, dict):
+        raise _invalid("rank_pattern must map module patterns to ranks")
+    for pattern, rank in rank_pattern.items():
+        if not _is_int(rank) or rank <= 0:
+            raise _invalid(f"rank_pattern[{pattern!r}] must be a positive integer, got {rank!r}")
+        compile_pattern(pattern, "adapter_config.json: rank_pattern key")
+    alpha_pattern = raw.get("alpha_pattern") or {}
+    if not isinstance(alpha_pattern, dict):
+        raise _invalid("alpha_pattern must map module patterns to finite numbers")
+    for pattern, value in alpha_pattern.items():
+        if not _is_number(value):
+            raise _invalid(f"alpha_pattern[{pattern!r}] must be a finite number, got {value!r}")
+        compile_pattern(pattern, "adapter_config.json: alpha_pattern key")
+    revision = raw.get("revision") or ""
+    if not isinstance(revision, str):
+        raise _invalid(f"revision must be a string, got {revision!r}")
+    return LoraConfig(base_model=base_model, r=r, alpha=float(alpha), use_rslora=use_rslora,
+                      target_modules=_target_modules(raw.get("target_modules")),
+                      rank_pattern=dict(rank_pattern),
+                      alpha_pattern={k: float(v) for k, v in alpha_pattern.items()},
+                      revision=revision)
+
+
+def _target_modules(value: object) -> tuple[str, ...] | str:
+    supported = ", ".join(LORA_MODULES)
+    if value == "all-linear":
+        return LORA_MODULES
+    if isinstance(value, str):
+        if value in LORA_MODULES:
+            return (value,)
+        compile_pattern(value, "adapter_config.json: target_modules regex")
+        paths = [module_path(0, m) for m in LORA_MODULES]
+        vocab = ["lm_head", "model.embed_tokens"]
+        (hits,) = fullmatches([value], paths + vocab, "adapter_config.json: target_modules regex")
+        if any(hits[len(paths):]):
+            raise _invalid(f"target_modules regex {value!r} matches lm_head or embed_tokens; "
+                           f"only the projections can be adapted ({supported})")
+        return value
+    if not isinstance(value, list) or not value or not all(isinstance(t, str) for t in value):
+        raise _invalid(f"target_modules must be a non-empty list of names or a regex string, "
+                       f"got {value!r}")
+    for target in value:
+        last = target.rsplit(".", 1)[-1]
+        if last in _VOCAB_MODULES:
+            raise _invalid(f"target module {target!r} is not supported: adapters on lm_head or "
+                           f"embed_tokens are not served (only {supported})")
+        if last not in LORA_MODULES or not all(part.isidentifier() or part.isdigit()
+                                                for part in target.split(".")):
+            raise _invalid(f"target module {target!r} is not supported; use a subset of "
+                           f"{supported}")
+    return tuple(sorted(set(value)))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -1,0 +1,127 @@
+"""What an adapter's safetensors file holds, checked against its config: per targeted projection
+its A and B tensors, rank, alpha and scale. The store plans every push with it, executors every
+load; both read the tensors through `common.peft.tensors`.
+
+    layout = plan_adapter(parse_config(config_json), parse_header(data))
+    check_fits(layout, base)   # against a base model's layer count and projection shapes
+"""
+
+import dataclasses
+from collections.abc import Mapping
+
+from common.errors import FailedPrecondition, InvalidArgument
+from common.peft.config import LoraConfig
+from common.peft.modules import module_path, parse_tensor_key
+from common.peft.safetensors_header import WEIGHTS_FILE, TensorEntry
+
+# Floating dtypes a LoRA weight may have (what PEFT saves: the training dtype).
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleLayout:
+    layer: int
+    module: str
+    rank: int
+    alpha: float
+    scale: float
+    a: TensorEntry  # [rank, in_features]
+    b: TensorEntry  # [out_features, rank]
+
+    @property
+    def path(self) -> str:
+        return module_path(self.layer, self.module)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterLayout:
+    config: LoraConfig
+    modules: Mapping[tuple[int, str], ModuleLayout]  # (layer, module) -> layout, sorted
+
+    @property
+    def target_modules(self) -> tuple[str, ...]:
+        """The projections it adapts in some layer, sorted."""
+        return tuple(sorted({module for _, module in self.modules}))
+
+    @property
+    def dtype(self) -> str:
+        """Safetensors dtype of its weights ("F32"; comma-joined and sorted when mixed)."""
+        return ",".join(sorted({t.dtype for m in self.modules.values() for t in (m.a, m.b)}))
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseShapes:
+    """What an adapter must fit in a base model."""
+
+    model_id: str
+    num_layers: int
+    projection_shapes: Mapping[str, tuple[int, int]]  # module -> (in_features, out_features)
+
+
+def plan_adapter(config: LoraConfig, entries: Mapping[str, TensorEntry]) -> AdapterLayout:
+    """Pair every tensor with its projection and check it: names as PEFT writes them, floating
+    dtypes, 2-D, A and B for every module, ranks as the config gives them, one (in, out) per
+    projection across layers, only targeted modules, and a tensor for every listed target."""
+    pairs: dict[tuple[int, str], dict[str, TensorEntry]] = {}
+    for name, entry in entries.items():
+        layer, module, which = parse_tensor_key(name)
+        if entry.dtype not in FLOAT_DTYPES:
+            raise InvalidArgument(f"tensor {name!r} has dtype {entry.dtype}; LoRA weights must be "
+                                  f"one of {list(FLOAT_DTYPES)}")
+        if len(entry.shape) != 2:
+            raise InvalidArgument(f"tensor {name!r} has shape {list(entry.shape)}; LoRA weights "
+                                  "are 2-D (A [r, in], B [out, r])")
+        pairs.setdefault((layer, module), {})[which] = entry
+    if not pairs:
+        raise InvalidArgument(f"{WEIGHTS_FILE} holds no LoRA tensors")
+    keys = sorted(pairs)
+    paths = [module_path(layer, module) for layer, module in keys]
+    for path, is_target in zip(paths, config.targets(paths)):
+        if not is_target:
+            raise InvalidArgument(f"{WEIGHTS_FILE} adapts {path}, which target_modules "
+                                  f"{_shown(config.target_modules)} does not name")
+    if not isinstance(config.target_modules, str):
+        for target in config.target_modules:
+            if not any(p == target or p.endswith("." + target) for p in paths):
+                raise InvalidArgument(f"target_modules lists {target!r} but {WEIGHTS_FILE} has no "
+                                      "tensors for it")
+    modules, dims = {}, {}  # dims: module -> (in, out), equal across layers
+    for key, path, (rank, alpha) in zip(keys, paths, config.ranks_and_alphas(paths)):
+        pair = pairs[key]
+        for which, other in (("A", "B"), ("B", "A")):
+            if which not in pair:
+                raise InvalidArgument(f"module {path} has lora_{other} but no lora_{which} "
+                                      f"(base_model.model.{path}.lora_{which}.weight)")
+        a, b = pair["A"], pair["B"]  # a: [r, in], b: [out, r]
+        for entry, got in ((a, a.shape[0]), (b, b.shape[1])):
+            if got != rank:
+                raise InvalidArgument(
+                    f"tensor {entry.name!r} has shape {list(entry.shape)}: rank {got} differs from "
+                    f"{rank}, the rank adapter_config.json gives {path} (r / rank_pattern)")
+        seen = dims.setdefault(key[1], (a.shape[1], b.shape[0]))
+        if seen != (a.shape[1], b.shape[0]):
+            raise InvalidArgument(f"module {path} maps {a.shape[1]} -> {b.shape[0]} features "
+                                  f"but {key[1]} maps {seen[0]} -> {seen[1]} in other layers")
+        modules[key] = ModuleLayout(key[0], key[1], rank, alpha, config.scale(rank, alpha), a, b)
+    return AdapterLayout(config, modules)
+
+
+def check_fits(layout: AdapterLayout, base: BaseShapes) -> None:
+    """FAILED_PRECONDITION unless every module exists in `base` with the adapter's shapes: an
+    adapter trained on another model (or another size of it) must not be served on this one."""
+    for m in layout.modules.values():
+        if m.layer >= base.num_layers:
+            raise FailedPrecondition(f"tensor {m.a.name!r}: layer {m.layer} does not exist in "
+                                     f"{base.model_id!r} ({base.num_layers} layers)")
+        in_f, out_f = base.projection_shapes[m.module]
+        for entry, got, want, what in ((m.a, m.a.shape[1], in_f, "input"),
+                                       (m.b, m.b.shape[0], out_f, "output")):
+            if got != want:
+                raise FailedPrecondition(
+                    f"tensor {entry.name!r} has shape {list(entry.shape)}: {got} {what} "
+                    f"features, but {m.module} of {base.model_id!r} has {want}; was it trained "
+                    "on another model?")
+
+
+def _shown(target_modules: tuple[str, ...] | str) -> str:
+    return repr(target_modules) if isinstance(target_modules, str) else str(list(target_modules))

@@ -1,0 +1,11 @@
+"""Constants of the wire protocol that are not in the .proto files: metadata keys and values that
+clients and servers must agree on."""
+
+# Metadata a caller sends with every RPC: "authorization: Bearer <key>".
+AUTHORIZATION = "authorization"
+BEARER = "Bearer "
+# Trailing metadata of a RESOURCE_EXHAUSTED (or retryable UNAVAILABLE) answer: seconds to wait.
+RETRY_AFTER = "retry-after"
+# A store's initial metadata on Push once the header passed its checks (see adapter_store.proto):
+# the client sends the weights only after it.
+PUSH_ACCEPTED = ("loraplex-push", "header-accepted")

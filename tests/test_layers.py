@@ -1,0 +1,66 @@
+"""Layers point down only (DESIGN.md, "Who owns what"), checked from the source:
+
+    applications   loraplex/ (CLI, client, demo, launcher, budget, training, fixtures)
+    services       scheduler/  executor/  adapter_store/      (never each other, never loraplex/)
+    shared layer   common/                                     (no service, no application)
+    contracts      protos/                                     (generated code and its generator)
+    kernels        kernels/                     (torch and triton only; used by the executor)
+"""
+
+import ast
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+FIRST_PARTY = {"loraplex", "common", "protos", "scheduler", "executor", "adapter_store", "kernels"}
+SERVICES = ("scheduler", "executor", "adapter_store")
+# Which first-party packages each package may import (besides itself).
+ALLOWED = {
+    "protos": set(),
+    "common": {"protos"},
+    "kernels": set(),
+    **{service: {"protos", "common"} for service in SERVICES},
+}
+ALLOWED["executor"].add("kernels")  # the LoRA ops it runs on the GPU
+# Kernels import nothing but torch, triton and the standard library.
+KERNEL_THIRD_PARTY = {"torch", "triton"}
+
+
+def imported_packages(path: pathlib.Path) -> set[str]:
+    """Top-level names of every module `path` imports, wherever the import statement sits."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def sources(package: str) -> list[pathlib.Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_package_imports_only_layers_below(package):
+    wrong = []
+    for path in sources(package):
+        found = imported_packages(path) & FIRST_PARTY - {package}
+        for name in sorted(found - ALLOWED[package]):
+            wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not wrong, "layers must point down (see this test's docstring):\n" + "\n".join(wrong)
+
+
+def test_kernels_import_only_torch_and_triton():
+    stdlib = set(sys.stdlib_module_names)
+    wrong = [f"{path.relative_to(ROOT)} imports {name}" for path in sources("kernels")
+             for name in sorted(imported_packages(path) - stdlib - KERNEL_THIRD_PARTY
+                                - {"kernels", "__future__"})]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_package_is_placed_in_a_layer():
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests"}
+    assert packages == FIRST_PARTY, "a new top-level package needs its place in ALLOWED"
