@@ -25,7 +25,7 @@ class Driver:
         self.state: dict[int, list] = {}  # seq id -> [computed, total, blocks, slot]
 
     def add(self, seq_id: int, prompt: list[int], slot: int) -> None:
-        from executor.runner import SamplingParams
+        from common.sampling import SamplingParams
         self.runner.add_sequence(seq_id, prompt, SamplingParams(), slot)
         self.state[seq_id] = [0, len(prompt), [], slot]
 

@@ -12,12 +12,13 @@ from typing import Any
 
 import torch
 
-from executor.kv_cache import PagedKVCache
 from common.peft.modules import LORA_MODULES
+from common.sampling import SamplingParams
+from executor.kv_cache import PagedKVCache
 from executor.lora import LoraSlotPool, LoraWeights, make_lora_backend
 from executor.model import RowSpec, StepMetadata, Transformer
 from executor.model_config import ModelConfig
-from executor.sampling import SamplingParams, make_generator, sample
+from executor.sampling import make_generator, sample
 from executor.weights import ModelWeights, load_weights, random_weights
 
 

@@ -8,34 +8,10 @@ log-probability under the model's unmodified distribution (log_softmax of the ra
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    seed: int | None = None  # None = non-deterministic
-
-    def validate(self) -> None:
-        validate_sampling(self.temperature, self.top_k, self.top_p, self.seed)
-
-
-def validate_sampling(temperature: float, top_k: int, top_p: float, seed: int | None) -> None:
-    """Raise ValueError naming the field when a sampling parameter is out of range."""
-    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
-            or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
-        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
-    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)
-                             or not 0 <= seed < 2**64):
-        raise ValueError(f"seed must be an integer in [0, 2**64) or None, got {seed!r}")
+from common.sampling import SamplingParams
 
 
 def make_generator(seed: int | None, device: str | torch.device) -> torch.Generator:

@@ -15,11 +15,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from common.allocator import keep_freed_memory
 from common.errors import FailedPrecondition, grpc_errors
 from common.metrics import serve_metrics
+from common.sampling import SamplingParams
 from common.server import Service, announce, configure_logging, run, run_until_signalled
 from executor.adapter_loader import AdapterLoader
 from executor.config import ExecutorConfig
 from executor.lora import resolve_lora_backend
-from executor.runner import ModelRunner, Row, SamplingParams
+from executor.runner import ModelRunner, Row
 from protos import executor_pb2, executor_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -114,10 +115,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         for seq_id in req.freed_seq_ids:
             self._runner.free_sequence(seq_id)
         for new in req.new_sequences:
-            s = new.sampling
-            sampling = SamplingParams(s.temperature, s.top_k, s.top_p or 1.0,
-                                      s.seed if s.HasField("seed") else None)
-            self._runner.add_sequence(new.seq_id, list(new.token_ids), sampling, new.slot)
+            self._runner.add_sequence(new.seq_id, list(new.token_ids),
+                                      SamplingParams.from_pb(new.sampling), new.slot)
         rows = [Row(r.seq_id, r.num_tokens, tuple(r.new_block_ids)) for r in req.rows]
         samples = self._runner.step(rows) if rows else []
         self.metrics.step.observe(time.perf_counter() - start)

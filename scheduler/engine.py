@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.errors import LoraplexError, Unavailable, from_rpc_error
 from common.server import insecure_channel
-from protos import common_pb2, executor_pb2, executor_pb2_grpc
+from protos import executor_pb2, executor_pb2_grpc
 from scheduler.block_manager import BlockManager
 from scheduler.core import ExecutorState, Limits, Sample, Scheduler, StepPlan
 from scheduler.discovery import resolve
@@ -60,7 +60,7 @@ class ExecutorLink:
             freed_seq_ids=plan.freed,
             new_sequences=[executor_pb2.NewSequence(
                 seq_id=seq.seq_id, token_ids=seq.token_ids, slot=seq.slot.index if seq.slot else -1,
-                sampling=_sampling_pb(seq.request.sampling)) for seq in plan.new],
+                sampling=seq.request.sampling.to_pb()) for seq in plan.new],
             rows=[executor_pb2.ScheduledRow(seq_id=seq.seq_id, num_tokens=n, new_block_ids=blocks)
                   for seq, n, blocks in plan.rows])
         await self._call.write(req)
@@ -73,11 +73,6 @@ class ExecutorLink:
         if self._call is not None:
             self._call.cancel()
             self._call = None
-
-
-def _sampling_pb(s) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                                     seed=s.seed)
 
 
 class Engine:

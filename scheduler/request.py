@@ -6,15 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.errors import LoraplexError
+from common.sampling import SamplingParams
 from scheduler.detokenizer import Finish, OutputProcessor
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -52,7 +45,7 @@ class Request:
     adapter: str  # "name@version", or "" for the base model
     adapter_bytes: int  # size of the adapter's weights (charged to the tenant when it loads)
     prompt_ids: list[int]
-    sampling: Sampling
+    sampling: SamplingParams
     output: OutputProcessor
     emit: Callable[[Event], None]
     status: Status = Status.QUEUED

@@ -17,6 +17,7 @@ from common.errors import (
     status_for,
 )
 from common.metrics import serve_metrics
+from common.sampling import SamplingParams
 from common.server import Service, announce, configure_logging, run, run_until_signalled
 from protos import scheduler_pb2, scheduler_pb2_grpc
 from scheduler import admin, validation
@@ -83,7 +84,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def _make_request(self, pb: scheduler_pb2.GenerateRequest, tenant: str, emit) -> Request:
         info = self._info
-        sampling = validation.check_sampling(pb.sampling, info.vocab_size)
+        sampling = SamplingParams.from_pb(pb.sampling).validate(info.vocab_size)
         validation.check_stops(pb, self._config.max_stop_strings, self._config.max_stop_chars)
         adapter, adapter_bytes = "", 0
         if pb.adapter:

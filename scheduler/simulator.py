@@ -13,13 +13,14 @@ import random
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from common.sampling import SamplingParams
 from scheduler.belady import belady_hits, lru_hits, pinned_belady_hits
 from scheduler.block_manager import BlockManager
 from scheduler.core import Scheduler
 from scheduler.detokenizer import OutputProcessor
 from scheduler.executor_state import ExecutorState, Sample
 from scheduler.fairness import FairnessWeights, spread_bound
-from scheduler.request import FinishEvent, Request, Sampling
+from scheduler.request import FinishEvent, Request
 from scheduler.sim_config import SimConfig
 from scheduler.slots import SlotTable
 
@@ -104,7 +105,7 @@ class Simulator:
         lengths = self.cfg.lengths
         prompt = [1] * self._length(lengths.prompt_mean, lengths.prompt_max)
         output = OutputProcessor(None, max_new_tokens=self._length(lengths.output_mean, lengths.output_max))
-        req = Request(request_id, tenant, adapter, num_bytes, prompt, Sampling(), output, lambda e: None)
+        req = Request(request_id, tenant, adapter, num_bytes, prompt, SamplingParams(), output, lambda e: None)
         req.emit = lambda event, req=req: self._on_event(req, event)
         self._live += 1
         self.core.submit(req)

@@ -1,25 +1,12 @@
 """Checks on a Generate request before it is queued: every failure is INVALID_ARGUMENT (or
 FAILED_PRECONDITION for a base-model mismatch) with a message that says what to change."""
 
-import math
 from collections.abc import Sequence
 
 from tokenizers import Tokenizer
 
 from common.errors import FailedPrecondition, InvalidArgument
 from protos import common_pb2, executor_pb2, scheduler_pb2
-from scheduler.request import Sampling
-
-
-def check_sampling(s: common_pb2.SamplingParams, vocab_size: int) -> Sampling:
-    if not math.isfinite(s.temperature) or s.temperature < 0:
-        raise InvalidArgument(f"sampling.temperature must be a finite number >= 0, got {s.temperature}")
-    if not math.isfinite(s.top_p) or not 0 <= s.top_p <= 1:
-        raise InvalidArgument(f"sampling.top_p must be in (0, 1] (0 = unset = 1), got {s.top_p}")
-    if s.top_k > vocab_size:
-        raise InvalidArgument(f"sampling.top_k must be <= the vocabulary size {vocab_size}, got {s.top_k}")
-    return Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0,
-                    seed=s.seed if s.HasField("seed") else None)
 
 
 def check_prompt(ids: Sequence[int], vocab_size: int) -> None:

@@ -2,12 +2,13 @@
 token per sequence that reached the end of its tokens; loads finish when told to. The invariant
 checker runs after every step."""
 
+from common.sampling import SamplingParams
 from scheduler.block_manager import BlockManager
 from scheduler.core import ExecutorState, Limits, Sample, Scheduler
 from scheduler.detokenizer import OutputProcessor
 from scheduler.fairness import FairnessWeights
 from scheduler.invariants import check_invariants
-from scheduler.request import FinishEvent, Request, Sampling
+from scheduler.request import FinishEvent, Request
 from scheduler.slots import SlotTable
 
 
@@ -32,7 +33,7 @@ class World:
     def request(self, tenant="t", adapter="", prompt_len=5, max_new=4) -> Request:
         rid = next(self._ids)
         self.events[rid] = []
-        req = Request(rid, tenant, adapter, 2**20, list(range(1, prompt_len + 1)), Sampling(),
+        req = Request(rid, tenant, adapter, 2**20, list(range(1, prompt_len + 1)), SamplingParams(),
                       OutputProcessor(None, max_new_tokens=max_new), self.events[rid].append)
         self.core.submit(req)
         self.requests.append(req)

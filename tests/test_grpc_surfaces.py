@@ -13,8 +13,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from common import server
 from common.server import insecure_channel
-from loraplex import client, server
+from loraplex import client
 from loraplex.launch import Fleet, start_service
 from protos import scheduler_pb2_grpc
 

@@ -15,13 +15,14 @@ from safetensors.torch import load as load_st
 from safetensors.torch import save as save_st
 from transformers import AutoModelForCausalLM
 
-from executor.lora import LoraBatchMeta
-from executor.model_config import ModelConfig
 from common.errors import FailedPrecondition, InvalidArgument, LoraplexError
 from common.peft.config import parse_config
+from common.sampling import SamplingParams
+from executor.lora import LoraBatchMeta
+from executor.model_config import ModelConfig
 from executor.peft_adapter import parse_peft_adapter
-from executor.runner import MemoryBudget, ModelRunner, Row, SamplingParams
-from executor.sampling import filtered_probs, validate_sampling
+from executor.runner import MemoryBudget, ModelRunner, Row
+from executor.sampling import filtered_probs
 from loraplex import fixtures
 from tests.oracle import hf_greedy
 
@@ -255,8 +256,9 @@ def test_adapter_base_mismatch_scales_and_infix(fx):
     ({"temperature": math.inf}, "temperature"), ({"top_k": -1}, "top_k"),
     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"seed": -1}, "seed")])
 def test_sampling_validation(params, match):
-    with pytest.raises(ValueError, match=match):
-        validate_sampling(**{"temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": None, **params})
+    with pytest.raises(InvalidArgument, match=match):
+        SamplingParams(**{"temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": None,
+                          **params}).validate()
 
 
 def test_top_k_top_p_restrict_support():
