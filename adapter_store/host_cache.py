@@ -26,11 +26,11 @@ from collections.abc import AsyncIterator
 
 from adapter_store.blobs import BlobStore
 from adapter_store.records import AdapterRecord
+from common.adapter_ref import AdapterRef
 from common.errors import DataLoss, NotFound
 
 log = logging.getLogger(__name__)
 
-_Key = tuple[str, int]  # (name, version); versions are immutable
 _Parts = tuple[bytes, ...]  # an adapter's bytes, in the pieces a Fetch sends
 _RETRY_DELAY_S = 0.05
 LAST_PIECE_BYTES = 64 * 1024
@@ -121,13 +121,13 @@ class HostCache:
         self.piece_bytes = piece_bytes
         self.num_bytes = 0
         self.stats = CacheStats()
-        self._entries: collections.OrderedDict[_Key, _Parts] = collections.OrderedDict()  # LRU 1st
-        self._in_flight: dict[_Key, _Flight] = {}
+        self._entries: collections.OrderedDict[AdapterRef, _Parts] = collections.OrderedDict()  # LRU 1st
+        self._in_flight: dict[AdapterRef, _Flight] = {}  # versions are immutable
         # Hashes each read's bytes in order while the next ones arrive (hashlib drops the GIL).
         self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sha256")
 
     def __contains__(self, record: AdapterRecord) -> bool:
-        return (record.name, record.version) in self._entries
+        return record.ref in self._entries
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -147,13 +147,13 @@ class HostCache:
             # A cancelled caller must not cancel the read the others wait on.
             await asyncio.shield(self._flight(record).task)
 
-    def evict(self, name: str, version: int) -> None:
-        parts = self._entries.pop((name, version), None)
+    def evict(self, adapter: AdapterRef) -> None:
+        parts = self._entries.pop(adapter, None)
         if parts is not None:
             self.num_bytes -= sum(map(len, parts))
 
     def _hit(self, record: AdapterRecord) -> _Parts | None:
-        key = (record.name, record.version)
+        key = record.ref
         parts = self._entries.get(key)
         if parts is not None:
             self._entries.move_to_end(key)
@@ -162,7 +162,7 @@ class HostCache:
 
     def _flight(self, record: AdapterRecord) -> _Flight:
         """The read of `record` in progress, started if there is none."""
-        key = (record.name, record.version)
+        key = record.ref
         flight = self._in_flight.get(key)
         if flight is not None:
             self.stats.joined += 1
@@ -174,10 +174,10 @@ class HostCache:
         flight.task.add_done_callback(lambda done: self._finish(key, flight, done))
         return flight
 
-    def _finish(self, key: _Key, flight: _Flight, task: asyncio.Task[_Parts]) -> None:
+    def _finish(self, key: AdapterRef, flight: _Flight, task: asyncio.Task[_Parts]) -> None:
         self._in_flight.pop(key, None)
         if task.cancelled():
-            flight.fail(DataLoss(f"the read of {key[0]}@{key[1]} was cancelled; fetch again"))
+            flight.fail(DataLoss(f"the read of {key} was cancelled; fetch again"))
         elif task.exception() is not None:  # retrieved here, so an unwatched read logs nothing
             flight.fail(task.exception())
 
@@ -191,7 +191,7 @@ class HostCache:
             if num_bytes == record.num_bytes and digest == record.sha256:
                 parts = tuple(flight.parts)
                 flight.verified()
-                self._insert((record.name, record.version), parts, num_bytes)
+                self._insert(record.ref, parts, num_bytes)
                 return parts
             self.stats.checksum_failures += 1
             log.error("%s (read %d/%d): %d bytes with sha256 %s, registry says %d bytes with %s",
@@ -237,7 +237,7 @@ class HostCache:
             await asyncio.gather(*hashed, return_exceptions=True)
         return num_bytes, digest.hexdigest()
 
-    def _insert(self, key: _Key, parts: _Parts, num_bytes: int) -> None:
+    def _insert(self, key: AdapterRef, parts: _Parts, num_bytes: int) -> None:
         if num_bytes > self.capacity_bytes:
             return
         while self.num_bytes + num_bytes > self.capacity_bytes:

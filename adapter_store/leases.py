@@ -14,34 +14,17 @@ import re
 import time
 
 from adapter_store.blobs import BlobStore
-from adapter_store.records import check_name
+from common.adapter_ref import AdapterRef
 from common.errors import NotFound
 
 ROOT = "leases/"
 # Matched with fullmatch: "$" would also accept a trailing newline.
 _HOLDER_RE = re.compile(r"[A-Za-z0-9._:-]{1,200}")
-_REF_RE = re.compile(r"(?P<name>[^@]+)@(?P<version>[1-9][0-9]{0,9})")  # canonical "name@version"
-_MAX_VERSION = 2**32 - 1  # versions are uint32 in the protos
 
 
 def check_holder(holder: str) -> None:
     if not _HOLDER_RE.fullmatch(holder):
         raise ValueError(f"holder {holder!r} is invalid: 1-200 of A-Z a-z 0-9 . _ : -")
-
-
-def check_refs(adapters: list[str]) -> None:
-    """Every entry is "name@version" as the registry writes it (a version 1..2^32-1, no sign or
-    leading zero): a lease pins an entry by exact string, so any other spelling would pin nothing."""
-    for i, ref in enumerate(adapters):
-        match = _REF_RE.fullmatch(ref)
-        if match:
-            try:
-                check_name(match["name"])
-            except ValueError:
-                match = None
-        if not match or int(match["version"]) > _MAX_VERSION:
-            raise ValueError(f"adapters[{i}] {ref!r} is invalid: use name@version, e.g. bot@3 "
-                             f"(a version of 1..{_MAX_VERSION})")
 
 
 class LeaseBook:
@@ -50,20 +33,19 @@ class LeaseBook:
     def __init__(self, blobs: BlobStore):
         self._blobs = blobs
 
-    async def report(self, holder: str, adapters: list[str], ttl_s: float) -> None:
-        """Replace `holder`'s lease with `adapters` ("name@version"); empty removes it."""
+    async def report(self, holder: str, adapters: list[AdapterRef], ttl_s: float) -> None:
+        """Replace `holder`'s lease with `adapters`; empty removes it."""
         check_holder(holder)
-        check_refs(adapters)
         key = f"{ROOT}{holder}.json"
         if not adapters:
             await self._blobs.delete(key)
             return
-        lease = {"holder": holder, "adapters": sorted(set(adapters)),
+        lease = {"holder": holder, "adapters": sorted({str(a) for a in adapters}),
                  "expires_unix": time.time() + ttl_s}
         await self._blobs.put(key, json.dumps(lease).encode())
 
-    async def holders_of(self, adapter: str) -> list[str]:
-        """Holders whose unexpired lease names `adapter` ("name@version")."""
+    async def holders_of(self, adapter: AdapterRef) -> list[str]:
+        """Holders whose unexpired lease names `adapter`."""
         keys = await self._blobs.list_keys(ROOT)
         now = time.time()
 
@@ -76,4 +58,4 @@ class LeaseBook:
         leases = await asyncio.gather(*(read(k) for k in keys))
         return sorted(lease["holder"] for lease in leases
                       if lease and lease.get("expires_unix", 0) > now
-                      and adapter in lease.get("adapters", ()))
+                      and str(adapter) in lease.get("adapters", ()))

@@ -1,17 +1,15 @@
 """What the registry stores: immutable version records, the mutable per-name index, and the
-rules for names and aliases. Plain data, JSON in and out; no I/O here."""
+rules for names and aliases live in common.adapter_ref. Plain data, JSON in and out; no I/O here."""
 
 import dataclasses
 import json
-import re
 import time
+
+from common.adapter_ref import AdapterRef
 
 ROOT = "adapters/"
 MANIFEST_FILENAME = "manifest.json"
 INDEX_FILENAME = "index.json"
-# Matched with fullmatch: "$" would also accept a trailing newline.
-_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
-_ALIAS_RE = re.compile(r"[A-Za-z][A-Za-z0-9._-]{0,63}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +58,8 @@ class AdapterRecord:
             object.__setattr__(self, "weights_key", legacy)
 
     @property
-    def ref(self) -> str:
-        return f"{self.name}@{self.version}"
+    def ref(self) -> AdapterRef:
+        return AdapterRef(self.name, self.version)
 
     def is_visible_to(self, tenant: str) -> bool:
         """An empty tenant is a trusted caller and sees everything."""
@@ -106,15 +104,3 @@ class NameIndex:
 
 def version_prefix(name: str, version: int) -> str:
     return f"{ROOT}{name}/v{version}/"
-
-
-def check_name(name: str) -> None:
-    if not _NAME_RE.fullmatch(name) or name in (".", ".."):
-        raise ValueError(f"adapter name {name!r} is invalid: use 1-128 characters of "
-                         "A-Z a-z 0-9 . _ - (not '.' or '..')")
-
-
-def check_alias(alias: str) -> None:
-    if not _ALIAS_RE.fullmatch(alias) or alias == "latest":
-        raise ValueError(f"alias {alias!r} is invalid: 1-64 characters of A-Z a-z 0-9 . _ -, "
-                         "starting with a letter, not 'latest'")

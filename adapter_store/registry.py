@@ -44,11 +44,10 @@ from adapter_store.records import (
     AdapterRecord,
     NameIndex,
     VersionMeta,
-    check_alias,
-    check_name,
     version_prefix,
 )
 from adapter_store.validation import validate_adapter
+from common.adapter_ref import AdapterQuery, AdapterRef, check_alias, check_name
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
 log = logging.getLogger(__name__)
@@ -359,7 +358,7 @@ class Registry:
             previous = index.aliases.get(alias, 0)
             if expected_version is not None and previous != expected_version:
                 raise FailedPrecondition(
-                    f"alias {name}@{alias} points at version {previous or 'nothing'}, not "
+                    f"alias {AdapterQuery(name, alias=alias)} points at version {previous or 'nothing'}, not "
                     f"{expected_version or 'nothing'}; re-read it and retry")
             if version in index.deleted:
                 raise NotFound(f"adapter {name!r} version {version} was deleted")
@@ -390,7 +389,7 @@ class Registry:
             holders = await is_resident(versions[v])
             if holders:
                 raise FailedPrecondition(
-                    f"adapter {name}@{v} is resident on {', '.join(holders)}; it can be deleted "
+                    f"adapter {AdapterRef(name, v)} is resident on {', '.join(holders)}; it can be deleted "
                     "once no executor holds it (unload it, or wait for the lease to expire)")
 
         def mark(current: NameIndex) -> NameIndex:
@@ -398,7 +397,7 @@ class Registry:
                 aliases = current.aliases_of(v)
                 if aliases:
                     raise FailedPrecondition(
-                        f"adapter {name}@{v} is the target of alias(es) {', '.join(aliases)}; "
+                        f"adapter {AdapterRef(name, v)} is the target of alias(es) {', '.join(aliases)}; "
                         "move or remove them first (loraplex adapters alias)")
             return NameIndex(current.aliases, current.deleted | set(targets))
 

@@ -20,9 +20,10 @@ from adapter_store.config import StoreConfig, parse_args
 from adapter_store.host_cache import RESTART, HostCache
 from adapter_store.leases import LeaseBook
 from adapter_store.metrics import store_registry
-from adapter_store.records import AdapterRecord, VersionMeta, check_alias, check_name
+from adapter_store.records import AdapterRecord, VersionMeta
 from adapter_store.registry import Registry
 from common import server
+from common.adapter_ref import AdapterRef, check_alias, check_name
 from common.allocator import keep_freed_memory
 from common.errors import DataLoss, InvalidArgument, ResourceExhausted, Unavailable, grpc_errors
 from common.metrics import serve_metrics
@@ -127,6 +128,13 @@ async def _with_idle_limit(messages: AsyncIterator, idle_s: float) -> AsyncItera
         yield message
 
 
+def _ref(pb: common_pb2.AdapterRef, field: str) -> AdapterRef:
+    try:
+        return AdapterRef.from_pb(pb)
+    except InvalidArgument as err:
+        raise InvalidArgument(f"{field}: {err}") from None
+
+
 class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
     """Thin: messages in, Registry / HostCache / LeaseBook, messages out."""
 
@@ -226,14 +234,15 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
             deleted = await self._registry.delete(request.name, request.version, request.tenant,
                                                   holders)
             for version in deleted:
-                self._cache.evict(request.name, version)
+                self._cache.evict(AdapterRef(request.name, version))
             return pb.DeleteAdapterResponse(versions=deleted)
 
     async def Fetch(self, request, context) -> AsyncIterator[pb.FetchResponse]:
         async with grpc_errors(context):
-            if not request.version:
+            if not request.adapter.version:
                 raise InvalidArgument("Fetch needs an exact version (resolve it with GetAdapter)")
-            record = await self._registry.get(request.name, request.version)
+            ref = _ref(request.adapter, "adapter")
+            record = await self._registry.get(ref.name, ref.version)
             self._num_fetches += 1
             # Pieces of at most chunk_bytes, as they arrive from S3 if cold: the read starts
             # here, while the first message is on its way.
@@ -280,7 +289,8 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
             ttl = request.ttl_seconds or self._config.lease_ttl_s
             if not 0 < ttl <= 3600:
                 raise InvalidArgument(f"ttl_seconds must be within (0, 3600], got {ttl}")
-            await self._leases.report(request.holder, list(request.adapters), ttl)
+            await self._leases.report(request.holder, [
+                _ref(pb, f"adapters[{i}]") for i, pb in enumerate(request.adapters)], ttl)
             return pb.ResidencyAck(ttl_seconds=ttl)
 
 

@@ -52,6 +52,7 @@ from aiobotocore.session import get_session
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common.adapter_ref import AdapterRef  # noqa: E402
 from common.allocator import keep_freed_memory  # noqa: E402
 from common.server import insecure_channel  # noqa: E402
 from executor.adapter_loader import AdapterLoader  # noqa: E402
@@ -171,13 +172,13 @@ class SizeBench:
             await loader.unload(state["slot"])
 
         async def load() -> None:
-            result = await loader.load(self.name, self.version, state["slot"])
+            result = await loader.load(AdapterRef(self.name, self.version), state["slot"])
             assert not result.was_resident
         return unload_next, load
 
     async def fetch_hit(self) -> None:
-        async for _ in self.warm_stub.Fetch(pb.FetchRequest(name=self.name,
-                                                            version=self.version)):
+        ref = AdapterRef(self.name, self.version)
+        async for _ in self.warm_stub.Fetch(pb.FetchRequest(adapter=ref.to_pb())):
             pass
 
     async def run(self, reps: int) -> dict[str, list[float]]:

@@ -22,7 +22,9 @@ class LoraplexError(Exception):
     trailers: tuple[tuple[str, str], ...] = ()
 
 
-class InvalidArgument(LoraplexError):
+class InvalidArgument(LoraplexError, ValueError):
+    """Bad input; also a ValueError, so plain code that checks input can catch it as one."""
+
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 

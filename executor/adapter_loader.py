@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from common.adapter_ref import AdapterRef
 from common.errors import (
     DataLoss,
     InvalidArgument,
@@ -130,7 +131,7 @@ class AdapterLoader:
         self._stubs = [adapter_store_pb2_grpc.AdapterStoreStub(insecure_channel(a)) for a in stores]
         self._stores = stores
         self._locks = [asyncio.Lock() for _ in range(runner.pool.num_slots)]
-        self.slot_adapters = [""] * runner.pool.num_slots  # "name@version" per slot
+        self.slot_adapters: list[AdapterRef | None] = [None] * runner.pool.num_slots
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}"
         self._report_interval_s = report_interval_s
         self._report_wanted = asyncio.Event()
@@ -140,20 +141,20 @@ class AdapterLoader:
         self._chunk_worker = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="adapter-chunks")
 
-    async def load(self, name: str, version: int, slot: int) -> LoadResult:
+    async def load(self, adapter: AdapterRef, slot: int) -> LoadResult:
         if not 0 <= slot < len(self.slot_adapters):
-            raise InvalidArgument(f"slot {slot} does not exist (executor has {len(self.slot_adapters)})")
-        key = f"{name}@{version}"
+            raise InvalidArgument(f"slot {slot} does not exist (executor has "
+                                  f"{len(self.slot_adapters)})")
         async with self._locks[slot]:
-            if self.slot_adapters[slot] == key:
+            if self.slot_adapters[slot] == adapter:
                 return LoadResult(0, 0.0, True)
             start = time.perf_counter()
-            staging, num_bytes, weights = await self._fetch(name, version)
+            staging, num_bytes, weights = await self._fetch(adapter)
             try:
                 fetched = time.perf_counter()
                 # Empty while the copy runs. Reported once the load ends (below, or on failure):
                 # a report now would put its RPC and lease write beside the copy, for nothing.
-                self.slot_adapters[slot] = ""
+                self.slot_adapters[slot] = None
                 copying = asyncio.ensure_future(asyncio.to_thread(self._copier.copy, slot,
                                                                   weights))
                 try:
@@ -167,32 +168,33 @@ class AdapterLoader:
                 del weights  # views into the staging buffer
             finally:
                 self._staging.release(staging)
-            self.slot_adapters[slot] = key
+            self.slot_adapters[slot] = adapter
             self._residency_changed()
             seconds = time.perf_counter() - start
             log.info("loaded %s into slot %d: %d bytes in %.4fs (fetch + check + parse %.4f, "
-                     "copy %.4f)", key, slot, num_bytes, seconds, fetched - start,
+                     "copy %.4f)", adapter, slot, num_bytes, seconds, fetched - start,
                      seconds - (fetched - start))
             return LoadResult(num_bytes, seconds, False)
 
-    async def unload(self, slot: int, adapter: str = "") -> None:
+    async def unload(self, slot: int, adapter: AdapterRef | None = None) -> None:
         """Empty `slot`; with `adapter`, only while the slot still holds that adapter."""
         if not 0 <= slot < len(self.slot_adapters):
-            raise InvalidArgument(f"slot {slot} does not exist (executor has {len(self.slot_adapters)})")
+            raise InvalidArgument(f"slot {slot} does not exist (executor has "
+                                  f"{len(self.slot_adapters)})")
         async with self._locks[slot]:
-            if adapter and self.slot_adapters[slot] != adapter:
+            if adapter is not None and self.slot_adapters[slot] != adapter:
                 return
-            self.slot_adapters[slot] = ""
+            self.slot_adapters[slot] = None
             await asyncio.to_thread(self._copier.clear, slot)
         self._residency_changed()
 
-    async def _fetch(self, name: str, version: int) -> tuple[torch.Tensor, int, LoraWeights]:
+    async def _fetch(self, adapter: AdapterRef) -> tuple[torch.Tensor, int, LoraWeights]:
         """(staging buffer holding the safetensors bytes, their size, the adapter parsed from
         them) from the first store that can serve them. The caller releases the buffer."""
         last: LoraplexError = Unavailable("no adapter store configured")
         for address, stub in zip(self._stores, self._stubs):
             try:
-                return await self._fetch_from(stub, name, version)
+                return await self._fetch_from(stub, adapter)
             except grpc.aio.AioRpcError as err:
                 last = from_rpc_error(err, f"adapter store {address}")
                 if not isinstance(last, (Unavailable, DataLoss)):
@@ -201,15 +203,14 @@ class AdapterLoader:
                 last = err
         raise last
 
-    async def _fetch_from(self, stub: adapter_store_pb2_grpc.AdapterStoreStub, name: str,
-                          version: int) -> tuple[torch.Tensor, int, LoraWeights]:
+    async def _fetch_from(self, stub: adapter_store_pb2_grpc.AdapterStoreStub,
+                          adapter: AdapterRef) -> tuple[torch.Tensor, int, LoraWeights]:
         """Receive, then parse while the hashing of the last chunks finishes; the parse counts
         only once size and checksum matched the store's (else DATA_LOSS, whatever it found)."""
         info, staging, writer, parsing = None, None, None, None
-        key = f"{name}@{version}"
+        key = str(adapter)
         try:
-            async for msg in stub.Fetch(adapter_store_pb2.FetchRequest(name=name,
-                                                                       version=version)):
+            async for msg in stub.Fetch(adapter_store_pb2.FetchRequest(adapter=adapter.to_pb())):
                 kind = msg.WhichOneof("payload")
                 if kind == "info" and info is None:
                     info = msg.info
@@ -273,7 +274,7 @@ class AdapterLoader:
     async def report_residency(self) -> bool:
         """Tell one store what this executor holds; False (logged) when no store answered."""
         report = adapter_store_pb2.ResidencyReport(
-            holder=self.holder, adapters=[a for a in self.slot_adapters if a],
+            holder=self.holder, adapters=[a.to_pb() for a in self.slot_adapters if a],
             ttl_seconds=max(LEASE_TTL_S, 3 * self._report_interval_s))
         for address, stub in zip(self._stores, self._stubs):
             try:

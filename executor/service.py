@@ -12,6 +12,7 @@ import time
 import torch
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from common.adapter_ref import AdapterRef
 from common.allocator import keep_freed_memory
 from common.errors import FailedPrecondition, grpc_errors
 from common.metrics import serve_metrics
@@ -21,7 +22,7 @@ from executor.adapter_loader import AdapterLoader
 from executor.config import ExecutorConfig
 from executor.lora import resolve_lora_backend
 from executor.runner import ModelRunner, Row
-from protos import executor_pb2, executor_pb2_grpc
+from protos import common_pb2, executor_pb2, executor_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             weight_bytes=budget.weights_bytes, kv_cache_bytes=budget.kv_cache_bytes,
             adapter_pool_bytes=budget.adapter_pool_bytes,
             lora_backend=resolve_lora_backend(self._config.lora_backend, self._config.device),
-            device=self._config.device, slot_adapters=self._loader.slot_adapters)
+            device=self._config.device,
+            slot_adapters=[a.to_pb() if a else common_pb2.AdapterRef()
+                           for a in self._loader.slot_adapters])
 
     async def Step(self, request_iterator, context):
         async with grpc_errors(context):
@@ -128,7 +131,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
     async def LoadAdapter(self, request, context):
         async with grpc_errors(context):
-            result = await self._loader.load(request.name, request.version, request.slot)
+            result = await self._loader.load(AdapterRef.from_pb(request.adapter), request.slot)
             if not result.was_resident:
                 self.metrics.loads.inc()
                 self.metrics.load.observe(result.load_seconds)
@@ -139,7 +142,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
     async def UnloadAdapter(self, request, context):
         async with grpc_errors(context):
-            await self._loader.unload(request.slot, request.adapter)
+            await self._loader.unload(request.slot, AdapterRef.from_optional_pb(request.adapter))
             return executor_pb2.UnloadAdapterResponse()
 
 

@@ -18,6 +18,8 @@ import time
 
 import grpc
 
+from common.adapter_ref import AdapterQuery, AdapterRef
+from common.errors import InvalidArgument
 from common.server import insecure_channel, run
 from loraplex import client
 
@@ -76,7 +78,7 @@ def _metadata(args: argparse.Namespace):
 
 def _describe(d) -> str:
     i = d.info
-    lines = [f"{i.name}@{i.version}" + (f"  (aliases: {', '.join(d.aliases)})" if d.aliases else ""),
+    lines = [str(AdapterRef(i.name, i.version)) + (f"  (aliases: {', '.join(d.aliases)})" if d.aliases else ""),
              f"  owner      {i.owner_tenant or 'public'}",
              f"  base       {i.base_model}" + (f" @ {d.base_model_revision}" if d.base_model_revision else ""),
              f"  rank       {i.rank} (alpha {i.alpha:g}{', rsLoRA' if i.use_rslora else ''})"
@@ -88,6 +90,13 @@ def _describe(d) -> str:
              f"  created    {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(i.created_unix))}"
              f"  from {d.source or '-'}"]
     return "\n".join(lines)
+
+
+def _query(ref: str) -> AdapterQuery:
+    try:
+        return AdapterQuery.parse(ref)
+    except InvalidArgument as err:
+        sys.exit(f"error: {err}")
 
 
 async def _adapters(args: argparse.Namespace) -> None:
@@ -103,7 +112,7 @@ async def _adapters(args: argparse.Namespace) -> None:
             name=args.name, owner_tenant=args.tenant, source_uri=args.uri,
             metadata=_metadata(args)))
     if command in ("push", "register"):
-        print(f"registered {info.name}@{info.version} (rank {info.rank}, "
+        print(f"registered {AdapterRef(info.name, info.version)} (rank {info.rank}, "
               f"{len(info.target_modules)} modules, {info.num_bytes / 2**20:.2f} MiB, "
               f"owner {info.owner_tenant or 'public'}, base {info.base_model})")
     elif command == "list":
@@ -112,15 +121,16 @@ async def _adapters(args: argparse.Namespace) -> None:
         print(f"{'ADAPTER':32s} {'OWNER':10s} {'RANK':>4s} {'MIB':>7s}  {'ALIASES':16s} BASE")
         for d in listed.adapters:
             i = d.info
-            print(f"{i.name + '@' + str(i.version):32s} {i.owner_tenant or 'public':10s} "
+            print(f"{str(AdapterRef(i.name, i.version)):32s} {i.owner_tenant or 'public':10s} "
                   f"{i.rank:4d} {i.num_bytes / 2**20:7.2f}  {','.join(d.aliases) or '-':16s} "
                   f"{i.base_model}")
     elif command == "show":
-        name, version, alias = client.split_ref(args.ref)
+        query = _query(args.ref)
         print(_describe(await client.store_call(args.store, "DescribeAdapter", pb.GetAdapterRequest(
-            name=name, version=version, alias=alias, tenant=args.tenant))))
+            name=query.name, version=query.version, alias=query.alias, tenant=args.tenant))))
     elif command == "alias":
-        name, version, _ = client.split_ref(args.ref)
+        query = _query(args.ref)
+        name, version = query.name, query.version
         request = pb.SetAliasRequest(name=name, alias=args.alias, tenant=args.tenant,
                                      version=0 if args.remove else version)
         if not args.remove and not version:
@@ -128,11 +138,13 @@ async def _adapters(args: argparse.Namespace) -> None:
         if args.expect is not None:
             request.expected_version = args.expect
         answer = await client.store_call(args.store, "SetAlias", request)
-        target = "removed" if args.remove else f"-> {name}@{version}"
-        print(f"{name}@{args.alias} {target} (was {answer.previous_version or 'unset'})")
+        target = "removed" if args.remove else f"-> {AdapterRef(name, version)}"
+        print(f"{AdapterQuery(name, alias=args.alias)} {target} "
+              f"(was {answer.previous_version or 'unset'})")
     elif command == "rm":
-        name, version, alias = client.split_ref(args.ref)
-        if alias or (not version and not args.all_versions):
+        query = _query(args.ref)
+        name, version = query.name, query.version
+        if query.alias or (not version and not args.all_versions):
             sys.exit("error: name the version to delete (NAME@VERSION), or --all-versions")
         answer = await client.store_call(args.store, "DeleteAdapter", pb.DeleteAdapterRequest(
             name=name, version=version, tenant=args.tenant))

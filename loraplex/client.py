@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from common import wire
+from common.adapter_ref import AdapterRef
 from common.server import insecure_channel
 from protos import (
     adapter_store_pb2,
@@ -76,12 +77,10 @@ async def store_call(store: str, method: str, request):
         return await getattr(adapter_store_pb2_grpc.AdapterStoreStub(channel), method)(request)
 
 
-def split_ref(ref: str) -> tuple[str, int, str]:
-    """"name", "name@3", "name@prod" -> (name, version, alias), for admin commands."""
-    name, _, tail = ref.partition("@")
-    if tail.isdigit():
-        return name, int(tail), ""
-    return name, 0, "" if tail == "latest" else tail
+def ref_text(adapter: common_pb2.AdapterRef) -> str:
+    """"name@version", or "" for an unset AdapterRef (the base model, an empty slot)."""
+    ref = AdapterRef.from_optional_pb(adapter)
+    return str(ref) if ref else ""
 
 
 @dataclass
@@ -149,5 +148,5 @@ def token_json(response: scheduler_pb2.GenerateResponse) -> str:
                    usage=dict(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                               queue_seconds=round(u.queue_seconds, 4),
                               time_to_first_token_seconds=round(u.time_to_first_token_seconds, 4),
-                              adapter=u.adapter))
+                              adapter=ref_text(u.adapter)))
     return json.dumps(obj)

@@ -18,6 +18,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from common.adapter_ref import AdapterRef
 from common.server import insecure_channel, run
 from loraplex import client
 from loraplex.demo_tasks import TASKS_BY_NAME, held_out
@@ -154,7 +155,7 @@ async def _push_all(store: str) -> None:
     for tenant, (_, owned) in TENANTS.items():
         for name in owned:
             info = await client.push_adapter(store, adapter_dir(name), name, tenant)
-            print(f"  pushed {info.name}@{info.version} for {tenant:9s} (rank {info.rank:2d}, "
+            print(f"  pushed {AdapterRef(info.name, info.version)} for {tenant:9s} (rank {info.rank:2d}, "
                   f"{len(info.target_modules)} modules, {info.num_bytes / 1024:4.0f} KiB): "
                   f"{TASKS_BY_NAME[name].description}")
 

@@ -172,12 +172,10 @@ class DeleteAdapterResponse(_message.Message):
     def __init__(self, versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("name", "version")
-    NAME_FIELD_NUMBER: _ClassVar[int]
-    VERSION_FIELD_NUMBER: _ClassVar[int]
-    name: str
-    version: int
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: _common_pb2.AdapterRef
+    def __init__(self, adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ...) -> None: ...
 
 class FetchResponse(_message.Message):
     __slots__ = ("info", "chunk", "restart")
@@ -275,9 +273,9 @@ class ResidencyReport(_message.Message):
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     holder: str
-    adapters: _containers.RepeatedScalarFieldContainer[str]
+    adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.AdapterRef]
     ttl_seconds: float
-    def __init__(self, holder: _Optional[str] = ..., adapters: _Optional[_Iterable[str]] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, holder: _Optional[str] = ..., adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class ResidencyAck(_message.Message):
     __slots__ = ("ttl_seconds",)

@@ -18,6 +18,14 @@ class SamplingParams(_message.Message):
     seed: int
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
+class AdapterRef(_message.Message):
+    __slots__ = ("name", "version")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
 class AdapterInfo(_message.Message):
     __slots__ = ("name", "version", "owner_tenant", "is_public", "base_model", "rank", "alpha", "use_rslora", "target_modules", "num_bytes", "sha256", "created_unix", "config_json", "crc32")
     NAME_FIELD_NUMBER: _ClassVar[int]

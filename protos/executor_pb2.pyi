@@ -42,8 +42,8 @@ class InfoResponse(_message.Message):
     adapter_pool_bytes: int
     lora_backend: str
     device: str
-    slot_adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_adapter_slots: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., adapter_pool_bytes: _Optional[int] = ..., lora_backend: _Optional[str] = ..., device: _Optional[str] = ..., slot_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    slot_adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.AdapterRef]
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_adapter_slots: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., adapter_pool_bytes: _Optional[int] = ..., lora_backend: _Optional[str] = ..., device: _Optional[str] = ..., slot_adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ...) -> None: ...
 
 class NewSequence(_message.Message):
     __slots__ = ("seq_id", "token_ids", "sampling", "slot")
@@ -96,14 +96,12 @@ class StepResponse(_message.Message):
     def __init__(self, samples: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., step_seconds: _Optional[float] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
-    __slots__ = ("name", "version", "slot")
-    NAME_FIELD_NUMBER: _ClassVar[int]
-    VERSION_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("adapter", "slot")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
-    name: str
-    version: int
+    adapter: _common_pb2.AdapterRef
     slot: int
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
+    def __init__(self, adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., slot: _Optional[int] = ...) -> None: ...
 
 class LoadAdapterResponse(_message.Message):
     __slots__ = ("num_bytes", "load_seconds", "was_resident")
@@ -120,8 +118,8 @@ class UnloadAdapterRequest(_message.Message):
     SLOT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     slot: int
-    adapter: str
-    def __init__(self, slot: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
+    adapter: _common_pb2.AdapterRef
+    def __init__(self, slot: _Optional[int] = ..., adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ...) -> None: ...
 
 class UnloadAdapterResponse(_message.Message):
     __slots__ = ()

@@ -25,49 +25,49 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/scheduler.proto\x12\x0bloraplex.v1\x1a\x13protos/common.proto\"S\n\x0ePrewarmRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x15\n\rnum_executors\x18\x02 \x01(\r\x12\x0b\n\x03pin\x18\x03 \x01(\x08\x12\x0c\n\x04wait\x18\x04 \x01(\x08\"5\n\x0fPrewarmResponse\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x11\n\texecutors\x18\x02 \x03(\t\"1\n\x0c\x45victRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x10\n\x08\x65xecutor\x18\x02 \x01(\t\"$\n\rEvictResponse\x12\x13\n\x0bnum_evicted\x18\x01 \x01(\r\" \n\x0c\x44rainRequest\x12\x10\n\x08\x65xecutor\x18\x01 \x01(\t\" \n\rDrainResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\"!\n\rResumeRequest\x12\x10\n\x08\x65xecutor\x18\x01 \x01(\t\" \n\x0eResumeResponse\x12\x0e\n\x06queued\x18\x01 \x01(\r\"\xe9\x01\n\x0fGenerateRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.loraplex.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.loraplex.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xaa\x01\n\x10GenerateResponse\x12\x15\n\x08token_id\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.loraplex.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.loraplex.v1.UsageB\x0b\n\t_token_id\"\x86\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rqueue_seconds\x18\x03 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x04 \x01(\x01\x12\x0f\n\x07\x61\x64\x61pter\x18\x05 \x01(\t\"\x0e\n\x0cStatsRequest\"h\n\tSlotStats\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0c\n\x04pins\x18\x03 \x01(\r\x12\x17\n\x0fis_admin_pinned\x18\x04 \x01(\x08\x12\x14\n\x0creserved_for\x18\x05 \x01(\t\"\x8b\x02\n\rExecutorStats\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x03 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\r\x12%\n\x05slots\x18\x05 \x03(\x0b\x32\x16.loraplex.v1.SlotStats\x12\r\n\x05steps\x18\x06 \x01(\x04\x12\x15\n\radapter_loads\x18\x07 \x01(\x04\x12\x14\n\x0c\x61\x64\x61pter_hits\x18\x08 \x01(\x04\x12\x0e\n\x06queued\x18\t \x01(\r\x12\x13\n\x0bis_draining\x18\n \x01(\x08\x12\x12\n\nis_drained\x18\x0b \x01(\x08\x12\r\n\x05is_up\x18\x0c \x01(\x08\"\xb9\x01\n\x0bTenantStats\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06queued\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x17\n\x0fvirtual_counter\x18\x04 \x01(\x01\x12\x10\n\x08requests\x18\x05 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\x04\x12\x1c\n\x14\x61\x64\x61pter_loads_caused\x18\x08 \x01(\x04\"i\n\rStatsResponse\x12-\n\texecutors\x18\x01 \x03(\x0b\x32\x1a.loraplex.v1.ExecutorStats\x12)\n\x07tenants\x18\x02 \x03(\x0b\x32\x18.loraplex.v1.TenantStats*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x32\x9f\x03\n\tScheduler\x12I\n\x08Generate\x12\x1c.loraplex.v1.GenerateRequest\x1a\x1d.loraplex.v1.GenerateResponse0\x01\x12>\n\x05Stats\x12\x19.loraplex.v1.StatsRequest\x1a\x1a.loraplex.v1.StatsResponse\x12\x44\n\x07Prewarm\x12\x1b.loraplex.v1.PrewarmRequest\x1a\x1c.loraplex.v1.PrewarmResponse\x12>\n\x05\x45vict\x12\x19.loraplex.v1.EvictRequest\x1a\x1a.loraplex.v1.EvictResponse\x12>\n\x05\x44rain\x12\x19.loraplex.v1.DrainRequest\x1a\x1a.loraplex.v1.DrainResponse\x12\x41\n\x06Resume\x12\x1a.loraplex.v1.ResumeRequest\x1a\x1b.loraplex.v1.ResumeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/scheduler.proto\x12\x0bloraplex.v1\x1a\x13protos/common.proto\"S\n\x0ePrewarmRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x15\n\rnum_executors\x18\x02 \x01(\r\x12\x0b\n\x03pin\x18\x03 \x01(\x08\x12\x0c\n\x04wait\x18\x04 \x01(\x08\"T\n\x0fPrewarmResponse\x12(\n\x07\x61\x64\x61pter\x18\x03 \x01(\x0b\x32\x17.loraplex.v1.AdapterRef\x12\x11\n\texecutors\x18\x02 \x03(\tJ\x04\x08\x01\x10\x02\"1\n\x0c\x45victRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x10\n\x08\x65xecutor\x18\x02 \x01(\t\"$\n\rEvictResponse\x12\x13\n\x0bnum_evicted\x18\x01 \x01(\r\" \n\x0c\x44rainRequest\x12\x10\n\x08\x65xecutor\x18\x01 \x01(\t\" \n\rDrainResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\"!\n\rResumeRequest\x12\x10\n\x08\x65xecutor\x18\x01 \x01(\t\" \n\x0eResumeResponse\x12\x0e\n\x06queued\x18\x01 \x01(\r\"\xe9\x01\n\x0fGenerateRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.loraplex.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.loraplex.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xaa\x01\n\x10GenerateResponse\x12\x15\n\x08token_id\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.loraplex.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.loraplex.v1.UsageB\x0b\n\t_token_id\"\xa5\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rqueue_seconds\x18\x03 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x04 \x01(\x01\x12(\n\x07\x61\x64\x61pter\x18\x06 \x01(\x0b\x32\x17.loraplex.v1.AdapterRefJ\x04\x08\x05\x10\x06\"\x0e\n\x0cStatsRequest\"\xa6\x01\n\tSlotStats\x12(\n\x07\x61\x64\x61pter\x18\x06 \x01(\x0b\x32\x17.loraplex.v1.AdapterRef\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0c\n\x04pins\x18\x03 \x01(\r\x12\x17\n\x0fis_admin_pinned\x18\x04 \x01(\x08\x12-\n\x0creserved_for\x18\x07 \x01(\x0b\x32\x17.loraplex.v1.AdapterRefJ\x04\x08\x01\x10\x02J\x04\x08\x05\x10\x06\"\x8b\x02\n\rExecutorStats\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x03 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\r\x12%\n\x05slots\x18\x05 \x03(\x0b\x32\x16.loraplex.v1.SlotStats\x12\r\n\x05steps\x18\x06 \x01(\x04\x12\x15\n\radapter_loads\x18\x07 \x01(\x04\x12\x14\n\x0c\x61\x64\x61pter_hits\x18\x08 \x01(\x04\x12\x0e\n\x06queued\x18\t \x01(\r\x12\x13\n\x0bis_draining\x18\n \x01(\x08\x12\x12\n\nis_drained\x18\x0b \x01(\x08\x12\r\n\x05is_up\x18\x0c \x01(\x08\"\xb9\x01\n\x0bTenantStats\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06queued\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x17\n\x0fvirtual_counter\x18\x04 \x01(\x01\x12\x10\n\x08requests\x18\x05 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\x04\x12\x1c\n\x14\x61\x64\x61pter_loads_caused\x18\x08 \x01(\x04\"i\n\rStatsResponse\x12-\n\texecutors\x18\x01 \x03(\x0b\x32\x1a.loraplex.v1.ExecutorStats\x12)\n\x07tenants\x18\x02 \x03(\x0b\x32\x18.loraplex.v1.TenantStats*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x32\x9f\x03\n\tScheduler\x12I\n\x08Generate\x12\x1c.loraplex.v1.GenerateRequest\x1a\x1d.loraplex.v1.GenerateResponse0\x01\x12>\n\x05Stats\x12\x19.loraplex.v1.StatsRequest\x1a\x1a.loraplex.v1.StatsResponse\x12\x44\n\x07Prewarm\x12\x1b.loraplex.v1.PrewarmRequest\x1a\x1c.loraplex.v1.PrewarmResponse\x12>\n\x05\x45vict\x12\x19.loraplex.v1.EvictRequest\x1a\x1a.loraplex.v1.EvictResponse\x12>\n\x05\x44rain\x12\x19.loraplex.v1.DrainRequest\x1a\x1a.loraplex.v1.DrainResponse\x12\x41\n\x06Resume\x12\x1a.loraplex.v1.ResumeRequest\x1a\x1b.loraplex.v1.ResumeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1684
-  _globals['_FINISHREASON']._serialized_end=1779
+  _globals['_FINISHREASON']._serialized_start=1809
+  _globals['_FINISHREASON']._serialized_end=1904
   _globals['_PREWARMREQUEST']._serialized_start=60
   _globals['_PREWARMREQUEST']._serialized_end=143
   _globals['_PREWARMRESPONSE']._serialized_start=145
-  _globals['_PREWARMRESPONSE']._serialized_end=198
-  _globals['_EVICTREQUEST']._serialized_start=200
-  _globals['_EVICTREQUEST']._serialized_end=249
-  _globals['_EVICTRESPONSE']._serialized_start=251
-  _globals['_EVICTRESPONSE']._serialized_end=287
-  _globals['_DRAINREQUEST']._serialized_start=289
-  _globals['_DRAINREQUEST']._serialized_end=321
-  _globals['_DRAINRESPONSE']._serialized_start=323
-  _globals['_DRAINRESPONSE']._serialized_end=355
-  _globals['_RESUMEREQUEST']._serialized_start=357
-  _globals['_RESUMEREQUEST']._serialized_end=390
-  _globals['_RESUMERESPONSE']._serialized_start=392
-  _globals['_RESUMERESPONSE']._serialized_end=424
-  _globals['_GENERATEREQUEST']._serialized_start=427
-  _globals['_GENERATEREQUEST']._serialized_end=660
-  _globals['_TOKENIDS']._serialized_start=662
-  _globals['_TOKENIDS']._serialized_end=685
-  _globals['_GENERATERESPONSE']._serialized_start=688
-  _globals['_GENERATERESPONSE']._serialized_end=858
-  _globals['_USAGE']._serialized_start=861
-  _globals['_USAGE']._serialized_end=995
-  _globals['_STATSREQUEST']._serialized_start=997
-  _globals['_STATSREQUEST']._serialized_end=1011
-  _globals['_SLOTSTATS']._serialized_start=1013
-  _globals['_SLOTSTATS']._serialized_end=1117
-  _globals['_EXECUTORSTATS']._serialized_start=1120
-  _globals['_EXECUTORSTATS']._serialized_end=1387
-  _globals['_TENANTSTATS']._serialized_start=1390
-  _globals['_TENANTSTATS']._serialized_end=1575
-  _globals['_STATSRESPONSE']._serialized_start=1577
-  _globals['_STATSRESPONSE']._serialized_end=1682
-  _globals['_SCHEDULER']._serialized_start=1782
-  _globals['_SCHEDULER']._serialized_end=2197
+  _globals['_PREWARMRESPONSE']._serialized_end=229
+  _globals['_EVICTREQUEST']._serialized_start=231
+  _globals['_EVICTREQUEST']._serialized_end=280
+  _globals['_EVICTRESPONSE']._serialized_start=282
+  _globals['_EVICTRESPONSE']._serialized_end=318
+  _globals['_DRAINREQUEST']._serialized_start=320
+  _globals['_DRAINREQUEST']._serialized_end=352
+  _globals['_DRAINRESPONSE']._serialized_start=354
+  _globals['_DRAINRESPONSE']._serialized_end=386
+  _globals['_RESUMEREQUEST']._serialized_start=388
+  _globals['_RESUMEREQUEST']._serialized_end=421
+  _globals['_RESUMERESPONSE']._serialized_start=423
+  _globals['_RESUMERESPONSE']._serialized_end=455
+  _globals['_GENERATEREQUEST']._serialized_start=458
+  _globals['_GENERATEREQUEST']._serialized_end=691
+  _globals['_TOKENIDS']._serialized_start=693
+  _globals['_TOKENIDS']._serialized_end=716
+  _globals['_GENERATERESPONSE']._serialized_start=719
+  _globals['_GENERATERESPONSE']._serialized_end=889
+  _globals['_USAGE']._serialized_start=892
+  _globals['_USAGE']._serialized_end=1057
+  _globals['_STATSREQUEST']._serialized_start=1059
+  _globals['_STATSREQUEST']._serialized_end=1073
+  _globals['_SLOTSTATS']._serialized_start=1076
+  _globals['_SLOTSTATS']._serialized_end=1242
+  _globals['_EXECUTORSTATS']._serialized_start=1245
+  _globals['_EXECUTORSTATS']._serialized_end=1512
+  _globals['_TENANTSTATS']._serialized_start=1515
+  _globals['_TENANTSTATS']._serialized_end=1700
+  _globals['_STATSRESPONSE']._serialized_start=1702
+  _globals['_STATSRESPONSE']._serialized_end=1807
+  _globals['_SCHEDULER']._serialized_start=1907
+  _globals['_SCHEDULER']._serialized_end=2322
 # @@protoc_insertion_point(module_scope)

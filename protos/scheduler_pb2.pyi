@@ -33,9 +33,9 @@ class PrewarmResponse(_message.Message):
     __slots__ = ("adapter", "executors")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     EXECUTORS_FIELD_NUMBER: _ClassVar[int]
-    adapter: str
+    adapter: _common_pb2.AdapterRef
     executors: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, adapter: _Optional[str] = ..., executors: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., executors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
     __slots__ = ("adapter", "executor")
@@ -126,8 +126,8 @@ class Usage(_message.Message):
     completion_tokens: int
     queue_seconds: float
     time_to_first_token_seconds: float
-    adapter: str
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., adapter: _Optional[str] = ...) -> None: ...
+    adapter: _common_pb2.AdapterRef
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -140,12 +140,12 @@ class SlotStats(_message.Message):
     PINS_FIELD_NUMBER: _ClassVar[int]
     IS_ADMIN_PINNED_FIELD_NUMBER: _ClassVar[int]
     RESERVED_FOR_FIELD_NUMBER: _ClassVar[int]
-    adapter: str
+    adapter: _common_pb2.AdapterRef
     state: str
     pins: int
     is_admin_pinned: bool
-    reserved_for: str
-    def __init__(self, adapter: _Optional[str] = ..., state: _Optional[str] = ..., pins: _Optional[int] = ..., is_admin_pinned: _Optional[bool] = ..., reserved_for: _Optional[str] = ...) -> None: ...
+    reserved_for: _common_pb2.AdapterRef
+    def __init__(self, adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., state: _Optional[str] = ..., pins: _Optional[int] = ..., is_admin_pinned: _Optional[bool] = ..., reserved_for: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ...) -> None: ...
 
 class ExecutorStats(_message.Message):
     __slots__ = ("address", "running", "free_kv_blocks", "num_kv_blocks", "slots", "steps", "adapter_loads", "adapter_hits", "queued", "is_draining", "is_drained", "is_up")

@@ -1,5 +1,6 @@
 """Operator actions on residency and executors, in terms of the scheduler core."""
 
+from common.adapter_ref import AdapterRef
 from common.errors import FailedPrecondition, NotFound, Unavailable
 from scheduler.core import Scheduler
 from scheduler.executor_state import ExecutorState
@@ -14,7 +15,7 @@ def find_executor(core: Scheduler, address: str) -> ExecutorState:
     raise NotFound(f"no executor {address!r} in this pool (known: {known})")
 
 
-def prewarm(core: Scheduler, adapter: str, adapter_bytes: int, num_executors: int,
+def prewarm(core: Scheduler, adapter: AdapterRef, adapter_bytes: int, num_executors: int,
             pin: bool) -> list[ExecutorState]:
     """Make `adapter` resident on `num_executors` executors (those already holding it count),
     choosing the least loaded others; with `pin`, LRU never takes those slots back."""
@@ -37,7 +38,7 @@ def prewarm(core: Scheduler, adapter: str, adapter_bytes: int, num_executors: in
     return chosen
 
 
-def evict(core: Scheduler, adapter: str, address: str = "") -> int:
+def evict(core: Scheduler, adapter: AdapterRef, address: str = "") -> int:
     """Free the slots holding `adapter` (on one executor or all); refused while it runs."""
     targets = [find_executor(core, address)] if address else core.executors
     slots = [(ex, ex.slots.find(adapter)) for ex in targets if ex.slots.find(adapter)]

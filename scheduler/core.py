@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
+from common.adapter_ref import AdapterRef
 from common.errors import LoraplexError, Unavailable
 from scheduler.block_manager import BlockManager
 from scheduler.detokenizer import Finish
@@ -33,9 +34,10 @@ __all__ = ["ExecutorState", "Limits", "Sample", "Scheduler", "Sequence", "StepPl
 class Scheduler:
     def __init__(self, executors: Iterable[ExecutorState], weights: FairnessWeights, limits: Limits,
                  start_load: Callable[[ExecutorState, Slot], None], wake: Callable[[], None],
-                 start_unload: Callable[[ExecutorState, int, str], None] = lambda ex, slot, adapter: None,
+                 start_unload: Callable[[ExecutorState, int, AdapterRef], None] = (
+                     lambda ex, slot, adapter: None),
                  clock: Callable[[], float] = time.monotonic,
-                 warm_host: Callable[[str], None] = lambda adapter: None):
+                 warm_host: Callable[[AdapterRef], None] = lambda adapter: None):
         self.executors = []
         self.limits = limits
         self.fair = FairShare(weights)
@@ -78,7 +80,8 @@ class Scheduler:
         candidates = [ex for ex in self.executors if ex.is_up and not ex.is_draining]
         if not candidates:
             return None
-        home_address = home(req.adapter, [e.address for e in candidates]) if req.adapter else ""
+        addresses = [e.address for e in candidates]
+        home_address = home(req.adapter, addresses) if req.adapter else ""
         return min(candidates, key=lambda e: self._score(e, req, e.address != home_address))
 
     def _enqueue(self, ex: ExecutorState, req: Request, front: bool = False) -> None:
@@ -117,7 +120,7 @@ class Scheduler:
         self.fair.charge(req.tenant, self.fair.weights.load_weight * seconds * ex.rates.tokens_per_second)
         return True
 
-    def start_load_on(self, ex: ExecutorState, adapter: str) -> Slot:
+    def start_load_on(self, ex: ExecutorState, adapter: AdapterRef) -> Slot:
         """Claim a slot of ex for `adapter` and start loading it there (caller checked can_place)."""
         now = self.clock()
         slot = ex.slots.place(adapter, ex.queue.demand, lambda a: ex.popularity.value(a, now))
@@ -179,7 +182,7 @@ class Scheduler:
         rows = []
         for slot in ex.slots.slots:  # a reservation lapses when nobody waits for it any more
             if slot.reserved_for and slot.reserved_for not in ex.queue.demand:
-                slot.reserved_for = ""
+                slot.reserved_for = None
         active = {seq.request.adapter for seq in ex.running.values() if seq.request.adapter}
         heap = [(self.fair.counter(t), t) for t in ex.queue.tenants()]
         heapq.heapify(heap)
@@ -217,7 +220,7 @@ class Scheduler:
         When none can, bring in the adapter of its oldest request: load it if a slot is free, or,
         for the fairest tenant, reserve a slot to drain for it."""
         q, max_adapters = ex.queue, self.limits.max_adapters_per_batch
-        heads = [q.head(tenant, "")] + [q.head(tenant, s.adapter) for s in ex.slots.admissible()]
+        heads = [q.head(tenant, None)] + [q.head(tenant, s.adapter) for s in ex.slots.admissible()]
         heads = [r for r in heads if r is not None and (
             not max_adapters or not r.adapter or r.adapter in active or len(active) < max_adapters)]
         if heads:
@@ -306,7 +309,8 @@ class Scheduler:
         return next(seq for seq in req.executor.running.values() if seq.request is req)
 
     # ---- executors and loads ----------------------------------------------------------------
-    def on_load_done(self, ex: ExecutorState, slot: Slot, adapter: str, error: LoraplexError | None,
+    def on_load_done(self, ex: ExecutorState, slot: Slot, adapter: AdapterRef,
+                     error: LoraplexError | None,
                      num_bytes: int = 0, seconds: float = 0.0) -> None:
         if slot.adapter != adapter or slot.state is not SlotState.LOADING:
             return  # the executor was lost or reset meanwhile

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.adapter_ref import AdapterRef
 from common.errors import LoraplexError, Unavailable, from_rpc_error
 from common.server import insecure_channel
 from protos import executor_pb2, executor_pb2_grpc
@@ -78,13 +79,13 @@ class ExecutorLink:
 class Engine:
     def __init__(self, executor_specs: tuple[str, ...], weights: FairnessWeights, limits: Limits,
                  discovery_interval_s: float = 5.0, timings: TimingLog | None = None,
-                 warm_host: Callable[[str, int], Awaitable[None]] | None = None):
+                 warm_host: Callable[[AdapterRef], Awaitable[None]] | None = None):
         self.links: dict[str, ExecutorLink] = {}
         self.timings = timings
         self.core = Scheduler([], weights, limits, self._start_load, self._wake, self._start_unload,
                               warm_host=self._warm_host)
         self._warm = warm_host
-        self._warmed: dict[str, float] = {}  # adapter -> when it was last asked for (monotonic)
+        self._warmed: dict[AdapterRef, float] = {}  # adapter -> when last asked for (monotonic)
         self._warming: set[asyncio.Task] = set()
         self.metrics = SchedulerMetrics(self.core)
         self.first_info: asyncio.Future[executor_pb2.InfoResponse] = asyncio.get_running_loop().create_future()
@@ -220,11 +221,11 @@ class Engine:
         link = self.links[ex.address]
         self._spawn(self._load(link, ex, slot, slot.adapter))
 
-    async def _load(self, link: ExecutorLink, ex: ExecutorState, slot: Slot, adapter: str) -> None:
-        name, _, version = adapter.rpartition("@")
+    async def _load(self, link: ExecutorLink, ex: ExecutorState, slot: Slot,
+                    adapter: AdapterRef) -> None:
         try:
             resp = await link.stub.LoadAdapter(executor_pb2.LoadAdapterRequest(
-                name=name, version=int(version), slot=slot.index))
+                adapter=adapter.to_pb(), slot=slot.index))
         except grpc.aio.AioRpcError as err:
             error = from_rpc_error(err, f"loading adapter {adapter} on executor {link.address}")
             self.core.on_load_done(ex, slot, adapter, error)
@@ -235,7 +236,7 @@ class Engine:
                     self.timings.load(link.address, resp.num_bytes, resp.load_seconds)
             self.core.on_load_done(ex, slot, adapter, None, resp.num_bytes, resp.load_seconds)
 
-    def _warm_host(self, adapter: str) -> None:
+    def _warm_host(self, adapter: AdapterRef) -> None:
         """Ask the store to bring `adapter` into its RAM tier: at most once per WARM_AGAIN_S, and
         not while MAX_WARMS_IN_FLIGHT others are (a later request for it asks again)."""
         now = time.monotonic()
@@ -244,15 +245,14 @@ class Engine:
             return
         self._warmed = {a: t for a, t in self._warmed.items() if now - t < WARM_AGAIN_S}
         self._warmed[adapter] = now
-        name, _, version = adapter.rpartition("@")
         self.metrics.host_prewarms.inc()
-        task = self._spawn(self._warm(name, int(version)))
+        task = self._spawn(self._warm(adapter))
         self._warming.add(task)
         task.add_done_callback(self._warming.discard)
 
-    def _start_unload(self, ex: ExecutorState, slot: int, adapter: str) -> None:
+    def _start_unload(self, ex: ExecutorState, slot: int, adapter: AdapterRef) -> None:
         link = self.links[ex.address]
-        request = executor_pb2.UnloadAdapterRequest(slot=slot, adapter=adapter)
+        request = executor_pb2.UnloadAdapterRequest(slot=slot, adapter=adapter.to_pb())
         self._spawn(self._unload(link, request))
 
     @staticmethod

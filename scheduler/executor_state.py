@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass, field
 
+from common.adapter_ref import AdapterRef
 from scheduler.block_manager import BlockManager
 from scheduler.queues import ExecutorQueue
 from scheduler.request import Request
@@ -67,7 +68,7 @@ class ExecutorState:
     rates: Rates = field(default_factory=Rates)
     popularity: Popularity = field(default_factory=Popularity)  # of adapters routed here
     work_tokens: float = 0.0  # tokens still to compute for its queued and running requests
-    load_failures: dict[str, int] = field(default_factory=dict)
+    load_failures: dict[AdapterRef, int] = field(default_factory=dict)
     is_up: bool = True
     is_draining: bool = False
     num_steps: int = 0

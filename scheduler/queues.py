@@ -6,23 +6,25 @@ adapter is still loading never holds back the same tenant's other requests, and 
 O(slots), not O(queue length). A per-tenant FIFO (entries checked lazily) gives the tenant's oldest
 request overall, whose adapter is the one to bring in next.
 
-    tenant "acme":  groups {"bot@3": [r7, r9], "": [r8]}   fifo [r7, r8, r9]
+    tenant "acme":  groups {bot@3: [r7, r9], None: [r8]}   fifo [r7, r8, r9]
 """
 
 import itertools
 from collections import deque
 from collections.abc import Iterator
 
+from common.adapter_ref import AdapterRef
 from scheduler.request import Request
 
 
 class ExecutorQueue:
     def __init__(self) -> None:
-        self._groups: dict[str, dict[str, deque[Request]]] = {}  # tenant -> adapter -> FIFO
+        # tenant -> adapter (None: the base model) -> FIFO
+        self._groups: dict[str, dict[AdapterRef | None, deque[Request]]] = {}
         self._fifo: dict[str, deque[tuple[int, Request]]] = {}  # tenant -> (entry token, request)
         self._tokens = itertools.count(1)
         self._entry: dict[int, int] = {}  # id(request) -> token of its live fifo entry
-        self.demand: dict[str, int] = {}  # adapter -> queued requests for it
+        self.demand: dict[AdapterRef | None, int] = {}  # adapter -> queued requests for it
         self.num_queued = 0
 
     def __len__(self) -> int:
@@ -66,8 +68,8 @@ class ExecutorQueue:
             del self.demand[req.adapter]
         self.num_queued -= 1
 
-    def head(self, tenant: str, adapter: str) -> Request | None:
-        """The tenant's oldest queued request for `adapter` ("" = base model)."""
+    def head(self, tenant: str, adapter: AdapterRef | None) -> Request | None:
+        """The tenant's oldest queued request for `adapter` (None = base model)."""
         group = self._groups.get(tenant, {}).get(adapter)
         return group[0] if group else None
 

@@ -5,6 +5,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from common.adapter_ref import AdapterRef
 from common.errors import LoraplexError
 from common.sampling import SamplingParams
 from scheduler.detokenizer import Finish, OutputProcessor
@@ -42,7 +43,7 @@ class Request:
 
     request_id: int
     tenant: str
-    adapter: str  # "name@version", or "" for the base model
+    adapter: AdapterRef | None  # None: the base model
     adapter_bytes: int  # size of the adapter's weights (charged to the tenant when it loads)
     prompt_ids: list[int]
     sampling: SamplingParams

@@ -17,6 +17,8 @@ import hashlib
 import math
 from dataclasses import dataclass, field
 
+from common.adapter_ref import AdapterRef
+
 EMA = 0.2  # weight of the newest measurement
 
 
@@ -50,7 +52,7 @@ def score(work_tokens: float, rates: Rates, is_resident: bool, can_place: bool, 
     return seconds
 
 
-def home(adapter: str, addresses: list[str]) -> str:
+def home(adapter: AdapterRef, addresses: list[str]) -> str:
     """The adapter's home executor by rendezvous hashing: stable as executors come and go."""
     return max(addresses, key=lambda a: hashlib.blake2b(f"{adapter}|{a}".encode(), digest_size=8).digest())
 
@@ -61,11 +63,11 @@ class Popularity:
     adapters asked for most lately, which beats plain LRU on skewed (Zipf) traffic."""
 
     half_life_s: float = 60.0
-    _counts: dict[str, tuple[float, float]] = field(default_factory=dict)  # adapter -> (count, at)
+    _counts: dict[AdapterRef, tuple[float, float]] = field(default_factory=dict)  # -> (count, at)
 
-    def hit(self, adapter: str, now: float) -> None:
+    def hit(self, adapter: AdapterRef, now: float) -> None:
         self._counts[adapter] = (self.value(adapter, now) + 1.0, now)
 
-    def value(self, adapter: str, now: float) -> float:
+    def value(self, adapter: AdapterRef, now: float) -> float:
         count, at = self._counts.get(adapter, (0.0, now))
         return count * math.exp2(-(now - at) / self.half_life_s)

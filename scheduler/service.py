@@ -7,6 +7,7 @@ import logging
 from tokenizers import Tokenizer
 
 from common import wire
+from common.adapter_ref import AdapterRef
 from common.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -19,7 +20,7 @@ from common.errors import (
 from common.metrics import serve_metrics
 from common.sampling import SamplingParams
 from common.server import Service, announce, configure_logging, run, run_until_signalled
-from protos import scheduler_pb2, scheduler_pb2_grpc
+from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler import admin, validation
 from scheduler.config import SchedulerConfig
 from scheduler.detokenizer import Finish, OutputProcessor
@@ -86,11 +87,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         info = self._info
         sampling = SamplingParams.from_pb(pb.sampling).validate(info.vocab_size)
         validation.check_stops(pb, self._config.max_stop_strings, self._config.max_stop_chars)
-        adapter, adapter_bytes = "", 0
+        adapter, adapter_bytes = None, 0
         if pb.adapter:
             found = await self._registry.resolve(pb.adapter, tenant)
             validation.check_adapter(found, info)
-            adapter, adapter_bytes = f"{found.name}@{found.version}", found.num_bytes
+            adapter, adapter_bytes = AdapterRef(found.name, found.version), found.num_bytes
         max_new = pb.max_new_tokens or self._config.default_max_new_tokens
         if pb.WhichOneof("prompt") == "text":
             if self._tokenizer is None:
@@ -114,7 +115,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             prompt_tokens=len(req.prompt_ids), completion_tokens=req.output.num_tokens,
             queue_seconds=(req.admitted_at or req.arrival) - req.arrival,
             time_to_first_token_seconds=(req.first_token_at or req.arrival) - req.arrival,
-            adapter=req.adapter)
+            adapter=_pb(req.adapter))
 
     def _count(self, req: Request) -> None:
         self._engine.metrics.on_finish(req, self._engine.core.clock())
@@ -147,7 +148,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             self._check_admin(context)
             found = await self._registry.resolve(request.adapter, "")
             validation.check_adapter(found, self._info)
-            key = f"{found.name}@{found.version}"
+            key = AdapterRef(found.name, found.version)
             core = self._engine.core
             chosen = admin.prewarm(core, key, found.num_bytes, request.num_executors or 1, request.pin)
             core.wake()
@@ -157,13 +158,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             failed = [ex.address for ex in chosen if ex.slots.find(key) is None]
             if request.wait and failed:
                 raise Unavailable(f"loading {key} failed on {', '.join(failed)}; see the executor logs")
-            return scheduler_pb2.PrewarmResponse(adapter=key, executors=[ex.address for ex in chosen])
+            return scheduler_pb2.PrewarmResponse(adapter=key.to_pb(),
+                                                 executors=[ex.address for ex in chosen])
 
     async def Evict(self, request, context):
         async with grpc_errors(context):
             self._check_admin(context)
             found = await self._registry.resolve(request.adapter, "")
-            num = admin.evict(self._engine.core, f"{found.name}@{found.version}", request.executor)
+            num = admin.evict(self._engine.core, AdapterRef(found.name, found.version),
+                              request.executor)
             return scheduler_pb2.EvictResponse(num_evicted=num)
 
     async def Drain(self, request, context):
@@ -190,14 +193,19 @@ def _bearer(context) -> str:
     return metadata.get(wire.AUTHORIZATION, "").removeprefix(wire.BEARER).strip()
 
 
+def _pb(adapter: AdapterRef | None) -> common_pb2.AdapterRef | None:
+    return adapter.to_pb() if adapter else None
+
+
 def _executor_stats(ex) -> scheduler_pb2.ExecutorStats:
     return scheduler_pb2.ExecutorStats(
         address=ex.address, running=len(ex.running), free_kv_blocks=ex.blocks.num_free,
         num_kv_blocks=ex.blocks.num_blocks, steps=ex.num_steps, adapter_loads=ex.num_loads,
         adapter_hits=ex.num_hits, queued=len(ex.queue), is_draining=ex.is_draining,
         is_drained=ex.is_drained, is_up=ex.is_up,
-        slots=[scheduler_pb2.SlotStats(adapter=s.adapter, state=s.state.value, pins=s.pins,
-                                       is_admin_pinned=s.is_admin_pinned, reserved_for=s.reserved_for)
+        slots=[scheduler_pb2.SlotStats(adapter=_pb(s.adapter), state=s.state.value, pins=s.pins,
+                                       is_admin_pinned=s.is_admin_pinned,
+                                       reserved_for=_pb(s.reserved_for))
                for s in ex.slots.slots])
 
 

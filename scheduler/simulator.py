@@ -13,6 +13,7 @@ import random
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from common.adapter_ref import AdapterRef
 from common.sampling import SamplingParams
 from scheduler.belady import belady_hits, lru_hits, pinned_belady_hits
 from scheduler.block_manager import BlockManager
@@ -69,7 +70,8 @@ class Simulator:
         self._indices = range(len(self._cum))
         # Per executor, its adapter sequences' starts and ends in order: a pinned trace (belady.py).
         self.trace: dict[str, list[tuple[str, str, int]]] = defaultdict(list)
-        self._pinning: list[dict[int, str]] = [{} for _ in self.executors]  # seq_id -> adapter
+        # seq_id -> adapter
+        self._pinning: list[dict[int, AdapterRef]] = [{} for _ in self.executors]
         self.results: dict[str, TenantResult] = defaultdict(TenantResult)
         self.max_gap = 0.0
         self._live = 0
@@ -79,9 +81,9 @@ class Simulator:
         a = self.cfg.adapters
         return a.ranks[k % len(a.ranks)] * a.bytes_per_rank
 
-    def _adapter(self) -> tuple[int, str, int]:
+    def _adapter(self) -> tuple[int, AdapterRef, int]:
         k = self.rng.choices(self._indices, cum_weights=self._cum)[0]
-        return k, f"a{k}@1", self._adapter_bytes(k)
+        return k, AdapterRef(f"a{k}", 1), self._adapter_bytes(k)
 
     def _length(self, mean: int, cap: int) -> int:
         return max(1, min(cap, int(self.rng.expovariate(1.0 / mean)) + 1))
@@ -122,7 +124,7 @@ class Simulator:
     # ---- executors --------------------------------------------------------------------------
     def _start_load(self, ex: ExecutorState, slot) -> None:
         i = self.executors.index(ex)
-        num_bytes = self._adapter_bytes(int(slot.adapter[1:].partition("@")[0]))
+        num_bytes = self._adapter_bytes(int(slot.adapter.name[1:]))
         seconds = self.cfg.cost.load_latency_s + num_bytes / self.cfg.cost.load_bytes_per_s
         start = max(self.now, self._load_free_at[i])
         self._load_free_at[i] = start + seconds

@@ -16,6 +16,8 @@ import itertools
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
+from common.adapter_ref import AdapterRef
+
 
 class SlotState(enum.Enum):
     EMPTY = "empty"
@@ -27,30 +29,31 @@ class SlotState(enum.Enum):
 class Slot:
     index: int
     state: SlotState = SlotState.EMPTY
-    adapter: str = ""  # "name@version" while LOADING or READY
+    adapter: AdapterRef | None = None  # while LOADING or READY
     pins: int = 0  # running sequences using it
     last_used: int = 0  # logical clock, for LRU
     is_admin_pinned: bool = False  # pre-warmed with pin: never evicted until evicted by an operator
-    reserved_for: str = ""  # adapter waiting for this slot to drain
+    reserved_for: AdapterRef | None = None  # adapter waiting for this slot to drain
     uses: int = 0  # sequences that pinned it since it became ready
-    evicted: str = ""  # the adapter its last placement replaced ("" if it was empty)
+    evicted: AdapterRef | None = None  # the adapter its last placement replaced
 
 
 class SlotTable:
     def __init__(self, num_slots: int):
         self.slots = [Slot(i) for i in range(num_slots)]
-        self._by_adapter: dict[str, Slot] = {}
+        self._by_adapter: dict[AdapterRef, Slot] = {}
         self._clock = itertools.count(1)
 
-    def find(self, adapter: str) -> Slot | None:
+    def find(self, adapter: AdapterRef) -> Slot | None:
         """The slot holding or loading `adapter`, if any."""
         return self._by_adapter.get(adapter)
 
-    def can_place(self, adapter: str, wanted: Collection[str] = frozenset()) -> bool:
+    def can_place(self, adapter: AdapterRef, wanted: Collection[AdapterRef | None] = frozenset()
+                  ) -> bool:
         return self._victim(adapter, wanted) is not None
 
-    def place(self, adapter: str, wanted: Collection[str] = frozenset(),
-              popularity: Callable[[str], float] | None = None) -> Slot:
+    def place(self, adapter: AdapterRef, wanted: Collection[AdapterRef | None] = frozenset(),
+              popularity: Callable[[AdapterRef], float] | None = None) -> Slot:
         """Claim a slot for loading `adapter`: its reserved slot once drained, else an empty one,
         else the unpinned one whose adapter no queued request wants and is least popular (least
         recently used among equals; plain LRU without `popularity`)."""
@@ -60,7 +63,7 @@ class SlotTable:
         self._by_adapter.pop(slot.adapter, None)
         slot.evicted = slot.adapter
         slot.state, slot.adapter, slot.pins = SlotState.LOADING, adapter, 0
-        slot.is_admin_pinned, slot.reserved_for = False, ""
+        slot.is_admin_pinned, slot.reserved_for = False, None
         self._by_adapter[adapter] = slot
         return slot
 
@@ -68,7 +71,7 @@ class SlotTable:
         """Slots a new sequence may pin now."""
         return [s for s in self.slots if s.state is SlotState.READY and not s.reserved_for]
 
-    def reserve(self, adapter: str) -> Slot | None:
+    def reserve(self, adapter: AdapterRef) -> Slot | None:
         """Reserve the least pinned, least recently used slot for `adapter`, unless one already is.
         A slot whose adapter has not served anyone since it loaded is left alone: taking it before
         its waiting requests ran would let two adapters take turns loading forever."""
@@ -92,7 +95,8 @@ class SlotTable:
         if slot.pins:
             raise RuntimeError(f"slot {slot.index} ({slot.adapter}) is pinned {slot.pins} times")
         self._by_adapter.pop(slot.adapter, None)
-        slot.state, slot.adapter, slot.is_admin_pinned, slot.reserved_for = SlotState.EMPTY, "", False, ""
+        slot.state, slot.adapter = SlotState.EMPTY, None
+        slot.is_admin_pinned, slot.reserved_for = False, None
 
     def reset(self) -> None:
         """Forget everything (the executor went away)."""
@@ -113,8 +117,8 @@ class SlotTable:
         slot.pins -= 1
         slot.last_used = next(self._clock)
 
-    def _victim(self, adapter: str, wanted: Collection[str],
-                popularity: Callable[[str], float] | None = None) -> Slot | None:
+    def _victim(self, adapter: AdapterRef, wanted: Collection[AdapterRef | None],
+                popularity: Callable[[AdapterRef], float] | None = None) -> Slot | None:
         for s in self.slots:
             if s.reserved_for == adapter and s.pins == 0 and s.state is not SlotState.LOADING:
                 return s

@@ -5,6 +5,7 @@ from collections.abc import Sequence
 
 from tokenizers import Tokenizer
 
+from common.adapter_ref import AdapterRef
 from common.errors import FailedPrecondition, InvalidArgument
 from protos import common_pb2, executor_pb2, scheduler_pb2
 
@@ -55,7 +56,7 @@ def check_stops(req: scheduler_pb2.GenerateRequest, max_strings: int, max_chars:
 
 
 def check_adapter(adapter: common_pb2.AdapterInfo, info: executor_pb2.InfoResponse) -> None:
-    ref = f"{adapter.name}@{adapter.version}"
+    ref = AdapterRef(adapter.name, adapter.version)
     if adapter.base_model != info.model_id:
         raise FailedPrecondition(f"adapter {ref} was trained for base model {adapter.base_model!r}, but "
                                  f"this pool serves {info.model_id!r}: send it to a pool of that model")

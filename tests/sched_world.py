@@ -2,6 +2,7 @@
 token per sequence that reached the end of its tokens; loads finish when told to. The invariant
 checker runs after every step."""
 
+from common.adapter_ref import AdapterRef
 from common.sampling import SamplingParams
 from scheduler.block_manager import BlockManager
 from scheduler.core import ExecutorState, Limits, Sample, Scheduler
@@ -12,13 +13,17 @@ from scheduler.request import FinishEvent, Request
 from scheduler.slots import SlotTable
 
 
+def ref(text: str) -> AdapterRef:
+    return AdapterRef.parse(text)
+
+
 class World:
     """One or more executors driven synchronously; loads complete when `complete_loads` runs."""
 
     def __init__(self, num_executors=1, num_blocks=64, block_size=4, num_slots=2, limits=Limits(),
                  weights=FairnessWeights()):
         self.loads: list = []
-        self.warmed: list[str] = []  # adapters the core asked a store to bring into RAM
+        self.warmed: list[AdapterRef] = []  # adapters the core asked a store to bring into RAM
         self.executors = [ExecutorState(f"ex{i}", BlockManager(num_blocks, block_size), SlotTable(num_slots),
                                         max_rank=32) for i in range(num_executors)]
         self.now = 0.0
@@ -30,8 +35,12 @@ class World:
         self.requests: list[Request] = []
         self._ids = iter(range(1, 10**6))
 
-    def request(self, tenant="t", adapter="", prompt_len=5, max_new=4) -> Request:
+    def request(self, tenant="t", adapter: str | AdapterRef = "", prompt_len=5,
+                max_new=4) -> Request:
+        """A request for `adapter` ("name@version", "" = the base model), submitted."""
         rid = next(self._ids)
+        if isinstance(adapter, str):
+            adapter = ref(adapter) if adapter else None
         self.events[rid] = []
         req = Request(rid, tenant, adapter, 2**20, list(range(1, prompt_len + 1)), SamplingParams(),
                       OutputProcessor(None, max_new_tokens=max_new), self.events[rid].append)

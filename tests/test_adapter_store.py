@@ -26,7 +26,7 @@ from executor.model_config import ModelConfig
 from executor.peft_adapter import parse_peft_adapter
 from loraplex import client
 from protos import adapter_store_pb2 as pb
-from protos import adapter_store_pb2_grpc
+from protos import adapter_store_pb2_grpc, common_pb2
 
 # The store, its client and the fixtures share the session loop.
 in_session_loop = pytest.mark.asyncio(loop_scope="session")
@@ -139,7 +139,8 @@ class Store:
         return await client.push(self.stub, header, data, chunk_bytes=chunk)
 
     async def fetch(self, name, version):
-        responses = [r async for r in self.stub.Fetch(pb.FetchRequest(name=name, version=version))]
+        request = pb.FetchRequest(adapter=common_pb2.AdapterRef(name=name, version=version))
+        responses = [r async for r in self.stub.Fetch(request)]
         assert responses[0].WhichOneof("payload") == "info"
         assert all(r.WhichOneof("payload") == "chunk" for r in responses[1:])
         return responses[0].info, b"".join(r.chunk for r in responses[1:])

@@ -5,7 +5,7 @@ import random
 from scheduler.core import Limits
 from scheduler.fairness import FairnessWeights, spread_bound
 from scheduler.request import Status
-from tests.sched_world import World
+from tests.sched_world import World, ref
 
 
 def backlogged_spread(w: World) -> float:
@@ -40,7 +40,7 @@ def test_two_backlogged_tenants_stay_within_the_stated_bound():
 def test_tenant_cycling_cold_adapters_pays_for_its_loads_and_gets_no_more_than_its_share():
     limits = Limits(max_num_seqs=4, fairness_window=0.0)
     w = World(num_slots=3, num_blocks=200, limits=limits, weights=FairnessWeights(load_weight=1.0))
-    cold_adapters = [f"cold{i}@1" for i in range(12)]
+    cold_adapters = [ref(f"cold{i}@1") for i in range(12)]
     tokens = {"hot": 0, "cold": 0}
     for i in range(300):
         keep_backlogged(w, "hot", 3, adapter="hot@1", prompt_len=8, max_new=4)

@@ -45,16 +45,18 @@ async def stats(stub) -> dict[str, scheduler_pb2.ExecutorStats]:
 
 
 def holders(executors: dict, adapter: str) -> set[str]:
-    return {a for a, ex in executors.items() if any(s.adapter == adapter and s.state == "ready" for s in ex.slots)}
+    return {a for a, ex in executors.items() if any(client.ref_text(s.adapter) == adapter and s.state == "ready"
+                                                   for s in ex.slots)}
 
 
 async def test_prewarm_onto_both_executors_pinned(fleet, adapters, stub):
     resp = await stub.Prewarm(scheduler_pb2.PrewarmRequest(adapter="r4_attn", num_executors=2, pin=True, wait=True),
                               metadata=admin())
-    assert resp.adapter == "r4_attn@1" and len(resp.executors) == 2
+    assert client.ref_text(resp.adapter) == "r4_attn@1" and len(resp.executors) == 2
     executors = await stats(stub)
     assert holders(executors, "r4_attn@1") == set(executors)
-    assert all(s.is_admin_pinned for ex in executors.values() for s in ex.slots if s.adapter == "r4_attn@1")
+    assert all(s.is_admin_pinned for ex in executors.values() for s in ex.slots
+               if client.ref_text(s.adapter) == "r4_attn@1")
 
 
 async def test_admin_rpcs_need_the_admin_key(fleet, adapters, stub):

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from common.adapter_ref import AdapterRef
 from common.server import insecure_channel
 from loraplex import client
 from loraplex.launch import Fleet
@@ -28,21 +29,21 @@ def fleet(tiny, tmp_path_factory, log_dir):
 async def test_warms_run_a_few_at_a_time_and_each_adapter_once():
     started, release = [], asyncio.Event()
 
-    async def warm(name: str, version: int) -> None:
-        started.append(f"{name}@{version}")
+    async def warm(adapter: AdapterRef) -> None:
+        started.append(str(adapter))
         await release.wait()
 
     engine = Engine((), FairnessWeights(), Limits(), warm_host=warm)
     try:
         for i in range(10):
-            engine._warm_host(f"a{i}@1")
-        engine._warm_host("a0@1")
+            engine._warm_host(AdapterRef.parse(f"a{i}@1"))
+        engine._warm_host(AdapterRef.parse("a0@1"))
         await asyncio.sleep(0.05)
         assert started == [f"a{i}@1" for i in range(MAX_WARMS_IN_FLIGHT)]
         release.set()
         await asyncio.sleep(0.05)
-        engine._warm_host("a0@1")  # asked for less than WARM_AGAIN_S ago: not again
-        engine._warm_host("a9@1")  # skipped while the others ran: asked again, warmed now
+        engine._warm_host(AdapterRef.parse("a0@1"))  # asked for less than WARM_AGAIN_S ago: not again
+        engine._warm_host(AdapterRef.parse("a9@1"))  # skipped while the others ran: asked again, warmed now
         await asyncio.sleep(0.05)
         assert started[MAX_WARMS_IN_FLIGHT:] == ["a9@1"]
     finally:

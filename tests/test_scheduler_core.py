@@ -15,7 +15,7 @@ from scheduler.fairness import FairnessWeights
 from scheduler.invariants import check_invariants
 from scheduler.request import ErrorEvent, Status, TokenEvent
 from scheduler.slots import SlotState, SlotTable
-from tests.sched_world import World
+from tests.sched_world import World, ref
 
 
 def test_request_waits_for_its_adapter_then_runs_pinned():
@@ -26,7 +26,7 @@ def test_request_waits_for_its_adapter_then_runs_pinned():
     assert req.status is Status.QUEUED, "not admitted before the adapter is ready"
     w.complete_loads()
     w.step()
-    slot = w.executors[0].slots.find("a@1")
+    slot = w.executors[0].slots.find(ref("a@1"))
     assert req.status is Status.RUNNING and slot.pins == 1
     w.run()
     tokens = [e for e in w.events[req.request_id] if isinstance(e, TokenEvent)]
@@ -56,18 +56,18 @@ def test_an_adapter_waiting_for_a_slot_is_warmed_in_the_store_meanwhile():
     w.step()
     w.request(adapter="a@1", max_new=1)
     b = w.request(adapter="b@1", max_new=1)
-    assert w.warmed == ["b@1"] and not w.loads, "the only slot is pinned: warm b, load nothing"
+    assert w.warmed == [ref("b@1")] and not w.loads, "the only slot is pinned: warm b, load nothing"
     w.run()
     assert w.finished(b)
 
 
 def test_prewarm_with_no_executor_admitting_is_unavailable_not_a_silent_ok():
     w = World(num_executors=2)
-    assert [ex.address for ex in admin.prewarm(w.core, "a@1", 1 << 20, 1, pin=False)] == ["ex0"]
+    assert [ex.address for ex in admin.prewarm(w.core, ref("a@1"), 1 << 20, 1, pin=False)] == ["ex0"]
     for ex in w.executors:
         w.core.drain(ex)
     with pytest.raises(Unavailable, match="no executor is up and admitting"):
-        admin.prewarm(w.core, "b@1", 1 << 20, 1, pin=False)
+        admin.prewarm(w.core, ref("b@1"), 1 << 20, 1, pin=False)
 
 
 def test_resume_undoes_drain_and_queued_work_moves_back():
@@ -92,7 +92,7 @@ def test_resume_undoes_drain_and_queued_work_moves_back():
 
 def test_lru_evicts_the_least_recently_used_unpinned_slot():
     w = World(num_slots=2)
-    for name in ("a@1", "b@1"):
+    for name in (ref("a@1"), ref("b@1")):
         w.request(adapter=name, max_new=1)
         w.run()
     w.request(adapter="a@1", max_new=1)  # touch a: b is now least recently used
@@ -100,13 +100,13 @@ def test_lru_evicts_the_least_recently_used_unpinned_slot():
     w.request(adapter="c@1", max_new=1)
     w.run()
     held = {s.adapter for s in w.executors[0].slots.slots}
-    assert held == {"a@1", "c@1"}
+    assert held == {ref("a@1"), ref("c@1")}
 
 
 def test_rows_of_one_step_are_sorted_by_adapter_and_all_requests_finish():
     rng = random.Random(0)
     w = World(num_slots=4, num_blocks=200)
-    reqs = [w.request(tenant=f"t{i % 3}", adapter=rng.choice(["", "a@1", "b@1", "c@1"]),
+    reqs = [w.request(tenant=f"t{i % 3}", adapter=rng.choice(["", ref("a@1"), ref("b@1"), ref("c@1")]),
                       prompt_len=rng.randint(1, 20), max_new=rng.randint(1, 10)) for i in range(40)]
     w.run()
     assert all(w.finished(r) for r in reqs)
@@ -146,7 +146,7 @@ def test_cancel_frees_blocks_and_pins_whether_queued_or_running():
     check_invariants(w.core, w.requests)
     ex = w.executors[0]
     assert ex.blocks.num_free == ex.blocks.num_blocks and not ex.running
-    assert ex.slots.find("a@1").pins == 0 and len(ex.queue) == 0
+    assert ex.slots.find(ref("a@1")).pins == 0 and len(ex.queue) == 0
     assert w.core.schedule(ex).freed == [seq_id], "the executor is told to forget it"
 
 
@@ -244,7 +244,7 @@ def test_adapter_loads_are_charged_to_the_tenant_that_causes_them():
 
 def test_distinct_adapters_per_batch_are_limited():
     w = World(num_slots=4, limits=Limits(max_adapters_per_batch=2))
-    reqs = [w.request(adapter=a, max_new=6) for a in ("a@1", "b@1", "c@1", "d@1")]
+    reqs = [w.request(adapter=a, max_new=6) for a in (ref("a@1"), ref("b@1"), ref("c@1"), ref("d@1"))]
     w.complete_loads()
     for _ in range(3):
         w.step()

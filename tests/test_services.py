@@ -78,7 +78,7 @@ async def test_50_concurrent_streams_across_10_adapters_match_hf_peft(fleet, pus
         assert got.token_ids == expected, f"{adapter}: {prompt!r}"
         assert got.finish_reason == "FINISH_REASON_LENGTH"
         assert got.usage.completion_tokens == num_tokens
-        assert got.usage.adapter == f"{adapter}@{pushed[adapter].version}"
+        assert client.ref_text(got.usage.adapter) == f"{adapter}@{pushed[adapter].version}"
         assert got.text == tokenizer.decode(expected)
     stats = await stub.Stats(scheduler_pb2.StatsRequest())
     (ex,) = stats.executors

@@ -12,6 +12,7 @@ import safetensors.torch
 import torch
 
 from adapter_store.config import StoreConfig
+from common.adapter_ref import AdapterRef
 from common.errors import DataLoss, Unavailable
 from executor.adapter_loader import AdapterLoader
 from executor.runner import ModelRunner
@@ -26,6 +27,8 @@ from tests.test_adapter_store import (
     lora_tensors,
     weights_key,
 )
+
+BIG_REF = AdapterRef("big", 1)
 
 PART = 64 * 1024
 # Attention-only LoRA fits the tiny fixture model (hidden 256, 2 kv heads of 64): ~0.9 MB, 15 parts.
@@ -87,14 +90,14 @@ async def test_corrupted_object_is_data_loss_after_retries_and_never_reaches_a_s
         corrupted[len(DATA) // 2] ^= 0x01  # one flipped bit in a middle part
         own_s3.client().put_object(Bucket=own_s3.bucket, Key=key, Body=bytes(corrupted))
         with pytest.raises(DataLoss, match="sha256"):
-            await loader.load("big", 1, slot=0)
-        assert loader.slot_adapters == ["", ""] and slot_is_empty(runner, 0)
+            await loader.load(BIG_REF, slot=0)
+        assert loader.slot_adapters == [None, None] and slot_is_empty(runner, 0)
         stats = await store.stub.Stats(pb.StoreStatsRequest())
         assert (stats.checksum_failures, stats.host_entries) == (3, 0)  # re-read, never cached
         own_s3.client().put_object(Bucket=own_s3.bucket, Key=key, Body=DATA)  # repaired
-        result = await loader.load("big", 1, slot=0)
+        result = await loader.load(BIG_REF, slot=0)
         assert not result.was_resident and result.num_bytes == len(DATA)
-        assert loader.slot_adapters[0] == "big@1" and not slot_is_empty(runner, 0)
+        assert loader.slot_adapters[0] == BIG_REF and not slot_is_empty(runner, 0)
     finally:
         await loader.unload(0)
         await loader.close()
@@ -113,13 +116,13 @@ async def test_s3_killed_mid_load_is_unavailable_and_recovers(own_s3, runner):
     calls = count_s3_gets(store, kill_after_first_part)
     try:
         with pytest.raises(Unavailable, match="S3"):
-            await loader.load("big", 1, slot=1)
-        assert calls[0] >= 2 and loader.slot_adapters[1] == "" and slot_is_empty(runner, 1)
+            await loader.load(BIG_REF, slot=1)
+        assert calls[0] >= 2 and loader.slot_adapters[1] is None and slot_is_empty(runner, 1)
         details = await expect_error(grpc.StatusCode.UNAVAILABLE, store.fetch("big", 1))
         assert "S3" in details
         own_s3.restart()
-        result = await loader.load("big", 1, slot=1)  # same store process, S3 back
-        assert result.num_bytes == len(DATA) and loader.slot_adapters[1] == "big@1"
+        result = await loader.load(BIG_REF, slot=1)  # same store process, S3 back
+        assert result.num_bytes == len(DATA) and loader.slot_adapters[1] == BIG_REF
         assert (await store.fetch("big", 1))[1] == DATA
     finally:
         if own_s3.process.poll() is not None:
@@ -155,7 +158,7 @@ async def test_executor_reports_residency_and_pins_against_delete(own_s3, runner
     store = await start_store(own_s3)
     loader = AdapterLoader(runner, (store.running.address,), holder="gpu-test")
     try:
-        await loader.load("big", 1, slot=0)
+        await loader.load(BIG_REF, slot=0)
         lease = f"{store.config.s3_prefix}leases/gpu-test.json"
         for _ in range(100):  # the report goes out right after the load, in the background
             listed = own_s3.client().list_objects_v2(Bucket=own_s3.bucket, Prefix=lease)

@@ -15,6 +15,7 @@ import safetensors.torch
 from adapter_store.config import StoreConfig
 from loraplex import client
 from protos import adapter_store_pb2 as pb
+from protos import common_pb2
 from tests.test_adapter_store import (
     HIDDEN,
     Store,
@@ -153,7 +154,8 @@ async def test_delete_is_refused_while_aliased_or_resident_and_never_reuses_vers
     delete = pb.DeleteAdapterRequest(name="old", version=1, tenant="acme")
     assert "alias(es) prod" in await expect_error(FAILED, b.stub.DeleteAdapter(delete))
     await a.stub.SetAlias(pb.SetAliasRequest(name="old", alias="prod", version=2, tenant="acme"))
-    await a.stub.ReportResidency(pb.ResidencyReport(holder="gpu-7", adapters=["old@1"]))
+    await a.stub.ReportResidency(pb.ResidencyReport(
+        holder="gpu-7", adapters=[common_pb2.AdapterRef(name="old", version=1)]))
     assert "resident on gpu-7" in await expect_error(FAILED, b.stub.DeleteAdapter(delete))
     await b.stub.ReportResidency(pb.ResidencyReport(holder="gpu-7", adapters=[]))
     assert list((await b.stub.DeleteAdapter(delete)).versions) == [1]
@@ -254,7 +256,8 @@ BAD_RPCS = {
                               NOT_FOUND, ["no version 9"]),
     "delete-missing-version": ("DeleteAdapter", pb.DeleteAdapterRequest(name="bot", version=9),
                                NOT_FOUND, ["no version 9"]),
-    "fetch-version-0": ("Fetch", pb.FetchRequest(name="bot"), INVALID, ["exact version"]),
+    "fetch-version-0": ("Fetch", pb.FetchRequest(adapter=common_pb2.AdapterRef(name="bot")),
+                        INVALID, ["exact version"]),
     "register-no-uri": ("Register", pb.RegisterRequest(name="bot"), INVALID, ["source_uri"]),
     "register-not-s3": ("Register", pb.RegisterRequest(name="bot", source_uri="http://x/y"),
                         INVALID, ["s3://bucket/key"]),
@@ -262,7 +265,8 @@ BAD_RPCS = {
                           INVALID, ["adapter name 'a b' is invalid"]),
     "register-bad-alias": ("Register", pb.RegisterRequest(
         name="bot", source_uri="s3://b/k", metadata=meta(aliases=["-x"])), INVALID, ["'-x'"]),
-    "holder-bad": ("ReportResidency", pb.ResidencyReport(holder="a/b", adapters=["bot@1"]),
+    "holder-bad": ("ReportResidency", pb.ResidencyReport(
+        holder="a/b", adapters=[common_pb2.AdapterRef(name="bot", version=1)]),
                    INVALID, ["holder 'a/b'"]),
     "ttl-bad": ("ReportResidency", pb.ResidencyReport(holder="h", ttl_seconds=-1), INVALID,
                 ["ttl_seconds"]),

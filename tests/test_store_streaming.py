@@ -17,6 +17,7 @@ from adapter_store.blob_backends import open_blob_store
 from adapter_store.host_cache import HEAD_PIECES, LAST_PIECE_BYTES, _PieceCutter
 from adapter_store.records import MANIFEST_FILENAME, version_prefix
 from adapter_store.service import start_store
+from common.adapter_ref import AdapterRef
 from common.errors import DataLoss
 from common.server import insecure_channel
 from executor.adapter_loader import AdapterLoader
@@ -25,7 +26,7 @@ from executor.runner import ModelRunner
 from executor.slot_copy import StagingBuffers
 from loraplex.fixtures import MODEL_ID
 from protos import adapter_store_pb2 as pb
-from protos import adapter_store_pb2_grpc
+from protos import adapter_store_pb2_grpc, common_pb2
 from tests.test_adapter_store import (
     CountingBlobStore,
     Store,
@@ -34,6 +35,8 @@ from tests.test_adapter_store import (
     lora_config,
     lora_tensors,
 )
+
+BIG_REF = AdapterRef("big", 1)
 
 PART = 64 * 1024
 CONFIG_JSON = lora_config(rank=64, base_model_name_or_path=MODEL_ID)
@@ -98,7 +101,8 @@ def runner(tiny):
 
 async def payloads(store: PartedStore, name: str):
     """(kind, value) of every Fetch message."""
-    async for msg in store.stub.Fetch(pb.FetchRequest(name=name, version=1)):
+    request = pb.FetchRequest(adapter=common_pb2.AdapterRef(name=name, version=1))
+    async for msg in store.stub.Fetch(request):
         kind = msg.WhichOneof("payload")
         yield kind, getattr(msg, kind)
 
@@ -148,7 +152,7 @@ async def test_loader_gets_the_right_weights_after_a_restart_and_with_reused_sta
         for name, slot in [("big", 0), ("small", 1), ("small", 0), ("big", 1), ("half", 1),
                            ("big", 0), ("half", 0)]:
             await loader.unload(slot)
-            result = await loader.load(name, 1, slot)
+            result = await loader.load(AdapterRef(name, 1), slot)
             assert result.num_bytes == len(adapters[name][1])
             for (layer, module), weights in expected[name].modules.items():
                 r = weights.a.shape[0]
@@ -192,16 +196,16 @@ async def test_loader_checks_the_bytes_itself_before_the_parse_counts(tmp_path, 
     try:
         await store.stub.Prewarm(pb.HostPrewarmRequest(name="big", version=1))
         entries = store.running.cache._entries
-        intact = entries[("big", 1)]
+        intact = entries[BIG_REF]
         index = 0 if where == "header" else len(intact) // 2
-        entries[("big", 1)] = (*intact[:index], damage(intact[index], where), *intact[index + 1:])
+        entries[BIG_REF] = (*intact[:index], damage(intact[index], where), *intact[index + 1:])
         await loader.unload(0)
         with pytest.raises(DataLoss, match="do not match the store's size"):
-            await loader.load("big", 1, 0)
-        assert not runner.pool.targets[0] and loader.slot_adapters[0] == ""
-        entries[("big", 1)] = intact
-        assert not (await loader.load("big", 1, 0)).was_resident
-        assert loader.slot_adapters[0] == "big@1"
+            await loader.load(BIG_REF, 0)
+        assert not runner.pool.targets[0] and loader.slot_adapters[0] is None
+        entries[BIG_REF] = intact
+        assert not (await loader.load(BIG_REF, 0)).was_resident
+        assert loader.slot_adapters[0] == BIG_REF
     finally:
         await loader.unload(0)
         await loader.close()
@@ -259,7 +263,7 @@ async def test_a_load_cancelled_mid_copy_keeps_its_staging_and_slot_until_the_co
     loader._copier.copy = slow_copy
     try:
         await loader.unload(0)
-        loading = asyncio.create_task(loader.load("big", 1, 0))
+        loading = asyncio.create_task(loader.load(BIG_REF, 0))
         while not entered.is_set():
             await asyncio.sleep(0.01)
         loading.cancel()
@@ -269,9 +273,9 @@ async def test_a_load_cancelled_mid_copy_keeps_its_staging_and_slot_until_the_co
         release.set()
         with pytest.raises(asyncio.CancelledError):
             await loading
-        assert loader._staging._free and loader.slot_adapters[0] == ""
+        assert loader._staging._free and loader.slot_adapters[0] is None
         loader._copier.copy = copy
-        assert not (await loader.load("big", 1, 0)).was_resident  # the slot works as before
+        assert not (await loader.load(BIG_REF, 0)).was_resident  # the slot works as before
     finally:
         release.set()
         await loader.unload(0)
