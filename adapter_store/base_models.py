@@ -13,12 +13,16 @@ still refuses a base mismatch when a request names the adapter.
 import dataclasses
 import hashlib
 import json
+import logging
 import re
 
-from common.errors import InvalidArgument
+from adapter_store.blobs import BlobStore
+from common.errors import FailedPrecondition, InvalidArgument, NotFound
 from common.peft.config import load_json_object
 from common.peft.layout import BaseShapes
 from common.peft.modules import projection_shapes
+
+log = logging.getLogger(__name__)
 
 ROOT = "base-models/"
 RECORD_FILENAME = "base.json"  # {"model_id", "revision", "config_json"}
@@ -92,3 +96,46 @@ def check_model_id(model_id: str) -> None:
 
 def base_model_key(model_id: str) -> str:
     return f"{ROOT}{model_id}/{RECORD_FILENAME}"
+
+
+class BaseModels:
+    """The registered base models, read from and written to the blob store (every replica sees
+    them). With `require_registered`, an adapter naming an unregistered base is refused."""
+
+    def __init__(self, blobs: BlobStore, *, require_registered: bool = False):
+        self._blobs = blobs
+        self._require_registered = require_registered
+
+    async def register(self, model_id: str, config_json: str, revision: str = "") -> BaseModel:
+        """Register (or replace) a base model's config.json."""
+        base = BaseModel.from_config(model_id, config_json, revision)
+        await self._blobs.put(base_model_key(model_id), base.to_json().encode())
+        log.info("registered base model %s (revision %r)", model_id, revision)
+        return base
+
+    async def get(self, model_id: str) -> BaseModel | None:
+        check_model_id(model_id)
+        try:
+            data = await self._blobs.get(base_model_key(model_id))
+        except NotFound:
+            return None
+        return BaseModel.from_json(data.decode("utf-8"))
+
+    async def for_adapter(self, config_json: str) -> BaseModel | None:
+        """The registered base model an adapter_config.json names, if any (FAILED_PRECONDITION
+        when none is and registration is required)."""
+        try:
+            model_id = json.loads(config_json).get("base_model_name_or_path")
+        except (ValueError, AttributeError, RecursionError):
+            return None  # the config's own validation names the fault
+        if not isinstance(model_id, str) or not model_id:
+            return None
+        try:
+            base = await self.get(model_id.rstrip("/"))
+        except InvalidArgument:
+            base = None  # not a registrable id (e.g. a local path): cannot be registered
+        if base is None and self._require_registered:
+            raise FailedPrecondition(
+                f"base model {model_id!r} is not registered in this store; register its "
+                "config.json first (loraplex adapters base add MODEL_DIR --id ID)")
+        return base

@@ -177,8 +177,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-rank", type=int, help="largest LoRA rank a push may register")
     parser.add_argument("--max-adapter-mb", type=int,
                         help="largest adapter_model.safetensors a push or register takes (MiB)")
-    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = off)")
-    parser.add_argument("--grace-s", type=float, default=30.0, help="on SIGTERM, time to finish in-flight RPCs")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="Prometheus /metrics port (0 = off)")
+    parser.add_argument("--grace-s", type=float, default=30.0,
+                        help="on SIGTERM, time to finish in-flight RPCs")
     parser.add_argument("--require-base-model", action="store_true", default=None,
                         help="refuse adapters whose base model config.json is not registered")
 

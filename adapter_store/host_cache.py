@@ -121,7 +121,8 @@ class HostCache:
         self.piece_bytes = piece_bytes
         self.num_bytes = 0
         self.stats = CacheStats()
-        self._entries: collections.OrderedDict[AdapterRef, _Parts] = collections.OrderedDict()  # LRU 1st
+        # Least recently used first.
+        self._entries: collections.OrderedDict[AdapterRef, _Parts] = collections.OrderedDict()
         self._in_flight: dict[AdapterRef, _Flight] = {}  # versions are immutable
         # Hashes each read's bytes in order while the next ones arrive (hashlib drops the GIL).
         self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sha256")
@@ -260,8 +261,9 @@ def _update(digest, parts: tuple[bytes, ...]) -> None:
 
 class _PieceCutter:
     """Cuts arriving bytes into the pieces of an object of `num_bytes`: `piece_bytes` each, the
-    first `piece_bytes` in HEAD_PIECES pieces, the last LAST_PIECE_BYTES apart (bytes beyond `num_bytes` form one more piece at `finish`). A
-    piece that is one whole arrived part is passed on as it is, else joined once."""
+    first `piece_bytes` in HEAD_PIECES pieces, the last LAST_PIECE_BYTES apart (bytes beyond
+    `num_bytes` form one more piece at `finish`). A piece that is one whole arrived part is passed
+    on as it is, else joined once."""
 
     def __init__(self, num_bytes: int, piece_bytes: int, emit) -> None:
         last_start = max(0, num_bytes - LAST_PIECE_BYTES)

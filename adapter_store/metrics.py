@@ -12,7 +12,8 @@ _COUNTERS = {  # metric -> (help, CacheStats field)
     "loraplex_store_blob_reads": ("Whole-object reads from the blob store (S3), retries included.",
                                   "blob_reads"),
     "loraplex_store_blob_read_bytes": ("Bytes read from the blob store (S3).", "bytes_read"),
-    "loraplex_store_checksum_failures": ("Reads whose size or sha256 did not match.", "checksum_failures"),
+    "loraplex_store_checksum_failures": ("Reads whose size or sha256 did not match.",
+                                         "checksum_failures"),
     "loraplex_store_host_tier_evictions": ("Adapters dropped from the host-RAM tier.", "evictions"),
 }
 

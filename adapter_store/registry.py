@@ -28,14 +28,13 @@ a conditional put, which S3 (and SeaweedFS, tested) and the file store make atom
 
 import asyncio
 import dataclasses
-import json
 import logging
 import math
 import random
 import re
 import time
 
-from adapter_store.base_models import BaseModel, base_model_key, check_model_id
+from adapter_store.base_models import BaseModels
 from adapter_store.blobs import BlobStore, PreconditionFailed
 from adapter_store.records import (
     INDEX_FILENAME,
@@ -69,14 +68,13 @@ class Registry:
                  refresh_s: float = 2.0):
         self._blobs = blobs
         self._max_rank = max_rank
-        self._require_base_model = require_base_model
         self._refresh_s = refresh_s
         self._versions: dict[str, dict[int, AdapterRecord]] = {}  # name -> version -> record
         self._indexes: dict[str, NameIndex] = {}
         self._index_etags: dict[str, str] = {}  # name -> etag of index.json as last listed
         self._refreshed_at: dict[str | None, float] = {}  # name (None: all) -> monotonic time
         self._push_locks: dict[str, asyncio.Lock] = {}
-        self._base_models: dict[str, BaseModel] = {}
+        self.base_models = BaseModels(blobs, require_registered=require_base_model)
 
     # ----- reading the blob store -----
 
@@ -162,7 +160,7 @@ class Registry:
         for metric, score in meta.eval_scores.items():
             if not metric or not math.isfinite(score):
                 raise InvalidArgument(f"eval score {metric!r}={score} must be named and finite")
-        base = await self._base_model_for(config_json)
+        base = await self.base_models.for_adapter(config_json)
         spec = await asyncio.to_thread(validate_adapter, config_json, weights_filename, data,
                                        max_rank=self._max_rank, base=base)
         weights_key = f"{ROOT}{name}/weights/{spec.sha256}.safetensors"
@@ -226,43 +224,6 @@ class Registry:
         if versions and versions[min(versions)].owner_tenant != owner_tenant:
             raise AlreadyExists(f"adapter name {name!r} is taken by another owner; "
                                 "choose another name")
-
-    # ----- base models -----
-
-    async def register_base_model(self, model_id: str, config_json: str,
-                                  revision: str = "") -> BaseModel:
-        base = BaseModel.from_config(model_id, config_json, revision)
-        await self._blobs.put(base_model_key(model_id), base.to_json().encode())
-        self._base_models[model_id] = base
-        log.info("registered base model %s (revision %r)", model_id, revision)
-        return base
-
-    async def get_base_model(self, model_id: str) -> BaseModel | None:
-        check_model_id(model_id)
-        try:
-            data = await self._blobs.get(base_model_key(model_id))
-        except NotFound:
-            return None
-        base = BaseModel.from_json(data.decode("utf-8"))
-        self._base_models[model_id] = base
-        return base
-
-    async def _base_model_for(self, config_json: str) -> BaseModel | None:
-        try:
-            model_id = json.loads(config_json).get("base_model_name_or_path")
-        except (ValueError, AttributeError, RecursionError):
-            return None  # validate_adapter names the fault
-        if not isinstance(model_id, str) or not model_id:
-            return None
-        try:
-            base = await self.get_base_model(model_id.rstrip("/"))
-        except InvalidArgument:
-            base = None  # not a registrable id (e.g. a local path): cannot be registered
-        if base is None and self._require_base_model:
-            raise FailedPrecondition(
-                f"base model {model_id!r} is not registered in this store; register its "
-                "config.json first (loraplex adapters base add MODEL_DIR --id ID)")
-        return base
 
     # ----- lookups -----
 
@@ -358,7 +319,8 @@ class Registry:
             previous = index.aliases.get(alias, 0)
             if expected_version is not None and previous != expected_version:
                 raise FailedPrecondition(
-                    f"alias {AdapterQuery(name, alias=alias)} points at version {previous or 'nothing'}, not "
+                    f"alias {AdapterQuery(name, alias=alias)} points at version "
+                    f"{previous or 'nothing'}, not "
                     f"{expected_version or 'nothing'}; re-read it and retry")
             if version in index.deleted:
                 raise NotFound(f"adapter {name!r} version {version} was deleted")
@@ -389,7 +351,8 @@ class Registry:
             holders = await is_resident(versions[v])
             if holders:
                 raise FailedPrecondition(
-                    f"adapter {AdapterRef(name, v)} is resident on {', '.join(holders)}; it can be deleted "
+                    f"adapter {AdapterRef(name, v)} is resident on {', '.join(holders)}; it can be "
+                    "deleted "
                     "once no executor holds it (unload it, or wait for the lease to expire)")
 
         def mark(current: NameIndex) -> NameIndex:
@@ -397,7 +360,8 @@ class Registry:
                 aliases = current.aliases_of(v)
                 if aliases:
                     raise FailedPrecondition(
-                        f"adapter {AdapterRef(name, v)} is the target of alias(es) {', '.join(aliases)}; "
+                        f"adapter {AdapterRef(name, v)} is the target of alias(es) "
+                        f"{', '.join(aliases)}; "
                         "move or remove them first (loraplex adapters alias)")
             return NameIndex(current.aliases, current.deleted | set(targets))
 

@@ -279,7 +279,7 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
 
     async def RegisterBaseModel(self, request, context) -> pb.BaseModelInfo:
         async with grpc_errors(context):
-            base: BaseModel = await self._registry.register_base_model(
+            base: BaseModel = await self._registry.base_models.register(
                 request.model_id, request.config_json, request.revision)
             return pb.BaseModelInfo(model_id=base.model_id, revision=base.revision,
                                     config_sha256=base.config_sha256, num_layers=base.num_layers)

@@ -83,7 +83,8 @@ class Service:
         await self._server.wait_for_termination()
 
 
-async def run_until_signalled(service: Service, on_stop: Callable[[], Awaitable[None]] | None = None,
+async def run_until_signalled(service: Service,
+                              on_stop: Callable[[], Awaitable[None]] | None = None,
                               grace: float = 5.0) -> None:
     """Serve until SIGINT/SIGTERM. Then report NOT_SERVING for NOT_SERVING_NOTICE_S (so probes
     and load balancers stop sending work), stop taking RPCs, let in-flight ones finish within

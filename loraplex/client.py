@@ -20,7 +20,8 @@ from protos import (
 )
 
 PUSH_CHUNK_BYTES = 1 << 20
-WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
+WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt",
+                "adapter_model.pth")
 
 
 def version_metadata(training_dataset: str = "", eval_scores: dict[str, float] | None = None,
@@ -101,7 +102,8 @@ def generate_request(adapter: str = "", prompt: str | list[int] = "", max_new_to
                      ignore_eos: bool = False) -> scheduler_pb2.GenerateRequest:
     req = scheduler_pb2.GenerateRequest(
         adapter=adapter, max_new_tokens=max_new_tokens, stop=stop or [], ignore_eos=ignore_eos,
-        sampling=common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
+        sampling=common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                                           seed=seed))
     if isinstance(prompt, str):
         req.text = prompt
     else:
@@ -140,7 +142,8 @@ def token_json(response: scheduler_pb2.GenerateResponse) -> str:
     """One JSON object per streamed message, for `loraplex generate --json`."""
     obj: dict = {}
     if response.HasField("token_id"):
-        obj.update(token_id=response.token_id, text=response.text, logprob=round(response.logprob, 6))
+        obj.update(token_id=response.token_id, text=response.text,
+                   logprob=round(response.logprob, 6))
     if response.finish_reason:
         u = response.usage
         obj.update(finish_reason=scheduler_pb2.FinishReason.Name(response.finish_reason).lower()

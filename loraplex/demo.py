@@ -143,9 +143,10 @@ def _print_summary(work: Workload) -> None:
         print(f"{tenant:10s}{len(rows):9d}{tokens:8d}{tokens / work.elapsed:8.1f}"
               f"{_pct(ttfts, 50):8.0f}ms{_pct(ttfts, 99):8.0f}ms{loads:15d}{hits:14d}")
     for ex in stats.executors:
-        print(f"\nexecutor {ex.address}: {ex.steps} batched steps, {ex.adapter_loads} adapter loads, "
-              f"{ex.adapter_hits} admissions found their adapter resident; "
-              f"{len(ex.slots)} slots now hold: " + ", ".join(s.adapter or "-" for s in ex.slots))
+        held = ", ".join(client.ref_text(s.adapter) or "-" for s in ex.slots)
+        print(f"\nexecutor {ex.address}: {ex.steps} batched steps, {ex.adapter_loads} adapter "
+              f"loads, {ex.adapter_hits} admissions found their adapter resident; "
+              f"{len(ex.slots)} slots now hold: {held}")
     total = sum(len(r.got.token_ids) for r in work.results)
     print(f"total: {len(work.results)} requests, {total} tokens in {work.elapsed:.1f}s "
           f"= {total / work.elapsed:.0f} tokens/s")
@@ -155,7 +156,8 @@ async def _push_all(store: str) -> None:
     for tenant, (_, owned) in TENANTS.items():
         for name in owned:
             info = await client.push_adapter(store, adapter_dir(name), name, tenant)
-            print(f"  pushed {AdapterRef(info.name, info.version)} for {tenant:9s} (rank {info.rank:2d}, "
+            print(f"  pushed {AdapterRef(info.name, info.version)} for {tenant:9s} "
+                  f"(rank {info.rank:2d}, "
                   f"{len(info.target_modules)} modules, {info.num_bytes / 1024:4.0f} KiB): "
                   f"{TASKS_BY_NAME[name].description}")
 
@@ -171,7 +173,8 @@ def main(args: argparse.Namespace) -> None:
                       scheduler_args=keys)
         print(f"model: {MODEL_DIR.name}, a 4-layer LLaMA trained on CPU to echo text; "
               "each LoRA adapter teaches it one task.")
-        print("starting adapter_store, executor and scheduler as separate processes ...", flush=True)
+        print("starting adapter_store, executor and scheduler as separate processes ...",
+              flush=True)
         with fleet:
             for s in fleet.services:
                 print(f"  {s.name:16s} listening on {s.address}")

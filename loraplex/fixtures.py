@@ -128,7 +128,8 @@ def generate(out_dir: str | Path) -> dict[str, Any]:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     # PEFT looks the base model id up on the hub (unreachable, and the id is local): expected.
-    warnings.filterwarnings("ignore", message=".*(Unable to fetch remote file|Could not find a config file).*")
+    warnings.filterwarnings(
+        "ignore", message=".*(Unable to fetch remote file|Could not find a config file).*")
 
     out = Path(out_dir)
     for made_here in (out / MODEL_ID, out / "adapters"):  # a partial earlier run: start over

@@ -95,11 +95,13 @@ class Fleet:
     def start(self) -> "Fleet":
         try:
             stores = [self._start(f"adapter_store-{i}", "adapter_store.service",
-                                  ["--url", self.store_url, "--address", self._address(1 + i), *self.store_args])
+                                  ["--url", self.store_url, "--address", self._address(1 + i),
+                                   *self.store_args])
                       for i in range(self.num_stores)]
             store_flags = [f for s in stores for f in ("--store", s.address)]
             executors = [self._start(f"executor-{i}", "executor.service",
-                                     ["--model", self.model, "--address", self._address(1 + self.num_stores + i),
+                                     ["--model", self.model,
+                                      "--address", self._address(1 + self.num_stores + i),
                                       *store_flags, *self.executor_args])
                          for i in range(self.num_executors)]
             self._start("scheduler", "scheduler.service",

@@ -236,7 +236,8 @@ def main(argv: list[str]) -> None:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     # PEFT looks the base model id up on the hub (unreachable, and the id is local): expected.
-    warnings.filterwarnings("ignore", message=".*(Unable to fetch remote file|Could not find a config file).*")
+    warnings.filterwarnings(
+        "ignore", message=".*(Unable to fetch remote file|Could not find a config file).*")
     out = Path(argv[0])
     for made_here in (out / MODEL_ID, out / "adapters"):
         shutil.rmtree(made_here, ignore_errors=True)

@@ -15,7 +15,8 @@ from loraplex import fixtures
 from tests.s3server import seaweedfs_s3  # noqa: F401  (re-exported fixture)
 from tests.test_adapter_store import file_store  # noqa: F401  (re-exported fixture)
 
-API_KEYS = {"key-acme": "acme", "key-globex": "globex", "key-initech": "initech", "key-limited": "limited"}
+API_KEYS = {"key-acme": "acme", "key-globex": "globex", "key-initech": "initech",
+            "key-limited": "limited"}
 
 
 @pytest.fixture(scope="session", autouse=True)

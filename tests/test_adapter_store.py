@@ -220,7 +220,8 @@ async def test_restart_keeps_registry(store):
     await store.push("public-one", config_json, data)
     await store.restart()
     listed = await store.stub.ListAdapters(pb.ListAdaptersRequest())
-    assert [(a.info.name, a.info.version) for a in listed.adapters] == [("kept", 2), ("public-one", 1)]
+    assert [(a.info.name, a.info.version) for a in listed.adapters] == [("kept", 2),
+                                                                          ("public-one", 1)]
     info, fetched = await store.fetch("kept", 1)
     assert fetched == data and info.owner_tenant == "acme"
     assert (await store.push("kept", config_json, data, owner="acme")).version == 3

@@ -151,7 +151,8 @@ BAD_PUSHES = {
                                    DATA, ["target_modules regex", "not a valid regex"]),
     # Compiles alone, not as PEFT matches it ("(.*\.)?(KEY)$"): was INTERNAL from the child.
     "rank-pattern-inline-flag": (lora_config(rank_pattern={"(?i)v_proj": 4}), DATA,
-                                 ["rank_pattern keys '(?i)v_proj', matched as", "not a valid regex"]),
+                                 ["rank_pattern keys '(?i)v_proj', matched as",
+                                  "not a valid regex"]),
     # Already refused as they should be.
     "header-length-2^64-1": (CONFIG_JSON, (2**64 - 1).to_bytes(8, "little") + DATA[8:],
                              ["header length"]),

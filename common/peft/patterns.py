@@ -62,7 +62,8 @@ def fullmatches(patterns: Sequence[str], subjects: Sequence[str], what: str, *,
             "names (nested repetition backtracks for ever); simplify the regex") from None
     except subprocess.CalledProcessError as err:
         last = (err.stderr or "").strip().splitlines()[-1:] or [f"exit status {err.returncode}"]
-        raise InvalidArgument(f"{what} {list(patterns)!r} could not be matched: {last[0]}") from None
+        raise InvalidArgument(
+            f"{what} {list(patterns)!r} could not be matched: {last[0]}") from None
     result = json.loads(child.stdout)
     if result["seconds"] > MATCH_BUDGET_S:
         raise InvalidArgument(

@@ -26,8 +26,8 @@ def check_weights_file(filename: str, head: bytes) -> None:
     # Pickle starts 0x80 <protocol>, torch's zip format "PK\3\4"; safetensors has '{' at byte 8.
     is_pickle = head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
     if (is_pickle or head[:4] == b"PK\x03\x04") and head[8:9] != b"{":
-        raise InvalidArgument(f"{WEIGHTS_FILE} holds a pickle/torch.save checkpoint; only safetensors "
-                              "is accepted (use safetensors.torch.save_file)")
+        raise InvalidArgument(f"{WEIGHTS_FILE} holds a pickle/torch.save checkpoint; only "
+                              "safetensors is accepted (use safetensors.torch.save_file)")
 
 
 def as_uint8(data: bytes | bytearray | memoryview | torch.Tensor) -> torch.Tensor:
