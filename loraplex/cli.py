@@ -179,7 +179,7 @@ async def _generate(args: argparse.Namespace) -> None:
 def _fit_cost(args: argparse.Namespace) -> None:
     import itertools
 
-    from scheduler.timings import fit_cost, format_fit
+    from scheduler.sim.cost_fit import fit_cost, format_fit
 
     files = [open(path) for path in args.timings]
     try:
@@ -196,8 +196,8 @@ def _simulate(args: argparse.Namespace) -> None:
     import dataclasses
     import time
 
-    from scheduler.sim_config import SimConfig
-    from scheduler.simulator import Simulator, format_report
+    from scheduler.sim.config import SimConfig
+    from scheduler.sim.simulator import Simulator, format_report
 
     config = SimConfig.load(args.config)
     if args.requests:

@@ -1,0 +1,3 @@
+"""The scheduler service: per-tenant queues, fair admission, adapter residency and routing across
+a pool's executors (core.py over placement.py), driven by engine.py and served by service.py; the
+offline simulator and its tools live in scheduler/sim/."""

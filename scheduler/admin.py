@@ -1,10 +1,15 @@
-"""Operator actions on residency and executors, in terms of the scheduler core."""
+"""Operator actions on residency and executors, in terms of the scheduler core: find an
+executor, pre-warm an adapter (and wait for its loads), evict one. Drain and resume are the core's
+own (Scheduler.drain, Scheduler.resume)."""
+
+import asyncio
 
 from common.adapter_ref import AdapterRef
 from common.errors import FailedPrecondition, NotFound, Unavailable
 from scheduler.core import Scheduler
 from scheduler.executor_state import ExecutorState
 from scheduler.routing import score
+from scheduler.slots import SlotState
 
 
 def find_executor(core: Scheduler, address: str) -> ExecutorState:
@@ -19,7 +24,7 @@ def prewarm(core: Scheduler, adapter: AdapterRef, adapter_bytes: int, num_execut
             pin: bool) -> list[ExecutorState]:
     """Make `adapter` resident on `num_executors` executors (those already holding it count),
     choosing the least loaded others; with `pin`, LRU never takes those slots back."""
-    up = [ex for ex in core.executors if ex.is_up and not ex.is_draining]
+    up = [ex for ex in core.executors if ex.is_admitting]
     if not up:
         raise Unavailable(f"no executor is up and admitting work to pre-warm {adapter} on "
                           f"({len(core.executors)} known, all down or draining)")
@@ -28,14 +33,37 @@ def prewarm(core: Scheduler, adapter: AdapterRef, adapter_bytes: int, num_execut
                     key=lambda ex: score(ex.work_tokens, ex.rates, False, True, adapter_bytes, 0.0))
     chosen = holding + others[:max(0, num_executors - len(holding))]
     for ex in chosen:
-        if ex.slots.find(adapter) is None:
+        slot = ex.slots.find(adapter)
+        if slot is None:
             if not ex.slots.can_place(adapter, ex.queue.demand):
                 raise FailedPrecondition(f"executor {ex.address}: every adapter slot is pinned; "
                                          f"evict or unpin one before pre-warming {adapter}")
-            core.start_load_on(ex, adapter)
+            slot = core.start_load_on(ex, adapter)
         if pin:
-            ex.slots.find(adapter).is_admin_pinned = True
+            ex.slots.pin_by_admin(slot)
+    core.wake()
     return chosen
+
+
+def loads_done(executors: list[ExecutorState], adapter: AdapterRef) -> asyncio.Future[list[str]]:
+    """A future of the addresses among `executors` where `adapter` did not load, resolved (by the
+    core's on_load_done, or the executor's loss) once none of them is loading it any more."""
+    done: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
+    pending, failed = len(executors), []
+
+    def on_loaded(ex: ExecutorState, is_ready: bool) -> None:
+        nonlocal pending
+        pending -= 1
+        if not is_ready:
+            failed.append(ex.address)
+        if not pending and not done.done():  # done: the waiting caller went away
+            done.set_result(failed)
+
+    for ex in executors:
+        ex.slots.when_loaded(adapter, lambda is_ready, ex=ex: on_loaded(ex, is_ready))
+    if not executors:
+        done.set_result([])
+    return done
 
 
 def evict(core: Scheduler, adapter: AdapterRef, address: str = "") -> int:
@@ -43,9 +71,10 @@ def evict(core: Scheduler, adapter: AdapterRef, address: str = "") -> int:
     targets = [find_executor(core, address)] if address else core.executors
     slots = [(ex, ex.slots.find(adapter)) for ex in targets if ex.slots.find(adapter)]
     for ex, slot in slots:
-        if slot.pins or slot.state.value == "loading":
+        if slot.pins or slot.state is SlotState.LOADING:
             what = f"{slot.pins} running sequences use it" if slot.pins else "it is still loading"
-            raise FailedPrecondition(f"cannot evict {adapter} from {ex.address}: {what}; retry later")
+            raise FailedPrecondition(f"cannot evict {adapter} from {ex.address}: {what}; "
+                                     "retry later")
     for ex, slot in slots:
         core.evict_slot(ex, slot)
     return len(slots)

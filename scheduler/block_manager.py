@@ -1,4 +1,5 @@
-"""KV block accounting for one executor. The scheduler owns block tables; the executor mirrors them."""
+"""KV block accounting for one executor. The scheduler owns block tables; the executor mirrors
+them."""
 
 from collections import deque
 
@@ -16,7 +17,8 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+            raise ValueError("need num_blocks >= 1 and block_size >= 1, got "
+                             f"{num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))

@@ -51,35 +51,46 @@ class SchedulerConfig:
         p = argparse.ArgumentParser(prog="loraplex serve scheduler")
         p.add_argument("--executor", action="append", default=[],
                        help="executor host:port, dns:///name:port (all its addresses) or "
-                            "file:///path (one address per line); repeatable, re-resolved periodically")
+                            "file:///path (one address per line); repeatable, re-resolved "
+                            "periodically")
         p.add_argument("--discovery-interval-s", type=float, default=5.0)
-        p.add_argument("--store", action="append", default=[], help="adapter store host:port (repeatable)")
-        p.add_argument("--address", default="127.0.0.1:0", help="host:port to listen on (port 0 = any)")
-        p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = off)")
-        p.add_argument("--grace-s", type=float, default=30.0, help="on SIGTERM, time to finish in-flight work")
+        p.add_argument("--store", action="append", default=[],
+                       help="adapter store host:port (repeatable)")
+        p.add_argument("--address", default="127.0.0.1:0",
+                       help="host:port to listen on (port 0 = any)")
+        p.add_argument("--metrics-port", type=int, default=0,
+                       help="Prometheus /metrics port (0 = off)")
+        p.add_argument("--grace-s", type=float, default=30.0,
+                       help="on SIGTERM, time to finish in-flight work")
         p.add_argument("--timings-out", default="", metavar="PATH",
-                       help="append each step's and load's measured time here, for `loraplex fit-cost`")
+                       help="append each step's and load's measured time here, for "
+                            "`loraplex fit-cost`")
         p.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT",
-                       help="accept KEY for TENANT (repeatable); none = open access as tenant 'default'")
-        p.add_argument("--api-key-file", default="", help="file of KEY=TENANT lines (keeps keys off the command line)")
-        p.add_argument("--admin-key", action="append", default=[], help="key for admin RPCs (repeatable)")
+                       help="accept KEY for TENANT (repeatable); none = open access as tenant "
+                            "'default'")
+        p.add_argument("--api-key-file", default="",
+                       help="file of KEY=TENANT lines (keeps keys off the command line)")
+        p.add_argument("--admin-key", action="append", default=[],
+                       help="key for admin RPCs (repeatable)")
         p.add_argument("--tenant-weight", action="append", default=[], metavar="TENANT=W")
         p.add_argument("--rate-limit", action="append", default=[], metavar="TENANT=RPS:TPS",
                        help="per-tenant requests/s and tokens/s (0 = unlimited)")
         p.add_argument("--default-rate-limit", default="0:0", metavar="RPS:TPS")
         p.add_argument("--load-weight", type=float, default=FairnessWeights.load_weight,
-                       help="how much of an adapter load's time a tenant pays, in token-equivalents")
+                       help="how much of an adapter load's time a tenant pays, in "
+                            "token-equivalents")
         for f in fields(Limits):
             p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
         a = p.parse_args(argv)
         if a.api_key_file:
             with open(a.api_key_file) as f:
-                a.api_key += [line.strip() for line in f if line.strip() and not line.startswith("#")]
+                a.api_key += [line.strip() for line in f
+                              if line.strip() and not line.startswith("#")]
         weights = {t: float(w) for t, w in _pairs(a.tenant_weight, "--tenant-weight").items()}
         rates = {t: RateLimit.parse(r) for t, r in _pairs(a.rate_limit, "--rate-limit").items()}
         return cls(executors=tuple(a.executor), stores=tuple(a.store), address=a.address,
-                   discovery_interval_s=a.discovery_interval_s, metrics_port=a.metrics_port, grace_s=a.grace_s,
-                   timings_out=a.timings_out,
+                   discovery_interval_s=a.discovery_interval_s, metrics_port=a.metrics_port,
+                   grace_s=a.grace_s, timings_out=a.timings_out,
                    api_keys=_pairs(a.api_key, "--api-key"), admin_keys=frozenset(a.admin_key),
                    rate_limits=rates, default_rate_limit=RateLimit.parse(a.default_rate_limit),
                    weights=FairnessWeights(load_weight=a.load_weight, tenant_weights=weights),

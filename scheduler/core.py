@@ -1,54 +1,45 @@
 """The scheduler's policy: plain Python over plain data, no gRPC, no tensors.
 
-The service (engine.py) and the simulator (simulator.py) drive the very same object:
+The service (engine.py) and the simulator (sim/simulator.py) drive the very same object:
 `submit`/`cancel` requests; per executor `schedule(ex)` -> StepPlan, then `on_step_done` with the
-sampled tokens; `on_load_done` when an adapter load ends; `on_executor_up/lost`, `drain`, and the
-admin actions in admin.py. `start_load`, `start_unload`, `warm_host` and `wake` are its only
-ways out.
+sampled tokens; `on_load_done` when an adapter load ends; an executor's life through
+`add_executor`, `on_executor_lost`, `drain`/`resume`, `leave`, `stop` and `remove_executor`; the
+admin actions in admin.py; `stats()` for the Stats RPC. `start_load`, `start_unload`, `warm_host`
+and `wake` are its only ways out.
 
 A request is routed to one executor when it arrives (routing.py) and waits in that executor's
-queue (queues.py) until admission finds, in fair order (fairness.py), that its KV blocks fit and its
-adapter is READY there (slots.py); its adapter then stays pinned until it finishes.
+queue (queues.py) until admission finds, in fair order (fairness.py), that its KV blocks fit and
+its adapter is READY there (slots.py); its adapter then stays pinned until it finishes. Where
+requests wait and how they move between executors is placement.py, which Scheduler builds on.
 """
 
 import heapq
-import itertools
 import logging
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from common.adapter_ref import AdapterRef
-from common.errors import LoraplexError, Unavailable
+from common.errors import FailedPrecondition, LoraplexError, Unavailable
 from scheduler.block_manager import BlockManager
 from scheduler.detokenizer import Finish
-from scheduler.executor_state import ExecutorState, Limits, Sample, Sequence, StepPlan
-from scheduler.fairness import FairnessWeights, FairShare
+from scheduler.executor_state import (
+    ExecutorState,
+    Limits,
+    Sample,
+    ScheduledRow,
+    Sequence,
+    StepPlan,
+)
+from scheduler.placement import Placement
 from scheduler.request import ErrorEvent, FinishEvent, Request, Status
-from scheduler.routing import home, score
 from scheduler.slots import Slot, SlotState
+from scheduler.stats import PoolStats, snapshot
 
 log = logging.getLogger(__name__)
-__all__ = ["ExecutorState", "Limits", "Sample", "Scheduler", "Sequence", "StepPlan"]
+__all__ = ["ExecutorState", "Limits", "Sample", "ScheduledRow", "Scheduler", "Sequence",
+           "StepPlan"]
 
 
-class Scheduler:
-    def __init__(self, executors: Iterable[ExecutorState], weights: FairnessWeights, limits: Limits,
-                 start_load: Callable[[ExecutorState, Slot], None], wake: Callable[[], None],
-                 start_unload: Callable[[ExecutorState, int, AdapterRef], None] = (
-                     lambda ex, slot, adapter: None),
-                 clock: Callable[[], float] = time.monotonic,
-                 warm_host: Callable[[AdapterRef], None] = lambda adapter: None):
-        self.executors = []
-        self.limits = limits
-        self.fair = FairShare(weights)
-        self.orphans: list[Request] = []  # queued while no executor can take work
-        self.clock = clock
-        self._start_load, self._start_unload, self._wake = start_load, start_unload, wake
-        self._warm_host = warm_host
-        self._seq_ids = itertools.count(1)
-        for ex in executors:
-            self.add_executor(ex)
-
+class Scheduler(Placement):
     # ---- requests in and out ----------------------------------------------------------------
     def submit(self, req: Request) -> None:
         req.arrival = self.clock()
@@ -66,78 +57,12 @@ class Scheduler:
         self._end(req)
         self._wake()
 
-    # ---- routing ----------------------------------------------------------------------------
-    def _route(self, req: Request, front: bool = False) -> None:
-        ex = self._best_executor(req)
-        self.fair.on_enqueue(req.tenant)
-        if ex is None:
-            req.executor = None
-            self.orphans.append(req)
-            return
-        self._enqueue(ex, req, front)
-
-    def _best_executor(self, req: Request) -> ExecutorState | None:
-        candidates = [ex for ex in self.executors if ex.is_up and not ex.is_draining]
-        if not candidates:
-            return None
-        addresses = [e.address for e in candidates]
-        home_address = home(req.adapter, addresses) if req.adapter else ""
-        return min(candidates, key=lambda e: self._score(e, req, e.address != home_address))
-
-    def _enqueue(self, ex: ExecutorState, req: Request, front: bool = False) -> None:
-        req.executor = ex
-        if req.adapter and not front:
-            ex.popularity.hit(req.adapter, req.arrival)
-        ex.queue.push(req, front)
-        ex.work_tokens += req.work_left
-        if req.adapter and ex.slots.find(req.adapter) is None and not self._place(ex, req):
-            # No slot for it yet (all pinned): have the store bring it into RAM meanwhile, so
-            # that the load, once a slot frees, does not wait on S3.
-            self._warm_host(req.adapter)
-
-    def _rebalance(self) -> None:
-        """Move queued requests to where they would start sooner now."""
-        for req in sorted((r for ex in self.executors for r in ex.queue), key=lambda r: r.arrival):
-            best = self._best_executor(req)
-            if best is not None and best is not req.executor:
-                req.executor.queue.remove(req)
-                req.executor.work_tokens -= req.work_left
-                self._enqueue(best, req)
-
-    def _score(self, ex: ExecutorState, req: Request, is_away: bool) -> float:
-        resident = not req.adapter or ex.slots.find(req.adapter) is not None
-        can_place = resident or ex.slots.can_place(req.adapter, ex.queue.demand)
-        return score(ex.work_tokens, ex.rates, resident, can_place, req.adapter_bytes,
-                     self.limits.slot_wait_s, self.limits.home_bias_s if is_away else 0.0)
-
-    def _place(self, ex: ExecutorState, req: Request) -> bool:
-        """Start loading req's adapter on ex if a slot can take it (prefetch); charge the load."""
-        if not ex.slots.can_place(req.adapter, ex.queue.demand):
-            return False
-        self.start_load_on(ex, req.adapter)
-        req.caused_load = True
-        seconds = ex.rates.load_seconds(req.adapter_bytes)
-        self.fair.charge(req.tenant, self.fair.weights.load_weight * seconds * ex.rates.tokens_per_second)
-        return True
-
-    def start_load_on(self, ex: ExecutorState, adapter: AdapterRef) -> Slot:
-        """Claim a slot of ex for `adapter` and start loading it there (caller checked can_place)."""
-        now = self.clock()
-        slot = ex.slots.place(adapter, ex.queue.demand, lambda a: ex.popularity.value(a, now))
-        ex.num_evictions += bool(slot.evicted)
-        self._start_load(ex, slot)
-        return slot
-
-    def evict_slot(self, ex: ExecutorState, slot: Slot) -> None:
-        adapter = slot.adapter
-        ex.slots.clear(slot)
-        self._start_unload(ex, slot.index, adapter)
-
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self, ex: ExecutorState) -> StepPlan:
-        """Rows for the next step of `ex`: running sequences first, then admissions in fair order."""
+        """Rows for the next step of `ex`: running sequences first, then admissions in fair
+        order."""
         budget = self.limits.max_batched_tokens
-        rows: list[tuple[Sequence, int, list[int]]] = []
+        rows: list[ScheduledRow] = []
         for seq in list(ex.running.values()):
             if budget == 0:
                 break
@@ -145,26 +70,26 @@ class Scheduler:
                 continue
             n = min(len(seq.token_ids) - seq.num_computed, budget)
             if self._make_room(ex, seq, seq.num_computed + n):
-                rows.append((seq, n, ex.blocks.grow(seq.seq_id, seq.num_computed + n)))
+                rows.append(ScheduledRow(seq, n, ex.blocks.grow(seq.seq_id, seq.num_computed + n)))
                 budget -= n
-        rows = [row for row in rows if row[0].seq_id in ex.running]
-        if ex.is_up and not ex.is_draining:
+        rows = [row for row in rows if row.seq.seq_id in ex.running]
+        if ex.is_admitting:
             rows += self._admit(ex, budget)
-        rows.sort(key=lambda row: row[0].slot.index if row[0].slot else -1)
-        new = [seq for seq, _, _ in rows if not seq.is_sent]
+        rows.sort(key=lambda row: row.seq.slot.index if row.seq.slot else -1)
+        new = [row.seq for row in rows if not row.seq.is_sent]
         freed, ex.pending_frees = ex.pending_frees, []
         return StepPlan(freed, new, rows)
 
     def on_step_done(self, ex: ExecutorState, plan: StepPlan, samples: Iterable[Sample],
                      step_seconds: float = 0.0) -> None:
         ex.num_steps += 1
-        ex.rates.observe_step(sum(n for _, n, _ in plan.rows), step_seconds)
+        ex.rates.observe_step(plan.num_tokens, step_seconds)
         for seq in plan.new:
             seq.is_sent = True
-        for seq, n, _ in plan.rows:
-            seq.num_computed += n
-            seq.request.work_left -= n
-            ex.work_tokens -= n
+        for row in plan.rows:
+            row.seq.num_computed += row.num_tokens
+            row.seq.request.work_left -= row.num_tokens
+            ex.work_tokens -= row.num_tokens
         now = self.clock()
         for sample in samples:
             seq = ex.running.get(sample.seq_id)
@@ -178,11 +103,9 @@ class Scheduler:
                 self._finish(ex, seq, finish)
 
     # ---- admission --------------------------------------------------------------------------
-    def _admit(self, ex: ExecutorState, budget: int) -> list[tuple[Sequence, int, list[int]]]:
+    def _admit(self, ex: ExecutorState, budget: int) -> list[ScheduledRow]:
         rows = []
-        for slot in ex.slots.slots:  # a reservation lapses when nobody waits for it any more
-            if slot.reserved_for and slot.reserved_for not in ex.queue.demand:
-                slot.reserved_for = None
+        ex.slots.drop_reservations(ex.queue.demand)
         active = {seq.request.adapter for seq in ex.running.values() if seq.request.adapter}
         heap = [(self.fair.counter(t), t) for t in ex.queue.tenants()]
         heapq.heapify(heap)
@@ -206,7 +129,7 @@ class Scheduler:
                 break  # the fairest request does not fit: admit nobody behind it
             seq = self._start(ex, req, seq_id, tokens)
             n = min(len(tokens), budget)
-            rows.append((seq, n, ex.blocks.grow(seq_id, len(tokens))))
+            rows.append(ScheduledRow(seq, n, ex.blocks.grow(seq_id, len(tokens))))
             budget -= n
             if req.adapter:
                 active.add(req.adapter)
@@ -214,13 +137,15 @@ class Scheduler:
                 heapq.heappush(heap, (self.fair.counter(tenant), tenant))
         return rows
 
-    def _pick(self, ex: ExecutorState, tenant: str, active: set[str], is_fairest: bool) -> Request | None:
-        """The tenant's oldest request that can start on ex now (its adapter READY here, within the
-        distinct-adapter limit, preferring running adapters for up to affinity_max_wait_s).
+    def _pick(self, ex: ExecutorState, tenant: str, active: set[AdapterRef],
+              is_fairest: bool) -> Request | None:
+        """The tenant's oldest request that can start on ex now (its adapter READY here, within
+        the distinct-adapter limit, preferring running adapters for up to affinity_max_wait_s).
         When none can, bring in the adapter of its oldest request: load it if a slot is free, or,
         for the fairest tenant, reserve a slot to drain for it."""
         q, max_adapters = ex.queue, self.limits.max_adapters_per_batch
-        heads = [q.head(tenant, None)] + [q.head(tenant, s.adapter) for s in ex.slots.admissible()]
+        heads = [q.head(tenant, None)]
+        heads += [q.head(tenant, s.adapter) for s in ex.slots.admissible()]
         heads = [r for r in heads if r is not None and (
             not max_adapters or not r.adapter or r.adapter in active or len(active) < max_adapters)]
         if heads:
@@ -265,48 +190,11 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, ex: ExecutorState, seq: Sequence) -> None:
-        """Give a running sequence's blocks back; its request recomputes later from all its tokens."""
-        self._release(ex, seq)
-        req = seq.request
-        req.status = Status.QUEUED
-        req.work_left += seq.num_computed
-        self._route(req, front=True)
-
     def _finish(self, ex: ExecutorState, seq: Sequence, reason: Finish) -> None:
         self._release(ex, seq)
         seq.request.finish_reason = reason
         self._end(seq.request)
         seq.request.emit(FinishEvent(reason))
-
-    def _release(self, ex: ExecutorState, seq: Sequence) -> None:
-        del ex.running[seq.seq_id]
-        ex.blocks.free(seq.seq_id)
-        ex.work_tokens -= seq.request.work_left
-        if seq.slot is not None:
-            ex.slots.unpin(seq.slot)
-        if seq.is_sent:
-            ex.pending_frees.append(seq.seq_id)
-
-    def _dequeue(self, req: Request) -> None:
-        if req.executor is None:
-            self.orphans.remove(req)
-        else:
-            req.executor.queue.remove(req)
-            req.executor.work_tokens -= req.work_left
-        self.fair.on_dequeue(req.tenant)
-
-    def _end(self, req: Request) -> None:
-        req.status = Status.FINISHED
-        req.work_left = 0
-
-    def _fail(self, req: Request, error: LoraplexError) -> None:
-        self._dequeue(req)
-        self._end(req)
-        req.emit(ErrorEvent(error))
-
-    def _sequence_of(self, req: Request) -> Sequence:
-        return next(seq for seq in req.executor.running.values() if seq.request is req)
 
     # ---- executors and loads ----------------------------------------------------------------
     def on_load_done(self, ex: ExecutorState, slot: Slot, adapter: AdapterRef,
@@ -328,22 +216,6 @@ class Scheduler:
                 ex.load_failures.pop(adapter, None)
                 for req in [r for r in ex.queue if r.adapter == adapter]:
                     self._fail(req, error)
-        self._wake()
-
-    def add_executor(self, ex: ExecutorState) -> None:
-        """A new (or reconnected) executor: take its place and the work that had nowhere to go."""
-        ex.popularity.half_life_s = self.limits.popularity_half_life_s
-        self.executors = [e for e in self.executors if e.address != ex.address] + [ex]
-        self._place_work()
-
-    def _place_work(self) -> None:
-        """Route the requests that had nowhere to go, and move queued ones to where they would
-        start sooner now (an executor joined or admits again)."""
-        orphans, self.orphans = self.orphans, []
-        for req in orphans:
-            self.fair.on_dequeue(req.tenant)
-            self._route(req)
-        self._rebalance()
         self._wake()
 
     def remove_executor(self, ex: ExecutorState) -> None:
@@ -377,9 +249,25 @@ class Scheduler:
         self._evacuate(ex, running=False)
         self._wake()
 
+    def leave(self, ex: ExecutorState) -> None:
+        """Ex is gone from discovery: drain it (if up); it is forgotten once drained."""
+        ex.is_leaving = True
+        if ex.is_up:
+            self.drain(ex)
+        self._wake()
+
+    def stop(self, ex: ExecutorState) -> None:
+        """Ex is shutting down (its health said NOT_SERVING): drain it, release it once drained."""
+        ex.is_stopping = True
+        self.drain(ex)
+
     def resume(self, ex: ExecutorState) -> None:
         """Admit on a drained executor again: requests that had nowhere to go (every executor
-        drained) go to it, queued ones that would start sooner there move."""
+        drained) go to it, queued ones that would start sooner there move. Refused for one that
+        is down, leaving or stopping."""
+        if not ex.can_resume:
+            raise FailedPrecondition(f"executor {ex.address} is shutting down, down or leaving "
+                                     "the pool; it cannot admit work")
         ex.is_draining = False
         self._place_work()
 
@@ -391,8 +279,8 @@ class Scheduler:
             self._dequeue(req)
             self._route(req)
 
-    def wake(self) -> None:
-        self._wake()
-
     def has_work(self, ex: ExecutorState) -> bool:
-        return bool(ex.running) or (ex.is_up and not ex.is_draining and len(ex.queue) > 0)
+        return bool(ex.running) or (ex.is_admitting and len(ex.queue) > 0)
+
+    def stats(self) -> PoolStats:
+        return snapshot(self.executors, self.fair, self.totals)

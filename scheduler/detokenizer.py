@@ -20,8 +20,8 @@ class Finish(enum.Enum):
 class OutputProcessor:
     """Per request: decodes output tokens and decides when generation finishes."""
 
-    def __init__(self, tokenizer: Tokenizer | None, *, max_new_tokens: int, stop_token_ids: Sequence[int] = (),
-                 stop: Sequence[str] = ()):
+    def __init__(self, tokenizer: Tokenizer | None, *, max_new_tokens: int,
+                 stop_token_ids: Sequence[int] = (), stop: Sequence[str] = ()):
         self._tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
         self._stop_ids = frozenset(stop_token_ids)
@@ -64,7 +64,8 @@ class OutputProcessor:
             self._prefix, self._read = self._read, len(ids)
 
     def _flush(self, end: int) -> str:
-        """Return text[emitted:end] and move the emitted mark; the text is cut at `end` on finish."""
+        """Return text[emitted:end] and move the emitted mark; the text is cut at `end` on
+        finish."""
         end = max(end, self._emitted)
         delta = self.text[self._emitted:end]
         self._emitted = end

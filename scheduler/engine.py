@@ -1,7 +1,9 @@
-"""The scheduler's I/O half: one step loop per executor, adapter loads, reconnects.
+"""The scheduler's I/O half: one step loop per executor, adapter loads, reconnects, discovery.
 
 Each loop is three lines of substance: `schedule`, `step` (one round trip on the executor's step
-stream), `on_step_done`. Everything it decides comes from scheduler.core.
+stream), `on_step_done`. Everything it decides comes from scheduler.core; what it learns of an
+executor's life (gone from discovery, NOT_SERVING, lost) it tells the core, and it asks the
+executor's state (ExecutorState) when a link may close.
 """
 
 import asyncio
@@ -40,20 +42,19 @@ class ExecutorLink:
         self.address = address
         self.channel = insecure_channel(address)
         self.stub = executor_pb2_grpc.ExecutorStub(self.channel)
-        self.is_leaving = False  # gone from discovery: forget it once drained
-        self.is_stopping = False  # its health said NOT_SERVING: release it once drained
         self.info: executor_pb2.InfoResponse | None = None
-        self.state = ExecutorState(address, BlockManager(1, 1), SlotTable(0), max_rank=0, is_up=False)
+        self.state = ExecutorState(address, BlockManager(1, 1), SlotTable(0))  # until connected
         self._call = None
         self.woken = asyncio.Event()
 
     async def connect(self) -> None:
         """Fetch Info, reset our view of the executor, and open a fresh step stream."""
-        self.is_stopping = False
         self.info = await self.stub.Info(executor_pb2.InfoRequest())
         # Slots the executor still holds from an earlier scheduler are not ours to trust: reload.
-        self.state = ExecutorState(self.address, BlockManager(self.info.num_kv_blocks, self.info.block_size),
-                                   SlotTable(self.info.num_adapter_slots), self.info.max_lora_rank)
+        # A departing executor stays departing; a stopping one that answers again is not.
+        blocks = BlockManager(self.info.num_kv_blocks, self.info.block_size)
+        self.state = ExecutorState(self.address, blocks, SlotTable(self.info.num_adapter_slots),
+                                   is_leaving=self.state.is_leaving)
         self._call = self.stub.Step()
 
     async def step(self, plan: StepPlan) -> tuple[list[Sample], float]:
@@ -62,8 +63,9 @@ class ExecutorLink:
             new_sequences=[executor_pb2.NewSequence(
                 seq_id=seq.seq_id, token_ids=seq.token_ids, slot=seq.slot.index if seq.slot else -1,
                 sampling=seq.request.sampling.to_pb()) for seq in plan.new],
-            rows=[executor_pb2.ScheduledRow(seq_id=seq.seq_id, num_tokens=n, new_block_ids=blocks)
-                  for seq, n, blocks in plan.rows])
+            rows=[executor_pb2.ScheduledRow(seq_id=row.seq.seq_id, num_tokens=row.num_tokens,
+                                            new_block_ids=row.new_block_ids)
+                  for row in plan.rows])
         await self._call.write(req)
         resp = await self._call.read()
         if resp is grpc.aio.EOF:
@@ -88,7 +90,8 @@ class Engine:
         self._warmed: dict[AdapterRef, float] = {}  # adapter -> when last asked for (monotonic)
         self._warming: set[asyncio.Task] = set()
         self.metrics = SchedulerMetrics(self.core)
-        self.first_info: asyncio.Future[executor_pb2.InfoResponse] = asyncio.get_running_loop().create_future()
+        self.first_info: asyncio.Future[executor_pb2.InfoResponse] = (
+            asyncio.get_running_loop().create_future())
         self._specs = executor_specs
         self._interval = discovery_interval_s
         self._tasks: set[asyncio.Task] = set()
@@ -128,19 +131,17 @@ class Engine:
             for address in sorted(found - set(self.links)):
                 log.info("executor %s joined", address)
                 link = self.links[address] = ExecutorLink(address)
-                self._link_tasks[address] = [self._spawn(self._run(link)), self._spawn(self._watch(link))]
+                self._link_tasks[address] = [self._spawn(self._run(link)),
+                                             self._spawn(self._watch(link))]
             for address in sorted(set(self.links) - found):
                 self._leave(self.links[address])
             await asyncio.sleep(self._interval)
 
     def _leave(self, link: ExecutorLink) -> None:
         """Stop admitting on a departing executor; its link goes once its sequences finish."""
-        if not link.is_leaving:
+        if not link.state.is_leaving:
             log.info("executor %s left: draining", link.address)
-            link.is_leaving = True
-            if link.state.is_up:
-                self.core.drain(link.state)
-            link.woken.set()
+            self.core.leave(link.state)
 
     def _forget(self, link: ExecutorLink) -> None:
         for task in self._link_tasks.pop(link.address, []):
@@ -156,10 +157,9 @@ class Engine:
         while True:
             try:
                 async for status in stub.Watch(health_pb2.HealthCheckRequest(service="")):
-                    if status.status == health_pb2.HealthCheckResponse.NOT_SERVING and link.state.is_up:
-                        link.is_stopping = True
-                        self.core.drain(link.state)
-                        link.woken.set()
+                    is_stopping = status.status == health_pb2.HealthCheckResponse.NOT_SERVING
+                    if is_stopping and link.state.is_up:
+                        self.core.stop(link.state)
             except grpc.aio.AioRpcError:
                 pass
             await asyncio.sleep(RECONNECT_SECONDS)
@@ -184,7 +184,7 @@ class Engine:
             link.close()
             if link.state.is_up:
                 self.core.on_executor_lost(link.state, error)
-            if link.is_leaving:
+            if link.state.is_leaving:
                 return self._forget(link)
             await asyncio.sleep(RECONNECT_SECONDS)
 
@@ -194,16 +194,17 @@ class Engine:
             self.first_info.set_result(link.info)
         model_id = self.first_info.result().model_id
         if link.info.model_id != model_id:
-            raise Unavailable(f"executor {link.address} serves {link.info.model_id!r}, pool is {model_id!r}")
+            raise Unavailable(f"executor {link.address} serves {link.info.model_id!r}, pool is "
+                              f"{model_id!r}")
         self.core.add_executor(link.state)
-        log.info("executor %s up: %d KV blocks, %d slots", link.address, link.info.num_kv_blocks,
-                 link.info.num_adapter_slots)
+        log.info("executor %s up: %d KV blocks, %d slots", link.address,
+                 link.info.num_kv_blocks, link.info.num_adapter_slots)
 
     async def _step_loop(self, link: ExecutorLink) -> None:
         """Step until the executor is drained and leaving or stopping: closing the step stream then
         lets a stopping executor exit at once. An operator's Drain keeps it listed, idle."""
         ex = link.state
-        while not (ex.is_drained and (link.is_leaving or link.is_stopping)):
+        while not ex.is_retired:
             link.woken.clear()
             plan = self.core.schedule(ex)
             if not plan:
@@ -212,8 +213,7 @@ class Engine:
             samples, seconds = await link.step(plan)
             self.metrics.on_step(link.address, plan, seconds)
             if self.timings is not None:
-                self.timings.step(link.address, sum(n for _, n, _ in plan.rows),
-                                  len({seq.slot.index for seq, _, _ in plan.rows if seq.slot}), seconds)
+                self.timings.step(link.address, plan.num_tokens, plan.num_adapters, seconds)
             self.core.on_step_done(ex, plan, samples, seconds)
         log.info("executor %s drained", link.address)
 
@@ -260,4 +260,5 @@ class Engine:
         try:
             await link.stub.UnloadAdapter(request)
         except grpc.aio.AioRpcError as err:  # the scheduler's table is the truth; this only tidies
-            log.warning("unloading slot %d on %s failed: %s", request.slot, link.address, err.details())
+            log.warning("unloading slot %d on %s failed: %s", request.slot, link.address,
+                        err.details())

@@ -1,4 +1,5 @@
-"""Plain data the scheduler keeps per executor, and what one step carries."""
+"""Plain data the scheduler keeps per executor (placement, lifecycle, counters), the limits it
+schedules under, and what one step carries (StepPlan of ScheduledRows, Samples back)."""
 
 from dataclasses import dataclass, field
 
@@ -31,13 +32,14 @@ class Limits:
 
     def __post_init__(self) -> None:
         if self.popularity_half_life_s <= 0:
-            raise ValueError(f"popularity_half_life_s must be > 0, got {self.popularity_half_life_s}")
+            raise ValueError("popularity_half_life_s must be > 0, got "
+                             f"{self.popularity_half_life_s}")
         for name in ("max_num_seqs", "max_batched_tokens", "max_load_attempts",
                      "max_executor_failures"):
             if getattr(self, name) < 1:
                 raise ValueError(f"scheduler limit {name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_adapters_per_batch", "affinity_max_wait_s", "slot_wait_s", "max_reserved_slots",
-                     "fairness_window", "home_bias_s"):
+        for name in ("max_adapters_per_batch", "affinity_max_wait_s", "slot_wait_s",
+                     "max_reserved_slots", "fairness_window", "home_bias_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"scheduler limit {name} must be >= 0, got {getattr(self, name)}")
 
@@ -56,12 +58,13 @@ class Sequence:
 
 @dataclass(eq=False)
 class ExecutorState:
-    """What the scheduler knows of one executor: the single source of truth for placement."""
+    """What the scheduler knows of one executor: the single source of truth for placement, and
+    where it is in its life. The lifecycle flags change only through the core's methods
+    (add_executor, on_executor_lost, drain, resume, leave, stop); the engine asks them."""
 
     address: str
     blocks: BlockManager
     slots: SlotTable
-    max_rank: int
     queue: ExecutorQueue = field(default_factory=ExecutorQueue)
     running: dict[int, Sequence] = field(default_factory=dict)  # seq_id -> seq, admission order
     pending_frees: list[int] = field(default_factory=list)
@@ -69,26 +72,61 @@ class ExecutorState:
     popularity: Popularity = field(default_factory=Popularity)  # of adapters routed here
     work_tokens: float = 0.0  # tokens still to compute for its queued and running requests
     load_failures: dict[AdapterRef, int] = field(default_factory=dict)
-    is_up: bool = True
-    is_draining: bool = False
+    is_up: bool = False  # connected and stepping: from add_executor until on_executor_lost
+    is_draining: bool = False  # admits nothing new; its running sequences finish
+    is_leaving: bool = False  # gone from discovery: forget it once drained
+    is_stopping: bool = False  # its health said NOT_SERVING: release it once drained
     num_steps: int = 0
     num_loads: int = 0
     num_hits: int = 0
     num_evictions: int = 0
 
     @property
+    def is_admitting(self) -> bool:
+        return self.is_up and not self.is_draining
+
+    @property
     def is_drained(self) -> bool:
         return self.is_draining and not self.running
+
+    @property
+    def is_retired(self) -> bool:
+        """Drained and leaving or stopping: its step stream may close."""
+        return self.is_drained and (self.is_leaving or self.is_stopping)
+
+    @property
+    def can_resume(self) -> bool:
+        """An operator may let it admit again: it is up and neither leaving nor stopping."""
+        return self.is_up and not (self.is_leaving or self.is_stopping)
+
+
+@dataclass(frozen=True)
+class ScheduledRow:
+    """One sequence's share of a step: its next `num_tokens` tokens, and the KV blocks it was
+    given for them."""
+
+    seq: Sequence
+    num_tokens: int
+    new_block_ids: list[int]
 
 
 @dataclass
 class StepPlan:
-    freed: list[int]
-    new: list[Sequence]
-    rows: list[tuple[Sequence, int, list[int]]]  # (seq, num_tokens, new block ids), sorted by slot
+    freed: list[int]  # sequences the executor may forget
+    new: list[Sequence]  # sequences the executor has not seen yet
+    rows: list[ScheduledRow]  # sorted by slot: each adapter's rows are contiguous
 
     def __bool__(self) -> bool:
         return bool(self.rows)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(row.num_tokens for row in self.rows)
+
+    @property
+    def num_adapters(self) -> int:
+        """Distinct adapters (slots) among the rows."""
+        return len({row.seq.slot.index for row in self.rows if row.seq.slot})
 
 
 @dataclass(frozen=True)

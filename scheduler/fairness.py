@@ -40,7 +40,8 @@ class FairnessWeights:
         return self.tenant_weights.get(tenant, 1.0)
 
 
-def service_bound(w: FairnessWeights, max_prompt: int, max_load_tokens: float, max_step_tokens: int) -> float:
+def service_bound(w: FairnessWeights, max_prompt: int, max_load_tokens: float,
+                  max_step_tokens: int) -> float:
     """Pure VTC's bound on the service gap of two backlogged tenants (window 0, no load waits)."""
     return 2 * max(w.input_weight * max_prompt + max_load_tokens, w.output_weight * max_step_tokens)
 
@@ -49,7 +50,8 @@ def spread_bound(w: FairnessWeights, window: float, max_prompt: int, max_load_to
                  max_running_output: int) -> float:
     """Our bound on the counter spread of backlogged tenants: the window, plus one admission's
     charge, plus the output its already-running sequences may still be charged."""
-    return window + w.input_weight * max_prompt + max_load_tokens + w.output_weight * max_running_output
+    return (window + w.input_weight * max_prompt + max_load_tokens
+            + w.output_weight * max_running_output)
 
 
 class FairShare:
@@ -77,7 +79,8 @@ class FairShare:
             del self.backlog[tenant]
 
     def charge(self, tenant: str, token_equivalents: float) -> None:
-        self.counters[tenant] = self.counter(tenant) + token_equivalents / self.weights.weight(tenant)
+        weight = self.weights.weight(tenant)
+        self.counters[tenant] = self.counter(tenant) + token_equivalents / weight
 
     def charge_input(self, tenant: str, num_tokens: int) -> None:
         self.charge(tenant, self.weights.input_weight * num_tokens)

@@ -6,6 +6,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from common.metrics import BoundedLabel
 from scheduler.core import Scheduler
+from scheduler.executor_state import StepPlan
 from scheduler.request import Request
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -18,8 +19,9 @@ class SchedulerMetrics:
         r = self.registry
         self.ttft = Histogram("loraplex_time_to_first_token_seconds", "Arrival to first token.",
                               ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("loraplex_time_per_output_token_seconds", "Mean time between output tokens.",
-                              ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("loraplex_time_per_output_token_seconds",
+                              "Mean time between output tokens.", ["tenant"],
+                              buckets=LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("loraplex_queue_seconds", "Arrival to admission.", ["tenant"],
                                buckets=LATENCY_BUCKETS, registry=r)
         self.tokens = Counter("loraplex_tokens", "Tokens served.", ["tenant", "kind"], registry=r)
@@ -28,18 +30,20 @@ class SchedulerMetrics:
         self.batch = Histogram("loraplex_step_rows", "Rows (sequences) per step.", ["executor"],
                                buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
         self.adapters = Histogram("loraplex_step_distinct_adapters", "Distinct adapters per step.",
-                                  ["executor"], buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128), registry=r)
-        self.load = Histogram("loraplex_adapter_load_seconds", "Adapter load time, request to slot ready.",
-                              ["executor"], buckets=LATENCY_BUCKETS, registry=r)
+                                  ["executor"], buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128),
+                                  registry=r)
+        self.load = Histogram("loraplex_adapter_load_seconds",
+                              "Adapter load time, request to slot ready.", ["executor"],
+                              buckets=LATENCY_BUCKETS, registry=r)
         self.host_prewarms = Counter(
             "loraplex_host_prewarms", "Adapters a store was asked to bring into RAM while their "
             "requests waited for a slot.", registry=r)
         r.register(_CoreCollector(core, self.tenant))
 
-    def on_step(self, executor: str, plan, seconds: float) -> None:
+    def on_step(self, executor: str, plan: StepPlan, seconds: float) -> None:
         self.step.labels(executor).observe(seconds)
         self.batch.labels(executor).observe(len(plan.rows))
-        self.adapters.labels(executor).observe(len({seq.slot.index for seq, _, _ in plan.rows if seq.slot}))
+        self.adapters.labels(executor).observe(plan.num_adapters)
 
     def on_finish(self, req: Request, now: float) -> None:
         tenant = self.tenant(req.tenant)
@@ -50,7 +54,8 @@ class SchedulerMetrics:
         if req.first_token_at is not None:
             self.ttft.labels(tenant).observe(req.first_token_at - req.arrival)
             if req.output.num_tokens > 1:
-                self.tpot.labels(tenant).observe((now - req.first_token_at) / (req.output.num_tokens - 1))
+                seconds = (now - req.first_token_at) / (req.output.num_tokens - 1)
+                self.tpot.labels(tenant).observe(seconds)
 
 
 class _CoreCollector:
@@ -71,8 +76,10 @@ class _CoreCollector:
             for ex in self._core.executors:
                 family.add_metric([ex.address], getattr(ex, attr))
             yield family
-        running = GaugeMetricFamily("loraplex_running_sequences", "Sequences running.", labels=["executor"])
-        queued = GaugeMetricFamily("loraplex_queued_requests", "Requests queued.", labels=["executor"])
+        running = GaugeMetricFamily("loraplex_running_sequences", "Sequences running.",
+                                    labels=["executor"])
+        queued = GaugeMetricFamily("loraplex_queued_requests", "Requests queued.",
+                                   labels=["executor"])
         free = GaugeMetricFamily("loraplex_free_kv_blocks", "Free KV blocks.", labels=["executor"])
         for ex in self._core.executors:
             running.add_metric([ex.address], len(ex.running))
@@ -80,7 +87,8 @@ class _CoreCollector:
             free.add_metric([ex.address], ex.blocks.num_free)
         yield from (running, queued, free)
         counters = GaugeMetricFamily("loraplex_tenant_virtual_counter",
-                                     "Virtual-time counter of each tenant (token-equivalents).", labels=["tenant"])
+                                     "Virtual-time counter of each tenant (token-equivalents).",
+                                     labels=["tenant"])
         by_label: dict[str, float] = {}
         for tenant, value in self._core.fair.counters.items():
             label = self._tenant(tenant)

@@ -25,7 +25,8 @@ class RateLimit:
         try:
             rps, tps = (float(x) for x in text.split(":"))
         except ValueError:
-            raise ValueError(f"rate limit must look like REQUESTS_PER_S:TOKENS_PER_S, got {text!r}") from None
+            raise ValueError("rate limit must look like REQUESTS_PER_S:TOKENS_PER_S, got "
+                             f"{text!r}") from None
         if rps < 0 or tps < 0:
             raise ValueError(f"rate limits must be >= 0, got {text!r}")
         return cls(rps, tps)
@@ -71,8 +72,9 @@ class RateLimiter:
         tokens.refill(now)
         wait = max(requests.wait_for(1), tokens.wait_for(num_tokens))
         if wait > 0:
-            err = ResourceExhausted(f"tenant {tenant!r} is over its rate limit ({limit.requests_per_s:g} "
-                                    f"requests/s, {limit.tokens_per_s:g} tokens/s); retry in {wait:.2f}s")
+            err = ResourceExhausted(f"tenant {tenant!r} is over its rate limit "
+                                    f"({limit.requests_per_s:g} requests/s, "
+                                    f"{limit.tokens_per_s:g} tokens/s); retry in {wait:.2f}s")
             err.trailers = ((wire.RETRY_AFTER, f"{wait:.3f}"),)
             raise err
         requests.pay(1)

@@ -16,7 +16,8 @@ from protos import adapter_store_pb2, adapter_store_pb2_grpc, common_pb2
 log = logging.getLogger(__name__)
 class RegistryClient:
     def __init__(self, stores: tuple[str, ...]):
-        self._stores = [(a, adapter_store_pb2_grpc.AdapterStoreStub(insecure_channel(a))) for a in stores]
+        self._stores = [(a, adapter_store_pb2_grpc.AdapterStoreStub(insecure_channel(a)))
+                        for a in stores]
 
     async def warm(self, adapter: AdapterRef) -> None:
         """Have the first store that answers bring the version into its RAM tier (best effort:

@@ -54,7 +54,8 @@ def score(work_tokens: float, rates: Rates, is_resident: bool, can_place: bool, 
 
 def home(adapter: AdapterRef, addresses: list[str]) -> str:
     """The adapter's home executor by rendezvous hashing: stable as executors come and go."""
-    return max(addresses, key=lambda a: hashlib.blake2b(f"{adapter}|{a}".encode(), digest_size=8).digest())
+    return max(addresses, key=lambda a: hashlib.blake2b(f"{adapter}|{a}".encode(),
+                                                        digest_size=8).digest())
 
 
 @dataclass

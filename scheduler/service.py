@@ -1,4 +1,5 @@
-"""The scheduler's gRPC face: authenticate, validate, queue, stream. Policy lives in scheduler.core."""
+"""The scheduler's gRPC face: authenticate, validate, queue, stream; admin RPCs convert their
+messages and delegate (from_pb -> core or admin.py -> to_pb). Policy lives in scheduler.core."""
 
 import asyncio
 import itertools
@@ -9,7 +10,6 @@ from tokenizers import Tokenizer
 from common import wire
 from common.adapter_ref import AdapterRef
 from common.errors import (
-    FailedPrecondition,
     InvalidArgument,
     PermissionDenied,
     Unauthenticated,
@@ -28,13 +28,14 @@ from scheduler.engine import Engine
 from scheduler.ratelimit import RateLimiter
 from scheduler.registry_client import RegistryClient
 from scheduler.request import ErrorEvent, Event, FinishEvent, Request, Status
-from scheduler.slots import SlotState
+from scheduler.stats import ExecutorStats, PoolStats, TenantStats
 from scheduler.timings import TimingLog
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "default"
-_FINISH_PB = {Finish.LENGTH: scheduler_pb2.FINISH_REASON_LENGTH, Finish.STOP: scheduler_pb2.FINISH_REASON_STOP}
+_FINISH_PB = {Finish.LENGTH: scheduler_pb2.FINISH_REASON_LENGTH,
+              Finish.STOP: scheduler_pb2.FINISH_REASON_STOP}
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -42,12 +43,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._config = config
         self._engine = engine
         self._registry = registry
-        self._info = engine.first_info.result()
-        self._tokenizer = Tokenizer.from_str(self._info.tokenizer_json) if self._info.tokenizer_json else None
-        self._chars_per_token = validation.max_chars_per_token(self._tokenizer) if self._tokenizer else 1
+        self._info = info = engine.first_info.result()
+        self._tokenizer = Tokenizer.from_str(info.tokenizer_json) if info.tokenizer_json else None
+        self._chars_per_token = (validation.max_chars_per_token(self._tokenizer)
+                                 if self._tokenizer else 1)
         self._ids = itertools.count(1)
         self._rate_limiter = RateLimiter(config.rate_limits, config.default_rate_limit)
-        self.tenant_totals: dict[str, dict[str, int]] = {}
 
     async def Generate(self, request, context):
         events: asyncio.Queue[Event] = asyncio.Queue()
@@ -61,27 +62,29 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 if isinstance(event, ErrorEvent):
                     await context.abort(*status_for(event.error), event.error.trailers)
                 if isinstance(event, FinishEvent):
-                    yield scheduler_pb2.GenerateResponse(finish_reason=_FINISH_PB[event.reason],
-                                                         usage=self._usage(req))
+                    yield scheduler_pb2.GenerateResponse(
+                        finish_reason=_FINISH_PB[event.reason], usage=self._usage(req))
                     return
-                yield scheduler_pb2.GenerateResponse(token_id=event.token_id, logprob=event.logprob,
-                                                     text=event.text)
+                yield scheduler_pb2.GenerateResponse(token_id=event.token_id,
+                                                     logprob=event.logprob, text=event.text)
         finally:
             if req.status is not Status.FINISHED:  # the client cancelled or went away
                 self._engine.core.cancel(req)
-            self._count(req)
+            self._engine.metrics.on_finish(req, self._engine.core.clock())
 
     def _tenant(self, context) -> str:
         if not self._config.api_keys:
             return DEFAULT_TENANT
         tenant = self._config.api_keys.get(_bearer(context))
         if tenant is None:
-            raise Unauthenticated("missing or unknown API key: send metadata 'authorization: Bearer <key>'")
+            raise Unauthenticated("missing or unknown API key: send metadata "
+                                  "'authorization: Bearer <key>'")
         return tenant
 
     def _check_admin(self, context) -> None:
         if self._config.admin_keys and _bearer(context) not in self._config.admin_keys:
-            raise PermissionDenied("admin RPCs need an admin key: 'authorization: Bearer <admin key>'")
+            raise PermissionDenied("admin RPCs need an admin key: "
+                                   "'authorization: Bearer <admin key>'")
 
     async def _make_request(self, pb: scheduler_pb2.GenerateRequest, tenant: str, emit) -> Request:
         info = self._info
@@ -96,7 +99,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if pb.WhichOneof("prompt") == "text":
             if self._tokenizer is None:
                 raise InvalidArgument("this model has no tokenizer: send prompt token ids")
-            # Tokenizing holds the event loop (and the GIL): a text that cannot fit is refused first.
+            # Tokenizing holds the event loop (and the GIL): a text that cannot fit is refused
+            # first.
             validation.check_text_length(pb.text, max_new, self._chars_per_token, info)
             prompt = self._tokenizer.encode(pb.text).ids
         else:
@@ -107,7 +111,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         stop_ids = list(pb.stop_token_ids) + ([] if pb.ignore_eos else list(info.eos_token_ids))
         output = OutputProcessor(self._tokenizer, max_new_tokens=max_new, stop_token_ids=stop_ids,
                                  stop=list(pb.stop))
-        return Request(next(self._ids), tenant, adapter, adapter_bytes, prompt, sampling, output, emit)
+        return Request(next(self._ids), tenant, adapter, adapter_bytes, prompt, sampling, output,
+                       emit)
 
     @staticmethod
     def _usage(req: Request) -> scheduler_pb2.Usage:
@@ -117,31 +122,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             time_to_first_token_seconds=(req.first_token_at or req.arrival) - req.arrival,
             adapter=_pb(req.adapter))
 
-    def _count(self, req: Request) -> None:
-        self._engine.metrics.on_finish(req, self._engine.core.clock())
-        totals = self.tenant_totals.setdefault(req.tenant, {"requests": 0, "prompt": 0, "completion": 0,
-                                                            "loads": 0})
-        totals["requests"] += 1
-        totals["prompt"] += len(req.prompt_ids)
-        totals["completion"] += req.output.num_tokens
-        totals["loads"] += req.caused_load
-
     async def Stats(self, request, context):
-        core = self._engine.core
-        running: dict[str, int] = {}
-        for ex in core.executors:
-            for seq in ex.running.values():
-                running[seq.request.tenant] = running.get(seq.request.tenant, 0) + 1
-        queued = {t: sum(ex.queue.queued(t) for ex in core.executors) for t in core.fair.backlog}
-        tenants = sorted(set(core.fair.counters) | set(self.tenant_totals))
-        totals = {t: self.tenant_totals.get(t, {}) for t in tenants}
-        return scheduler_pb2.StatsResponse(
-            executors=[_executor_stats(ex) for ex in core.executors],
-            tenants=[scheduler_pb2.TenantStats(
-                tenant=t, queued=queued.get(t, 0), running=running.get(t, 0),
-                virtual_counter=core.fair.counter(t), requests=totals[t].get("requests", 0),
-                prompt_tokens=totals[t].get("prompt", 0), completion_tokens=totals[t].get("completion", 0),
-                adapter_loads_caused=totals[t].get("loads", 0)) for t in tenants])
+        return _stats_pb(self._engine.core.stats())
 
     async def Prewarm(self, request, context):
         async with grpc_errors(context):
@@ -149,15 +131,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             found = await self._registry.resolve(request.adapter, "")
             validation.check_adapter(found, self._info)
             key = AdapterRef(found.name, found.version)
-            core = self._engine.core
-            chosen = admin.prewarm(core, key, found.num_bytes, request.num_executors or 1, request.pin)
-            core.wake()
-            while request.wait and any(ex.slots.find(key) is not None and
-                                       ex.slots.find(key).state is SlotState.LOADING for ex in chosen):
-                await asyncio.sleep(0.02)
-            failed = [ex.address for ex in chosen if ex.slots.find(key) is None]
-            if request.wait and failed:
-                raise Unavailable(f"loading {key} failed on {', '.join(failed)}; see the executor logs")
+            chosen = admin.prewarm(self._engine.core, key, found.num_bytes,
+                                   request.num_executors or 1, request.pin)
+            if request.wait:
+                failed = await admin.loads_done(chosen, key)
+                if failed:
+                    raise Unavailable(f"loading {key} failed on {', '.join(failed)}; see the "
+                                      "executor logs")
             return scheduler_pb2.PrewarmResponse(adapter=key.to_pb(),
                                                  executors=[ex.address for ex in chosen])
 
@@ -180,10 +160,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         async with grpc_errors(context):
             self._check_admin(context)
             ex = admin.find_executor(self._engine.core, request.executor)
-            link = self._engine.links.get(ex.address)
-            if link is None or link.is_stopping or link.is_leaving or not ex.is_up:
-                raise FailedPrecondition(f"executor {ex.address} is shutting down, down or "
-                                         "leaving the pool; it cannot admit work")
             self._engine.core.resume(ex)
             return scheduler_pb2.ResumeResponse(queued=len(ex.queue))
 
@@ -197,16 +173,29 @@ def _pb(adapter: AdapterRef | None) -> common_pb2.AdapterRef | None:
     return adapter.to_pb() if adapter else None
 
 
-def _executor_stats(ex) -> scheduler_pb2.ExecutorStats:
+def _stats_pb(stats: PoolStats) -> scheduler_pb2.StatsResponse:
+    return scheduler_pb2.StatsResponse(executors=[_executor_pb(ex) for ex in stats.executors],
+                                       tenants=[_tenant_pb(t) for t in stats.tenants])
+
+
+def _executor_pb(ex: ExecutorStats) -> scheduler_pb2.ExecutorStats:
     return scheduler_pb2.ExecutorStats(
-        address=ex.address, running=len(ex.running), free_kv_blocks=ex.blocks.num_free,
-        num_kv_blocks=ex.blocks.num_blocks, steps=ex.num_steps, adapter_loads=ex.num_loads,
-        adapter_hits=ex.num_hits, queued=len(ex.queue), is_draining=ex.is_draining,
+        address=ex.address, running=ex.running, free_kv_blocks=ex.free_kv_blocks,
+        num_kv_blocks=ex.num_kv_blocks, steps=ex.num_steps, adapter_loads=ex.num_loads,
+        adapter_hits=ex.num_hits, queued=ex.queued, is_draining=ex.is_draining,
         is_drained=ex.is_drained, is_up=ex.is_up,
         slots=[scheduler_pb2.SlotStats(adapter=_pb(s.adapter), state=s.state.value, pins=s.pins,
                                        is_admin_pinned=s.is_admin_pinned,
                                        reserved_for=_pb(s.reserved_for))
-               for s in ex.slots.slots])
+               for s in ex.slots])
+
+
+def _tenant_pb(t: TenantStats) -> scheduler_pb2.TenantStats:
+    return scheduler_pb2.TenantStats(
+        tenant=t.tenant, queued=t.queued, running=t.running, virtual_counter=t.virtual_counter,
+        requests=t.totals.requests, prompt_tokens=t.totals.prompt_tokens,
+        completion_tokens=t.totals.completion_tokens,
+        adapter_loads_caused=t.totals.adapter_loads_caused)
 
 
 async def serve(config: SchedulerConfig, ready_timeout: float = 300.0) -> None:
@@ -219,9 +208,10 @@ async def serve(config: SchedulerConfig, ready_timeout: float = 300.0) -> None:
     async with asyncio.timeout(ready_timeout):
         await asyncio.shield(engine.first_info)
     servicer = SchedulerServicer(config, engine, registry)
-    service = Service("scheduler", config.address,
-                      lambda server: scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server),
-                      [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name])
+    service = Service(
+        "scheduler", config.address,
+        lambda server: scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server),
+        [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name])
     port = await service.start()
     serve_metrics(config.metrics_port, engine.metrics.registry)
     await service.mark_serving()

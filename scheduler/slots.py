@@ -2,13 +2,16 @@
 
 A slot is EMPTY, LOADING or READY. Running sequences pin the slot of their adapter for their whole
 life; a pinned slot is never evicted, nor is one an operator pinned (pre-warm with pin). Among the
-other READY slots the least popular one (decayed request counts, routing.Popularity; LRU among equals)
-that no queued request wants is given up when a new adapter needs room; a wanted adapter is never
-evicted to prefetch another.
+other READY slots the least popular one (decayed request counts, routing.Popularity; LRU among
+equals) that no queued request wants is given up when a new adapter needs room; a wanted adapter is
+never evicted to prefetch another.
 
 When every slot is pinned, the fairest waiting request may RESERVE one (the least pinned, then
 least recently used): no new sequence is admitted onto a reserved slot, so it drains and goes to
 that request's adapter. This bounds how long a cold adapter can wait under sustained load.
+
+SlotTable is the only writer of slot fields. Whoever waits for a load (a pre-warm) is told when
+the slot leaves LOADING: READY, or cleared (the load failed, the executor went away).
 """
 
 import enum
@@ -32,7 +35,7 @@ class Slot:
     adapter: AdapterRef | None = None  # while LOADING or READY
     pins: int = 0  # running sequences using it
     last_used: int = 0  # logical clock, for LRU
-    is_admin_pinned: bool = False  # pre-warmed with pin: never evicted until evicted by an operator
+    is_admin_pinned: bool = False  # pre-warmed with pin: evicted only by an operator
     reserved_for: AdapterRef | None = None  # adapter waiting for this slot to drain
     uses: int = 0  # sequences that pinned it since it became ready
     evicted: AdapterRef | None = None  # the adapter its last placement replaced
@@ -43,6 +46,8 @@ class SlotTable:
         self.slots = [Slot(i) for i in range(num_slots)]
         self._by_adapter: dict[AdapterRef, Slot] = {}
         self._clock = itertools.count(1)
+        # adapter -> callbacks told whether its load ended READY
+        self._waiters: dict[AdapterRef, list[Callable[[bool], None]]] = {}
 
     def find(self, adapter: AdapterRef) -> Slot | None:
         """The slot holding or loading `adapter`, if any."""
@@ -59,7 +64,8 @@ class SlotTable:
         recently used among equals; plain LRU without `popularity`)."""
         slot = self._victim(adapter, wanted, popularity)
         if slot is None:
-            raise RuntimeError(f"no slot can take {adapter}: every slot is pinned, loading or wanted")
+            raise RuntimeError(f"no slot can take {adapter}: every slot is pinned, loading or "
+                               "wanted")
         self._by_adapter.pop(slot.adapter, None)
         slot.evicted = slot.adapter
         slot.state, slot.adapter, slot.pins = SlotState.LOADING, adapter, 0
@@ -87,16 +93,39 @@ class SlotTable:
     def num_reserved(self) -> int:
         return sum(1 for s in self.slots if s.reserved_for)
 
+    def drop_reservations(self, wanted: Collection[AdapterRef | None]) -> None:
+        """A reservation lapses when nobody waits for its adapter any more."""
+        for slot in self.slots:
+            if slot.reserved_for and slot.reserved_for not in wanted:
+                slot.reserved_for = None
+
+    def pin_by_admin(self, slot: Slot) -> None:
+        """An operator pinned it (pre-warm with pin): only an operator's eviction frees it."""
+        slot.is_admin_pinned = True
+
+    def when_loaded(self, adapter: AdapterRef, callback: Callable[[bool], None]) -> None:
+        """Call `callback(is_ready)` once `adapter`'s load here ends: at once unless it is
+        loading (True when it is READY here, False when no slot holds it)."""
+        slot = self.find(adapter)
+        if slot is not None and slot.state is SlotState.LOADING:
+            self._waiters.setdefault(adapter, []).append(callback)
+        else:
+            callback(slot is not None)
+
     def mark_ready(self, slot: Slot) -> None:
         slot.state, slot.uses = SlotState.READY, 0
         slot.last_used = next(self._clock)
+        self._notify(slot.adapter, True)
 
     def clear(self, slot: Slot) -> None:
         if slot.pins:
             raise RuntimeError(f"slot {slot.index} ({slot.adapter}) is pinned {slot.pins} times")
-        self._by_adapter.pop(slot.adapter, None)
+        adapter, was_loading = slot.adapter, slot.state is SlotState.LOADING
+        self._by_adapter.pop(adapter, None)
         slot.state, slot.adapter = SlotState.EMPTY, None
         slot.is_admin_pinned, slot.reserved_for = False, None
+        if was_loading:
+            self._notify(adapter, False)
 
     def reset(self) -> None:
         """Forget everything (the executor went away)."""
@@ -130,3 +159,7 @@ class SlotTable:
         if popularity is None:
             return min(evictable, key=lambda s: s.last_used, default=None)
         return min(evictable, key=lambda s: (popularity(s.adapter), s.last_used), default=None)
+
+    def _notify(self, adapter: AdapterRef, is_ready: bool) -> None:
+        for callback in self._waiters.pop(adapter, []):
+            callback(is_ready)

@@ -15,7 +15,8 @@ def check_prompt(ids: Sequence[int], vocab_size: int) -> None:
         raise InvalidArgument("prompt is empty: give text or at least one token id")
     bad = next((i for i in ids if i >= vocab_size), None)
     if bad is not None:
-        raise InvalidArgument(f"prompt token id {bad} is outside the vocabulary (size {vocab_size})")
+        raise InvalidArgument(f"prompt token id {bad} is outside the vocabulary "
+                              f"(size {vocab_size})")
 
 
 def context_limit(info: executor_pb2.InfoResponse) -> int:
@@ -33,19 +34,21 @@ def max_chars_per_token(tokenizer: Tokenizer) -> int:
 
 def check_text_length(text: str, max_new_tokens: int, chars_per_token: int,
                       info: executor_pb2.InfoResponse) -> None:
-    """Refuse a text too long to fit whatever it tokenizes to, before spending time tokenizing it."""
+    """Refuse a text too long to fit whatever it tokenizes to, before spending time tokenizing
+    it."""
     limit, min_tokens = context_limit(info), -(-len(text) // chars_per_token)
     if min_tokens + max_new_tokens > limit:
-        raise InvalidArgument(f"text of {len(text)} characters is at least {min_tokens} tokens, which with "
-                              f"max_new_tokens ({max_new_tokens}) exceeds the context of {limit} tokens: "
-                              f"shorten the text")
+        raise InvalidArgument(f"text of {len(text)} characters is at least {min_tokens} tokens, "
+                              f"which with max_new_tokens ({max_new_tokens}) exceeds the context "
+                              f"of {limit} tokens: shorten the text")
 
 
 def check_length(prompt_len: int, max_new_tokens: int, info: executor_pb2.InfoResponse) -> None:
     limit = context_limit(info)
     if prompt_len + max_new_tokens > limit:
-        raise InvalidArgument(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-                              f"the context of {limit} tokens: shorten the prompt or ask for fewer tokens")
+        raise InvalidArgument(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) "
+                              f"exceeds the context of {limit} tokens: shorten the prompt or ask "
+                              "for fewer tokens")
 
 
 def check_stops(req: scheduler_pb2.GenerateRequest, max_strings: int, max_chars: int) -> None:
@@ -58,8 +61,9 @@ def check_stops(req: scheduler_pb2.GenerateRequest, max_strings: int, max_chars:
 def check_adapter(adapter: common_pb2.AdapterInfo, info: executor_pb2.InfoResponse) -> None:
     ref = AdapterRef(adapter.name, adapter.version)
     if adapter.base_model != info.model_id:
-        raise FailedPrecondition(f"adapter {ref} was trained for base model {adapter.base_model!r}, but "
-                                 f"this pool serves {info.model_id!r}: send it to a pool of that model")
+        raise FailedPrecondition(f"adapter {ref} was trained for base model "
+                                 f"{adapter.base_model!r}, but this pool serves "
+                                 f"{info.model_id!r}: send it to a pool of that model")
     if adapter.rank > info.max_lora_rank:
         raise InvalidArgument(f"adapter {ref} has rank {adapter.rank}, above this pool's maximum "
                               f"{info.max_lora_rank}")

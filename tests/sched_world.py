@@ -8,8 +8,8 @@ from scheduler.block_manager import BlockManager
 from scheduler.core import ExecutorState, Limits, Sample, Scheduler
 from scheduler.detokenizer import OutputProcessor
 from scheduler.fairness import FairnessWeights
-from scheduler.invariants import check_invariants
 from scheduler.request import FinishEvent, Request
+from scheduler.sim.invariants import check_invariants
 from scheduler.slots import SlotTable
 
 
@@ -20,17 +20,17 @@ def ref(text: str) -> AdapterRef:
 class World:
     """One or more executors driven synchronously; loads complete when `complete_loads` runs."""
 
-    def __init__(self, num_executors=1, num_blocks=64, block_size=4, num_slots=2, limits=Limits(),
-                 weights=FairnessWeights()):
+    def __init__(self, num_executors=1, num_blocks=64, block_size=4, num_slots=2,
+                 limits=Limits(), weights=FairnessWeights()):
         self.loads: list = []
         self.warmed: list[AdapterRef] = []  # adapters the core asked a store to bring into RAM
-        self.executors = [ExecutorState(f"ex{i}", BlockManager(num_blocks, block_size), SlotTable(num_slots),
-                                        max_rank=32) for i in range(num_executors)]
+        self.executors = [ExecutorState(f"ex{i}", BlockManager(num_blocks, block_size),
+                                        SlotTable(num_slots)) for i in range(num_executors)]
         self.now = 0.0
-        self.core = Scheduler(self.executors, weights, limits,
-                              start_load=lambda ex, slot: self.loads.append((ex, slot, slot.adapter)),
-                              wake=lambda: None, clock=lambda: self.now,
-                              warm_host=self.warmed.append)
+        self.core = Scheduler(
+            self.executors, weights, limits,
+            start_load=lambda ex, slot: self.loads.append((ex, slot, slot.adapter)),
+            wake=lambda: None, clock=lambda: self.now, warm_host=self.warmed.append)
         self.events: dict[int, list] = {}
         self.requests: list[Request] = []
         self._ids = iter(range(1, 10**6))
@@ -57,10 +57,10 @@ class World:
         self.now += 0.01
         for ex in self.executors:
             plan = self.core.schedule(ex)
-            slots = [seq.slot.index if seq.slot else -1 for seq, _, _ in plan.rows]
+            slots = [row.seq.slot.index if row.seq.slot else -1 for row in plan.rows]
             assert slots == sorted(slots), "rows must be sorted by adapter slot"
-            samples = [Sample(seq.seq_id, 7, -0.1) for seq, n, _ in plan.rows
-                       if seq.num_computed + n == len(seq.token_ids)]
+            samples = [Sample(row.seq.seq_id, 7, -0.1) for row in plan.rows
+                       if row.seq.num_computed + row.num_tokens == len(row.seq.token_ids)]
             self.core.on_step_done(ex, plan, samples)
             check_invariants(self.core, self.requests)
 

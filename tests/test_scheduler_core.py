@@ -5,15 +5,15 @@ import random
 
 import pytest
 
-from common.errors import InvalidArgument, Unavailable
+from common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from scheduler import admin
 from scheduler.block_manager import BlockManager
 from scheduler.core import Limits
 from scheduler.detokenizer import Finish
 from scheduler.executor_state import ExecutorState
 from scheduler.fairness import FairnessWeights
-from scheduler.invariants import check_invariants
 from scheduler.request import ErrorEvent, Status, TokenEvent
+from scheduler.sim.invariants import check_invariants
 from scheduler.slots import SlotState, SlotTable
 from tests.sched_world import World, ref
 
@@ -63,11 +63,56 @@ def test_an_adapter_waiting_for_a_slot_is_warmed_in_the_store_meanwhile():
 
 def test_prewarm_with_no_executor_admitting_is_unavailable_not_a_silent_ok():
     w = World(num_executors=2)
-    assert [ex.address for ex in admin.prewarm(w.core, ref("a@1"), 1 << 20, 1, pin=False)] == ["ex0"]
+    chosen = admin.prewarm(w.core, ref("a@1"), 1 << 20, 1, pin=False)
+    assert [ex.address for ex in chosen] == ["ex0"]
     for ex in w.executors:
         w.core.drain(ex)
     with pytest.raises(Unavailable, match="no executor is up and admitting"):
         admin.prewarm(w.core, ref("b@1"), 1 << 20, 1, pin=False)
+
+
+async def test_prewarm_waiters_hear_when_each_load_ends():
+    """A waiting Prewarm is told by the loads themselves (no polling): ready, failed, or lost
+    with its executor."""
+    w = World(num_executors=3)
+    chosen = admin.prewarm(w.core, ref("a@1"), 1 << 20, 3, pin=True)
+    assert all(ex.slots.find(ref("a@1")).is_admin_pinned for ex in chosen)
+    done = admin.loads_done(chosen, ref("a@1"))
+    (ok, bad, lost), w.loads = w.loads, []
+    w.core.on_load_done(*ok, None)
+    w.core.on_load_done(*bad, InvalidArgument("bad shapes"))
+    assert not done.done(), "one load is still running"
+    w.core.on_executor_lost(lost[0])
+    assert await done == [bad[0].address, lost[0].address]
+    assert await admin.loads_done(chosen, ref("a@1")) == [bad[0].address, lost[0].address]
+
+
+def test_resume_is_refused_for_an_executor_leaving_stopping_or_down():
+    w = World(num_executors=3)
+    leaving, stopping, down = w.executors
+    w.core.leave(leaving)
+    w.core.stop(stopping)
+    w.core.on_executor_lost(down)
+    for ex in w.executors:
+        with pytest.raises(FailedPrecondition, match="cannot admit work"):
+            w.core.resume(ex)
+        assert not ex.is_admitting
+    assert leaving.is_retired and stopping.is_retired and not down.is_retired
+
+
+def test_stats_count_every_ended_request_of_a_tenant():
+    w = World()
+    done, cancelled = w.request(tenant="t", max_new=2), w.request(tenant="t", max_new=50)
+    w.step()
+    w.core.cancel(cancelled)
+    w.run()
+    assert w.finished(done)
+    (tenant,) = w.core.stats().tenants
+    assert (tenant.tenant, tenant.queued, tenant.running) == ("t", 0, 0)
+    assert tenant.totals.requests == 2 and tenant.totals.prompt_tokens == 10
+    assert tenant.totals.completion_tokens == 2 + cancelled.output.num_tokens
+    (ex,) = w.core.stats().executors
+    assert ex.free_kv_blocks == ex.num_kv_blocks and ex.is_up and not ex.is_draining
 
 
 def test_resume_undoes_drain_and_queued_work_moves_back():
@@ -106,7 +151,8 @@ def test_lru_evicts_the_least_recently_used_unpinned_slot():
 def test_rows_of_one_step_are_sorted_by_adapter_and_all_requests_finish():
     rng = random.Random(0)
     w = World(num_slots=4, num_blocks=200)
-    reqs = [w.request(tenant=f"t{i % 3}", adapter=rng.choice(["", ref("a@1"), ref("b@1"), ref("c@1")]),
+    adapters = ["", ref("a@1"), ref("b@1"), ref("c@1")]
+    reqs = [w.request(tenant=f"t{i % 3}", adapter=rng.choice(adapters),
                       prompt_len=rng.randint(1, 20), max_new=rng.randint(1, 10)) for i in range(40)]
     w.run()
     assert all(w.finished(r) for r in reqs)
@@ -128,7 +174,7 @@ def test_chunked_prefill_respects_the_token_budget():
     w = World(num_blocks=64, limits=Limits(max_batched_tokens=8))
     req = w.request(prompt_len=30, max_new=2)
     plan = w.core.schedule(w.executors[0])
-    assert [n for _, n, _ in plan.rows] == [8]
+    assert [row.num_tokens for row in plan.rows] == [8]
     w.core.on_step_done(w.executors[0], plan, [])
     w.run()
     assert w.finished(req)
@@ -192,7 +238,7 @@ def test_a_request_under_which_executors_keep_failing_fails_after_the_limit():
         assert poison.status is Status.RUNNING and queued.status is Status.QUEUED
         lost = w.executors[0]
         w.core.on_executor_lost(lost, Unavailable("step failed: boom"))
-        w.executors[0] = ExecutorState(lost.address, BlockManager(64, 4), SlotTable(2), max_rank=32)
+        w.executors[0] = ExecutorState(lost.address, BlockManager(64, 4), SlotTable(2))
         w.core.add_executor(w.executors[0])  # it reconnects: a fresh view of it
         if attempt < 3:
             assert poison.status is Status.QUEUED
@@ -213,7 +259,8 @@ def test_backlogged_tenants_share_admissions_by_weight(weights):
     reqs = [w.request(tenant=t, prompt_len=10, max_new=1) for t in ("a", "b") for _ in range(30)]
     for _ in range(40):
         w.step()
-    admitted = [r.tenant for r in sorted((r for r in reqs if r.admitted_at), key=lambda r: r.admitted_at)]
+    admitted = [r.tenant for r in sorted((r for r in reqs if r.admitted_at),
+                                         key=lambda r: r.admitted_at)]
     first = admitted[:15]
     share = first.count("a") / len(first)
     assert share == pytest.approx(weights[0] / sum(weights), abs=0.1)
@@ -226,8 +273,10 @@ def test_long_prompts_cost_their_tenant_more_service():
             for _ in range(30)]
     for _ in range(60):
         w.step()
-    admitted = [r.tenant for r in sorted((r for r in reqs if r.admitted_at), key=lambda r: r.admitted_at)]
-    served = {t: sum((100 if t == "long" else 10) + 2 for a in admitted[:20] if a == t) for t in ("long", "short")}
+    admitted = [r.tenant for r in sorted((r for r in reqs if r.admitted_at),
+                                         key=lambda r: r.admitted_at)]
+    served = {t: sum((100 if t == "long" else 10) + 2 for a in admitted[:20] if a == t)
+              for t in ("long", "short")}
     assert abs(served["long"] - served["short"]) <= 2 * (100 + 2), served
 
 
@@ -239,12 +288,13 @@ def test_adapter_loads_are_charged_to_the_tenant_that_causes_them():
     rates = w.executors[0].rates
     expected = rates.load_seconds(2**20) * rates.tokens_per_second  # the 1 MiB adapter's load
     assert counters["cold"] == pytest.approx(expected)
-    assert counters.get("hot", 0.0) == pytest.approx(counters["cold"]), "lifted on arrival, not charged"
+    assert counters.get("hot", 0.0) == pytest.approx(counters["cold"]), \
+        "lifted on arrival, not charged"
 
 
 def test_distinct_adapters_per_batch_are_limited():
     w = World(num_slots=4, limits=Limits(max_adapters_per_batch=2))
-    reqs = [w.request(adapter=a, max_new=6) for a in (ref("a@1"), ref("b@1"), ref("c@1"), ref("d@1"))]
+    reqs = [w.request(adapter=ref(a), max_new=6) for a in ("a@1", "b@1", "c@1", "d@1")]
     w.complete_loads()
     for _ in range(3):
         w.step()

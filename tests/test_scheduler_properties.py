@@ -6,14 +6,14 @@ from hypothesis import strategies as st
 
 from common.errors import InvalidArgument, Unavailable
 from scheduler.core import Limits
-from scheduler.invariants import check_invariants
 from scheduler.request import ErrorEvent, FinishEvent, Status
+from scheduler.sim.invariants import check_invariants
 from tests.sched_world import World
 
 ADAPTERS = ["", "a@1", "b@1", "c@1", "d@1", "e@1"]
 
-arrive = st.tuples(st.just("arrive"), st.sampled_from(["t0", "t1", "t2"]), st.sampled_from(ADAPTERS),
-                   st.integers(1, 24), st.integers(1, 8))
+arrive = st.tuples(st.just("arrive"), st.sampled_from(["t0", "t1", "t2"]),
+                   st.sampled_from(ADAPTERS), st.integers(1, 24), st.integers(1, 8))
 event = st.one_of(
     arrive,
     st.tuples(st.just("step"), st.integers(1, 4)),
@@ -28,8 +28,10 @@ event = st.one_of(
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(events=st.lists(event, min_size=1, max_size=60),
        slots=st.integers(1, 3), blocks=st.integers(8, 40),
-       limits=st.builds(Limits, max_num_seqs=st.integers(1, 6), max_batched_tokens=st.integers(1, 32),
-                        max_adapters_per_batch=st.integers(0, 3), fairness_window=st.sampled_from([0.0, 50.0]),
+       limits=st.builds(Limits, max_num_seqs=st.integers(1, 6),
+                        max_batched_tokens=st.integers(1, 32),
+                        max_adapters_per_batch=st.integers(0, 3),
+                        fairness_window=st.sampled_from([0.0, 50.0]),
                         affinity_max_wait_s=st.sampled_from([0.0, 0.05])))
 def test_invariants_hold_and_no_request_is_lost(events, slots, blocks, limits):
     w = World(num_executors=2, num_blocks=blocks, block_size=4, num_slots=slots, limits=limits)
@@ -54,21 +56,19 @@ def test_invariants_hold_and_no_request_is_lost(events, slots, blocks, limits):
             if ex.is_up:
                 w.core.on_executor_lost(ex)
         elif kind == "return":
-            ex = w.executors[args[0]]
-            ex.is_up, ex.is_draining = True, False
-            w.core.add_executor(ex)
+            w.core.add_executor(w.executors[args[0]])  # up and admitting again
         elif kind == "drain":
             w.core.drain(w.executors[args[0]])
         check_invariants(w.core, w.requests)
 
     for ex in w.executors:  # bring every executor back, then everything must finish
-        ex.is_up, ex.is_draining = True, False
         w.core.add_executor(ex)
     w.run(max_steps=3000)
     for req in w.requests:
         outcome = [e for e in w.events[req.request_id] if isinstance(e, (FinishEvent, ErrorEvent))]
         assert req.status is Status.FINISHED
-        assert len(outcome) == 1 or (not outcome and req.finish_reason is None), "finished once, or cancelled"
+        assert len(outcome) == 1 or (not outcome and req.finish_reason is None), \
+            "finished once, or cancelled"
     for ex in w.executors:
         assert ex.blocks.num_free == ex.blocks.num_blocks and not ex.running and len(ex.queue) == 0
         assert all(slot.pins == 0 for slot in ex.slots.slots)

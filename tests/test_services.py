@@ -14,7 +14,7 @@ from common.server import insecure_channel
 from loraplex import client
 from loraplex.launch import Fleet
 from protos import scheduler_pb2, scheduler_pb2_grpc
-from scheduler.timings import fit_cost
+from scheduler.sim.cost_fit import fit_cost
 from tests.conftest import API_KEYS
 from tests.oracle import hf_greedy
 
@@ -31,9 +31,12 @@ def fleet(tiny, seaweedfs_s3, log_dir):
     fleet = Fleet(model=tiny["model_dir"], store_url=f"s3://{seaweedfs_s3.bucket}/fleet",
                   log_dir=log_dir, store_args=["--s3-endpoint-url", seaweedfs_s3.endpoint_url],
                   executor_args=["--adapter-slots", str(NUM_SLOTS), "--max-rank", str(MAX_RANK),
-                                 "--kv-blocks", str(KV_BLOCKS), "--block-size", str(BLOCK), "--threads", "1"],
-                  scheduler_args=[f for key, t in API_KEYS.items() for f in ("--api-key", f"{key}={t}")]
-                  + ["--rate-limit", "limited=0.5:0", "--timings-out", str(log_dir / "timings.jsonl")])
+                                 "--kv-blocks", str(KV_BLOCKS), "--block-size", str(BLOCK),
+                                 "--threads", "1"],
+                  scheduler_args=[f for key, t in API_KEYS.items()
+                                  for f in ("--api-key", f"{key}={t}")]
+                  + ["--rate-limit", "limited=0.5:0",
+                     "--timings-out", str(log_dir / "timings.jsonl")])
     with fleet:
         yield fleet
 
@@ -43,9 +46,11 @@ async def pushed(fleet, tiny):
     """Push every valid fixture adapter; returns name -> AdapterInfo."""
     infos = {}
     for name, owner in OWNERS.items():
-        infos[name] = await client.push_adapter(fleet.stores[0], tiny["adapters"][name]["path"], name, owner)
+        infos[name] = await client.push_adapter(fleet.stores[0], tiny["adapters"][name]["path"],
+                                                name, owner)
     for name in ("other_base", "r64"):
-        infos[name] = await client.push_adapter(fleet.stores[0], tiny["adapters"][name]["path"], name)
+        infos[name] = await client.push_adapter(fleet.stores[0], tiny["adapters"][name]["path"],
+                                                name)
     return infos
 
 
@@ -57,11 +62,13 @@ async def stub(fleet):
 
 def _prompts(tiny, n: int) -> list[str]:
     rng = random.Random(7)
-    words = ["the", "model", "serves", "many", "adapters", "tokens", "stream", "quickly", "a", "batch"]
+    words = ["the", "model", "serves", "many", "adapters", "tokens", "stream", "quickly", "a",
+             "batch"]
     return [" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) for _ in range(n)]
 
 
-async def test_50_concurrent_streams_across_10_adapters_match_hf_peft(fleet, pushed, stub, tiny, hf_peft):
+async def test_50_concurrent_streams_across_10_adapters_match_hf_peft(fleet, pushed, stub, tiny,
+                                                                      hf_peft):
     tokenizer = Tokenizer.from_file(f"{tiny['model_dir']}/tokenizer.json")
     names = list(OWNERS)
     jobs = [(names[i % len(names)], prompt) for i, prompt in enumerate(_prompts(tiny, 50))]
@@ -91,11 +98,12 @@ async def test_base_model_request_and_stop_string(fleet, pushed, stub, tiny, hf_
     tokenizer = Tokenizer.from_file(f"{tiny['model_dir']}/tokenizer.json")
     prompt = "many adapters serve the batch"
     expected, _ = hf_greedy(hf_peft, tokenizer.encode(prompt).ids, 10)
-    full = await client.generate(stub, client.generate_request("", prompt, 10, ignore_eos=True), "key-acme")
+    full = await client.generate(stub, client.generate_request("", prompt, 10, ignore_eos=True),
+                                 "key-acme")
     assert full.token_ids == expected
     stop = full.text[len(full.text) // 2:][:3]
-    cut = await client.generate(stub, client.generate_request("", prompt, 10, stop=[stop], ignore_eos=True),
-                                "key-acme")
+    cut = await client.generate(stub, client.generate_request("", prompt, 10, stop=[stop],
+                                                              ignore_eos=True), "key-acme")
     assert cut.finish_reason == "FINISH_REASON_STOP"
     assert cut.text == full.text[:full.text.find(stop)]
 
@@ -107,18 +115,24 @@ async def _status(stub, request, api_key="key-acme") -> tuple[grpc.StatusCode, s
 
 
 @pytest.mark.parametrize("case, request_kw, api_key, code, words", [
-    ("unknown adapter", dict(adapter="no-such-adapter"), "key-acme", grpc.StatusCode.NOT_FOUND, "no-such-adapter"),
+    ("unknown adapter", dict(adapter="no-such-adapter"), "key-acme", grpc.StatusCode.NOT_FOUND,
+     "no-such-adapter"),
     ("another tenant's", dict(adapter="r32_all"), "key-acme", grpc.StatusCode.NOT_FOUND, "r32_all"),
-    ("other base model", dict(adapter="other_base"), "key-acme", grpc.StatusCode.FAILED_PRECONDITION,
-     "other-org/other-base-model"),
-    ("rank above max", dict(adapter="r64"), "key-acme", grpc.StatusCode.INVALID_ARGUMENT, "rank 64"),
-    ("bad adapter ref", dict(adapter="a b@c"), "key-acme", grpc.StatusCode.INVALID_ARGUMENT, "name@"),
+    ("other base model", dict(adapter="other_base"), "key-acme",
+     grpc.StatusCode.FAILED_PRECONDITION, "other-org/other-base-model"),
+    ("rank above max", dict(adapter="r64"), "key-acme", grpc.StatusCode.INVALID_ARGUMENT,
+     "rank 64"),
+    ("bad adapter ref", dict(adapter="a b@c"), "key-acme", grpc.StatusCode.INVALID_ARGUMENT,
+     "name@"),
     ("prompt too long", dict(prompt=[5] * 2040, max_new_tokens=16), "key-acme",
      grpc.StatusCode.INVALID_ARGUMENT, "exceeds the context"),
-    ("token outside vocab", dict(prompt=[5, 5000]), "key-acme", grpc.StatusCode.INVALID_ARGUMENT, "5000"),
+    ("token outside vocab", dict(prompt=[5, 5000]), "key-acme", grpc.StatusCode.INVALID_ARGUMENT,
+     "5000"),
     ("empty prompt", dict(prompt=""), "key-acme", grpc.StatusCode.INVALID_ARGUMENT, "empty"),
-    ("negative temperature", dict(temperature=-1.0), "key-acme", grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
-    ("nan temperature", dict(temperature=math.nan), "key-acme", grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    ("negative temperature", dict(temperature=-1.0), "key-acme",
+     grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    ("nan temperature", dict(temperature=math.nan), "key-acme",
+     grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
     ("top_p above 1", dict(top_p=2.0), "key-acme", grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
     ("top_k above vocab", dict(top_k=10**6), "key-acme", grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
     ("no api key", dict(), "", grpc.StatusCode.UNAUTHENTICATED, "API key"),
@@ -129,14 +143,17 @@ async def test_bad_generate_requests(fleet, pushed, stub, case, request_kw, api_
     got_code, details = await _status(stub, client.generate_request(**kw), api_key)
     assert got_code == code, f"{case}: {details}"
     assert words in details, f"{case}: {details}"
-    ok = await client.generate(stub, client.generate_request("r4_attn", "still serving", 3), "key-acme")
+    ok = await client.generate(stub, client.generate_request("r4_attn", "still serving", 3),
+                               "key-acme")
     assert len(ok.token_ids) >= 1
 
 
-@pytest.mark.parametrize("fixture_name, words", [("truncated", "safetensors"), ("pickle", "safetensors")])
+@pytest.mark.parametrize("fixture_name, words",
+                         [("truncated", "safetensors"), ("pickle", "safetensors")])
 async def test_bad_adapter_files_are_refused_at_push(fleet, tiny, fixture_name, words):
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await client.push_adapter(fleet.stores[0], tiny["adapters"][fixture_name]["path"], fixture_name)
+        await client.push_adapter(fleet.stores[0], tiny["adapters"][fixture_name]["path"],
+                                  fixture_name)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert words in info.value.details()
 
@@ -160,16 +177,19 @@ async def test_cancel_frees_blocks_and_pins(fleet, pushed, stub):
 
 
 async def test_rate_limit_is_resource_exhausted_with_retry_after(fleet, pushed, stub):
-    ok = await client.generate(stub, client.generate_request("r4_attn", "first one", 2), "key-limited")
+    ok = await client.generate(stub, client.generate_request("r4_attn", "first one", 2),
+                               "key-limited")
     assert len(ok.token_ids) >= 1
-    call = stub.Generate(client.generate_request("r4_attn", "too soon", 2), metadata=client.metadata("key-limited"))
+    call = stub.Generate(client.generate_request("r4_attn", "too soon", 2),
+                         metadata=client.metadata("key-limited"))
     with pytest.raises(grpc.aio.AioRpcError) as info:
         async for _ in call:
             pass
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     retry_after = float(dict(info.value.trailing_metadata())["retry-after"])
     assert 0 < retry_after <= 2.0
-    await client.generate(stub, client.generate_request("r4_attn", "other tenants pass", 2), "key-acme")
+    await client.generate(stub, client.generate_request("r4_attn", "other tenants pass", 2),
+                          "key-acme")
 
 
 async def test_timings_of_every_step_and_load_fit_the_cost_model(fleet, pushed, log_dir):
@@ -178,10 +198,13 @@ async def test_timings_of_every_step_and_load_fit_the_cost_model(fleet, pushed, 
     records = [json.loads(line) for line in lines]
     steps = [r for r in records if "step" in r]
     loads = [r for r in records if "load" in r]
-    assert steps and all(r["step"] == fleet.by_name("executor")[0].address and 0 < r["tokens"] and 0 <= r["adapters"] <= NUM_SLOTS
-                         and r["seconds"] > 0 for r in steps)
-    assert len(loads) > NUM_SLOTS  # ten adapters through six slots: some were evicted and loaded again
-    assert all(r["bytes"] in {info.num_bytes for info in pushed.values()} and r["seconds"] > 0 for r in loads)
+    executor = fleet.by_name("executor")[0].address
+    assert steps and all(r["step"] == executor and 0 < r["tokens"]
+                         and 0 <= r["adapters"] <= NUM_SLOTS and r["seconds"] > 0 for r in steps)
+    # ten adapters through six slots: some were evicted and loaded again
+    assert len(loads) > NUM_SLOTS
+    assert all(r["bytes"] in {info.num_bytes for info in pushed.values()} and r["seconds"] > 0
+               for r in loads)
     fit = fit_cost(lines)
     assert (fit.num_steps, fit.num_loads) == (len(steps), len(loads))
     assert fit.cost.step_per_token_s > 0 and fit.cost.load_bytes_per_s > 0

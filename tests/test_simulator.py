@@ -1,15 +1,17 @@
-"""The eviction yardsticks (scheduler/belady.py) against brute force, and the simulator driving the
-real scheduler core on a small workload."""
+"""The eviction yardsticks (scheduler/sim/belady.py) against brute force, the simulator driving
+the real scheduler core on a small workload, and the simulator kept out of serving code."""
 
+import ast
 import functools
+import pathlib
 import random
 
 import pytest
 
-from scheduler.belady import belady_hits, lru_hits, pinned_belady_hits
-from scheduler.invariants import check_invariants
-from scheduler.sim_config import SimConfig
-from scheduler.simulator import Simulator, format_report
+from scheduler.sim.belady import belady_hits, lru_hits, pinned_belady_hits
+from scheduler.sim.config import SimConfig
+from scheduler.sim.invariants import check_invariants
+from scheduler.sim.simulator import Simulator, format_report
 
 
 def best_hits(events: list[tuple[str, str, int]], capacity: int) -> int:
@@ -48,7 +50,8 @@ def pinned_trace(rng: random.Random, capacity: int) -> list[tuple[str, str, int]
     for seq in range(1, rng.randint(2, 16)):
         item = rng.choice("abcdef")
         distinct = {i for i, _ in running}
-        if running and (rng.random() < 0.45 or (item not in distinct and len(distinct) >= capacity)):
+        is_full = item not in distinct and len(distinct) >= capacity
+        if running and (rng.random() < 0.45 or is_full):
             events.append(("-", *running.pop(rng.randrange(len(running)))))
         else:
             events.append(("+", item, seq))
@@ -61,7 +64,8 @@ def test_belady_is_the_optimum_without_pins():
     for _ in range(400):
         trace = [rng.choice("abcdef") for _ in range(rng.randint(1, 14))]
         capacity = rng.randint(1, 4)
-        assert belady_hits(trace, capacity) == best_hits(unpinned(trace), capacity), (trace, capacity)
+        assert belady_hits(trace, capacity) == best_hits(unpinned(trace), capacity), \
+            (trace, capacity)
         assert lru_hits(trace, capacity) <= belady_hits(trace, capacity)
 
 
@@ -131,3 +135,21 @@ def test_simulator_traces_never_pin_more_adapters_than_slots(small_run):
             assert sum(1 for n in running.values() if n > 0) <= config.executors.slots
             assert running[adapter] >= 0
         assert not any(running.values())  # every sequence that started also ended
+
+
+def test_serving_code_never_imports_the_simulator():
+    """scheduler/sim/ is offline tooling: no scheduler module outside it imports it (the CLI's
+    `simulate` and `fit-cost` import it lazily)."""
+    root = pathlib.Path(__file__).resolve().parent.parent / "scheduler"
+    wrong = []
+    for path in sorted(root.rglob("*.py")):
+        if path.parent.name == "sim":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if isinstance(node, ast.ImportFrom) and node.module == "scheduler":
+                names += [f"scheduler.{alias.name}" for alias in node.names]
+            wrong += [f"{path.name} imports {n}" for n in names
+                      if n == "scheduler.sim" or n.startswith("scheduler.sim.")]
+    assert not wrong, wrong

@@ -1,4 +1,5 @@
-"""Fitting the simulator's cost model to measured step and load times (scheduler/timings.py)."""
+"""Fitting the simulator's cost model (scheduler/sim/cost_fit.py) to measured step and load times
+(written by scheduler/timings.py)."""
 
 import json
 import random
@@ -7,12 +8,13 @@ import tomllib
 import pytest
 
 from loraplex import cli
-from scheduler.sim_config import SimConfig
-from scheduler.timings import TimingLog, fit_cost
+from scheduler.sim.config import SimConfig
+from scheduler.sim.cost_fit import fit_cost
+from scheduler.timings import TimingLog
 
 
-def synthetic(tmp_path, rng: random.Random, base=0.011, per_token=4e-5, per_adapter=3e-4, latency=0.002,
-              bandwidth=5e9, noise=0.0005):
+def synthetic(tmp_path, rng: random.Random, base=0.011, per_token=4e-5, per_adapter=3e-4,
+              latency=0.002, bandwidth=5e9, noise=0.0005):
     log = TimingLog(str(tmp_path / "t.jsonl"))
     for _ in range(400):
         tokens, adapters = rng.randint(1, 2048), rng.randint(0, 64)

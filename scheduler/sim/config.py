@@ -6,10 +6,10 @@
     [lengths]    prompt_mean, prompt_max, output_mean, output_max   (geometric-like, capped)
     [adapters]   count, zipf_s, ranks = [8, 16, 32], bytes_per_rank
     [tenants]    count, weights = [...]  (adapters are split among tenants round-robin)
-    [executors]  count, slots, kv_blocks, block_size, max_num_seqs, max_batched_tokens
+    [executors]  count, slots, kv_blocks, block_size
     [cost]       step_base_s, step_per_token_s, step_per_adapter_s, load_latency_s,
                  load_bytes_per_s   (`loraplex fit-cost` fits them to a scheduler's --timings-out)
-    [limits]     any field of scheduler.executor_state.Limits
+    [limits]     any field of scheduler.executor_state.Limits (max_num_seqs, max_batched_tokens...)
 """
 
 import tomllib
@@ -28,7 +28,8 @@ class Arrivals:
 
     def __post_init__(self) -> None:
         if self.process not in ("poisson", "bursty"):
-            raise ValueError(f"arrivals.process must be 'poisson' or 'bursty', got {self.process!r}")
+            raise ValueError("arrivals.process must be 'poisson' or 'bursty', got "
+                             f"{self.process!r}")
         if self.rate_per_s <= 0 or self.burst_factor < 1 or self.burst_period_s <= 0:
             raise ValueError("arrivals: rate_per_s > 0, burst_factor >= 1, burst_period_s > 0")
 
@@ -41,7 +42,8 @@ class Lengths:
     output_max: int = 256
 
     def __post_init__(self) -> None:
-        if not (1 <= self.prompt_mean <= self.prompt_max and 1 <= self.output_mean <= self.output_max):
+        if not (1 <= self.prompt_mean <= self.prompt_max
+                and 1 <= self.output_mean <= self.output_max):
             raise ValueError("lengths: need 1 <= mean <= max for prompts and outputs")
 
 

@@ -1,9 +1,10 @@
-"""The scheduler's bookkeeping rules, checked after every step in tests and, optionally, in the
-simulator. Each failure names the executor and what disagrees."""
+"""The scheduler's bookkeeping rules, checked after every step in tests and in the simulator's
+tests. Each failure names the executor and what disagrees."""
 
 from collections import Counter
 from collections.abc import Iterable
 
+from common.adapter_ref import AdapterRef
 from scheduler.core import Scheduler
 from scheduler.request import Request, Status
 from scheduler.slots import SlotState
@@ -22,25 +23,29 @@ def check_invariants(core: Scheduler, live: Iterable[Request] = ()) -> None:
         pins: Counter[int] = Counter()
         for seq in ex.running.values():
             req = seq.request
-            assert req.status is Status.RUNNING and req.executor is ex, f"{where}: seq {seq.seq_id} misfiled"
+            assert req.status is Status.RUNNING and req.executor is ex, \
+                f"{where}: seq {seq.seq_id} misfiled"
             placed[id(req)] += 1
             if seq.slot is not None:
-                assert seq.slot.adapter == req.adapter, f"{where}: seq {seq.seq_id} on a foreign slot"
+                assert seq.slot.adapter == req.adapter, \
+                    f"{where}: seq {seq.seq_id} on a foreign slot"
                 pins[seq.slot.index] += 1
         held = Counter(s.adapter for s in ex.slots.slots if s.adapter)
         assert all(n == 1 for n in held.values()), f"{where}: an adapter in two slots: {held}"
         for slot in ex.slots.slots:
-            assert slot.pins == pins[slot.index], f"{where}: slot {slot.index} pins {slot.pins} != {pins[slot.index]}"
-            assert slot.pins == 0 or slot.state is SlotState.READY, f"{where}: slot {slot.index} pinned unready"
-            assert (slot.state is SlotState.EMPTY) == (not slot.adapter), f"{where}: slot {slot.index} state"
+            what = f"{where}: slot {slot.index}"
+            assert slot.pins == pins[slot.index], f"{what} pins {slot.pins} != {pins[slot.index]}"
+            assert slot.pins == 0 or slot.state is SlotState.READY, f"{what} pinned unready"
+            assert (slot.state is SlotState.EMPTY) == (not slot.adapter), f"{what} state"
             if slot.adapter:
-                assert ex.slots.find(slot.adapter) is slot, f"{where}: slot index of {slot.adapter} stale"
+                assert ex.slots.find(slot.adapter) is slot, f"{what}: index of {slot.adapter} stale"
         assert set(ex.blocks.tables) == set(ex.running), f"{where}: blocks of unknown sequences"
         in_tables = sum(len(t) for t in ex.blocks.tables.values())
         assert in_tables == ex.blocks.num_allocated(), f"{where}: blocks leaked"
-        demand: Counter[str] = Counter()
+        demand: Counter[AdapterRef | None] = Counter()
         for req in ex.queue:
-            assert req.status is Status.QUEUED and req.executor is ex, f"{where}: request {req.request_id} misfiled"
+            assert req.status is Status.QUEUED and req.executor is ex, \
+                f"{where}: request {req.request_id} misfiled"
             queued_by_tenant[req.tenant] += 1
             placed[id(req)] += 1
             demand[req.adapter] += 1

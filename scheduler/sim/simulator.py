@@ -2,9 +2,9 @@
 model in place of executors: `loraplex simulate CONFIG`.
 
 Events are arrivals, step completions and load completions, in time order. An idle executor with
-work runs `schedule`; its step takes cost.step_base_s + per-token + per-distinct-adapter time; every
-row that reaches the end of its tokens samples one token. Loads take latency + bytes / bandwidth,
-one at a time per executor. The scheduler's clock is the simulated clock.
+work runs `schedule`; its step takes cost.step_base_s + per-token + per-distinct-adapter time;
+every row that reaches the end of its tokens samples one token. Loads take latency + bytes /
+bandwidth, one at a time per executor. The scheduler's clock is the simulated clock.
 """
 
 import heapq
@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 
 from common.adapter_ref import AdapterRef
 from common.sampling import SamplingParams
-from scheduler.belady import belady_hits, lru_hits, pinned_belady_hits
 from scheduler.block_manager import BlockManager
 from scheduler.core import Scheduler
 from scheduler.detokenizer import OutputProcessor
-from scheduler.executor_state import ExecutorState, Sample
+from scheduler.executor_state import ExecutorState, Sample, StepPlan
 from scheduler.fairness import FairnessWeights, spread_bound
 from scheduler.request import FinishEvent, Request
-from scheduler.sim_config import SimConfig
+from scheduler.sim.belady import belady_hits, lru_hits, pinned_belady_hits
+from scheduler.sim.config import SimConfig
 from scheduler.slots import SlotTable
 
 ARRIVAL, STEP_DONE, LOAD_DONE = 0, 1, 2
@@ -58,14 +58,16 @@ class Simulator:
         self._events: list = []
         self._order = itertools.count()
         weights = dict(zip((f"t{i}" for i in range(c.tenants.count)), c.tenants.weights or ()))
-        self.executors = [ExecutorState(f"ex{i}", BlockManager(c.executors.kv_blocks, c.executors.block_size),
-                                        SlotTable(c.executors.slots), max_rank=max(c.adapters.ranks))
-                          for i in range(c.executors.count)]
+        self.executors = [
+            ExecutorState(f"ex{i}", BlockManager(c.executors.kv_blocks, c.executors.block_size),
+                          SlotTable(c.executors.slots)) for i in range(c.executors.count)]
         self.core = Scheduler(self.executors, FairnessWeights(tenant_weights=weights), c.limits,
-                              start_load=self._start_load, wake=lambda: None, clock=lambda: self.now)
+                              start_load=self._start_load, wake=lambda: None,
+                              clock=lambda: self.now)
         self._busy: set[int] = set()
         self._load_free_at = [0.0] * len(self.executors)
-        self._adapter_weights = [1.0 / (k + 1) ** c.adapters.zipf_s for k in range(c.adapters.count)]
+        self._adapter_weights = [1.0 / (k + 1) ** c.adapters.zipf_s
+                                 for k in range(c.adapters.count)]
         self._cum = list(itertools.accumulate(self._adapter_weights))
         self._indices = range(len(self._cum))
         # Per executor, its adapter sequences' starts and ends in order: a pinned trace (belady.py).
@@ -89,7 +91,8 @@ class Simulator:
         return max(1, min(cap, int(self.rng.expovariate(1.0 / mean)) + 1))
 
     def _next_arrival(self) -> float:
-        """Poisson; or bursty: all traffic in bursts of period/burst_factor at burst_factor x rate."""
+        """Poisson; or bursty: all traffic in bursts of period/burst_factor at burst_factor x
+        rate."""
         a = self.cfg.arrivals
         if a.process == "poisson":
             return self.now + self.rng.expovariate(a.rate_per_s)
@@ -106,8 +109,10 @@ class Simulator:
         tenant = f"t{k % self.cfg.tenants.count}"
         lengths = self.cfg.lengths
         prompt = [1] * self._length(lengths.prompt_mean, lengths.prompt_max)
-        output = OutputProcessor(None, max_new_tokens=self._length(lengths.output_mean, lengths.output_max))
-        req = Request(request_id, tenant, adapter, num_bytes, prompt, SamplingParams(), output, lambda e: None)
+        max_new = self._length(lengths.output_mean, lengths.output_max)
+        output = OutputProcessor(None, max_new_tokens=max_new)
+        req = Request(request_id, tenant, adapter, num_bytes, prompt, SamplingParams(), output,
+                      lambda e: None)
         req.emit = lambda event, req=req: self._on_event(req, event)
         self._live += 1
         self.core.submit(req)
@@ -136,23 +141,23 @@ class Simulator:
                 continue
             plan = self.core.schedule(ex)
             self._record_ends(i)  # preempted ones
-            for seq, _, _ in plan.rows:
+            for row in plan.rows:
+                seq = row.seq
                 if seq.num_computed == 0 and seq.request.adapter:
                     self.trace[ex.address].append(("+", seq.request.adapter, seq.seq_id))
                     self._pinning[i][seq.seq_id] = seq.request.adapter
             if not plan:
                 continue
-            tokens = sum(n for _, n, _ in plan.rows)
-            adapters = len({seq.request.adapter for seq, _, _ in plan.rows if seq.request.adapter})
             c = self.cfg.cost
-            seconds = c.step_base_s + c.step_per_token_s * tokens + c.step_per_adapter_s * adapters
+            seconds = (c.step_base_s + c.step_per_token_s * plan.num_tokens
+                       + c.step_per_adapter_s * plan.num_adapters)
             self._busy.add(i)
             self._push(self.now + seconds, STEP_DONE, (i, plan, seconds))
 
-    def _step_done(self, i: int, plan, seconds: float) -> None:
+    def _step_done(self, i: int, plan: StepPlan, seconds: float) -> None:
         self._busy.discard(i)
-        samples = [Sample(seq.seq_id, 7, 0.0) for seq, n, _ in plan.rows
-                   if seq.num_computed + n == len(seq.token_ids)]
+        samples = [Sample(row.seq.seq_id, 7, 0.0) for row in plan.rows
+                   if row.seq.num_computed + row.num_tokens == len(row.seq.token_ids)]
         self.core.on_step_done(self.executors[i], plan, samples, seconds)
         self._record_ends(i)
 
@@ -197,15 +202,16 @@ class Simulator:
         opt = sum(belady_hits(t, cfg.executors.slots) for t in accesses)
         pinned_opt = sum(pinned_belady_hits(t, cfg.executors.slots) for t in self.trace.values())
         lru = sum(lru_hits(t, cfg.executors.slots) for t in accesses)
-        max_load_tokens = max(ex.rates.load_seconds(cfg.adapters.bytes_per_rank * max(cfg.adapters.ranks))
-                              * ex.rates.tokens_per_second for ex in self.executors)
+        max_bytes = cfg.adapters.bytes_per_rank * max(cfg.adapters.ranks)
+        max_load_tokens = max(ex.rates.load_seconds(max_bytes) * ex.rates.tokens_per_second
+                              for ex in self.executors)
         # R: one tenant's running sequences on every executor, each up to the longest output.
         running_output = cfg.limits.max_num_seqs * cfg.executors.count * cfg.lengths.output_max
-        bound = spread_bound(self.core.fair.weights, cfg.limits.fairness_window, cfg.lengths.prompt_max,
-                             max_load_tokens, running_output)
+        bound = spread_bound(self.core.fair.weights, cfg.limits.fairness_window,
+                             cfg.lengths.prompt_max, max_load_tokens, running_output)
         return SimResult(self.now, dict(self.results), sum(map(len, accesses)),
-                         sum(ex.num_loads for ex in self.executors), opt, pinned_opt, lru, self.max_gap,
-                         bound, self._live)
+                         sum(ex.num_loads for ex in self.executors), opt, pinned_opt, lru,
+                         self.max_gap, bound, self._live)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -222,11 +228,13 @@ def format_report(cfg: SimConfig, r: SimResult) -> str:
     hit = 1 - r.loads / max(r.adapter_admissions, 1)
     opt = r.belady_hits / max(r.adapter_admissions, 1)
     pinned_opt = r.pinned_belady_hits / max(r.adapter_admissions, 1)
+    online_vs_pinned = hit / pinned_opt if pinned_opt else float("nan")
     lines = [
-        f"simulated {total:,} requests ({r.unfinished} unfinished) in {r.seconds:,.1f} s of model time: "
-        f"{total / r.seconds:,.1f} req/s, {tokens / r.seconds:,.0f} output tokens/s",
-        f"{cfg.adapters.count} adapters (Zipf {cfg.adapters.zipf_s}), {cfg.executors.count} executors x "
-        f"{cfg.executors.slots} slots, {cfg.arrivals.process} arrivals at {cfg.arrivals.rate_per_s:g}/s",
+        f"simulated {total:,} requests ({r.unfinished} unfinished) in {r.seconds:,.1f} s of model "
+        f"time: {total / r.seconds:,.1f} req/s, {tokens / r.seconds:,.0f} output tokens/s",
+        f"{cfg.adapters.count} adapters (Zipf {cfg.adapters.zipf_s}), {cfg.executors.count} "
+        f"executors x {cfg.executors.slots} slots, {cfg.arrivals.process} arrivals at "
+        f"{cfg.arrivals.rate_per_s:g}/s",
         "",
         f"{'tenant':8s}{'requests':>10s}{'tokens/s':>10s}{'TTFT p50':>10s}{'TTFT p99':>10s}"
         f"{'lat p50':>10s}{'lat p99':>10s}",
@@ -238,14 +246,15 @@ def format_report(cfg: SimConfig, r: SimResult) -> str:
                      f"{_pct(t.latency, 50):9.3f}s{_pct(t.latency, 99):9.3f}s")
     lines += [
         "",
-        f"GPU adapter hit rate: {hit:.1%} ({r.loads:,} loads for {r.adapter_admissions:,} adapter admissions)",
+        f"GPU adapter hit rate: {hit:.1%} ({r.loads:,} loads for {r.adapter_admissions:,} "
+        "adapter admissions)",
         f"Belady (clairvoyant eviction) on the same per-executor traces, with the same pins: "
-        f"{pinned_opt:.1%} (online / optimal = {hit / pinned_opt if pinned_opt else float('nan'):.3f})",
+        f"{pinned_opt:.1%} (online / optimal = {online_vs_pinned:.3f})",
         f"  without pins (slots never held by running sequences, unreachable): {opt:.1%} "
         f"({hit / opt if opt else float('nan'):.3f}); plain LRU without pins: "
         f"{r.lru_hits / max(r.adapter_admissions, 1):.1%}",
-        f"largest virtual-counter gap between backlogged tenants: {r.max_counter_gap:,.0f} token-equivalents "
-        f"(bound: window {cfg.limits.fairness_window:,.0f} + one admission + running output = "
-        f"{r.fairness_bound:,.0f})",
+        f"largest virtual-counter gap between backlogged tenants: {r.max_counter_gap:,.0f} "
+        f"token-equivalents (bound: window {cfg.limits.fairness_window:,.0f} + one admission "
+        f"+ running output = {r.fairness_bound:,.0f})",
     ]
     return "\n".join(lines)

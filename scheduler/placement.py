@@ -1,0 +1,175 @@
+"""Where each request waits or runs: the state the scheduler core (core.py) is built on.
+
+Placement holds the pool's executors, the requests that had nowhere to go (orphans), the tenants'
+fair counters and the totals of ended requests, and the moves of a request between places:
+routed to the executor where it would start soonest (routing.py) and queued there, its adapter
+brought in (a slot claimed and loaded, or the store asked to warm it), moved when another executor
+would start it sooner, preempted back into a queue, released, ended. Scheduler (core.py) adds the
+step, admission, loads and the rest of an executor's life on top.
+"""
+
+import itertools
+import time
+from collections.abc import Callable, Iterable
+
+from common.adapter_ref import AdapterRef
+from common.errors import LoraplexError
+from scheduler.executor_state import ExecutorState, Limits, Sequence
+from scheduler.fairness import FairnessWeights, FairShare
+from scheduler.request import ErrorEvent, Request, Status
+from scheduler.routing import home, score
+from scheduler.slots import Slot
+from scheduler.stats import TenantTotals
+
+
+class Placement:
+    def __init__(self, executors: Iterable[ExecutorState], weights: FairnessWeights,
+                 limits: Limits, start_load: Callable[[ExecutorState, Slot], None],
+                 wake: Callable[[], None],
+                 start_unload: Callable[[ExecutorState, int, AdapterRef], None] = (
+                     lambda ex, slot, adapter: None),
+                 clock: Callable[[], float] = time.monotonic,
+                 warm_host: Callable[[AdapterRef], None] = lambda adapter: None):
+        self.executors: list[ExecutorState] = []
+        self.limits = limits
+        self.fair = FairShare(weights)
+        self.orphans: list[Request] = []  # queued while no executor can take work
+        self.totals: dict[str, TenantTotals] = {}  # per tenant, of its ended requests
+        self.clock = clock
+        self._start_load, self._start_unload, self._wake = start_load, start_unload, wake
+        self._warm_host = warm_host
+        self._seq_ids = itertools.count(1)
+        for ex in executors:
+            self.add_executor(ex)
+
+    # ---- executors joining ------------------------------------------------------------------
+    def add_executor(self, ex: ExecutorState) -> None:
+        """A new (or reconnected) executor: up and admitting, it takes its place and the work that
+        had nowhere to go."""
+        ex.is_up, ex.is_draining = True, False
+        ex.popularity.half_life_s = self.limits.popularity_half_life_s
+        self.executors = [e for e in self.executors if e.address != ex.address] + [ex]
+        self._place_work()
+
+    def _place_work(self) -> None:
+        """Route the requests that had nowhere to go, and move queued ones to where they would
+        start sooner now (an executor joined or admits again)."""
+        orphans, self.orphans = self.orphans, []
+        for req in orphans:
+            self.fair.on_dequeue(req.tenant)
+            self._route(req)
+        self._rebalance()
+        self._wake()
+
+    # ---- routing ----------------------------------------------------------------------------
+    def _route(self, req: Request, front: bool = False) -> None:
+        ex = self._best_executor(req)
+        self.fair.on_enqueue(req.tenant)
+        if ex is None:
+            req.executor = None
+            self.orphans.append(req)
+            return
+        self._enqueue(ex, req, front)
+
+    def _best_executor(self, req: Request) -> ExecutorState | None:
+        candidates = [ex for ex in self.executors if ex.is_admitting]
+        if not candidates:
+            return None
+        addresses = [e.address for e in candidates]
+        home_address = home(req.adapter, addresses) if req.adapter else ""
+        return min(candidates, key=lambda e: self._score(e, req, e.address != home_address))
+
+    def _enqueue(self, ex: ExecutorState, req: Request, front: bool = False) -> None:
+        req.executor = ex
+        if req.adapter and not front:
+            ex.popularity.hit(req.adapter, req.arrival)
+        ex.queue.push(req, front)
+        ex.work_tokens += req.work_left
+        if req.adapter and ex.slots.find(req.adapter) is None and not self._place(ex, req):
+            # No slot for it yet (all pinned): have the store bring it into RAM meanwhile, so
+            # that the load, once a slot frees, does not wait on S3.
+            self._warm_host(req.adapter)
+
+    def _rebalance(self) -> None:
+        """Move queued requests to where they would start sooner now."""
+        queued = (r for ex in self.executors for r in ex.queue)
+        for req in sorted(queued, key=lambda r: r.arrival):
+            best = self._best_executor(req)
+            if best is not None and best is not req.executor:
+                req.executor.queue.remove(req)
+                req.executor.work_tokens -= req.work_left
+                self._enqueue(best, req)
+
+    def _score(self, ex: ExecutorState, req: Request, is_away: bool) -> float:
+        resident = not req.adapter or ex.slots.find(req.adapter) is not None
+        can_place = resident or ex.slots.can_place(req.adapter, ex.queue.demand)
+        return score(ex.work_tokens, ex.rates, resident, can_place, req.adapter_bytes,
+                     self.limits.slot_wait_s, self.limits.home_bias_s if is_away else 0.0)
+
+    def _place(self, ex: ExecutorState, req: Request) -> bool:
+        """Start loading req's adapter on ex if a slot can take it (prefetch); charge the load."""
+        if not ex.slots.can_place(req.adapter, ex.queue.demand):
+            return False
+        self.start_load_on(ex, req.adapter)
+        req.caused_load = True
+        seconds = ex.rates.load_seconds(req.adapter_bytes)
+        weight = self.fair.weights.load_weight
+        self.fair.charge(req.tenant, weight * seconds * ex.rates.tokens_per_second)
+        return True
+
+    def start_load_on(self, ex: ExecutorState, adapter: AdapterRef) -> Slot:
+        """Claim a slot of ex for `adapter` and start loading it there (caller checked
+        can_place)."""
+        now = self.clock()
+        slot = ex.slots.place(adapter, ex.queue.demand, lambda a: ex.popularity.value(a, now))
+        ex.num_evictions += bool(slot.evicted)
+        self._start_load(ex, slot)
+        return slot
+
+    def evict_slot(self, ex: ExecutorState, slot: Slot) -> None:
+        adapter = slot.adapter
+        ex.slots.clear(slot)
+        self._start_unload(ex, slot.index, adapter)
+
+    # ---- leaving a queue or the running set -------------------------------------------------
+    def _preempt(self, ex: ExecutorState, seq: Sequence) -> None:
+        """Give a running sequence's blocks back; its request recomputes later from all its
+        tokens."""
+        self._release(ex, seq)
+        req = seq.request
+        req.status = Status.QUEUED
+        req.work_left += seq.num_computed
+        self._route(req, front=True)
+
+    def _release(self, ex: ExecutorState, seq: Sequence) -> None:
+        del ex.running[seq.seq_id]
+        ex.blocks.free(seq.seq_id)
+        ex.work_tokens -= seq.request.work_left
+        if seq.slot is not None:
+            ex.slots.unpin(seq.slot)
+        if seq.is_sent:
+            ex.pending_frees.append(seq.seq_id)
+
+    def _dequeue(self, req: Request) -> None:
+        if req.executor is None:
+            self.orphans.remove(req)
+        else:
+            req.executor.queue.remove(req)
+            req.executor.work_tokens -= req.work_left
+        self.fair.on_dequeue(req.tenant)
+
+    def _end(self, req: Request) -> None:
+        req.status = Status.FINISHED
+        req.work_left = 0
+        self.totals.setdefault(req.tenant, TenantTotals()).add(req)
+
+    def _fail(self, req: Request, error: LoraplexError) -> None:
+        self._dequeue(req)
+        self._end(req)
+        req.emit(ErrorEvent(error))
+
+    def _sequence_of(self, req: Request) -> Sequence:
+        return next(seq for seq in req.executor.running.values() if seq.request is req)
+
+    def wake(self) -> None:
+        self._wake()
