@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from common.credentials import KeySources, add_key_arguments, sources_from_args
+
 MIB = 1024 * 1024
 # The S3 bucket naming rules, loosely: lowercase letters, digits, dots and dashes.
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
@@ -76,6 +78,8 @@ class StoreConfig:
     # A Push whose client sends nothing for this long is dropped (UNAVAILABLE): an accepted
     # push holds a share of the in-flight budget, a stalled client must not hold it for ever.
     push_idle_s: float = 60.0
+    # Where the keys of tenants, admins and services are read (files; also LORAPLEX_* env).
+    keys: KeySources = KeySources()
 
     def __post_init__(self) -> None:
         parsed = urlparse(self.url)
@@ -181,6 +185,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Prometheus /metrics port (0 = off)")
     parser.add_argument("--grace-s", type=float, default=30.0,
                         help="on SIGTERM, time to finish in-flight RPCs")
+    add_key_arguments(parser)
     parser.add_argument("--require-base-model", action="store_true", default=None,
                         help="refuse adapters whose base model config.json is not registered")
 
@@ -194,7 +199,8 @@ def config_from_args(args: argparse.Namespace,
         require_base_model=args.require_base_model,
         host_cache_bytes=None if args.host_cache_mb is None else args.host_cache_mb * MIB,
         max_adapter_bytes=None if args.max_adapter_mb is None else args.max_adapter_mb * MIB)
-    config = dataclasses.replace(config, metrics_port=args.metrics_port, grace_s=args.grace_s)
+    config = dataclasses.replace(config, metrics_port=args.metrics_port, grace_s=args.grace_s,
+                                 keys=sources_from_args(args))
     if args.port is not None:
         host = config.address.rsplit(":", 1)[0]
         config = dataclasses.replace(config, address=f"{host}:{args.port}")

@@ -25,8 +25,10 @@ from adapter_store.registry import Registry
 from common import server
 from common.adapter_ref import AdapterRef, check_alias, check_name
 from common.allocator import keep_freed_memory
+from common.credentials import KeyRing, Role, acting_tenant
 from common.errors import DataLoss, InvalidArgument, ResourceExhausted, Unavailable, grpc_errors
 from common.metrics import serve_metrics
+from common.peft.config import parse_config
 from common.peft.safetensors_header import WEIGHTS_FILE
 from common.peft.tensors import check_weights_file
 from common.wire import PUSH_ACCEPTED
@@ -98,6 +100,9 @@ async def receive_push(
             if header.num_bytes > max_bytes:
                 raise InvalidArgument(f"adapter of {header.num_bytes} bytes exceeds the "
                                       f"{max_bytes}-byte push limit")
+            # Its size bound, DoRA, lm_head/embed_tokens targets, modules_to_save: all refused
+            # before any upload (the whole check of config against weights comes after it).
+            parse_config(header.config_json)
             await accepted(header)
         elif kind == "chunk":
             if len(data) + len(request.chunk) > header.num_bytes:
@@ -139,8 +144,9 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
     """Thin: messages in, Registry / HostCache / LeaseBook, messages out."""
 
     def __init__(self, config: StoreConfig, registry: Registry, cache: HostCache,
-                 leases: LeaseBook):
+                 leases: LeaseBook, keys: KeyRing):
         self._config = config
+        self._keys = keys
         self._registry = registry
         self._cache = cache
         self._leases = leases
@@ -163,12 +169,26 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
             await self._registry.set_alias(record.name, alias, record.version, tenant)
         return record_to_pb(record)
 
+    def _reader(self, context, tenant: str) -> str:
+        """The tenant a lookup acts as: a tenant key's own, or the one a service or an admin
+        names ("" = every adapter)."""
+        caller = self._keys.require(context, Role.TENANT, Role.SERVICE, Role.ADMIN)
+        return acting_tenant(caller, tenant)
+
+    def _owner(self, context, owner_tenant: str) -> str:
+        """Who a pushed version belongs to: a tenant key pushes its own; an admin any owner
+        ("" = public)."""
+        caller = self._keys.require(context, Role.TENANT, Role.ADMIN)
+        return acting_tenant(caller, owner_tenant)
+
     async def Push(self, request_iterator, context) -> common_pb2.AdapterInfo:
-        reserved = 0
+        reserved, owner = 0, ""
 
         async def accept(header: pb.PushHeader) -> None:
-            """Reserve the push's bytes within the budget, then tell the client to send them."""
-            nonlocal reserved
+            """Check the caller may push as the owner named and reserve the push's bytes within
+            the budget; then tell the client to send them."""
+            nonlocal reserved, owner
+            owner = self._owner(context, header.owner_tenant)
             budget = 2 * self._config.max_adapter_bytes
             if self._push_bytes + header.num_bytes > budget:
                 raise ResourceExhausted(
@@ -184,61 +204,67 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
                 header, meta, aliases, data = await receive_push(
                     request_iterator, accept, self._config.max_adapter_bytes,
                     self._config.push_idle_s)
-                record = await self._registry.push(header.name, header.owner_tenant,
-                                                   header.config_json, header.weights_filename,
-                                                   data, meta)
+                record = await self._registry.push(header.name, owner, header.config_json,
+                                                   header.weights_filename, data, meta)
             finally:
                 self._push_bytes -= reserved
-            return await self._registered(record, aliases, header.owner_tenant)
+            return await self._registered(record, aliases, owner)
 
     async def Register(self, request, context) -> common_pb2.AdapterInfo:
         async with grpc_errors(context):
+            owner = self._owner(context, request.owner_tenant)
             meta, aliases = meta_from_pb(request.metadata)
             if not request.source_uri:
                 raise InvalidArgument("source_uri is empty: give s3://bucket/prefix of a PEFT "
                                       "folder")
             record = await self._registry.register_from_uri(
-                request.source_uri, request.name, request.owner_tenant, meta)
-            return await self._registered(record, aliases, request.owner_tenant)
+                request.source_uri, request.name, owner, meta)
+            return await self._registered(record, aliases, owner)
 
     async def GetAdapter(self, request, context) -> common_pb2.AdapterInfo:
         async with grpc_errors(context):
+            tenant = self._reader(context, request.tenant)
             return record_to_pb(await self._registry.get(
-                request.name, request.version, request.tenant, request.alias))
+                request.name, request.version, tenant, request.alias))
 
     async def DescribeAdapter(self, request, context) -> pb.AdapterDetails:
         async with grpc_errors(context):
-            record = await self._registry.get(request.name, request.version, request.tenant,
+            tenant = self._reader(context, request.tenant)
+            record = await self._registry.get(request.name, request.version, tenant,
                                               request.alias)
             return record_to_details(record, self._registry.aliases_of(record))
 
     async def ListAdapters(self, request, context) -> pb.ListAdaptersResponse:
         async with grpc_errors(context):
-            records = await self._registry.list_visible(request.tenant, request.name,
+            tenant = self._reader(context, request.tenant)
+            records = await self._registry.list_visible(tenant, request.name,
                                                         request.all_versions)
             return pb.ListAdaptersResponse(adapters=[
                 record_to_details(r, self._registry.aliases_of(r)) for r in records])
 
     async def SetAlias(self, request, context) -> pb.SetAliasResponse:
         async with grpc_errors(context):
+            tenant = self._owner(context, request.tenant)
             expected = request.expected_version if request.HasField("expected_version") else None
             previous = await self._registry.set_alias(request.name, request.alias,
-                                                      request.version, request.tenant, expected)
+                                                      request.version, tenant, expected)
             return pb.SetAliasResponse(previous_version=previous)
 
     async def DeleteAdapter(self, request, context) -> pb.DeleteAdapterResponse:
         async with grpc_errors(context):
+            tenant = self._owner(context, request.tenant)
+
             async def holders(record: AdapterRecord) -> list[str]:
                 return await self._leases.holders_of(record.ref)
 
-            deleted = await self._registry.delete(request.name, request.version, request.tenant,
-                                                  holders)
+            deleted = await self._registry.delete(request.name, request.version, tenant, holders)
             for version in deleted:
                 self._cache.evict(AdapterRef(request.name, version))
             return pb.DeleteAdapterResponse(versions=deleted)
 
     async def Fetch(self, request, context) -> AsyncIterator[pb.FetchResponse]:
         async with grpc_errors(context):
+            self._keys.require(context, Role.SERVICE, Role.ADMIN)
             if not request.adapter.version:
                 raise InvalidArgument("Fetch needs an exact version (resolve it with GetAdapter)")
             ref = _ref(request.adapter, "adapter")
@@ -255,7 +281,8 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
 
     async def Prewarm(self, request, context) -> pb.HostPrewarmResponse:
         async with grpc_errors(context):
-            record = await self._registry.get(request.name, request.version, request.tenant,
+            tenant = self._reader(context, request.tenant)
+            record = await self._registry.get(request.name, request.version, tenant,
                                               request.alias)
             was_cached = record in self._cache
             started = time.perf_counter()
@@ -267,6 +294,7 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
 
     async def Stats(self, request, context) -> pb.StoreStatsResponse:
         async with grpc_errors(context):
+            self._keys.require(context, Role.SERVICE, Role.ADMIN)
             stats, cache = self._cache.stats, self._cache
             num_adapters, num_versions = self._registry.counts()
             return pb.StoreStatsResponse(
@@ -279,6 +307,7 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
 
     async def RegisterBaseModel(self, request, context) -> pb.BaseModelInfo:
         async with grpc_errors(context):
+            self._keys.require(context, Role.ADMIN)
             base: BaseModel = await self._registry.base_models.register(
                 request.model_id, request.config_json, request.revision)
             return pb.BaseModelInfo(model_id=base.model_id, revision=base.revision,
@@ -286,6 +315,7 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
 
     async def ReportResidency(self, request, context) -> pb.ResidencyAck:
         async with grpc_errors(context):
+            self._keys.require(context, Role.SERVICE, Role.ADMIN)
             ttl = request.ttl_seconds or self._config.lease_ttl_s
             if not 0 < ttl <= 3600:
                 raise InvalidArgument(f"ttl_seconds must be within (0, 3600], got {ttl}")
@@ -313,8 +343,10 @@ class RunningStore:
         await self.blobs.close()
 
 
-async def start_store(config: StoreConfig, blobs: BlobStore | None = None) -> RunningStore:
-    """Open the blob store (or use `blobs`), load the registry, then serve and report SERVING."""
+async def start_store(config: StoreConfig, blobs: BlobStore | None = None,
+                      keys: KeyRing | None = None) -> RunningStore:
+    """Open the blob store (or use `blobs`), load the registry, then serve and report SERVING.
+    `keys` overrides the keys the config's sources name."""
     blobs = blobs if blobs is not None else await open_blob_store(config)
     try:
         registry = Registry(blobs, max_rank=config.max_rank,
@@ -322,7 +354,11 @@ async def start_store(config: StoreConfig, blobs: BlobStore | None = None) -> Ru
         await registry.load()
         cache = HostCache(blobs, config.host_cache_bytes, config.read_attempts,
                           piece_bytes=config.chunk_bytes)
-        servicer = AdapterStoreServicer(config, registry, cache, LeaseBook(blobs))
+        keys = config.keys.load() if keys is None else keys
+        if keys.is_open:
+            log.warning("adapter store: no keys configured, every caller is an operator (open "
+                        "access); configure --api-keys-file/--admin-keys-file/--service-key-file")
+        servicer = AdapterStoreServicer(config, registry, cache, LeaseBook(blobs), keys)
         service = server.Service(
             "adapter_store", config.address,
             lambda s: adapter_store_pb2_grpc.add_AdapterStoreServicer_to_server(servicer, s),

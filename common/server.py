@@ -12,6 +12,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common import wire
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -28,9 +30,50 @@ CHANNEL_OPTIONS = [
 CLIENT_OPTIONS = CHANNEL_OPTIONS + [("grpc.lb_policy_name", "round_robin")]
 
 
-def insecure_channel(address: str) -> grpc.aio.Channel:
-    """A client channel with the same message limits as our servers."""
-    return grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
+def insecure_channel(address: str, key: str = "") -> grpc.aio.Channel:
+    """A client channel with the same message limits as our servers; every call on it presents
+    `key` (metadata "authorization: Bearer <key>") unless the call sets its own."""
+    interceptors = None
+    if key:
+        entry = (wire.AUTHORIZATION, f"{wire.BEARER}{key}")
+        # One object per call shape: the channel files each interceptor under its first kind.
+        interceptors = [_PresentKeyUnary(entry), _PresentKeyUnaryStream(entry),
+                        _PresentKeyStreamUnary(entry), _PresentKeyStream(entry)]
+    return grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS, interceptors=interceptors)
+
+
+class _PresentKey:
+    """Adds the authorization metadata to a call, unless the call brings its own."""
+
+    def __init__(self, entry: tuple[str, str]):
+        self._entry = entry
+
+    def _with_key(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*(details.metadata or ()))
+        if wire.AUTHORIZATION not in metadata:
+            metadata.add(*self._entry)
+        return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata,
+                                          details.credentials, details.wait_for_ready)
+
+
+class _PresentKeyUnary(_PresentKey, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(self._with_key(details), request)
+
+
+class _PresentKeyUnaryStream(_PresentKey, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(self._with_key(details), request)
+
+
+class _PresentKeyStreamUnary(_PresentKey, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation, details, request_iterator):
+        return await continuation(self._with_key(details), request_iterator)
+
+
+class _PresentKeyStream(_PresentKey, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation, details, request_iterator):
+        return await continuation(self._with_key(details), request_iterator)
 
 
 class Service:
