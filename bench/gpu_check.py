@@ -24,8 +24,10 @@ from gpu_harness import (ADAPTERS, CFG, DEVICE, OPTS, RANKS, REPORT, START, TOKE
 
 import torch
 import torch.nn.functional as F
-from executor.lora import (LORA_GROUPS, LORA_MODULES, LoraSlotPool, TorchLoraBackend,
-                           TritonLoraBackend)
+from common.peft.modules import LORA_MODULES
+from executor.lora_torch import TorchLoraBackend
+from executor.lora_triton import TritonLoraBackend
+from executor.slot_pool import LORA_GROUPS, LoraSlotPool
 from gpu_step import decode_step
 from kernels.reference import TOLERANCES, sgmv_fused_ref, sgmv_shrink_ref
 from kernels.sgmv_shrink import sgmv_shrink
@@ -166,7 +168,7 @@ def time_group(pool, group, meta, other, other_meta, row_slots, rank, num_adapte
     moved = e * (tokens * in_f + num_adapters * rank * (len(LORA_GROUPS[group]) * in_f + n)
                  + 2 * tokens * n)
     gbs = moved / ms / 1e6
-    path = "fused" if meta.max_seg_len <= auto.fused_max_rows else "shr+exp"
+    path = "fused" if meta.is_fused else "shr+exp"
     return [tokens, num_adapters, rank, group, path, ms * 1e3, other_ms * 1e3, gbs,
             gbs / copy_gbs, ms / base_cache[(tokens, group)], baseline_ms / ms,
             host_us(lambda: auto.apply(0, group, x, out, meta))]
@@ -184,8 +186,7 @@ def time_rank(rank: int, copy_gbs: float, base_cache: dict) -> tuple[list, int]:
                 continue
             row_slots = torch.arange(tokens) * num_adapters // tokens  # sorted, all adapted
             meta = auto.prepare(row_slots)
-            is_fused = meta.max_seg_len <= auto.fused_max_rows
-            other = TritonLoraBackend(pool, fused_max_rows=0 if is_fused else 1 << 30)
+            other = TritonLoraBackend(pool, fused_max_rows=0 if meta.is_fused else 1 << 30)
             other_meta = other.prepare(row_slots)
             for group in LORA_GROUPS:
                 rows.append(time_group(pool, group, meta, other, other_meta, row_slots, rank,

@@ -33,8 +33,8 @@ if "safetensors" not in sys.modules:
     except ImportError:  # random weights never read a checkpoint: a stub lets executor import
         sys.modules["safetensors"] = types.SimpleNamespace(safe_open=None)
 
-from executor.lora import LoraModuleWeights, LoraWeights  # noqa: E402
 from executor.model_config import ModelConfig  # noqa: E402
+from executor.slot_pool import LoraModuleWeights, LoraWeights  # noqa: E402
 
 DEVICE = "cpu" if OPTS.smoke else "cuda"
 MODEL = "tiny" if OPTS.smoke else "llama-3-8b"

@@ -12,9 +12,11 @@ from gpu_harness import (DEVICE, MODEL, OPTS, REPORT, bench_ms, random_adapter, 
                          sync, table)
 
 import torch
-from executor.lora import (LORA_MODULES, LoraModuleWeights, LoraSlotPool, LoraWeights,
-                           TorchLoraBackend, TritonLoraBackend)
+from common.peft.modules import LORA_MODULES
+from executor.lora_torch import TorchLoraBackend
+from executor.lora_triton import TritonLoraBackend
 from executor.model_config import ModelConfig
+from executor.slot_pool import LoraModuleWeights, LoraSlotPool, LoraWeights
 
 
 class Driver:
@@ -157,7 +159,7 @@ def adapter_load(runner, rank: int, steps: int) -> None:
     import threading
 
     from executor.slot_copy import SlotCopier, StagingBuffers
-    pool, slot, copier = runner.pool, runner.pool.num_slots - 1, SlotCopier(runner)
+    pool, slot, copier = runner.pool, runner.pool.num_slots - 1, SlotCopier(runner.pool)
     staging = StagingBuffers(pin_memory=DEVICE == "cuda")
     rows, loaded = [], {}
     for file_dtype in dict.fromkeys((pool.a["q_proj"].dtype, torch.float32)):

@@ -18,6 +18,9 @@ The path, and why each step sits where it does:
 3. Copy: on CUDA, from the pinned staging buffer into the slot on a side CUDA stream, in a worker
    thread; the step loop (its own thread, default stream) never waits on a load. On CPU it is a
    plain copy. The slot reads as empty until the copy is complete.
+What each slot holds is the pool's record (executor/slot_pool.py): the loader marks a slot
+unloaded before its copy and loaded, as the AdapterRef, once the copy completed; `slot_adapters`
+reads it back.
 The measured seconds from request to slot ready go back in LoadAdapterResponse.load_seconds.
 
 Residency: after every load or unload, and every `report_interval_s`, the loader reports the
@@ -47,10 +50,10 @@ from common.errors import (
     from_rpc_error,
 )
 from common.server import insecure_channel
-from executor.lora import LoraWeights
 from executor.peft_adapter import parse_peft_adapter
 from executor.runner import ModelRunner
 from executor.slot_copy import SlotCopier, StagingBuffers
+from executor.slot_pool import LoraWeights
 from protos import adapter_store_pb2, adapter_store_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
@@ -128,25 +131,33 @@ class AdapterLoader:
     def __init__(self, runner: ModelRunner, stores: tuple[str, ...], holder: str = "",
                  report_interval_s: float = REPORT_INTERVAL_S):
         self._runner = runner
+        self._pool = runner.pool
         self._stubs = [adapter_store_pb2_grpc.AdapterStoreStub(insecure_channel(a)) for a in stores]
         self._stores = stores
-        self._locks = [asyncio.Lock() for _ in range(runner.pool.num_slots)]
-        self.slot_adapters: list[AdapterRef | None] = [None] * runner.pool.num_slots
+        self._locks = [asyncio.Lock() for _ in range(self._pool.num_slots)]
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}"
         self._report_interval_s = report_interval_s
         self._report_wanted = asyncio.Event()
         self._reporter: asyncio.Task | None = None
-        self._copier = SlotCopier(runner)
+        self._copier = SlotCopier(self._pool)
         self._staging = StagingBuffers(pin_memory=runner.device.type == "cuda")
         self._chunk_worker = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="adapter-chunks")
 
-    async def load(self, adapter: AdapterRef, slot: int) -> LoadResult:
-        if not 0 <= slot < len(self.slot_adapters):
+    @property
+    def slot_adapters(self) -> list[AdapterRef | None]:
+        """The adapter loaded in each slot (None: empty, or a copy under way), from the pool."""
+        return self._pool.adapters()
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self._pool.num_slots:
             raise InvalidArgument(f"slot {slot} does not exist (executor has "
-                                  f"{len(self.slot_adapters)})")
+                                  f"{self._pool.num_slots})")
+
+    async def load(self, adapter: AdapterRef, slot: int) -> LoadResult:
+        self._check_slot(slot)
         async with self._locks[slot]:
-            if self.slot_adapters[slot] == adapter:
+            if self._pool.holds(slot, adapter):
                 return LoadResult(0, 0.0, True)
             start = time.perf_counter()
             staging, num_bytes, weights = await self._fetch(adapter)
@@ -154,7 +165,7 @@ class AdapterLoader:
                 fetched = time.perf_counter()
                 # Empty while the copy runs. Reported once the load ends (below, or on failure):
                 # a report now would put its RPC and lease write beside the copy, for nothing.
-                self.slot_adapters[slot] = None
+                self._pool.mark_unloaded(slot)
                 copying = asyncio.ensure_future(asyncio.to_thread(self._copier.copy, slot,
                                                                   weights))
                 try:
@@ -168,7 +179,7 @@ class AdapterLoader:
                 del weights  # views into the staging buffer
             finally:
                 self._staging.release(staging)
-            self.slot_adapters[slot] = adapter
+            self._pool.mark_loaded(slot, adapter)  # (a failed or cancelled copy never gets here)
             self._residency_changed()
             seconds = time.perf_counter() - start
             log.info("loaded %s into slot %d: %d bytes in %.4fs (fetch + check + parse %.4f, "
@@ -178,13 +189,11 @@ class AdapterLoader:
 
     async def unload(self, slot: int, adapter: AdapterRef | None = None) -> None:
         """Empty `slot`; with `adapter`, only while the slot still holds that adapter."""
-        if not 0 <= slot < len(self.slot_adapters):
-            raise InvalidArgument(f"slot {slot} does not exist (executor has "
-                                  f"{len(self.slot_adapters)})")
+        self._check_slot(slot)
         async with self._locks[slot]:
-            if adapter is not None and self.slot_adapters[slot] != adapter:
+            if adapter is not None and not self._pool.holds(slot, adapter):
                 return
-            self.slot_adapters[slot] = None
+            self._pool.mark_unloaded(slot)
             await asyncio.to_thread(self._copier.clear, slot)
         self._residency_changed()
 
@@ -242,7 +251,7 @@ class AdapterLoader:
         """Runs in a worker thread: the PEFT adapter in `data`, validated; views into it."""
         try:
             return parse_peft_adapter(config_json, data, self._runner.config,
-                                      max_rank=self._runner.pool.max_rank, dtype=None)
+                                      max_rank=self._pool.max_rank, dtype=None)
         except LoraplexError as err:
             raise type(err)(f"adapter {key}: {err}") from None
 

@@ -48,12 +48,17 @@ class ExecutorConfig:
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> "ExecutorConfig":
         p = argparse.ArgumentParser(prog="loraplex serve executor")
-        p.add_argument("--model", required=True, help="HF model dir, or random:<name> (tiny, llama-3-8b)")
-        p.add_argument("--store", action="append", default=[], help="adapter store host:port (repeatable)")
-        p.add_argument("--address", default="127.0.0.1:0", help="host:port to listen on (port 0 = any)")
+        p.add_argument("--model", required=True,
+                       help="HF model dir, or random:<name> (tiny, llama-3-8b)")
+        p.add_argument("--store", action="append", default=[],
+                       help="adapter store host:port (repeatable)")
+        p.add_argument("--address", default="127.0.0.1:0",
+                       help="host:port to listen on (port 0 = any)")
         p.add_argument("--model-id", default="", help="override the base model identity")
-        p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = off)")
-        p.add_argument("--grace-s", type=float, default=30.0, help="on SIGTERM, time to finish in-flight work")
+        p.add_argument("--metrics-port", type=int, default=0,
+                       help="Prometheus /metrics port (0 = off)")
+        p.add_argument("--grace-s", type=float, default=30.0,
+                       help="on SIGTERM, time to finish in-flight work")
         p.add_argument("--kv-blocks", type=int, default=512, dest="num_kv_blocks")
         p.add_argument("--block-size", type=int, default=16)
         p.add_argument("--adapter-slots", type=int, default=8)
@@ -63,7 +68,8 @@ class ExecutorConfig:
         p.add_argument("--dtype", default="float32", choices=DTYPES)
         p.add_argument("--device", default="cpu")
         p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+        p.add_argument("--threads", type=int, default=0,
+                       help="torch CPU threads (0 = torch default)")
         a = p.parse_args(argv)
         return cls(model=a.model, stores=tuple(a.store), address=a.address, model_id=a.model_id,
                    metrics_port=a.metrics_port, grace_s=a.grace_s,

@@ -12,8 +12,8 @@ from common.peft.layout import BaseShapes, check_fits, plan_adapter
 from common.peft.modules import LORA_MODULES
 from common.peft.safetensors_header import WEIGHTS_FILE, parse_header
 from common.peft.tensors import as_uint8, check_finite, check_weights_file, tensor_views
-from executor.lora import LoraModuleWeights, LoraWeights
 from executor.model_config import ModelConfig
+from executor.slot_pool import LoraModuleWeights, LoraWeights
 
 
 def model_shapes(model: ModelConfig) -> BaseShapes:

@@ -1,6 +1,7 @@
 """ModelRunner: the executor's plain-Python core. It executes exactly the step it is given and
 keeps no policy: the scheduler owns block tables (the runner mirrors them), slot placement and
-batching; no gRPC here.
+batching; no gRPC here. What each adapter slot holds is the slot pool's record (`pool`,
+executor/slot_pool.py): the runner asks it whether a step's slots are loaded.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import torch
 from common.peft.modules import LORA_MODULES
 from common.sampling import SamplingParams
 from executor.kv_cache import PagedKVCache
-from executor.lora import LoraSlotPool, LoraWeights, make_lora_backend
+from executor.lora import make_lora_backend
 from executor.model import RowSpec, StepMetadata, Transformer
 from executor.model_config import ModelConfig
 from executor.sampling import make_generator, sample
+from executor.slot_pool import LoraSlotPool, LoraWeights
 from executor.weights import ModelWeights, load_weights, random_weights
 
 
@@ -86,7 +88,6 @@ class ModelRunner:
         self.lora = make_lora_backend(lora_backend, self.pool)
         self.model = Transformer(config, weights, self.lora)
         self._seqs: dict[int, _Sequence] = {}
-        self._loaded_slots: set[int] = set()
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, model_id: str = "",
@@ -110,12 +111,13 @@ class ModelRunner:
         return MemoryBudget(self.weights.num_bytes(), self.kv.num_bytes(), self.pool.num_bytes())
 
     def load_adapter(self, slot: int, weights: LoraWeights) -> None:
+        """Copy an adapter into `slot`, on the current stream (the steps' own): loaded at once.
+        The executor's loads go through AdapterLoader instead (side stream, store reference)."""
         self.pool.load(slot, weights)
-        self._loaded_slots.add(slot)
+        self.pool.mark_loaded(slot)
 
     def unload_adapter(self, slot: int) -> None:
         self.pool.clear(slot)
-        self._loaded_slots.discard(slot)
 
     def add_sequence(self, seq_id: int, token_ids: Sequence[int], sampling: SamplingParams,
                      slot: int) -> None:
@@ -214,5 +216,5 @@ class ModelRunner:
             if num_blocks * self.kv.block_size < end:
                 raise ValueError(f"sequence {r.seq_id}: {num_blocks} blocks of "
                                  f"{self.kv.block_size} cannot hold positions up to {end - 1}")
-            if seq.slot >= 0 and seq.slot not in self._loaded_slots:
+            if seq.slot >= 0 and not self.pool.is_loaded(seq.slot):
                 raise ValueError(f"sequence {r.seq_id}: adapter slot {seq.slot} holds no adapter")

@@ -46,15 +46,18 @@ def build_runner(config: ExecutorConfig) -> tuple[ModelRunner, str]:
 class ExecutorMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.step = Histogram("loraplex_executor_step_seconds", "Forward pass and sampling of one step.",
-                              buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
-                              registry=r)
-        self.rows = Counter("loraplex_executor_tokens", "Tokens computed (prefill and decode rows).",
-                            registry=r)
-        self.loads = Counter("loraplex_executor_adapter_loads", "Adapters loaded into slots.", registry=r)
-        self.load = Histogram("loraplex_executor_adapter_load_seconds", "Fetch, parse and copy of one load.",
-                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=r)
-        self.load_bytes = Counter("loraplex_executor_adapter_load_bytes", "Adapter bytes fetched.", registry=r)
+        self.step = Histogram(
+            "loraplex_executor_step_seconds", "Forward pass and sampling of one step.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=r)
+        self.rows = Counter("loraplex_executor_tokens",
+                            "Tokens computed (prefill and decode rows).", registry=r)
+        self.loads = Counter("loraplex_executor_adapter_loads", "Adapters loaded into slots.",
+                             registry=r)
+        self.load = Histogram(
+            "loraplex_executor_adapter_load_seconds", "Fetch, parse and copy of one load.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=r)
+        self.load_bytes = Counter("loraplex_executor_adapter_load_bytes", "Adapter bytes fetched.",
+                                  registry=r)
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
@@ -65,7 +68,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self._tokenizer_json = tokenizer_json
         self._loader = AdapterLoader(runner, config.stores)
         self._driver: object | None = None  # the one Step stream allowed at a time
-        self._closing: asyncio.Future | None = None  # the last stream's end: its final step, free_all
+        # The last stream's end: its final step, then free_all.
+        self._closing: asyncio.Future | None = None
 
     async def Info(self, request, context):
         c, budget = self._runner.config, self._runner.memory_budget()
@@ -110,7 +114,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         if last_step is not None and not last_step.done():  # the client went away mid-step
             await asyncio.wait([last_step])
             if not last_step.cancelled() and last_step.exception() is not None:
-                log.info("the last step of a cancelled Step stream failed: %s", last_step.exception())
+                log.info("the last step of a cancelled Step stream failed: %s",
+                         last_step.exception())
         self._runner.free_all()
 
     def _step(self, req: executor_pb2.StepRequest) -> executor_pb2.StepResponse:
@@ -125,8 +130,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self.metrics.step.observe(time.perf_counter() - start)
         self.metrics.rows.inc(sum(r.num_tokens for r in rows))
         return executor_pb2.StepResponse(
-            samples=[executor_pb2.SampledToken(seq_id=s.seq_id, token_id=s.token_id, logprob=s.logprob)
-                     for s in samples],
+            samples=[executor_pb2.SampledToken(seq_id=s.seq_id, token_id=s.token_id,
+                                               logprob=s.logprob) for s in samples],
             step_seconds=time.perf_counter() - start)
 
     async def LoadAdapter(self, request, context):
@@ -149,9 +154,10 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 async def serve(config: ExecutorConfig) -> None:
     runner, tokenizer_json = await asyncio.to_thread(build_runner, config)
     servicer = ExecutorServicer(config, runner, tokenizer_json)
-    service = Service("executor", config.address,
-                      lambda server: executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server),
-                      [executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name])
+    service = Service(
+        "executor", config.address,
+        lambda server: executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server),
+        [executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name])
     port = await service.start()
     serve_metrics(config.metrics_port, servicer.metrics.registry)
     await service.mark_serving()

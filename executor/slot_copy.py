@@ -5,14 +5,14 @@ transfers queued without a wait each (the staging buffer is not reused before th
 and one wait at the end, in the loading thread: the step loop, on its own thread and the default
 stream, never waits on it. Unloads zero the slot on that same stream, so that a load into the
 slot is ordered after them. The weights are copied as the file stores them (views into staging);
-the pool converts to its dtype on the GPU. On CPU it is a plain copy.
+the pool converts to its dtype on the GPU. On CPU it is a plain copy. The copier only writes the
+pool: the slot counts as loaded once the AdapterLoader marks it so (LoraSlotPool.mark_loaded).
 No gRPC here: bench/gpu_check.py runs this path on a GPU machine that has only torch and triton.
 """
 
 import torch
 
-from executor.lora import LoraWeights
-from executor.runner import ModelRunner
+from executor.slot_pool import LoraSlotPool, LoraWeights
 
 _MAX_FREE_STAGING = 2  # staging buffers kept for reuse between loads
 
@@ -39,22 +39,22 @@ class StagingBuffers:
 
 
 class SlotCopier:
-    """Copies parsed adapters into `runner`'s pool; call `copy` from a worker thread."""
+    """Copies parsed adapters into `pool`; call `copy` from a worker thread."""
 
-    def __init__(self, runner: ModelRunner):
-        self._runner = runner
-        is_cuda = runner.device.type == "cuda"
-        self._stream = torch.cuda.Stream(runner.device) if is_cuda else None
+    def __init__(self, pool: LoraSlotPool):
+        self._pool = pool
+        is_cuda = pool.device.type == "cuda"
+        self._stream = torch.cuda.Stream(pool.device) if is_cuda else None
 
     def copy(self, slot: int, weights: LoraWeights) -> None:
         """Returns once the slot holds `weights` (their source may be reused after), or once
         nothing queued reads them any more when the copy failed."""
-        self._on_side_stream(self._runner.load_adapter, slot, weights)
+        self._on_side_stream(self._pool.load, slot, weights)
 
     def clear(self, slot: int) -> None:
         """Empty `slot`, on the same stream as the copies: a load that follows cannot overtake
         the zeroing (on the default stream nothing would order the two)."""
-        self._on_side_stream(self._runner.unload_adapter, slot)
+        self._on_side_stream(self._pool.clear, slot)
 
     def _on_side_stream(self, write, *args) -> None:
         if self._stream is None:

@@ -42,8 +42,9 @@ async def answers(fleet) -> dict[tuple[str, str], str]:
             for adapter in (task.name, "")]
     async with insecure_channel(fleet.scheduler) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
-        got = await asyncio.gather(*(client.generate(
-            stub, client.generate_request(adapter, prompt, max_new_tokens=48)) for adapter, prompt in jobs))
+        got = await asyncio.gather(*(
+            client.generate(stub, client.generate_request(adapter, prompt, max_new_tokens=48))
+            for adapter, prompt in jobs))
     return {job: g.text for job, g in zip(jobs, got)}
 
 

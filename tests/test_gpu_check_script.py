@@ -12,12 +12,13 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 def test_gpu_check_smoke_runs_every_section_and_every_check_passes(tmp_path):
     out = tmp_path / "smoke.md"
     env = {**os.environ, "PYTHON": sys.executable, "TRITON_INTERPRET": "1"}
-    run = subprocess.run(["bash", "bench/gpu_check.sh", "--smoke", "--out", str(out)], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=240, check=False)
+    run = subprocess.run(["bash", "bench/gpu_check.sh", "--smoke", "--out", str(out)], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=240, check=False)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = out.read_text()
-    for section in ("## 1. Copy bandwidth", "## 2. Kernels vs torch references", "## 3. Executor decode step",
-                    "## 4. Adapter load into a slot", "## 5. Kernel timings"):
+    for section in ("## 1. Copy bandwidth", "## 2. Kernels vs torch references",
+                    "## 3. Executor decode step", "## 4. Adapter load into a slot",
+                    "## 5. Kernel timings"):
         assert section in report
     assert "**FAILED**" not in report
     loads = [line for line in report.splitlines() if line.startswith("| float32 file")]

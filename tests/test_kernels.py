@@ -18,16 +18,16 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from executor.lora import (  # noqa: E402
+from common.peft.modules import LORA_MODULES  # noqa: E402
+from executor.lora_torch import TorchLoraBackend  # noqa: E402
+from executor.lora_triton import TritonLoraBackend  # noqa: E402
+from executor.model_config import ModelConfig  # noqa: E402
+from executor.slot_pool import (  # noqa: E402
     LORA_GROUPS,
-    LORA_MODULES,
     LoraModuleWeights,
     LoraSlotPool,
     LoraWeights,
-    TorchLoraBackend,
-    TritonLoraBackend,
 )
-from executor.model_config import ModelConfig  # noqa: E402
 from kernels.reference import (  # noqa: E402
     TOLERANCES,
     sgmv_fused_ref,

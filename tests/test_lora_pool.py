@@ -6,21 +6,23 @@ import random
 import pytest
 import torch
 
-from executor.lora import (
+from common.adapter_ref import AdapterRef
+from common.peft.modules import LORA_MODULES
+from executor.lora_torch import TorchLoraBackend
+from executor.lora_triton import TritonLoraBackend
+from executor.model_config import ModelConfig
+from executor.slot_pool import (
+    EMPTY_SLOT,
     LORA_GROUPS,
-    LORA_MODULES,
     LoraModuleWeights,
     LoraSlotPool,
     LoraWeights,
-    TorchLoraBackend,
-    TritonLoraBackend,
 )
-from executor.model_config import ModelConfig
 from tests.test_kernels import random_adapter
 from tests.test_lora_torch import backend_outputs
 
-CONFIG = ModelConfig(hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=32)
+CONFIG = ModelConfig(hidden_size=48, intermediate_size=72, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, vocab_size=32)
 NUM_SLOTS, MAX_RANK = 3, 16
 
 
@@ -39,7 +41,8 @@ def assert_same_pool(got: LoraSlotPool, want: LoraSlotPool) -> None:
         assert torch.equal(got.scale[module], want.scale[module]), module
     assert torch.equal(got.rank_table, want.rank_table)
     assert torch.equal(got.scale_table, want.scale_table)
-    assert got.targets == want.targets
+    assert ([got.state(s).targets for s in range(NUM_SLOTS)]
+            == [want.state(s).targets for s in range(NUM_SLOTS)])
 
 
 def some_adapter(rng: random.Random, seed: int) -> LoraWeights:
@@ -92,6 +95,26 @@ def test_a_copy_that_fails_midway_is_cleared_in_full():
     assert_same_pool(pool, fresh_pool({1: neighbour}))
 
 
+def test_the_pool_is_the_record_of_what_each_slot_holds():
+    """Written is not loaded: a slot holds its adapter (and reads as loaded) only once marked,
+    stops at mark_unloaded (its record kept, for the zeroing), and is empty after a clear."""
+    pool, ref = fresh_pool({}), AdapterRef("a", 1)
+    pool.load(0, random_adapter(CONFIG, 4, 0))
+    assert not pool.is_loaded(0) and pool.adapters() == [None] * NUM_SLOTS
+    pool.mark_loaded(0, ref)
+    assert pool.holds(0, ref) and pool.adapters() == [ref, None, None]
+    assert not pool.holds(0, AdapterRef("a", 2)) and not pool.holds(1, ref)
+    pool.mark_unloaded(0)
+    assert not pool.is_loaded(0) and not pool.holds(0, ref) and pool.state(0).targets
+    pool.mark_loaded(0, ref)
+    pool.load(0, random_adapter(CONFIG, 2, 1))  # a load over it: written again, not loaded
+    assert not pool.is_loaded(0) and pool.adapters() == [None] * NUM_SLOTS
+    pool.clear(0)
+    assert pool.state(0) == EMPTY_SLOT
+    with pytest.raises(ValueError, match="out of range"):
+        pool.state(NUM_SLOTS)
+
+
 @pytest.mark.parametrize("backend", ["torch_exact", "torch_batched", "triton"])
 def test_outputs_of_a_reused_pool_are_bit_identical(backend):
     rng = random.Random(2)
@@ -108,5 +131,6 @@ def test_outputs_of_a_reused_pool_are_bit_identical(backend):
         return TorchLoraBackend(pool, gather_max_rows=0 if backend == "torch_exact" else 8)
 
     row_slots = torch.tensor([-1, 0, 0, 1, 2, 2, 2, -1, 1])
-    for layer, group, _, got, want in backend_outputs(CONFIG, make(reused), make(fresh), row_slots, seed=3):
+    outputs = backend_outputs(CONFIG, make(reused), make(fresh), row_slots, seed=3)
+    for layer, group, _, got, want in outputs:
         assert torch.equal(got, want), (layer, group)

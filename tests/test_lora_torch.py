@@ -3,12 +3,13 @@
 import pytest
 import torch
 
-from executor.lora import LORA_GROUPS, LoraSlotPool, TorchLoraBackend
+from executor.lora_torch import TorchLoraBackend
 from executor.model_config import ModelConfig
+from executor.slot_pool import LORA_GROUPS, LoraSlotPool
 from tests.test_kernels import random_adapter
 
-CONFIG = ModelConfig(hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=32)
+CONFIG = ModelConfig(hidden_size=48, intermediate_size=72, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, vocab_size=32)
 
 
 @pytest.fixture
@@ -17,7 +18,8 @@ def pool():
     pool.load(0, random_adapter(CONFIG, 16, 0))
     pool.load(1, random_adapter(CONFIG, 1, 1, modules=("q_proj", "down_proj")))
     pool.load(2, random_adapter(CONFIG, 16, 2))
-    pool.load(2, random_adapter(CONFIG, 3, 22, modules=("v_proj", "gate_proj", "o_proj")))  # over a larger one
+    # Slot 2 again, over a larger adapter:
+    pool.load(2, random_adapter(CONFIG, 3, 22, modules=("v_proj", "gate_proj", "o_proj")))
     pool.load(3, random_adapter(CONFIG, 8, 3, layers=[1]))
     pool.load(4, random_adapter(CONFIG, 5, 4))
     for g in pool.groups.values():  # whatever lies above a slot's rank must not matter
@@ -25,7 +27,7 @@ def pool():
             for slot in range(pool.num_slots):
                 offset = 0
                 for i, (module, out_f) in enumerate(zip(g.modules, g.out_sizes)):
-                    rank = pool.targets[slot].get((layer, module), (0, 0.0))[0]
+                    rank = pool.state(slot).targets.get((layer, module), (0, 0.0))[0]
                     g.a[layer, slot, i, rank:] = 1e3
                     g.bt[layer, slot, rank:, offset:offset + out_f] = -1e3
                     offset += out_f

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from common.errors import FailedPrecondition, InvalidArgument, LoraplexError
 from common.peft.config import parse_config
 from common.sampling import SamplingParams
-from executor.lora import LoraBatchMeta
+from executor.lora_segments import LoraSegments
 from executor.model_config import ModelConfig
 from executor.peft_adapter import parse_peft_adapter
 from executor.runner import MemoryBudget, ModelRunner, Row
@@ -316,7 +316,7 @@ def test_runner_validation_errors():
 
 
 def test_lora_segments_and_memory_budget(fx):
-    meta = LoraBatchMeta.from_row_slots(torch.tensor([3, 3, -1, 0, 0, 0]))
+    meta = LoraSegments.from_row_slots(torch.tensor([3, 3, -1, 0, 0, 0]))
     assert meta.segments == ((0, 2, 3), (3, 6, 0)) and meta.max_seg_len == 3
     runner = make_runner(fx, num_slots=3)
     kw = {"num_kv_blocks": 512, "block_size": BLOCK, "num_slots": 3, "max_rank": MAX_RANK}

@@ -1,0 +1,76 @@
+"""The Triton LoRA backend (the backend on CUDA), and its per-step metadata: the SGMV kernels'
+work list (kernels/segments.py), built once per step on the host and copied to the device in one
+transfer. `apply` reads x and writes out in place: nothing is gathered or copied per layer.
+
+Per group and layer, decode-shaped steps (every segment <= `fused_max_rows` rows) get one fused
+shrink+expand launch; others a shrink launch (x read once for all of the group's slices) and an
+expand launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executor.lora_segments import LoraSegments
+from executor.slot_pool import LoraSlotPool
+from kernels.segments import SegmentWork
+
+
+@dataclass(frozen=True)
+class TritonBatchMeta:
+    """The Triton backend's per-step metadata, built once and read by every layer and group."""
+
+    work: SegmentWork  # work items (segment M-tiles), ranks and scales, on the device
+    is_fused: bool  # every segment <= fused_max_rows: one fused launch per group
+
+
+class TritonLoraBackend:
+    """SGMV kernels (kernels/). On CPU it runs through the Triton interpreter (TRITON_INTERPRET=1
+    before triton is imported)."""
+
+    def __init__(self, pool: LoraSlotPool, *, fused_max_rows: int = 64,
+                 target_ctas: int | None = None) -> None:
+        from kernels.sgmv_expand import sgmv_expand  # these import triton
+        from kernels.sgmv_fused import sgmv_fused
+        from kernels.sgmv_shrink import sgmv_shrink
+        from kernels.sgmv_tiles import is_interpreted
+
+        if pool.device.type != "cuda" and not is_interpreted():
+            raise ValueError("the triton LoRA backend needs a CUDA device, or the Triton "
+                             "interpreter on CPU (TRITON_INTERPRET=1 before triton is imported)")
+        self.pool, self.fused_max_rows = pool, fused_max_rows
+        self._shrink, self._expand, self._fused = sgmv_shrink, sgmv_expand, sgmv_fused
+        if target_ctas is None:
+            is_cuda = pool.device.type == "cuda"
+            target_ctas = (torch.cuda.get_device_properties(pool.device).multi_processor_count
+                           if is_cuda else 4)
+        self.target_ctas = target_ctas
+
+    def prepare(self, row_slots: torch.Tensor) -> TritonBatchMeta:
+        segments = LoraSegments.from_row_slots(row_slots)
+        is_fused = segments.max_seg_len <= self.fused_max_rows
+        work = SegmentWork.build(segments.seg_starts, segments.seg_lens, segments.seg_slots,
+                                 self.pool.rank_table, self.pool.scale_table,
+                                 block_m=16 if is_fused else 64, device=self.pool.device)
+        return TritonBatchMeta(work, is_fused)
+
+    def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor,
+              meta: TritonBatchMeta) -> None:
+        """out [T, sum of the group's out_features] += the group's adapter contributions to
+        x [T, in], in place."""
+        work, g = meta.work, self.pool.groups[group]
+        rank_block = work.rank_block(g.first_module, len(g.modules))
+        if work.num_items == 0 or rank_block == 0:
+            return  # no segment's adapter targets this group in any layer
+        m = slice(g.first_module, g.first_module + len(g.modules))
+        ranks, scales = work.ranks[layer, m], work.scales[layer, m]  # [n, S] each
+        if meta.is_fused:
+            self._fused(x, g.a[layer], g.bt[layer], out, work.items, ranks, scales, g.out_sizes,
+                        block_m=work.block_m, rank_block=rank_block, target_ctas=self.target_ctas)
+        else:
+            t = self._shrink(x, g.a[layer], work.items, ranks, block_m=work.block_m,
+                             rank_block=rank_block, target_ctas=self.target_ctas)
+            self._expand(t, g.bt[layer], out, work.items, ranks, scales, g.out_sizes,
+                         block_m=work.block_m, target_ctas=self.target_ctas)
