@@ -46,7 +46,7 @@ from adapter_store.records import (
     version_prefix,
 )
 from adapter_store.validation import validate_adapter
-from common.adapter_ref import AdapterQuery, AdapterRef, check_alias, check_name
+from common.adapter_ref import AdapterQuery, AdapterRef, check_alias, check_name, not_found
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
 log = logging.getLogger(__name__)
@@ -54,11 +54,6 @@ log = logging.getLogger(__name__)
 _MANIFEST_RE = re.compile(r"^adapters/([^/]+)/v(\d+)/manifest\.json$")
 _LOAD_CONCURRENCY = 32  # manifests read at once while loading the registry
 _MAX_CAS_ATTEMPTS = 32
-
-
-def _not_found(name: str) -> NotFound:
-    # The same words whether the name does not exist or belongs to another tenant.
-    return NotFound(f"adapter {name!r} not found; push it first or check the name")
 
 
 class Registry:
@@ -247,7 +242,7 @@ class Registry:
             await self.refresh(name)
         versions = self._versions.get(name)
         if not versions or not versions[min(versions)].is_visible_to(tenant):
-            raise _not_found(name)
+            raise not_found(name)
         index = self._indexes.get(name, NameIndex())
         live = [v for v in versions if v not in index.deleted]
         if version == -1:
@@ -380,7 +375,7 @@ class Registry:
             await self.refresh(name)
             versions = self._versions.get(name)
             if not versions or not versions[min(versions)].is_visible_to(tenant):
-                raise _not_found(name)
+                raise not_found(name)
             record = versions[min(versions)]
         else:
             record = await self.get(name, version, tenant)

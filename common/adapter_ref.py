@@ -13,7 +13,7 @@ starting with a letter, never "latest"; versions 1..2^32-1.
 import dataclasses
 import re
 
-from common.errors import InvalidArgument
+from common.errors import InvalidArgument, NotFound
 from protos import common_pb2
 
 MAX_VERSION = 2**32 - 1  # versions are uint32 on the wire
@@ -25,6 +25,11 @@ _NAME_RE = re.compile(_NAME)
 _ALIAS_RE = re.compile(_ALIAS)
 _REF_RE = re.compile(rf"(?P<name>{_NAME})@(?P<version>{_VERSION})")
 _QUERY_RE = re.compile(rf"(?P<name>{_NAME})(@((?P<version>{_VERSION})|(?P<alias>{_ALIAS})))?")
+
+
+def not_found(name: str) -> NotFound:
+    """The answer for a name that does not exist and for another tenant's: the same words."""
+    return NotFound(f"adapter {name[:200]!r} not found; push it first or check the name")
 
 
 def check_name(name: str) -> None:

@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from common import wire
+
 log = logging.getLogger(__name__)
 
 
@@ -56,6 +58,10 @@ class Unavailable(LoraplexError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class DeadlineExceeded(LoraplexError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 class DataLoss(LoraplexError):
     code = grpc.StatusCode.DATA_LOSS
 
@@ -68,8 +74,14 @@ def from_rpc_error(err: grpc.aio.AioRpcError, what: str) -> LoraplexError:
     """Turn a downstream service's error into ours, keeping its code and prefixing `what`."""
     cls = _FORWARDED.get(err.code(), Unavailable)
     if err.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
-        cls = Unavailable
+        cls = Unavailable  # a downstream call ran out of time: retryable for our caller
     return cls(f"{what}: {err.details()}")
+
+
+def retry_after(error: LoraplexError, seconds: float) -> LoraplexError:
+    """`error`, carrying a retry-after trailer (seconds) for the caller."""
+    error.trailers = ((wire.RETRY_AFTER, f"{seconds:.3f}"),)
+    return error
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:

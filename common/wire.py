@@ -4,6 +4,8 @@ clients and servers must agree on."""
 # Metadata a caller sends with every RPC: "authorization: Bearer <key>".
 AUTHORIZATION = "authorization"
 BEARER = "Bearer "
+# A service calling on behalf of a tenant (a gateway calling Generate) names it here.
+ON_BEHALF_OF = "loraplex-tenant"
 # Trailing metadata of a RESOURCE_EXHAUSTED (or retryable UNAVAILABLE) answer: seconds to wait.
 RETRY_AFTER = "retry-after"
 # A store's initial metadata on Push once the header passed its checks (see adapter_store.proto):

@@ -129,10 +129,12 @@ class LoadResult:
 
 class AdapterLoader:
     def __init__(self, runner: ModelRunner, stores: tuple[str, ...], holder: str = "",
+                 service_key: str = "",
                  report_interval_s: float = REPORT_INTERVAL_S):
         self._runner = runner
         self._pool = runner.pool
-        self._stubs = [adapter_store_pb2_grpc.AdapterStoreStub(insecure_channel(a)) for a in stores]
+        self._stubs = [adapter_store_pb2_grpc.AdapterStoreStub(insecure_channel(a, service_key))
+                       for a in stores]
         self._stores = stores
         self._locks = [asyncio.Lock() for _ in range(self._pool.num_slots)]
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}"

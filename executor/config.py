@@ -3,6 +3,8 @@
 import argparse
 from dataclasses import dataclass
 
+from common.credentials import KeySources, add_key_arguments, sources_from_args
+
 DTYPES = ("float32", "bfloat16", "float16")
 LORA_BACKENDS = ("auto", "triton", "torch")  # auto: triton on CUDA, torch elsewhere
 
@@ -24,6 +26,9 @@ class ExecutorConfig:
     device: str = "cpu"
     seed: int = 0  # random-weights seed
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
+    # Where the service key is read (and admin keys, for operators' debugging): files or
+    # LORAPLEX_* env. None: the executor runs open (common/credentials.py).
+    keys: KeySources = KeySources()
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -70,10 +75,11 @@ class ExecutorConfig:
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--threads", type=int, default=0,
                        help="torch CPU threads (0 = torch default)")
+        add_key_arguments(p)
         a = p.parse_args(argv)
         return cls(model=a.model, stores=tuple(a.store), address=a.address, model_id=a.model_id,
                    metrics_port=a.metrics_port, grace_s=a.grace_s,
                    num_kv_blocks=a.num_kv_blocks, block_size=a.block_size,
                    adapter_slots=a.adapter_slots, max_rank=a.max_rank,
                    lora_backend=a.lora_backend, dtype=a.dtype, device=a.device, seed=a.seed,
-                   threads=a.threads)
+                   threads=a.threads, keys=sources_from_args(a))

@@ -19,7 +19,7 @@ from executor.kv_cache import PagedKVCache
 from executor.lora import make_lora_backend
 from executor.model import RowSpec, StepMetadata, Transformer
 from executor.model_config import ModelConfig
-from executor.sampling import make_generator, sample
+from executor.sampling import DrawStream, sample
 from executor.slot_pool import LoraSlotPool, LoraWeights
 from executor.weights import ModelWeights, load_weights, random_weights
 
@@ -72,7 +72,7 @@ class _Sequence:
     block_table: list[int]  # mirror of the scheduler's table
     sampling: SamplingParams
     slot: int
-    generator: torch.Generator
+    draws: DrawStream
 
 
 class ModelRunner:
@@ -120,8 +120,9 @@ class ModelRunner:
         self.pool.clear(slot)
 
     def add_sequence(self, seq_id: int, token_ids: Sequence[int], sampling: SamplingParams,
-                     slot: int) -> None:
-        """Register a sequence (prompt token ids); slot -1 = base model only."""
+                     slot: int, num_generated: int = 0) -> None:
+        """Register a sequence (prompt token ids; after a preemption or failover, prompt and the
+        `num_generated` tokens sampled so far); slot -1 = base model only."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already exists")
         if not token_ids:
@@ -136,12 +137,19 @@ class ModelRunner:
         if not -1 <= slot < self.pool.num_slots:
             raise ValueError(f"sequence {seq_id}: adapter slot {slot} out of range "
                              f"[-1, {self.pool.num_slots})")
+        if not 0 <= num_generated < len(token_ids):
+            raise ValueError(f"sequence {seq_id}: num_generated {num_generated} must be below "
+                             f"its {len(token_ids)} tokens (a prompt comes first)")
         sampling.validate()
         self._seqs[seq_id] = _Sequence(list(token_ids), 0, [], sampling, slot,
-                                       make_generator(sampling.seed, self.device))
+                                       DrawStream(sampling.seed, num_generated, self.device))
 
     def free_sequence(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._seqs)
 
     def free_all(self) -> None:
         """Forget every sequence (the scheduler's stream ended); adapters stay loaded."""
@@ -183,7 +191,7 @@ class ModelRunner:
             self._seqs[r.seq_id].num_computed += r.num_tokens
         seqs = [self._seqs[s] for s in sampled_seqs]
         token_ids, logprobs = sample(logits, [s.sampling for s in seqs],
-                                     [s.generator for s in seqs])
+                                     [s.draws for s in seqs])
         for seq, token in zip(seqs, token_ids):
             seq.token_ids.append(token)
         return ([Sampled(s, t, lp) for s, t, lp in zip(sampled_seqs, token_ids, logprobs)],

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from common.adapter_ref import AdapterRef
 from common.allocator import keep_freed_memory
+from common.credentials import KeyRing, Role
 from common.errors import FailedPrecondition, grpc_errors
 from common.metrics import serve_metrics
 from common.sampling import SamplingParams
@@ -61,17 +62,21 @@ class ExecutorMetrics:
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
-    def __init__(self, config: ExecutorConfig, runner: ModelRunner, tokenizer_json: str):
+    def __init__(self, config: ExecutorConfig, runner: ModelRunner, tokenizer_json: str,
+                 keys: KeyRing):
         self.metrics = ExecutorMetrics()
         self._config = config
+        self._keys = keys  # every RPC: the scheduler's service key (or an admin's)
         self._runner = runner
         self._tokenizer_json = tokenizer_json
-        self._loader = AdapterLoader(runner, config.stores)
+        self._loader = AdapterLoader(runner, config.stores, service_key=keys.service_key)
         self._driver: object | None = None  # the one Step stream allowed at a time
         # The last stream's end: its final step, then free_all.
         self._closing: asyncio.Future | None = None
 
     async def Info(self, request, context):
+        async with grpc_errors(context):
+            self._keys.require(context, Role.SERVICE, Role.ADMIN)
         c, budget = self._runner.config, self._runner.memory_budget()
         return executor_pb2.InfoResponse(
             model_id=c.model_id, vocab_size=c.vocab_size, max_model_len=c.max_position_embeddings,
@@ -83,10 +88,12 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             lora_backend=resolve_lora_backend(self._config.lora_backend, self._config.device),
             device=self._config.device,
             slot_adapters=[a.to_pb() if a else common_pb2.AdapterRef()
-                           for a in self._loader.slot_adapters])
+                           for a in self._loader.slot_adapters],
+            num_sequences=self._runner.num_sequences)
 
     async def Step(self, request_iterator, context):
         async with grpc_errors(context):
+            self._keys.require(context, Role.SERVICE, Role.ADMIN)
             if self._driver is not None:
                 raise FailedPrecondition("executor is already driven by another scheduler stream")
             self._driver = context
@@ -124,7 +131,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             self._runner.free_sequence(seq_id)
         for new in req.new_sequences:
             self._runner.add_sequence(new.seq_id, list(new.token_ids),
-                                      SamplingParams.from_pb(new.sampling), new.slot)
+                                      SamplingParams.from_pb(new.sampling), new.slot,
+                                      new.num_generated)
         rows = [Row(r.seq_id, r.num_tokens, tuple(r.new_block_ids)) for r in req.rows]
         samples = self._runner.step(rows) if rows else []
         self.metrics.step.observe(time.perf_counter() - start)
@@ -136,6 +144,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
     async def LoadAdapter(self, request, context):
         async with grpc_errors(context):
+            self._keys.require(context, Role.SERVICE, Role.ADMIN)
             result = await self._loader.load(AdapterRef.from_pb(request.adapter), request.slot)
             if not result.was_resident:
                 self.metrics.loads.inc()
@@ -147,13 +156,18 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
     async def UnloadAdapter(self, request, context):
         async with grpc_errors(context):
+            self._keys.require(context, Role.SERVICE, Role.ADMIN)
             await self._loader.unload(request.slot, AdapterRef.from_optional_pb(request.adapter))
             return executor_pb2.UnloadAdapterResponse()
 
 
 async def serve(config: ExecutorConfig) -> None:
     runner, tokenizer_json = await asyncio.to_thread(build_runner, config)
-    servicer = ExecutorServicer(config, runner, tokenizer_json)
+    keys = config.keys.load()
+    if keys.is_open:
+        log.warning("executor: no service key configured, open access; configure "
+                    "--service-key-file (or LORAPLEX_SERVICE_KEY)")
+    servicer = ExecutorServicer(config, runner, tokenizer_json, keys)
     service = Service(
         "executor", config.address,
         lambda server: executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server),

@@ -1,4 +1,5 @@
-"""`loraplex budget`: an executor's GPU memory for a model and a traffic mix, before anything starts.
+"""`loraplex budget`: an executor's GPU memory for a model and a traffic mix, before anything
+starts.
 
     loraplex budget --model random:llama-3-8b --gpu-gib 80 --adapter-slots 64 --max-rank 16 \
         --seqs 64 --context 4096
@@ -104,7 +105,8 @@ def format_plan(p: Plan, *, adapter_slots: int, max_rank: int, seqs: int, contex
     if p.num_kv_blocks < 1:
         rest = p.usable_bytes - p.weights_bytes - p.pool_bytes - p.workspace_bytes
         one_block = p.block_size * p.kv_bytes_per_token * (1 + 1 / c.num_hidden_layers)
-        lines.append(f"  KV cache              does not fit: {(one_block - rest) / GB:.2f} GB short "
+        short = (one_block - rest) / GB
+        lines.append(f"  KV cache              does not fit: {short:.2f} GB short "
                      "of a single block (and the K/V a step gathers of it); use fewer or smaller "
                      "adapter slots, a smaller step (--max-batched-tokens, --seqs) or a larger "
                      "GPU")
@@ -150,7 +152,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="tokens per step (the scheduler's flag of the same name)")
     p.add_argument("--seqs", type=int, default=64,
                    help="sequences running at once (the scheduler's --max-num-seqs)")
-    p.add_argument("--context", type=int, default=4096, help="tokens per sequence (prompt + output)")
+    p.add_argument("--context", type=int, default=4096,
+                   help="tokens per sequence (prompt + output)")
     return p.parse_args(argv)
 
 

@@ -11,6 +11,7 @@
 """
 
 import argparse
+import os
 import pathlib
 import signal
 import sys
@@ -19,6 +20,7 @@ import time
 import grpc
 
 from common.adapter_ref import AdapterQuery, AdapterRef
+from common.credentials import add_key_arguments
 from common.errors import InvalidArgument
 from common.server import insecure_channel, run
 from loraplex import client
@@ -45,8 +47,13 @@ def _up(args: argparse.Namespace) -> None:
 
     model = args.model or str(fixtures.ensure(DEFAULT_WORKDIR)["model_dir"])
     store_url = args.store_url or (DEFAULT_WORKDIR / "store").resolve().as_uri()
+    files = [("--api-keys-file", args.api_keys_file), ("--admin-keys-file", args.admin_keys_file),
+             ("--service-key-file", args.service_key_file)]
+    every = [f for flag, path in files if path for f in (flag, str(pathlib.Path(path).resolve()))]
+    service = every[every.index("--service-key-file"):][:2] if args.service_key_file else []
     fleet = Fleet(model=model, store_url=store_url, log_dir=DEFAULT_WORKDIR / "logs",
-                  num_executors=args.executors, num_stores=args.stores, base_port=args.base_port)
+                  num_executors=args.executors, num_stores=args.stores, base_port=args.base_port,
+                  store_args=every, scheduler_args=every, executor_args=service)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # leave the `with` so children stop too
     with fleet:
         for s in fleet.services:
@@ -78,18 +85,34 @@ def _metadata(args: argparse.Namespace):
 
 def _describe(d) -> str:
     i = d.info
-    lines = [str(AdapterRef(i.name, i.version)) + (f"  (aliases: {', '.join(d.aliases)})" if d.aliases else ""),
+    aliases = f"  (aliases: {', '.join(d.aliases)})" if d.aliases else ""
+    revision = f" @ {d.base_model_revision}" if d.base_model_revision else ""
+    evals = ", ".join(f"{k}={v:g}" for k, v in sorted(d.eval_scores.items()))
+    lines = [str(AdapterRef(i.name, i.version)) + aliases,
              f"  owner      {i.owner_tenant or 'public'}",
-             f"  base       {i.base_model}" + (f" @ {d.base_model_revision}" if d.base_model_revision else ""),
+             f"  base       {i.base_model}{revision}",
              f"  rank       {i.rank} (alpha {i.alpha:g}{', rsLoRA' if i.use_rslora else ''})"
              + (f", patterns {dict(d.rank_pattern)}" if d.rank_pattern else ""),
              f"  targets    {' '.join(i.target_modules)}",
              f"  weights    {i.num_bytes / 2**20:.2f} MiB {d.dtype}, sha256 {i.sha256[:16]}...",
              f"  dataset    {d.training_dataset or '-'}",
-             f"  evals      {', '.join(f'{k}={v:g}' for k, v in sorted(d.eval_scores.items())) or '-'}",
+             f"  evals      {evals or '-'}",
              f"  created    {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(i.created_unix))}"
              f"  from {d.source or '-'}"]
     return "\n".join(lines)
+
+
+def _key_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--api-key-file", default="",
+                        help="file holding your API key (default: $LORAPLEX_API_KEY); keys never "
+                             "go on a command line")
+
+
+def _key(args: argparse.Namespace) -> str:
+    """The caller's key: --api-key-file, else $LORAPLEX_API_KEY, else none."""
+    if args.api_key_file:
+        return pathlib.Path(args.api_key_file).read_text().strip()
+    return os.environ.get("LORAPLEX_API_KEY", "").strip()
 
 
 def _query(ref: str) -> AdapterQuery:
@@ -103,12 +126,16 @@ async def _adapters(args: argparse.Namespace) -> None:
     from protos import adapter_store_pb2 as pb
 
     command = args.adapters_command
+
+    async def call(method: str, request):
+        return await client.store_call(args.store, method, request, key=_key(args))
+
     if command == "push":
         info = await client.push_adapter(args.store, args.dir, args.name, args.tenant, _progress,
-                                         _metadata(args))
+                                         _metadata(args), key=_key(args))
         print(file=sys.stderr)
     elif command == "register":
-        info = await client.store_call(args.store, "Register", pb.RegisterRequest(
+        info = await call("Register", pb.RegisterRequest(
             name=args.name, owner_tenant=args.tenant, source_uri=args.uri,
             metadata=_metadata(args)))
     if command in ("push", "register"):
@@ -116,7 +143,7 @@ async def _adapters(args: argparse.Namespace) -> None:
               f"{len(info.target_modules)} modules, {info.num_bytes / 2**20:.2f} MiB, "
               f"owner {info.owner_tenant or 'public'}, base {info.base_model})")
     elif command == "list":
-        listed = await client.store_call(args.store, "ListAdapters", pb.ListAdaptersRequest(
+        listed = await call("ListAdapters", pb.ListAdaptersRequest(
             tenant=args.tenant, name=args.name, all_versions=args.all_versions))
         print(f"{'ADAPTER':32s} {'OWNER':10s} {'RANK':>4s} {'MIB':>7s}  {'ALIASES':16s} BASE")
         for d in listed.adapters:
@@ -126,7 +153,7 @@ async def _adapters(args: argparse.Namespace) -> None:
                   f"{i.base_model}")
     elif command == "show":
         query = _query(args.ref)
-        print(_describe(await client.store_call(args.store, "DescribeAdapter", pb.GetAdapterRequest(
+        print(_describe(await call("DescribeAdapter", pb.GetAdapterRequest(
             name=query.name, version=query.version, alias=query.alias, tenant=args.tenant))))
     elif command == "alias":
         query = _query(args.ref)
@@ -137,7 +164,7 @@ async def _adapters(args: argparse.Namespace) -> None:
             sys.exit("error: give the version to point at: NAME@VERSION (or --remove)")
         if args.expect is not None:
             request.expected_version = args.expect
-        answer = await client.store_call(args.store, "SetAlias", request)
+        answer = await call("SetAlias", request)
         target = "removed" if args.remove else f"-> {AdapterRef(name, version)}"
         print(f"{AdapterQuery(name, alias=args.alias)} {target} "
               f"(was {answer.previous_version or 'unset'})")
@@ -146,28 +173,29 @@ async def _adapters(args: argparse.Namespace) -> None:
         name, version = query.name, query.version
         if query.alias or (not version and not args.all_versions):
             sys.exit("error: name the version to delete (NAME@VERSION), or --all-versions")
-        answer = await client.store_call(args.store, "DeleteAdapter", pb.DeleteAdapterRequest(
+        answer = await call("DeleteAdapter", pb.DeleteAdapterRequest(
             name=name, version=version, tenant=args.tenant))
         print(f"deleted {name} versions {', '.join(map(str, answer.versions))}")
     elif command == "base":
         folder = pathlib.Path(args.dir)
-        base = await client.store_call(args.store, "RegisterBaseModel", pb.RegisterBaseModelRequest(
+        base = await call("RegisterBaseModel", pb.RegisterBaseModelRequest(
             model_id=args.id, config_json=(folder / "config.json").read_text(),
             revision=args.revision))
         print(f"registered base model {base.model_id} ({base.num_layers} layers, revision "
               f"{base.revision or '-'}, config sha256 {base.config_sha256[:16]}...)")
     elif command == "stats":
-        print(await client.store_call(args.store, "Stats", pb.StoreStatsRequest()), end="")
+        print(await call("Stats", pb.StoreStatsRequest()), end="")
 
 
 async def _generate(args: argparse.Namespace) -> None:
     from protos import scheduler_pb2_grpc
 
-    request = client.generate_request(args.adapter, args.prompt, args.max_new_tokens, args.temperature,
-                                      args.top_k, args.top_p, args.seed, args.stop, args.ignore_eos)
+    request = client.generate_request(args.adapter, args.prompt, args.max_new_tokens,
+                                      args.temperature, args.top_k, args.top_p, args.seed,
+                                      args.stop, args.ignore_eos)
     async with insecure_channel(args.scheduler) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
-        async for response in client.stream(stub, request, args.api_key):
+        async for response in client.stream(stub, request, _key(args)):
             if args.json:
                 print(client.token_json(response), flush=True)
             else:
@@ -220,8 +248,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="scheduler port; stores and executors take the ports after it")
     up.add_argument("--executors", type=int, default=1)
     up.add_argument("--stores", type=int, default=1)
+    add_key_arguments(up)  # handed to every service; without them all run open
 
-    sub.add_parser("serve", help="run one service: scheduler | executor | adapter-store", add_help=False)
+    sub.add_parser("serve", help="run one service: scheduler | executor | adapter-store",
+                   add_help=False)
 
     adapters = sub.add_parser("adapters", help="manage adapters in the store")
     asub = adapters.add_subparsers(dest="adapters_command", required=True)
@@ -229,7 +259,9 @@ def _parser() -> argparse.ArgumentParser:
         command = asub.add_parser(name, help=help)
         command.add_argument("--store", default=DEFAULT_STORE)
         command.add_argument("--tenant", default="",
-                             help="acting tenant / owner (default: operator, public adapters)")
+                             help="with an admin key: the tenant to act for / owner (default: "
+                                  "public adapters)")
+        _key_argument(command)
         return command
 
     def metadata_flags(command: argparse.ArgumentParser) -> None:
@@ -271,7 +303,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--adapter", default="", help="name, name@version; empty = base model")
     gen.add_argument("--scheduler", default=DEFAULT_SCHEDULER)
-    gen.add_argument("--api-key", default="")
+    _key_argument(gen)
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-k", type=int, default=0)
@@ -285,7 +317,8 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("config", help="TOML workload (see bench/sim/zipf1000.toml)")
     sim.add_argument("--requests", type=int, default=0, help="override num_requests")
 
-    fit = sub.add_parser("fit-cost", help="fit the simulator's cost model to measured step and load times")
+    fit = sub.add_parser("fit-cost",
+                         help="fit the simulator's cost model to measured step and load times")
     fit.add_argument("timings", nargs="+", help="files a scheduler wrote with --timings-out")
 
     sub.add_parser("budget", add_help=False,

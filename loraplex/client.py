@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from common import wire
 from common.adapter_ref import AdapterRef
+from common.credentials import metadata
 from common.server import insecure_channel
 from protos import (
     adapter_store_pb2,
@@ -35,8 +36,9 @@ def version_metadata(training_dataset: str = "", eval_scores: dict[str, float] |
 async def push_adapter(store: str, folder: str | pathlib.Path, name: str, tenant: str = "",
                        progress: Callable[[int, int], None] | None = None,
                        metadata: adapter_store_pb2.VersionMetadata | None = None,
-                       ) -> common_pb2.AdapterInfo:
-    """Upload a PEFT adapter folder to the store; returns the registered version."""
+                       key: str = "") -> common_pb2.AdapterInfo:
+    """Upload a PEFT adapter folder to the store; returns the registered version. With a tenant
+    `key` it belongs to that tenant; with an admin key to `tenant` ("" = public)."""
     folder = pathlib.Path(folder)
     config_json = (folder / "adapter_config.json").read_text()
     weights = next((folder / f for f in WEIGHT_FILES if (folder / f).exists()), None)
@@ -46,7 +48,7 @@ async def push_adapter(store: str, folder: str | pathlib.Path, name: str, tenant
     header = adapter_store_pb2.PushHeader(
         name=name, owner_tenant=tenant, config_json=config_json, weights_filename=weights.name,
         num_bytes=len(data), metadata=metadata)
-    async with insecure_channel(store) as channel:
+    async with insecure_channel(store, key) as channel:
         return await push(adapter_store_pb2_grpc.AdapterStoreStub(channel), header, data,
                           progress=progress)
 
@@ -72,9 +74,10 @@ async def push(stub: adapter_store_pb2_grpc.AdapterStoreStub, header: adapter_st
     return await call
 
 
-async def store_call(store: str, method: str, request):
-    """One unary AdapterStore RPC, e.g. store_call(addr, "SetAlias", SetAliasRequest(...))."""
-    async with insecure_channel(store) as channel:
+async def store_call(store: str, method: str, request, key: str = ""):
+    """One unary AdapterStore RPC, e.g. store_call(addr, "SetAlias", SetAliasRequest(...)),
+    presenting `key`."""
+    async with insecure_channel(store, key) as channel:
         return await getattr(adapter_store_pb2_grpc.AdapterStoreStub(channel), method)(request)
 
 
@@ -109,10 +112,6 @@ def generate_request(adapter: str = "", prompt: str | list[int] = "", max_new_to
     else:
         req.token_ids.ids.extend(prompt)
     return req
-
-
-def metadata(api_key: str) -> tuple[tuple[str, str], ...]:
-    return ((wire.AUTHORIZATION, f"{wire.BEARER}{api_key}"),) if api_key else ()
 
 
 async def stream(stub: scheduler_pb2_grpc.SchedulerStub, request: scheduler_pb2.GenerateRequest,

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import pathlib
 import random
+import secrets
 import statistics
 import tempfile
 import time
@@ -22,16 +23,16 @@ from common.adapter_ref import AdapterRef
 from common.server import insecure_channel, run
 from loraplex import client
 from loraplex.demo_tasks import TASKS_BY_NAME, held_out
-from loraplex.launch import Fleet
+from loraplex.launch import Fleet, FleetKeys
 from protos import scheduler_pb2, scheduler_pb2_grpc
 
 ASSETS = pathlib.Path(__file__).parent / "demo_assets"
 MODEL_DIR = ASSETS / "loraplex-demo-tiny"
-TENANTS = {  # tenant -> (api key, task adapters it owns)
-    "acme": ("key-acme", ["support-reply", "profile"]),
-    "globex": ("key-globex", ["reverse-words", "rotate-words"]),
-    "initech": ("key-initech", ["spell-digits", "count-words"]),
-    "umbrella": ("key-umbrella", ["and-list"]),
+TENANTS = {  # tenant -> the task adapters it owns (each pushes its own with its API key)
+    "acme": ["support-reply", "profile"],
+    "globex": ["reverse-words", "rotate-words"],
+    "initech": ["spell-digits", "count-words"],
+    "umbrella": ["and-list"],
 }
 BASE = "(base model)"
 ADAPTER_SLOTS = 4  # fewer than the 7 adapters: the demo shows loads, hits and LRU eviction
@@ -63,12 +64,12 @@ class Workload:
 def plan(num_requests: int, seed: int = 0) -> list[tuple[str, str, str, str]]:
     """(tenant, adapter, prompt, expected) per request: held-out prompts, one in eight unadapted."""
     rng = random.Random(seed)
-    prompts = {name: held_out(TASKS_BY_NAME[name], 40) for _, owned in TENANTS.values()
+    prompts = {name: held_out(TASKS_BY_NAME[name], 40) for owned in TENANTS.values()
                for name in owned}
     out = []
     for i in range(num_requests):
         tenant = list(TENANTS)[i % len(TENANTS)]
-        owned = TENANTS[tenant][1]
+        owned = TENANTS[tenant]
         name = rng.choice(owned)
         prompt, answer = rng.choice(prompts[name])
         if rng.random() < 0.125:
@@ -79,13 +80,15 @@ def plan(num_requests: int, seed: int = 0) -> list[tuple[str, str, str, str]]:
     return out
 
 
-async def _workload(scheduler: str, num_requests: int, concurrency: int) -> Workload:
+async def _workload(scheduler: str, num_requests: int, concurrency: int,
+                    keys: FleetKeys) -> Workload:
     work, gate = Workload(), asyncio.Semaphore(concurrency)
+    key_of = {tenant: key for key, tenant in keys.tenants.items()}
 
     async def one(stub, tenant: str, adapter: str, prompt: str, expected: str) -> None:
         request = client.generate_request(adapter, prompt, max_new_tokens=48)  # greedy
         async with gate:
-            got = await client.generate(stub, request, TENANTS[tenant][0])
+            got = await client.generate(stub, request, key_of[tenant])
         work.results.append(Result(tenant, adapter, prompt, expected, got))
 
     async with insecure_channel(scheduler) as channel:
@@ -93,7 +96,8 @@ async def _workload(scheduler: str, num_requests: int, concurrency: int) -> Work
         start = time.perf_counter()
         await asyncio.gather(*(one(stub, *job) for job in plan(num_requests)))
         work.elapsed = time.perf_counter() - start
-        work.stats = await stub.Stats(scheduler_pb2.StatsRequest())
+        work.stats = await stub.Stats(scheduler_pb2.StatsRequest(),
+                                      metadata=client.metadata(keys.admin))
     return work
 
 
@@ -106,14 +110,14 @@ def _print_samples(work: Workload) -> None:
     for r in work.results:
         by_adapter[r.adapter or BASE].append(r)
     print("\nSample outputs (greedy; every prompt is held out: no adapter saw it in training):")
-    for tenant, (_, owned) in TENANTS.items():
+    for tenant, owned in TENANTS.items():
         for name in owned:
             print(f"\n  {name} (tenant {tenant}): {TASKS_BY_NAME[name].description}")
             _print_rows(by_adapter[name])
     print(f"\n  {BASE} (any tenant, no adapter): pre-trained only to echo its input")
     _print_rows(by_adapter[BASE])
     print(f"\n{'adapter':16s}{'requests':>9s}{'exact answers':>15s}")
-    for name in [*(n for _, owned in TENANTS.values() for n in owned), BASE]:
+    for name in [*(n for owned in TENANTS.values() for n in owned), BASE]:
         rows = by_adapter[name]
         exact = sum(r.got.text == r.expected for r in rows)
         print(f"{name:16s}{len(rows):9d}{exact:10d} ({exact / max(1, len(rows)):4.0%})")
@@ -152,10 +156,10 @@ def _print_summary(work: Workload) -> None:
           f"= {total / work.elapsed:.0f} tokens/s")
 
 
-async def _push_all(store: str) -> None:
-    for tenant, (_, owned) in TENANTS.items():
-        for name in owned:
-            info = await client.push_adapter(store, adapter_dir(name), name, tenant)
+async def _push_all(store: str, keys: FleetKeys) -> None:
+    for key, tenant in keys.tenants.items():
+        for name in TENANTS[tenant]:
+            info = await client.push_adapter(store, adapter_dir(name), name, key=key)
             print(f"  pushed {AdapterRef(info.name, info.version)} for {tenant:9s} "
                   f"(rank {info.rank:2d}, "
                   f"{len(info.target_modules)} modules, {info.num_bytes / 1024:4.0f} KiB): "
@@ -166,11 +170,12 @@ def main(args: argparse.Namespace) -> None:
     """Run the demo on the model and adapters committed under demo_assets/."""
     with tempfile.TemporaryDirectory(prefix="loraplex-demo-") as tmp:
         store_url = pathlib.Path(tmp, "store").as_uri()
-        keys = [f for t, (key, _) in TENANTS.items() for f in ("--api-key", f"{key}={t}")]
+        # Every service authenticates its callers: a key per tenant, an admin key, a service key.
+        keys = FleetKeys(tenants={secrets.token_hex(16): tenant for tenant in TENANTS})
         fleet = Fleet(model=str(MODEL_DIR), store_url=store_url, log_dir=pathlib.Path(tmp, "logs"),
                       executor_args=["--adapter-slots", str(ADAPTER_SLOTS),
                                      "--threads", EXECUTOR_THREADS],
-                      scheduler_args=keys)
+                      keys=keys)
         print(f"model: {MODEL_DIR.name}, a 4-layer LLaMA trained on CPU to echo text; "
               "each LoRA adapter teaches it one task.")
         print("starting adapter_store, executor and scheduler as separate processes ...",
@@ -178,10 +183,10 @@ def main(args: argparse.Namespace) -> None:
         with fleet:
             for s in fleet.services:
                 print(f"  {s.name:16s} listening on {s.address}")
-            run(lambda: _push_all(fleet.stores[0]))
+            run(lambda: _push_all(fleet.stores[0], keys))
             print(f"streaming {args.requests} requests from {len(TENANTS)} tenants at once, "
                   f"{args.concurrency} in flight, {ADAPTER_SLOTS} adapter slots ...", flush=True)
-            work = run(lambda: _workload(fleet.scheduler, args.requests, args.concurrency))
+            work = run(lambda: _workload(fleet.scheduler, args.requests, args.concurrency, keys))
             _print_samples(work)
             _print_summary(work)
         print("\nall services stopped.")

@@ -7,11 +7,13 @@ line, so callers get a ready address. `Fleet` starts a whole pool: stores, execu
 import os
 import pathlib
 import re
+import secrets
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 _LISTENING = re.compile(r"^(\S+) listening on (\S+)$")
@@ -72,9 +74,36 @@ def start_service(name: str, module: str, args: list[str], log_dir: pathlib.Path
     return ServiceProcess(name, proc, found[0], log_path)
 
 
+@dataclass(frozen=True)
+class FleetKeys:
+    """The keys of a local fleet: tenant keys, an admin key and the service key its services
+    present to each other. `write` puts them in files only this user can read, and returns the
+    flags that point each service at them (keys never go on a command line)."""
+
+    tenants: Mapping[str, str] = field(default_factory=dict)  # key -> tenant
+    admin: str = field(default_factory=lambda: secrets.token_hex(16))
+    service: str = field(default_factory=lambda: secrets.token_hex(16))
+
+    def write(self, folder: pathlib.Path) -> dict[str, list[str]]:
+        """Flags per service kind ("store", "executor", "scheduler")."""
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        files = {"api-keys": "".join(f"{k}={t}\n" for k, t in self.tenants.items()),
+                 "admin-keys": f"{self.admin}\n", "service-key": f"{self.service}\n"}
+        for name, text in files.items():
+            path = folder / name
+            path.touch(mode=0o600)
+            path.write_text(text)
+        every = ["--api-keys-file", str(folder / "api-keys"),
+                 "--admin-keys-file", str(folder / "admin-keys"),
+                 "--service-key-file", str(folder / "service-key")]
+        return {"store": every, "scheduler": every,
+                "executor": ["--service-key-file", str(folder / "service-key")]}
+
+
 @dataclass
 class Fleet:
-    """A local pool: adapter stores, executors (one model), one scheduler."""
+    """A local pool: adapter stores, executors (one model), one scheduler. With `keys`, every
+    service authenticates its callers (common/credentials.py); without, all run open."""
 
     model: str
     store_url: str
@@ -87,25 +116,29 @@ class Fleet:
     executor_args: list[str] = field(default_factory=list)
     scheduler_args: list[str] = field(default_factory=list)
     store_args: list[str] = field(default_factory=list)
+    keys: FleetKeys | None = None
     services: list[ServiceProcess] = field(default_factory=list)
 
     def _address(self, offset: int) -> str:
         return f"127.0.0.1:{self.base_port + offset if self.base_port else 0}"
 
     def start(self) -> "Fleet":
+        keys = self.keys.write(self.log_dir / "keys") if self.keys else {}
         try:
             stores = [self._start(f"adapter_store-{i}", "adapter_store.service",
                                   ["--url", self.store_url, "--address", self._address(1 + i),
-                                   *self.store_args])
+                                   *keys.get("store", ()), *self.store_args])
                       for i in range(self.num_stores)]
             store_flags = [f for s in stores for f in ("--store", s.address)]
             executors = [self._start(f"executor-{i}", "executor.service",
                                      ["--model", self.model,
                                       "--address", self._address(1 + self.num_stores + i),
-                                      *store_flags, *self.executor_args])
+                                      *store_flags, *keys.get("executor", ()),
+                                      *self.executor_args])
                          for i in range(self.num_executors)]
             self._start("scheduler", "scheduler.service",
-                        ["--address", self._address(0), *store_flags, *self.scheduler_args,
+                        ["--address", self._address(0), *store_flags,
+                         *keys.get("scheduler", ()), *self.scheduler_args,
                          *(f for e in executors for f in ("--executor", e.address))])
         except BaseException:
             self.stop()

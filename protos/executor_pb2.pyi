@@ -12,7 +12,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "max_model_len", "eos_token_ids", "num_kv_blocks", "block_size", "num_adapter_slots", "max_lora_rank", "tokenizer_json", "weight_bytes", "kv_cache_bytes", "adapter_pool_bytes", "lora_backend", "device", "slot_adapters")
+    __slots__ = ("model_id", "vocab_size", "max_model_len", "eos_token_ids", "num_kv_blocks", "block_size", "num_adapter_slots", "max_lora_rank", "tokenizer_json", "weight_bytes", "kv_cache_bytes", "adapter_pool_bytes", "lora_backend", "device", "slot_adapters", "num_sequences")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class InfoResponse(_message.Message):
     LORA_BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     SLOT_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     max_model_len: int
@@ -43,19 +44,22 @@ class InfoResponse(_message.Message):
     lora_backend: str
     device: str
     slot_adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.AdapterRef]
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_adapter_slots: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., adapter_pool_bytes: _Optional[int] = ..., lora_backend: _Optional[str] = ..., device: _Optional[str] = ..., slot_adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ...) -> None: ...
+    num_sequences: int
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_adapter_slots: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., adapter_pool_bytes: _Optional[int] = ..., lora_backend: _Optional[str] = ..., device: _Optional[str] = ..., slot_adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., num_sequences: _Optional[int] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "sampling", "slot")
+    __slots__ = ("seq_id", "token_ids", "sampling", "slot", "num_generated")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     slot: int
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., slot: _Optional[int] = ...) -> None: ...
+    num_generated: int
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., slot: _Optional[int] = ..., num_generated: _Optional[int] = ...) -> None: ...
 
 class ScheduledRow(_message.Message):
     __slots__ = ("seq_id", "num_tokens", "new_block_ids")

@@ -38,7 +38,7 @@ def prewarm(core: Scheduler, adapter: AdapterRef, adapter_bytes: int, num_execut
             if not ex.slots.can_place(adapter, ex.queue.demand):
                 raise FailedPrecondition(f"executor {ex.address}: every adapter slot is pinned; "
                                          f"evict or unpin one before pre-warming {adapter}")
-            slot = core.start_load_on(ex, adapter)
+            slot = core.start_load_on(ex, adapter, adapter_bytes)
         if pin:
             ex.slots.pin_by_admin(slot)
     core.wake()

@@ -3,9 +3,11 @@
 import argparse
 from dataclasses import dataclass, field, fields
 
+from common.credentials import KeySources, add_key_arguments, sources_from_args
 from scheduler.executor_state import Limits
 from scheduler.fairness import FairnessWeights
 from scheduler.ratelimit import RateLimit
+from scheduler.timeouts import Timeouts
 
 
 def _pairs(items: list[str], what: str) -> dict[str, str]:
@@ -25,12 +27,14 @@ class SchedulerConfig:
     address: str = "127.0.0.1:0"
     metrics_port: int = 0  # Prometheus endpoint; 0 = off
     grace_s: float = 30.0  # on SIGTERM: how long in-flight work may take to finish
-    api_keys: dict[str, str] = field(default_factory=dict)  # api key -> tenant; empty = open access
-    admin_keys: frozenset[str] = frozenset()  # keys for admin RPCs; empty = admin RPCs open
+    # Where tenant, admin and service keys are read (files, LORAPLEX_* env); none = open access
+    # as tenant "default" (common/credentials.py).
+    keys: KeySources = KeySources()
     rate_limits: dict[str, RateLimit] = field(default_factory=dict)  # per tenant
     default_rate_limit: RateLimit = RateLimit()  # tenants without their own (0:0 = unlimited)
     weights: FairnessWeights = field(default_factory=FairnessWeights)
     limits: Limits = field(default_factory=Limits)
+    timeouts: Timeouts = field(default_factory=Timeouts)
     discovery_interval_s: float = 5.0  # how often executor names are re-resolved
     timings_out: str = ""  # append a JSON line per step and per load here (scheduler/timings.py)
     default_max_new_tokens: int = 16
@@ -65,13 +69,7 @@ class SchedulerConfig:
         p.add_argument("--timings-out", default="", metavar="PATH",
                        help="append each step's and load's measured time here, for "
                             "`loraplex fit-cost`")
-        p.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT",
-                       help="accept KEY for TENANT (repeatable); none = open access as tenant "
-                            "'default'")
-        p.add_argument("--api-key-file", default="",
-                       help="file of KEY=TENANT lines (keeps keys off the command line)")
-        p.add_argument("--admin-key", action="append", default=[],
-                       help="key for admin RPCs (repeatable)")
+        add_key_arguments(p)
         p.add_argument("--tenant-weight", action="append", default=[], metavar="TENANT=W")
         p.add_argument("--rate-limit", action="append", default=[], metavar="TENANT=RPS:TPS",
                        help="per-tenant requests/s and tokens/s (0 = unlimited)")
@@ -79,19 +77,16 @@ class SchedulerConfig:
         p.add_argument("--load-weight", type=float, default=FairnessWeights.load_weight,
                        help="how much of an adapter load's time a tenant pays, in "
                             "token-equivalents")
-        for f in fields(Limits):
+        for f in (*fields(Limits), *fields(Timeouts)):
             p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
         a = p.parse_args(argv)
-        if a.api_key_file:
-            with open(a.api_key_file) as f:
-                a.api_key += [line.strip() for line in f
-                              if line.strip() and not line.startswith("#")]
         weights = {t: float(w) for t, w in _pairs(a.tenant_weight, "--tenant-weight").items()}
         rates = {t: RateLimit.parse(r) for t, r in _pairs(a.rate_limit, "--rate-limit").items()}
         return cls(executors=tuple(a.executor), stores=tuple(a.store), address=a.address,
                    discovery_interval_s=a.discovery_interval_s, metrics_port=a.metrics_port,
                    grace_s=a.grace_s, timings_out=a.timings_out,
-                   api_keys=_pairs(a.api_key, "--api-key"), admin_keys=frozenset(a.admin_key),
+                   keys=sources_from_args(a),
                    rate_limits=rates, default_rate_limit=RateLimit.parse(a.default_rate_limit),
                    weights=FairnessWeights(load_weight=a.load_weight, tenant_weights=weights),
-                   limits=Limits(**{f.name: getattr(a, f.name) for f in fields(Limits)}))
+                   limits=Limits(**{f.name: getattr(a, f.name) for f in fields(Limits)}),
+                   timeouts=Timeouts(**{f.name: getattr(a, f.name) for f in fields(Timeouts)}))

@@ -18,12 +18,21 @@ import logging
 from collections.abc import Iterable
 
 from common.adapter_ref import AdapterRef
-from common.errors import FailedPrecondition, LoraplexError, Unavailable
+from common.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    LoraplexError,
+    ResourceExhausted,
+    Unavailable,
+    retry_after,
+)
 from scheduler.block_manager import BlockManager
+from scheduler.deadlines import Due
 from scheduler.detokenizer import Finish
 from scheduler.executor_state import (
     ExecutorState,
     Limits,
+    LoadFailure,
     Sample,
     ScheduledRow,
     Sequence,
@@ -42,10 +51,64 @@ __all__ = ["ExecutorState", "Limits", "Sample", "ScheduledRow", "Scheduler", "Se
 class Scheduler(Placement):
     # ---- requests in and out ----------------------------------------------------------------
     def submit(self, req: Request) -> None:
+        """Queue a request, or refuse it now: its tenant has max_queued_per_tenant waiting
+        (RESOURCE_EXHAUSTED), or every slot of every executor is pinned by an operator
+        (FAILED_PRECONDITION: its adapter could never load)."""
         req.arrival = self.clock()
+        self._check_tenant_backlog(req.tenant)
+        if req.adapter:
+            self._check_placeable(req.adapter)
         req.work_left = len(req.prompt_ids) + req.output.max_new_tokens
+        self.deadlines.add(req)
         self._route(req)
         self._wake()
+
+    def expire(self) -> None:
+        """Drop the waiting requests whose time is up (see deadlines.py); wake the executors
+        when an adapter's load may be tried again. The engine calls this on a clock tick."""
+        now = self.clock()
+        for req, due in self.deadlines.due(now):
+            self._fail(req, self._expiry_error(req, due, now))
+        if any(f.retry_at <= now for ex in self.executors for f in ex.load_failures.values()):
+            self._wake()
+
+    def _expiry_error(self, req: Request, due: Due, now: float) -> LoraplexError:
+        waited = now - req.arrival
+        if due is Due.DEADLINE:
+            return DeadlineExceeded(f"the request's deadline passed after {waited:.1f}s "
+                                    "waiting for an executor")
+        failure = req.executor.load_failures.get(req.adapter) if req.executor else None
+        if failure is not None:
+            return retry_after(Unavailable(
+                f"adapter {req.adapter} could not be loaded within {waited:.0f}s "
+                f"(last error: {failure.error}); retry later"), self.limits.max_load_backoff_s)
+        wait = self._expected_wait()
+        return retry_after(ResourceExhausted(
+            f"not admitted within {waited:.0f}s (the pool's max_queue_s): the pool is "
+            f"overloaded or has no executor up; retry in {wait:.0f}s"), wait)
+
+    def _check_tenant_backlog(self, tenant: str) -> None:
+        cap, queued = self.limits.max_queued_per_tenant, self.fair.backlog.get(tenant, 0)
+        if cap and queued >= cap:
+            wait = self._expected_wait()
+            raise retry_after(ResourceExhausted(
+                f"tenant {tenant!r} has {queued} requests waiting, the most this pool queues "
+                f"for one tenant; retry in {wait:.0f}s"), wait)
+
+    def _check_placeable(self, adapter: AdapterRef) -> None:
+        admitting = [ex for ex in self.executors if ex.is_admitting]
+        if admitting and all(ex.slots.find(adapter) is None and ex.slots.are_all_admin_pinned()
+                             for ex in admitting):
+            raise FailedPrecondition(
+                f"every adapter slot of every executor is pinned by an operator, so {adapter} "
+                "could never be loaded: evict a pinned adapter (Evict) or pre-warm this one")
+
+    def _expected_wait(self) -> float:
+        """Seconds the queued work takes the pool at its measured rate: a retry-after hint."""
+        up = [ex for ex in self.executors if ex.is_admitting]
+        rate = sum(ex.rates.tokens_per_second for ex in up)
+        seconds = sum(ex.work_tokens for ex in up) / rate if rate else 60.0
+        return min(60.0, max(1.0, seconds))
 
     def cancel(self, req: Request) -> None:
         """Forget a request whose client went away; frees whatever it held."""
@@ -77,6 +140,8 @@ class Scheduler(Placement):
             rows += self._admit(ex, budget)
         rows.sort(key=lambda row: row.seq.slot.index if row.seq.slot else -1)
         new = [row.seq for row in rows if not row.seq.is_sent]
+        for seq in new:  # sent now: one cancelled while this step runs must be freed after it
+            seq.is_sent = True
         freed, ex.pending_frees = ex.pending_frees, []
         return StepPlan(freed, new, rows)
 
@@ -84,8 +149,6 @@ class Scheduler(Placement):
                      step_seconds: float = 0.0) -> None:
         ex.num_steps += 1
         ex.rates.observe_step(plan.num_tokens, step_seconds)
-        for seq in plan.new:
-            seq.is_sent = True
         for row in plan.rows:
             row.seq.num_computed += row.num_tokens
             row.seq.request.work_left -= row.num_tokens
@@ -207,15 +270,21 @@ class Scheduler(Placement):
             ex.num_loads += 1
             ex.rates.observe_load(num_bytes, seconds)
             ex.load_failures.pop(adapter, None)
-        else:
+        elif isinstance(error, (Unavailable, DeadlineExceeded)):  # may succeed later: back off
             ex.slots.clear(slot)
-            failures = ex.load_failures.get(adapter, 0) + 1
-            ex.load_failures[adapter] = failures
-            log.warning("loading %s on %s failed (%d): %s", adapter, ex.address, failures, error)
-            if failures >= self.limits.max_load_attempts or not isinstance(error, Unavailable):
-                ex.load_failures.pop(adapter, None)
-                for req in [r for r in ex.queue if r.adapter == adapter]:
-                    self._fail(req, error)
+            previous = ex.load_failures.get(adapter)
+            count = previous.count + 1 if previous else 1
+            backoff = min(self.limits.max_load_backoff_s,
+                          self.limits.load_backoff_s * 2 ** (count - 1))
+            ex.load_failures[adapter] = LoadFailure(count, self.clock() + backoff, error)
+            log.warning("loading %s on %s failed (%d in a row), trying again in %.1fs: %s",
+                        adapter, ex.address, count, backoff, error)
+        else:  # it will fail the same way: its requests fail now
+            ex.slots.clear(slot)
+            ex.load_failures.pop(adapter, None)
+            log.warning("loading %s on %s failed: %s", adapter, ex.address, error)
+            for req in [r for r in ex.queue if r.adapter == adapter]:
+                self._fail(req, error)
         self._wake()
 
     def remove_executor(self, ex: ExecutorState) -> None:

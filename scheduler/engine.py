@@ -4,6 +4,11 @@ Each loop is three lines of substance: `schedule`, `step` (one round trip on the
 stream), `on_step_done`. Everything it decides comes from scheduler.core; what it learns of an
 executor's life (gone from discovery, NOT_SERVING, lost) it tells the core, and it asks the
 executor's state (ExecutorState) when a link may close.
+
+Every call to an executor has a deadline (timeouts.py). An executor that misses one is suspect,
+exactly like one whose stream broke: its stream is dropped (whatever it sends late is never
+read), the core recomputes its sequences elsewhere, and it rejoins only once Info and an empty
+probe step answer in time. An idle executor is probed every probe_interval_s.
 """
 
 import asyncio
@@ -24,11 +29,13 @@ from scheduler.discovery import resolve
 from scheduler.fairness import FairnessWeights
 from scheduler.metrics import SchedulerMetrics
 from scheduler.slots import Slot, SlotTable
+from scheduler.timeouts import Timeouts
 from scheduler.timings import TimingLog
 
 log = logging.getLogger(__name__)
 
 RECONNECT_SECONDS = 1.0
+TICK_S = 0.1  # how often waiting requests' deadlines and loads' backoffs are checked
 WARM_AGAIN_S = 30.0  # an adapter waiting for a slot is brought into a store's RAM this often
 # Warms at once: best effort, so a burst of cold adapters neither flushes hot ones from a store's
 # RAM tier nor queues its reads ahead of the loads executors are waiting for.
@@ -38,9 +45,10 @@ MAX_WARMS_IN_FLIGHT = 4
 class ExecutorLink:
     """The connection to one executor: its Info, its step stream and its adapter RPCs."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, key: str = "", timeouts: Timeouts = Timeouts()):
         self.address = address
-        self.channel = insecure_channel(address)
+        self.timeouts = timeouts
+        self.channel = insecure_channel(address, key)
         self.stub = executor_pb2_grpc.ExecutorStub(self.channel)
         self.info: executor_pb2.InfoResponse | None = None
         self.state = ExecutorState(address, BlockManager(1, 1), SlotTable(0))  # until connected
@@ -48,29 +56,47 @@ class ExecutorLink:
         self.woken = asyncio.Event()
 
     async def connect(self) -> None:
-        """Fetch Info, reset our view of the executor, and open a fresh step stream."""
-        self.info = await self.stub.Info(executor_pb2.InfoRequest())
+        """Fetch Info, reset our view of the executor, open a fresh step stream and probe it."""
+        self.info = await self.stub.Info(executor_pb2.InfoRequest(), timeout=self.timeouts.rpc_s)
         # Slots the executor still holds from an earlier scheduler are not ours to trust: reload.
         # A departing executor stays departing; a stopping one that answers again is not.
         blocks = BlockManager(self.info.num_kv_blocks, self.info.block_size)
         self.state = ExecutorState(self.address, blocks, SlotTable(self.info.num_adapter_slots),
                                    is_leaving=self.state.is_leaving)
         self._call = self.stub.Step()
+        await self.probe()
+
+    async def probe(self) -> None:
+        """An empty step, answered within rpc_s: the executor's step loop is alive."""
+        await self._round_trip(executor_pb2.StepRequest(), self.timeouts.rpc_s)
 
     async def step(self, plan: StepPlan) -> tuple[list[Sample], float]:
         req = executor_pb2.StepRequest(
             freed_seq_ids=plan.freed,
             new_sequences=[executor_pb2.NewSequence(
                 seq_id=seq.seq_id, token_ids=seq.token_ids, slot=seq.slot.index if seq.slot else -1,
-                sampling=seq.request.sampling.to_pb()) for seq in plan.new],
+                sampling=seq.request.sampling.to_pb(),
+                num_generated=len(seq.request.output_token_ids)) for seq in plan.new],
             rows=[executor_pb2.ScheduledRow(seq_id=row.seq.seq_id, num_tokens=row.num_tokens,
                                             new_block_ids=row.new_block_ids)
                   for row in plan.rows])
-        await self._call.write(req)
-        resp = await self._call.read()
+        deadline = self.timeouts.step(plan.num_tokens, self.state.rates, self.state.num_steps)
+        resp = await self._round_trip(req, deadline)
+        return [Sample(s.seq_id, s.token_id, s.logprob) for s in resp.samples], resp.step_seconds
+
+    async def _round_trip(self, req: executor_pb2.StepRequest,
+                          seconds: float) -> executor_pb2.StepResponse:
+        """One request and its answer on the step stream, or UNAVAILABLE past `seconds`."""
+        try:
+            async with asyncio.timeout(seconds):
+                await self._call.write(req)
+                resp = await self._call.read()
+        except TimeoutError:
+            raise Unavailable(f"executor {self.address} did not answer a step within "
+                              f"{seconds:.1f}s: suspect, its work moves elsewhere") from None
         if resp is grpc.aio.EOF:
             raise Unavailable(f"executor {self.address} closed its step stream")
-        return [Sample(s.seq_id, s.token_id, s.logprob) for s in resp.samples], resp.step_seconds
+        return resp
 
     def close(self) -> None:
         if self._call is not None:
@@ -81,8 +107,11 @@ class ExecutorLink:
 class Engine:
     def __init__(self, executor_specs: tuple[str, ...], weights: FairnessWeights, limits: Limits,
                  discovery_interval_s: float = 5.0, timings: TimingLog | None = None,
-                 warm_host: Callable[[AdapterRef], Awaitable[None]] | None = None):
+                 warm_host: Callable[[AdapterRef], Awaitable[None]] | None = None,
+                 service_key: str = "", timeouts: Timeouts = Timeouts()):
         self.links: dict[str, ExecutorLink] = {}
+        self._service_key = service_key  # presented to executors
+        self.timeouts = timeouts
         self.timings = timings
         self.core = Scheduler([], weights, limits, self._start_load, self._wake, self._start_unload,
                               warm_host=self._warm_host)
@@ -99,6 +128,14 @@ class Engine:
 
     def start(self) -> None:
         self._spawn(self._discover())
+        self._spawn(self._tick())
+
+    async def _tick(self) -> None:
+        """The core's clock tick: waiting requests whose time is up are dropped, loads whose
+        backoff passed are tried again."""
+        while True:
+            await asyncio.sleep(TICK_S)
+            self.core.expire()
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -130,7 +167,8 @@ class Engine:
                 found = set(self.links)
             for address in sorted(found - set(self.links)):
                 log.info("executor %s joined", address)
-                link = self.links[address] = ExecutorLink(address)
+                link = self.links[address] = ExecutorLink(address, self._service_key,
+                                                          self.timeouts)
                 self._link_tasks[address] = [self._spawn(self._run(link)),
                                              self._spawn(self._watch(link))]
             for address in sorted(set(self.links) - found):
@@ -208,7 +246,14 @@ class Engine:
             link.woken.clear()
             plan = self.core.schedule(ex)
             if not plan:
-                await link.woken.wait()
+                if not ex.pending_frees:
+                    try:
+                        async with asyncio.timeout(self.timeouts.probe_interval_s):
+                            await link.woken.wait()
+                        continue
+                    except TimeoutError:
+                        pass
+                await link.probe()  # idle: is it still there? (and sends pending frees)
                 continue
             samples, seconds = await link.step(plan)
             self.metrics.on_step(link.address, plan, seconds)
@@ -225,7 +270,8 @@ class Engine:
                     adapter: AdapterRef) -> None:
         try:
             resp = await link.stub.LoadAdapter(executor_pb2.LoadAdapterRequest(
-                adapter=adapter.to_pb(), slot=slot.index))
+                adapter=adapter.to_pb(), slot=slot.index),
+                timeout=self.timeouts.load(slot.num_bytes, ex.rates))
         except grpc.aio.AioRpcError as err:
             error = from_rpc_error(err, f"loading adapter {adapter} on executor {link.address}")
             self.core.on_load_done(ex, slot, adapter, error)
@@ -258,7 +304,7 @@ class Engine:
     @staticmethod
     async def _unload(link: ExecutorLink, request: executor_pb2.UnloadAdapterRequest) -> None:
         try:
-            await link.stub.UnloadAdapter(request)
+            await link.stub.UnloadAdapter(request, timeout=link.timeouts.rpc_s)
         except grpc.aio.AioRpcError as err:  # the scheduler's table is the truth; this only tidies
             log.warning("unloading slot %d on %s failed: %s", request.slot, link.address,
                         err.details())

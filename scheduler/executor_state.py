@@ -4,6 +4,7 @@ schedules under, and what one step carries (StepPlan of ScheduledRows, Samples b
 from dataclasses import dataclass, field
 
 from common.adapter_ref import AdapterRef
+from common.errors import LoraplexError
 from scheduler.block_manager import BlockManager
 from scheduler.queues import ExecutorQueue
 from scheduler.request import Request
@@ -16,7 +17,6 @@ class Limits:
     max_num_seqs: int = 64  # running sequences per executor
     max_batched_tokens: int = 2048  # tokens per step per executor (long prompts are chunked)
     max_adapters_per_batch: int = 0  # distinct adapters running at once per executor; 0 = no limit
-    max_load_attempts: int = 2  # a failing adapter load is tried this often, then its requests fail
     # A request running on an executor that fails (a step errors, the stream or process dies) is
     # recomputed elsewhere; the time this many executors failed under it, it fails too: a request
     # whose step always fails must not bring executors down forever.
@@ -29,19 +29,44 @@ class Limits:
     # A tenant more than this many token-equivalents ahead of the least-served backlogged tenant is
     # not admitted (even if that tenant waits for a load): bounds the fairness gap; 0 = no bound.
     fairness_window: float = 8192.0
+    # A load that failed retryably (UNAVAILABLE: a store or S3 down or frozen) is tried again
+    # after load_backoff_s, doubling up to max_load_backoff_s; its requests wait meanwhile,
+    # within their deadlines and max_queue_s. Any other failure fails them at once.
+    load_backoff_s: float = 0.5
+    max_load_backoff_s: float = 10.0
+    # A request not admitted within this long is refused (RESOURCE_EXHAUSTED with retry-after;
+    # UNAVAILABLE when its adapter keeps failing to load), also while no executor is up.
+    max_queue_s: float = 300.0
+    # Requests one tenant may have waiting; one more is refused at once (RESOURCE_EXHAUSTED with
+    # retry-after). 0 = no cap.
+    max_queued_per_tenant: int = 1024
 
     def __post_init__(self) -> None:
         if self.popularity_half_life_s <= 0:
             raise ValueError("popularity_half_life_s must be > 0, got "
                              f"{self.popularity_half_life_s}")
-        for name in ("max_num_seqs", "max_batched_tokens", "max_load_attempts",
-                     "max_executor_failures"):
+        for name in ("max_num_seqs", "max_batched_tokens", "max_executor_failures"):
             if getattr(self, name) < 1:
                 raise ValueError(f"scheduler limit {name} must be >= 1, got {getattr(self, name)}")
+        for name in ("load_backoff_s", "max_queue_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"scheduler limit {name} must be > 0, got {getattr(self, name)}")
+        if self.max_load_backoff_s < self.load_backoff_s:
+            raise ValueError("max_load_backoff_s must be >= load_backoff_s")
         for name in ("max_adapters_per_batch", "affinity_max_wait_s", "slot_wait_s",
-                     "max_reserved_slots", "fairness_window", "home_bias_s"):
+                     "max_reserved_slots", "fairness_window", "home_bias_s",
+                     "max_queued_per_tenant"):
             if getattr(self, name) < 0:
                 raise ValueError(f"scheduler limit {name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass
+class LoadFailure:
+    """An adapter whose loads keep failing on an executor, retryably: when to try again."""
+
+    count: int
+    retry_at: float  # scheduler clock
+    error: LoraplexError
 
 
 @dataclass(eq=False)
@@ -71,7 +96,7 @@ class ExecutorState:
     rates: Rates = field(default_factory=Rates)
     popularity: Popularity = field(default_factory=Popularity)  # of adapters routed here
     work_tokens: float = 0.0  # tokens still to compute for its queued and running requests
-    load_failures: dict[AdapterRef, int] = field(default_factory=dict)
+    load_failures: dict[AdapterRef, LoadFailure] = field(default_factory=dict)
     is_up: bool = False  # connected and stepping: from add_executor until on_executor_lost
     is_draining: bool = False  # admits nothing new; its running sequences finish
     is_leaving: bool = False  # gone from discovery: forget it once drained

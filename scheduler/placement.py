@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 
 from common.adapter_ref import AdapterRef
 from common.errors import LoraplexError
+from scheduler.deadlines import Deadlines
 from scheduler.executor_state import ExecutorState, Limits, Sequence
 from scheduler.fairness import FairnessWeights, FairShare
 from scheduler.request import ErrorEvent, Request, Status
@@ -34,6 +35,7 @@ class Placement:
         self.limits = limits
         self.fair = FairShare(weights)
         self.orphans: list[Request] = []  # queued while no executor can take work
+        self.deadlines = Deadlines(limits.max_queue_s)
         self.totals: dict[str, TenantTotals] = {}  # per tenant, of its ended requests
         self.clock = clock
         self._start_load, self._start_unload, self._wake = start_load, start_unload, wake
@@ -107,21 +109,26 @@ class Placement:
                      self.limits.slot_wait_s, self.limits.home_bias_s if is_away else 0.0)
 
     def _place(self, ex: ExecutorState, req: Request) -> bool:
-        """Start loading req's adapter on ex if a slot can take it (prefetch); charge the load."""
+        """Start loading req's adapter on ex if a slot can take it (prefetch) and its last failed
+        load is not too recent (backoff); charge the load."""
+        failure = ex.load_failures.get(req.adapter)
+        if failure is not None and failure.retry_at > self.clock():
+            return False
         if not ex.slots.can_place(req.adapter, ex.queue.demand):
             return False
-        self.start_load_on(ex, req.adapter)
+        self.start_load_on(ex, req.adapter, req.adapter_bytes)
         req.caused_load = True
         seconds = ex.rates.load_seconds(req.adapter_bytes)
         weight = self.fair.weights.load_weight
         self.fair.charge(req.tenant, weight * seconds * ex.rates.tokens_per_second)
         return True
 
-    def start_load_on(self, ex: ExecutorState, adapter: AdapterRef) -> Slot:
-        """Claim a slot of ex for `adapter` and start loading it there (caller checked
-        can_place)."""
+    def start_load_on(self, ex: ExecutorState, adapter: AdapterRef, num_bytes: int) -> Slot:
+        """Claim a slot of ex for `adapter` (of `num_bytes`) and start loading it there (caller
+        checked can_place)."""
         now = self.clock()
-        slot = ex.slots.place(adapter, ex.queue.demand, lambda a: ex.popularity.value(a, now))
+        slot = ex.slots.place(adapter, ex.queue.demand, lambda a: ex.popularity.value(a, now),
+                              num_bytes)
         ex.num_evictions += bool(slot.evicted)
         self._start_load(ex, slot)
         return slot

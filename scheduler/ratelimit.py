@@ -9,8 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from common import wire
-from common.errors import ResourceExhausted
+from common.errors import ResourceExhausted, retry_after
 
 
 @dataclass(frozen=True)
@@ -75,7 +74,6 @@ class RateLimiter:
             err = ResourceExhausted(f"tenant {tenant!r} is over its rate limit "
                                     f"({limit.requests_per_s:g} requests/s, "
                                     f"{limit.tokens_per_s:g} tokens/s); retry in {wait:.2f}s")
-            err.trailers = ((wire.RETRY_AFTER, f"{wait:.3f}"),)
-            raise err
+            raise retry_after(err, wait)
         requests.pay(1)
         tokens.pay(num_tokens)

@@ -1,23 +1,57 @@
-"""Adapter lookups in the store's registry, from the scheduler.
+"""Adapter lookups in the store's registry, from the scheduler, cached so that the store and S3
+are off the path of requests for adapters the scheduler already knows.
 
 A reference is resolved once, when the request arrives: the request then carries the exact
-"name@version" for its whole life, so moving an alias never changes a running sequence, and the
-next request resolves the alias afresh (the store re-reads aliases on every lookup)."""
+AdapterRef for its whole life, so moving an alias never changes a running sequence.
 
+    name@version   immutable: its AdapterInfo is kept (LRU, max_entries) and never asked again;
+                   who may see it is decided here from its owner, with the store's own words
+    name, alias    asked again once resolve_ttl_s old; when every store replica fails
+                   (UNAVAILABLE: down, frozen past resolve_s, S3 behind it down) the last answer
+                   is used however old (stale-while-error), so requests for adapters the pool
+                   serves keep flowing through a store outage
+    NOT_FOUND      never kept: a push is visible at once
+
+A moved alias is seen by new requests within resolve_ttl_s.
+"""
+
+import collections
+import dataclasses
 import logging
+import time
+from collections.abc import Callable
 
 import grpc
 
-from common.adapter_ref import AdapterQuery, AdapterRef
+from common.adapter_ref import AdapterQuery, AdapterRef, not_found
 from common.errors import LoraplexError, Unavailable, from_rpc_error
 from common.server import insecure_channel
 from protos import adapter_store_pb2, adapter_store_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Answer:
+    info: common_pb2.AdapterInfo
+    at: float  # clock time of the store's answer
+
+
 class RegistryClient:
-    def __init__(self, stores: tuple[str, ...]):
-        self._stores = [(a, adapter_store_pb2_grpc.AdapterStoreStub(insecure_channel(a)))
-                        for a in stores]
+    def __init__(self, stores: tuple[str, ...], service_key: str = "", *,
+                 resolve_s: float = 2.0, resolve_ttl_s: float = 1.0, warm_s: float = 60.0,
+                 max_entries: int = 100_000, clock: Callable[[], float] = time.monotonic):
+        channels = [(a, insecure_channel(a, service_key)) for a in stores]
+        self._stores = [(a, adapter_store_pb2_grpc.AdapterStoreStub(c)) for a, c in channels]
+        self._resolve_s, self._ttl_s, self._warm_s = resolve_s, resolve_ttl_s, warm_s
+        self._max_entries = max_entries
+        self._clock = clock
+        # LRU, oldest first: exact versions, and (tenant, query) -> last answer.
+        self._versions: collections.OrderedDict[AdapterRef, common_pb2.AdapterInfo] = (
+            collections.OrderedDict())
+        self._names: collections.OrderedDict[tuple[str, AdapterQuery], _Answer] = (
+            collections.OrderedDict())
+        self.num_stale_answers = 0  # answers given from an old entry while every store failed
 
     async def warm(self, adapter: AdapterRef) -> None:
         """Have the first store that answers bring the version into its RAM tier (best effort:
@@ -26,7 +60,7 @@ class RegistryClient:
         request = adapter_store_pb2.HostPrewarmRequest(name=adapter.name, version=adapter.version)
         for address, stub in self._stores:
             try:
-                await stub.Prewarm(request, timeout=60)
+                await stub.Prewarm(request, timeout=self._warm_s)
                 return
             except grpc.aio.AioRpcError as err:
                 log.warning("warming %s in store %s: %s", adapter, address, err.details())
@@ -36,14 +70,52 @@ class RegistryClient:
     async def resolve(self, ref: str, tenant: str) -> common_pb2.AdapterInfo:
         """The exact adapter version `ref` names for `tenant` (NOT_FOUND if it may not see it)."""
         query = AdapterQuery.parse(ref)
+        if query.version:
+            info = self._versions.get(AdapterRef(query.name, query.version))
+            if info is not None:
+                self._versions.move_to_end(AdapterRef(info.name, info.version))
+                return _visible(info, tenant)
+        key = (tenant, query)
+        answer = self._names.get(key)
+        if answer is not None and self._clock() - answer.at < self._ttl_s:
+            return answer.info
+        try:
+            info = await self._ask(query, tenant)
+        except Unavailable as err:
+            if answer is None:
+                raise
+            self.num_stale_answers += 1
+            log.warning("adapter registry unavailable (%s); resolving %s from an answer %.0fs "
+                        "old", err, ref[:200], self._clock() - answer.at)
+            return answer.info
+        self._remember(self._versions, AdapterRef(info.name, info.version), info)
+        if not query.version:
+            self._remember(self._names, key, _Answer(info, self._clock()))
+        return info
+
+    async def _ask(self, query: AdapterQuery, tenant: str) -> common_pb2.AdapterInfo:
+        """The store's answer: replicas in order, the next one when one is UNAVAILABLE."""
         request = adapter_store_pb2.GetAdapterRequest(name=query.name, version=query.version,
                                                       tenant=tenant, alias=query.alias)
         last: LoraplexError = Unavailable("no adapter store configured")
         for _, stub in self._stores:
             try:
-                return await stub.GetAdapter(request, timeout=10)
+                return await stub.GetAdapter(request, timeout=self._resolve_s)
             except grpc.aio.AioRpcError as err:
                 last = from_rpc_error(err, "adapter registry")
                 if not isinstance(last, Unavailable):
                     raise last from None
         raise last
+
+    def _remember(self, cache: collections.OrderedDict, key, value) -> None:
+        cache[key] = value
+        cache.move_to_end(key)
+        while len(cache) > self._max_entries:
+            cache.popitem(last=False)
+
+
+def _visible(info: common_pb2.AdapterInfo, tenant: str) -> common_pb2.AdapterInfo:
+    """The store's visibility rule for a cached version: its owner's, or public."""
+    if tenant and not info.is_public and info.owner_tenant != tenant:
+        raise not_found(info.name)
+    return info

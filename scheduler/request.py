@@ -52,6 +52,7 @@ class Request:
     status: Status = Status.QUEUED
     arrival: float = 0.0  # set by the scheduler's clock at submit
     admitted_at: float | None = None  # first admission
+    deadline: float | None = None  # the client's, on the scheduler's clock (None: none given)
     first_token_at: float | None = None
     finish_reason: Finish | None = None
     is_charged: bool = False  # input tokens charged once, not again after a preemption

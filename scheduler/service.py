@@ -2,17 +2,18 @@
 messages and delegate (from_pb -> core or admin.py -> to_pb). Policy lives in scheduler.core."""
 
 import asyncio
+import dataclasses
 import itertools
 import logging
+import secrets
 
 from tokenizers import Tokenizer
 
 from common import wire
 from common.adapter_ref import AdapterRef
+from common.credentials import KeyRing, Role
 from common.errors import (
     InvalidArgument,
-    PermissionDenied,
-    Unauthenticated,
     Unavailable,
     grpc_errors,
     status_for,
@@ -39,8 +40,10 @@ _FINISH_PB = {Finish.LENGTH: scheduler_pb2.FINISH_REASON_LENGTH,
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, config: SchedulerConfig, engine: Engine, registry: RegistryClient):
+    def __init__(self, config: SchedulerConfig, engine: Engine, registry: RegistryClient,
+                 keys: KeyRing):
         self._config = config
+        self._keys = keys
         self._engine = engine
         self._registry = registry
         self._info = info = engine.first_info.result()
@@ -54,6 +57,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         events: asyncio.Queue[Event] = asyncio.Queue()
         async with grpc_errors(context):
             req = await self._make_request(request, self._tenant(context), events.put_nowait)
+            remaining = context.time_remaining()  # the client's deadline (None: none)
+            if remaining is not None:
+                req.deadline = self._engine.core.clock() + remaining
             self._rate_limiter.admit(req.tenant, len(req.prompt_ids) + req.output.max_new_tokens)
             self._engine.core.submit(req)
         try:
@@ -73,22 +79,27 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             self._engine.metrics.on_finish(req, self._engine.core.clock())
 
     def _tenant(self, context) -> str:
-        if not self._config.api_keys:
+        """Who a Generate is for: a tenant key's tenant, or the tenant a service (a gateway)
+        names in metadata; "default" when the scheduler runs open."""
+        caller = self._keys.require(context, Role.TENANT, Role.SERVICE)
+        if self._keys.is_open:
             return DEFAULT_TENANT
-        tenant = self._config.api_keys.get(_bearer(context))
-        if tenant is None:
-            raise Unauthenticated("missing or unknown API key: send metadata "
-                                  "'authorization: Bearer <key>'")
+        if caller.role is Role.TENANT:
+            return caller.tenant
+        tenant = dict(context.invocation_metadata()).get(wire.ON_BEHALF_OF, "")
+        if not tenant:
+            raise InvalidArgument(f"a service calling Generate names the tenant it calls for in "
+                                  f"metadata '{wire.ON_BEHALF_OF}'")
         return tenant
 
     def _check_admin(self, context) -> None:
-        if self._config.admin_keys and _bearer(context) not in self._config.admin_keys:
-            raise PermissionDenied("admin RPCs need an admin key: "
-                                   "'authorization: Bearer <admin key>'")
+        self._keys.require(context, Role.ADMIN)
 
     async def _make_request(self, pb: scheduler_pb2.GenerateRequest, tenant: str, emit) -> Request:
         info = self._info
         sampling = SamplingParams.from_pb(pb.sampling).validate(info.vocab_size)
+        if sampling.seed is None:  # one of its own, so a recompute draws the same tokens
+            sampling = dataclasses.replace(sampling, seed=secrets.randbits(64))
         validation.check_stops(pb, self._config.max_stop_strings, self._config.max_stop_chars)
         adapter, adapter_bytes = None, 0
         if pb.adapter:
@@ -123,7 +134,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             adapter=_pb(req.adapter))
 
     async def Stats(self, request, context):
-        return _stats_pb(self._engine.core.stats())
+        """Everything for admins and services; a tenant key sees its own counters only."""
+        async with grpc_errors(context):
+            caller = self._keys.require(context, Role.TENANT, Role.SERVICE, Role.ADMIN)
+            stats = self._engine.core.stats()
+            if caller.role is Role.TENANT:
+                stats = PoolStats(executors=(), tenants=tuple(
+                    t for t in stats.tenants if t.tenant == caller.tenant))
+            return _stats_pb(stats)
 
     async def Prewarm(self, request, context):
         async with grpc_errors(context):
@@ -164,11 +182,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             return scheduler_pb2.ResumeResponse(queued=len(ex.queue))
 
 
-def _bearer(context) -> str:
-    metadata = dict(context.invocation_metadata())
-    return metadata.get(wire.AUTHORIZATION, "").removeprefix(wire.BEARER).strip()
-
-
 def _pb(adapter: AdapterRef | None) -> common_pb2.AdapterRef | None:
     return adapter.to_pb() if adapter else None
 
@@ -199,15 +212,21 @@ def _tenant_pb(t: TenantStats) -> scheduler_pb2.TenantStats:
 
 
 async def serve(config: SchedulerConfig, ready_timeout: float = 300.0) -> None:
-    registry = RegistryClient(config.stores)
+    keys = config.keys.load()
+    if keys.is_open:
+        log.warning("scheduler: no keys configured, open access as tenant %r; configure "
+                    "--api-keys-file/--admin-keys-file/--service-key-file", DEFAULT_TENANT)
+    t = config.timeouts
+    registry = RegistryClient(config.stores, keys.service_key, resolve_s=t.resolve_s,
+                              resolve_ttl_s=t.resolve_ttl_s, warm_s=t.warm_s)
     engine = Engine(config.executors, config.weights, config.limits, config.discovery_interval_s,
                     TimingLog(config.timings_out) if config.timings_out else None,
-                    warm_host=registry.warm)
+                    warm_host=registry.warm, service_key=keys.service_key, timeouts=t)
     engine.start()
     # Tokenizer and model facts come from the executors: wait for the first one.
     async with asyncio.timeout(ready_timeout):
         await asyncio.shield(engine.first_info)
-    servicer = SchedulerServicer(config, engine, registry)
+    servicer = SchedulerServicer(config, engine, registry, keys)
     service = Service(
         "scheduler", config.address,
         lambda server: scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server),

@@ -39,6 +39,7 @@ class Slot:
     reserved_for: AdapterRef | None = None  # adapter waiting for this slot to drain
     uses: int = 0  # sequences that pinned it since it became ready
     evicted: AdapterRef | None = None  # the adapter its last placement replaced
+    num_bytes: int = 0  # size of its adapter's weights (sizes a load's deadline)
 
 
 class SlotTable:
@@ -58,7 +59,8 @@ class SlotTable:
         return self._victim(adapter, wanted) is not None
 
     def place(self, adapter: AdapterRef, wanted: Collection[AdapterRef | None] = frozenset(),
-              popularity: Callable[[AdapterRef], float] | None = None) -> Slot:
+              popularity: Callable[[AdapterRef], float] | None = None,
+              num_bytes: int = 0) -> Slot:
         """Claim a slot for loading `adapter`: its reserved slot once drained, else an empty one,
         else the unpinned one whose adapter no queued request wants and is least popular (least
         recently used among equals; plain LRU without `popularity`)."""
@@ -69,6 +71,7 @@ class SlotTable:
         self._by_adapter.pop(slot.adapter, None)
         slot.evicted = slot.adapter
         slot.state, slot.adapter, slot.pins = SlotState.LOADING, adapter, 0
+        slot.num_bytes = num_bytes
         slot.is_admin_pinned, slot.reserved_for = False, None
         self._by_adapter[adapter] = slot
         return slot
@@ -89,6 +92,10 @@ class SlotTable:
         if slot is not None:
             slot.reserved_for = adapter
         return slot
+
+    def are_all_admin_pinned(self) -> bool:
+        """Every slot pinned by an operator: no other adapter can ever be loaded here."""
+        return all(s.is_admin_pinned for s in self.slots)
 
     def num_reserved(self) -> int:
         return sum(1 for s in self.slots if s.reserved_for)

@@ -15,8 +15,9 @@ from loraplex import fixtures
 from tests.s3server import seaweedfs_s3  # noqa: F401  (re-exported fixture)
 from tests.test_adapter_store import file_store  # noqa: F401  (re-exported fixture)
 
-API_KEYS = {"key-acme": "acme", "key-globex": "globex", "key-initech": "initech",
-            "key-limited": "limited"}
+# Tenant keys of the keyed test fleets (key -> tenant), and each tenant's key.
+API_KEYS = {f"test-key-of-{t}-0123456789": t for t in ("acme", "globex", "initech", "limited")}
+KEY_OF = {tenant: key for key, tenant in API_KEYS.items()}
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -245,13 +245,21 @@ def test_secrets_stay_in_secrets(rendering):
                 assert "secretKeyRef" in env.get("valueFrom", {}), f"{name}/{component}: {env['name']}"
         literal = json.dumps([c.get("args", []), c.get("command", []), c.get("env", [])])
         assert not any(v in literal for v in secret_values), f"{name}/{component}: a secret in the spec"
-    scheduler_env = {e["name"]: e for e in container(deployments(objects)["scheduler"])["env"]}
-    api_key_flags = [a for a in container(deployments(objects)["scheduler"])["args"]
-                     if a.startswith(("--api-key=", "--admin-key="))]
-    assert len(api_key_flags) >= 2
-    for flag in api_key_flags:
-        var = re.fullmatch(r"--[a-z-]+=\$\((\w+)\)", flag).group(1)
-        assert scheduler_env[var]["valueFrom"]["secretKeyRef"]["name"] == "loraplex-api-keys"
+    # Keys are files from the keys Secret, named by --*-keys-file flags; never a flag's value.
+    flag_files = {"scheduler": 3, "adapter-store": 3, "executor": 1}
+    for component, expected in flag_files.items():
+        c = container(deployments(objects)[component])
+        args = c.get("args", [])
+        assert not [a for a in args if a.startswith(("--api-key=", "--admin-key="))], component
+        files = [a.split("=", 1)[1] for a in args
+                 if a.startswith(("--api-keys-file=", "--admin-keys-file=", "--service-key-file="))]
+        assert len(files) == expected, f"{name}/{component}: key files {files}"
+        mounts = {m["name"]: m for m in c.get("volumeMounts", [])}
+        volumes = {v["name"]: v for v in deployments(objects)[component]["spec"]["template"]
+                   ["spec"]["volumes"]}
+        assert volumes["keys"]["secret"]["secretName"] == "loraplex-keys", component
+        assert mounts["keys"]["readOnly"] and all(
+            f.startswith(mounts["keys"]["mountPath"] + "/") for f in files), component
 
 
 def test_every_variable_in_the_flags_is_defined(rendering):

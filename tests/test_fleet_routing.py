@@ -8,10 +8,11 @@ import pytest
 
 from common.server import insecure_channel
 from loraplex import client
-from loraplex.launch import Fleet
+from loraplex.launch import Fleet, FleetKeys
 from protos import scheduler_pb2, scheduler_pb2_grpc
 
-ADMIN = "admin-key"
+TENANT = "routing-test-tenant-key-0001"  # a tenant key of the fleet
+KEYS = FleetKeys(tenants={TENANT: "t"})
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +20,7 @@ def fleet(tiny, tmp_path_factory, log_dir):
     store = tmp_path_factory.mktemp("store").as_uri()
     fleet = Fleet(model=tiny["model_dir"], store_url=store, log_dir=log_dir / "routing", num_executors=2,
                   executor_args=["--adapter-slots", "4", "--threads", "1"],
-                  scheduler_args=["--admin-key", ADMIN])
+                  keys=KEYS)
     with fleet:
         yield fleet
 
@@ -27,7 +28,8 @@ def fleet(tiny, tmp_path_factory, log_dir):
 @pytest.fixture(scope="module")
 async def adapters(fleet, tiny):
     for name in ("r4_attn", "r8_mlp", "r16_all"):
-        await client.push_adapter(fleet.stores[0], tiny["adapters"][name]["path"], name)
+        await client.push_adapter(fleet.stores[0], tiny["adapters"][name]["path"], name,
+                                  key=KEYS.admin)
 
 
 @pytest.fixture
@@ -37,11 +39,13 @@ async def stub(fleet):
 
 
 def admin():
-    return client.metadata(ADMIN)
+    """Metadata presenting the fleet's admin key."""
+    return client.metadata(KEYS.admin)
 
 
 async def stats(stub) -> dict[str, scheduler_pb2.ExecutorStats]:
-    return {ex.address: ex for ex in (await stub.Stats(scheduler_pb2.StatsRequest())).executors}
+    response = await stub.Stats(scheduler_pb2.StatsRequest(), metadata=admin())
+    return {ex.address: ex for ex in response.executors}
 
 
 def holders(executors: dict, adapter: str) -> set[str]:
@@ -62,6 +66,10 @@ async def test_prewarm_onto_both_executors_pinned(fleet, adapters, stub):
 async def test_admin_rpcs_need_the_admin_key(fleet, adapters, stub):
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.Prewarm(scheduler_pb2.PrewarmRequest(adapter="r4_attn"))
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Prewarm(scheduler_pb2.PrewarmRequest(adapter="r4_attn"),
+                           metadata=client.metadata(TENANT))
     assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.Drain(scheduler_pb2.DrainRequest(executor="127.0.0.1:1"), metadata=admin())
@@ -74,7 +82,7 @@ async def test_requests_follow_residency(fleet, adapters, stub):
     (home,) = resp.executors
     before = await stats(stub)
     for i in range(6):  # one at a time: the executor holding it is never busy enough to lose
-        await client.generate(stub, client.generate_request("r8_mlp", f"follow {i}", 4, ignore_eos=True))
+        await client.generate(stub, client.generate_request("r8_mlp", f"follow {i}", 4, ignore_eos=True), TENANT)
     after = await stats(stub)
     assert holders(after, "r8_mlp@1") == {home}, "no second executor loaded it"
     assert sum(ex.adapter_loads for ex in after.values()) == sum(ex.adapter_loads for ex in before.values())
@@ -87,7 +95,7 @@ async def test_requests_follow_residency(fleet, adapters, stub):
 async def test_drain_one_executor_while_requests_keep_completing(fleet, adapters, stub):
     await stub.Prewarm(scheduler_pb2.PrewarmRequest(adapter="r16_all", num_executors=2, wait=True), metadata=admin())
     calls = [asyncio.create_task(client.generate(stub, client.generate_request(
-        "r16_all", f"long running {i}", 300, ignore_eos=True))) for i in range(8)]
+        "r16_all", f"long running {i}", 300, ignore_eos=True), TENANT)) for i in range(8)]
     for _ in range(200):
         executors = await stats(stub)
         if sum(ex.running for ex in executors.values()) == 8:
@@ -101,7 +109,7 @@ async def test_drain_one_executor_while_requests_keep_completing(fleet, adapters
     await stub.Drain(scheduler_pb2.DrainRequest(executor=busy.address), metadata=admin())
 
     later = [asyncio.create_task(client.generate(stub, client.generate_request(
-        "r16_all", f"after drain {i}", 8, ignore_eos=True))) for i in range(6)]
+        "r16_all", f"after drain {i}", 8, ignore_eos=True), TENANT)) for i in range(6)]
     results = await asyncio.gather(*calls, *later)
     assert [len(r.token_ids) for r in results] == [300] * 8 + [8] * 6, "every request completed"
     executors = await stats(stub)
@@ -109,13 +117,13 @@ async def test_drain_one_executor_while_requests_keep_completing(fleet, adapters
     assert drained.is_draining and drained.is_drained and drained.running == 0
     steps = drained.steps
     await asyncio.gather(*(client.generate(stub, client.generate_request(
-        "r16_all", f"still served {i}", 4, ignore_eos=True)) for i in range(4)))
+        "r16_all", f"still served {i}", 4, ignore_eos=True), TENANT) for i in range(4)))
     assert (await stats(stub))[busy.address].steps == steps, "the drained executor admits nothing new"
 
     await stub.Resume(scheduler_pb2.ResumeRequest(executor=busy.address), metadata=admin())
     assert not (await stats(stub))[busy.address].is_draining
     await asyncio.gather(*(client.generate(stub, client.generate_request(
-        "r16_all", f"resumed {i}", 200, ignore_eos=True)) for i in range(8)))
+        "r16_all", f"resumed {i}", 200, ignore_eos=True), TENANT) for i in range(8)))
     assert (await stats(stub))[busy.address].steps > steps, "resumed, it admits work again"
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.Resume(scheduler_pb2.ResumeRequest(executor="127.0.0.1:1"), metadata=admin())

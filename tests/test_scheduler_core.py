@@ -196,18 +196,6 @@ def test_cancel_frees_blocks_and_pins_whether_queued_or_running():
     assert w.core.schedule(ex).freed == [seq_id], "the executor is told to forget it"
 
 
-def test_failed_load_is_retried_then_fails_its_requests_unavailable():
-    w = World()
-    req = w.request(adapter="a@1")
-    w.complete_loads(error=Unavailable("store down"))
-    w.step()
-    assert req.status is Status.QUEUED and len(w.loads) == 1, "retried once"
-    w.complete_loads(error=Unavailable("store down"))
-    (event,) = w.events[req.request_id]
-    assert isinstance(event, ErrorEvent) and isinstance(event.error, Unavailable)
-    assert all(s.state is SlotState.EMPTY for s in w.executors[0].slots.slots)
-
-
 def test_invalid_adapter_fails_at_once():
     w = World()
     req = w.request(adapter="bad@1")

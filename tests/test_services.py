@@ -12,10 +12,10 @@ from tokenizers import Tokenizer
 
 from common.server import insecure_channel
 from loraplex import client
-from loraplex.launch import Fleet
+from loraplex.launch import Fleet, FleetKeys
 from protos import scheduler_pb2, scheduler_pb2_grpc
 from scheduler.sim.cost_fit import fit_cost
-from tests.conftest import API_KEYS
+from tests.conftest import API_KEYS, KEY_OF
 from tests.oracle import hf_greedy
 
 NUM_SLOTS, MAX_RANK, KV_BLOCKS, BLOCK = 6, 32, 256, 8
@@ -23,7 +23,6 @@ NUM_SLOTS, MAX_RANK, KV_BLOCKS, BLOCK = 6, 32, 256, 8
 OWNERS = {"r4_attn": "", "r8_mlp": "acme", "r16_all": "acme", "r32_all": "globex", "r2_q": "globex",
           "r1_down": "initech", "r8_rslora": "initech", "r8_patterns": "acme", "r12_vo": "globex",
           "r24_k_up": "initech"}
-KEY_OF = {tenant: key for key, tenant in API_KEYS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +32,9 @@ def fleet(tiny, seaweedfs_s3, log_dir):
                   executor_args=["--adapter-slots", str(NUM_SLOTS), "--max-rank", str(MAX_RANK),
                                  "--kv-blocks", str(KV_BLOCKS), "--block-size", str(BLOCK),
                                  "--threads", "1"],
-                  scheduler_args=[f for key, t in API_KEYS.items()
-                                  for f in ("--api-key", f"{key}={t}")]
-                  + ["--rate-limit", "limited=0.5:0",
-                     "--timings-out", str(log_dir / "timings.jsonl")])
+                  keys=FleetKeys(tenants=API_KEYS),
+                  scheduler_args=["--rate-limit", "limited=0.5:0",
+                                  "--timings-out", str(log_dir / "timings.jsonl")])
     with fleet:
         yield fleet
 
@@ -47,10 +45,10 @@ async def pushed(fleet, tiny):
     infos = {}
     for name, owner in OWNERS.items():
         infos[name] = await client.push_adapter(fleet.stores[0], tiny["adapters"][name]["path"],
-                                                name, owner)
+                                                name, owner, key=fleet.keys.admin)
     for name in ("other_base", "r64"):
         infos[name] = await client.push_adapter(fleet.stores[0], tiny["adapters"][name]["path"],
-                                                name)
+                                                name, key=fleet.keys.admin)
     return infos
 
 
@@ -87,11 +85,23 @@ async def test_50_concurrent_streams_across_10_adapters_match_hf_peft(fleet, pus
         assert got.usage.completion_tokens == num_tokens
         assert client.ref_text(got.usage.adapter) == f"{adapter}@{pushed[adapter].version}"
         assert got.text == tokenizer.decode(expected)
-    stats = await stub.Stats(scheduler_pb2.StatsRequest())
+    stats = await stub.Stats(scheduler_pb2.StatsRequest(),
+                             metadata=client.metadata(fleet.keys.admin))
     (ex,) = stats.executors
     assert ex.running == 0 and ex.free_kv_blocks == KV_BLOCKS
     assert ex.adapter_loads >= len(OWNERS)  # 10 adapters through 6 slots: loads and evictions
     assert all(slot.pins == 0 for slot in ex.slots)
+    assert {t.tenant for t in stats.tenants} >= {"acme", "globex", "initech"}
+
+
+async def test_stats_need_a_key_and_show_a_tenant_its_own_counters_only(fleet, pushed, stub):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Stats(scheduler_pb2.StatsRequest())
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    await client.generate(stub, client.generate_request("", "counted", 2), KEY_OF["globex"])
+    own = await stub.Stats(scheduler_pb2.StatsRequest(), metadata=client.metadata(KEY_OF["globex"]))
+    assert [t.tenant for t in own.tenants] == ["globex"] and not own.executors
+    assert own.tenants[0].requests >= 1
 
 
 async def test_base_model_request_and_stop_string(fleet, pushed, stub, tiny, hf_peft):
@@ -99,42 +109,42 @@ async def test_base_model_request_and_stop_string(fleet, pushed, stub, tiny, hf_
     prompt = "many adapters serve the batch"
     expected, _ = hf_greedy(hf_peft, tokenizer.encode(prompt).ids, 10)
     full = await client.generate(stub, client.generate_request("", prompt, 10, ignore_eos=True),
-                                 "key-acme")
+                                 KEY_OF["acme"])
     assert full.token_ids == expected
     stop = full.text[len(full.text) // 2:][:3]
     cut = await client.generate(stub, client.generate_request("", prompt, 10, stop=[stop],
-                                                              ignore_eos=True), "key-acme")
+                                                              ignore_eos=True), KEY_OF["acme"])
     assert cut.finish_reason == "FINISH_REASON_STOP"
     assert cut.text == full.text[:full.text.find(stop)]
 
 
-async def _status(stub, request, api_key="key-acme") -> tuple[grpc.StatusCode, str]:
+async def _status(stub, request, api_key=KEY_OF["acme"]) -> tuple[grpc.StatusCode, str]:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await client.generate(stub, request, api_key)
     return info.value.code(), info.value.details()
 
 
 @pytest.mark.parametrize("case, request_kw, api_key, code, words", [
-    ("unknown adapter", dict(adapter="no-such-adapter"), "key-acme", grpc.StatusCode.NOT_FOUND,
+    ("unknown adapter", dict(adapter="no-such-adapter"), KEY_OF["acme"], grpc.StatusCode.NOT_FOUND,
      "no-such-adapter"),
-    ("another tenant's", dict(adapter="r32_all"), "key-acme", grpc.StatusCode.NOT_FOUND, "r32_all"),
-    ("other base model", dict(adapter="other_base"), "key-acme",
+    ("another tenant's", dict(adapter="r32_all"), KEY_OF["acme"], grpc.StatusCode.NOT_FOUND, "r32_all"),
+    ("other base model", dict(adapter="other_base"), KEY_OF["acme"],
      grpc.StatusCode.FAILED_PRECONDITION, "other-org/other-base-model"),
-    ("rank above max", dict(adapter="r64"), "key-acme", grpc.StatusCode.INVALID_ARGUMENT,
+    ("rank above max", dict(adapter="r64"), KEY_OF["acme"], grpc.StatusCode.INVALID_ARGUMENT,
      "rank 64"),
-    ("bad adapter ref", dict(adapter="a b@c"), "key-acme", grpc.StatusCode.INVALID_ARGUMENT,
+    ("bad adapter ref", dict(adapter="a b@c"), KEY_OF["acme"], grpc.StatusCode.INVALID_ARGUMENT,
      "name@"),
-    ("prompt too long", dict(prompt=[5] * 2040, max_new_tokens=16), "key-acme",
+    ("prompt too long", dict(prompt=[5] * 2040, max_new_tokens=16), KEY_OF["acme"],
      grpc.StatusCode.INVALID_ARGUMENT, "exceeds the context"),
-    ("token outside vocab", dict(prompt=[5, 5000]), "key-acme", grpc.StatusCode.INVALID_ARGUMENT,
+    ("token outside vocab", dict(prompt=[5, 5000]), KEY_OF["acme"], grpc.StatusCode.INVALID_ARGUMENT,
      "5000"),
-    ("empty prompt", dict(prompt=""), "key-acme", grpc.StatusCode.INVALID_ARGUMENT, "empty"),
-    ("negative temperature", dict(temperature=-1.0), "key-acme",
+    ("empty prompt", dict(prompt=""), KEY_OF["acme"], grpc.StatusCode.INVALID_ARGUMENT, "empty"),
+    ("negative temperature", dict(temperature=-1.0), KEY_OF["acme"],
      grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
-    ("nan temperature", dict(temperature=math.nan), "key-acme",
+    ("nan temperature", dict(temperature=math.nan), KEY_OF["acme"],
      grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
-    ("top_p above 1", dict(top_p=2.0), "key-acme", grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
-    ("top_k above vocab", dict(top_k=10**6), "key-acme", grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
+    ("top_p above 1", dict(top_p=2.0), KEY_OF["acme"], grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+    ("top_k above vocab", dict(top_k=10**6), KEY_OF["acme"], grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
     ("no api key", dict(), "", grpc.StatusCode.UNAUTHENTICATED, "API key"),
     ("wrong api key", dict(), "nope", grpc.StatusCode.UNAUTHENTICATED, "API key"),
 ])
@@ -144,7 +154,7 @@ async def test_bad_generate_requests(fleet, pushed, stub, case, request_kw, api_
     assert got_code == code, f"{case}: {details}"
     assert words in details, f"{case}: {details}"
     ok = await client.generate(stub, client.generate_request("r4_attn", "still serving", 3),
-                               "key-acme")
+                               KEY_OF["acme"])
     assert len(ok.token_ids) >= 1
 
 
@@ -153,14 +163,14 @@ async def test_bad_generate_requests(fleet, pushed, stub, case, request_kw, api_
 async def test_bad_adapter_files_are_refused_at_push(fleet, tiny, fixture_name, words):
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await client.push_adapter(fleet.stores[0], tiny["adapters"][fixture_name]["path"],
-                                  fixture_name)
+                                  fixture_name, key=fleet.keys.admin)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert words in info.value.details()
 
 
 async def test_cancel_frees_blocks_and_pins(fleet, pushed, stub):
     call = stub.Generate(client.generate_request("r16_all", "cancel me soon", 500, ignore_eos=True),
-                         metadata=client.metadata("key-acme"))
+                         metadata=client.metadata(KEY_OF["acme"]))
     seen = 0
     async for _ in call:
         seen += 1
@@ -168,7 +178,8 @@ async def test_cancel_frees_blocks_and_pins(fleet, pushed, stub):
             break
     call.cancel()
     for _ in range(100):
-        (ex,) = (await stub.Stats(scheduler_pb2.StatsRequest())).executors
+        (ex,) = (await stub.Stats(scheduler_pb2.StatsRequest(),
+                                  metadata=client.metadata(fleet.keys.admin))).executors
         if ex.running == 0:
             break
         await asyncio.sleep(0.05)
@@ -178,10 +189,10 @@ async def test_cancel_frees_blocks_and_pins(fleet, pushed, stub):
 
 async def test_rate_limit_is_resource_exhausted_with_retry_after(fleet, pushed, stub):
     ok = await client.generate(stub, client.generate_request("r4_attn", "first one", 2),
-                               "key-limited")
+                               KEY_OF["limited"])
     assert len(ok.token_ids) >= 1
     call = stub.Generate(client.generate_request("r4_attn", "too soon", 2),
-                         metadata=client.metadata("key-limited"))
+                         metadata=client.metadata(KEY_OF["limited"]))
     with pytest.raises(grpc.aio.AioRpcError) as info:
         async for _ in call:
             pass
@@ -189,7 +200,7 @@ async def test_rate_limit_is_resource_exhausted_with_retry_after(fleet, pushed, 
     retry_after = float(dict(info.value.trailing_metadata())["retry-after"])
     assert 0 < retry_after <= 2.0
     await client.generate(stub, client.generate_request("r4_attn", "other tenants pass", 2),
-                          "key-acme")
+                          KEY_OF["acme"])
 
 
 async def test_timings_of_every_step_and_load_fit_the_cost_model(fleet, pushed, log_dir):

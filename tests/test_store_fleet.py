@@ -8,7 +8,7 @@ import pytest
 
 from common.server import insecure_channel
 from loraplex import client
-from loraplex.launch import Fleet
+from loraplex.launch import Fleet, FleetKeys
 from protos import adapter_store_pb2 as pb
 from protos import scheduler_pb2_grpc
 from tests.conftest import API_KEYS
@@ -17,6 +17,7 @@ KEY = next(key for key, tenant in API_KEYS.items() if tenant == "acme")
 PROMPTS = ["the model serves many adapters", "tokens stream quickly", "a batch of tokens",
            "many adapters serve the batch"]
 NUM_TOKENS = 64  # streams long enough (~0.3 s) that the alias move lands mid-stream
+RESOLVE_TTL_S = 0.2  # the scheduler sees a moved alias this long after the move
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +27,8 @@ def fleet(tiny, seaweedfs_s3, log_dir):
                   store_args=["--s3-endpoint-url", seaweedfs_s3.endpoint_url],
                   executor_args=["--adapter-slots", "4", "--max-rank", "32", "--kv-blocks", "128",
                                  "--block-size", "8", "--threads", "1"],
-                  scheduler_args=[f for key, t in API_KEYS.items()
-                                  for f in ("--api-key", f"{key}={t}")])
+                  keys=FleetKeys(tenants=API_KEYS),
+                  scheduler_args=["--resolve-ttl-s", str(RESOLVE_TTL_S)])
     with fleet:
         yield fleet
 
@@ -35,9 +36,9 @@ def fleet(tiny, seaweedfs_s3, log_dir):
 async def test_alias_moved_while_requests_run(fleet, tiny):
     first, second = fleet.stores
     for fixture in ("r8_mlp", "r16_all"):  # bot@1, bot@2
-        await client.push_adapter(first, tiny["adapters"][fixture]["path"], "bot", "acme")
+        await client.push_adapter(first, tiny["adapters"][fixture]["path"], "bot", key=KEY)
     await client.store_call(first, "SetAlias", pb.SetAliasRequest(
-        name="bot", alias="prod", version=1, tenant="acme"))
+        name="bot", alias="prod", version=1), key=KEY)
 
     async with insecure_channel(fleet.scheduler) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
@@ -69,9 +70,10 @@ async def test_alias_moved_while_requests_run(fleet, tiny):
         await asyncio.wait_for(started.wait(), 60)
         # Every stream has its first token; move the alias through the *other* replica.
         moved = await client.store_call(second, "SetAlias", pb.SetAliasRequest(
-            name="bot", alias="prod", version=2, tenant="acme"))
+            name="bot", alias="prod", version=2), key=KEY)
         assert moved.previous_version == 1
         assert not all(task.done() for task in before)  # the move landed mid-stream
+        await asyncio.sleep(RESOLVE_TTL_S)  # the scheduler's answer for bot@prod expires
         after = await asyncio.gather(*(client.generate(stub, request("bot@prod", p), KEY)
                                        for p in PROMPTS))
         before = await asyncio.gather(*before)

@@ -129,7 +129,7 @@ class Simulator:
     # ---- executors --------------------------------------------------------------------------
     def _start_load(self, ex: ExecutorState, slot) -> None:
         i = self.executors.index(ex)
-        num_bytes = self._adapter_bytes(int(slot.adapter.name[1:]))
+        num_bytes = slot.num_bytes
         seconds = self.cfg.cost.load_latency_s + num_bytes / self.cfg.cost.load_bytes_per_s
         start = max(self.now, self._load_free_at[i])
         self._load_free_at[i] = start + seconds

@@ -1,0 +1,135 @@
+"""Every wait in the scheduler core is bounded (driven by tests/sched_world.py): a client's
+deadline, the pool's longest queue wait, a tenant's queue cap, an adapter no slot can ever take,
+failed loads retried with backoff, and a sequence cancelled during its first step freed."""
+
+import pytest
+
+from common import wire
+from common.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    ResourceExhausted,
+    Unavailable,
+)
+from scheduler import admin
+from scheduler.core import Limits
+from scheduler.request import ErrorEvent, Status
+from scheduler.slots import SlotState
+from tests.sched_world import World, ref
+
+
+def error_of(w: World, req):
+    (event,) = [e for e in w.events[req.request_id] if isinstance(e, ErrorEvent)]
+    return event.error
+
+
+def retry_after(error) -> float:
+    return float(dict(error.trailers)[wire.RETRY_AFTER])
+
+
+def test_a_failed_load_backs_off_doubling_then_fails_retryably_at_the_queue_bound():
+    w = World(limits=Limits(load_backoff_s=0.5, max_load_backoff_s=1.0, max_queue_s=5.0))
+    req = w.request(adapter="a@1")
+    w.complete_loads(error=Unavailable("store down"))
+    w.step()
+    assert not w.loads, "not again before its backoff"
+    w.now += 0.5
+    w.core.expire()
+    w.step()
+    assert len(w.loads) == 1, "tried again once the backoff passed"
+    w.complete_loads(error=Unavailable("store down"))
+    w.now += 0.6
+    w.step()
+    assert not w.loads, "the backoff doubled to 1 s"
+    w.now += 0.5
+    w.step()
+    assert len(w.loads) == 1
+    w.complete_loads(error=Unavailable("store down"))
+    assert req.status is Status.QUEUED, "a retryable failure never fails the request by itself"
+    w.now = req.arrival + 5.0
+    w.core.expire()
+    error = error_of(w, req)
+    assert isinstance(error, Unavailable) and "could not be loaded" in str(error)
+    assert "store down" in str(error) and retry_after(error) > 0
+    assert all(s.state is SlotState.EMPTY for s in w.executors[0].slots.slots)
+
+
+def test_a_load_that_succeeds_after_failures_serves_its_requests():
+    w = World(limits=Limits(load_backoff_s=0.1))
+    req = w.request(adapter="a@1", max_new=3)
+    w.complete_loads(error=Unavailable("store down"))
+    w.now += 0.2
+    w.run()
+    assert w.finished(req) and not w.executors[0].load_failures
+
+
+def test_a_client_deadline_drops_a_waiting_request_and_frees_everything():
+    w = World(num_slots=1)
+    busy = w.request(adapter="a@1", max_new=100)
+    w.complete_loads()
+    w.step()
+    waiting = w.request(adapter="b@1")
+    waiting.deadline = w.now + 1.0  # (the service sets it from the gRPC deadline at arrival)
+    w.core.deadlines.add(waiting)
+    w.now += 1.0
+    w.core.expire()
+    assert isinstance(error_of(w, waiting), DeadlineExceeded)
+    assert waiting.status is Status.FINISHED and len(w.executors[0].queue) == 0
+    assert not w.core.fair.backlog.get("t") and busy.status is Status.RUNNING
+
+
+def test_the_queue_bound_applies_while_no_executor_is_up():
+    w = World(limits=Limits(max_queue_s=3.0))
+    w.core.on_executor_lost(w.executors[0])
+    req = w.request()
+    assert req in w.core.orphans
+    w.now += 3.0
+    w.core.expire()
+    error = error_of(w, req)
+    assert isinstance(error, ResourceExhausted) and 1 <= retry_after(error) <= 60
+    assert not w.core.orphans
+
+
+def test_a_running_request_is_never_failed_by_the_queue_bound():
+    w = World(limits=Limits(max_queue_s=1.0))
+    req = w.request(max_new=400)
+    w.step()
+    w.now += 5.0
+    w.core.expire()
+    assert req.status is Status.RUNNING and not error_events(w, req)
+
+
+def error_events(w: World, req) -> list:
+    return [e for e in w.events[req.request_id] if isinstance(e, ErrorEvent)]
+
+
+def test_a_tenant_over_its_queue_cap_is_refused_with_retry_after():
+    w = World(num_blocks=4, limits=Limits(max_queued_per_tenant=3))
+    for _ in range(4):  # one admitted (all blocks), three queued
+        w.request(tenant="greedy", prompt_len=10)
+        w.step()
+    with pytest.raises(ResourceExhausted, match="3 requests waiting") as err:
+        w.request(tenant="greedy")
+    assert retry_after(err.value) >= 1
+    w.request(tenant="other")  # another tenant is not held back
+
+
+def test_an_adapter_no_slot_can_ever_take_is_refused():
+    w = World(num_slots=1)
+    admin.prewarm(w.core, ref("pinned@1"), 1 << 20, 1, pin=True)
+    w.complete_loads()
+    with pytest.raises(FailedPrecondition, match="pinned by an operator"):
+        w.request(adapter="cold@1")
+    w.request(adapter="pinned@1")  # the pinned one is served
+    w.request()  # and the base model
+
+
+def test_a_sequence_cancelled_during_its_first_step_is_freed_on_the_executor():
+    w = World()
+    req = w.request(max_new=5)
+    ex = w.executors[0]
+    plan = w.core.schedule(ex)
+    (seq,) = plan.new
+    w.core.cancel(req)  # while the step runs
+    w.core.on_step_done(ex, plan, [])
+    assert w.core.schedule(ex).freed == [seq.seq_id]
