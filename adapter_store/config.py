@@ -63,6 +63,13 @@ class StoreConfig:
     # S3 reads: objects larger than one part are read as parallel ranged GETs.
     s3_part_bytes: int = 8 * MIB
     s3_max_concurrency: int = 8
+    # Every S3 call is bounded, so a frozen S3 is an error within seconds, like a dead one:
+    # connecting, each read of a response body, each call as a whole (headers of a GET, a put, a
+    # list page, a delete), and the tries of one call (botocore's retries, timeouts included).
+    s3_connect_timeout_s: float = 2.0
+    s3_read_timeout_s: float = 10.0
+    s3_call_timeout_s: float = 20.0
+    s3_max_attempts: int = 2
     # Reads of an adapter whose bytes fail the sha256 check before it is declared DATA_LOSS.
     read_attempts: int = 3
     # Largest LoRA rank (max over r and rank_pattern) a push may register.
@@ -103,6 +110,9 @@ class StoreConfig:
             raise ValueError(f"host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
         if not 1024 <= self.chunk_bytes <= 32 * MIB:
             raise ValueError(f"chunk_bytes must be within 1 KiB..32 MiB, got {self.chunk_bytes}")
+        if not (self.s3_connect_timeout_s > 0 and self.s3_read_timeout_s > 0
+                and self.s3_call_timeout_s > 0 and self.s3_max_attempts >= 1):
+            raise ValueError("S3 timeouts must be > 0 and s3_max_attempts >= 1")
         if not (64 * 1024 <= self.s3_part_bytes <= 1024 * MIB
                 and 1 <= self.s3_max_concurrency <= 64):
             raise ValueError(

@@ -35,7 +35,7 @@ class S3BlobStore(BlobStore):
 
     def __init__(self, client, bucket: str, prefix: str, exit_stack: contextlib.AsyncExitStack,
                  part_bytes: int = 8 << 20, max_concurrency: int = 8, read_bytes: int = 1 << 20,
-                 max_external_bytes: int = 2 * 1024**3):
+                 max_external_bytes: int = 2 * 1024**3, call_timeout_s: float = 20.0):
         self._client = client
         self._bucket = bucket
         self._prefix = prefix
@@ -44,6 +44,7 @@ class S3BlobStore(BlobStore):
         self._max_concurrency = max_concurrency
         self._read_bytes = read_bytes
         self.max_external_bytes = max_external_bytes
+        self._call_timeout_s = call_timeout_s
         self.description = f"s3://{bucket}/{prefix}"
 
     @classmethod
@@ -54,8 +55,8 @@ class S3BlobStore(BlobStore):
             access_key, secret_key = "loraplex", "loraplex"  # SeaweedFS without auth takes any
         client_config = botocore.config.Config(
             s3={"addressing_style": "path" if config.s3_path_style else "auto"},
-            retries={"max_attempts": 3, "mode": "standard"},
-            connect_timeout=5, read_timeout=60,
+            retries={"max_attempts": config.s3_max_attempts, "mode": "standard"},
+            connect_timeout=config.s3_connect_timeout_s, read_timeout=config.s3_read_timeout_s,
             max_pool_connections=max(32, 4 * config.s3_max_concurrency))
         stack = contextlib.AsyncExitStack()
         client = await stack.enter_async_context(get_session().create_client(
@@ -63,14 +64,20 @@ class S3BlobStore(BlobStore):
             aws_access_key_id=access_key, aws_secret_access_key=secret_key, config=client_config))
         store = cls(client, config.s3_bucket, config.s3_prefix, stack,
                     part_bytes=config.s3_part_bytes, max_concurrency=config.s3_max_concurrency,
-                    read_bytes=config.chunk_bytes, max_external_bytes=config.max_adapter_bytes)
+                    read_bytes=config.chunk_bytes, max_external_bytes=config.max_adapter_bytes,
+                    call_timeout_s=config.s3_call_timeout_s)
         try:
             with store._errors(f"bucket {config.s3_bucket!r}", is_key=False):
-                await client.head_bucket(Bucket=config.s3_bucket)
+                async with store._bounded():
+                    await client.head_bucket(Bucket=config.s3_bucket)
         except BaseException:
             await stack.aclose()
             raise
         return store
+
+    def _bounded(self) -> asyncio.Timeout:
+        """The bound on one call as a whole (a TimeoutError, which _errors makes UNAVAILABLE)."""
+        return asyncio.timeout(self._call_timeout_s)
 
     @contextlib.contextmanager
     def _errors(self, what: str, *, is_key: bool = True, is_external: bool = False
@@ -161,12 +168,14 @@ class S3BlobStore(BlobStore):
     async def _get_first(self, bucket: str, full_key: str) -> dict:
         """The GetObject response (headers; the body still on the wire) of the first part."""
         try:
-            return await self._client.get_object(Bucket=bucket, Key=full_key,
-                                                 Range=f"bytes=0-{self._part_bytes - 1}")
+            async with self._bounded():
+                return await self._client.get_object(Bucket=bucket, Key=full_key,
+                                                     Range=f"bytes=0-{self._part_bytes - 1}")
         except botocore.exceptions.ClientError as exc:
             if exc.response.get("Error", {}).get("Code") != "InvalidRange":
                 raise
-            return await self._client.get_object(Bucket=bucket, Key=full_key)  # empty object
+            async with self._bounded():  # an empty object
+                return await self._client.get_object(Bucket=bucket, Key=full_key)
 
     async def _read_range(self, bucket: str, full_key: str, what: str, etag: str, begin: int,
                           end: int, out: asyncio.Queue, limit: asyncio.Semaphore,
@@ -180,8 +189,10 @@ class S3BlobStore(BlobStore):
                 await limit.acquire()
                 holds_slot = True
                 # IfMatch: every part comes from the same version of the object.
-                response = await self._client.get_object(
-                    Bucket=bucket, Key=full_key, Range=f"bytes={begin}-{end - 1}", IfMatch=etag)
+                async with self._bounded():
+                    response = await self._client.get_object(
+                        Bucket=bucket, Key=full_key, Range=f"bytes={begin}-{end - 1}",
+                        IfMatch=etag)
             num_read = 0
             async with response["Body"] as body:
                 while chunk := await body.read(self._read_bytes):
@@ -206,19 +217,26 @@ class S3BlobStore(BlobStore):
         elif if_match is not None:
             conditions["IfMatch"] = f'"{if_match}"'
         with self._errors(repr(key)):
-            await self._client.put_object(Bucket=self._bucket, Key=self._prefix + key, Body=data,
-                                          **conditions)
+            async with self._bounded():
+                await self._client.put_object(Bucket=self._bucket, Key=self._prefix + key,
+                                              Body=data, **conditions)
 
     async def delete(self, key: str) -> None:
         check_key(key)
         with self._errors(repr(key)):
-            await self._client.delete_object(Bucket=self._bucket, Key=self._prefix + key)
+            async with self._bounded():
+                await self._client.delete_object(Bucket=self._bucket, Key=self._prefix + key)
 
     async def list_objects(self, prefix: str) -> dict[str, str]:
         found = {}
         with self._errors(f"listing {prefix!r}", is_key=False):
             paginator = self._client.get_paginator("list_objects_v2")
-            async for page in paginator.paginate(Bucket=self._bucket, Prefix=self._prefix + prefix):
+            pages = aiter(paginator.paginate(Bucket=self._bucket, Prefix=self._prefix + prefix))
+            while True:
+                async with self._bounded():
+                    page = await anext(pages, None)
+                if page is None:
+                    break
                 for obj in page.get("Contents", []):
                     found[obj["Key"][len(self._prefix):]] = obj.get("ETag", "").strip('"')
         return found

@@ -253,6 +253,7 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
     async def DeleteAdapter(self, request, context) -> pb.DeleteAdapterResponse:
         async with grpc_errors(context):
             tenant = self._owner(context, request.tenant)
+            self._leases.check_certain(self._config.lease_ttl_s)
 
             async def holders(record: AdapterRecord) -> list[str]:
                 return await self._leases.holders_of(record.ref)
