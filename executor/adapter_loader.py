@@ -54,11 +54,14 @@ from executor.peft_adapter import parse_peft_adapter
 from executor.runner import ModelRunner
 from executor.slot_copy import SlotCopier, StagingBuffers
 from executor.slot_pool import LoraWeights
+from executor.staged import Staged, StagedAdapters
 from protos import adapter_store_pb2, adapter_store_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
 
 REPORT_INTERVAL_S = 10.0
+FETCH_TIMEOUT_S = 120.0  # a fetch from the stores, when the caller's RPC gives no deadline
+STAGED_TTL_S = 180.0  # staged bytes no load took are dropped after this long
 LEASE_TTL_S = 30.0
 
 
@@ -129,7 +132,7 @@ class LoadResult:
 
 class AdapterLoader:
     def __init__(self, runner: ModelRunner, stores: tuple[str, ...], holder: str = "",
-                 service_key: str = "",
+                 service_key: str = "", max_staged_bytes: int = 1 << 30,
                  report_interval_s: float = REPORT_INTERVAL_S):
         self._runner = runner
         self._pool = runner.pool
@@ -143,6 +146,8 @@ class AdapterLoader:
         self._reporter: asyncio.Task | None = None
         self._copier = SlotCopier(self._pool)
         self._staging = StagingBuffers(pin_memory=runner.device.type == "cuda")
+        self._staged = StagedAdapters(self._staging.release, max_staged_bytes, STAGED_TTL_S)
+        self._stagings: dict[AdapterRef, asyncio.Future[Staged]] = {}  # fetches under way
         self._chunk_worker = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="adapter-chunks")
 
@@ -156,13 +161,47 @@ class AdapterLoader:
             raise InvalidArgument(f"slot {slot} does not exist (executor has "
                                   f"{self._pool.num_slots})")
 
-    async def load(self, adapter: AdapterRef, slot: int) -> LoadResult:
+    async def stage(self, adapter: AdapterRef, timeout_s: float = FETCH_TIMEOUT_S) -> LoadResult:
+        """Fetch, check and parse `adapter` onto the host, touching no slot (see staged.py);
+        concurrent calls for one adapter share one fetch. was_resident: it was staged already."""
+        if adapter in self._staged:
+            return LoadResult(0, 0.0, True)
+        flight = self._stagings.get(adapter)
+        if flight is None:
+            flight = self._stagings[adapter] = asyncio.ensure_future(
+                self._stage_now(adapter, timeout_s))
+            flight.add_done_callback(lambda _: self._stagings.pop(adapter, None))
+        staged = await asyncio.shield(flight)  # a cancelled caller leaves it to finish
+        return LoadResult(staged.num_bytes, staged.seconds, False)
+
+    async def _stage_now(self, adapter: AdapterRef, timeout_s: float) -> Staged:
+        start = time.perf_counter()
+        buffer, num_bytes, weights = await self._fetch(adapter, timeout_s)
+        staged = Staged(buffer, num_bytes, weights, time.perf_counter() - start, time.monotonic())
+        self._staged.put(adapter, staged)
+        log.info("staged %s: %d bytes in %.4fs", adapter, num_bytes, staged.seconds)
+        return staged
+
+    async def _take_staged(self, adapter: AdapterRef) -> Staged | None:
+        """Its staged bytes (waiting for a staging of it under way), no longer kept staged."""
+        flight = self._stagings.get(adapter)
+        if flight is not None:
+            await asyncio.gather(asyncio.shield(flight), return_exceptions=True)
+        return self._staged.take(adapter)
+
+    async def load(self, adapter: AdapterRef, slot: int,
+                   timeout_s: float = FETCH_TIMEOUT_S) -> LoadResult:
+        """Place `adapter` in `slot`: from its staged bytes, else fetched now."""
         self._check_slot(slot)
         async with self._locks[slot]:
             if self._pool.holds(slot, adapter):
                 return LoadResult(0, 0.0, True)
             start = time.perf_counter()
-            staging, num_bytes, weights = await self._fetch(adapter)
+            staged = await self._take_staged(adapter)
+            if staged is None:
+                staging, num_bytes, weights = await self._fetch(adapter, timeout_s)
+            else:
+                staging, num_bytes, weights = staged.buffer, staged.num_bytes, staged.weights
             try:
                 fetched = time.perf_counter()
                 # Empty while the copy runs. Reported once the load ends (below, or on failure):
@@ -199,13 +238,20 @@ class AdapterLoader:
             await asyncio.to_thread(self._copier.clear, slot)
         self._residency_changed()
 
-    async def _fetch(self, adapter: AdapterRef) -> tuple[torch.Tensor, int, LoraWeights]:
+    async def _fetch(self, adapter: AdapterRef,
+                     timeout_s: float) -> tuple[torch.Tensor, int, LoraWeights]:
         """(staging buffer holding the safetensors bytes, their size, the adapter parsed from
-        them) from the first store that can serve them. The caller releases the buffer."""
+        them) from the first store that can serve them, all within `timeout_s`. The caller
+        releases the buffer."""
         last: LoraplexError = Unavailable("no adapter store configured")
+        deadline = time.monotonic() + timeout_s
         for address, stub in zip(self._stores, self._stubs):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                last = Unavailable(f"adapter {adapter}: no store answered within {timeout_s:.0f}s")
+                break
             try:
-                return await self._fetch_from(stub, adapter)
+                return await self._fetch_from(stub, adapter, remaining)
             except grpc.aio.AioRpcError as err:
                 last = from_rpc_error(err, f"adapter store {address}")
                 if not isinstance(last, (Unavailable, DataLoss)):
@@ -215,13 +261,15 @@ class AdapterLoader:
         raise last
 
     async def _fetch_from(self, stub: adapter_store_pb2_grpc.AdapterStoreStub,
-                          adapter: AdapterRef) -> tuple[torch.Tensor, int, LoraWeights]:
+                          adapter: AdapterRef,
+                          timeout_s: float) -> tuple[torch.Tensor, int, LoraWeights]:
         """Receive, then parse while the hashing of the last chunks finishes; the parse counts
         only once size and checksum matched the store's (else DATA_LOSS, whatever it found)."""
         info, staging, writer, parsing = None, None, None, None
         key = str(adapter)
         try:
-            async for msg in stub.Fetch(adapter_store_pb2.FetchRequest(adapter=adapter.to_pb())):
+            request = adapter_store_pb2.FetchRequest(adapter=adapter.to_pb())
+            async for msg in stub.Fetch(request, timeout=timeout_s):
                 kind = msg.WhichOneof("payload")
                 if kind == "info" and info is None:
                     info = msg.info

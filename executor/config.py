@@ -26,6 +26,8 @@ class ExecutorConfig:
     device: str = "cpu"
     seed: int = 0  # random-weights seed
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
+    # Host memory for adapters staged ahead of their load (StageAdapter): pinned on CUDA.
+    staging_mb: int = 1024
     # Where the service key is read (and admin keys, for operators' debugging): files or
     # LORAPLEX_* env. None: the executor runs open (common/credentials.py).
     keys: KeySources = KeySources()
@@ -37,7 +39,7 @@ class ExecutorConfig:
             raise ValueError("executor: at least one adapter store address is required (--store)")
         if self.threads < 0:
             raise ValueError(f"executor: threads must be >= 0, got {self.threads}")
-        for name in ("num_kv_blocks", "block_size", "adapter_slots", "max_rank"):
+        for name in ("num_kv_blocks", "block_size", "adapter_slots", "max_rank", "staging_mb"):
             if getattr(self, name) < 1:
                 raise ValueError(f"executor: {name} must be >= 1, got {getattr(self, name)}")
         if self.lora_backend not in LORA_BACKENDS:
@@ -75,6 +77,8 @@ class ExecutorConfig:
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--threads", type=int, default=0,
                        help="torch CPU threads (0 = torch default)")
+        p.add_argument("--staging-mb", type=int, default=1024,
+                       help="host memory for adapters fetched ahead of their load (MiB)")
         add_key_arguments(p)
         a = p.parse_args(argv)
         return cls(model=a.model, stores=tuple(a.store), address=a.address, model_id=a.model_id,
@@ -82,4 +86,4 @@ class ExecutorConfig:
                    num_kv_blocks=a.num_kv_blocks, block_size=a.block_size,
                    adapter_slots=a.adapter_slots, max_rank=a.max_rank,
                    lora_backend=a.lora_backend, dtype=a.dtype, device=a.device, seed=a.seed,
-                   threads=a.threads, keys=sources_from_args(a))
+                   threads=a.threads, staging_mb=a.staging_mb, keys=sources_from_args(a))

@@ -19,7 +19,7 @@ from common.errors import FailedPrecondition, grpc_errors
 from common.metrics import serve_metrics
 from common.sampling import SamplingParams
 from common.server import Service, announce, configure_logging, run, run_until_signalled
-from executor.adapter_loader import AdapterLoader
+from executor.adapter_loader import FETCH_TIMEOUT_S, AdapterLoader
 from executor.config import ExecutorConfig
 from executor.lora import resolve_lora_backend
 from executor.runner import ModelRunner, Row
@@ -69,7 +69,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self._keys = keys  # every RPC: the scheduler's service key (or an admin's)
         self._runner = runner
         self._tokenizer_json = tokenizer_json
-        self._loader = AdapterLoader(runner, config.stores, service_key=keys.service_key)
+        self._loader = AdapterLoader(runner, config.stores, service_key=keys.service_key,
+                                     max_staged_bytes=config.staging_mb << 20)
         self._driver: object | None = None  # the one Step stream allowed at a time
         # The last stream's end: its final step, then free_all.
         self._closing: asyncio.Future | None = None
@@ -142,10 +143,20 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                                                logprob=s.logprob) for s in samples],
             step_seconds=time.perf_counter() - start)
 
+    async def StageAdapter(self, request, context):
+        async with grpc_errors(context):
+            self._keys.require(context, Role.SERVICE, Role.ADMIN)
+            result = await self._loader.stage(AdapterRef.from_pb(request.adapter),
+                                              _fetch_timeout(context))
+            return executor_pb2.StageAdapterResponse(num_bytes=result.num_bytes,
+                                                     stage_seconds=result.load_seconds,
+                                                     was_staged=result.was_resident)
+
     async def LoadAdapter(self, request, context):
         async with grpc_errors(context):
             self._keys.require(context, Role.SERVICE, Role.ADMIN)
-            result = await self._loader.load(AdapterRef.from_pb(request.adapter), request.slot)
+            result = await self._loader.load(AdapterRef.from_pb(request.adapter), request.slot,
+                                             _fetch_timeout(context))
             if not result.was_resident:
                 self.metrics.loads.inc()
                 self.metrics.load.observe(result.load_seconds)
@@ -159,6 +170,12 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             self._keys.require(context, Role.SERVICE, Role.ADMIN)
             await self._loader.unload(request.slot, AdapterRef.from_optional_pb(request.adapter))
             return executor_pb2.UnloadAdapterResponse()
+
+
+def _fetch_timeout(context) -> float:
+    """A fetch from the stores ends within the caller's deadline (or FETCH_TIMEOUT_S)."""
+    remaining = context.time_remaining()
+    return FETCH_TIMEOUT_S if remaining is None else max(0.1, min(remaining, FETCH_TIMEOUT_S))
 
 
 async def serve(config: ExecutorConfig) -> None:

@@ -99,6 +99,22 @@ class StepResponse(_message.Message):
     step_seconds: float
     def __init__(self, samples: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., step_seconds: _Optional[float] = ...) -> None: ...
 
+class StageAdapterRequest(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: _common_pb2.AdapterRef
+    def __init__(self, adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ...) -> None: ...
+
+class StageAdapterResponse(_message.Message):
+    __slots__ = ("num_bytes", "stage_seconds", "was_staged")
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WAS_STAGED_FIELD_NUMBER: _ClassVar[int]
+    num_bytes: int
+    stage_seconds: float
+    was_staged: bool
+    def __init__(self, num_bytes: _Optional[int] = ..., stage_seconds: _Optional[float] = ..., was_staged: _Optional[bool] = ...) -> None: ...
+
 class LoadAdapterRequest(_message.Message):
     __slots__ = ("adapter", "slot")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class ExecutorStub:
                 request_serializer=protos_dot_executor__pb2.StepRequest.SerializeToString,
                 response_deserializer=protos_dot_executor__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.StageAdapter = channel.unary_unary(
+                '/loraplex.v1.Executor/StageAdapter',
+                request_serializer=protos_dot_executor__pb2.StageAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_executor__pb2.StageAdapterResponse.FromString,
+                _registered_method=True)
         self.LoadAdapter = channel.unary_unary(
                 '/loraplex.v1.Executor/LoadAdapter',
                 request_serializer=protos_dot_executor__pb2.LoadAdapterRequest.SerializeToString,
@@ -74,9 +79,20 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StageAdapter(self, request, context):
+        """Fetch an adapter version from a store into this executor's host memory, checked and parsed,
+        touching no slot: a LoadAdapter of it then only copies. The scheduler stages an adapter
+        before it gives up another's slot for it (stage before evict), so a frozen store or S3 never
+        costs a READY adapter its slot. Idempotent; staged bytes no slot took are dropped after a
+        few minutes or when the staging budget needs their room.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def LoadAdapter(self, request, context):
-        """Fetch an adapter version from a store and place it in a slot. Idempotent: loading what the
-        slot already holds returns at once.
+        """Place an adapter version in a slot: from its staged bytes, else fetched from a store first.
+        Idempotent: loading what the slot already holds returns at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -101,6 +117,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.Step,
                     request_deserializer=protos_dot_executor__pb2.StepRequest.FromString,
                     response_serializer=protos_dot_executor__pb2.StepResponse.SerializeToString,
+            ),
+            'StageAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.StageAdapter,
+                    request_deserializer=protos_dot_executor__pb2.StageAdapterRequest.FromString,
+                    response_serializer=protos_dot_executor__pb2.StageAdapterResponse.SerializeToString,
             ),
             'LoadAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadAdapter,
@@ -167,6 +188,33 @@ class Executor:
             '/loraplex.v1.Executor/Step',
             protos_dot_executor__pb2.StepRequest.SerializeToString,
             protos_dot_executor__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StageAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplex.v1.Executor/StageAdapter',
+            protos_dot_executor__pb2.StageAdapterRequest.SerializeToString,
+            protos_dot_executor__pb2.StageAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

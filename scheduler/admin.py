@@ -33,14 +33,20 @@ def prewarm(core: Scheduler, adapter: AdapterRef, adapter_bytes: int, num_execut
                     key=lambda ex: score(ex.work_tokens, ex.rates, False, True, adapter_bytes, 0.0))
     chosen = holding + others[:max(0, num_executors - len(holding))]
     for ex in chosen:
-        slot = ex.slots.find(adapter)
-        if slot is None:
-            if not ex.slots.can_place(adapter, ex.queue.demand):
-                raise FailedPrecondition(f"executor {ex.address}: every adapter slot is pinned; "
-                                         f"evict or unpin one before pre-warming {adapter}")
-            slot = core.start_load_on(ex, adapter, adapter_bytes)
-        if pin:
-            ex.slots.pin_by_admin(slot)
+        slots = ex.slots
+        if slots.find(adapter) is None and not slots.has_empty() and \
+                not slots.can_place(adapter, ex.queue.demand):
+            raise FailedPrecondition(f"executor {ex.address}: every adapter slot is pinned; "
+                                     f"evict or unpin one before pre-warming {adapter}")
+    for ex in chosen:
+        slots = ex.slots
+        # (staged first when it must evict another: then no slot is claimed yet)
+        slot = slots.find(adapter) or core.bring_in(ex, adapter, adapter_bytes)
+        if pin and slot is not None:
+            slots.pin_by_admin(slot)
+        elif pin:
+            slots.when_loaded(adapter, lambda is_ready, slots=slots: is_ready and
+                              slots.pin_by_admin(slots.find(adapter)))
     core.wake()
     return chosen
 

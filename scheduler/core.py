@@ -44,6 +44,9 @@ from scheduler.slots import Slot, SlotState
 from scheduler.stats import PoolStats, snapshot
 
 log = logging.getLogger(__name__)
+# An adapter staged on an executor and not taken into a slot within this long is staged again
+# when wanted (executors drop staged bytes after EXECUTOR_STAGED_TTL_S, which is longer).
+STAGED_TTL_S = 60.0
 __all__ = ["ExecutorState", "Limits", "Sample", "ScheduledRow", "Scheduler", "Sequence",
            "StepPlan"]
 
@@ -69,6 +72,8 @@ class Scheduler(Placement):
         now = self.clock()
         for req, due in self.deadlines.due(now):
             self._fail(req, self._expiry_error(req, due, now))
+        for ex in self.executors:  # the executor keeps what no slot took for a while only
+            ex.slots.drop_staged_before(now - STAGED_TTL_S)
         if any(f.retry_at <= now for ex in self.executors for f in ex.load_failures.values()):
             self._wake()
 
@@ -219,9 +224,11 @@ class Scheduler(Placement):
             return heads[0]
         oldest = q.oldest(tenant)
         if oldest is not None and oldest.adapter and ex.slots.find(oldest.adapter) is None:
-            if not self._place(ex, oldest) and is_fairest and \
+            staged = ex.slots.staged(oldest.adapter)
+            is_staged = staged is not None and staged.staged_at is not None
+            if not self._place(ex, oldest) and is_staged and is_fairest and \
                     ex.slots.num_reserved() < self.limits.max_reserved_slots:
-                ex.slots.reserve(oldest.adapter)
+                ex.slots.reserve(oldest.adapter)  # its bytes are here: drain a slot for it
         return None
 
     def _start(self, ex: ExecutorState, req: Request, seq_id: int, tokens: list[int]) -> Sequence:
@@ -270,22 +277,45 @@ class Scheduler(Placement):
             ex.num_loads += 1
             ex.rates.observe_load(num_bytes, seconds)
             ex.load_failures.pop(adapter, None)
-        elif isinstance(error, (Unavailable, DeadlineExceeded)):  # may succeed later: back off
+        else:
             ex.slots.clear(slot)
+            self._on_fetch_failed(ex, adapter, error)
+        self._wake()
+
+    def on_stage_done(self, ex: ExecutorState, adapter: AdapterRef, error: LoraplexError | None,
+                      num_bytes: int = 0, seconds: float = 0.0) -> None:
+        """Its bytes are on ex's host (or could not be fetched): it may take a slot now."""
+        staged = ex.slots.staged(adapter)
+        if staged is None or staged.staged_at is not None:
+            return  # the executor was lost or reset meanwhile
+        if error is None:
+            ex.slots.mark_staged(adapter, self.clock())
+            ex.rates.observe_load(num_bytes, seconds)
+            ex.load_failures.pop(adapter, None)
+            if ex.slots.can_place(adapter, ex.queue.demand):
+                self.start_load_on(ex, adapter, staged.num_bytes)
+        else:
+            ex.slots.stage_failed(adapter)
+            self._on_fetch_failed(ex, adapter, error)
+        self._wake()
+
+    def _on_fetch_failed(self, ex: ExecutorState, adapter: AdapterRef,
+                         error: LoraplexError) -> None:
+        """A load or staging of `adapter` on ex failed: back off when it may succeed later (a
+        store or S3 down or frozen), else fail the requests queued for it."""
+        if isinstance(error, (Unavailable, DeadlineExceeded)):
             previous = ex.load_failures.get(adapter)
             count = previous.count + 1 if previous else 1
             backoff = min(self.limits.max_load_backoff_s,
                           self.limits.load_backoff_s * 2 ** (count - 1))
             ex.load_failures[adapter] = LoadFailure(count, self.clock() + backoff, error)
-            log.warning("loading %s on %s failed (%d in a row), trying again in %.1fs: %s",
+            log.warning("fetching %s onto %s failed (%d in a row), trying again in %.1fs: %s",
                         adapter, ex.address, count, backoff, error)
-        else:  # it will fail the same way: its requests fail now
-            ex.slots.clear(slot)
-            ex.load_failures.pop(adapter, None)
-            log.warning("loading %s on %s failed: %s", adapter, ex.address, error)
-            for req in [r for r in ex.queue if r.adapter == adapter]:
-                self._fail(req, error)
-        self._wake()
+            return
+        ex.load_failures.pop(adapter, None)
+        log.warning("fetching %s onto %s failed: %s", adapter, ex.address, error)
+        for req in [r for r in ex.queue if r.adapter == adapter]:
+            self._fail(req, error)
 
     def remove_executor(self, ex: ExecutorState) -> None:
         """Forget an executor for good (it left the pool); its work moves to the others."""

@@ -114,7 +114,7 @@ class Engine:
         self.timeouts = timeouts
         self.timings = timings
         self.core = Scheduler([], weights, limits, self._start_load, self._wake, self._start_unload,
-                              warm_host=self._warm_host)
+                              warm_host=self._warm_host, start_stage=self._start_stage)
         self._warm = warm_host
         self._warmed: dict[AdapterRef, float] = {}  # adapter -> when last asked for (monotonic)
         self._warming: set[asyncio.Task] = set()
@@ -281,6 +281,22 @@ class Engine:
                 if self.timings is not None:
                     self.timings.load(link.address, resp.num_bytes, resp.load_seconds)
             self.core.on_load_done(ex, slot, adapter, None, resp.num_bytes, resp.load_seconds)
+
+    def _start_stage(self, ex: ExecutorState, adapter: AdapterRef, num_bytes: int) -> None:
+        link = self.links[ex.address]
+        self._spawn(self._stage(link, ex, adapter, num_bytes))
+
+    async def _stage(self, link: ExecutorLink, ex: ExecutorState, adapter: AdapterRef,
+                     num_bytes: int) -> None:
+        try:
+            resp = await link.stub.StageAdapter(
+                executor_pb2.StageAdapterRequest(adapter=adapter.to_pb()),
+                timeout=self.timeouts.load(num_bytes, ex.rates))
+        except grpc.aio.AioRpcError as err:
+            error = from_rpc_error(err, f"staging adapter {adapter} on executor {link.address}")
+            self.core.on_stage_done(ex, adapter, error)
+        else:
+            self.core.on_stage_done(ex, adapter, None, resp.num_bytes, resp.stage_seconds)
 
     def _warm_host(self, adapter: AdapterRef) -> None:
         """Ask the store to bring `adapter` into its RAM tier: at most once per WARM_AGAIN_S, and

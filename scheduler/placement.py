@@ -30,7 +30,9 @@ class Placement:
                  start_unload: Callable[[ExecutorState, int, AdapterRef], None] = (
                      lambda ex, slot, adapter: None),
                  clock: Callable[[], float] = time.monotonic,
-                 warm_host: Callable[[AdapterRef], None] = lambda adapter: None):
+                 warm_host: Callable[[AdapterRef], None] = lambda adapter: None,
+                 start_stage: Callable[[ExecutorState, AdapterRef, int], None] = (
+                     lambda ex, adapter, num_bytes: None)):
         self.executors: list[ExecutorState] = []
         self.limits = limits
         self.fair = FairShare(weights)
@@ -39,7 +41,7 @@ class Placement:
         self.totals: dict[str, TenantTotals] = {}  # per tenant, of its ended requests
         self.clock = clock
         self._start_load, self._start_unload, self._wake = start_load, start_unload, wake
-        self._warm_host = warm_host
+        self._warm_host, self._start_stage = warm_host, start_stage
         self._seq_ids = itertools.count(1)
         for ex in executors:
             self.add_executor(ex)
@@ -87,9 +89,10 @@ class Placement:
             ex.popularity.hit(req.adapter, req.arrival)
         ex.queue.push(req, front)
         ex.work_tokens += req.work_left
-        if req.adapter and ex.slots.find(req.adapter) is None and not self._place(ex, req):
-            # No slot for it yet (all pinned): have the store bring it into RAM meanwhile, so
-            # that the load, once a slot frees, does not wait on S3.
+        if (req.adapter and ex.slots.find(req.adapter) is None and not self._place(ex, req)
+                and ex.slots.staged(req.adapter) is None):
+            # Not on its way (its loads back off): have the store bring it into RAM meanwhile,
+            # so that the next try does not wait on S3.
             self._warm_host(req.adapter)
 
     def _rebalance(self) -> None:
@@ -109,23 +112,37 @@ class Placement:
                      self.limits.slot_wait_s, self.limits.home_bias_s if is_away else 0.0)
 
     def _place(self, ex: ExecutorState, req: Request) -> bool:
-        """Start loading req's adapter on ex if a slot can take it (prefetch) and its last failed
-        load is not too recent (backoff); charge the load."""
+        """Bring req's adapter onto ex ahead of its admission (prefetch), unless its last failed
+        fetch is too recent (backoff); its tenant pays for the fetch it causes. True when a slot
+        was claimed for it (see bring_in)."""
         failure = ex.load_failures.get(req.adapter)
         if failure is not None and failure.retry_at > self.clock():
             return False
-        if not ex.slots.can_place(req.adapter, ex.queue.demand):
-            return False
-        self.start_load_on(ex, req.adapter, req.adapter_bytes)
-        req.caused_load = True
-        seconds = ex.rates.load_seconds(req.adapter_bytes)
-        weight = self.fair.weights.load_weight
-        self.fair.charge(req.tenant, weight * seconds * ex.rates.tokens_per_second)
-        return True
+        slots = ex.slots
+        if slots.staged(req.adapter) is None and slots.find(req.adapter) is None:
+            req.caused_load = True
+            seconds = ex.rates.load_seconds(req.adapter_bytes)
+            weight = self.fair.weights.load_weight
+            self.fair.charge(req.tenant, weight * seconds * ex.rates.tokens_per_second)
+        return self.bring_in(ex, req.adapter, req.adapter_bytes) is not None
+
+    def bring_in(self, ex: ExecutorState, adapter: AdapterRef, num_bytes: int) -> Slot | None:
+        """Start bringing `adapter` onto ex, stage before evict (slots.py): into an empty slot at
+        once; into the slot of an adapter that may go only once its bytes are staged on ex's
+        host, starting the staging when it is not. The slot claimed, if any."""
+        slots = ex.slots
+        staged = slots.staged(adapter)
+        if slots.has_empty() or (staged is not None and staged.staged_at is not None
+                                 and slots.can_place(adapter, ex.queue.demand)):
+            return self.start_load_on(ex, adapter, num_bytes)
+        if staged is None:
+            slots.begin_stage(adapter, num_bytes)
+            self._start_stage(ex, adapter, num_bytes)
+        return None
 
     def start_load_on(self, ex: ExecutorState, adapter: AdapterRef, num_bytes: int) -> Slot:
         """Claim a slot of ex for `adapter` (of `num_bytes`) and start loading it there (caller
-        checked can_place)."""
+        checked there is one: an empty one, or its bytes are staged and can_place)."""
         now = self.clock()
         slot = ex.slots.place(adapter, ex.queue.demand, lambda a: ex.popularity.value(a, now),
                               num_bytes)

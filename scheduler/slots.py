@@ -6,12 +6,19 @@ other READY slots the least popular one (decayed request counts, routing.Popular
 equals) that no queued request wants is given up when a new adapter needs room; a wanted adapter is
 never evicted to prefetch another.
 
-When every slot is pinned, the fairest waiting request may RESERVE one (the least pinned, then
-least recently used): no new sequence is admitted onto a reserved slot, so it drains and goes to
-that request's adapter. This bounds how long a cold adapter can wait under sustained load.
+Stage before evict: an adapter goes into an EMPTY slot at once, but takes the slot of another
+adapter only once its bytes are STAGED on the executor's host (fetched from a store, checked,
+parsed; the StageAdapter RPC). A READY adapter is never given up for bytes that are not there yet,
+so a frozen store or S3 costs only the requests waiting for the cold adapter.
+
+When every slot is pinned, the fairest waiting request whose adapter is staged may RESERVE one
+(the least pinned, then least recently used): no new sequence is admitted onto a reserved slot,
+so it drains and goes to that request's adapter. This bounds how long a cold adapter can wait
+under sustained load.
 
 SlotTable is the only writer of slot fields. Whoever waits for a load (a pre-warm) is told when
-the slot leaves LOADING: READY, or cleared (the load failed, the executor went away).
+the slot leaves LOADING: READY, or cleared (the load or its staging failed, the executor went
+away).
 """
 
 import enum
@@ -40,12 +47,23 @@ class Slot:
     uses: int = 0  # sequences that pinned it since it became ready
     evicted: AdapterRef | None = None  # the adapter its last placement replaced
     num_bytes: int = 0  # size of its adapter's weights (sizes a load's deadline)
+    is_from_staged: bool = False  # its load copies bytes already staged on the host
+
+
+@dataclass
+class Staged:
+    """An adapter whose bytes are being fetched onto the executor's host, or are there (checked
+    and parsed) waiting for a slot, which no READY adapter gives up before they are."""
+
+    num_bytes: int
+    staged_at: float | None = None  # scheduler clock; None while the fetch runs
 
 
 class SlotTable:
     def __init__(self, num_slots: int):
         self.slots = [Slot(i) for i in range(num_slots)]
         self._by_adapter: dict[AdapterRef, Slot] = {}
+        self._staged: dict[AdapterRef, Staged] = {}
         self._clock = itertools.count(1)
         # adapter -> callbacks told whether its load ended READY
         self._waiters: dict[AdapterRef, list[Callable[[bool], None]]] = {}
@@ -72,6 +90,8 @@ class SlotTable:
         slot.evicted = slot.adapter
         slot.state, slot.adapter, slot.pins = SlotState.LOADING, adapter, 0
         slot.num_bytes = num_bytes
+        staged = self._staged.pop(adapter, None)  # its bytes go into the slot now
+        slot.is_from_staged = staged is not None and staged.staged_at is not None
         slot.is_admin_pinned, slot.reserved_for = False, None
         self._by_adapter[adapter] = slot
         return slot
@@ -93,6 +113,31 @@ class SlotTable:
             slot.reserved_for = adapter
         return slot
 
+    def has_empty(self) -> bool:
+        """A slot that holds nothing and waits for nobody: a load into it gives up no adapter."""
+        return any(s.state is SlotState.EMPTY and not s.reserved_for for s in self.slots)
+
+    # ---- staging: an adapter's bytes onto the executor's host before it may take a slot ----
+    def staged(self, adapter: AdapterRef) -> Staged | None:
+        return self._staged.get(adapter)
+
+    def begin_stage(self, adapter: AdapterRef, num_bytes: int) -> None:
+        self._staged[adapter] = Staged(num_bytes)
+
+    def mark_staged(self, adapter: AdapterRef, now: float) -> None:
+        self._staged[adapter].staged_at = now
+
+    def stage_failed(self, adapter: AdapterRef) -> None:
+        self._staged.pop(adapter, None)
+        if self.find(adapter) is None:
+            self._notify(adapter, False)
+
+    def drop_staged_before(self, since: float) -> None:
+        """Forget adapters staged before `since` that no slot took (the executor drops them)."""
+        for adapter in [a for a, s in self._staged.items()
+                        if s.staged_at is not None and s.staged_at < since]:
+            self.stage_failed(adapter)
+
     def are_all_admin_pinned(self) -> bool:
         """Every slot pinned by an operator: no other adapter can ever be loaded here."""
         return all(s.is_admin_pinned for s in self.slots)
@@ -112,9 +157,9 @@ class SlotTable:
 
     def when_loaded(self, adapter: AdapterRef, callback: Callable[[bool], None]) -> None:
         """Call `callback(is_ready)` once `adapter`'s load here ends: at once unless it is
-        loading (True when it is READY here, False when no slot holds it)."""
+        loading or staging (True when it is READY here, False when no slot holds it)."""
         slot = self.find(adapter)
-        if slot is not None and slot.state is SlotState.LOADING:
+        if (slot is not None and slot.state is SlotState.LOADING) or adapter in self._staged:
             self._waiters.setdefault(adapter, []).append(callback)
         else:
             callback(slot is not None)
@@ -139,6 +184,8 @@ class SlotTable:
         for slot in self.slots:
             slot.pins = 0
             self.clear(slot)
+        for adapter in list(self._staged):
+            self.stage_failed(adapter)
 
     def pin(self, slot: Slot) -> None:
         if slot.state is not SlotState.READY:

@@ -23,6 +23,7 @@ class World:
     def __init__(self, num_executors=1, num_blocks=64, block_size=4, num_slots=2,
                  limits=Limits(), weights=FairnessWeights()):
         self.loads: list = []
+        self.stages: list = []  # adapters being staged (fetched ahead of taking a slot)
         self.warmed: list[AdapterRef] = []  # adapters the core asked a store to bring into RAM
         self.executors = [ExecutorState(f"ex{i}", BlockManager(num_blocks, block_size),
                                         SlotTable(num_slots)) for i in range(num_executors)]
@@ -30,7 +31,8 @@ class World:
         self.core = Scheduler(
             self.executors, weights, limits,
             start_load=lambda ex, slot: self.loads.append((ex, slot, slot.adapter)),
-            wake=lambda: None, clock=lambda: self.now, warm_host=self.warmed.append)
+            wake=lambda: None, clock=lambda: self.now, warm_host=self.warmed.append,
+            start_stage=lambda ex, adapter, num_bytes: self.stages.append((ex, adapter)))
         self.events: dict[int, list] = {}
         self.requests: list[Request] = []
         self._ids = iter(range(1, 10**6))
@@ -49,9 +51,17 @@ class World:
         return req
 
     def complete_loads(self, error=None) -> None:
-        loads, self.loads = self.loads, []
-        for ex, slot, adapter in loads:
-            self.core.on_load_done(ex, slot, adapter, error)
+        """End every staging and load under way (with `error`, failed); loads that stagings
+        start are completed too, unless `error`."""
+        while self.stages or self.loads:
+            stages, self.stages = self.stages, []
+            for ex, adapter in stages:
+                self.core.on_stage_done(ex, adapter, error)
+            loads, self.loads = self.loads, []
+            for ex, slot, adapter in loads:
+                self.core.on_load_done(ex, slot, adapter, error)
+            if error is not None:
+                break
 
     def step(self) -> None:
         self.now += 0.01
@@ -68,7 +78,8 @@ class World:
         for _ in range(max_steps):
             self.complete_loads()
             self.step()
-            if not any(self.core.has_work(ex) for ex in self.executors) and not self.loads:
+            if not any(self.core.has_work(ex) for ex in self.executors) and not (
+                    self.loads or self.stages):
                 return
         raise AssertionError("work did not drain")
 

@@ -21,7 +21,8 @@ BLOCK = 16
 @pytest.fixture(scope="module")
 def fleet(tiny, tmp_path_factory, log_dir):
     with Fleet(model=tiny["model_dir"], store_url=tmp_path_factory.mktemp("store").as_uri(),
-               log_dir=log_dir / "bad_input", executor_args=["--threads", "1", "--adapter-slots", "2"]) as fleet:
+               log_dir=log_dir / "bad_input",
+               executor_args=["--threads", "1", "--adapter-slots", "2"]) as fleet:
         yield fleet
 
 
@@ -48,8 +49,10 @@ async def rpc_error(call) -> grpc.aio.AioRpcError:
 async def test_tiny_positive_temperature_samples_like_greedy(fleet, stub, temperature):
     """logits / 1e-40 overflowed to inf, the executor's step failed (INTERNAL), the scheduler
     reconnected and replayed the request forever: it hung and preempted everyone else."""
-    greedy = await client.generate(stub, client.generate_request("", "tiny temperature", 6, ignore_eos=True))
-    req = client.generate_request("", "tiny temperature", 6, temperature=temperature, seed=1, ignore_eos=True)
+    greedy_req = client.generate_request("", "tiny temperature", 6, ignore_eos=True)
+    greedy = await client.generate(stub, greedy_req)
+    req = client.generate_request("", "tiny temperature", 6, temperature=temperature, seed=1,
+                                  ignore_eos=True)
     got = await asyncio.wait_for(client.generate(stub, req), 15)
     assert got.token_ids == greedy.token_ids and got.finish_reason == "FINISH_REASON_LENGTH"
 
@@ -58,7 +61,8 @@ async def test_huge_text_prompt_is_refused_without_tokenizing_it(fleet, stub):
     """A 16 MiB text was tokenized on the scheduler's event loop (seconds in which no stream moved)
     only to be refused for its length afterwards."""
     start = time.perf_counter()
-    err = await rpc_error(client.generate(stub, client.generate_request("", "word " * (16 << 18), 4)))
+    huge = client.generate_request("", "word " * (16 << 18), 4)
+    err = await rpc_error(client.generate(stub, huge))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "text" in err.details() and "characters" in err.details(), err.details()
     assert time.perf_counter() - start < 5
@@ -93,16 +97,21 @@ async def test_malformed_adapter_refs_are_invalid_argument(fleet, pushed, stub, 
 
 # ---- scheduler: admin RPCs --------------------------------------------------------------------
 
+INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT
+NOT_FOUND = grpc.StatusCode.NOT_FOUND
+
+
 @pytest.mark.parametrize("method, request_, code, words", [
-    ("Prewarm", scheduler_pb2.PrewarmRequest(adapter=""), grpc.StatusCode.INVALID_ARGUMENT, "not of the form"),
-    ("Prewarm", scheduler_pb2.PrewarmRequest(adapter="r4_attn@0"), grpc.StatusCode.INVALID_ARGUMENT, "not of the form"),
-    ("Prewarm", scheduler_pb2.PrewarmRequest(adapter="nope"), grpc.StatusCode.NOT_FOUND, "nope"),
-    ("Prewarm", scheduler_pb2.PrewarmRequest(adapter="r4_attn@99"), grpc.StatusCode.NOT_FOUND, "version 99"),
-    ("Evict", scheduler_pb2.EvictRequest(adapter="r4_attn", executor="127.0.0.1:1"), grpc.StatusCode.NOT_FOUND,
+    ("Prewarm", scheduler_pb2.PrewarmRequest(adapter=""), INVALID_ARGUMENT, "not of the form"),
+    ("Prewarm", scheduler_pb2.PrewarmRequest(adapter="r4_attn@0"), INVALID_ARGUMENT,
+     "not of the form"),
+    ("Prewarm", scheduler_pb2.PrewarmRequest(adapter="nope"), NOT_FOUND, "nope"),
+    ("Prewarm", scheduler_pb2.PrewarmRequest(adapter="r4_attn@99"), NOT_FOUND, "version 99"),
+    ("Evict", scheduler_pb2.EvictRequest(adapter="r4_attn", executor="127.0.0.1:1"), NOT_FOUND,
      "127.0.0.1:1"),
-    ("Evict", scheduler_pb2.EvictRequest(adapter="a@b@c"), grpc.StatusCode.INVALID_ARGUMENT, "not of the form"),
-    ("Evict", scheduler_pb2.EvictRequest(adapter="nope"), grpc.StatusCode.NOT_FOUND, "nope"),
-    ("Drain", scheduler_pb2.DrainRequest(executor=""), grpc.StatusCode.NOT_FOUND, "no executor ''"),
+    ("Evict", scheduler_pb2.EvictRequest(adapter="a@b@c"), INVALID_ARGUMENT, "not of the form"),
+    ("Evict", scheduler_pb2.EvictRequest(adapter="nope"), NOT_FOUND, "nope"),
+    ("Drain", scheduler_pb2.DrainRequest(executor=""), NOT_FOUND, "no executor ''"),
 ])
 async def test_admin_rpcs_with_bad_arguments(fleet, pushed, stub, method, request_, code, words):
     err = await rpc_error(getattr(stub, method)(request_))
@@ -110,7 +119,8 @@ async def test_admin_rpcs_with_bad_arguments(fleet, pushed, stub, method, reques
 
 
 async def test_prewarm_caps_num_executors_at_the_pool(fleet, pushed, stub):
-    resp = await stub.Prewarm(scheduler_pb2.PrewarmRequest(adapter="r4_attn", num_executors=2**32 - 1, wait=True))
+    req = scheduler_pb2.PrewarmRequest(adapter="r4_attn", num_executors=2**32 - 1, wait=True)
+    resp = await stub.Prewarm(req)
     assert client.ref_text(resp.adapter) == "r4_attn@1" and len(resp.executors) == 1
 
 
@@ -119,10 +129,9 @@ async def test_prewarm_caps_num_executors_at_the_pool(fleet, pushed, stub):
 @pytest.fixture(scope="module")
 def executor(tiny, log_dir):
     """An executor of its own: the fleet's is driven by its scheduler. No store is reachable."""
-    service = start_service("bad-input-executor", "executor.service",
-                            ["--model", tiny["model_dir"], "--store", "127.0.0.1:9", "--threads", "1",
-                             "--kv-blocks", "512", "--block-size", str(BLOCK), "--adapter-slots", "2"],
-                            log_dir / "bad_input")
+    args = ["--model", tiny["model_dir"], "--store", "127.0.0.1:9", "--threads", "1",
+            "--kv-blocks", "512", "--block-size", str(BLOCK), "--adapter-slots", "2"]
+    service = start_service("bad-input-executor", "executor.service", args, log_dir / "bad_input")
     yield service.address
     service.stop()
 
@@ -157,7 +166,8 @@ async def open_step(ex_stub):
     raise AssertionError("the executor never took a new Step stream")
 
 
-async def greedy_tokens(call, seq_id: int, prompt: list[int], num: int, pause_s: float = 0.0) -> list[int]:
+async def greedy_tokens(call, seq_id: int, prompt: list[int], num: int,
+                        pause_s: float = 0.0) -> list[int]:
     """Prefill `prompt` into block 0 onwards, then decode: `num` greedy tokens in all."""
     await call.write(executor_pb2.StepRequest(new_sequences=[new_seq(seq_id, prompt)],
                                               rows=[row(seq_id, len(prompt), [0])]))
@@ -182,12 +192,14 @@ async def test_second_step_stream_is_refused_until_the_first_ends(ex_stub):
 @pytest.mark.parametrize("step, words", [
     (executor_pb2.StepRequest(rows=[row(77, 1)]), "unknown sequence id 77"),
     (executor_pb2.StepRequest(new_sequences=[new_seq(1, [5]), new_seq(1, [6])]), "already exists"),
-    (executor_pb2.StepRequest(new_sequences=[new_seq(1, [5])], rows=[row(1, 1, [512])]), "block id 512"),
-    (executor_pb2.StepRequest(new_sequences=[new_seq(1, [5], temperature=float("nan"))]), "temperature"),
+    (executor_pb2.StepRequest(new_sequences=[new_seq(1, [5])], rows=[row(1, 1, [512])]),
+     "block id 512"),
+    (executor_pb2.StepRequest(new_sequences=[new_seq(1, [5], temperature=float("nan"))]),
+     "temperature"),
     (executor_pb2.StepRequest(new_sequences=[new_seq(1, [5], top_p=float("inf"))]), "top_p"),
     (executor_pb2.StepRequest(new_sequences=[new_seq(1, [])]), "empty prompt"),
-    (executor_pb2.StepRequest(new_sequences=[executor_pb2.NewSequence(seq_id=1, token_ids=[5], slot=-2)]),
-     "slot -2"),
+    (executor_pb2.StepRequest(
+        new_sequences=[executor_pb2.NewSequence(seq_id=1, token_ids=[5], slot=-2)]), "slot -2"),
 ])
 async def test_bad_step_is_invalid_argument_and_frees_the_executor(ex_stub, step, words):
     call = await open_step(ex_stub)

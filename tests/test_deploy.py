@@ -1,11 +1,10 @@
-"""The Kubernetes manifests and the container build file in deploy/.
+"""The Kubernetes manifests in deploy/ (the Dockerfile is checked in tests/test_dockerfile.py).
 
-Every kustomization is rendered here without a kustomize binary (a renderer for the subset that
-deploy/ uses, cross-checked against `kubectl kustomize` where kubectl exists), validated against
-the Kubernetes JSON schemas that kubernetes-validate ships (offline, strict: unknown fields fail),
-and held to the rules the services need: native gRPC probes on the right port, a grace period
-that covers the drain, a GPU per executor, secrets only in Secrets. The Dockerfile cannot be built
-here (no container engine), so its steps are checked against the Makefile and the manifests.
+Every kustomization is rendered without a kustomize binary (tests/kustomize.py, cross-checked
+against `kubectl kustomize` where kubectl exists), validated against the Kubernetes JSON schemas
+that kubernetes-validate ships (offline, strict: unknown fields fail), and held to the rules the
+services need: native gRPC probes on the right port, a grace period that covers the drain, a GPU
+per executor, secrets only in Secrets.
 """
 
 import copy
@@ -13,12 +12,13 @@ import json
 import re
 import shutil
 import subprocess
-import tomllib
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
 import yaml
+
+from tests.kustomize import render
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -34,87 +34,6 @@ RUN_AS_USER = 10001
 # Names of configuration that must come from a Secret (MAX_BATCHED_TOKENS is no secret).
 SECRET_NAME_RE = re.compile(r"(API|ADMIN|ACCESS|SECRET|AUTH)_?KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL"
                             r"|(AUTH|ACCESS|BEARER|API|SESSION|REFRESH)_?TOKEN", re.IGNORECASE)
-
-
-# --- a renderer for the kustomize subset deploy/ uses -----------------------------------------
-
-KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "namespace", "images", "patches"}
-CLUSTER_SCOPED = {"Namespace", "PersistentVolume", "StorageClass", "ClusterRole",
-                  "ClusterRoleBinding", "CustomResourceDefinition", "PriorityClass"}
-
-
-def render(folder: Path) -> list[dict]:
-    """The objects `kustomize build folder` prints, for kustomizations that use only
-    resources, namespace, images and JSON 6902 patches (anything else is refused)."""
-    k = yaml.safe_load((folder / "kustomization.yaml").read_text())
-    unknown = set(k) - KUSTOMIZATION_KEYS
-    assert not unknown, f"{folder}: kustomization uses {unknown}, which this renderer does not"
-    objects: list[dict] = []
-    for entry in k.get("resources", []):
-        path = (folder / entry).resolve()
-        if path.is_dir():
-            objects += render(path)
-        else:
-            objects += [d for d in yaml.safe_load_all(path.read_text()) if d]
-    for patch in k.get("patches", []):
-        ops = yaml.safe_load(patch["patch"] if "patch" in patch else (folder / patch["path"]).read_text())
-        assert isinstance(ops, list), f"{folder}: only JSON 6902 patches (a list of ops) are rendered"
-        targets = [o for o in objects if _matches(o, patch["target"])]
-        assert targets, f"{folder}: patch target {patch['target']} matches nothing"
-        for obj in targets:
-            for op in ops:
-                _apply_op(obj, op)
-    for obj in objects:
-        if "namespace" in k and obj["kind"] not in CLUSTER_SCOPED:
-            obj["metadata"]["namespace"] = k["namespace"]
-        for image in k.get("images", []):
-            for container in _containers(obj):
-                _set_image(container, image)
-    return objects
-
-
-def _matches(obj: dict, target: dict) -> bool:
-    assert set(target) <= {"kind", "name"}, f"patch target {target}: only kind and name are rendered"
-    return target.get("kind", obj["kind"]) == obj["kind"] and \
-        target.get("name", obj["metadata"]["name"]) == obj["metadata"]["name"]
-
-
-def _apply_op(doc: dict, op: dict) -> None:
-    """One RFC 6902 operation (add, remove, replace) on `doc`, in place."""
-    *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
-    node = doc
-    for part in parents:
-        node = node[int(part)] if isinstance(node, list) else node[part]
-    if isinstance(node, list):
-        index = len(node) if last == "-" else int(last)
-        assert op["op"] == "add" or index < len(node), f"{op['path']}: no such item"
-        if op["op"] == "add":
-            node.insert(index, copy.deepcopy(op["value"]))
-        elif op["op"] == "replace":
-            node[index] = copy.deepcopy(op["value"])
-        elif op["op"] == "remove":
-            del node[index]
-        else:
-            raise AssertionError(f"JSON patch op {op['op']!r} is not rendered here")
-    else:
-        assert op["op"] == "add" or last in node, f"{op['path']}: no such field"
-        if op["op"] in ("add", "replace"):
-            node[last] = copy.deepcopy(op["value"])
-        elif op["op"] == "remove":
-            del node[last]
-        else:
-            raise AssertionError(f"JSON patch op {op['op']!r} is not rendered here")
-
-
-def _containers(obj: dict) -> list[dict]:
-    pod = obj.get("spec", {}).get("template", {}).get("spec", {})
-    return pod.get("initContainers", []) + pod.get("containers", [])
-
-
-def _set_image(container: dict, image: dict) -> None:
-    name, _, tag = container["image"].partition(":")
-    if name == image["name"]:
-        container["image"] = f"{image.get('newName', name)}:{image.get('newTag', tag or 'latest')}"
 
 
 @pytest.fixture(scope="module", params=RENDERINGS)
@@ -159,7 +78,8 @@ def test_the_validator_catches_a_misspelt_probe_field():
         kubernetes_validate.validate(executor, K8S_VERSIONS[0], strict=True)
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (its built-in kustomize) not installed")
+@pytest.mark.skipif(shutil.which("kubectl") is None,
+                    reason="kubectl (its built-in kustomize) not installed")
 @pytest.mark.parametrize("name", RENDERINGS)
 def test_the_renderer_agrees_with_kubectl_kustomize(name):
     out = subprocess.run(["kubectl", "kustomize", str(DEPLOY / name)], capture_output=True,
@@ -211,8 +131,9 @@ def test_termination_grace_covers_the_drain(rendering):
         pod = deployment["spec"]["template"]["spec"]
         pre_stop = container(deployment).get("lifecycle", {}).get("preStop", {})
         pause = int(pre_stop["exec"]["command"][-1]) if pre_stop else 0
-        assert pod["terminationGracePeriodSeconds"] >= COMPONENTS[component][1], f"{name}/{component}"
-        assert pause < pod["terminationGracePeriodSeconds"] / 4, f"{name}/{component}: preStop eats the drain"
+        grace = pod["terminationGracePeriodSeconds"]
+        assert grace >= COMPONENTS[component][1], f"{name}/{component}"
+        assert pause < grace / 4, f"{name}/{component}: preStop eats the drain"
 
 
 @pytest.mark.parametrize("name", GPU_RENDERINGS)
@@ -236,15 +157,18 @@ def test_secrets_stay_in_secrets(rendering):
     assert secret_values, f"{name}: no Secret holds the API keys"
     for cm in by_kind(objects, "ConfigMap").values():
         for key, value in cm.get("data", {}).items():
-            assert not SECRET_NAME_RE.search(key), f"{name}: ConfigMap key {key} looks like a secret"
+            assert not SECRET_NAME_RE.search(key), \
+                f"{name}: ConfigMap key {key} looks like a secret"
             assert value not in secret_values, f"{name}: ConfigMap {key} holds a Secret's value"
     for component, deployment in deployments(objects).items():
         c = container(deployment)
         for env in c.get("env", []):
             if SECRET_NAME_RE.search(env["name"]):
-                assert "secretKeyRef" in env.get("valueFrom", {}), f"{name}/{component}: {env['name']}"
+                assert "secretKeyRef" in env.get("valueFrom", {}), \
+                    f"{name}/{component}: {env['name']}"
         literal = json.dumps([c.get("args", []), c.get("command", []), c.get("env", [])])
-        assert not any(v in literal for v in secret_values), f"{name}/{component}: a secret in the spec"
+        assert not any(v in literal for v in secret_values), \
+            f"{name}/{component}: a secret in the spec"
     # Keys are files from the keys Secret, named by --*-keys-file flags; never a flag's value.
     flag_files = {"scheduler": 3, "adapter-store": 3, "executor": 1}
     for component, expected in flag_files.items():
@@ -265,7 +189,8 @@ def test_secrets_stay_in_secrets(rendering):
 def test_every_variable_in_the_flags_is_defined(rendering):
     """Kubernetes passes an undefined $(NAME) through literally: every one must be defined."""
     name, objects = rendering
-    keys = {("configMapRef", n): set(o.get("data", {})) for n, o in by_kind(objects, "ConfigMap").items()}
+    keys = {("configMapRef", n): set(o.get("data", {}))
+            for n, o in by_kind(objects, "ConfigMap").items()}
     keys |= {("secretRef", n): set(o.get("stringData", {})) | set(o.get("data", {}))
              for n, o in by_kind(objects, "Secret").items()}
     for component, deployment in deployments(objects).items():
@@ -283,8 +208,10 @@ def test_discovery_services_and_selectors(rendering):
     services = by_kind(objects, "Service")
     pods = {c: d["spec"]["template"]["metadata"]["labels"] for c, d in deployments(objects).items()}
     for service in services.values():
-        selected = [c for c, labels in pods.items() if service["spec"]["selector"].items() <= labels.items()]
-        assert len(selected) == 1, f"{name}: Service {service['metadata']['name']} selects {selected}"
+        selector = service["spec"]["selector"]
+        selected = [c for c, labels in pods.items() if selector.items() <= labels.items()]
+        assert len(selected) == 1, \
+            f"{name}: Service {service['metadata']['name']} selects {selected}"
         (port,) = service["spec"]["ports"]
         assert (port["port"], port["targetPort"]) == (COMPONENTS[selected[0]][0], "grpc")
     assert services["loraplex-executor"]["spec"]["clusterIP"] == "None"
@@ -302,7 +229,8 @@ def test_disruption_budgets_and_the_store_autoscaler(rendering):
     name, objects = rendering
     pods = {c: d["spec"]["template"]["metadata"]["labels"] for c, d in deployments(objects).items()}
     budgets = {c for pdb in by_kind(objects, "PodDisruptionBudget").values()
-               for c, labels in pods.items() if pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()}
+               for c, labels in pods.items()
+               if pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()}
     assert budgets >= {"adapter-store", "executor"}, name
     (hpa,) = by_kind(objects, "HorizontalPodAutoscaler").values()
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
@@ -325,11 +253,13 @@ def test_pods_run_locked_down_with_resources(rendering):
         assert pod["securityContext"]["runAsUser"] == RUN_AS_USER
         assert pod["automountServiceAccountToken"] is False
         c = container(deployment)
-        assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+        assert c["securityContext"] == {"allowPrivilegeEscalation": False,
+                                        "readOnlyRootFilesystem": True,
                                         "capabilities": {"drop": ["ALL"]}}, f"{name}/{component}"
         assert {"cpu", "memory"} <= set(c["resources"]["requests"]), f"{name}/{component}"
         assert "memory" in c["resources"]["limits"], f"{name}/{component}"
-        assert "/tmp" in {m["mountPath"] for m in c["volumeMounts"]}, "HOME and caches need a writable /tmp"
+        assert "/tmp" in {m["mountPath"] for m in c["volumeMounts"]}, \
+            "HOME and caches need a writable /tmp"
         assert container(deployment)["command"][:2] == ["python", "-m"]
         module = c["command"][2]
         assert (ROOT / (module.replace(".", "/") + ".py")).is_file(), module
@@ -341,7 +271,8 @@ def test_metrics_port_is_annotated_for_prometheus(rendering):
         annotations = deployment["spec"]["template"]["metadata"]["annotations"]
         assert annotations["prometheus.io/scrape"] == "true"
         assert annotations["prometheus.io/port"] == str(METRICS_PORT)
-        assert f"--metrics-port={METRICS_PORT}" in container(deployment)["args"], f"{name}/{component}"
+        assert f"--metrics-port={METRICS_PORT}" in container(deployment)["args"], \
+            f"{name}/{component}"
 
 
 def test_store_and_executor_configs_agree(rendering):
@@ -351,78 +282,11 @@ def test_store_and_executor_configs_agree(rendering):
     assert store["LORAPLEX_MAX_RANK"] == executor["EXECUTOR_MAX_RANK"], \
         f"{name}: the store would register ranks the executors cannot hold"
     memory = container(deployments(objects)["adapter-store"])["resources"]["requests"]["memory"]
-    assert _mebibytes(memory) > int(store["LORAPLEX_HOST_CACHE_MB"]), f"{name}: host tier exceeds memory"
+    assert _mebibytes(memory) > int(store["LORAPLEX_HOST_CACHE_MB"]), \
+        f"{name}: host tier exceeds memory"
 
 
 def _mebibytes(quantity: str) -> float:
     units = {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024, "Ti": 1024 ** 2}
     number, unit = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]i)", quantity).groups()
     return float(number) * units[unit]
-
-
-# --- the container build file -----------------------------------------------------------------
-
-def dockerfile_instructions() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
-    lines, current = [], ""
-    for raw in (DEPLOY / "Dockerfile").read_text().splitlines():
-        line = raw.strip()
-        if not current and (not line or line.startswith("#")):
-            continue
-        current += " " + line.removesuffix("\\").strip()
-        if not line.endswith("\\"):
-            lines.append(current.strip())
-            current = ""
-    assert not current, "Dockerfile ends inside a continued line"
-    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
-
-
-def makefile() -> tuple[dict[str, str], dict[str, list[str]]]:
-    """The Makefile's variables and each rule's prerequisites, variables expanded."""
-    text = (ROOT / "Makefile").read_text()
-    variables = {m[0]: m[2].strip() for m in re.findall(r"^(\w+)\s*(\?=|:=|=)(.*)$", text, re.MULTILINE)}
-
-    def expand(s: str) -> str:
-        while m := re.search(r"\$\((\w+)\)", s):
-            s = s.replace(m.group(0), variables[m.group(1)])
-        return s
-
-    rules = {}
-    for target, prereqs in re.findall(r"^([^\s#.=:][^=:]*|\$\(\w+\)):(?!=)(.*)$", text, re.MULTILINE):
-        rules[expand(target.strip())] = expand(prereqs).split()
-    return {k: expand(v) for k, v in variables.items()}, rules
-
-
-def test_dockerfile_installs_with_the_readme_make_rule_only():
-    _, rules = makefile()
-    # `make demo` and `make test`, the README's two commands, both start with the install rule.
-    (install,) = set(rules["demo"]) & set(rules["test"])
-    runs = [args for instruction, args in dockerfile_instructions() if instruction == "RUN"]
-    steps = [step.strip() for run in runs for step in run.split("&&")]
-    assert f"make {install}" in steps
-    for step in steps:
-        assert "pip" not in step.split(), f"a pip step outside the Makefile: {step!r}"
-        allowed = (step.startswith(("apt-get update", "apt-get install ", "rm -rf /var/lib/apt/lists",
-                                    "useradd "))
-                   or (step.startswith("make ") and set(step.split()[1:]) <= set(rules)))
-        assert allowed, f"RUN step {step!r} is not a README/Makefile install step"
-
-
-def test_dockerfile_matches_the_manifests_and_pyproject():
-    instructions = dockerfile_instructions()
-    variables, _ = makefile()
-    workdir = next(args for i, args in instructions if i == "WORKDIR")
-    env = " ".join(args for i, args in instructions if i == "ENV")
-    assert f"PATH={workdir}/{variables['VENV']}/bin:" in env, "manifests run `python` from the venv"
-    assert "HOME=/tmp" in env
-    user = next(args for i, args in instructions if i == "USER")
-    assert user.split(":")[0] == str(RUN_AS_USER)
-    exposed = {int(p) for i, args in instructions if i == "EXPOSE" for p in args.split()}
-    assert exposed == {port for port, _ in COMPONENTS.values()} | {METRICS_PORT}
-    assert ("COPY", ". .") in instructions
-    python = next(args for i, args in instructions if i == "ARG" and args.startswith("PYTHON_VERSION="))
-    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
-    minimum = tuple(int(x) for x in requires.removeprefix(">=").split("."))
-    assert tuple(int(x) for x in python.split("=")[1].split(".")) >= minimum
-    ignored = (DEPLOY / "Dockerfile.dockerignore").read_text().split()
-    assert {".venv", ".fixtures", ".git"} <= set(ignored), "the host's venv must not enter the image"

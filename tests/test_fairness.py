@@ -28,7 +28,8 @@ def test_two_backlogged_tenants_stay_within_the_stated_bound():
     worst = 0.0
     for _ in range(400):
         for tenant in ("a", "b"):
-            keep_backlogged(w, tenant, 3, prompt_len=rng.randint(1, max_prompt), max_new=rng.randint(1, max_new))
+            keep_backlogged(w, tenant, 3, prompt_len=rng.randint(1, max_prompt),
+                            max_new=rng.randint(1, max_new))
         w.complete_loads()
         w.step()
         worst = max(worst, backlogged_spread(w))
@@ -44,7 +45,8 @@ def test_tenant_cycling_cold_adapters_pays_for_its_loads_and_gets_no_more_than_i
     tokens = {"hot": 0, "cold": 0}
     for i in range(300):
         keep_backlogged(w, "hot", 3, adapter="hot@1", prompt_len=8, max_new=4)
-        keep_backlogged(w, "cold", 3, adapter=cold_adapters[i % len(cold_adapters)], prompt_len=8, max_new=4)
+        keep_backlogged(w, "cold", 3, adapter=cold_adapters[i % len(cold_adapters)],
+                        prompt_len=8, max_new=4)
         w.complete_loads()
         w.step()
     for req in w.requests:

@@ -18,8 +18,8 @@ KEYS = FleetKeys(tenants={TENANT: "t"})
 @pytest.fixture(scope="module")
 def fleet(tiny, tmp_path_factory, log_dir):
     store = tmp_path_factory.mktemp("store").as_uri()
-    fleet = Fleet(model=tiny["model_dir"], store_url=store, log_dir=log_dir / "routing", num_executors=2,
-                  executor_args=["--adapter-slots", "4", "--threads", "1"],
+    fleet = Fleet(model=tiny["model_dir"], store_url=store, log_dir=log_dir / "routing",
+                  num_executors=2, executor_args=["--adapter-slots", "4", "--threads", "1"],
                   keys=KEYS)
     with fleet:
         yield fleet
@@ -49,13 +49,15 @@ async def stats(stub) -> dict[str, scheduler_pb2.ExecutorStats]:
 
 
 def holders(executors: dict, adapter: str) -> set[str]:
-    return {a for a, ex in executors.items() if any(client.ref_text(s.adapter) == adapter and s.state == "ready"
-                                                   for s in ex.slots)}
+    def holds(ex) -> bool:
+        return any(client.ref_text(s.adapter) == adapter and s.state == "ready" for s in ex.slots)
+
+    return {a for a, ex in executors.items() if holds(ex)}
 
 
 async def test_prewarm_onto_both_executors_pinned(fleet, adapters, stub):
-    resp = await stub.Prewarm(scheduler_pb2.PrewarmRequest(adapter="r4_attn", num_executors=2, pin=True, wait=True),
-                              metadata=admin())
+    req = scheduler_pb2.PrewarmRequest(adapter="r4_attn", num_executors=2, pin=True, wait=True)
+    resp = await stub.Prewarm(req, metadata=admin())
     assert client.ref_text(resp.adapter) == "r4_attn@1" and len(resp.executors) == 2
     executors = await stats(stub)
     assert holders(executors, "r4_attn@1") == set(executors)
@@ -77,15 +79,17 @@ async def test_admin_rpcs_need_the_admin_key(fleet, adapters, stub):
 
 
 async def test_requests_follow_residency(fleet, adapters, stub):
-    resp = await stub.Prewarm(scheduler_pb2.PrewarmRequest(adapter="r8_mlp", num_executors=1, wait=True),
-                              metadata=admin())
+    req = scheduler_pb2.PrewarmRequest(adapter="r8_mlp", num_executors=1, wait=True)
+    resp = await stub.Prewarm(req, metadata=admin())
     (home,) = resp.executors
     before = await stats(stub)
     for i in range(6):  # one at a time: the executor holding it is never busy enough to lose
-        await client.generate(stub, client.generate_request("r8_mlp", f"follow {i}", 4, ignore_eos=True), TENANT)
+        req = client.generate_request("r8_mlp", f"follow {i}", 4, ignore_eos=True)
+        await client.generate(stub, req, TENANT)
     after = await stats(stub)
     assert holders(after, "r8_mlp@1") == {home}, "no second executor loaded it"
-    assert sum(ex.adapter_loads for ex in after.values()) == sum(ex.adapter_loads for ex in before.values())
+    assert sum(ex.adapter_loads for ex in after.values()) == \
+        sum(ex.adapter_loads for ex in before.values())
     assert after[home].adapter_hits - before[home].adapter_hits == 6
 
     evicted = await stub.Evict(scheduler_pb2.EvictRequest(adapter="r8_mlp"), metadata=admin())
@@ -93,7 +97,8 @@ async def test_requests_follow_residency(fleet, adapters, stub):
 
 
 async def test_drain_one_executor_while_requests_keep_completing(fleet, adapters, stub):
-    await stub.Prewarm(scheduler_pb2.PrewarmRequest(adapter="r16_all", num_executors=2, wait=True), metadata=admin())
+    req = scheduler_pb2.PrewarmRequest(adapter="r16_all", num_executors=2, wait=True)
+    await stub.Prewarm(req, metadata=admin())
     calls = [asyncio.create_task(client.generate(stub, client.generate_request(
         "r16_all", f"long running {i}", 300, ignore_eos=True), TENANT)) for i in range(8)]
     for _ in range(200):
@@ -104,7 +109,8 @@ async def test_drain_one_executor_while_requests_keep_completing(fleet, adapters
     busy = max(executors.values(), key=lambda ex: ex.running)
     assert busy.running > 0, "work is running when the drain starts"
     with pytest.raises(grpc.aio.AioRpcError) as info:  # its adapter is pinned by running sequences
-        await stub.Evict(scheduler_pb2.EvictRequest(adapter="r16_all", executor=busy.address), metadata=admin())
+        await stub.Evict(scheduler_pb2.EvictRequest(adapter="r16_all", executor=busy.address),
+                         metadata=admin())
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     await stub.Drain(scheduler_pb2.DrainRequest(executor=busy.address), metadata=admin())
 
@@ -118,7 +124,8 @@ async def test_drain_one_executor_while_requests_keep_completing(fleet, adapters
     steps = drained.steps
     await asyncio.gather(*(client.generate(stub, client.generate_request(
         "r16_all", f"still served {i}", 4, ignore_eos=True), TENANT) for i in range(4)))
-    assert (await stats(stub))[busy.address].steps == steps, "the drained executor admits nothing new"
+    assert (await stats(stub))[busy.address].steps == steps, \
+        "the drained executor admits nothing new"
 
     await stub.Resume(scheduler_pb2.ResumeRequest(executor=busy.address), metadata=admin())
     assert not (await stats(stub))[busy.address].is_draining

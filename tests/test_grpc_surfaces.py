@@ -54,24 +54,28 @@ async def test_metrics_count_tokens_steps_loads_and_hits(fleet, tiny):
     async with insecure_channel(fleet.scheduler) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         for i in range(3):
-            await client.generate(stub, client.generate_request("r4_attn", f"metrics {i}", 5, ignore_eos=True))
+            request = client.generate_request("r4_attn", f"metrics {i}", 5, ignore_eos=True)
+            await client.generate(stub, request)
     s = scrape(METRICS["scheduler"])
     assert s["loraplex_tokens_total"] >= 15 and s["loraplex_steps_total"] > 0
     assert s["loraplex_adapter_loads_total"] >= 1 and s["loraplex_adapter_hits_total"] >= 2
     assert s["loraplex_time_to_first_token_seconds_count"] == 3
     assert "loraplex_tenant_virtual_counter" in s
     e = scrape(METRICS["executor"])
-    assert e["loraplex_executor_adapter_loads_total"] >= 1 and e["loraplex_executor_tokens_total"] > 0
+    assert e["loraplex_executor_adapter_loads_total"] >= 1
+    assert e["loraplex_executor_tokens_total"] > 0
     st = scrape(METRICS["store"])
-    assert st["loraplex_store_host_tier_hits_total"] + st["loraplex_store_host_tier_misses_total"] >= 1
+    host_tier_lookups = (st["loraplex_store_host_tier_hits_total"]
+                         + st["loraplex_store_host_tier_misses_total"])
+    assert host_tier_lookups >= 1
     assert st["loraplex_store_blob_read_bytes_total"] > 0
 
 
 async def list_services(address: str) -> set[str]:
     async with insecure_channel(address) as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-        async for response in stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
-                list_services="")])):
+        requests = iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+        async for response in stub.ServerReflectionInfo(requests):
             return {s.name for s in response.list_services_response.service}
     return set()
 
@@ -89,13 +93,15 @@ async def test_reflection_lists_the_service_and_health_says_serving(fleet, name,
     (proc,) = fleet.by_name(name)
     port = proc.address.rsplit(":", 1)[1]
     services = await list_services(f"dns:///localhost:{port}")  # gRPC's own resolver, round_robin
-    assert {service, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= services
+    assert {service, "grpc.health.v1.Health",
+            "grpc.reflection.v1alpha.ServerReflection"} <= services
     assert await health(proc.address) == health_pb2.HealthCheckResponse.SERVING
     assert await health(proc.address, service) == health_pb2.HealthCheckResponse.SERVING
 
 
 async def test_health_flips_to_not_serving_while_stopping(tmp_path, log_dir):
-    store = start_service("lone-store", "adapter_store.service", ["--url", tmp_path.as_uri()], log_dir)
+    store = start_service("lone-store", "adapter_store.service", ["--url", tmp_path.as_uri()],
+                          log_dir)
     assert await health(store.address) == health_pb2.HealthCheckResponse.SERVING
     store.process.send_signal(signal.SIGTERM)
     statuses = []

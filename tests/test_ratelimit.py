@@ -8,7 +8,8 @@ from scheduler.ratelimit import RateLimit, RateLimiter
 
 def test_buckets_refill_at_their_rate_and_say_when_to_retry():
     now = [0.0]
-    limiter = RateLimiter({"a": RateLimit(requests_per_s=2, tokens_per_s=100)}, clock=lambda: now[0])
+    limiter = RateLimiter({"a": RateLimit(requests_per_s=2, tokens_per_s=100)},
+                          clock=lambda: now[0])
     limiter.admit("a", 10)
     limiter.admit("a", 10)
     with pytest.raises(ResourceExhausted) as info:

@@ -48,17 +48,37 @@ def test_pinned_slots_are_never_evicted_and_requests_wait_instead_of_failing():
     assert all(w.finished(r) for r in (a, b, c))
 
 
-def test_an_adapter_waiting_for_a_slot_is_warmed_in_the_store_meanwhile():
+def test_an_adapter_waiting_for_a_slot_is_staged_on_the_executor_meanwhile():
     w = World(num_slots=1)
     w.request(adapter="a@1", max_new=50)
-    assert w.warmed == [], "a free slot: the load itself reads it"
+    assert not w.stages and len(w.loads) == 1, "a free slot: the load itself fetches it"
     w.complete_loads()
     w.step()
     w.request(adapter="a@1", max_new=1)
     b = w.request(adapter="b@1", max_new=1)
-    assert w.warmed == [ref("b@1")] and not w.loads, "the only slot is pinned: warm b, load nothing"
+    assert [adapter for _, adapter in w.stages] == [ref("b@1")] and not w.loads, \
+        "the only slot is pinned: stage b, load nothing"
     w.run()
     assert w.finished(b)
+
+
+def test_stage_before_evict_a_ready_adapter_keeps_its_slot_while_the_store_is_down():
+    w = World(num_slots=1, limits=Limits(load_backoff_s=0.5))
+    hot = w.request(adapter="hot@1", max_new=1)
+    w.run()
+    assert w.finished(hot)
+    cold = w.request(adapter="cold@1", max_new=1)
+    assert w.stages and not w.loads, "the slot stays hot's until cold's bytes are staged"
+    w.complete_loads(error=Unavailable("store frozen"))
+    for _ in range(3):  # hot keeps being served from its slot meanwhile (within the backoff)
+        again = w.request(adapter="hot@1", max_new=2)
+        for _ in range(8):
+            w.step()
+        assert w.finished(again) and cold.status is Status.QUEUED and not w.loads
+    w.now += 1.0  # past the backoff: staged, then it takes the slot
+    w.core.expire()
+    w.run()
+    assert w.finished(cold)
 
 
 def test_prewarm_with_no_executor_admitting_is_unavailable_not_a_silent_ok():

@@ -1,7 +1,8 @@
 """Streaming a cold adapter through the store while it is still being read: parts go out as they
 arrive, the last part of a read waits for its sha256 check, a read that fails the check is
 followed by RESTART and a good read, and the loader ends up with exactly the right weights
-(also when its staging buffers are reused by adapters of other sizes)."""
+(also when its staging buffers are reused by adapters of other sizes). And stage before evict:
+an adapter staged on the host (StageAdapter) loads without a fetch of its own."""
 
 import asyncio
 import contextlib
@@ -24,6 +25,7 @@ from executor.adapter_loader import AdapterLoader
 from executor.peft_adapter import parse_peft_adapter
 from executor.runner import ModelRunner
 from executor.slot_copy import StagingBuffers
+from executor.staged import Staged, StagedAdapters
 from loraplex.fixtures import MODEL_ID
 from protos import adapter_store_pb2 as pb
 from protos import adapter_store_pb2_grpc, common_pb2
@@ -280,3 +282,55 @@ async def test_a_load_cancelled_mid_copy_keeps_its_staging_and_slot_until_the_co
         release.set()
         await loader.unload(0)
         await loader.close()
+
+
+# ---- stage before evict: StageAdapter fetches onto the host, the load only copies ----
+
+async def fetches(store) -> int:
+    return (await store.stub.Stats(pb.StoreStatsRequest())).fetches
+
+
+@in_session_loop
+async def test_a_staged_adapter_loads_without_a_fetch_and_stagings_share_one(store, runner):
+    loader = AdapterLoader(runner, (store.running.address,), holder="test-staging")
+    try:
+        await loader.unload(0)
+        before = await fetches(store)
+        first, second = await asyncio.gather(loader.stage(BIG_REF), loader.stage(BIG_REF))
+        assert first.num_bytes == second.num_bytes == len(BIG)
+        assert await fetches(store) == before + 1, "two stagings, one fetch"
+        assert loader.slot_adapters[0] is None, "staging touches no slot"
+        assert (await loader.stage(BIG_REF)).was_resident, "staged already"
+        result = await loader.load(BIG_REF, 0)
+        assert not result.was_resident and await fetches(store) == before + 1
+        expected = parse_peft_adapter(CONFIG_JSON, BIG, runner.config, max_rank=64)
+        for (layer, module), weights in expected.modules.items():
+            r = weights.a.shape[0]
+            assert torch.equal(runner.pool.a[module][layer, 0, :r], weights.a)
+        assert loader.slot_adapters[0] == BIG_REF
+        await loader.unload(0)
+        await loader.load(BIG_REF, 0)  # the staged bytes were used up: fetched again
+        assert await fetches(store) == before + 2
+    finally:
+        await loader.unload(0)
+        await loader.close()
+
+
+def test_staged_adapters_are_bounded_by_bytes_and_age():
+    released, now = [], [0.0]
+    staged = StagedAdapters(released.append, max_bytes=100, ttl_s=10, clock=lambda: now[0])
+
+    def entry(num_bytes: int) -> Staged:
+        return Staged(torch.empty(num_bytes, dtype=torch.uint8), num_bytes, None, 0.0, now[0])
+
+    a, b, c = AdapterRef("a", 1), AdapterRef("b", 1), AdapterRef("c", 1)
+    staged.put(a, entry(60))
+    staged.put(b, entry(30))
+    staged.put(c, entry(50))  # over budget: the oldest (a) goes
+    assert a not in staged and b in staged and c in staged and len(released) == 1
+    now[0] = 11.0
+    assert b not in staged and c not in staged, "too old"
+    assert len(released) == 3
+    staged.put(a, entry(10))
+    taken = staged.take(a)
+    assert taken is not None and a not in staged and len(released) == 3, "taken, not released"

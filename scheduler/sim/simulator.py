@@ -25,7 +25,7 @@ from scheduler.sim.belady import belady_hits, lru_hits, pinned_belady_hits
 from scheduler.sim.config import SimConfig
 from scheduler.slots import SlotTable
 
-ARRIVAL, STEP_DONE, LOAD_DONE = 0, 1, 2
+ARRIVAL, STEP_DONE, LOAD_DONE, STAGE_DONE = 0, 1, 2, 3
 
 
 @dataclass
@@ -63,7 +63,7 @@ class Simulator:
                           SlotTable(c.executors.slots)) for i in range(c.executors.count)]
         self.core = Scheduler(self.executors, FairnessWeights(tenant_weights=weights), c.limits,
                               start_load=self._start_load, wake=lambda: None,
-                              clock=lambda: self.now)
+                              clock=lambda: self.now, start_stage=self._start_stage)
         self._busy: set[int] = set()
         self._load_free_at = [0.0] * len(self.executors)
         self._adapter_weights = [1.0 / (k + 1) ** c.adapters.zipf_s
@@ -128,12 +128,23 @@ class Simulator:
 
     # ---- executors --------------------------------------------------------------------------
     def _start_load(self, ex: ExecutorState, slot) -> None:
-        i = self.executors.index(ex)
+        """A load fetches the bytes (load latency + bytes / bandwidth, one fetch at a time per
+        executor) unless they are staged already: then it only copies (taken as free)."""
         num_bytes = slot.num_bytes
+        seconds = 0.0 if slot.is_from_staged else self._fetch(ex, num_bytes)
+        self._push(self.now + seconds, LOAD_DONE, (ex, slot, slot.adapter, num_bytes, seconds))
+
+    def _start_stage(self, ex: ExecutorState, adapter, num_bytes: int) -> None:
+        seconds = self._fetch(ex, num_bytes)
+        self._push(self.now + seconds, STAGE_DONE, (ex, adapter, None, num_bytes, seconds))
+
+    def _fetch(self, ex: ExecutorState, num_bytes: int) -> float:
+        """Seconds until a fetch of `num_bytes` started now ends (fetches queue per executor)."""
+        i = self.executors.index(ex)
         seconds = self.cfg.cost.load_latency_s + num_bytes / self.cfg.cost.load_bytes_per_s
         start = max(self.now, self._load_free_at[i])
         self._load_free_at[i] = start + seconds
-        self._push(start + seconds, LOAD_DONE, (ex, slot, slot.adapter, num_bytes, seconds))
+        return start + seconds - self.now
 
     def _try_steps(self) -> None:
         for i, ex in enumerate(self.executors):
@@ -188,6 +199,8 @@ class Simulator:
                     self._push(self._next_arrival(), ARRIVAL, payload + 1)
             elif kind == STEP_DONE:
                 self._step_done(*payload)
+            elif kind == STAGE_DONE:
+                self.core.on_stage_done(*payload)
             else:
                 self.core.on_load_done(*payload[:3], None, *payload[3:])
             self._try_steps()

@@ -1,0 +1,467 @@
+"""Soak: the pool at saturation from many tenants while its processes are frozen and killed.
+
+    .venv/bin/python bench/soak.py [--quick] [--duration-s 180] [--tenants 40] [--out [PATH]]
+
+A keyed fleet of processes on the demo model: SeaweedFS S3, adapter stores, two CPU executors, a
+scheduler; each tenant pushes two adapters of its own with its own key. Every (tenant, adapter,
+prompt, sampling) combination is first sent twice, fault-free: the answer both passes agree on is
+the expected one. Then every tenant runs a closed loop of streaming Generate calls while faults
+run on a schedule: an executor frozen (SIGSTOP, SIGCONT), a store killed and restarted on its
+port, SeaweedFS frozen. Each request is correct, wrong (a streamed token differs from the
+expected ones, however the call ended), failed retryably, failed otherwise, or hung (no end by
+its gRPC deadline plus a margin; a call the pool holds that long ends as DEADLINE_EXCEEDED at
+the client's deadline). Then Stats and executors' Info must come back to idle.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import importlib.metadata
+import os
+import pathlib
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import grpc
+
+from common.server import insecure_channel, run
+from loraplex import client, demo
+from loraplex.demo_tasks import TASKS, held_out
+from loraplex.launch import Fleet, FleetKeys, start_service
+from protos import executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from scheduler.executor_state import Limits
+from scheduler.timeouts import Timeouts
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results" / "soak-cpu.md"
+FAULT_KINDS = ("executor-stop", "store-kill", "s3-stop")
+DEFAULT_AT = (0.1, 0.4, 0.7)  # when each fault starts, as a fraction of --duration-s
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+             grpc.StatusCode.DEADLINE_EXCEEDED}
+KINDS = ("correct", "wrong", "retryable", "failed", "hung")
+MAX_NEW_TOKENS = 32
+HANG_MARGIN_S = 10.0  # a call not ended this long after its gRPC deadline is hung
+RECOVER_S = 5.0  # a request counts against a fault if it overlaps the fault or this long after
+SETTLE_S = 30.0  # how long the pool may take to come back to idle after the load
+# Scheduler settings for a run of minutes: 16 sequences per executor keeps a queue (saturation);
+# the rest bound the waits on a frozen or dead part. Each goes in only if the scheduler has it.
+SCHEDULER = {"max_num_seqs": 16, "step_floor_s": 3.0, "step_warmup_s": 20.0, "rpc_s": 2.0,
+             "probe_interval_s": 1.0, "load_floor_s": 5.0, "warm_s": 10.0, "resolve_s": 2.0,
+             "max_queue_s": 45.0, "max_load_backoff_s": 4.0}
+EXECUTOR = ["--threads", "1", "--adapter-slots", "12", "--max-rank", "16", "--kv-blocks", "512"]
+STORE = ["--host-cache-mb", "8"]  # below the adapters' ~35 MB: loads keep reading S3
+
+
+@dataclass(frozen=True)
+class Combo:
+    """One kind of request a tenant sends; its expected answer comes from the reference."""
+
+    tenant: str
+    adapter: str  # "" = the base model
+    prompt: str
+    seed: int | None = None  # seeded sampling at temperature 0.8; None = greedy
+
+    def request(self) -> scheduler_pb2.GenerateRequest:
+        sampling = {} if self.seed is None else {"temperature": 0.8, "seed": self.seed}
+        return client.generate_request(self.adapter, self.prompt, MAX_NEW_TOKENS, **sampling)
+
+
+@dataclass
+class Reply:
+    """What one call gave back: streamed tokens, then a finish reason or a status (or neither)."""
+
+    start: float
+    end: float = 0.0
+    tokens: list[int] = field(default_factory=list)
+    finish: int = 0
+    code: grpc.StatusCode | None = None
+    detail: str = ""
+    is_hung: bool = False
+
+    @property
+    def answer(self) -> tuple:
+        return tuple(self.tokens), self.finish
+
+    def kind(self, expected: tuple) -> str:
+        if list(expected[0][:len(self.tokens)]) != self.tokens:
+            return "wrong"
+        if self.is_hung:
+            return "hung"
+        if self.code is None:
+            return "correct" if self.answer == expected else "wrong"
+        return "retryable" if self.code in RETRYABLE else "failed"
+
+
+@dataclass
+class Fault:
+    kind: str
+    at_s: float  # after the soak starts
+    start: float = 0.0  # monotonic, once it ran
+    end: float = 0.0
+    note: str = ""
+
+
+def thaw(frozen: set[int]) -> None:
+    """SIGCONT every process group this run SIGSTOPped (called on every way out)."""
+    while frozen:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(frozen.pop(), signal.SIGCONT)
+
+
+def plan(num_tenants: int, num_prompts: int) -> dict[str, list[Combo]]:
+    """Tenant -> its combinations: two task adapters of its own (t07-<task>), each on num_prompts
+    held-out prompts, greedy and seeded; the base model on as many prompts, greedy."""
+    prompts = {t.name: [p for p, _ in held_out(t, num_prompts)] for t in TASKS}
+    out = {}
+    for i in range(num_tenants):
+        tenant, tasks = f"t{i:02d}", (TASKS[i % len(TASKS)], TASKS[(i + 3) % len(TASKS)])
+        combos = [Combo(tenant, "", p) for p in prompts[tasks[0].name]]
+        for task in tasks:
+            adapter = f"{tenant}-{task.name}"
+            for j, p in enumerate(prompts[task.name]):
+                combos += [Combo(tenant, adapter, p), Combo(tenant, adapter, p, 1000 * i + j)]
+        out[tenant] = combos
+    return out
+
+
+async def call(stub, combo: Combo, key: str, deadline_s: float) -> Reply:
+    reply = Reply(start=time.monotonic())
+    stream = stub.Generate(combo.request(), metadata=client.metadata(key), timeout=deadline_s)
+
+    async def consume() -> None:
+        async for response in stream:
+            if response.HasField("token_id"):
+                reply.tokens.append(response.token_id)
+            reply.finish = response.finish_reason or reply.finish
+
+    try:
+        await asyncio.wait_for(consume(), deadline_s + HANG_MARGIN_S)
+    except TimeoutError:
+        reply.is_hung = True
+        stream.cancel()
+    except grpc.aio.AioRpcError as exc:
+        reply.code, reply.detail = exc.code(), exc.details() or ""
+    reply.end = time.monotonic()
+    return reply
+
+
+async def reference(stub, plans: dict[str, list[Combo]], key_of: dict[str, str],
+                    deadline_s: float) -> tuple[dict[Combo, tuple], list[str]]:
+    """Two fault-free passes in different orders: combo -> the answer both gave."""
+    combos = [c for cs in plans.values() for c in cs]
+    gate, passes = asyncio.Semaphore(len(plans)), []
+
+    async def one(combo: Combo) -> Reply:
+        async with gate:
+            return await call(stub, combo, key_of[combo.tenant], deadline_s)
+
+    for seed in (1, 2):
+        order = random.Random(seed).sample(combos, len(combos))
+        passes.append(dict(zip(order, await asyncio.gather(*(one(c) for c in order)))))
+    failed = [p[c] for c in combos for p in passes if p[c].code or p[c].is_hung or not p[c].finish]
+    unstable = [c for c in combos if passes[0][c].answer != passes[1][c].answer]
+    notes = []
+    if failed:
+        notes.append(f"{len(failed)} calls failed in the fault-free passes, e.g. "
+                     f"{failed[0].code.name if failed[0].code else 'no end'}: {failed[0].detail}")
+    if unstable:
+        notes.append(f"{len(unstable)} combinations differ between the passes, e.g. {unstable[0]}")
+    bad = {c for c in combos for p in passes if p[c] in failed} | set(unstable)
+    return {c: passes[0][c].answer for c in combos if c not in bad}, notes
+
+
+async def soak(stub, plans: dict[str, list[Combo]], expected: dict[Combo, tuple],
+               key_of: dict[str, str], args) -> list[tuple[Combo, Reply]]:
+    """Each tenant a closed loop until duration_s is up; every call is awaited to its end."""
+    records: list[tuple[Combo, Reply]] = []
+    stop_at = time.monotonic() + args.duration_s
+
+    async def tenant_loop(tenant: str, rng: random.Random) -> None:
+        combos = [c for c in plans[tenant] if c in expected]
+        # Draw weights: the base model 1 in 8, seeded sampling 1 in 4, greedy adapters the rest.
+        weights = [1 if not c.adapter else 2 if c.seed is not None else 5 for c in combos]
+        while combos and time.monotonic() < stop_at:
+            combo = rng.choices(combos, weights)[0]
+            records.append((combo, await call(stub, combo, key_of[tenant], args.deadline_s)))
+
+    async def progress() -> None:
+        while (left := stop_at - time.monotonic()) > 0:
+            await asyncio.sleep(min(15.0, left))
+            kinds = Counter(r.kind(expected[c]) for c, r in records)
+            print(f"  {args.duration_s - max(0.0, stop_at - time.monotonic()):4.0f} s: "
+                  + ", ".join(f"{k} {kinds[k]}" for k in KINDS), flush=True)
+
+    await asyncio.gather(progress(), *(tenant_loop(t, random.Random(t)) for t in plans))
+    return records
+
+
+async def inject(fault: Fault, fleet: Fleet, s3, frozen: set[int], t0: float, fault_s: float,
+                 store_flags: list[str]) -> None:
+    await asyncio.sleep(max(0.0, t0 + fault.at_s - time.monotonic()))
+    fault.start = time.monotonic()
+    if fault.kind == "store-kill":
+        store = fleet.by_name("adapter_store")[0]
+        store.kill()
+        fault.note = f"{store.name} SIGKILL, down {fault_s:.0f} s, restarted on {store.address}"
+        await asyncio.sleep(fault_s)
+        args = ["--url", fleet.store_url, "--address", store.address, *store_flags,
+                *fleet.store_args]
+
+        def restart() -> None:  # records what it started itself, even if the run is cancelled
+            fleet.services[fleet.services.index(store)] = start_service(
+                store.name, "adapter_store.service", args, fleet.log_dir, timeout=60.0)
+
+        try:
+            await asyncio.to_thread(restart)
+            fault.note += f", listening {time.monotonic() - fault.start - fault_s:.1f} s later"
+        except (RuntimeError, TimeoutError) as exc:
+            fault.note += f": restart FAILED: {exc}"
+    else:
+        target = fleet.by_name("executor")[0] if fault.kind == "executor-stop" else None
+        fault.note = f"{target.name if target else 'SeaweedFS'} SIGSTOP, SIGCONT {fault_s:.0f} s on"
+        pgid = target.process.pid if target else s3.process.pid  # each leads its process group
+        frozen.add(pgid)
+        os.killpg(pgid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(fault_s)
+        finally:
+            frozen.discard(pgid)
+            thaw({pgid})
+    fault.end = time.monotonic()
+
+
+async def leaks(fleet: Fleet) -> tuple[list[str], list[str], float]:
+    """Poll Stats (admin key) and each executor's Info until idle, for at most SETTLE_S:
+    (leaks, a line per executor, seconds waited)."""
+    start = time.monotonic()
+    while True:
+        problems, lines = [], []
+        try:
+            async with insecure_channel(fleet.scheduler, fleet.keys.admin) as channel:
+                stats = await scheduler_pb2_grpc.SchedulerStub(channel).Stats(
+                    scheduler_pb2.StatsRequest(), timeout=5)
+            for ex in stats.executors:
+                pins = sum(s.pins for s in ex.slots)
+                async with insecure_channel(ex.address, fleet.keys.service) as channel:
+                    held = (await executor_pb2_grpc.ExecutorStub(channel).Info(
+                        executor_pb2.InfoRequest(), timeout=5)).num_sequences
+                lines.append(f"{ex.address}: up {ex.is_up}, running {ex.running}, queued "
+                             f"{ex.queued}, free KV blocks {ex.free_kv_blocks}/{ex.num_kv_blocks},"
+                             f" slot pins {pins}; its Info: num_sequences {held}")
+                if ex.running or ex.queued or pins or ex.free_kv_blocks != ex.num_kv_blocks:
+                    problems.append(f"the scheduler's {ex.address} is not idle")
+                if held != 0:
+                    problems.append(f"executor {ex.address} holds {held} sequences")
+            problems += [f"tenant {t.tenant}: queued {t.queued}, running {t.running}"
+                         for t in stats.tenants if t.queued or t.running]
+        except grpc.aio.AioRpcError as exc:
+            problems = [f"Stats or Info: {exc.code().name}: {exc.details()}"]
+        waited = time.monotonic() - start
+        if not problems or waited > SETTLE_S:
+            return problems, lines, waited
+        await asyncio.sleep(0.5)
+
+
+async def measure(fleet: Fleet, s3, frozen: set[int], plans, faults: list[Fault], args) -> dict:
+    key_of = {tenant: key for key, tenant in fleet.keys.tenants.items()}
+    gate = asyncio.Semaphore(8)
+
+    async def push(tenant: str, name: str) -> None:  # name: t07-<task>
+        async with gate:
+            await asyncio.wait_for(client.push_adapter(
+                fleet.stores[0], demo.adapter_dir(name.split("-", 1)[1]), name,
+                key=key_of[tenant]), args.deadline_s)
+
+    owned = {(c.tenant, c.adapter) for cs in plans.values() for c in cs if c.adapter}
+    await asyncio.gather(*(push(tenant, name) for tenant, name in sorted(owned)))
+    store_flags = fleet.keys.write(fleet.log_dir / "keys")["store"]
+    async with insecure_channel(fleet.scheduler) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        print(f"reference: {sum(map(len, plans.values()))} combinations, twice ...", flush=True)
+        expected, notes = await reference(stub, plans, key_of, args.deadline_s)
+        print(f"soak: {args.duration_s:.0f} s, faults: "
+              f"{', '.join(f'{f.kind}@{f.at_s:.0f}s' for f in faults) or 'none'}", flush=True)
+        t0 = time.monotonic()
+
+        async def run_faults() -> None:  # one after another: each at its time or once the last ends
+            for f in sorted(faults, key=lambda f: f.at_s):
+                await inject(f, fleet, s3, frozen, t0, args.fault_s, store_flags)
+
+        injector = asyncio.create_task(run_faults())
+        try:
+            records = await soak(stub, plans, expected, key_of, args)
+            await injector
+        finally:
+            injector.cancel()
+            thaw(frozen)
+        elapsed = time.monotonic() - t0
+    problems, executors, settle_s = await leaks(fleet)
+    return dict(records=records, expected=expected, notes=notes, elapsed=elapsed, t0=t0,
+                leaks=problems, executors=executors, settle_s=settle_s)
+
+
+def pct(values: list[float], q: int) -> float:
+    if len(values) < 2:
+        return values[0] if values else float("nan")
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+def outcome_table(rows: list[tuple[Combo, str, Reply]], faults: list[Fault], t0: float) -> list:
+    """Every request; those overlapping no fault; those overlapping each fault."""
+    def hit(r: Reply, f: Fault) -> bool:
+        return f.end > 0 and r.start <= f.end + RECOVER_S and r.end >= f.start
+
+    def counts_row(label: str, rows: list[tuple[Combo, str, Reply]]) -> str:
+        kinds = Counter(kind for _, kind, _ in rows)
+        codes = Counter(r.code.name for _, kind, r in rows if kind == "retryable")
+        by_code = f" ({', '.join(f'{c} {n}' for c, n in codes.most_common())})" if codes else ""
+        return (f"| {label} | {len(rows)} | {kinds['correct']} | {kinds['wrong']} | "
+                f"{kinds['retryable']}{by_code} | {kinds['failed']} | {kinds['hung']} |")
+
+    return ["| requests | sent | completed, correct | wrong | failed retryably | failed otherwise "
+            "| hung |", "|---|---:|---:|---:|---:|---:|---:|", counts_row("all", rows),
+            counts_row("overlapping no fault",
+                       [x for x in rows if not any(hit(x[2], f) for f in faults)]),
+            *(counts_row(f"overlapping {f.kind} ({f.start - t0:.0f}-{f.end - t0:.0f} s "
+                         f"+ {RECOVER_S:.0f} s)", [x for x in rows if hit(x[2], f)])
+              for f in faults if f.end)]
+
+
+def latency_table(rows: list[tuple[Combo, str, Reply]], tenants: list[str]) -> list:
+    """p50 and p99 of each tenant's correct completions, rolled up over the tenants."""
+    per_tenant = [[r.end - r.start for c, k, r in rows if k == "correct" and c.tenant == t]
+                  for t in tenants]
+    lines = ["| latency of correct completions (s) | min over tenants | median | max |",
+             "|---|---:|---:|---:|"]
+    for q in (50, 99):
+        if v := [pct(seconds, q) for seconds in per_tenant if seconds]:
+            lines.append(f"| p{q} per tenant | {min(v):.2f} | {statistics.median(v):.2f} | "
+                         f"{max(v):.2f} |")
+    return lines
+
+
+def report(result: dict, faults: list[Fault], plans, args, load: tuple[float, float],
+           command: str) -> str:
+    expected, t0, elapsed = result["expected"], result["t0"], result["elapsed"]
+    rows = [(combo, reply.kind(expected[combo]), reply) for combo, reply in result["records"]]
+    done = [r for _, k, r in rows if k == "correct"]
+    seconds = [r.end - r.start for r in done]
+    kinds = Counter(k for _, k, _ in rows)
+    problems = Counter(f"{k}: {r.code.name if r.code else 'no end'} {r.detail[:160]}".strip()
+                       for _, k, r in rows if k in ("retryable", "failed", "hung"))
+    wrong = [f"- wrong: {c} got {len(r.tokens)} tokens (expected {len(expected[c][0])}), ended "
+             f"{r.code.name if r.code else 'OK'}" for c, k, r in rows if k == "wrong"]
+    num_adapters = len({c.adapter for cs in plans.values() for c in cs} - {""})
+    is_met = not (kinds["hung"] or kinds["wrong"] or result["leaks"])
+    return "\n".join([
+        (f"{len(plans)} tenants, each a closed loop of streaming Generate calls "
+         f"({args.deadline_s:.0f} s gRPC deadline; hung = no end {HANG_MARGIN_S:.0f} s after it) "
+         f"for {args.duration_s:.0f} s over {num_adapters} adapters (each tenant pushes 2 demo "
+         "task adapters with its own key) and the base model; 1 in 4 requests seeded sampling "
+         f"(T 0.8), the rest greedy, up to {MAX_NEW_TOKENS} tokens. Demo model; 2 executors "
+         f"(`{' '.join(EXECUTOR)}`); {args.stores} adapter store(s) on SeaweedFS S3 "
+         f"(`{' '.join(STORE)}`); scheduler `{' '.join(scheduler_flags())}`."),
+        "", *outcome_table(rows, faults, t0), "", *latency_table(rows, list(plans)), "",
+        (f"- correct completions: p50 {pct(seconds, 50):.2f} s, p99 {pct(seconds, 99):.2f} s; "
+         f"{len(done) / elapsed:.1f} requests/s, {sum(len(r.tokens) for r in done) / elapsed:.0f}"
+         f" tokens/s over {elapsed:.0f} s"),
+        (f"- reference: {len(expected)} combinations answered alike by two fault-free passes"
+         + "".join(f"; {n}" for n in result["notes"])),
+        *(f"- fault at {f.start - t0:.0f} s: {f.note}" if f.end else f"- {f.kind}: not run"
+          for f in faults),
+        *(f"- {n} x {p}" for p, n in problems.most_common(6)), *wrong[:3],
+        (f"- leaks after the load (waited {result['settle_s']:.1f} s): "
+         f"{'; '.join(result['leaks']) or 'none'}"),
+        *(f"  - {line}" for line in result["executors"]),
+        (f"- goal (0 hung, 0 wrong, 0 leaked): {'met' if is_met else 'NOT met'}: "
+         f"{kinds['hung']} hung, {kinds['wrong']} wrong, {len(result['leaks'])} leaks"),
+        (f"- machine: nproc {len(os.sched_getaffinity(0))}, 1-min load average {load[0]:.1f} at "
+         f"start, {load[1]:.1f} at the end; torch {importlib.metadata.version('torch')}, python "
+         f"{sys.version.split()[0]}"),
+        f"- command: `{command}`", ""])
+
+
+def scheduler_flags() -> list[str]:
+    names = {f.name for f in (*dataclasses.fields(Limits), *dataclasses.fields(Timeouts))}
+    return [part for name, value in SCHEDULER.items() if name in names
+            for part in (f"--{name.replace('_', '-')}", str(value))]
+
+
+def seaweed():
+    """tests/s3server.py's SeaweedS3 (the tests are not an installed package)."""
+    sys.path.insert(0, str(REPO))
+    from tests.s3server import SeaweedS3
+
+    return SeaweedS3
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--duration-s", type=float, help="soak length (180; 60 with --quick)")
+    p.add_argument("--tenants", type=int, default=40)
+    p.add_argument("--stores", type=int, default=2, choices=(1, 2))
+    p.add_argument("--deadline-s", type=float, default=60.0, help="gRPC deadline per request")
+    p.add_argument("--fault-s", type=float,
+                   help="how long a process stays frozen or a store down (15; 10 with --quick)")
+    p.add_argument("--fault", action="append", default=[], metavar="KIND@SECONDS",
+                   help=f"KIND: {', '.join(FAULT_KINDS)}; repeatable (default: each once, at "
+                        f"{', '.join(f'{a * 100:.0f}%%' for a in DEFAULT_AT)} of the run)")
+    p.add_argument("--no-faults", action="store_true")
+    p.add_argument("--quick", action="store_true", help="60 s, faults 10 s, 2 prompts per task")
+    p.add_argument("--out", nargs="?", const=str(RESULTS), metavar="PATH",
+                   help=f"also write the report here ({RESULTS.relative_to(REPO)})")
+    args = p.parse_args()
+    args.duration_s = args.duration_s or (60.0 if args.quick else 180.0)
+    args.fault_s = args.fault_s or (10.0 if args.quick else 15.0)
+    specs = [] if args.no_faults else args.fault or [
+        f"{kind}@{at * args.duration_s:.0f}" for kind, at in zip(FAULT_KINDS, DEFAULT_AT)]
+    args.faults = []
+    for spec in specs:
+        kind, _, at = spec.partition("@")
+        if kind not in FAULT_KINDS or not at.replace(".", "", 1).isdigit():
+            p.error(f"--fault must look like KIND@SECONDS, KIND in {FAULT_KINDS}: {spec!r}")
+        args.faults.append(Fault(kind, float(at)))
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    plans = plan(args.tenants, 2 if args.quick else 3)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # every service: one torch thread
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # clean up as on Ctrl-C
+    load_start = os.getloadavg()[0]
+    log_dir = pathlib.Path(tempfile.mkdtemp(prefix="loraplex-soak-"))
+    keys = FleetKeys(tenants={os.urandom(16).hex(): tenant for tenant in plans})
+    frozen: set[int] = set()
+    print(f"logs: {log_dir}\nstarting SeaweedFS, {args.stores} store(s), 2 executors, a "
+          f"scheduler; {args.tenants} tenants push their adapters ...", flush=True)
+    with seaweed().start(bucket="loraplex-soak") as s3:
+        fleet = Fleet(model=str(demo.MODEL_DIR), store_url=f"s3://{s3.bucket}/soak",
+                      log_dir=log_dir, num_executors=2, num_stores=args.stores, keys=keys,
+                      store_args=["--s3-endpoint-url", s3.endpoint_url, *STORE],
+                      executor_args=EXECUTOR, scheduler_args=scheduler_flags())
+        with fleet:
+            try:
+                result = run(lambda: measure(fleet, s3, frozen, plans, args.faults, args))
+            finally:
+                thaw(frozen)  # on Ctrl-C or an error too, before anything is stopped
+    command = " ".join([".venv/bin/python bench/soak.py", *sys.argv[1:]])
+    text = report(result, args.faults, plans, args, (load_start, os.getloadavg()[0]), command)
+    print(f"\n{text}\nlogs: {log_dir}")
+    if args.out:
+        out = pathlib.Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(f"# Soak under faults on CPU\n\n{text}")
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
