@@ -30,6 +30,7 @@ class ServiceProcess:
         """SIGTERM (graceful drain), then SIGKILL after `grace` seconds."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
+            self.thaw()  # a frozen process would not act on it
             try:
                 self.process.wait(grace)
             except subprocess.TimeoutExpired:
@@ -39,6 +40,13 @@ class ServiceProcess:
     def kill(self) -> None:
         self.process.kill()
         self.process.wait()
+
+    def freeze(self) -> None:
+        """SIGSTOP: alive but answering nothing, like a hung process or GPU (outage drills)."""
+        os.killpg(self.process.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        os.killpg(self.process.pid, signal.SIGCONT)
 
 
 def start_service(name: str, module: str, args: list[str], log_dir: pathlib.Path,

@@ -245,15 +245,12 @@ class Engine:
         while not ex.is_retired:
             link.woken.clear()
             plan = self.core.schedule(ex)
-            if not plan:
-                if not ex.pending_frees:
-                    try:
-                        async with asyncio.timeout(self.timeouts.probe_interval_s):
-                            await link.woken.wait()
-                        continue
-                    except TimeoutError:
-                        pass
-                await link.probe()  # idle: is it still there? (and sends pending frees)
+            if not plan and not plan.freed:  # idle: wait for work, probing now and then
+                try:
+                    async with asyncio.timeout(self.timeouts.probe_interval_s):
+                        await link.woken.wait()
+                except TimeoutError:
+                    await link.probe()  # is it still there?
                 continue
             samples, seconds = await link.step(plan)
             self.metrics.on_step(link.address, plan, seconds)

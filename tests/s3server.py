@@ -153,6 +153,13 @@ class SeaweedS3:
             return (self.workdir / "weed.log").read_bytes()[-num_bytes:].decode(errors="replace")
         return "(no log)"
 
+    def freeze(self) -> None:
+        """SIGSTOP: S3 accepts connections (the kernel does) but answers nothing."""
+        os.killpg(self.process.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        os.killpg(self.process.pid, signal.SIGCONT)
+
     def kill(self) -> None:
         """SIGKILL at once, keeping the data: the S3 endpoint stops answering (a crash)."""
         with contextlib.suppress(ProcessLookupError):
@@ -189,6 +196,7 @@ class SeaweedS3:
         if self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGTERM)
+                os.killpg(self.process.pid, signal.SIGCONT)  # a frozen one would not act on it
             try:
                 self.process.wait(_STOP_GRACE_S)
             except subprocess.TimeoutExpired:
