@@ -15,6 +15,7 @@ demo: $(STAMP)
 	$(VENV)/bin/loraplex demo
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
 protos: $(STAMP)
