@@ -92,39 +92,6 @@ class Scheduler(Placement):
             f"not admitted within {waited:.0f}s (the pool's max_queue_s): the pool is "
             f"overloaded or has no executor up; retry in {wait:.0f}s"), wait)
 
-    def _check_tenant_backlog(self, tenant: str) -> None:
-        cap, queued = self.limits.max_queued_per_tenant, self.fair.backlog.get(tenant, 0)
-        if cap and queued >= cap:
-            wait = self._expected_wait()
-            raise retry_after(ResourceExhausted(
-                f"tenant {tenant!r} has {queued} requests waiting, the most this pool queues "
-                f"for one tenant; retry in {wait:.0f}s"), wait)
-
-    def _check_placeable(self, adapter: AdapterRef) -> None:
-        admitting = [ex for ex in self.executors if ex.is_admitting]
-        if admitting and all(ex.slots.find(adapter) is None and ex.slots.are_all_admin_pinned()
-                             for ex in admitting):
-            raise FailedPrecondition(
-                f"every adapter slot of every executor is pinned by an operator, so {adapter} "
-                "could never be loaded: evict a pinned adapter (Evict) or pre-warm this one")
-
-    def _expected_wait(self) -> float:
-        """Seconds the queued work takes the pool at its measured rate: a retry-after hint."""
-        up = [ex for ex in self.executors if ex.is_admitting]
-        rate = sum(ex.rates.tokens_per_second for ex in up)
-        seconds = sum(ex.work_tokens for ex in up) / rate if rate else 60.0
-        return min(60.0, max(1.0, seconds))
-
-    def cancel(self, req: Request) -> None:
-        """Forget a request whose client went away; frees whatever it held."""
-        if req.status is Status.QUEUED:
-            self._dequeue(req)
-        elif req.status is Status.RUNNING:
-            ex, seq = req.executor, self._sequence_of(req)
-            self._release(ex, seq)
-        self._end(req)
-        self._wake()
-
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self, ex: ExecutorState) -> StepPlan:
         """Rows for the next step of `ex`: running sequences first, then admissions in fair
@@ -178,8 +145,7 @@ class Scheduler(Placement):
         heap = [(self.fair.counter(t), t) for t in ex.queue.tenants()]
         heapq.heapify(heap)
         is_fairest = True
-        window = self.limits.fairness_window
-        ceiling = self.fair.min_backlogged() + window if window else float("inf")
+        ceiling = self._fairness_ceiling()
         while heap and budget > 0 and len(ex.running) < self.limits.max_num_seqs:
             counter, tenant = heapq.heappop(heap)
             if counter != self.fair.counter(tenant):  # charged since it was pushed
@@ -383,3 +349,4 @@ class Scheduler(Placement):
 
     def stats(self) -> PoolStats:
         return snapshot(self.executors, self.fair, self.totals)
+

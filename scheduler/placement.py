@@ -9,11 +9,12 @@ step, admission, loads and the rest of an executor's life on top.
 """
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Iterable
 
 from common.adapter_ref import AdapterRef
-from common.errors import LoraplexError
+from common.errors import FailedPrecondition, LoraplexError, ResourceExhausted, retry_after
 from scheduler.deadlines import Deadlines
 from scheduler.executor_state import ExecutorState, Limits, Sequence
 from scheduler.fairness import FairnessWeights, FairShare
@@ -155,6 +156,56 @@ class Placement:
         ex.slots.clear(slot)
         self._start_unload(ex, slot.index, adapter)
 
+    # ---- whether a request may wait, and how far ahead a tenant may get -------------------
+    def _check_tenant_backlog(self, tenant: str) -> None:
+        cap, queued = self.limits.max_queued_per_tenant, self.fair.backlog.get(tenant, 0)
+        if cap and queued >= cap:
+            wait = self._expected_wait()
+            raise retry_after(ResourceExhausted(
+                f"tenant {tenant!r} has {queued} requests waiting, the most this pool queues "
+                f"for one tenant; retry in {wait:.0f}s"), wait)
+
+    def _check_placeable(self, adapter: AdapterRef) -> None:
+        admitting = [ex for ex in self.executors if ex.is_admitting]
+        if admitting and all(ex.slots.find(adapter) is None and ex.slots.are_all_admin_pinned()
+                             for ex in admitting):
+            raise FailedPrecondition(
+                f"every adapter slot of every executor is pinned by an operator, so {adapter} "
+                "could never be loaded: evict a pinned adapter (Evict) or pre-warm this one")
+
+    def _expected_wait(self) -> float:
+        """Seconds the queued work takes the pool at its measured rate: a retry-after hint."""
+        up = [ex for ex in self.executors if ex.is_admitting]
+        rate = sum(ex.rates.tokens_per_second for ex in up)
+        seconds = sum(ex.work_tokens for ex in up) / rate if rate else 60.0
+        return min(60.0, max(1.0, seconds))
+
+    def cancel(self, req: Request) -> None:
+        """Forget a request whose client went away; frees whatever it held."""
+        if req.status is Status.QUEUED:
+            self._dequeue(req)
+        elif req.status is Status.RUNNING:
+            ex, seq = req.executor, self._sequence_of(req)
+            self._release(ex, seq)
+        self._end(req)
+        self._wake()
+
+    def _fairness_ceiling(self) -> float:
+        """No tenant more than fairness_window ahead of the least-served backlogged tenant is
+        admitted, except that a tenant whose oldest request waits for an adapter whose loads are
+        failing (a store or S3 down: its loads back off) holds nobody back: it cannot be served
+        whatever the others do, and the window would stall the pool for as long as the outage."""
+        window = self.limits.fairness_window
+        if not window:
+            return math.inf
+        if not any(ex.load_failures for ex in self.executors):
+            return self.fair.min_backlogged() + window
+        now = self.clock()
+        servable = [self.fair.counter(t) for ex in self.executors for t in ex.queue.tenants()
+                    if not _waits_on_a_failing_load(ex, ex.queue.oldest(t), now)]
+        servable += [self.fair.counter(r.tenant) for r in self.orphans]
+        return min(servable) + window if servable else math.inf
+
     # ---- leaving a queue or the running set -------------------------------------------------
     def _preempt(self, ex: ExecutorState, seq: Sequence) -> None:
         """Give a running sequence's blocks back; its request recomputes later from all its
@@ -197,3 +248,8 @@ class Placement:
 
     def wake(self) -> None:
         self._wake()
+
+
+def _waits_on_a_failing_load(ex: ExecutorState, req: Request | None, now: float) -> bool:
+    failure = ex.load_failures.get(req.adapter) if req is not None and req.adapter else None
+    return failure is not None and failure.retry_at > now
