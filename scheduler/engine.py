@@ -253,9 +253,10 @@ class Engine:
                     await link.probe()  # is it still there?
                 continue
             samples, seconds = await link.step(plan)
-            self.metrics.on_step(link.address, plan, seconds)
-            if self.timings is not None:
-                self.timings.step(link.address, plan.num_tokens, plan.num_adapters, seconds)
+            if plan:  # (a step that only frees sequences computes nothing: not a step to time)
+                self.metrics.on_step(link.address, plan, seconds)
+                if self.timings is not None:
+                    self.timings.step(link.address, plan.num_tokens, plan.num_adapters, seconds)
             self.core.on_step_done(ex, plan, samples, seconds)
         log.info("executor %s drained", link.address)
 

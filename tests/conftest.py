@@ -13,7 +13,6 @@ if not torch.cuda.is_available():
 
 from loraplex import fixtures
 from tests.s3server import seaweedfs_s3  # noqa: F401  (re-exported fixture)
-from tests.test_adapter_store import file_store  # noqa: F401  (re-exported fixture)
 
 # Tenant keys of the keyed test fleets (key -> tenant), and each tenant's key.
 API_KEYS = {f"test-key-of-{t}-0123456789": t for t in ("acme", "globex", "initech", "limited")}

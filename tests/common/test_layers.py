@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIRST_PARTY = {"loraplex", "common", "protos", "scheduler", "executor", "adapter_store", "kernels"}
 SERVICES = ("scheduler", "executor", "adapter_store")
 # Which first-party packages each package may import (besides itself).

@@ -1,5 +1,5 @@
 """A renderer for the subset of kustomize that deploy/ uses, so that its kustomizations can be
-checked without a kustomize binary (tests/test_deploy.py cross-checks it against
+checked without a kustomize binary (tests/deploy/test_deploy.py cross-checks it against
 `kubectl kustomize` where kubectl exists)."""
 
 import copy

@@ -1,10 +1,11 @@
-"""The Kubernetes manifests in deploy/ (the Dockerfile is checked in tests/test_dockerfile.py).
+"""The Kubernetes manifests in deploy/ (the Dockerfile is checked in
+tests/deploy/test_dockerfile.py).
 
-Every kustomization is rendered without a kustomize binary (tests/kustomize.py, cross-checked
-against `kubectl kustomize` where kubectl exists), validated against the Kubernetes JSON schemas
-that kubernetes-validate ships (offline, strict: unknown fields fail), and held to the rules the
-services need: native gRPC probes on the right port, a grace period that covers the drain, a GPU
-per executor, secrets only in Secrets.
+Every kustomization is rendered without a kustomize binary (tests/deploy/kustomize.py,
+cross-checked against `kubectl kustomize` where kubectl exists), validated against the Kubernetes
+JSON schemas that kubernetes-validate ships (offline, strict: unknown fields fail), and held to the
+rules the services need: native gRPC probes on the right port, a grace period that covers the
+drain, a GPU per executor, secrets only in Secrets.
 """
 
 import copy
@@ -12,25 +13,19 @@ import json
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import kubernetes_validate
 import pytest
 import yaml
 
-from tests.kustomize import render
+from tests.deploy.contract import COMPONENTS, DEPLOY, METRICS_PORT, ROOT, RUN_AS_USER
+from tests.deploy.kustomize import render
 
-ROOT = Path(__file__).resolve().parents[1]
-DEPLOY = ROOT / "deploy"
 RENDERINGS = ["base", "overlays/production", "overlays/cpu-smoke"]
 GPU_RENDERINGS = ["base", "overlays/production"]
 # Native gRPC probes are GA from 1.27 (the oldest version we support); 1.37 is the newest
 # schema set the pinned kubernetes-validate ships.
 K8S_VERSIONS = ["1.27.0", "1.37.0"]
-# component label -> (gRPC port, termination grace the service's drain needs, in seconds)
-COMPONENTS = {"scheduler": (50051, 60), "adapter-store": (50052, 30), "executor": (50053, 60)}
-METRICS_PORT = 9090
-RUN_AS_USER = 10001
 # Names of configuration that must come from a Secret (MAX_BATCHED_TOKENS is no secret).
 SECRET_NAME_RE = re.compile(r"(API|ADMIN|ACCESS|SECRET|AUTH)_?KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL"
                             r"|(AUTH|ACCESS|BEARER|API|SESSION|REFRESH)_?TOKEN", re.IGNORECASE)

@@ -1,11 +1,11 @@
 """The container build file in deploy/. It cannot be built here (no container engine), so its
 steps are checked against the Makefile, pyproject.toml and what the Kubernetes manifests expect
-of the image (tests/test_deploy.py)."""
+of the image (tests/deploy/test_deploy.py)."""
 
 import re
 import tomllib
 
-from tests.test_deploy import COMPONENTS, DEPLOY, METRICS_PORT, ROOT, RUN_AS_USER
+from tests.deploy.contract import COMPONENTS, DEPLOY, METRICS_PORT, ROOT, RUN_AS_USER
 
 
 def dockerfile_instructions() -> list[tuple[str, str]]:

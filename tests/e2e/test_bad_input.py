@@ -13,7 +13,7 @@ import pytest
 from common.server import insecure_channel
 from loraplex import client
 from loraplex.launch import Fleet, start_service
-from protos import common_pb2, executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from protos import common_pb2, executor_pb2, executor_pb2_grpc, scheduler_pb2
 
 BLOCK = 16
 
@@ -29,12 +29,6 @@ def fleet(tiny, tmp_path_factory, log_dir):
 @pytest.fixture(scope="module")
 async def pushed(fleet, tiny):
     await client.push_adapter(fleet.stores[0], tiny["adapters"]["r4_attn"]["path"], "r4_attn")
-
-
-@pytest.fixture
-async def stub(fleet):
-    async with insecure_channel(fleet.scheduler) as channel:
-        yield scheduler_pb2_grpc.SchedulerStub(channel)
 
 
 async def rpc_error(call) -> grpc.aio.AioRpcError:

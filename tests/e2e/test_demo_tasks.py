@@ -17,7 +17,7 @@ from loraplex.demo_tasks import TASKS, held_out
 from loraplex.launch import Fleet
 from protos import scheduler_pb2_grpc
 from tests.oracle import hf_greedy
-from tests.test_model_oracle import run as run_runner
+from tests.runner_driver import run as run_runner
 
 NUM_PROMPTS = 20  # held-out prompts per task
 MIN_EXACT = 0.9

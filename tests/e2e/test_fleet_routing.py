@@ -6,10 +6,9 @@ import asyncio
 import grpc
 import pytest
 
-from common.server import insecure_channel
 from loraplex import client
 from loraplex.launch import Fleet, FleetKeys
-from protos import scheduler_pb2, scheduler_pb2_grpc
+from protos import scheduler_pb2
 
 TENANT = "routing-test-tenant-key-0001"  # a tenant key of the fleet
 KEYS = FleetKeys(tenants={TENANT: "t"})
@@ -30,12 +29,6 @@ async def adapters(fleet, tiny):
     for name in ("r4_attn", "r8_mlp", "r16_all"):
         await client.push_adapter(fleet.stores[0], tiny["adapters"][name]["path"], name,
                                   key=KEYS.admin)
-
-
-@pytest.fixture
-async def stub(fleet):
-    async with insecure_channel(fleet.scheduler) as channel:
-        yield scheduler_pb2_grpc.SchedulerStub(channel)
 
 
 def admin():

@@ -10,10 +10,9 @@ import grpc
 import pytest
 from tokenizers import Tokenizer
 
-from common.server import insecure_channel
 from loraplex import client
 from loraplex.launch import Fleet, FleetKeys
-from protos import scheduler_pb2, scheduler_pb2_grpc
+from protos import scheduler_pb2
 from scheduler.sim.cost_fit import fit_cost
 from tests.conftest import API_KEYS, KEY_OF
 from tests.oracle import hf_greedy
@@ -50,12 +49,6 @@ async def pushed(fleet, tiny):
         infos[name] = await client.push_adapter(fleet.stores[0], tiny["adapters"][name]["path"],
                                                 name, key=fleet.keys.admin)
     return infos
-
-
-@pytest.fixture
-async def stub(fleet):
-    async with insecure_channel(fleet.scheduler) as channel:
-        yield scheduler_pb2_grpc.SchedulerStub(channel)
 
 
 def _prompts(tiny, n: int) -> list[str]:

@@ -18,8 +18,8 @@ from executor.slot_pool import (
     LoraSlotPool,
     LoraWeights,
 )
-from tests.test_kernels import random_adapter
-from tests.test_lora_torch import backend_outputs
+from tests.executor.lora_backends import backend_outputs
+from tests.random_adapters import random_adapter
 
 CONFIG = ModelConfig(hidden_size=48, intermediate_size=72, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, vocab_size=32)

@@ -5,8 +5,9 @@ import torch
 
 from executor.lora_torch import TorchLoraBackend
 from executor.model_config import ModelConfig
-from executor.slot_pool import LORA_GROUPS, LoraSlotPool
-from tests.test_kernels import random_adapter
+from executor.slot_pool import LoraSlotPool
+from tests.executor.lora_backends import backend_outputs
+from tests.random_adapters import random_adapter
 
 CONFIG = ModelConfig(hidden_size=48, intermediate_size=72, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, vocab_size=32)
@@ -49,20 +50,3 @@ def test_gathered_rows_match_per_segment_matmuls(pool, row_slots):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         untouched = row_slots < 0
         assert torch.equal(got[untouched], base[untouched])  # rows without adapter cost nothing
-
-
-def backend_outputs(config, first, second, row_slots, seed):
-    """(layer, group, base, first's output, second's output) of two LoRA backends' apply on the
-    same random inputs, for every layer and group."""
-    first_meta, second_meta = first.prepare(row_slots), second.prepare(row_slots)
-    g = torch.Generator().manual_seed(seed)
-    for layer in range(config.num_hidden_layers):
-        for group, modules in LORA_GROUPS.items():
-            in_f = config.module_shape(modules[0])[0]
-            width = sum(config.module_shape(m)[1] for m in modules)
-            x = torch.randn(len(row_slots), in_f, generator=g)
-            base = torch.randn(len(row_slots), width, generator=g)
-            got, want = base.clone(), base.clone()
-            first.apply(layer, group, x, got, first_meta)
-            second.apply(layer, group, x, want, second_meta)
-            yield layer, group, base, got, want

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,83 +23,14 @@ from executor.runner import MemoryBudget, ModelRunner, Row
 from executor.sampling import filtered_probs
 from loraplex import fixtures
 from tests.oracle import hf_greedy
+from tests.runner_driver import BLOCK, MAX_RANK, make_runner, prompts, read_adapter, run
 
-BLOCK, MAX_RANK, NUM_TOKENS = 4, 32, 32
+NUM_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
 def fx(tiny):
     return tiny
-
-
-def read_adapter(fx, name: str) -> tuple[str, bytes]:
-    """(adapter_config.json text, weights file bytes) of a fixture adapter."""
-    path = Path(fx["adapters"][name]["path"])
-    weights = path / "adapter_model.safetensors"
-    weights = weights if weights.exists() else path / "adapter_model.bin"
-    return (path / "adapter_config.json").read_text(), weights.read_bytes()
-
-
-def make_runner(fx, **kw) -> ModelRunner:
-    args = {"num_kv_blocks": 512, "block_size": BLOCK, "num_slots": len(fx["valid"]),
-            "max_rank": MAX_RANK}
-    runner = ModelRunner.from_pretrained(fx["model_dir"], **{**args, **kw})
-    for slot, name in enumerate(fx["valid"][: runner.pool.num_slots]):
-        runner.load_adapter(slot, parse_peft_adapter(*read_adapter(fx, name), runner.config))
-    return runner
-
-
-def prompts(n: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(2, 1024) for _ in range(rng.randint(3, 21))] for _ in range(n)]
-
-
-class Driver:
-    """A stand-in scheduler: shuffled (reused) block ids, chunked prefill, rows sorted by slot."""
-
-    def __init__(self, runner: ModelRunner, seed: int = 0):
-        self.runner, self.free = runner, list(range(runner.kv.num_blocks))
-        random.Random(seed).shuffle(self.free)
-        self.state: dict[int, dict] = {}
-
-    def add(self, seq_id, prompt, slot, sampling: SamplingParams | None = None):
-        self.runner.add_sequence(seq_id, prompt, sampling or SamplingParams(), slot)
-        self.state[seq_id] = {"computed": 0, "total": len(prompt), "blocks": [], "slot": slot}
-
-    def step(self, chunk: int) -> dict[int, tuple[int, torch.Tensor]]:
-        rows = []
-        for sid, st in sorted(self.state.items(), key=lambda item: item[1]["slot"]):
-            n = min(chunk, st["total"] - st["computed"])
-            need = -(-(st["computed"] + n) // BLOCK) - len(st["blocks"])
-            new = tuple(self.free.pop() for _ in range(need))
-            st["blocks"] += new
-            rows.append(Row(sid, n, new))
-        sampled, logits = self.runner.step_with_logits(rows)
-        for r in rows:
-            self.state[r.seq_id]["computed"] += r.num_tokens
-        for s in sampled:
-            self.state[s.seq_id]["total"] += 1
-        return {s.seq_id: (s.token_id, logits[i]) for i, s in enumerate(sampled)}
-
-    def finish(self, seq_id: int) -> None:
-        self.runner.free_sequence(seq_id)
-        self.free += self.state.pop(seq_id)["blocks"]
-
-
-def run(runner, requests: dict, num_tokens: int, chunk: int = 8, admit: int = 100, seed: int = 0):
-    """requests: seq_id -> (prompt, slot[, sampling]) -> seq_id -> (tokens, logits [n, vocab])."""
-    driver, pending = Driver(runner, seed), list(requests.items())
-    out = {sid: ([], []) for sid in requests}
-    while pending or driver.state:
-        for sid, req in pending[:admit]:
-            driver.add(sid, *req)
-        pending = pending[admit:]
-        for sid, (token, logits) in driver.step(chunk).items():
-            out[sid][0].append(token)
-            out[sid][1].append(logits)
-            if len(out[sid][0]) == num_tokens:
-                driver.finish(sid)
-    return {sid: (tokens, torch.stack(logits)) for sid, (tokens, logits) in out.items()}
 
 
 def test_mixed_batch_of_adapters_matches_hf_peft(fx, hf_peft):

@@ -6,7 +6,7 @@ import pathlib
 import subprocess
 import sys
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_gpu_check_smoke_runs_every_section_and_every_check_passes(tmp_path):

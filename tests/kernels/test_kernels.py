@@ -22,12 +22,7 @@ from common.peft.modules import LORA_MODULES  # noqa: E402
 from executor.lora_torch import TorchLoraBackend  # noqa: E402
 from executor.lora_triton import TritonLoraBackend  # noqa: E402
 from executor.model_config import ModelConfig  # noqa: E402
-from executor.slot_pool import (  # noqa: E402
-    LORA_GROUPS,
-    LoraModuleWeights,
-    LoraSlotPool,
-    LoraWeights,
-)
+from executor.slot_pool import LORA_GROUPS, LoraSlotPool  # noqa: E402
 from kernels.reference import (  # noqa: E402
     TOLERANCES,
     sgmv_fused_ref,
@@ -38,7 +33,8 @@ from kernels.sgmv_expand import sgmv_expand  # noqa: E402
 from kernels.sgmv_fused import sgmv_fused  # noqa: E402
 from kernels.sgmv_shrink import sgmv_shrink  # noqa: E402
 from tests.oracle import hf_greedy  # noqa: E402
-from tests.test_model_oracle import make_runner, prompts, run  # noqa: E402
+from tests.random_adapters import random_adapter  # noqa: E402
+from tests.runner_driver import make_runner, prompts, run  # noqa: E402
 
 # Small tiles keep the interpreter fast; target_ctas 4 makes the column chunking split slices.
 TUNING = {"target_ctas": 4, "block_k": 32}
@@ -165,19 +161,6 @@ def test_launchers_reject_bad_inputs():
         sgmv_shrink(x, a, work.items, ranks, block_m=4, rank_block=24)
 
 
-def random_adapter(config, rank, seed, modules=LORA_MODULES, layers=None):
-    g = torch.Generator().manual_seed(seed)
-    mods = {}
-    for layer in layers if layers is not None else range(config.num_hidden_layers):
-        for i, m in enumerate(modules):
-            in_f, out_f = config.module_shape(m)
-            r = max(1, rank - i)  # each module at its own rank
-            mods[(layer, m)] = LoraModuleWeights(torch.randn(r, in_f, generator=g) * 0.1,
-                                                 torch.randn(out_f, r, generator=g) * 0.1,
-                                                 0.5 + i)
-    return LoraWeights(mods)
-
-
 @pytest.mark.parametrize("fused_max_rows", [64, 0], ids=["fused", "shrink_expand"])
 def test_triton_backend_matches_torch_backend(fused_max_rows):
     config = ModelConfig(hidden_size=48, intermediate_size=72, num_hidden_layers=2,
@@ -224,6 +207,6 @@ def test_kernels_compile_for_hopper():
     lowering errors and shared-memory overruns the interpreter cannot see."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-m", "kernels.compile_check", "--arch", "90"],
-                            check=False, env=env, cwd=Path(__file__).resolve().parents[1],
+                            check=False, env=env, cwd=Path(__file__).resolve().parents[2],
                             capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -5,7 +5,7 @@ import random
 from scheduler.core import Limits
 from scheduler.fairness import FairnessWeights, spread_bound
 from scheduler.request import Status
-from tests.sched_world import World, ref
+from tests.scheduler.sched_world import World, ref
 
 
 def backlogged_spread(w: World) -> float:

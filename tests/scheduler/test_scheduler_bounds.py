@@ -1,4 +1,4 @@
-"""Every wait in the scheduler core is bounded (driven by tests/sched_world.py): a client's
+"""Every wait in the scheduler core is bounded (driven by sched_world.py): a client's
 deadline, the pool's longest queue wait, a tenant's queue cap, an adapter no slot can ever take,
 failed loads retried with backoff, and a sequence cancelled during its first step freed."""
 
@@ -15,7 +15,7 @@ from scheduler import admin
 from scheduler.core import Limits
 from scheduler.request import ErrorEvent, Status
 from scheduler.slots import SlotState
-from tests.sched_world import World, ref
+from tests.scheduler.sched_world import World, ref
 
 
 def error_of(w: World, req):
@@ -133,3 +133,22 @@ def test_a_sequence_cancelled_during_its_first_step_is_freed_on_the_executor():
     w.core.cancel(req)  # while the step runs
     w.core.on_step_done(ex, plan, [])
     assert w.core.schedule(ex).freed == [seq.seq_id]
+
+
+def test_a_tenant_whose_adapter_cannot_load_does_not_stall_the_others_by_the_window():
+    """The fairness window stops a tenant far ahead of one that waits; but a tenant waiting on an
+    adapter whose loads keep failing (a store down) cannot be served anyway: the others go on."""
+    w = World(num_slots=2, limits=Limits(fairness_window=20.0, load_backoff_s=5.0,
+                                         max_load_backoff_s=5.0))
+    warm = w.request(tenant="hot", adapter="hot@1", max_new=1)
+    w.run()
+    assert w.finished(warm)
+    w.request(tenant="cold", adapter="cold@1", max_new=1)
+    w.complete_loads(error=Unavailable("store down"))  # cold's adapter backs off for 5 s
+    served = []
+    for i in range(20):  # each worth 12 token-equivalents: far past the window of 20
+        req = w.request(tenant="hot", adapter="hot@1", prompt_len=4, max_new=4)
+        for _ in range(10):
+            w.step()
+        served.append(w.finished(req))
+    assert all(served), "hot was held back by a tenant that cannot be served"

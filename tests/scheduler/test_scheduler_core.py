@@ -1,5 +1,5 @@
 """The scheduler's policy without gRPC: admission, residency, preemption, cancel, load failures
-(driven by tests/sched_world.py)."""
+(driven by tests/scheduler/sched_world.py)."""
 
 import random
 
@@ -15,7 +15,7 @@ from scheduler.fairness import FairnessWeights
 from scheduler.request import ErrorEvent, Status, TokenEvent
 from scheduler.sim.invariants import check_invariants
 from scheduler.slots import SlotState, SlotTable
-from tests.sched_world import World, ref
+from tests.scheduler.sched_world import World, ref
 
 
 def test_request_waits_for_its_adapter_then_runs_pinned():

@@ -8,7 +8,7 @@ from common.errors import InvalidArgument, Unavailable
 from scheduler.core import Limits
 from scheduler.request import ErrorEvent, FinishEvent, Status
 from scheduler.sim.invariants import check_invariants
-from tests.sched_world import World
+from tests.scheduler.sched_world import World
 
 ADAPTERS = ["", "a@1", "b@1", "c@1", "d@1", "e@1"]
 

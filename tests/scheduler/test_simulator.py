@@ -140,7 +140,7 @@ def test_simulator_traces_never_pin_more_adapters_than_slots(small_run):
 def test_serving_code_never_imports_the_simulator():
     """scheduler/sim/ is offline tooling: no scheduler module outside it imports it (the CLI's
     `simulate` and `fit-cost` import it lazily)."""
-    root = pathlib.Path(__file__).resolve().parent.parent / "scheduler"
+    root = pathlib.Path(__file__).resolve().parents[2] / "scheduler"
     wrong = []
     for path in sorted(root.rglob("*.py")):
         if path.parent.name == "sim":

@@ -14,7 +14,7 @@ from common.server import insecure_channel
 from loraplex import client
 from protos import adapter_store_pb2 as pb
 from protos import adapter_store_pb2_grpc, common_pb2
-from tests.test_adapter_store import WEIGHTS, file_config, make_adapter
+from tests.store.helpers import WEIGHTS, file_config, make_adapter
 
 KEYS = {"none": "", "a": "key-of-tenant-acme-0001", "b": "key-of-tenant-globex-001",
         "service": "service-key-000000000001", "admin": "admin-key-00000000000001"}

@@ -18,7 +18,7 @@ from adapter_store.config import StoreConfig
 from common.peft import patterns as module_patterns
 from protos import adapter_store_pb2 as pb
 from protos import common_pb2
-from tests.test_adapter_store import (
+from tests.store.helpers import (
     WEIGHTS,
     Store,
     call_rpc,

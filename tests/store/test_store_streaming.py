@@ -23,13 +23,12 @@ from common.errors import DataLoss
 from common.server import insecure_channel
 from executor.adapter_loader import AdapterLoader
 from executor.peft_adapter import parse_peft_adapter
-from executor.runner import ModelRunner
 from executor.slot_copy import StagingBuffers
 from executor.staged import Staged, StagedAdapters
 from loraplex.fixtures import MODEL_ID
 from protos import adapter_store_pb2 as pb
 from protos import adapter_store_pb2_grpc, common_pb2
-from tests.test_adapter_store import (
+from tests.store.helpers import (
     CountingBlobStore,
     Store,
     file_config,
@@ -93,12 +92,6 @@ async def store(tmp_path):
     await store.push("half", SMALL_CONFIG_JSON, HALF)
     yield store
     await store.stop()
-
-
-@pytest.fixture(scope="module")
-def runner(tiny):
-    return ModelRunner.from_pretrained(tiny["model_dir"], num_kv_blocks=8, block_size=8,
-                                       num_slots=2, max_rank=64)
 
 
 async def payloads(store: PartedStore, name: str):

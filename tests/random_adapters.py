@@ -1,0 +1,19 @@
+"""Random LoRA adapters for a model config, every module at its own rank."""
+
+import torch
+
+from common.peft.modules import LORA_MODULES
+from executor.slot_pool import LoraModuleWeights, LoraWeights
+
+
+def random_adapter(config, rank, seed, modules=LORA_MODULES, layers=None):
+    g = torch.Generator().manual_seed(seed)
+    mods = {}
+    for layer in layers if layers is not None else range(config.num_hidden_layers):
+        for i, m in enumerate(modules):
+            in_f, out_f = config.module_shape(m)
+            r = max(1, rank - i)  # each module at its own rank
+            mods[(layer, m)] = LoraModuleWeights(torch.randn(r, in_f, generator=g) * 0.1,
+                                                 torch.randn(out_f, r, generator=g) * 0.1,
+                                                 0.5 + i)
+    return LoraWeights(mods)

@@ -1,0 +1,86 @@
+"""Drive a ModelRunner as a stand-in scheduler would: a runner with the fixture adapters in its
+slots, random prompts, and `run`, which steps requests to completion (chunked prefill, reused
+block ids) and returns each one's tokens and logits."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from common.sampling import SamplingParams
+from executor.peft_adapter import parse_peft_adapter
+from executor.runner import ModelRunner, Row
+
+BLOCK, MAX_RANK = 4, 32
+
+
+def read_adapter(fx, name: str) -> tuple[str, bytes]:
+    """(adapter_config.json text, weights file bytes) of a fixture adapter."""
+    path = Path(fx["adapters"][name]["path"])
+    weights = path / "adapter_model.safetensors"
+    weights = weights if weights.exists() else path / "adapter_model.bin"
+    return (path / "adapter_config.json").read_text(), weights.read_bytes()
+
+
+def make_runner(fx, **kw) -> ModelRunner:
+    args = {"num_kv_blocks": 512, "block_size": BLOCK, "num_slots": len(fx["valid"]),
+            "max_rank": MAX_RANK}
+    runner = ModelRunner.from_pretrained(fx["model_dir"], **{**args, **kw})
+    for slot, name in enumerate(fx["valid"][: runner.pool.num_slots]):
+        runner.load_adapter(slot, parse_peft_adapter(*read_adapter(fx, name), runner.config))
+    return runner
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 1024) for _ in range(rng.randint(3, 21))] for _ in range(n)]
+
+
+class Driver:
+    """A stand-in scheduler: shuffled (reused) block ids, chunked prefill, rows sorted by slot."""
+
+    def __init__(self, runner: ModelRunner, seed: int = 0):
+        self.runner, self.free = runner, list(range(runner.kv.num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.state: dict[int, dict] = {}
+
+    def add(self, seq_id, prompt, slot, sampling: SamplingParams | None = None):
+        self.runner.add_sequence(seq_id, prompt, sampling or SamplingParams(), slot)
+        self.state[seq_id] = {"computed": 0, "total": len(prompt), "blocks": [], "slot": slot}
+
+    def step(self, chunk: int) -> dict[int, tuple[int, torch.Tensor]]:
+        rows = []
+        for sid, st in sorted(self.state.items(), key=lambda item: item[1]["slot"]):
+            n = min(chunk, st["total"] - st["computed"])
+            need = -(-(st["computed"] + n) // BLOCK) - len(st["blocks"])
+            new = tuple(self.free.pop() for _ in range(need))
+            st["blocks"] += new
+            rows.append(Row(sid, n, new))
+        sampled, logits = self.runner.step_with_logits(rows)
+        for r in rows:
+            self.state[r.seq_id]["computed"] += r.num_tokens
+        for s in sampled:
+            self.state[s.seq_id]["total"] += 1
+        return {s.seq_id: (s.token_id, logits[i]) for i, s in enumerate(sampled)}
+
+    def finish(self, seq_id: int) -> None:
+        self.runner.free_sequence(seq_id)
+        self.free += self.state.pop(seq_id)["blocks"]
+
+
+def run(runner, requests: dict, num_tokens: int, chunk: int = 8, admit: int = 100, seed: int = 0):
+    """requests: seq_id -> (prompt, slot[, sampling]) -> seq_id -> (tokens, logits [n, vocab])."""
+    driver, pending = Driver(runner, seed), list(requests.items())
+    out = {sid: ([], []) for sid in requests}
+    while pending or driver.state:
+        for sid, req in pending[:admit]:
+            driver.add(sid, *req)
+        pending = pending[admit:]
+        for sid, (token, logits) in driver.step(chunk).items():
+            out[sid][0].append(token)
+            out[sid][1].append(logits)
+            if len(out[sid][0]) == num_tokens:
+                driver.finish(sid)
+    return {sid: (tokens, torch.stack(logits)) for sid, (tokens, logits) in out.items()}
