@@ -2,13 +2,20 @@
 belongs to one of them.
 
     errors        exceptions bound to gRPC status codes; the one exception-to-status mapping
-    server        gRPC server bootstrap (health, reflection, graceful stop) and client channels
+    server        gRPC server bootstrap (health, reflection, graceful stop); client channels
+                  that present a key on every call
+    credentials   keys -> callers (tenant, service, admin), read from files or the environment
+    adapter_ref   AdapterRef (one immutable version, name@version) and AdapterQuery (what a
+                  client writes), with the rules for names, aliases and versions
+    sampling      SamplingParams: one type, one validator, one conversion from and to the proto
+    peft/         the PEFT LoRA format: what the store validates and executors load
     metrics       Prometheus plumbing
     allocator     glibc malloc settings for processes that stream adapter bytes
     wire          metadata keys and values the protos do not carry
 
 Layers point down only: protos/ and common/ import no service; scheduler/, executor/ and
-adapter_store/ import protos, common and their own package; kernels/ imports only torch and
-triton; the applications (loraplex/: CLI, client, demo, launcher) import anything.
-tests/test_layers.py holds the rule.
+adapter_store/ import protos, common and their own package (the executor also kernels/);
+kernels/ imports only torch and triton; the applications (loraplex/: CLI, client, demo,
+launcher, budget, training, fixtures) import anything.
+tests/common/test_layers.py holds the rule.
 """
