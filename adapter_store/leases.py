@@ -68,7 +68,11 @@ class LeaseBook:
         """Replace `holder`'s lease with `adapters` (empty removes it): in memory at once, in the
         blob store within WRITE_WAIT_S or in the background."""
         check_holder(holder)
-        self._held[holder] = _Lease(frozenset(map(str, adapters)), self._clock() + ttl_s)
+        now = self._clock()
+        for gone in [h for h, lease in self._held.items()  # holders that stopped reporting
+                     if lease.expires_unix <= now and h not in self._writers]:
+            del self._held[gone]
+        self._held[holder] = _Lease(frozenset(map(str, adapters)), now + ttl_s)
         writer = self._writers.get(holder)
         if writer is None or writer.done():
             writer = self._writers[holder] = asyncio.create_task(self._write(holder))
@@ -79,6 +83,12 @@ class LeaseBook:
     async def _write(self, holder: str) -> None:
         """Write `holder`'s latest lease until the blob store has it (a newer report written
         meanwhile is written next)."""
+        try:
+            await self._write_until_written(holder)
+        finally:
+            self._writers.pop(holder, None)
+
+    async def _write_until_written(self, holder: str) -> None:
         key = f"{ROOT}{holder}.json"
         while True:
             lease = self._held[holder]
@@ -89,7 +99,7 @@ class LeaseBook:
                         "expires_unix": lease.expires_unix}).encode())
                 else:
                     await self._blobs.delete(key)
-            except Unavailable as err:
+            except Exception as err:  # noqa: BLE001 - unwritten, whatever the reason: retried
                 self._failed_at = self._clock()
                 log.warning("lease of %s not written (%s); held in memory, trying again", holder,
                             err)

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 _MANIFEST_RE = re.compile(r"^adapters/([^/]+)/v(\d+)/manifest\.json$")
 _LOAD_CONCURRENCY = 32  # manifests read at once while loading the registry
+REFRESH_WAIT_S = 1.0  # a lookup of a known name waits this long for its refresh
 
 
 class RegistryView:
@@ -42,6 +43,7 @@ class RegistryView:
         self._indexes: dict[str, NameIndex] = {}
         self._index_etags: dict[str, str] = {}  # name -> etag of index.json as last listed
         self._refreshed_at: dict[str | None, float] = {}  # name (None: all) -> monotonic time
+        self._refreshing: dict[str, asyncio.Future] = {}  # name -> its refresh under way
 
     # ----- reading the blob store -----
 
@@ -158,15 +160,24 @@ class RegistryView:
         return versions[version]
 
     async def _refresh_or_known(self, name: str) -> None:
-        """Refresh `name`; when the blob store fails, go on with the versions this replica knows
-        (stale-while-error: a listing of S3 that fails must not fail lookups it can answer)."""
+        """Refresh `name` (one refresh for concurrent lookups); when the blob store fails, or
+        takes over REFRESH_WAIT_S while this replica knows the name, go on with the versions it
+        knows (stale-while-error: a listing of S3 that fails or hangs must not fail, or hold,
+        lookups it can answer). The refresh goes on in the background."""
+        flight = self._refreshing.get(name)
+        if flight is None:
+            flight = self._refreshing[name] = asyncio.ensure_future(self.refresh(name))
+            flight.add_done_callback(lambda f: (self._refreshing.pop(name, None),
+                                                f.cancelled() or f.exception()))
+        is_known = bool(self._versions.get(name))
         try:
-            await self.refresh(name)
-        except Unavailable as err:
-            if not self._versions.get(name):
+            async with asyncio.timeout(REFRESH_WAIT_S if is_known else None):
+                await asyncio.shield(flight)
+        except (Unavailable, TimeoutError) as err:
+            if not is_known:
                 raise
-            log.warning("blob store unavailable, %s answered from what this replica knows: %s",
-                        name, err)
+            log.warning("blob store slow or unavailable, %s answered from what this replica "
+                        "knows: %s", name, err or "no answer yet")
 
     async def _index_or_known(self, name: str) -> NameIndex:
         """The name's index read fresh, or (the blob store failing) the last one read."""

@@ -183,6 +183,8 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
 
     async def Push(self, request_iterator, context) -> common_pb2.AdapterInfo:
         reserved, owner = 0, ""
+        async with grpc_errors(context):  # who it is, before anything it sent is looked at
+            self._keys.require(context, Role.TENANT, Role.ADMIN)
 
         async def accept(header: pb.PushHeader) -> None:
             """Check the caller may push as the owner named and reserve the push's bytes within
@@ -212,7 +214,10 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
 
     async def Register(self, request, context) -> common_pb2.AdapterInfo:
         async with grpc_errors(context):
-            owner = self._owner(context, request.owner_tenant)
+            # Admins only: it reads a URI with the store's own credentials, which may read more
+            # than any one tenant should (tenants push their bytes instead).
+            self._keys.require(context, Role.ADMIN)
+            owner = request.owner_tenant
             meta, aliases = meta_from_pb(request.metadata)
             if not request.source_uri:
                 raise InvalidArgument("source_uri is empty: give s3://bucket/prefix of a PEFT "

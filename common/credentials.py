@@ -70,14 +70,14 @@ class KeySources:
     service_key_file: str = ""
 
     def load(self, environ: Mapping[str, str] | None = None) -> "KeyRing":
+        """The keys, in order. A file named but holding no key is an error, not open access.
+        The first service key (its file's first line, else LORAPLEX_SERVICE_KEY) is the one
+        this service presents; every one listed is accepted (a rotation lists old and new)."""
         env = os.environ if environ is None else environ
         tenants = _pairs(_lines(self.api_keys_file), "api keys file")
         tenants.update(_pairs(_split(env.get("LORAPLEX_API_KEYS", "")), "LORAPLEX_API_KEYS"))
-        admins = set(_lines(self.admin_keys_file)) | set(_split(env.get("LORAPLEX_ADMIN_KEYS",
-                                                                        "")))
-        services = set(_lines(self.service_key_file))
-        if env.get("LORAPLEX_SERVICE_KEY"):
-            services.add(env["LORAPLEX_SERVICE_KEY"].strip())
+        admins = _lines(self.admin_keys_file) + _split(env.get("LORAPLEX_ADMIN_KEYS", ""))
+        services = _lines(self.service_key_file) + _split(env.get("LORAPLEX_SERVICE_KEY", ""))
         return KeyRing(tenants, admins, services)
 
 
@@ -188,7 +188,12 @@ def _lines(path: str) -> list[str]:
     if not path:
         return []
     with open(path) as f:
-        return [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+        lines = [line.strip() for line in f
+                 if line.strip() and not line.lstrip().startswith("#")]
+    if not lines:
+        raise ValueError(f"key file {path} holds no key: refusing to start with it (an empty "
+                         "file would leave the service open to every caller)")
+    return lines
 
 
 def _split(text: str) -> list[str]:

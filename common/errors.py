@@ -58,6 +58,12 @@ class Unavailable(LoraplexError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class Aborted(LoraplexError):
+    """The operation did not happen and nothing changed; the caller decides what to do next."""
+
+    code = grpc.StatusCode.ABORTED
+
+
 class DeadlineExceeded(LoraplexError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 

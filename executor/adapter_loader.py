@@ -43,6 +43,7 @@ import torch
 
 from common.adapter_ref import AdapterRef
 from common.errors import (
+    Aborted,
     DataLoss,
     InvalidArgument,
     LoraplexError,
@@ -189,15 +190,19 @@ class AdapterLoader:
             await asyncio.gather(asyncio.shield(flight), return_exceptions=True)
         return self._staged.take(adapter)
 
-    async def load(self, adapter: AdapterRef, slot: int,
-                   timeout_s: float = FETCH_TIMEOUT_S) -> LoadResult:
-        """Place `adapter` in `slot`: from its staged bytes, else fetched now."""
+    async def load(self, adapter: AdapterRef, slot: int, timeout_s: float = FETCH_TIMEOUT_S,
+                   only_staged: bool = False) -> LoadResult:
+        """Place `adapter` in `slot`: from its staged bytes, else fetched now (with
+        `only_staged`: else ABORTED, the slot untouched)."""
         self._check_slot(slot)
         async with self._locks[slot]:
             if self._pool.holds(slot, adapter):
                 return LoadResult(0, 0.0, True)
             start = time.perf_counter()
             staged = await self._take_staged(adapter)
+            if staged is None and only_staged:
+                raise Aborted(f"adapter {adapter} is not staged here (dropped for its age or the "
+                              f"staging budget); slot {slot} is unchanged: stage it again")
             if staged is None:
                 staging, num_bytes, weights = await self._fetch(adapter, timeout_s)
             else:

@@ -116,9 +116,6 @@ class ModelRunner:
         self.pool.load(slot, weights)
         self.pool.mark_loaded(slot)
 
-    def unload_adapter(self, slot: int) -> None:
-        self.pool.clear(slot)
-
     def add_sequence(self, seq_id: int, token_ids: Sequence[int], sampling: SamplingParams,
                      slot: int, num_generated: int = 0) -> None:
         """Register a sequence (prompt token ids; after a preemption or failover, prompt and the

@@ -156,7 +156,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         async with grpc_errors(context):
             self._keys.require(context, Role.SERVICE, Role.ADMIN)
             result = await self._loader.load(AdapterRef.from_pb(request.adapter), request.slot,
-                                             _fetch_timeout(context))
+                                             _fetch_timeout(context), request.only_staged)
             if not result.was_resident:
                 self.metrics.loads.inc()
                 self.metrics.load.observe(result.load_seconds)

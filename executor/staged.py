@@ -57,10 +57,6 @@ class StagedAdapters:
         self._expire()
         return self._entries.pop(adapter, None)
 
-    def clear(self) -> None:
-        for adapter in list(self._entries):
-            self._drop(adapter)
-
     def _expire(self) -> None:
         now = self._clock()
         for adapter in [a for a, s in self._entries.items() if now - s.at > self._ttl_s]:

@@ -116,12 +116,14 @@ class StageAdapterResponse(_message.Message):
     def __init__(self, num_bytes: _Optional[int] = ..., stage_seconds: _Optional[float] = ..., was_staged: _Optional[bool] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
-    __slots__ = ("adapter", "slot")
+    __slots__ = ("adapter", "slot", "only_staged")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
+    ONLY_STAGED_FIELD_NUMBER: _ClassVar[int]
     adapter: _common_pb2.AdapterRef
     slot: int
-    def __init__(self, adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., slot: _Optional[int] = ...) -> None: ...
+    only_staged: bool
+    def __init__(self, adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., slot: _Optional[int] = ..., only_staged: _Optional[bool] = ...) -> None: ...
 
 class LoadAdapterResponse(_message.Message):
     __slots__ = ("num_bytes", "load_seconds", "was_resident")

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 
 from common.adapter_ref import AdapterRef
 from common.errors import (
+    Aborted,
     DeadlineExceeded,
     FailedPrecondition,
     LoraplexError,
@@ -57,7 +58,7 @@ class Scheduler(Placement):
         """Queue a request, or refuse it now: its tenant has max_queued_per_tenant waiting
         (RESOURCE_EXHAUSTED), or every slot of every executor is pinned by an operator
         (FAILED_PRECONDITION: its adapter could never load)."""
-        req.arrival = self.clock()
+        req.arrival = req.queued_since = self.clock()
         self._check_tenant_backlog(req.tenant)
         if req.adapter:
             self._check_placeable(req.adapter)
@@ -72,16 +73,24 @@ class Scheduler(Placement):
         now = self.clock()
         for req, due in self.deadlines.due(now):
             self._fail(req, self._expiry_error(req, due, now))
-        for ex in self.executors:  # the executor keeps what no slot took for a while only
-            ex.slots.drop_staged_before(now - STAGED_TTL_S)
-        if any(f.retry_at <= now for ex in self.executors for f in ex.load_failures.values()):
-            self._wake()
+        for ex in self.executors:
+            ex.slots.drop_staged_before(now - STAGED_TTL_S)  # executors keep them a while only
+            for adapter, failure in list(ex.load_failures.items()):
+                if adapter not in ex.queue.demand:
+                    del ex.load_failures[adapter]  # nobody waits for it here any more
+                elif failure.retry_at <= now and not failure.is_due:
+                    failure.is_due = True  # its backoff just passed: try again
+                    self._wake()
 
     def _expiry_error(self, req: Request, due: Due, now: float) -> LoraplexError:
         waited = now - req.arrival
         if due is Due.DEADLINE:
             return DeadlineExceeded(f"the request's deadline passed after {waited:.1f}s "
                                     "waiting for an executor")
+        if req.admitted_at is not None:
+            return Unavailable(f"waited {now - req.queued_since:.0f}s to be resumed after its "
+                               "executor was lost or its KV preempted, past the pool's "
+                               "max_queue_s; retry")
         failure = req.executor.load_failures.get(req.adapter) if req.executor else None
         if failure is not None:
             return retry_after(Unavailable(
@@ -119,9 +128,11 @@ class Scheduler(Placement):
 
     def on_step_done(self, ex: ExecutorState, plan: StepPlan, samples: Iterable[Sample],
                      step_seconds: float = 0.0) -> None:
-        ex.num_steps += 1
+        ex.num_steps += bool(plan.rows)  # (a step that only frees sequences computes nothing)
         ex.rates.observe_step(plan.num_tokens, step_seconds)
         for row in plan.rows:
+            if row.seq.seq_id not in ex.running:  # released while the step ran: accounted then
+                continue
             row.seq.num_computed += row.num_tokens
             row.seq.request.work_left -= row.num_tokens
             ex.work_tokens -= row.num_tokens
@@ -243,6 +254,8 @@ class Scheduler(Placement):
             ex.num_loads += 1
             ex.rates.observe_load(num_bytes, seconds)
             ex.load_failures.pop(adapter, None)
+        elif isinstance(error, Aborted):  # its staged bytes were gone: the slot is as it was
+            ex.slots.give_back(slot)  # (staged again when wanted)
         else:
             ex.slots.clear(slot)
             self._on_fetch_failed(ex, adapter, error)
@@ -269,7 +282,7 @@ class Scheduler(Placement):
                          error: LoraplexError) -> None:
         """A load or staging of `adapter` on ex failed: back off when it may succeed later (a
         store or S3 down or frozen), else fail the requests queued for it."""
-        if isinstance(error, (Unavailable, DeadlineExceeded)):
+        if isinstance(error, Unavailable):  # (a downstream DEADLINE_EXCEEDED arrives as this)
             previous = ex.load_failures.get(adapter)
             count = previous.count + 1 if previous else 1
             backoff = min(self.limits.max_load_backoff_s,

@@ -12,6 +12,7 @@ probe step answer in time. An idle executor is probed every probe_interval_s.
 """
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -54,6 +55,7 @@ class ExecutorLink:
         self.state = ExecutorState(address, BlockManager(1, 1), SlotTable(0))  # until connected
         self._call = None
         self.woken = asyncio.Event()
+        self.answered_at = 0.0  # monotonic time of its last answered step (probes included)
 
     async def connect(self) -> None:
         """Fetch Info, reset our view of the executor, open a fresh step stream and probe it."""
@@ -96,6 +98,7 @@ class ExecutorLink:
                               f"{seconds:.1f}s: suspect, its work moves elsewhere") from None
         if resp is grpc.aio.EOF:
             raise Unavailable(f"executor {self.address} closed its step stream")
+        self.answered_at = time.monotonic()
         return resp
 
     def close(self) -> None:
@@ -135,7 +138,10 @@ class Engine:
         backoff passed are tried again."""
         while True:
             await asyncio.sleep(TICK_S)
-            self.core.expire()
+            try:
+                self.core.expire()
+            except Exception:  # a bug: logged, and the tick goes on (deadlines must hold)
+                log.exception("the scheduler's clock tick failed")
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -150,6 +156,7 @@ class Engine:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_log_failure)
         return task
 
     def _wake(self) -> None:
@@ -215,6 +222,9 @@ class Engine:
                 error = from_rpc_error(err, f"executor {link.address}")
             except LoraplexError as err:
                 error = err
+            except Exception as err:  # a bug: its requests move on, the link reconnects
+                log.exception("the step loop of executor %s failed", link.address)
+                error = Unavailable(f"the scheduler's link to {link.address} failed: {err!r}")
             if error is not None:
                 failures += 1
                 if failures == 1:
@@ -246,11 +256,13 @@ class Engine:
             link.woken.clear()
             plan = self.core.schedule(ex)
             if not plan and not plan.freed:  # idle: wait for work, probing now and then
-                try:
-                    async with asyncio.timeout(self.timeouts.probe_interval_s):
-                        await link.woken.wait()
-                except TimeoutError:
+                silent_s = time.monotonic() - link.answered_at
+                if silent_s >= self.timeouts.probe_interval_s:
                     await link.probe()  # is it still there?
+                    continue
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.timeouts.probe_interval_s - silent_s):
+                        await link.woken.wait()
                 continue
             samples, seconds = await link.step(plan)
             if plan:  # (a step that only frees sequences computes nothing: not a step to time)
@@ -268,7 +280,7 @@ class Engine:
                     adapter: AdapterRef) -> None:
         try:
             resp = await link.stub.LoadAdapter(executor_pb2.LoadAdapterRequest(
-                adapter=adapter.to_pb(), slot=slot.index),
+                adapter=adapter.to_pb(), slot=slot.index, only_staged=slot.is_from_staged),
                 timeout=self.timeouts.load(slot.num_bytes, ex.rates))
         except grpc.aio.AioRpcError as err:
             error = from_rpc_error(err, f"loading adapter {adapter} on executor {link.address}")
@@ -322,3 +334,9 @@ class Engine:
         except grpc.aio.AioRpcError as err:  # the scheduler's table is the truth; this only tidies
             log.warning("unloading slot %d on %s failed: %s", request.slot, link.address,
                         err.details())
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    """A background task that ends with an exception is a bug: say so."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background task %s failed", task.get_name(), exc_info=task.exception())

@@ -67,6 +67,7 @@ class LoadFailure:
     count: int
     retry_at: float  # scheduler clock
     error: LoraplexError
+    is_due: bool = False  # the executors were woken once its backoff passed
 
 
 @dataclass(eq=False)

@@ -120,7 +120,8 @@ class Placement:
         if failure is not None and failure.retry_at > self.clock():
             return False
         slots = ex.slots
-        if slots.staged(req.adapter) is None and slots.find(req.adapter) is None:
+        is_new = slots.staged(req.adapter) is None and slots.find(req.adapter) is None
+        if is_new and not req.caused_load:  # (once per request, not per retry of a failed fetch)
             req.caused_load = True
             seconds = ex.rates.load_seconds(req.adapter_bytes)
             weight = self.fair.weights.load_weight
@@ -200,9 +201,8 @@ class Placement:
             return math.inf
         if not any(ex.load_failures for ex in self.executors):
             return self.fair.min_backlogged() + window
-        now = self.clock()
         servable = [self.fair.counter(t) for ex in self.executors for t in ex.queue.tenants()
-                    if not _waits_on_a_failing_load(ex, ex.queue.oldest(t), now)]
+                    if not _waits_on_a_failing_load(ex, ex.queue.oldest(t))]
         servable += [self.fair.counter(r.tenant) for r in self.orphans]
         return min(servable) + window if servable else math.inf
 
@@ -213,6 +213,8 @@ class Placement:
         self._release(ex, seq)
         req = seq.request
         req.status = Status.QUEUED
+        req.queued_since = self.clock()
+        self.deadlines.requeued(req)
         req.work_left += seq.num_computed
         self._route(req, front=True)
 
@@ -250,6 +252,7 @@ class Placement:
         self._wake()
 
 
-def _waits_on_a_failing_load(ex: ExecutorState, req: Request | None, now: float) -> bool:
-    failure = ex.load_failures.get(req.adapter) if req is not None and req.adapter else None
-    return failure is not None and failure.retry_at > now
+def _waits_on_a_failing_load(ex: ExecutorState, req: Request | None) -> bool:
+    """Its adapter's fetches on ex failed and none has succeeded since (a retry may be under
+    way: it fails as long as the outage lasts)."""
+    return req is not None and req.adapter is not None and req.adapter in ex.load_failures

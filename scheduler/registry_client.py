@@ -4,17 +4,22 @@ are off the path of requests for adapters the scheduler already knows.
 A reference is resolved once, when the request arrives: the request then carries the exact
 AdapterRef for its whole life, so moving an alias never changes a running sequence.
 
-    name@version   immutable: its AdapterInfo is kept (LRU, max_entries) and never asked again;
+    name@version   immutable: its AdapterInfo is kept (LRU, max_entries) and asked again only
+                   once VERSION_TTL_S old (a deleted version stops resolving within that);
                    who may see it is decided here from its owner, with the store's own words
     name, alias    asked again once resolve_ttl_s old; when every store replica fails
                    (UNAVAILABLE: down, frozen past resolve_s, S3 behind it down) the last answer
-                   is used however old (stale-while-error), so requests for adapters the pool
-                   serves keep flowing through a store outage
+                   is used however old (stale-while-error) and kept another resolve_ttl_s, so
+                   requests for adapters the pool serves keep flowing through a store outage
+                   without each paying the lookup's deadline
     NOT_FOUND      never kept: a push is visible at once
+
+Concurrent lookups of one reference share one question to the stores.
 
 A moved alias is seen by new requests within resolve_ttl_s.
 """
 
+import asyncio
 import collections
 import dataclasses
 import logging
@@ -31,10 +36,13 @@ from protos import adapter_store_pb2, adapter_store_pb2_grpc, common_pb2
 log = logging.getLogger(__name__)
 
 
+VERSION_TTL_S = 60.0
+
+
 @dataclasses.dataclass
 class _Answer:
     info: common_pb2.AdapterInfo
-    at: float  # clock time of the store's answer
+    at: float  # clock time of the store's answer (or of its last use while stores failed)
 
 
 class RegistryClient:
@@ -47,11 +55,10 @@ class RegistryClient:
         self._max_entries = max_entries
         self._clock = clock
         # LRU, oldest first: exact versions, and (tenant, query) -> last answer.
-        self._versions: collections.OrderedDict[AdapterRef, common_pb2.AdapterInfo] = (
-            collections.OrderedDict())
+        self._versions: collections.OrderedDict[AdapterRef, _Answer] = collections.OrderedDict()
         self._names: collections.OrderedDict[tuple[str, AdapterQuery], _Answer] = (
             collections.OrderedDict())
-        self.num_stale_answers = 0  # answers given from an old entry while every store failed
+        self._asking: dict[tuple[str, AdapterQuery], asyncio.Future] = {}  # lookups under way
 
     async def warm(self, adapter: AdapterRef) -> None:
         """Have the first store that answers bring the version into its RAM tier (best effort:
@@ -70,25 +77,34 @@ class RegistryClient:
     async def resolve(self, ref: str, tenant: str) -> common_pb2.AdapterInfo:
         """The exact adapter version `ref` names for `tenant` (NOT_FOUND if it may not see it)."""
         query = AdapterQuery.parse(ref)
+        now = self._clock()
         if query.version:
-            info = self._versions.get(AdapterRef(query.name, query.version))
-            if info is not None:
-                self._versions.move_to_end(AdapterRef(info.name, info.version))
-                return _visible(info, tenant)
-        key = (tenant, query)
-        answer = self._names.get(key)
-        if answer is not None and self._clock() - answer.at < self._ttl_s:
-            return answer.info
+            version = AdapterRef(query.name, query.version)
+            answer = self._versions.get(version)
+            if answer is not None and now - answer.at < VERSION_TTL_S:
+                self._versions.move_to_end(version)
+                return _visible(answer.info, tenant)
+            key, ttl = (tenant, query), VERSION_TTL_S
+        else:
+            key, ttl = (tenant, query), self._ttl_s
+            answer = self._names.get(key)
+            if answer is not None and now - answer.at < ttl:
+                return answer.info
+        asking = self._asking.get(key)
+        if asking is None:
+            asking = self._asking[key] = asyncio.ensure_future(self._ask(query, tenant))
+            asking.add_done_callback(lambda _: self._asking.pop(key, None))
         try:
-            info = await self._ask(query, tenant)
+            info = await asyncio.shield(asking)
         except Unavailable as err:
             if answer is None:
                 raise
-            self.num_stale_answers += 1
             log.warning("adapter registry unavailable (%s); resolving %s from an answer %.0fs "
-                        "old", err, ref[:200], self._clock() - answer.at)
-            return answer.info
-        self._remember(self._versions, AdapterRef(info.name, info.version), info)
+                        "old", err, ref[:200], now - answer.at)
+            answer.at = now - ttl + self._ttl_s  # used again without asking for resolve_ttl_s
+            return answer.info if not query.version else _visible(answer.info, tenant)
+        self._remember(self._versions, AdapterRef(info.name, info.version),
+                       _Answer(info, self._clock()))
         if not query.version:
             self._remember(self._names, key, _Answer(info, self._clock()))
         return info

@@ -53,6 +53,7 @@ class Request:
     arrival: float = 0.0  # set by the scheduler's clock at submit
     admitted_at: float | None = None  # first admission
     deadline: float | None = None  # the client's, on the scheduler's clock (None: none given)
+    queued_since: float = 0.0  # when it began to wait (arrival, or its last preemption)
     first_token_at: float | None = None
     finish_reason: Finish | None = None
     is_charged: bool = False  # input tokens charged once, not again after a preemption

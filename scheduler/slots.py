@@ -128,7 +128,11 @@ class SlotTable:
         self._staged[adapter].staged_at = now
 
     def stage_failed(self, adapter: AdapterRef) -> None:
+        """Its staged bytes are gone (or never came): a slot reserved for it serves again."""
         self._staged.pop(adapter, None)
+        for slot in self.slots:
+            if slot.reserved_for == adapter:
+                slot.reserved_for = None
         if self.find(adapter) is None:
             self._notify(adapter, False)
 
@@ -179,6 +183,17 @@ class SlotTable:
         if was_loading:
             self._notify(adapter, False)
 
+    def give_back(self, slot: Slot) -> None:
+        """A load from staged bytes that were gone did not happen: the slot still holds the
+        adapter it held before (READY again), or is empty."""
+        adapter, previous = slot.adapter, slot.evicted
+        self._by_adapter.pop(adapter, None)
+        slot.state, slot.adapter = SlotState.EMPTY, None
+        if previous is not None and previous not in self._by_adapter:
+            slot.state, slot.adapter, slot.uses = SlotState.READY, previous, 0
+            self._by_adapter[previous] = slot
+        self._notify(adapter, False)
+
     def reset(self) -> None:
         """Forget everything (the executor went away)."""
         for slot in self.slots:
@@ -202,11 +217,11 @@ class SlotTable:
 
     def _victim(self, adapter: AdapterRef, wanted: Collection[AdapterRef | None],
                 popularity: Callable[[AdapterRef], float] | None = None) -> Slot | None:
-        for s in self.slots:
-            if s.reserved_for == adapter and s.pins == 0 and s.state is not SlotState.LOADING:
-                return s
-        for s in self.slots:
+        for s in self.slots:  # an empty slot first: a load into it gives up no adapter
             if s.state is SlotState.EMPTY and not s.reserved_for:
+                return s
+        for s in self.slots:  # then the slot drained for it (reserved once it was staged)
+            if s.reserved_for == adapter and s.pins == 0 and s.state is not SlotState.LOADING:
                 return s
         evictable = [s for s in self.slots if s.state is SlotState.READY and s.pins == 0
                      and not s.is_admin_pinned and not s.reserved_for and s.adapter not in wanted]

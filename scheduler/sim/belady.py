@@ -5,8 +5,8 @@
   because a real slot cannot be evicted while a running sequence uses it.
 - `pinned_belady_hits`: the same clairvoyant choice on the same trace, but each access pins its item
   until that sequence ends (the trace says when), and a pinned item cannot be evicted: the offline
-  optimum under the pins the workload itself imposes (tests/scheduler/test_simulator.py checks it against
-  exhaustive search on traces that, like an executor's, never pin more items than there are
+  optimum under the pins the workload itself imposes (tests/scheduler/test_simulator.py checks it
+  against exhaustive search on traces that, like an executor's, never pin more items than there are
   slots). Should every cached item be pinned at a miss, it evicts the farthest pinned one anyway
   (the online policy would have to wait instead).
 - `lru_hits`: plain least-recently-used, no pins.

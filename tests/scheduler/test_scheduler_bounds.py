@@ -152,3 +152,19 @@ def test_a_tenant_whose_adapter_cannot_load_does_not_stall_the_others_by_the_win
             w.step()
         served.append(w.finished(req))
     assert all(served), "hot was held back by a tenant that cannot be served"
+
+
+def test_a_request_whose_executor_was_lost_waits_at_most_the_queue_bound_to_resume():
+    w = World(limits=Limits(max_queue_s=3.0))
+    req = w.request(max_new=50)
+    w.step()
+    assert req.status is Status.RUNNING
+    w.core.on_executor_lost(w.executors[0])  # and no other executor takes it back
+    assert req in w.core.orphans
+    w.now += 2.9
+    w.core.expire()
+    assert req.status is Status.QUEUED
+    w.now += 0.2
+    w.core.expire()
+    error = error_of(w, req)
+    assert isinstance(error, Unavailable) and "resumed" in str(error)

@@ -92,7 +92,7 @@ MATRIX = {
     "Push as acme": (lambda s, w, src: push(s, f"for-acme-{w}", owner="acme"),
                      (UNAUTH, OK, DENIED, DENIED, OK)),
     "Register": (lambda s, w, src: s.Register(pb.RegisterRequest(name=f"reg-{w}", source_uri=src)),
-                 (UNAUTH, OK, OK, DENIED, OK)),
+                 (UNAUTH, DENIED, DENIED, DENIED, OK)),  # reads with the store's credentials
     "SetAlias own": (lambda s, w, src: s.SetAlias(pb.SetAliasRequest(name="a-bot", alias="prod",
                                                                 version=2)),
                      (UNAUTH, OK, NOT_FOUND, DENIED, OK)),
