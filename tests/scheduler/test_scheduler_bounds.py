@@ -6,6 +6,7 @@ import pytest
 
 from common import wire
 from common.errors import (
+    Aborted,
     DeadlineExceeded,
     FailedPrecondition,
     ResourceExhausted,
@@ -168,3 +169,43 @@ def test_a_request_whose_executor_was_lost_waits_at_most_the_queue_bound_to_resu
     w.core.expire()
     error = error_of(w, req)
     assert isinstance(error, Unavailable) and "resumed" in str(error)
+
+
+def test_a_load_from_staged_bytes_that_are_gone_gives_the_slot_back():
+    """The executor dropped the staged bytes (its budget or their age): the load is ABORTED
+    with the slot untouched, so the adapter that held it serves again, and the cold one is
+    staged anew."""
+    w = World(num_slots=1)
+    hot = w.request(adapter="hot@1", max_new=1)
+    w.run()
+    assert w.finished(hot)
+    ex = w.executors[0]
+    w.request(adapter="cold@1", max_new=1)
+    ((_, staged),) = w.stages
+    w.stages.clear()
+    w.core.on_stage_done(ex, staged, None)  # staged: it takes hot's slot (no one pins it)
+    ((_, slot, adapter),) = w.loads
+    w.loads.clear()
+    assert adapter == ref("cold@1") and slot.is_from_staged
+    w.core.on_load_done(ex, slot, adapter, Aborted("not staged here any more"))
+    assert slot.adapter == ref("hot@1") and slot.state is SlotState.READY
+    again = w.request(adapter="hot@1", max_new=1)
+    for _ in range(4):
+        w.step()
+    assert w.finished(again), "hot serves from the slot it never really left"
+    assert [a for _, a in w.stages] == [ref("cold@1")], "cold is staged again"
+
+
+def test_a_reservation_lapses_when_its_adapter_is_no_longer_staged():
+    w = World(num_slots=1)
+    hot = w.request(adapter="hot@1", max_new=50)
+    w.complete_loads()
+    w.step()  # hot runs: its slot is pinned
+    cold = w.request(tenant="t2", adapter="cold@1", max_new=1)
+    w.complete_loads()  # cold staged; no slot can take it while hot runs
+    w.step()
+    (slot,) = ex_slots = w.executors[0].slots.slots
+    assert slot.reserved_for == ref("cold@1"), "a slot drains for the staged adapter"
+    w.executors[0].slots.stage_failed(ref("cold@1"))  # its staged bytes dropped
+    assert ex_slots[0].reserved_for is None and hot.status is Status.RUNNING
+    assert cold.status is Status.QUEUED
