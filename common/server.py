@@ -28,6 +28,11 @@ CHANNEL_OPTIONS = [
 # Clients spread calls over every address a name resolves to (dns:///stores.ns.svc:50052 with a
 # headless Service): gRPC's own resolver re-resolves, its round_robin policy balances.
 CLIENT_OPTIONS = CHANNEL_OPTIONS + [("grpc.lb_policy_name", "round_robin")]
+# A server pings the peers of its open calls every 30 s and drops a connection whose peer does not
+# answer within 10 s: a frozen or vanished client (a scheduler holding an executor's only step
+# stream, an executor in the middle of a Fetch) releases what its calls held.
+SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.keepalive_time_ms", 30_000),
+                                    ("grpc.keepalive_timeout_ms", 10_000)]
 
 
 def insecure_channel(address: str, key: str = "") -> grpc.aio.Channel:
@@ -89,7 +94,7 @@ class Service:
     def __init__(self, name: str, address: str, add_servicers: Callable[[grpc.aio.Server], None],
                  service_names: Sequence[str] = ()):
         self.name = name
-        self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        self._server = grpc.aio.server(options=SERVER_OPTIONS)
         add_servicers(self._server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

