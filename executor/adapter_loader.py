@@ -11,6 +11,9 @@ The path, and why each step sits where it does:
    ~33; sha256 would add nothing, its expected value comes from the same store). Versions
    registered before CRC-32s were recorded are checked against sha256. A `restart` message (the
    store's own read failed its check and was read again) discards what came before it.
+   A live store answers a Fetch's first message (the version's metadata) from memory: one that
+   sends nothing within `first_answer_s` is frozen or swamped, and the next store is tried. Stores
+   are tried in their configured order, those that failed last tried last.
 2. Parse: PEFT config + safetensors, validated against the base model, in a worker thread; the
    tensors are views into the staging buffer, not copies. It starts once the last chunk is
    written, beside the checksum of the last chunks; its result is used only once the checksum
@@ -32,10 +35,12 @@ import concurrent.futures
 import contextlib
 import hashlib
 import logging
+import math
 import os
 import socket
 import time
 import zlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -62,6 +67,7 @@ log = logging.getLogger(__name__)
 
 REPORT_INTERVAL_S = 10.0
 FETCH_TIMEOUT_S = 120.0  # a fetch from the stores, when the caller's RPC gives no deadline
+FIRST_ANSWER_S = 5.0  # a store that sends no first Fetch message within this is passed over
 STAGED_TTL_S = 180.0  # staged bytes no load took are dropped after this long
 LEASE_TTL_S = 30.0
 
@@ -131,15 +137,35 @@ class LoadResult:
     was_resident: bool
 
 
+async def _first_within(call, seconds: float) -> AsyncIterator:
+    """The messages of a server-streaming `call`, the first within `seconds` (else the call is
+    cancelled: UNAVAILABLE)."""
+    messages = aiter(call)
+    try:
+        async with asyncio.timeout(seconds):
+            first = await anext(messages)
+    except StopAsyncIteration:
+        return
+    except TimeoutError:
+        call.cancel()
+        raise Unavailable(f"sent nothing within {seconds:.1f}s") from None
+    yield first
+    async for msg in messages:
+        yield msg
+
+
 class AdapterLoader:
     def __init__(self, runner: ModelRunner, stores: tuple[str, ...], holder: str = "",
                  service_key: str = "", max_staged_bytes: int = 1 << 30,
-                 report_interval_s: float = REPORT_INTERVAL_S):
+                 report_interval_s: float = REPORT_INTERVAL_S,
+                 first_answer_s: float = FIRST_ANSWER_S):
         self._runner = runner
         self._pool = runner.pool
         self._stubs = [adapter_store_pb2_grpc.AdapterStoreStub(insecure_channel(a, service_key))
                        for a in stores]
         self._stores = stores
+        self._first_answer_s = first_answer_s
+        self._failed_at = [-math.inf] * len(stores)  # when each store last failed a fetch
         self._locks = [asyncio.Lock() for _ in range(self._pool.num_slots)]
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}"
         self._report_interval_s = report_interval_s
@@ -250,19 +276,21 @@ class AdapterLoader:
         releases the buffer."""
         last: LoraplexError = Unavailable("no adapter store configured")
         deadline = time.monotonic() + timeout_s
-        for address, stub in zip(self._stores, self._stubs):
+        for i in sorted(range(len(self._stores)), key=self._failed_at.__getitem__):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 last = Unavailable(f"adapter {adapter}: no store answered within {timeout_s:.0f}s")
                 break
             try:
-                return await self._fetch_from(stub, adapter, remaining)
+                return await self._fetch_from(self._stubs[i], adapter, remaining)
             except grpc.aio.AioRpcError as err:
-                last = from_rpc_error(err, f"adapter store {address}")
+                last = from_rpc_error(err, f"adapter store {self._stores[i]}")
                 if not isinstance(last, (Unavailable, DataLoss)):
                     raise last from None
-            except DataLoss as err:
-                last = err
+            except (Unavailable, DataLoss) as err:
+                last = type(err)(f"adapter store {self._stores[i]}: {err}")
+            self._failed_at[i] = time.monotonic()
+            log.warning("fetch of %s: %s", adapter, last)
         raise last
 
     async def _fetch_from(self, stub: adapter_store_pb2_grpc.AdapterStoreStub,
@@ -272,9 +300,10 @@ class AdapterLoader:
         only once size and checksum matched the store's (else DATA_LOSS, whatever it found)."""
         info, staging, writer, parsing = None, None, None, None
         key = str(adapter)
+        call = stub.Fetch(adapter_store_pb2.FetchRequest(adapter=adapter.to_pb()),
+                          timeout=timeout_s)
         try:
-            request = adapter_store_pb2.FetchRequest(adapter=adapter.to_pb())
-            async for msg in stub.Fetch(request, timeout=timeout_s):
+            async for msg in _first_within(call, min(self._first_answer_s, timeout_s)):
                 kind = msg.WhichOneof("payload")
                 if kind == "info" and info is None:
                     info = msg.info
@@ -295,6 +324,7 @@ class AdapterLoader:
                                f"match the store's size {info.num_bytes} and checksum")
             return staging, info.num_bytes, await parsing
         except BaseException:
+            call.cancel()  # (no-op once the stream ended)
             if parsing is not None:  # (a thread: it runs to its end, cancelled or not)
                 await asyncio.gather(parsing, return_exceptions=True)
             if staging is not None:
