@@ -1,0 +1,171 @@
+"""`loraplex admin`: the scheduler's operator RPCs (protos/scheduler.proto) from a shell.
+
+    loraplex admin stats                 residency per executor, queues, tenant counters
+    loraplex admin prewarm ADAPTER [--executors N] [--pin] [--wait]
+    loraplex admin evict ADAPTER [--executor HOST:PORT]
+    loraplex admin drain HOST:PORT       admit nothing new there; what runs finishes
+    loraplex admin resume HOST:PORT      admit there again
+
+prewarm, evict, drain and resume need an admin key; stats takes any key (a tenant key sees its own
+counters only). A refused call prints one line on stderr (error: CODE: details) and exits with
+status 1.
+"""
+
+import argparse
+from collections.abc import Awaitable, Callable
+
+from common.server import insecure_channel
+from loraplex import api_key, client
+from protos import scheduler_pb2 as pb
+from protos import scheduler_pb2_grpc
+
+# Deadline of every admin call, unless --timeout-s says otherwise.
+CALL_TIMEOUT_S = 60.0
+# Deadline of `prewarm --wait`, which answers once the loads finish: each takes the adapter's bytes
+# over the measured bandwidth (at least the scheduler's --load-floor-s, 30 s), retried on failure.
+PREWARM_WAIT_TIMEOUT_S = 300.0
+
+Stub = scheduler_pb2_grpc.SchedulerStub
+# What each subcommand does: one call on the stub, within the deadline, answered as text.
+Action = Callable[[Stub, argparse.Namespace, float], Awaitable[str]]
+
+
+def add_parser(sub: argparse._SubParsersAction, default_scheduler: str) -> None:
+    """The `admin` command and its subcommands, each with --scheduler, --timeout-s and the key."""
+    admin = sub.add_parser("admin", help="the scheduler's operator RPCs: stats, prewarm, evict, "
+                                         "drain, resume", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = admin.add_subparsers(dest="admin_command", required=True)
+
+    def command(name: str, help: str, action: Action) -> argparse.ArgumentParser:
+        parser = commands.add_parser(name, help=help)
+        parser.add_argument("--scheduler", default=default_scheduler,
+                            help="scheduler address (default: %(default)s, as `loraplex up` "
+                                 "starts it)")
+        parser.add_argument("--timeout-s", type=_positive(float), default=None,
+                            help=f"deadline of the call (default: {CALL_TIMEOUT_S:g}; "
+                                 f"prewarm --wait: {PREWARM_WAIT_TIMEOUT_S:g})")
+        api_key.add_argument(parser)
+        parser.set_defaults(admin_action=action)
+        return parser
+
+    command("stats", "residency per executor, queues and tenant counters (any key)", _stats)
+    prewarm = command("prewarm", "load an adapter onto executors ahead of traffic", _prewarm)
+    prewarm.add_argument("adapter", help="NAME or NAME@VERSION")
+    prewarm.add_argument("--executors", type=_positive(int), default=1,
+                         help="on how many executors it should be resident (default 1)")
+    prewarm.add_argument("--pin", action="store_true",
+                         help="keep it resident until evicted (LRU never takes its slots)")
+    prewarm.add_argument("--wait", action="store_true", help="answer once the loads finished")
+    evict = command("evict", "free the slots holding an adapter (refused while it runs)", _evict)
+    evict.add_argument("adapter", help="NAME or NAME@VERSION")
+    evict.add_argument("--executor", default="", help="only on this executor (default: all)")
+    drain = command("drain", "admit nothing new on an executor; running work finishes there",
+                    _drain)
+    drain.add_argument("executor", help="HOST:PORT, as `loraplex admin stats` lists it")
+    resume = command("resume", "admit on a drained executor again", _resume)
+    resume.add_argument("executor", help="HOST:PORT, as `loraplex admin stats` lists it")
+
+
+async def run(args: argparse.Namespace) -> None:
+    """One admin call against args.scheduler, printed for a person to read."""
+    timeout_s = args.timeout_s or (
+        PREWARM_WAIT_TIMEOUT_S if getattr(args, "wait", False) else CALL_TIMEOUT_S)
+    async with insecure_channel(args.scheduler, api_key.read(args)) as channel:
+        print(await args.admin_action(Stub(channel), args, timeout_s))
+
+
+async def _stats(stub: Stub, args: argparse.Namespace, timeout_s: float) -> str:
+    return format_stats(await stub.Stats(pb.StatsRequest(), timeout=timeout_s))
+
+
+async def _prewarm(stub: Stub, args: argparse.Namespace, timeout_s: float) -> str:
+    answer = await stub.Prewarm(pb.PrewarmRequest(
+        adapter=args.adapter, num_executors=args.executors, pin=args.pin, wait=args.wait),
+        timeout=timeout_s)
+    where = ", ".join(answer.executors)
+    state = "ready" if args.wait else "resident or loading (--wait waits for the loads)"
+    return f"{client.ref_text(answer.adapter)} {state} on {where}" + \
+        (", pinned until evicted" if args.pin else "")
+
+
+async def _evict(stub: Stub, args: argparse.Namespace, timeout_s: float) -> str:
+    answer = await stub.Evict(pb.EvictRequest(adapter=args.adapter, executor=args.executor),
+                              timeout=timeout_s)
+    where = f" on {args.executor}" if args.executor else ""
+    if not answer.num_evicted:
+        return f"{args.adapter} is not resident{where}: nothing evicted"
+    return f"evicted {args.adapter}{where}: {_count(answer.num_evicted, 'slot')} freed"
+
+
+async def _drain(stub: Stub, args: argparse.Namespace, timeout_s: float) -> str:
+    answer = await stub.Drain(pb.DrainRequest(executor=args.executor), timeout=timeout_s)
+    if not answer.running:
+        return f"drained {args.executor}: admits nothing new, nothing runs there"
+    return (f"draining {args.executor}: admits nothing new; {_count(answer.running, 'sequence')} "
+            "running there finish first (see `loraplex admin stats`)")
+
+
+async def _resume(stub: Stub, args: argparse.Namespace, timeout_s: float) -> str:
+    answer = await stub.Resume(pb.ResumeRequest(executor=args.executor), timeout=timeout_s)
+    return (f"resumed {args.executor}: admitting again, {_count(answer.queued, 'request')} "
+            "queued on it")
+
+
+def format_stats(stats: pb.StatsResponse) -> str:
+    """Executors (with their occupied slots) and tenants, as two tables."""
+    lines = []
+    if stats.executors:
+        lines.append(f"{'EXECUTOR':22s} {'STATE':9s} {'RUNNING':>7s} {'QUEUED':>6s} "
+                     f"{'FREE KV':>13s} {'STEPS':>8s} {'LOADS':>6s} {'HITS':>6s}")
+        for ex in stats.executors:
+            kv = f"{ex.free_kv_blocks}/{ex.num_kv_blocks}"
+            lines.append(f"{ex.address:22s} {_state(ex):9s} {ex.running:7d} {ex.queued:6d} "
+                         f"{kv:>13s} {ex.steps:8d} {ex.adapter_loads:6d} {ex.adapter_hits:6d}")
+            used = [(i, s) for i, s in enumerate(ex.slots) if s.state != "empty"]
+            lines.append(f"  {len(used)} of {len(ex.slots)} slots in use")
+            lines.extend(f"  slot {i:<3d} {_slot(s)}" for i, s in used)
+    else:
+        lines.append("EXECUTORS: none shown (a tenant key sees its own counters only)")
+    lines.append("")
+    lines.append(f"{'TENANT':20s} {'QUEUED':>6s} {'RUNNING':>7s} {'REQUESTS':>8s} "
+                 f"{'PROMPT TOK':>10s} {'OUTPUT TOK':>10s} {'LOADS':>6s} {'VIRTUAL':>10s}")
+    lines.extend(f"{t.tenant or '-':20s} {t.queued:6d} {t.running:7d} {t.requests:8d} "
+                 f"{t.prompt_tokens:10d} {t.completion_tokens:10d} {t.adapter_loads_caused:6d} "
+                 f"{t.virtual_counter:10.1f}" for t in stats.tenants)
+    if not stats.tenants:
+        lines.append("(no tenant seen yet)")
+    return "\n".join(lines)
+
+
+def _state(ex: pb.ExecutorStats) -> str:
+    if not ex.is_up:
+        return "down"
+    return "drained" if ex.is_drained else "draining" if ex.is_draining else "up"
+
+
+def _slot(slot: pb.SlotStats) -> str:
+    text = f"{client.ref_text(slot.adapter) or '-':24s} {slot.state:8s} pins {slot.pins}"
+    if slot.is_admin_pinned:
+        text += ", pinned by an admin"
+    if client.ref_text(slot.reserved_for):
+        text += f", reserved for {client.ref_text(slot.reserved_for)}"
+    return text
+
+
+def _positive(kind):
+    """An argparse type: a number of `kind` above 0."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: give a number above 0")
+        return value
+
+    return parse
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
