@@ -12,9 +12,13 @@ belongs to one of them.
     metrics       Prometheus plumbing
     allocator     glibc malloc settings for processes that stream adapter bytes
     wire          metadata keys and values the protos do not carry
+    registry_client  cached adapter resolution (scheduler and gateway)
+    ratelimit     per-tenant token buckets (scheduler and gateway)
+    prompt_bounds the fewest tokens a text can be, known before tokenizing it
 
 Layers point down only: protos/ and common/ import no service; scheduler/, executor/ and
-adapter_store/ import protos, common and their own package (the executor also kernels/);
+adapter_store/, gateway/ import protos, common and their own package (the executor also
+kernels/);
 kernels/ imports only torch and triton; the applications (loraplex/: CLI, client, demo,
 launcher, budget, training, fixtures) import anything.
 tests/common/test_layers.py holds the rule.

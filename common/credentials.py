@@ -136,23 +136,32 @@ class KeyRing:
 
     def caller(self, context: grpc.aio.ServicerContext) -> Caller:
         """Who is calling; UNAUTHENTICATED without a known key (OPERATOR when open)."""
+        return self.authenticate(bearer(context.invocation_metadata() or ()))
+
+    def authenticate(self, key: str) -> Caller:
+        """Who presents `key` (from gRPC metadata or an HTTP header); UNAUTHENTICATED when it
+        is missing or unknown (OPERATOR when open)."""
         if self.is_open:
             return OPERATOR
-        caller = self.identify(bearer(context.invocation_metadata() or ()))
+        caller = self.identify(key)
         if caller is None:
-            raise Unauthenticated(f"missing or unknown API key: send metadata "
+            raise Unauthenticated(f"missing or unknown API key: send "
                                   f"'{wire.AUTHORIZATION}: {wire.BEARER}<key>'")
+        return caller
+
+    def check(self, caller: Caller, *roles: Role) -> Caller:
+        """`caller`, if it has one of `roles` (anyone, when open); PERMISSION_DENIED
+        otherwise."""
+        if caller.role not in roles and not self.is_open:
+            wanted = " or ".join(f"a {r.value} key" for r in roles)
+            raise PermissionDenied(f"this call needs {wanted}; the key given is a "
+                                   f"{caller.role.value} key")
         return caller
 
     def require(self, context: grpc.aio.ServicerContext, *roles: Role) -> Caller:
         """The caller, if it has one of `roles` (anyone, when open); PERMISSION_DENIED
         otherwise."""
-        caller = self.caller(context)
-        if caller.role not in roles and not self.is_open:
-            wanted = " or ".join(f"a {r.value} key" for r in roles)
-            raise PermissionDenied(f"this RPC needs {wanted}; the key given is a "
-                                   f"{caller.role.value} key")
-        return caller
+        return self.check(self.caller(context), *roles)
 
 
 def acting_tenant(caller: Caller, requested: str) -> str:

@@ -84,6 +84,17 @@ def from_rpc_error(err: grpc.aio.AioRpcError, what: str) -> LoraplexError:
     return cls(f"{what}: {err.details()}")
 
 
+def relayed(err: grpc.aio.AioRpcError) -> LoraplexError:
+    """A downstream error passed on as it came (a gateway relaying its pool's answer): the same
+    code, message and retry-after; a status of no class here (CANCELLED, UNKNOWN, INTERNAL...) is
+    UNAVAILABLE for the caller."""
+    error = _FORWARDED.get(err.code(), Unavailable)(err.details() or err.code().name)
+    wait = dict(err.trailing_metadata() or ()).get(wire.RETRY_AFTER)
+    if wait is not None:
+        error.trailers = ((wire.RETRY_AFTER, wait),)
+    return error
+
+
 def retry_after(error: LoraplexError, seconds: float) -> LoraplexError:
     """`error`, carrying a retry-after trailer (seconds) for the caller."""
     error.trailers = ((wire.RETRY_AFTER, f"{seconds:.3f}"),)

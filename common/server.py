@@ -31,20 +31,29 @@ CLIENT_OPTIONS = CHANNEL_OPTIONS + [("grpc.lb_policy_name", "round_robin")]
 # A server pings the peers of its open calls every 30 s and drops a connection whose peer does not
 # answer within 10 s: a frozen or vanished client (a scheduler holding an executor's only step
 # stream, an executor in the middle of a Fetch) releases what its calls held.
+# Clients that ping (KEEPALIVE_OPTIONS) are let ping every 5 s, and never sent away for it.
 SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.keepalive_time_ms", 30_000),
-                                    ("grpc.keepalive_timeout_ms", 10_000)]
+                                    ("grpc.keepalive_timeout_ms", 10_000),
+                                    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+                                    ("grpc.http2.max_ping_strikes", 0)]
+# A client whose calls may wait long for a first answer (a gateway's Generate on a scheduler)
+# pings during them: a frozen server is a broken call (UNAVAILABLE) within 15 s.
+KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+                     ("grpc.keepalive_permit_without_calls", 0)]
 
 
-def insecure_channel(address: str, key: str = "") -> grpc.aio.Channel:
+def insecure_channel(address: str, key: str = "", keepalive: bool = False) -> grpc.aio.Channel:
     """A client channel with the same message limits as our servers; every call on it presents
-    `key` (metadata "authorization: Bearer <key>") unless the call sets its own."""
+    `key` (metadata "authorization: Bearer <key>") unless the call sets its own. With
+    `keepalive`, it pings the server during calls (KEEPALIVE_OPTIONS)."""
     interceptors = None
     if key:
         entry = (wire.AUTHORIZATION, f"{wire.BEARER}{key}")
         # One object per call shape: the channel files each interceptor under its first kind.
         interceptors = [_PresentKeyUnary(entry), _PresentKeyUnaryStream(entry),
                         _PresentKeyStreamUnary(entry), _PresentKeyStream(entry)]
-    return grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS, interceptors=interceptors)
+    options = CLIENT_OPTIONS + (KEEPALIVE_OPTIONS if keepalive else [])
+    return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
 
 class _PresentKey:

@@ -6,7 +6,6 @@ responsive while a step computes, and a load never stalls the step loop.
 
 import asyncio
 import logging
-import pathlib
 import time
 
 import torch
@@ -23,13 +22,14 @@ from executor.adapter_loader import FETCH_TIMEOUT_S, AdapterLoader
 from executor.config import ExecutorConfig
 from executor.lora import resolve_lora_backend
 from executor.runner import ModelRunner, Row
+from executor.tokenizer_files import TokenizerFiles
 from protos import common_pb2, executor_pb2, executor_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 
-def build_runner(config: ExecutorConfig) -> tuple[ModelRunner, str]:
-    """The model runner and the model's tokenizer.json text ("" for random weights)."""
+def build_runner(config: ExecutorConfig) -> tuple[ModelRunner, TokenizerFiles]:
+    """The model runner and the model's tokenizer files (none for random weights)."""
     if config.threads:
         torch.set_num_threads(config.threads)
     kw = dict(num_kv_blocks=config.num_kv_blocks, block_size=config.block_size,
@@ -38,10 +38,9 @@ def build_runner(config: ExecutorConfig) -> tuple[ModelRunner, str]:
               device=config.device)
     if config.random_config is not None:
         runner = ModelRunner.random(config.random_config, seed=config.seed, **kw)
-        return runner, ""
+        return runner, TokenizerFiles()
     runner = ModelRunner.from_pretrained(config.model, model_id=config.model_id, **kw)
-    tokenizer = pathlib.Path(config.model, "tokenizer.json")
-    return runner, tokenizer.read_text() if tokenizer.exists() else ""
+    return runner, TokenizerFiles.read(config.model)
 
 
 class ExecutorMetrics:
@@ -62,13 +61,13 @@ class ExecutorMetrics:
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
-    def __init__(self, config: ExecutorConfig, runner: ModelRunner, tokenizer_json: str,
+    def __init__(self, config: ExecutorConfig, runner: ModelRunner, tokenizer: TokenizerFiles,
                  keys: KeyRing):
         self.metrics = ExecutorMetrics()
         self._config = config
         self._keys = keys  # every RPC: the scheduler's service key (or an admin's)
         self._runner = runner
-        self._tokenizer_json = tokenizer_json
+        self._tokenizer = tokenizer
         self._loader = AdapterLoader(runner, config.stores, service_key=keys.service_key,
                                      max_staged_bytes=config.staging_mb << 20)
         self._driver: object | None = None  # the one Step stream allowed at a time
@@ -83,7 +82,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             model_id=c.model_id, vocab_size=c.vocab_size, max_model_len=c.max_position_embeddings,
             eos_token_ids=c.eos_token_ids, num_kv_blocks=self._config.num_kv_blocks,
             block_size=self._config.block_size, num_adapter_slots=self._config.adapter_slots,
-            max_lora_rank=self._config.max_rank, tokenizer_json=self._tokenizer_json,
+            max_lora_rank=self._config.max_rank, tokenizer_json=self._tokenizer.tokenizer_json,
+            chat_template=self._tokenizer.chat_template,
+            special_tokens=self._tokenizer.special_tokens,
             weight_bytes=budget.weights_bytes, kv_cache_bytes=budget.kv_cache_bytes,
             adapter_pool_bytes=budget.adapter_pool_bytes,
             lora_backend=resolve_lora_backend(self._config.lora_backend, self._config.device),
@@ -179,12 +180,12 @@ def _fetch_timeout(context) -> float:
 
 
 async def serve(config: ExecutorConfig) -> None:
-    runner, tokenizer_json = await asyncio.to_thread(build_runner, config)
+    runner, tokenizer = await asyncio.to_thread(build_runner, config)
     keys = config.keys.load()
     if keys.is_open:
         log.warning("executor: no service key configured, open access; configure "
                     "--service-key-file (or LORAPLEX_SERVICE_KEY)")
-    servicer = ExecutorServicer(config, runner, tokenizer_json, keys)
+    servicer = ExecutorServicer(config, runner, tokenizer, keys)
     service = Service(
         "executor", config.address,
         lambda server: executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server),

@@ -20,6 +20,19 @@ import torch
 
 MODEL_ID = "loraplex-tiny-llama"
 BOS, EOS = "<s>", "</s>"  # token ids 0 and 1
+# Bumped whenever generate() writes something new: ensure() then makes the fixtures again.
+VERSION = 2
+# A chat template in the style of HF models' (roles checked with raise_exception, whitespace
+# trimmed by trim_blocks/lstrip_blocks), so chat requests can be checked against transformers.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('Unknown role: ' + message['role']) }}"
+    "{% endif %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] | trim }}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
 
@@ -100,7 +113,8 @@ def save_tokenizer(out_dir: Path) -> None:
     tok.train_from_iterator(_training_text(), trainer=trainer)
     tok.save(str(out_dir / "tokenizer.json"))
     (out_dir / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": BOS, "eos_token": EOS, "model_max_length": 2048}, indent=2))
+        {"bos_token": BOS, "eos_token": EOS, "model_max_length": 2048,
+         "chat_template": CHAT_TEMPLATE}, indent=2))
 
 
 def _save_adapter(base, out_dir: Path, seed: int, lora_args: dict[str, Any]) -> None:
@@ -116,7 +130,9 @@ def ensure(out_dir: str | Path) -> dict[str, Any]:
     """The manifest of the fixtures under out_dir, making them first if they are not there."""
     manifest = Path(out_dir) / "manifest.json"
     if manifest.exists():
-        return json.loads(manifest.read_text())
+        made = json.loads(manifest.read_text())
+        if made.get("version") == VERSION:
+            return made
     return generate(out_dir)
 
 
@@ -161,7 +177,8 @@ def generate(out_dir: str | Path) -> dict[str, Any]:
     adapters["truncated"] = {**adapters["r8_mlp"], "path": str(truncated)}
     adapters["pickle"] = {**adapters["r4_attn"], "path": str(pickled)}
 
-    manifest = {"model_dir": str(model_dir), "model_id": MODEL_ID, "adapters": adapters,
+    manifest = {"version": VERSION, "model_dir": str(model_dir), "model_id": MODEL_ID,
+                "adapters": adapters,
                 "valid": list(ADAPTERS), "invalid": [*BROKEN, "truncated", "pickle"]}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return manifest

@@ -1,7 +1,9 @@
 """Start and stop loraplex services as separate processes on this machine.
 
-Each service prints "<name> listening on HOST:PORT" once it serves; `start_service` waits for that
-line, so callers get a ready address. `Fleet` starts a whole pool: stores, executors, a scheduler.
+Each service prints "<name> listening on HOST:PORT" once it serves (the gateway prints two:
+gateway-http, then gateway); `start_service` waits for that line, so callers get a ready address.
+`Fleet` starts a whole pool: stores, executors, a scheduler; `start_gateway` a gateway in front
+of pools.
 """
 
 import os
@@ -25,6 +27,7 @@ class ServiceProcess:
     process: subprocess.Popen
     address: str
     log_path: pathlib.Path
+    announced: dict[str, str] = field(default_factory=dict)  # every "<name> listening on" line
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM (graceful drain), then SIGKILL after `grace` seconds."""
@@ -50,8 +53,9 @@ class ServiceProcess:
 
 
 def start_service(name: str, module: str, args: list[str], log_dir: pathlib.Path,
-                  timeout: float = 120.0) -> ServiceProcess:
-    """Run `python -m module args`, stderr to log_dir/name.log; returns once it listens."""
+                  timeout: float = 120.0, wait_for: str = "") -> ServiceProcess:
+    """Run `python -m module args`, stderr to log_dir/name.log; returns once it listens (once
+    it announced `wait_for`, when given; `address` is that announcement's)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     env = dict(os.environ, GRPC_VERBOSITY=os.environ.get("GRPC_VERBOSITY", "ERROR"))
@@ -59,12 +63,15 @@ def start_service(name: str, module: str, args: list[str], log_dir: pathlib.Path
         proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE,
                                 stderr=log, env=env, text=True, start_new_session=True)
     found: list[str] = []
+    announced: dict[str, str] = {}
     ready = threading.Event()
 
     def read_stdout() -> None:  # keeps draining stdout so the child never blocks on a full pipe
         for line in proc.stdout:
             m = _LISTENING.match(line.strip())
-            if m and not found:
+            if m:
+                announced[m[1]] = m[2]
+            if m and not found and m[1] == (wait_for or m[1]):
                 found.append(m[2])
                 ready.set()
         ready.set()
@@ -79,7 +86,7 @@ def start_service(name: str, module: str, args: list[str], log_dir: pathlib.Path
         proc.wait()
         tail = log_path.read_text()[-2000:]
         raise RuntimeError(f"{name} exited with {proc.returncode} before listening:\n{tail}")
-    return ServiceProcess(name, proc, found[0], log_path)
+    return ServiceProcess(name, proc, found[0], log_path, announced)
 
 
 @dataclass(frozen=True)
@@ -93,7 +100,7 @@ class FleetKeys:
     service: str = field(default_factory=lambda: secrets.token_hex(16))
 
     def write(self, folder: pathlib.Path) -> dict[str, list[str]]:
-        """Flags per service kind ("store", "executor", "scheduler")."""
+        """Flags per service kind ("store", "executor", "scheduler", "gateway")."""
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         files = {"api-keys": "".join(f"{k}={t}\n" for k, t in self.tenants.items()),
                  "admin-keys": f"{self.admin}\n", "service-key": f"{self.service}\n"}
@@ -104,7 +111,7 @@ class FleetKeys:
         every = ["--api-keys-file", str(folder / "api-keys"),
                  "--admin-keys-file", str(folder / "admin-keys"),
                  "--service-key-file", str(folder / "service-key")]
-        return {"store": every, "scheduler": every,
+        return {"store": every, "scheduler": every, "gateway": every,
                 "executor": ["--service-key-file", str(folder / "service-key")]}
 
 
@@ -118,6 +125,8 @@ class Fleet:
     log_dir: pathlib.Path
     num_executors: int = 1
     num_stores: int = 1
+    # Stores already running (another fleet's): none of its own is started.
+    store_addresses: list[str] = field(default_factory=list)
     # 0: every service on a free port. Else the scheduler on base_port, stores on the next ports,
     # then executors (the CLI's `up` uses 50051: scheduler 50051, store 50052, executor 50053).
     base_port: int = 0
@@ -133,11 +142,12 @@ class Fleet:
     def start(self) -> "Fleet":
         keys = self.keys.write(self.log_dir / "keys") if self.keys else {}
         try:
-            stores = [self._start(f"adapter_store-{i}", "adapter_store.service",
-                                  ["--url", self.store_url, "--address", self._address(1 + i),
-                                   *keys.get("store", ()), *self.store_args])
-                      for i in range(self.num_stores)]
-            store_flags = [f for s in stores for f in ("--store", s.address)]
+            if not self.store_addresses:
+                for i in range(self.num_stores):
+                    self._start(f"adapter_store-{i}", "adapter_store.service",
+                                ["--url", self.store_url, "--address", self._address(1 + i),
+                                 *keys.get("store", ()), *self.store_args])
+            store_flags = [f for address in self.stores for f in ("--store", address)]
             executors = [self._start(f"executor-{i}", "executor.service",
                                      ["--model", self.model,
                                       "--address", self._address(1 + self.num_stores + i),
@@ -167,7 +177,7 @@ class Fleet:
 
     @property
     def stores(self) -> list[str]:
-        return [s.address for s in self.by_name("adapter_store")]
+        return self.store_addresses or [s.address for s in self.by_name("adapter_store")]
 
     def stop(self) -> None:
         """Stop the scheduler first (it drains), then executors, then stores."""
@@ -180,3 +190,17 @@ class Fleet:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def start_gateway(pools: Mapping[str, list[str]], stores: list[str], log_dir: pathlib.Path,
+                  keys: FleetKeys | None = None, args: list[str] = (),
+                  name: str = "gateway") -> ServiceProcess:
+    """A gateway in front of `pools` (base model id -> scheduler addresses); `address` is its
+    gRPC address, `announced["gateway-http"]` its HTTP one."""
+    flags = keys.write(log_dir / "keys")["gateway"] if keys else []
+    pool_flags = [f for model_id, addresses in pools.items()
+                  for f in ("--pool", f"{model_id}={','.join(addresses)}")]
+    return start_service(name, "gateway.service",
+                         ["--address", "127.0.0.1:0", "--http-address", "127.0.0.1:0",
+                          *pool_flags, *(f for a in stores for f in ("--store", a)), *flags,
+                          *args], log_dir, wait_for="gateway")

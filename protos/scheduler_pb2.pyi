@@ -17,6 +17,41 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
 
+class ModelRequest(_message.Message):
+    __slots__ = ("known_fingerprint",)
+    KNOWN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    known_fingerprint: str
+    def __init__(self, known_fingerprint: _Optional[str] = ...) -> None: ...
+
+class ModelResponse(_message.Message):
+    __slots__ = ("model_id", "max_model_len", "vocab_size", "max_lora_rank", "tokenizer_json", "chat_template", "special_tokens", "eos_token_ids", "fingerprint")
+    class SpecialTokensEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    max_model_len: int
+    vocab_size: int
+    max_lora_rank: int
+    tokenizer_json: str
+    chat_template: str
+    special_tokens: _containers.ScalarMap[str, str]
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    fingerprint: str
+    def __init__(self, model_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
 class PrewarmRequest(_message.Message):
     __slots__ = ("adapter", "num_executors", "pin", "wait")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]

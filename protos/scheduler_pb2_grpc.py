@@ -64,6 +64,11 @@ class SchedulerStub:
                 request_serializer=protos_dot_scheduler__pb2.ResumeRequest.SerializeToString,
                 response_deserializer=protos_dot_scheduler__pb2.ResumeResponse.FromString,
                 _registered_method=True)
+        self.Model = channel.unary_unary(
+                '/loraplex.v1.Scheduler/Model',
+                request_serializer=protos_dot_scheduler__pb2.ModelRequest.SerializeToString,
+                response_deserializer=protos_dot_scheduler__pb2.ModelResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -111,6 +116,13 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Model(self, request, context):
+        """The pool's base model, for gateways and clients: identity, limits, tokenizer, chat template.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +155,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Resume,
                     request_deserializer=protos_dot_scheduler__pb2.ResumeRequest.FromString,
                     response_serializer=protos_dot_scheduler__pb2.ResumeResponse.SerializeToString,
+            ),
+            'Model': grpc.unary_unary_rpc_method_handler(
+                    servicer.Model,
+                    request_deserializer=protos_dot_scheduler__pb2.ModelRequest.FromString,
+                    response_serializer=protos_dot_scheduler__pb2.ModelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +324,33 @@ class Scheduler:
             '/loraplex.v1.Scheduler/Resume',
             protos_dot_scheduler__pb2.ResumeRequest.SerializeToString,
             protos_dot_scheduler__pb2.ResumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Model(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplex.v1.Scheduler/Model',
+            protos_dot_scheduler__pb2.ModelRequest.SerializeToString,
+            protos_dot_scheduler__pb2.ModelResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4,9 +4,9 @@ import argparse
 from dataclasses import dataclass, field, fields
 
 from common.credentials import KeySources, add_key_arguments, sources_from_args
+from common.ratelimit import RateLimit, add_rate_limit_arguments, rate_limits_from_args
 from scheduler.executor_state import Limits
 from scheduler.fairness import FairnessWeights
-from scheduler.ratelimit import RateLimit
 from scheduler.timeouts import Timeouts
 
 
@@ -71,9 +71,7 @@ class SchedulerConfig:
                             "`loraplex fit-cost`")
         add_key_arguments(p)
         p.add_argument("--tenant-weight", action="append", default=[], metavar="TENANT=W")
-        p.add_argument("--rate-limit", action="append", default=[], metavar="TENANT=RPS:TPS",
-                       help="per-tenant requests/s and tokens/s (0 = unlimited)")
-        p.add_argument("--default-rate-limit", default="0:0", metavar="RPS:TPS")
+        add_rate_limit_arguments(p)
         p.add_argument("--load-weight", type=float, default=FairnessWeights.load_weight,
                        help="how much of an adapter load's time a tenant pays, in "
                             "token-equivalents")
@@ -81,12 +79,12 @@ class SchedulerConfig:
             p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
         a = p.parse_args(argv)
         weights = {t: float(w) for t, w in _pairs(a.tenant_weight, "--tenant-weight").items()}
-        rates = {t: RateLimit.parse(r) for t, r in _pairs(a.rate_limit, "--rate-limit").items()}
+        rates, default_rate = rate_limits_from_args(a)
         return cls(executors=tuple(a.executor), stores=tuple(a.store), address=a.address,
                    discovery_interval_s=a.discovery_interval_s, metrics_port=a.metrics_port,
                    grace_s=a.grace_s, timings_out=a.timings_out,
                    keys=sources_from_args(a),
-                   rate_limits=rates, default_rate_limit=RateLimit.parse(a.default_rate_limit),
+                   rate_limits=rates, default_rate_limit=default_rate,
                    weights=FairnessWeights(load_weight=a.load_weight, tenant_weights=weights),
                    limits=Limits(**{f.name: getattr(a, f.name) for f in fields(Limits)}),
                    timeouts=Timeouts(**{f.name: getattr(a, f.name) for f in fields(Timeouts)}))

@@ -3,6 +3,7 @@ messages and delegate (from_pb -> core or admin.py -> to_pb). Policy lives in sc
 
 import asyncio
 import dataclasses
+import hashlib
 import itertools
 import logging
 import secrets
@@ -19,15 +20,16 @@ from common.errors import (
     status_for,
 )
 from common.metrics import serve_metrics
+from common.prompt_bounds import max_chars_per_token
+from common.ratelimit import RateLimiter
+from common.registry_client import RegistryClient
 from common.sampling import SamplingParams
 from common.server import Service, announce, configure_logging, run, run_until_signalled
-from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from protos import common_pb2, executor_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler import admin, validation
 from scheduler.config import SchedulerConfig
 from scheduler.detokenizer import Finish, OutputProcessor
 from scheduler.engine import Engine
-from scheduler.ratelimit import RateLimiter
-from scheduler.registry_client import RegistryClient
 from scheduler.request import ErrorEvent, Event, FinishEvent, Request, Status
 from scheduler.stats import ExecutorStats, PoolStats, TenantStats
 from scheduler.timings import TimingLog
@@ -48,10 +50,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._registry = registry
         self._info = info = engine.first_info.result()
         self._tokenizer = Tokenizer.from_str(info.tokenizer_json) if info.tokenizer_json else None
-        self._chars_per_token = (validation.max_chars_per_token(self._tokenizer)
+        self._chars_per_token = (max_chars_per_token(self._tokenizer)
                                  if self._tokenizer else 1)
         self._ids = itertools.count(1)
         self._rate_limiter = RateLimiter(config.rate_limits, config.default_rate_limit)
+        self._model = _model_pb(info)
 
     async def Generate(self, request, context):
         events: asyncio.Queue[Event] = asyncio.Queue()
@@ -143,6 +146,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     t for t in stats.tenants if t.tenant == caller.tenant))
             return _stats_pb(stats)
 
+    async def Model(self, request, context):
+        """Any caller: what a gateway or client needs to know of the pool's base model."""
+        async with grpc_errors(context):
+            self._keys.require(context, Role.TENANT, Role.SERVICE, Role.ADMIN)
+            if request.known_fingerprint == self._model.fingerprint:
+                return scheduler_pb2.ModelResponse(
+                    model_id=self._model.model_id, max_model_len=self._model.max_model_len,
+                    vocab_size=self._model.vocab_size, max_lora_rank=self._model.max_lora_rank,
+                    eos_token_ids=self._model.eos_token_ids, fingerprint=self._model.fingerprint)
+            return self._model
+
     async def Prewarm(self, request, context):
         async with grpc_errors(context):
             self._check_admin(context)
@@ -180,6 +194,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             ex = admin.find_executor(self._engine.core, request.executor)
             self._engine.core.resume(ex)
             return scheduler_pb2.ResumeResponse(queued=len(ex.queue))
+
+
+def _model_pb(info: executor_pb2.InfoResponse) -> scheduler_pb2.ModelResponse:
+    model = scheduler_pb2.ModelResponse(
+        model_id=info.model_id, max_model_len=validation.context_limit(info),
+        vocab_size=info.vocab_size, max_lora_rank=info.max_lora_rank,
+        tokenizer_json=info.tokenizer_json, chat_template=info.chat_template,
+        special_tokens=info.special_tokens, eos_token_ids=info.eos_token_ids)
+    model.fingerprint = hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()
+    return model
 
 
 def _pb(adapter: AdapterRef | None) -> common_pb2.AdapterRef | None:

@@ -3,10 +3,9 @@ FAILED_PRECONDITION for a base-model mismatch) with a message that says what to 
 
 from collections.abc import Sequence
 
-from tokenizers import Tokenizer
-
 from common.adapter_ref import AdapterRef
 from common.errors import FailedPrecondition, InvalidArgument
+from common.prompt_bounds import min_tokens
 from protos import common_pb2, executor_pb2, scheduler_pb2
 
 
@@ -24,21 +23,13 @@ def context_limit(info: executor_pb2.InfoResponse) -> int:
     return min(info.max_model_len, info.num_kv_blocks * info.block_size)
 
 
-def max_chars_per_token(tokenizer: Tokenizer) -> int:
-    """An upper bound on the characters of text one token stands for: its longest vocabulary entry
-    (byte-level entries have one character per byte, and a character is at least one byte). A
-    normalizer may first merge characters (NFC composes a few into one): allow 4 per character."""
-    longest = max(map(len, tokenizer.get_vocab(with_added_tokens=True)), default=1)
-    return longest * (4 if tokenizer.normalizer is not None else 1)
-
-
 def check_text_length(text: str, max_new_tokens: int, chars_per_token: int,
                       info: executor_pb2.InfoResponse) -> None:
     """Refuse a text too long to fit whatever it tokenizes to, before spending time tokenizing
     it."""
-    limit, min_tokens = context_limit(info), -(-len(text) // chars_per_token)
-    if min_tokens + max_new_tokens > limit:
-        raise InvalidArgument(f"text of {len(text)} characters is at least {min_tokens} tokens, "
+    limit, fewest = context_limit(info), min_tokens(text, chars_per_token)
+    if fewest + max_new_tokens > limit:
+        raise InvalidArgument(f"text of {len(text)} characters is at least {fewest} tokens, "
                               f"which with max_new_tokens ({max_new_tokens}) exceeds the context "
                               f"of {limit} tokens: shorten the text")
 

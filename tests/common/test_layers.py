@@ -1,7 +1,7 @@
 """Layers point down only (DESIGN.md, "Who owns what"), checked from the source:
 
     applications   loraplex/ (CLI, client, demo, launcher, budget, training, fixtures)
-    services       scheduler/  executor/  adapter_store/      (never each other, never loraplex/)
+    services       scheduler/ executor/ adapter_store/ gateway/  (never each other, nor loraplex/)
     shared layer   common/                                     (no service, no application)
     contracts      protos/                                     (generated code and its generator)
     kernels        kernels/                     (torch and triton only; used by the executor)
@@ -14,8 +14,9 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-FIRST_PARTY = {"loraplex", "common", "protos", "scheduler", "executor", "adapter_store", "kernels"}
-SERVICES = ("scheduler", "executor", "adapter_store")
+FIRST_PARTY = {"loraplex", "common", "protos", "scheduler", "executor", "adapter_store", "gateway",
+               "kernels"}
+SERVICES = ("scheduler", "executor", "adapter_store", "gateway")
 # Which first-party packages each package may import (besides itself).
 ALLOWED = {
     "protos": set(),

@@ -3,7 +3,7 @@
 import pytest
 
 from common.errors import ResourceExhausted
-from scheduler.ratelimit import RateLimit, RateLimiter
+from common.ratelimit import RateLimit, RateLimiter
 
 
 def test_buckets_refill_at_their_rate_and_say_when_to_retry():

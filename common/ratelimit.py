@@ -3,6 +3,7 @@
 A request costs 1 from the request bucket and (prompt + max_new_tokens) from the token bucket; it
 passes only when both can pay. A bucket holds `burst_s` seconds of its rate; a full bucket lets
 any single request through (going into debt), so a large request is slowed, never refused forever.
+Limits hold per process: N gateway replicas admit up to N times a tenant's limit in all.
 """
 
 import time
@@ -29,6 +30,25 @@ class RateLimit:
         if rps < 0 or tps < 0:
             raise ValueError(f"rate limits must be >= 0, got {text!r}")
         return cls(rps, tps)
+
+
+def add_rate_limit_arguments(parser) -> None:
+    """--rate-limit TENANT=RPS:TPS (repeatable) and --default-rate-limit RPS:TPS (argparse)."""
+    parser.add_argument("--rate-limit", action="append", default=[], metavar="TENANT=RPS:TPS",
+                        help="per-tenant requests/s and tokens/s (0 = unlimited)")
+    parser.add_argument("--default-rate-limit", default="0:0", metavar="RPS:TPS",
+                        help="tenants without a --rate-limit of their own (0:0 = unlimited)")
+
+
+def rate_limits_from_args(args) -> tuple[dict[str, RateLimit], RateLimit]:
+    """(per-tenant limits, the default) from the flags of add_rate_limit_arguments."""
+    limits = {}
+    for item in args.rate_limit:
+        tenant, sep, rate = item.partition("=")
+        if not sep or not tenant:
+            raise ValueError(f"--rate-limit must look like TENANT=RPS:TPS, got {item!r}")
+        limits[tenant] = RateLimit.parse(rate)
+    return limits, RateLimit.parse(args.default_rate_limit)
 
 
 class TokenBucket:

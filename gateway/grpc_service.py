@@ -1,0 +1,81 @@
+"""The gateway's gRPC face: the scheduler's Generate contract (scheduler.proto), so a client moves
+from a pool's scheduler to the gateway by changing the address only. `adapter` names an adapter,
+or a base model id (a pool's), or is empty for the base model of a gateway with one pool. The
+admin and Stats RPCs stay with each pool's scheduler."""
+
+import grpc
+
+from common import wire
+from common.credentials import bearer
+from common.errors import InvalidArgument, grpc_errors
+from gateway.frontend import DEFAULT_MAX_NEW_TOKENS, Frontend, Route
+from protos import scheduler_pb2, scheduler_pb2_grpc
+
+
+class GatewayServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, frontend: Frontend):
+        self._frontend = frontend
+
+    async def Generate(self, request, context):
+        async with grpc_errors(context):
+            try:
+                metadata = context.invocation_metadata() or ()
+                tenant = self._frontend.tenant(bearer(metadata),
+                                               dict(metadata).get(wire.ON_BEHALF_OF, ""))
+                route = await self._frontend.route(self._model(request.adapter), tenant)
+                upstream = await self._upstream(route, request)
+                self._frontend.admit(tenant, len(upstream.token_ids.ids)
+                                     + (request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS))
+                async for message in self._frontend.generate(route, upstream, tenant,
+                                                             context.time_remaining()):
+                    yield message
+            except Exception as exc:
+                self._frontend.metrics.finished("grpc", exc)
+                raise
+            self._frontend.metrics.finished("grpc")
+
+    def _model(self, adapter: str) -> str:
+        if adapter:
+            return adapter
+        served = self._frontend.pools.model_ids()
+        if len(served) != 1:
+            raise InvalidArgument(f"name the base model in `adapter` (this gateway serves "
+                                  f"{', '.join(served) or 'none'}) or an adapter")
+        return served[0]
+
+    async def _upstream(self, route: Route,
+                        request: scheduler_pb2.GenerateRequest) -> scheduler_pb2.GenerateRequest:
+        """The request as the pool's scheduler gets it: token ids and the exact adapter."""
+        kind = request.WhichOneof("prompt")
+        ids = await self._frontend.prompt_ids(
+            route, request.text if kind == "text" else None,
+            list(request.token_ids.ids) if kind == "token_ids" else None,
+            request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS)
+        upstream = scheduler_pb2.GenerateRequest()
+        upstream.CopyFrom(request)
+        upstream.adapter = route.adapter_ref
+        upstream.token_ids.ids[:] = ids
+        return upstream
+
+    async def Stats(self, request, context):
+        await _with_the_pool(context)
+
+    async def Prewarm(self, request, context):
+        await _with_the_pool(context)
+
+    async def Evict(self, request, context):
+        await _with_the_pool(context)
+
+    async def Drain(self, request, context):
+        await _with_the_pool(context)
+
+    async def Resume(self, request, context):
+        await _with_the_pool(context)
+
+    async def Model(self, request, context):
+        await _with_the_pool(context)
+
+
+async def _with_the_pool(context) -> None:
+    await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                        "admin RPCs, Stats and Model go to a pool's scheduler, not the gateway")

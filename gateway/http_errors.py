@@ -1,0 +1,44 @@
+"""Errors over HTTP, in OpenAI's shape: {"error": {"message", "type", "param", "code"}} with the
+HTTP status OpenAI clients expect for each kind (their exception classes follow the status), and
+`Retry-After` (whole seconds, plus `retry-after-ms`) when the gateway or a pool says when to come
+back."""
+
+import math
+
+import grpc
+
+from common import wire
+from common.errors import status_for
+
+# gRPC status -> (HTTP status, OpenAI error type)
+_HTTP = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
+    grpc.StatusCode.ABORTED: (409, "conflict_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+    grpc.StatusCode.UNIMPLEMENTED: (501, "not_implemented"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+_CODES = {401: "invalid_api_key", 404: "model_not_found", 429: "rate_limit_exceeded"}
+
+
+def error_body(exc: BaseException) -> tuple[int, dict, dict[str, str]]:
+    """(HTTP status, body, headers) for an exception raised while serving a request."""
+    code, message = status_for(exc)
+    status, kind = _HTTP.get(code, (500, "internal_error"))
+    headers = {}
+    wait = dict(getattr(exc, "trailers", ())).get(wire.RETRY_AFTER)
+    if wait is not None:
+        seconds = float(wait)
+        headers = {"Retry-After": str(max(1, math.ceil(seconds))),
+                   "retry-after-ms": str(max(1, round(seconds * 1000)))}
+    body = {"error": {"message": message, "type": kind, "param": getattr(exc, "param", None),
+                      "code": _CODES.get(status)}}
+    return status, body, headers

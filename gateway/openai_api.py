@@ -1,0 +1,247 @@
+"""The gateway's HTTP face, compatible with OpenAI's API (Starlette on uvicorn):
+
+    POST /v1/completions        prompt(s) -> n choices each; streamed as server-sent events
+    POST /v1/chat/completions   messages, rendered with the base model's chat template
+    GET  /v1/models             the base models, and the adapters the caller's tenant may use
+    GET  /v1/models/{model}     one of them
+    GET  /health                200 while the process serves
+
+`model` is a base model id or an adapter reference ("name", "name@3", "name@prod"); the key is
+`Authorization: Bearer <key>`. Every choice is one Generate on the pool. A streamed response
+starts (HTTP 200) only once the first token came: an error before it is an HTTP error with its
+own status, one after it an `error` event. A client that goes away cancels its Generate calls.
+"""
+
+import asyncio
+import json
+import logging
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route as HttpRoute
+
+from common import wire
+from common.errors import InvalidArgument, LoraplexError, NotFound, Unavailable
+from gateway.catalog import Catalog
+from gateway.frontend import DEFAULT_MAX_NEW_TOKENS, Frontend, Route
+from gateway.http_errors import error_body
+from gateway.openai_requests import ChatRequest, Options, chat_request, completion_request
+from gateway.openai_responses import DONE, Choice, EventWriter
+from gateway.openai_responses import Response as Identity
+from protos import scheduler_pb2
+
+log = logging.getLogger(__name__)
+
+
+class OpenAIApi:
+    def __init__(self, frontend: Frontend, catalog: Catalog, max_body_bytes: int = 32 << 20):
+        self._frontend = frontend
+        self._catalog = catalog
+        self._max_body_bytes = max_body_bytes
+
+    def app(self) -> Starlette:
+        return Starlette(routes=[
+            HttpRoute("/v1/completions", self._errors(self.completions), methods=["POST"]),
+            HttpRoute("/v1/chat/completions", self._errors(self.chat), methods=["POST"]),
+            HttpRoute("/v1/models", self._errors(self.models), methods=["GET"]),
+            HttpRoute("/v1/models/{model:path}", self._errors(self.model), methods=["GET"]),
+            HttpRoute("/health", lambda _: Response(status_code=200), methods=["GET"]),
+        ])
+
+    def _errors(self, handler):
+        async def handle(request: Request) -> Response:
+            try:
+                response = await handler(request)
+            except Exception as exc:  # noqa: BLE001 - every error is an OpenAI error body
+                self._frontend.metrics.finished("http", exc)
+                return error_response(exc)
+            self._frontend.metrics.finished("http")
+            return response
+        return handle
+
+    # ----- endpoints -----
+
+    async def completions(self, request: Request) -> Response:
+        tenant = self._tenant(request)
+        parsed = completion_request(await self._body(request))
+        options = parsed.options
+        route = await self._frontend.route(options.model, tenant)
+        max_new = options.max_tokens or DEFAULT_MAX_NEW_TOKENS
+        prompts = [await self._frontend.prompt_ids(
+            route, p if isinstance(p, str) else None, None if isinstance(p, str) else list(p),
+            max_new) for p in parsed.prompts]
+        return await self._respond(route, tenant, options, prompts, max_new, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        tenant = self._tenant(request)
+        parsed = chat_request(await self._body(request))
+        options = parsed.options
+        route = await self._frontend.route(options.model, tenant)
+        ids = await self._frontend.prompt_ids(route, _render(route, parsed), None,
+                                              options.max_tokens or 1, chat=True)
+        max_new = options.max_tokens or route.model.max_model_len - len(ids)
+        return await self._respond(route, tenant, options, [ids], max_new, chat=True)
+
+    async def models(self, request: Request) -> Response:
+        tenant = self._tenant(request)
+        return JSONResponse({"object": "list", "data": await self._model_cards(tenant)})
+
+    async def model(self, request: Request) -> Response:
+        tenant = self._tenant(request)
+        wanted = request.path_params["model"]
+        for card in await self._model_cards(tenant):
+            if card["id"] == wanted:
+                return JSONResponse(card)
+        raise NotFound(f"model {wanted!r} not found")
+
+    # ----- the parts -----
+
+    def _tenant(self, request: Request) -> str:
+        key = request.headers.get(wire.AUTHORIZATION, "").removeprefix(wire.BEARER).strip()
+        return self._frontend.tenant(key, request.headers.get(wire.ON_BEHALF_OF, ""))
+
+    async def _body(self, request: Request) -> dict:
+        size, chunks = 0, []
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self._max_body_bytes:
+                raise InvalidArgument(f"the request body is over {self._max_body_bytes} bytes")
+            chunks.append(chunk)
+        try:
+            body = json.loads(b"".join(chunks))
+        except ValueError:
+            raise InvalidArgument("the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise InvalidArgument("the request body must be a JSON object")
+        return body
+
+    async def _model_cards(self, tenant: str) -> list[dict]:
+        pools = self._frontend.pools
+        served = set(pools.model_ids())
+        cards = [{"id": model_id, "object": "model", "created": 0, "owned_by": "loraplex",
+                  "root": model_id, "parent": None,
+                  "max_model_len": pool.model.max_model_len if pool.model else None}
+                 for model_id in sorted(served) if (pool := pools.get(model_id))]
+        for entry in await self._catalog.adapters(tenant, served):
+            cards.append({"id": entry.name, "object": "model", "created": int(entry.created_unix),
+                          "owned_by": entry.owner or "public",
+                          "root": f"{entry.name}@{entry.versions[-1]}",
+                          "parent": entry.base_model, "versions": list(entry.versions),
+                          "aliases": entry.aliases})
+        return cards
+
+    async def _respond(self, route: Route, tenant: str, options: Options,
+                       prompts: list[list[int]], max_new: int, chat: bool) -> Response:
+        upstreams = [(i * options.n + j, scheduler_pb2.GenerateRequest(
+                        adapter=route.adapter_ref, token_ids=scheduler_pb2.TokenIds(ids=ids),
+                        sampling=options.choice_seed(j).to_pb(), max_new_tokens=max_new,
+                        stop=options.stop, ignore_eos=options.ignore_eos))
+                     for i, ids in enumerate(prompts) for j in range(options.n)]
+        self._frontend.admit(tenant, sum(len(u.token_ids.ids) + max_new for _, u in upstreams))
+        prompt_tokens = sum(map(len, prompts))
+        identity = Identity(chat, options.model)
+        decode_one = _decoder(route) if options.logprobs else None
+        events = self._merged(route, upstreams, tenant)
+        if not options.stream:
+            choices = {index: Choice(index, decode_one) for index, _ in upstreams}
+            try:
+                async for index, message in events:
+                    choices[index].add(message)
+            finally:
+                await events.aclose()
+            return JSONResponse(identity.body([choices[i] for i in sorted(choices)],
+                                              prompt_tokens))
+        first = await anext(events, None)  # an error before the first token is an HTTP error
+        if first is None:
+            raise Unavailable("the pool ended the stream without an answer; retry")
+        writer = EventWriter(identity, options.include_usage, decode_one)
+        return SSEResponse(self._events(writer, first, events, prompt_tokens, options))
+
+    async def _events(self, writer: EventWriter, first, events, prompt_tokens: int,
+                      options: Options):
+        completion_tokens = 0
+        try:
+            yield writer.token(*first)
+            completion_tokens += first[1].usage.completion_tokens
+            async for index, message in events:
+                completion_tokens += message.usage.completion_tokens
+                yield writer.token(index, message)
+        except LoraplexError as exc:
+            yield writer.error(exc)
+            return
+        finally:
+            await events.aclose()
+        if options.include_usage:
+            yield writer.usage(prompt_tokens, completion_tokens)
+        yield DONE
+
+    async def _merged(self, route: Route, upstreams, tenant: str):
+        """(choice index, message) from every choice's stream, as they come."""
+        if len(upstreams) == 1:
+            index, upstream = upstreams[0]
+            async for message in self._frontend.generate(route, upstream, tenant):
+                yield index, message
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, upstream) -> None:
+            try:
+                async for message in self._frontend.generate(route, upstream, tenant):
+                    queue.put_nowait((index, message))
+                queue.put_nowait((index, None))
+            except Exception as exc:  # noqa: BLE001 - passed to the reader
+                queue.put_nowait((index, exc))
+
+        tasks = [asyncio.create_task(pump(i, u)) for i, u in upstreams]
+        try:
+            running = len(tasks)
+            while running:
+                index, item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events; the stream is cancelled (and its Generate calls with it) as soon as
+    the client disconnects, also while no token is on its way."""
+
+    def __init__(self, events):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        stream = asyncio.ensure_future(self.stream_response(send))
+        listen = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait((stream, listen), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (stream, listen):
+                task.cancel()
+            await asyncio.gather(stream, listen, return_exceptions=True)
+            await self.body_iterator.aclose()
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    status, body, headers = error_body(exc)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _render(route: Route, parsed: ChatRequest) -> str:
+    return route.model.chat.render(list(parsed.messages), parsed.add_generation_prompt,
+                                   parsed.continue_final_message)
+
+
+def _decoder(route: Route):
+    tokenizer = route.model.tokenizer
+    if tokenizer is None:
+        return str
+    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)

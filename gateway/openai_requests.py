@@ -1,0 +1,250 @@
+"""OpenAI request bodies (/v1/completions, /v1/chat/completions), checked field by field: a bad
+field is a 400 that names it (`param`), a field whose feature loraplex does not have is a 400
+that says so, never silently ignored. Unknown fields are ignored, as OpenAI-compatible servers
+do (clients send extensions)."""
+
+import dataclasses
+import math
+
+from common.errors import InvalidArgument
+from common.sampling import MAX_SEED, SamplingParams
+from gateway.chat import ROLES
+
+MAX_N = 16  # choices per request (n x prompts)
+MAX_STOP = 16
+
+
+class BadField(InvalidArgument):
+    """INVALID_ARGUMENT about one field of the body (`param` in OpenAI's error)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What both endpoints take, checked."""
+
+    model: str
+    n: int
+    max_tokens: int | None  # None: the endpoint's default
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    ignore_eos: bool
+
+    def choice_seed(self, choice: int) -> SamplingParams:
+        """The sampling of choice `choice` of n: a seeded request gives each choice its own
+        stream (seed + choice), still reproducible."""
+        seed = self.sampling.seed
+        if seed is None or choice == 0:
+            return self.sampling
+        return dataclasses.replace(self.sampling, seed=(seed + choice) % MAX_SEED)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionRequest:
+    options: Options
+    prompts: tuple[str | tuple[int, ...], ...]  # text, or token ids
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatRequest:
+    options: Options
+    messages: tuple[dict, ...]  # {"role", "content": str, ...} as the template takes them
+    add_generation_prompt: bool
+    continue_final_message: bool
+
+
+def completion_request(body: dict) -> CompletionRequest:
+    options = _options(body, logprobs=_completion_logprobs(body))
+    if body.get("echo"):
+        raise BadField("echo", "is not supported")
+    if body.get("suffix"):
+        raise BadField("suffix", "is not supported")
+    prompts = _prompts(body.get("prompt"))
+    if len(prompts) * options.n > MAX_N:
+        raise BadField("n", f"prompts x n must be at most {MAX_N}, got {len(prompts)} x "
+                            f"{options.n}")
+    return CompletionRequest(options, prompts)
+
+
+def chat_request(body: dict) -> ChatRequest:
+    for field in ("tools", "functions"):
+        if body.get(field):
+            raise BadField(field, "tools are not supported")
+    if body.get("tool_choice") not in (None, "none"):
+        raise BadField("tool_choice", "tools are not supported")
+    if body.get("max_completion_tokens") is not None:
+        body = {**body, "max_tokens": body["max_completion_tokens"]}
+    logprobs = _boolean(body, "logprobs", False)
+    top = body.get("top_logprobs")
+    if top not in (None, 0):
+        raise BadField("top_logprobs", "only the sampled token's logprob is available: "
+                                       "top_logprobs must be 0 or unset")
+    options = _options(body, logprobs=logprobs)
+    add_generation_prompt = _boolean(body, "add_generation_prompt", True)
+    continue_final = _boolean(body, "continue_final_message", False)
+    if add_generation_prompt and continue_final:
+        raise BadField("continue_final_message", "needs add_generation_prompt: false")
+    return ChatRequest(options, _messages(body.get("messages")), add_generation_prompt,
+                       continue_final)
+
+
+def _options(body: dict, logprobs: bool) -> Options:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadField("model", "required: a base model or an adapter (name, name@VERSION, "
+                                "name@ALIAS)")
+    n = _integer(body, "n", 1, 1, MAX_N)
+    best_of = body.get("best_of")
+    if best_of not in (None, n):
+        raise BadField("best_of", "is not supported (unset it, or set it to n)")
+    for field in ("presence_penalty", "frequency_penalty"):
+        if _number(body, field, 0.0, -2.0, 2.0) != 0:
+            raise BadField(field, "penalties are not supported: 0 or unset")
+    if _number(body, "repetition_penalty", 1.0, 0.0, math.inf) != 1:
+        raise BadField("repetition_penalty", "penalties are not supported: 1 or unset")
+    if body.get("logit_bias"):
+        raise BadField("logit_bias", "is not supported")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise BadField("response_format", "only {\"type\": \"text\"} is supported")
+    max_tokens = body.get("max_tokens")
+    if max_tokens is not None:
+        max_tokens = _integer(body, "max_tokens", None, 1, 2**31)
+    top_k = _integer(body, "top_k", 0, -1, 2**31)
+    seed = body.get("seed")
+    if seed is not None:
+        if not _is_int(seed) or not -2**63 <= seed < 2**64:
+            raise BadField("seed", f"must be a 64-bit integer, got {seed!r}")
+        seed %= MAX_SEED
+    sampling = SamplingParams(temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+                              top_p=_number(body, "top_p", 1.0, 0.0, 1.0), top_k=max(top_k, 0),
+                              seed=seed)
+    if sampling.top_p == 0:
+        raise BadField("top_p", "must be in (0, 1]")
+    stream = _boolean(body, "stream", False)
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not stream:
+        raise BadField("stream_options", "only with stream: true")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise BadField("stream_options", "must be an object")
+    include_usage = bool(stream_options and _boolean(stream_options, "include_usage", False))
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise BadField("user", "must be a string")
+    return Options(model=model, n=n, max_tokens=max_tokens, sampling=sampling,
+                   stop=_stop(body.get("stop")), stream=stream, include_usage=include_usage,
+                   logprobs=logprobs, ignore_eos=_boolean(body, "ignore_eos", False))
+
+
+def _completion_logprobs(body: dict) -> bool:
+    """Completions' `logprobs` is how many alternatives to return per token: only 0 (the
+    sampled token's own logprob) can be honoured."""
+    value = body.get("logprobs")
+    if value is None or value is False:
+        return False
+    if value is True or value == 0:
+        return True
+    raise BadField("logprobs", "only the sampled token's logprob is available: 0 or unset")
+
+
+def _prompts(prompt) -> tuple[str | tuple[int, ...], ...]:
+    """A string, a list of strings, a list of token ids, or a list of lists of token ids."""
+    if isinstance(prompt, str):
+        return (prompt,)
+    if isinstance(prompt, list) and prompt:
+        if all(_is_int(t) for t in prompt):
+            return (_token_ids(prompt, "prompt"),)
+        if all(isinstance(p, str) for p in prompt):
+            return tuple(prompt)
+        if all(isinstance(p, list) for p in prompt):
+            return tuple(_token_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt))
+    raise BadField("prompt", "must be a string, a list of strings, a list of token ids or a "
+                             "list of lists of token ids, and not empty")
+
+
+def _token_ids(ids: list, param: str) -> tuple[int, ...]:
+    if not ids or not all(_is_int(t) and 0 <= t < 2**32 for t in ids):
+        raise BadField(param, "token ids must be a non-empty list of integers >= 0")
+    return tuple(ids)
+
+
+def _messages(messages) -> tuple[dict, ...]:
+    if not isinstance(messages, list) or not messages:
+        raise BadField("messages", "must be a non-empty list of {role, content}")
+    checked = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise BadField(f"messages[{i}]", f"must be an object whose role is one of "
+                                             f"{', '.join(ROLES)}")
+        if message.get("tool_calls"):
+            raise BadField(f"messages[{i}].tool_calls", "tools are not supported")
+        checked.append({**message, "content": _content(message.get("content"),
+                                                       f"messages[{i}].content")})
+    return tuple(checked)
+
+
+def _content(content, param: str) -> str:
+    """A string, or a list of text parts (joined with newlines)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
+                    part.get("text"), str):
+                raise BadField(f"{param}[{j}]", "only text parts are supported "
+                                                "({\"type\": \"text\", \"text\": ...})")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise BadField(param, "must be a string or a list of text parts")
+
+
+def _stop(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise BadField("stop", "must be a non-empty string or a list of them")
+    if len(stops) > MAX_STOP:
+        raise BadField("stop", f"at most {MAX_STOP} stop strings")
+    return tuple(stops)
+
+
+def _number(body: dict, field: str, default: float, low: float, high: float) -> float:
+    value = body.get(field)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            low <= value <= high):
+        raise BadField(field, f"must be a number in [{low:g}, {high:g}], got {value!r}")
+    return float(value)
+
+
+def _integer(body: dict, field: str, default: int | None, low: int, high: int) -> int:
+    value = body.get(field)
+    if value is None and default is not None:
+        return default
+    if not _is_int(value) or not low <= value <= high:
+        raise BadField(field, f"must be an integer in [{low}, {high}], got {value!r}")
+    return value
+
+
+def _boolean(body: dict, field: str, default: bool) -> bool:
+    value = body.get(field)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise BadField(field, f"must be true or false, got {value!r}")
+    return value
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,145 @@
+"""OpenAI response bodies and server-sent events, built from the pool's token stream.
+
+A streamed token costs one json.dumps of its text and a few string joins: each stream's fixed
+parts (id, created, model, choice prefixes) are encoded once per request.
+"""
+
+import json
+import secrets
+import time
+
+from gateway.http_errors import error_body
+from protos import scheduler_pb2
+
+FINISH = {scheduler_pb2.FINISH_REASON_LENGTH: "length", scheduler_pb2.FINISH_REASON_STOP: "stop"}
+DONE = b"data: [DONE]\n\n"
+
+
+class Choice:
+    """One choice's tokens, as they arrive."""
+
+    def __init__(self, index: int, decode_one=None):
+        self.index = index
+        self.texts: list[str] = []
+        self.finish_reason: str | None = None
+        self.completion_tokens = 0
+        self.logprobs: list[tuple[str, float]] | None = [] if decode_one else None
+        self._decode_one = decode_one  # token id -> its text, when logprobs are asked for
+
+    def add(self, message: scheduler_pb2.GenerateResponse) -> None:
+        if message.HasField("token_id"):
+            self.texts.append(message.text)
+            if self.logprobs is not None:
+                self.logprobs.append((self._decode_one(message.token_id), message.logprob))
+        elif message.text:
+            self.texts.append(message.text)
+        if message.finish_reason:
+            self.finish_reason = FINISH[message.finish_reason]
+            self.completion_tokens = message.usage.completion_tokens
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+    def completion_logprobs(self) -> dict | None:
+        """Completions' logprobs: per token its text, logprob and offset (no alternatives)."""
+        if self.logprobs is None:
+            return None
+        offsets, at = [], 0
+        for token, _ in self.logprobs:
+            offsets.append(at)
+            at += len(token)
+        return {"tokens": [t for t, _ in self.logprobs],
+                "token_logprobs": [lp for _, lp in self.logprobs],
+                "top_logprobs": None, "text_offset": offsets}
+
+    def chat_logprobs(self) -> dict | None:
+        if self.logprobs is None:
+            return None
+        return {"content": [_chat_token(t, lp) for t, lp in self.logprobs]}
+
+
+def _chat_token(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode()),
+            "top_logprobs": []}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Response:
+    """The identity of one response: id, created, model, object kinds."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat = chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        self.created = int(time.time())
+        self.model = model
+
+    def body(self, choices: list[Choice], prompt_tokens: int) -> dict:
+        """The whole (not streamed) response."""
+        completion = sum(c.completion_tokens for c in choices)
+        if self.chat:
+            out = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": c.chat_logprobs(), "finish_reason": c.finish_reason}
+                   for c in choices]
+        else:
+            out = [{"index": c.index, "text": c.text, "logprobs": c.completion_logprobs(),
+                    "finish_reason": c.finish_reason} for c in choices]
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": out,
+                "usage": usage(prompt_tokens, completion)}
+
+
+class EventWriter:
+    """Server-sent events of one streamed response."""
+
+    def __init__(self, response: Response, include_usage: bool, decode_one=None):
+        self._response = response
+        self._decode_one = decode_one
+        head = {"id": response.id,
+                "object": "chat.completion.chunk" if response.chat else "text_completion",
+                "created": response.created, "model": response.model}
+        self._head = json.dumps(head)[:-1]  # '{"id": ..., "model": "..."' (no closing brace)
+        self._tail = ', "usage": null}\n\n' if include_usage else "}\n\n"
+        self._started: set[int] = set()
+
+    def token(self, index: int, message: scheduler_pb2.GenerateResponse) -> bytes:
+        """The event of one message of choice `index`: its text, and its finish reason if it is
+        the last."""
+        finish = FINISH.get(message.finish_reason)
+        logprobs = "null"
+        if self._decode_one is not None and message.HasField("token_id"):
+            token = self._decode_one(message.token_id)
+            logprobs = json.dumps(
+                {"content": [_chat_token(token, message.logprob)]} if self._response.chat else
+                {"tokens": [token], "token_logprobs": [message.logprob], "top_logprobs": None,
+                 "text_offset": [0]})
+        if self._response.chat:
+            if index not in self._started:
+                self._started.add(index)
+                delta = '{"role": "assistant", "content": ' + json.dumps(message.text) + "}"
+            elif finish and not message.text:
+                delta = "{}"
+            else:
+                delta = '{"content": ' + json.dumps(message.text) + "}"
+            choice = f'{{"index": {index}, "delta": {delta}, "logprobs": {logprobs}'
+        else:
+            choice = f'{{"index": {index}, "text": {json.dumps(message.text)}, ' \
+                     f'"logprobs": {logprobs}'
+        reason = f'"{finish}"' if finish else "null"
+        return (f'data: {self._head}, "choices": [{choice}, "finish_reason": {reason}}}]'
+                f"{self._tail}").encode()
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        """The last event when stream_options.include_usage: no choices, the usage."""
+        return (f'data: {self._head}, "choices": [], '
+                f'"usage": {json.dumps(usage(prompt_tokens, completion_tokens))}}}\n\n').encode()
+
+    @staticmethod
+    def error(exc: BaseException) -> bytes:
+        """An error after the stream began: an `error` event (clients raise it), then [DONE]."""
+        _, body, _ = error_body(exc)
+        return f"data: {json.dumps(body)}\n\n".encode() + DONE

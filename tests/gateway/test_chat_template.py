@@ -1,0 +1,111 @@
+"""Chat templates render as HF transformers' apply_chat_template renders them (the oracle), for
+the fixture model's own template and for templates in the styles of popular models."""
+
+import pytest
+from tokenizers import Tokenizer
+from transformers import AutoTokenizer
+
+from common.errors import FailedPrecondition, InvalidArgument
+from executor.tokenizer_files import TokenizerFiles
+from gateway.chat import ChatTemplate
+
+CONVERSATION = [
+    {"role": "system", "content": "You are terse. Réponds en français si besoin."},
+    {"role": "user", "content": "  Hello there!  "},
+    {"role": "assistant", "content": "Hi."},
+    {"role": "user", "content": "Count: 1, 2, 3 — ünïcödé ✓"},
+]
+
+# In the styles of widely used models' templates (written here, not copied): header tokens,
+# ChatML, alternation checked with raise_exception, loop controls, tojson, {% generation %}.
+STYLES = {
+    "headers": (
+        "{{ bos_token }}{% for m in messages %}"
+        "{{ '<|start|>' + m['role'] + '<|end_header|>\n\n' + m['content'] | trim + '<|eot|>' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|start|>assistant<|end_header|>\n\n' }}"
+        "{% endif %}"),
+    "chatml": (
+        "{% for message in messages %}\n"
+        "    {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}\n"
+        "{% endfor %}\n"
+        "{% if add_generation_prompt %}\n    {{- '<|im_start|>assistant\n' }}\n{% endif %}\n"),
+    "alternating": (
+        "{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"
+        "{% set rest = messages[1:] %}{% else %}{% set system = '' %}{% set rest = messages %}"
+        "{% endif %}{{ bos_token }}"
+        "{% for message in rest %}"
+        "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+        "{% if message['role'] == 'user' %}"
+        "{% if loop.first and system %}{{ '[INST] ' + system + '\n\n' + message['content'] + "
+        "' [/INST]' }}{% else %}{{ '[INST] ' + message['content'] + ' [/INST]' }}{% endif %}"
+        "{% else %}{{ ' ' + message['content'] + eos_token }}{% endif %}{% endfor %}"),
+    "loops_and_json": (
+        "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
+        "{{ m | tojson }}\n{% if loop.index > 10 %}{% break %}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{% generation %}>>>{% endgeneration %}{% endif %}"),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tiny):
+    return AutoTokenizer.from_pretrained(tiny["model_dir"])
+
+
+@pytest.fixture(scope="module")
+def files(tiny):
+    return TokenizerFiles.read(tiny["model_dir"])
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_the_models_own_template_matches_transformers(hf_tokenizer, files,
+                                                      add_generation_prompt):
+    template = ChatTemplate(files.chat_template, files.special_tokens)
+    text = template.render(CONVERSATION, add_generation_prompt=add_generation_prompt)
+    expected = hf_tokenizer.apply_chat_template(CONVERSATION, tokenize=False,
+                                                add_generation_prompt=add_generation_prompt)
+    assert text == expected
+    ours = Tokenizer.from_str(files.tokenizer_json).encode(text, add_special_tokens=False).ids
+    assert ours == hf_tokenizer(expected, add_special_tokens=False)["input_ids"]
+    assert ours[0] == hf_tokenizer.bos_token_id and ours.count(hf_tokenizer.bos_token_id) == 1
+
+
+@pytest.mark.parametrize("style", sorted(STYLES))
+def test_templates_in_popular_styles_match_transformers(hf_tokenizer, files, style):
+    messages = CONVERSATION[1:] if style == "alternating" else CONVERSATION
+    for system_first in ([CONVERSATION[0]] if style == "alternating" else [], []):
+        conversation = system_first + messages
+        hf_tokenizer.chat_template = STYLES[style]
+        expected = hf_tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                    add_generation_prompt=True)
+        text = ChatTemplate(STYLES[style], files.special_tokens).render(conversation)
+        assert text == expected
+
+
+def test_a_template_that_refuses_the_messages_is_invalid_argument(files):
+    template = ChatTemplate(files.chat_template, files.special_tokens)
+    with pytest.raises(InvalidArgument, match="Unknown role: narrator"):
+        template.render([{"role": "narrator", "content": "Once upon a time"}])
+    with pytest.raises(InvalidArgument, match="alternate"):
+        ChatTemplate(STYLES["alternating"], files.special_tokens).render(
+            [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+
+
+def test_no_template_or_a_broken_one_is_failed_precondition(files):
+    with pytest.raises(FailedPrecondition, match="no chat template"):
+        ChatTemplate("", files.special_tokens).render(CONVERSATION)
+    with pytest.raises(FailedPrecondition, match="does not compile"):
+        ChatTemplate("{% for m in messages %}", files.special_tokens).render(CONVERSATION)
+
+
+def test_tokenizer_files_read_named_templates_and_added_tokens(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(
+        '{"chat_template": [{"name": "tool_use", "template": "T"}, '
+        '{"name": "default", "template": "D"}], '
+        '"bos_token": {"content": "<bos>", "lstrip": false}, "eos_token": "<eos>", '
+        '"pad_token": null, "model_max_length": 8}')
+    files = TokenizerFiles.read(tmp_path)
+    assert files.chat_template == "D" and files.tokenizer_json == ""
+    assert files.special_tokens == {"bos_token": "<bos>", "eos_token": "<eos>"}
+    (tmp_path / "chat_template.jinja").write_text("J")  # the newer file wins, as in HF
+    assert TokenizerFiles.read(tmp_path).chat_template == "J"

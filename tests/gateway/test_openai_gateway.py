@@ -1,0 +1,205 @@
+"""The gateway in front of two pools with different base models (the demo model, which has no chat
+template, and the fixture model, which has one), as real processes sharing one adapter store,
+driven by the official `openai` client and by gRPC. What comes back through the gateway is what
+the pool's scheduler answers for the same request."""
+
+import asyncio
+import secrets
+import urllib.request
+
+import grpc
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from common.server import insecure_channel
+from loraplex import client
+from loraplex.demo import MODEL_DIR as DEMO_MODEL_DIR
+from loraplex.fixtures import MODEL_ID as FIXTURE_MODEL
+from loraplex.launch import Fleet, FleetKeys, start_gateway
+from protos import scheduler_pb2_grpc
+
+DEMO_MODEL = "loraplex-demo-tiny"
+DEMO_ADAPTERS = DEMO_MODEL_DIR.parent / "adapters"
+KEYS = {"acme": secrets.token_hex(16), "globex": secrets.token_hex(16),
+        "limited": secrets.token_hex(16)}
+EXECUTOR = ["--adapter-slots", "2", "--threads", "1"]
+MESSAGES = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Name a river."}]
+
+
+@pytest.fixture(scope="module")
+def world(tiny, tmp_path_factory, log_dir):
+    """Pool "demo" (with the store), pool "fixture" (using the same store), and a gateway."""
+    keys = FleetKeys(tenants={key: tenant for tenant, key in KEYS.items()})
+    logs = log_dir / "gateway"
+    demo = Fleet(model=str(DEMO_MODEL_DIR), log_dir=logs / "demo", keys=keys,
+                 store_url=tmp_path_factory.mktemp("store").as_uri(), executor_args=EXECUTOR)
+    fixture = None
+    gateway = None
+    try:
+        demo.start()
+        fixture = Fleet(model=tiny["model_dir"], store_url="", log_dir=logs / "fixture",
+                        keys=keys, store_addresses=demo.stores, executor_args=EXECUTOR).start()
+        gateway = start_gateway({DEMO_MODEL: [demo.scheduler],
+                                 FIXTURE_MODEL: [fixture.scheduler]}, demo.stores, logs, keys,
+                                ["--rate-limit", "limited=1:1000000"])
+        yield {"demo": demo, "fixture": fixture, "gateway": gateway, "keys": keys}
+    finally:
+        for part in (gateway, fixture, demo):
+            if part is not None:
+                part.stop()
+
+
+@pytest.fixture(scope="module")
+async def adapters(world, tiny):
+    store = world["demo"].stores[0]
+    await client.push_adapter(store, DEMO_ADAPTERS / "reverse-words", "reverse-words",
+                              key=KEYS["acme"])
+    await client.push_adapter(store, tiny["adapters"]["r4_attn"]["path"], "tiny-attn",
+                              key=KEYS["acme"])
+    await client.push_adapter(store, tiny["adapters"]["r8_mlp"]["path"], "globex-mlp",
+                              key=KEYS["globex"])
+    await client.push_adapter(store, tiny["adapters"]["r2_q"]["path"], "shared-q",
+                              key=world["keys"].admin)  # public
+    return world
+
+
+def openai_client(world, tenant: str = "acme") -> openai.AsyncOpenAI:
+    http = world["gateway"].announced["gateway-http"]
+    return openai.AsyncOpenAI(base_url=f"http://{http}/v1", api_key=KEYS[tenant],
+                              max_retries=0, timeout=120)
+
+
+async def direct(world, pool: str, adapter: str, prompt, max_new: int, tenant="acme") -> str:
+    """What the pool's own scheduler answers (greedy)."""
+    async with insecure_channel(world[pool].scheduler) as channel:
+        out = await client.generate(scheduler_pb2_grpc.SchedulerStub(channel),
+                                    client.generate_request(adapter, prompt, max_new),
+                                    KEYS[tenant])
+    return out.text
+
+
+@pytest.mark.parametrize("pool,model,prompt", [
+    ("demo", "reverse-words", "quiet river stone"),
+    ("demo", DEMO_MODEL, "quiet river stone"),
+    ("fixture", "tiny-attn@1", "The little cat"),
+    ("fixture", "shared-q", "The little cat"),
+])
+async def test_completions_equal_the_pools_answer(adapters, pool, model, prompt):
+    expected = await direct(adapters, pool, "" if model == DEMO_MODEL else model, prompt, 12)
+    api = openai_client(adapters)
+    whole = await api.completions.create(model=model, prompt=prompt, max_tokens=12,
+                                         temperature=0)
+    assert whole.choices[0].text == expected and whole.model == model
+    assert whole.usage.completion_tokens == 12 or whole.choices[0].finish_reason == "stop"
+    chunks = [c async for c in await api.completions.create(
+        model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True})]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+async def test_chat_uses_the_models_template(adapters, tiny):
+    template_ids = AutoTokenizer.from_pretrained(tiny["model_dir"]).apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=False)
+    ids = AutoTokenizer.from_pretrained(tiny["model_dir"])(
+        template_ids, add_special_tokens=False)["input_ids"]
+    expected = await direct(adapters, "fixture", "tiny-attn", ids, 10)
+    api = openai_client(adapters)
+    whole = await api.chat.completions.create(model="tiny-attn", messages=MESSAGES,
+                                              max_tokens=10, temperature=0)
+    assert whole.choices[0].message.content == expected
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage.prompt_tokens == len(ids)
+    chunks = [c async for c in await api.chat.completions.create(
+        model="tiny-attn", messages=MESSAGES, max_tokens=10, temperature=0, stream=True)]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+
+async def test_chat_without_a_template_is_400_and_completions_still_serve(adapters):
+    api = openai_client(adapters)
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        await api.chat.completions.create(model="reverse-words", messages=MESSAGES)
+
+
+async def test_n_choices_and_seeds(adapters):
+    api = openai_client(adapters)
+    kw = dict(model="tiny-attn", prompt=["The cat", "A dog"], max_tokens=8, temperature=0.9,
+              seed=7, n=2)
+    first = await api.completions.create(**kw)
+    again = await api.completions.create(**kw)
+    assert [c.index for c in first.choices] == [0, 1, 2, 3]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    streamed = {}
+    async for chunk in await api.completions.create(**kw, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert [streamed[i] for i in range(4)] == [c.text for c in first.choices]
+
+
+async def test_models_lists_what_the_tenant_may_use(adapters):
+    acme = {m.id for m in (await openai_client(adapters, "acme").models.list()).data}
+    globex = {m.id for m in (await openai_client(adapters, "globex").models.list()).data}
+    bases = {DEMO_MODEL, FIXTURE_MODEL}
+    assert acme == bases | {"reverse-words", "tiny-attn", "shared-q"}
+    assert globex == bases | {"globex-mlp", "shared-q"}
+    card = await openai_client(adapters).models.retrieve("tiny-attn")
+    assert card.model_extra["parent"] == FIXTURE_MODEL and card.model_extra["versions"] == [1]
+
+
+async def test_unknown_and_other_tenants_models_are_the_same_404(adapters):
+    api = openai_client(adapters, "globex")
+    texts = []
+    for model in ("tiny-attn", "no-such-adapter"):
+        with pytest.raises(openai.NotFoundError) as err:
+            await api.completions.create(model=model, prompt="hi", max_tokens=2)
+        texts.append(err.value.message.replace(model, "NAME"))
+    assert texts[0] == texts[1]
+
+
+async def test_bad_key_bad_field_and_rate_limit(adapters):
+    http = adapters["gateway"].announced["gateway-http"]
+    bad = openai.AsyncOpenAI(base_url=f"http://{http}/v1", api_key="x" * 32, max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        await bad.completions.create(model="tiny-attn", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as err:
+        await openai_client(adapters).completions.create(model="tiny-attn", prompt="hi",
+                                                         max_tokens=2, temperature=7)
+    assert err.value.body["param"] == "temperature"
+    limited = openai_client(adapters, "limited")
+    await limited.completions.create(model=DEMO_MODEL, prompt="a b", max_tokens=2)
+    with pytest.raises(openai.RateLimitError) as err:
+        await limited.completions.create(model=DEMO_MODEL, prompt="a b", max_tokens=2)
+    assert int(err.value.response.headers["retry-after"]) >= 1
+
+
+async def test_grpc_generate_through_the_gateway_equals_the_pool(adapters):
+    expected = await direct(adapters, "fixture", "tiny-attn", "The little cat", 8)
+    async with insecure_channel(adapters["gateway"].address) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        out = await client.generate(stub, client.generate_request("tiny-attn", "The little cat",
+                                                                  8), KEYS["acme"])
+        assert out.text == expected and out.usage.adapter.name == "tiny-attn"
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.generate(stub, client.generate_request("", "hi", 2), KEYS["acme"])
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # two pools: name one
+        base = await client.generate(stub, client.generate_request(FIXTURE_MODEL, "hi", 4),
+                                     KEYS["acme"])
+        assert base.text == await direct(adapters, "fixture", "", "hi", 4)
+
+
+async def test_a_pool_down_is_503_for_its_models_while_the_other_serves(adapters):
+    adapters["demo"].by_name("scheduler")[0].kill()
+    api = openai_client(adapters)
+    with pytest.raises(openai.InternalServerError) as err:
+        await api.completions.create(model="reverse-words", prompt="a b", max_tokens=2)
+    assert err.value.status_code == 503
+    done = await api.completions.create(model="tiny-attn", prompt="The cat", max_tokens=4)
+    assert done.choices[0].finish_reason in ("length", "stop")
+    url = f"http://{adapters['gateway'].announced['gateway-http']}/health"
+    with await asyncio.to_thread(urllib.request.urlopen, url, timeout=10) as health:
+        assert health.status == 200
