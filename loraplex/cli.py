@@ -1,7 +1,7 @@
 """`loraplex`: run the services, push adapters, generate, and the demo.
 
-    loraplex up                        all three services locally on embedded defaults
-    loraplex serve scheduler|executor|adapter-store [flags]
+    loraplex up                        every service locally on embedded defaults (+ gateway)
+    loraplex serve scheduler|executor|adapter-store|gateway [flags]
     loraplex adapters push|register|list|show|alias|rm|base add|stats ...
     loraplex generate --adapter N "prompt" [--json]
     loraplex admin stats|prewarm|evict|drain|resume ...   the scheduler's operator RPCs
@@ -12,55 +12,26 @@
 """
 
 import argparse
-import pathlib
-import signal
 import sys
 from collections.abc import Awaitable, Callable
 
 import grpc
 
-from common.credentials import add_key_arguments
 from common.server import insecure_channel, run
-from loraplex import adapters_cli, admin_cli, api_key, client
+from loraplex import adapters_cli, admin_cli, api_key, client, up_cli
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-DEFAULT_WORKDIR = REPO / ".fixtures"
-BASE_PORT = 50051  # `up`: scheduler 50051, adapter store(s) from 50052, then executor(s)
-DEFAULT_SCHEDULER = f"127.0.0.1:{BASE_PORT}"
-DEFAULT_STORE = f"127.0.0.1:{BASE_PORT + 1}"
+# `up`: gateway 50050 (HTTP 8000), scheduler 50051, adapter store(s) from 50052, executor(s) after
+DEFAULT_SCHEDULER = f"127.0.0.1:{up_cli.BASE_PORT}"
+DEFAULT_STORE = f"127.0.0.1:{up_cli.BASE_PORT + 1}"
 
 
 def _serve(argv: list[str]) -> None:
     services = {"scheduler": "scheduler.service", "executor": "executor.service",
-                "adapter-store": "adapter_store.service"}
+                "adapter-store": "adapter_store.service", "gateway": "gateway.service"}
     if not argv or argv[0] not in services:
         sys.exit(f"usage: loraplex serve {{{'|'.join(services)}}} [flags]  (--help after the name)")
     module = __import__(services[argv[0]], fromlist=["main"])
     module.main(argv[1:])
-
-
-def _up(args: argparse.Namespace) -> None:
-    from loraplex import fixtures
-    from loraplex.launch import Fleet
-
-    model = args.model or str(fixtures.ensure(DEFAULT_WORKDIR)["model_dir"])
-    store_url = args.store_url or (DEFAULT_WORKDIR / "store").resolve().as_uri()
-    files = [("--api-keys-file", args.api_keys_file), ("--admin-keys-file", args.admin_keys_file),
-             ("--service-key-file", args.service_key_file)]
-    every = [f for flag, path in files if path for f in (flag, str(pathlib.Path(path).resolve()))]
-    service = every[every.index("--service-key-file"):][:2] if args.service_key_file else []
-    fleet = Fleet(model=model, store_url=store_url, log_dir=DEFAULT_WORKDIR / "logs",
-                  num_executors=args.executors, num_stores=args.stores, base_port=args.base_port,
-                  store_args=every, scheduler_args=every, executor_args=service)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # leave the `with` so children stop too
-    with fleet:
-        for s in fleet.services:
-            print(f"{s.name:16s} {s.address:22s} log {s.log_path}")
-        print("serving; Ctrl-C stops all services", flush=True)
-        try:
-            fleet.services[-1].process.wait()
-        except KeyboardInterrupt:
-            print("\nstopping")
 
 
 async def _generate(args: argparse.Namespace) -> None:
@@ -130,14 +101,7 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
-    up = sub.add_parser("up", help="run all services locally (embedded defaults)")
-    up.add_argument("--model", default="", help="HF model dir (default: the tiny fixture model)")
-    up.add_argument("--store-url", default="", help="file:///dir or s3://bucket/prefix")
-    up.add_argument("--base-port", type=int, default=BASE_PORT,
-                    help="scheduler port; stores and executors take the ports after it")
-    up.add_argument("--executors", type=int, default=1)
-    up.add_argument("--stores", type=int, default=1)
-    add_key_arguments(up)  # handed to every service; without them all run open
+    up_cli.add_parser(sub)
 
     sub.add_parser("serve", help="run one service: scheduler | executor | adapter-store",
                    add_help=False)
@@ -187,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         return budget.main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "up":
-        _up(args)
+        up_cli.run(args)
     elif args.command in ("adapters", "generate", "admin"):
         action = {"adapters": adapters_cli.run, "generate": _generate, "admin": admin_cli.run}
         _call(action[args.command], args)

@@ -193,14 +193,15 @@ class Fleet:
 
 
 def start_gateway(pools: Mapping[str, list[str]], stores: list[str], log_dir: pathlib.Path,
-                  keys: FleetKeys | None = None, args: list[str] = (),
-                  name: str = "gateway") -> ServiceProcess:
+                  keys: FleetKeys | None = None, args: list[str] = (), name: str = "gateway",
+                  grpc_address: str = "127.0.0.1:0",
+                  http_address: str = "127.0.0.1:0") -> ServiceProcess:
     """A gateway in front of `pools` (base model id -> scheduler addresses); `address` is its
     gRPC address, `announced["gateway-http"]` its HTTP one."""
     flags = keys.write(log_dir / "keys")["gateway"] if keys else []
     pool_flags = [f for model_id, addresses in pools.items()
                   for f in ("--pool", f"{model_id}={','.join(addresses)}")]
     return start_service(name, "gateway.service",
-                         ["--address", "127.0.0.1:0", "--http-address", "127.0.0.1:0",
+                         ["--address", grpc_address, "--http-address", http_address,
                           *pool_flags, *(f for a in stores for f in ("--store", a)), *flags,
                           *args], log_dir, wait_for="gateway")
