@@ -1,9 +1,11 @@
 """The main job: three services on embedded defaults and a streaming workload from many tenants.
 
-Starts an adapter store (local files), an executor (the tiny trained demo model on CPU) and a
-scheduler as separate processes, pushes seven task adapters owned by four tenants, streams
-concurrent requests from all of them through one shared batch, then prints sample outputs (each
-adapter doing its task on prompts it never saw in training) and a per-tenant summary.
+Starts an adapter store (local files), an executor (the tiny trained demo model on CPU), a
+scheduler and a gateway as separate processes, pushes seven task adapters owned by four tenants,
+streams concurrent requests from all of them through one shared batch (three in four over gRPC to
+the scheduler, one in four through the gateway's OpenAI API with the official `openai` client),
+then prints sample outputs (each adapter doing its task on prompts it never saw in training) and a
+per-tenant summary.
 
 The model and adapters are committed in loraplex/demo_assets/ (made by loraplex/train_demo.py).
 """
@@ -23,11 +25,13 @@ from common.adapter_ref import AdapterRef
 from common.server import insecure_channel, run
 from loraplex import client
 from loraplex.demo_tasks import TASKS_BY_NAME, held_out
-from loraplex.launch import Fleet, FleetKeys
+from loraplex.launch import Fleet, FleetKeys, start_gateway
 from protos import scheduler_pb2, scheduler_pb2_grpc
 
 ASSETS = pathlib.Path(__file__).parent / "demo_assets"
 MODEL_DIR = ASSETS / "loraplex-demo-tiny"
+MODEL_ID = MODEL_DIR.name  # the executor's model id: adapters' base_model_name_or_path
+OPENAI_EVERY = 4  # one request in four goes through the gateway's OpenAI API
 TENANTS = {  # tenant -> the task adapters it owns (each pushes its own with its API key)
     "acme": ["support-reply", "profile"],
     "globex": ["reverse-words", "rotate-words"],
@@ -52,6 +56,7 @@ class Result:
     prompt: str
     expected: str  # the task's answer; for the base model, the prompt echoed
     got: client.Generation
+    via: str = "grpc"  # or "openai": the gateway's OpenAI API
 
 
 @dataclass
@@ -80,21 +85,47 @@ def plan(num_requests: int, seed: int = 0) -> list[tuple[str, str, str, str]]:
     return out
 
 
-async def _workload(scheduler: str, num_requests: int, concurrency: int,
+async def _openai_generate(api, adapter: str, prompt: str) -> client.Generation:
+    """One streamed /v1/completions through the gateway, collected like a gRPC Generate."""
+    out, start = client.Generation(), time.perf_counter()
+    stream = await api.completions.create(model=adapter or MODEL_ID, prompt=prompt, max_tokens=48,
+                                          temperature=0, stream=True,
+                                          stream_options={"include_usage": True})
+    async for chunk in stream:
+        for choice in chunk.choices:
+            if choice.text and not out.text:
+                out.ttft_seconds = time.perf_counter() - start
+            out.text += choice.text
+            out.finish_reason = choice.finish_reason or out.finish_reason
+        if chunk.usage:
+            out.token_ids = [0] * chunk.usage.completion_tokens  # (ids are not in the API)
+    out.total_seconds = time.perf_counter() - start
+    return out
+
+
+async def _workload(scheduler: str, gateway_http: str, num_requests: int, concurrency: int,
                     keys: FleetKeys) -> Workload:
+    import openai
+
     work, gate = Workload(), asyncio.Semaphore(concurrency)
     key_of = {tenant: key for key, tenant in keys.tenants.items()}
+    apis = {tenant: openai.AsyncOpenAI(base_url=f"http://{gateway_http}/v1", api_key=key,
+                                       max_retries=0, timeout=120)
+            for tenant, key in key_of.items()}
 
-    async def one(stub, tenant: str, adapter: str, prompt: str, expected: str) -> None:
-        request = client.generate_request(adapter, prompt, max_new_tokens=48)  # greedy
+    async def one(i: int, stub, tenant: str, adapter: str, prompt: str, expected: str) -> None:
         async with gate:
-            got = await client.generate(stub, request, key_of[tenant])
-        work.results.append(Result(tenant, adapter, prompt, expected, got))
+            if i % OPENAI_EVERY == 0:
+                got, via = await _openai_generate(apis[tenant], adapter, prompt), "openai"
+            else:
+                request = client.generate_request(adapter, prompt, max_new_tokens=48)  # greedy
+                got, via = await client.generate(stub, request, key_of[tenant]), "grpc"
+        work.results.append(Result(tenant, adapter, prompt, expected, got, via))
 
     async with insecure_channel(scheduler) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         start = time.perf_counter()
-        await asyncio.gather(*(one(stub, *job) for job in plan(num_requests)))
+        await asyncio.gather(*(one(i, stub, *job) for i, job in enumerate(plan(num_requests))))
         work.elapsed = time.perf_counter() - start
         work.stats = await stub.Stats(scheduler_pb2.StatsRequest(),
                                       metadata=client.metadata(keys.admin))
@@ -130,7 +161,7 @@ def _print_rows(rows: list[Result]) -> None:
             continue
         seen.add(r.prompt)
         mark = "ok" if r.got.text == r.expected else f"expected {r.expected!r}"
-        print(f"    {r.prompt!r:34s} -> {r.got.text!r}  [{mark}]")
+        print(f"    {r.prompt!r:34s} -> {r.got.text!r}  [{mark}, {r.via}]")
 
 
 def _print_summary(work: Workload) -> None:
@@ -151,6 +182,12 @@ def _print_summary(work: Workload) -> None:
         print(f"\nexecutor {ex.address}: {ex.steps} batched steps, {ex.adapter_loads} adapter "
               f"loads, {ex.adapter_hits} admissions found their adapter resident; "
               f"{len(ex.slots)} slots now hold: {held}")
+    for via, what in (("grpc", "gRPC Generate to the scheduler"),
+                      ("openai", "the gateway's OpenAI API (openai client, streamed)")):
+        rows = [r for r in work.results if r.via == via]
+        exact = sum(r.got.text == r.expected for r in rows if r.adapter)
+        print(f"through {what}: {len(rows)} requests, {exact} of "
+              f"{sum(1 for r in rows if r.adapter)} adapter answers exact")
     total = sum(len(r.got.token_ids) for r in work.results)
     print(f"total: {len(work.results)} requests, {total} tokens in {work.elapsed:.1f}s "
           f"= {total / work.elapsed:.0f} tokens/s")
@@ -178,15 +215,21 @@ def main(args: argparse.Namespace) -> None:
                       keys=keys)
         print(f"model: {MODEL_DIR.name}, a 4-layer LLaMA trained on CPU to echo text; "
               "each LoRA adapter teaches it one task.")
-        print("starting adapter_store, executor and scheduler as separate processes ...",
+        print("starting adapter_store, executor, scheduler and gateway as separate processes ...",
               flush=True)
         with fleet:
+            gateway = start_gateway({MODEL_ID: [fleet.scheduler]}, fleet.stores, fleet.log_dir,
+                                    keys)
+            fleet.services.append(gateway)
             for s in fleet.services:
                 print(f"  {s.name:16s} listening on {s.address}")
+            http = gateway.announced["gateway-http"]
+            print(f"  {'(OpenAI API)':16s} listening on http://{http}/v1")
             run(lambda: _push_all(fleet.stores[0], keys))
             print(f"streaming {args.requests} requests from {len(TENANTS)} tenants at once, "
                   f"{args.concurrency} in flight, {ADAPTER_SLOTS} adapter slots ...", flush=True)
-            work = run(lambda: _workload(fleet.scheduler, args.requests, args.concurrency, keys))
+            work = run(lambda: _workload(fleet.scheduler, http, args.requests, args.concurrency,
+                                         keys))
             _print_samples(work)
             _print_summary(work)
         print("\nall services stopped.")
