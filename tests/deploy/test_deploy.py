@@ -5,7 +5,8 @@ Every kustomization is rendered without a kustomize binary (tests/deploy/kustomi
 cross-checked against `kubectl kustomize` where kubectl exists), validated against the Kubernetes
 JSON schemas that kubernetes-validate ships (offline, strict: unknown fields fail), and held to the
 rules the services need: native gRPC probes on the right port, a grace period that covers the
-drain, a GPU per executor, secrets only in Secrets.
+drain, a GPU per executor, secrets only in Secrets. Every container's args are parsed by its own
+service's flags (tests/deploy/manifests.py); the gateway's own rules are in test_gateway.py.
 """
 
 import copy
@@ -18,10 +19,20 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.deploy.contract import COMPONENTS, DEPLOY, METRICS_PORT, ROOT, RUN_AS_USER
+from common.server import NOT_SERVING_NOTICE_S
+from tests.deploy.contract import (
+    COMPONENTS,
+    DEPLOY,
+    DRAINS,
+    HTTP_PORTS,
+    METRICS_PORT,
+    RENDERINGS,
+    ROOT,
+    RUN_AS_USER,
+)
 from tests.deploy.kustomize import render
+from tests.deploy.manifests import by_kind, container, deployments, service_config
 
-RENDERINGS = ["base", "overlays/production", "overlays/cpu-smoke"]
 GPU_RENDERINGS = ["base", "overlays/production"]
 # Native gRPC probes are GA from 1.27 (the oldest version we support); 1.37 is the newest
 # schema set the pinned kubernetes-validate ships.
@@ -29,26 +40,6 @@ K8S_VERSIONS = ["1.27.0", "1.37.0"]
 # Names of configuration that must come from a Secret (MAX_BATCHED_TOKENS is no secret).
 SECRET_NAME_RE = re.compile(r"(API|ADMIN|ACCESS|SECRET|AUTH)_?KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL"
                             r"|(AUTH|ACCESS|BEARER|API|SESSION|REFRESH)_?TOKEN", re.IGNORECASE)
-
-
-@pytest.fixture(scope="module", params=RENDERINGS)
-def rendering(request) -> tuple[str, list[dict]]:
-    return request.param, render(DEPLOY / request.param)
-
-
-def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:
-    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
-
-
-def deployments(objects: list[dict]) -> dict[str, dict]:
-    """component label -> Deployment."""
-    return {d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]: d
-            for d in by_kind(objects, "Deployment").values()}
-
-
-def container(deployment: dict) -> dict:
-    (only,) = deployment["spec"]["template"]["spec"]["containers"]
-    return only
 
 
 # --- schemas ----------------------------------------------------------------------------------
@@ -99,28 +90,40 @@ def test_one_deployment_per_service_with_native_grpc_probes_on_its_port(renderin
     for component, deployment in found.items():
         port = COMPONENTS[component][0]
         c = container(deployment)
-        assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": port,
-                                                                    "metrics": METRICS_PORT}
+        http = {"http": HTTP_PORTS[component]} if component in HTTP_PORTS else {}
+        assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
+            "grpc": port, "metrics": METRICS_PORT, **http}, f"{name}/{component}"
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             handlers = set(c[probe]) & {"grpc", "httpGet", "tcpSocket", "exec"}
             assert handlers == {"grpc"}, f"{name}/{component}: {probe} must be a native gRPC probe"
             assert c[probe]["grpc"]["port"] == port, f"{name}/{component}: {probe} port"
-        assert listen_address(objects, deployment) == f"0.0.0.0:{port}", f"{name}/{component}"
+        # --address, or the store's LORAPLEX_STORE_ADDRESS, as the service itself reads it.
+        assert service_config(objects, deployment).address == f"0.0.0.0:{port}", \
+            f"{name}/{component}"
 
 
-def listen_address(objects: list[dict], deployment: dict) -> str:
-    """--address, or the store's LORAPLEX_STORE_ADDRESS from its ConfigMap."""
-    c = container(deployment)
-    flags = [a.removeprefix("--address=") for a in c.get("args", []) if a.startswith("--address=")]
-    if flags:
-        return flags[-1]
-    configs = by_kind(objects, "ConfigMap")
-    (address,) = [configs[s["configMapRef"]["name"]]["data"]["LORAPLEX_STORE_ADDRESS"]
-                  for s in c["envFrom"] if "configMapRef" in s]
-    return address
+def test_every_flag_in_a_manifest_is_one_its_service_has(rendering):
+    """Each container's args, $(NAME) expanded, parse with its service's own flags (in full, no
+    abbreviations) and make a valid config: a misspelt or removed flag fails here, not at a
+    pod's start."""
+    _, objects = rendering
+    for deployment in deployments(objects).values():
+        service_config(objects, deployment)
+
+
+def test_the_flag_contract_catches_a_flag_the_service_lacks():
+    objects = render(DEPLOY / "base")
+    for component, wrong in [("gateway", "--pools=base=loraplex-scheduler:50051"),
+                             ("gateway", "--max-body=5"), ("executor", "--kv-block=64")]:
+        deployment = copy.deepcopy(deployments(objects)[component])
+        container(deployment)["args"].append(wrong)
+        with pytest.raises(AssertionError, match="unrecognized arguments"):
+            service_config(objects, deployment)
 
 
 def test_termination_grace_covers_the_drain(rendering):
+    """SIGTERM comes after the preStop pause; then the service reports NOT_SERVING for a notice
+    and drains each of its servers in turn within --grace-s: all of it inside the grace."""
     name, objects = rendering
     for component, deployment in deployments(objects).items():
         pod = deployment["spec"]["template"]["spec"]
@@ -129,6 +132,9 @@ def test_termination_grace_covers_the_drain(rendering):
         grace = pod["terminationGracePeriodSeconds"]
         assert grace >= COMPONENTS[component][1], f"{name}/{component}"
         assert pause < grace / 4, f"{name}/{component}: preStop eats the drain"
+        drain_s = DRAINS.get(component, 1) * service_config(objects, deployment).grace_s
+        assert pause + NOT_SERVING_NOTICE_S + drain_s < grace, \
+            f"{name}/{component}: killed before its --grace-s drain ends"
 
 
 @pytest.mark.parametrize("name", GPU_RENDERINGS)
@@ -165,7 +171,8 @@ def test_secrets_stay_in_secrets(rendering):
         assert not any(v in literal for v in secret_values), \
             f"{name}/{component}: a secret in the spec"
     # Keys are files from the keys Secret, named by --*-keys-file flags; never a flag's value.
-    flag_files = {"scheduler": 3, "adapter-store": 3, "executor": 1}
+    # The gateway takes tenants' keys and the service key, no admin key (it grants admins nothing).
+    flag_files = {"scheduler": 3, "adapter-store": 3, "executor": 1, "gateway": 2}
     for component, expected in flag_files.items():
         c = container(deployments(objects)[component])
         args = c.get("args", [])
@@ -207,15 +214,20 @@ def test_discovery_services_and_selectors(rendering):
         selected = [c for c, labels in pods.items() if selector.items() <= labels.items()]
         assert len(selected) == 1, \
             f"{name}: Service {service['metadata']['name']} selects {selected}"
-        (port,) = service["spec"]["ports"]
-        assert (port["port"], port["targetPort"]) == (COMPONENTS[selected[0]][0], "grpc")
+        component = selected[0]
+        ports = {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]}
+        expected = {"grpc": (COMPONENTS[component][0], "grpc")}
+        if component in HTTP_PORTS:
+            expected["http"] = (HTTP_PORTS[component], "http")
+        assert ports == expected, f"{name}: Service {service['metadata']['name']}"
     assert services["loraplex-executor"]["spec"]["clusterIP"] == "None"
     assert services["loraplex-adapter-store-headless"]["spec"]["clusterIP"] == "None"
     assert services["loraplex-scheduler"]["spec"]["type"] == "ClusterIP"
+    assert services["loraplex-gateway"]["spec"]["type"] == "ClusterIP"
     dns = "dns:///{}.$(POD_NAMESPACE).svc.$(CLUSTER_DOMAIN):{}"
     scheduler_args = container(deployments(objects)["scheduler"])["args"]
     assert "--executor=" + dns.format("loraplex-executor", 50053) in scheduler_args
-    for component in ("scheduler", "executor"):
+    for component in ("scheduler", "executor", "gateway"):
         args = container(deployments(objects)[component])["args"]
         assert "--store=" + dns.format("loraplex-adapter-store-headless", 50052) in args
 
@@ -226,7 +238,7 @@ def test_disruption_budgets_and_the_store_autoscaler(rendering):
     budgets = {c for pdb in by_kind(objects, "PodDisruptionBudget").values()
                for c, labels in pods.items()
                if pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()}
-    assert budgets >= {"adapter-store", "executor"}, name
+    assert budgets >= {"adapter-store", "executor", "gateway"}, name
     (hpa,) = by_kind(objects, "HorizontalPodAutoscaler").values()
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
                                              "name": "loraplex-adapter-store"}
@@ -234,6 +246,9 @@ def test_disruption_budgets_and_the_store_autoscaler(rendering):
     found = deployments(objects)
     assert "replicas" not in found["adapter-store"]["spec"], "the HPA owns the store's replicas"
     assert found["executor"]["spec"]["replicas"] >= 1
+    # The gateway is stateless: more than one, replaced with no gap.
+    assert found["gateway"]["spec"]["replicas"] >= 2, name
+    assert found["gateway"]["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0, name
     # An executor takes one scheduler's Step stream at a time: one scheduler per pool, replaced
     # by Recreate (a surge replica could not drive the executors).
     assert found["scheduler"]["spec"]["replicas"] == 1

@@ -5,7 +5,7 @@ of the image (tests/deploy/test_deploy.py)."""
 import re
 import tomllib
 
-from tests.deploy.contract import COMPONENTS, DEPLOY, METRICS_PORT, ROOT, RUN_AS_USER
+from tests.deploy.contract import COMPONENTS, DEPLOY, HTTP_PORTS, METRICS_PORT, ROOT, RUN_AS_USER
 
 
 def dockerfile_instructions() -> list[tuple[str, str]]:
@@ -66,7 +66,8 @@ def test_dockerfile_matches_the_manifests_and_pyproject():
     user = next(args for i, args in instructions if i == "USER")
     assert user.split(":")[0] == str(RUN_AS_USER)
     exposed = {int(p) for i, args in instructions if i == "EXPOSE" for p in args.split()}
-    assert exposed == {port for port, _ in COMPONENTS.values()} | {METRICS_PORT}
+    assert exposed == ({port for port, _ in COMPONENTS.values()} | set(HTTP_PORTS.values())
+                       | {METRICS_PORT})
     assert ("COPY", ". .") in instructions
     python = next(args for i, args in instructions
                   if i == "ARG" and args.startswith("PYTHON_VERSION="))
