@@ -142,10 +142,12 @@ class Service:
 
 async def run_until_signalled(service: Service,
                               on_stop: Callable[[], Awaitable[None]] | None = None,
-                              grace: float = 5.0) -> None:
+                              grace: float = 5.0,
+                              stop_beside: Callable[[], Awaitable[None]] | None = None) -> None:
     """Serve until SIGINT/SIGTERM. Then report NOT_SERVING for NOT_SERVING_NOTICE_S (so probes
     and load balancers stop sending work), stop taking RPCs, let in-flight ones finish within
-    `grace`, and run `on_stop`."""
+    `grace` (while `stop_beside` stops another server of the process the same way), and run
+    `on_stop`."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -154,7 +156,10 @@ async def run_until_signalled(service: Service,
     log.info("%s: stopping (grace %.1fs)", service.name, grace)
     await service.mark_not_serving()
     await asyncio.sleep(NOT_SERVING_NOTICE_S)
+    beside = asyncio.ensure_future(stop_beside()) if stop_beside is not None else None
     await service.stop(grace)
+    if beside is not None:
+        await beside
     if on_stop is not None:
         await on_stop()
 

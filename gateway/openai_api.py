@@ -4,7 +4,6 @@
     POST /v1/chat/completions   messages, rendered with the base model's chat template
     GET  /v1/models             the base models, and the adapters the caller's tenant may use
     GET  /v1/models/{model}     one of them
-    GET  /health                200 while the process serves
 
 `model` is a base model id or an adapter reference ("name", "name@3", "name@prod"); the key is
 `Authorization: Bearer <key>`. Every choice is one Generate on the pool. A streamed response
@@ -13,18 +12,16 @@ own status, one after it an `error` event. A client that goes away cancels its G
 """
 
 import asyncio
-import json
 import logging
 
-from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as HttpRoute
 
-from common import wire
-from common.errors import InvalidArgument, LoraplexError, NotFound, Unavailable
+from common.errors import LoraplexError, NotFound, Unavailable
 from gateway.catalog import Catalog
 from gateway.frontend import DEFAULT_MAX_NEW_TOKENS, Frontend, Route
+from gateway.http_common import SSEResponse, guarded, json_body, tenant_of
 from gateway.http_errors import error_body
 from gateway.openai_requests import ChatRequest, Options, chat_request, completion_request
 from gateway.openai_responses import DONE, Choice, EventWriter
@@ -40,31 +37,19 @@ class OpenAIApi:
         self._catalog = catalog
         self._max_body_bytes = max_body_bytes
 
-    def app(self) -> Starlette:
-        return Starlette(routes=[
-            HttpRoute("/v1/completions", self._errors(self.completions), methods=["POST"]),
-            HttpRoute("/v1/chat/completions", self._errors(self.chat), methods=["POST"]),
-            HttpRoute("/v1/models", self._errors(self.models), methods=["GET"]),
-            HttpRoute("/v1/models/{model:path}", self._errors(self.model), methods=["GET"]),
-            HttpRoute("/health", lambda _: Response(status_code=200), methods=["GET"]),
-        ])
-
-    def _errors(self, handler):
-        async def handle(request: Request) -> Response:
-            try:
-                response = await handler(request)
-            except Exception as exc:  # noqa: BLE001 - every error is an OpenAI error body
-                self._frontend.metrics.finished("http", exc)
-                return error_response(exc)
-            self._frontend.metrics.finished("http")
-            return response
-        return handle
+    def routes(self) -> list[HttpRoute]:
+        return [HttpRoute(path, guarded(self._frontend, handler, error_response), methods=[method])
+                for path, handler, method in (
+                    ("/v1/completions", self.completions, "POST"),
+                    ("/v1/chat/completions", self.chat, "POST"),
+                    ("/v1/models", self.models, "GET"),
+                    ("/v1/models/{model:path}", self.model, "GET"))]
 
     # ----- endpoints -----
 
     async def completions(self, request: Request) -> Response:
-        tenant = self._tenant(request)
-        parsed = completion_request(await self._body(request))
+        tenant = tenant_of(request, self._frontend)
+        parsed = completion_request(await json_body(request, self._max_body_bytes))
         options = parsed.options
         route = await self._frontend.route(options.model, tenant)
         max_new = options.max_tokens or DEFAULT_MAX_NEW_TOKENS
@@ -74,8 +59,8 @@ class OpenAIApi:
         return await self._respond(route, tenant, options, prompts, max_new, chat=False)
 
     async def chat(self, request: Request) -> Response:
-        tenant = self._tenant(request)
-        parsed = chat_request(await self._body(request))
+        tenant = tenant_of(request, self._frontend)
+        parsed = chat_request(await json_body(request, self._max_body_bytes))
         options = parsed.options
         route = await self._frontend.route(options.model, tenant)
         ids = await self._frontend.prompt_ids(route, _render(route, parsed), None,
@@ -84,11 +69,11 @@ class OpenAIApi:
         return await self._respond(route, tenant, options, [ids], max_new, chat=True)
 
     async def models(self, request: Request) -> Response:
-        tenant = self._tenant(request)
+        tenant = tenant_of(request, self._frontend)
         return JSONResponse({"object": "list", "data": await self._model_cards(tenant)})
 
     async def model(self, request: Request) -> Response:
-        tenant = self._tenant(request)
+        tenant = tenant_of(request, self._frontend)
         wanted = request.path_params["model"]
         for card in await self._model_cards(tenant):
             if card["id"] == wanted:
@@ -96,25 +81,6 @@ class OpenAIApi:
         raise NotFound(f"model {wanted!r} not found")
 
     # ----- the parts -----
-
-    def _tenant(self, request: Request) -> str:
-        key = request.headers.get(wire.AUTHORIZATION, "").removeprefix(wire.BEARER).strip()
-        return self._frontend.tenant(key, request.headers.get(wire.ON_BEHALF_OF, ""))
-
-    async def _body(self, request: Request) -> dict:
-        size, chunks = 0, []
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self._max_body_bytes:
-                raise InvalidArgument(f"the request body is over {self._max_body_bytes} bytes")
-            chunks.append(chunk)
-        try:
-            body = json.loads(b"".join(chunks))
-        except ValueError:
-            raise InvalidArgument("the request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise InvalidArgument("the request body must be a JSON object")
-        return body
 
     async def _model_cards(self, tenant: str) -> list[dict]:
         pools = self._frontend.pools
@@ -208,26 +174,6 @@ class OpenAIApi:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-
-
-class SSEResponse(StreamingResponse):
-    """Server-sent events; the stream is cancelled (and its Generate calls with it) as soon as
-    the client disconnects, also while no token is on its way."""
-
-    def __init__(self, events):
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    async def __call__(self, scope, receive, send) -> None:
-        stream = asyncio.ensure_future(self.stream_response(send))
-        listen = asyncio.ensure_future(self.listen_for_disconnect(receive))
-        try:
-            await asyncio.wait((stream, listen), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (stream, listen):
-                task.cancel()
-            await asyncio.gather(stream, listen, return_exceptions=True)
-            await self.body_iterator.aclose()
 
 
 def error_response(exc: BaseException) -> JSONResponse:

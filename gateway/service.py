@@ -7,7 +7,8 @@ It owns callers' API keys (-> tenant) and per-tenant rate limits; it resolves ea
 adapter to its base model (cached, stale-while-error, like the scheduler), sends the request to
 the pool serving that base (gateway/pools.py), under its service key with the tenant named
 (metadata loraplex-tenant), and relays the stream. The pools keep fairness, residency and
-admission. gRPC (health, reflection) and HTTP run on one event loop.
+admission. gRPC (health, reflection) and HTTP (the OpenAI API, gateway/openai_api.py; the
+TGI/LoRAX API, gateway/tgi_api.py; GET /health) run on one event loop.
 """
 
 import asyncio
@@ -16,6 +17,9 @@ import logging
 import socket
 
 import uvicorn
+from starlette.applications import Starlette
+from starlette.responses import Response
+from starlette.routing import Route as HttpRoute
 
 from common.metrics import serve_metrics
 from common.ratelimit import RateLimiter
@@ -28,6 +32,7 @@ from gateway.grpc_service import GatewayServicer
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import OpenAIApi
 from gateway.pools import Pools
+from gateway.tgi_api import TgiApi
 from protos import scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -67,10 +72,14 @@ async def serve(config: GatewayConfig) -> None:
         lambda server: scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server),
         [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name])
     port = await service.start()
-    api = OpenAIApi(frontend, Catalog(config.stores, keys.service_key, config.rpc_s),
-                    config.max_body_mb << 20)
+    max_body = config.max_body_mb << 20
+    app = Starlette(routes=[
+        *OpenAIApi(frontend, Catalog(config.stores, keys.service_key, config.rpc_s),
+                   max_body).routes(),
+        *TgiApi(frontend, max_body).routes(),
+        HttpRoute("/health", lambda _: Response(status_code=200), methods=["GET"])])
     sock = _listen(config.http_address)
-    http = _HttpServer(uvicorn.Config(api.app(), lifespan="off", log_level="warning",
+    http = _HttpServer(uvicorn.Config(app, lifespan="off", log_level="warning",
                                       http="httptools", access_log=False,
                                       timeout_graceful_shutdown=int(config.grace_s)))
     http_task = asyncio.create_task(http.serve(sockets=[sock]), name="http")
@@ -85,12 +94,12 @@ async def serve(config: GatewayConfig) -> None:
                              f"{sock.getsockname()[1]}")
     announce("gateway", f"{config.address.rpartition(':')[0]}:{port}")
 
-    async def stop() -> None:
+    async def stop_http() -> None:  # no new connections; requests under way finish
         http.should_exit = True
         await http_task
-        await pools.close()
 
-    await run_until_signalled(service, on_stop=stop, grace=config.grace_s)
+    await run_until_signalled(service, on_stop=pools.close, grace=config.grace_s,
+                              stop_beside=stop_http)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,7 +4,9 @@ driven by the official `openai` client and by gRPC. What comes back through the 
 the pool's scheduler answers for the same request."""
 
 import asyncio
+import json
 import secrets
+import urllib.error
 import urllib.request
 
 import grpc
@@ -190,6 +192,43 @@ async def test_grpc_generate_through_the_gateway_equals_the_pool(adapters):
         base = await client.generate(stub, client.generate_request(FIXTURE_MODEL, "hi", 4),
                                      KEYS["acme"])
         assert base.text == await direct(adapters, "fixture", "", "hi", 4)
+
+
+def post(world, path: str, body: dict, tenant: str = "acme") -> tuple[int, bytes]:
+    """A raw HTTP POST to the gateway, as lorax-client and TGI clients make it."""
+    url = f"http://{world['gateway'].announced['gateway-http']}{path}"
+    request = urllib.request.Request(url, json.dumps(body).encode(), method="POST", headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {KEYS[tenant]}"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+async def test_lorax_and_tgi_clients_requests(adapters):
+    expected = await direct(adapters, "fixture", "tiny-attn", "The little cat", 8)
+    params = {"adapter_id": "tiny-attn", "max_new_tokens": 8, "details": True}
+    status, body = await asyncio.to_thread(post, adapters, "/", {
+        "inputs": "The little cat", "parameters": params, "stream": False})
+    assert status == 200
+    (answer,) = json.loads(body)  # lorax-client reads a list of one
+    assert answer["generated_text"] == expected
+    assert answer["details"]["generated_tokens"] == len(answer["details"]["tokens"])
+    assert answer["details"]["finish_reason"] in ("length", "eos_token")
+    status, body = await asyncio.to_thread(post, adapters, "/generate_stream", {
+        "inputs": "The little cat", "parameters": params})
+    events = [json.loads(line[5:]) for line in body.decode().splitlines()
+              if line.startswith("data:")]
+    assert status == 200
+    assert "".join(e["token"]["text"] for e in events if not e["token"]["special"]) == expected
+    assert events[-1]["generated_text"] == expected and events[-1]["details"]
+    status, body = await asyncio.to_thread(post, adapters, "/generate", {
+        "inputs": "hi", "parameters": {"adapter_id": "globex-mlp"}})
+    assert status == 404 and json.loads(body)["error_type"] == "not_found"
+    status, body = await asyncio.to_thread(post, adapters, "/generate", {
+        "inputs": "hi", "parameters": {"adapter_id": "tiny-attn", "temperature": -1}})
+    assert status == 422 and "temperature" in json.loads(body)["error"]
 
 
 async def test_a_pool_down_is_503_for_its_models_while_the_other_serves(adapters):

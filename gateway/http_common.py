@@ -1,0 +1,70 @@
+"""What the gateway's HTTP APIs share: the caller's tenant from its Bearer key, a bounded JSON
+body, and server-sent events that end as soon as the client goes away."""
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from common import wire
+from common.errors import InvalidArgument
+from gateway.frontend import Frontend
+
+
+def tenant_of(request: Request, frontend: Frontend) -> str:
+    key = request.headers.get(wire.AUTHORIZATION, "").removeprefix(wire.BEARER).strip()
+    return frontend.tenant(key, request.headers.get(wire.ON_BEHALF_OF, ""))
+
+
+async def json_body(request: Request, max_bytes: int) -> dict:
+    """The request's JSON object, read up to `max_bytes` (INVALID_ARGUMENT past it)."""
+    size, chunks = 0, []
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise InvalidArgument(f"the request body is over {max_bytes} bytes")
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except ValueError:
+        raise InvalidArgument("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise InvalidArgument("the request body must be a JSON object")
+    return body
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events; the stream is cancelled (and its Generate calls with it) as soon as
+    the client disconnects, also while no token is on its way."""
+
+    def __init__(self, events):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        stream = asyncio.ensure_future(self.stream_response(send))
+        listen = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait((stream, listen), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (stream, listen):
+                task.cancel()
+            await asyncio.gather(stream, listen, return_exceptions=True)
+            await self.body_iterator.aclose()
+
+
+def guarded(frontend: Frontend, handler: Callable[[Request], Awaitable[Response]],
+            error_response: Callable[[BaseException], JSONResponse]):
+    """`handler`, with every error answered by `error_response` (the API's error shape) and
+    every outcome counted."""
+    async def handle(request: Request) -> Response:
+        try:
+            response = await handler(request)
+        except Exception as exc:  # noqa: BLE001 - every error is an error body of the API's
+            frontend.metrics.finished("http", exc)
+            return error_response(exc)
+        frontend.metrics.finished("http")
+        return response
+    return handle

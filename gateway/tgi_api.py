@@ -1,0 +1,254 @@
+"""The TGI/LoRAX-style HTTP API, so clients written for LoRAX (the `lorax-client` package) or
+TGI work unchanged:
+
+    POST /generate          {"inputs", "parameters": {"adapter_id", "max_new_tokens", ...}}
+                            -> {"generated_text", "details"}
+    POST /generate_stream   the same as server-sent events: {"token", "generated_text",
+                            "details"} per token
+    POST /                  either, by the body's "stream"; not streamed it answers a list of
+                            one response (what lorax-client expects)
+
+`adapter_id` is an adapter reference the caller's tenant may use, or a base model id (a pool's);
+unset means the base model of a gateway with one pool. Adapters come from the loraplex registry
+only (`adapter_source` other than "hub" is refused: push adapters with `loraplex adapters push`).
+The last streamed event carries generated_text and details on a special token with empty text
+(the pool's final message holds no token), so clients that join non-special tokens' text get
+exactly the generated text. Errors: {"error", "error_type"} (422 validation, 404, 429
+overloaded, 503, ...).
+"""
+
+import json
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route as HttpRoute
+
+from common.errors import InvalidArgument, LoraplexError, Unavailable
+from common.sampling import MAX_SEED, SamplingParams
+from gateway.frontend import Frontend, Route
+from gateway.http_common import SSEResponse, guarded, json_body, tenant_of
+from gateway.http_errors import error_body
+from gateway.openai_requests import MAX_STOP
+from protos import scheduler_pb2
+
+DEFAULT_MAX_NEW_TOKENS = 20  # TGI's and LoRAX's default
+_ERROR_TYPES = {400: "validation", 404: "not_found", 429: "overloaded", 401: "authentication",
+                403: "authorization", 503: "unavailable", 504: "timeout"}
+_UNSUPPORTED = {"typical_p": None, "watermark": False, "merged_adapters": None,
+                "response_format": None, "decoder_input_details": False,
+                "return_k_alternatives": None}
+
+
+class TgiApi:
+    def __init__(self, frontend: Frontend, max_body_bytes: int = 32 << 20):
+        self._frontend = frontend
+        self._max_body_bytes = max_body_bytes
+
+    def routes(self) -> list[HttpRoute]:
+        return [HttpRoute(path, guarded(self._frontend, handler, error_response), methods=["POST"])
+                for path, handler in (("/generate", self.generate),
+                                      ("/generate_stream", self.generate_stream),
+                                      ("/", self.compat))]
+
+    async def generate(self, request: Request) -> Response:
+        return await self._serve(request, stream=False, as_list=False)
+
+    async def generate_stream(self, request: Request) -> Response:
+        return await self._serve(request, stream=True, as_list=False)
+
+    async def compat(self, request: Request) -> Response:
+        return await self._serve(request, stream=None, as_list=True)
+
+    async def _serve(self, request: Request, stream: bool | None, as_list: bool) -> Response:
+        tenant = tenant_of(request, self._frontend)
+        body = await json_body(request, self._max_body_bytes)
+        if stream is None:
+            stream = _flag(body, "stream", False)
+        inputs = body.get("inputs")
+        if not isinstance(inputs, str) or not inputs:
+            raise InvalidArgument("inputs: required, a non-empty string")
+        params = body.get("parameters") or {}
+        if not isinstance(params, dict):
+            raise InvalidArgument("parameters: must be an object")
+        route = await self._frontend.route(self._model(params), tenant)
+        max_new = _int(params, "max_new_tokens", DEFAULT_MAX_NEW_TOKENS, 1)
+        ids = await self._frontend.prompt_ids(route, inputs, None, max_new)
+        truncate = params.get("truncate")
+        if truncate is not None:
+            ids = ids[-_int(params, "truncate", 0, 1):]
+        upstream = scheduler_pb2.GenerateRequest(
+            adapter=route.adapter_ref, token_ids=scheduler_pb2.TokenIds(ids=ids),
+            sampling=_sampling(params).to_pb(), max_new_tokens=max_new,
+            stop=_stops(params), ignore_eos=_flag(params, "ignore_eos_token", False))
+        self._frontend.admit(tenant, len(ids) + max_new)
+        prefix = inputs if _flag(params, "return_full_text", False) else ""
+        details = _flag(params, "details", False)
+        events = self._frontend.generate(route, upstream, tenant)
+        if not stream:
+            tokens, final = [], None
+            async for message in events:
+                if message.HasField("token_id"):
+                    tokens.append(message)
+                if message.finish_reason:
+                    final = message
+            text = prefix + "".join(t.text for t in tokens) + (final.text if final else "")
+            answer = {"generated_text": text,
+                      "details": _details(route, tokens, final, upstream) if details else None}
+            return JSONResponse([answer] if as_list else answer)
+        first = await anext(events, None)  # an error before the first token is an HTTP error
+        if first is None:
+            raise Unavailable("the pool ended the stream without an answer; retry")
+        return SSEResponse(self._events(route, upstream, first, events, prefix))
+
+    def _model(self, params: dict) -> str:
+        source = params.get("adapter_source")
+        if source not in (None, "hub"):
+            raise InvalidArgument(f"adapter_source {source!r}: adapters come from the loraplex "
+                                  "registry (push them with `loraplex adapters push`)")
+        for field, allowed in _UNSUPPORTED.items():
+            if params.get(field, allowed) != allowed:
+                raise InvalidArgument(f"{field}: not supported")
+        if params.get("best_of") not in (None, 1):
+            raise InvalidArgument("best_of: not supported (unset, or 1)")
+        if params.get("repetition_penalty") not in (None, 1, 1.0):
+            raise InvalidArgument("repetition_penalty: not supported (unset, or 1)")
+        adapter = params.get("adapter_id")
+        if adapter:
+            if not isinstance(adapter, str):
+                raise InvalidArgument("adapter_id: must be a string")
+            return adapter
+        served = self._frontend.pools.model_ids()
+        if len(served) != 1:
+            raise InvalidArgument(f"adapter_id: name an adapter or a base model (this gateway "
+                                  f"serves {', '.join(served) or 'none'})")
+        return served[0]
+
+    async def _events(self, route: Route, upstream, first, events, prefix: str):
+        texts: list[str] = []
+        tokens = 0
+        try:
+            message = first
+            while message is not None:
+                if message.HasField("token_id"):
+                    tokens += 1
+                    texts.append(message.text)
+                    yield _event({"token": _token(message), "generated_text": None,
+                                  "details": None})
+                if message.finish_reason:
+                    texts.append(message.text)
+                    yield _event({"token": {"id": _last_id(route), "text": message.text,
+                                            "logprob": 0.0, "special": not message.text},
+                                  "generated_text": prefix + "".join(texts),
+                                  "details": {"finish_reason": _finish(route, message, upstream,
+                                                                       None),
+                                              "prompt_tokens": len(upstream.token_ids.ids),
+                                              "generated_tokens": tokens,
+                                              "seed": _seed(upstream)}})
+                message = await anext(events, None)
+        except LoraplexError as exc:
+            _, body = tgi_error(exc)
+            yield _event(body)
+        finally:
+            await events.aclose()
+
+
+def _event(payload: dict) -> bytes:
+    return f"data:{json.dumps(payload)}\n\n".encode()
+
+
+def _token(message: scheduler_pb2.GenerateResponse) -> dict:
+    return {"id": message.token_id, "text": message.text, "logprob": message.logprob,
+            "special": False}
+
+
+def _last_id(route: Route) -> int:
+    eos = route.model.answer.eos_token_ids
+    return eos[0] if eos else 0
+
+
+def _details(route: Route, tokens, final, upstream) -> dict:
+    return {"finish_reason": _finish(route, final, upstream, tokens[-1] if tokens else None),
+            "prompt_tokens": len(upstream.token_ids.ids), "generated_tokens": len(tokens),
+            "seed": _seed(upstream), "prefill": [], "tokens": [_token(t) for t in tokens],
+            "best_of_sequences": None}
+
+
+def _finish(route: Route, final, upstream, last) -> str:
+    if final is None or final.finish_reason == scheduler_pb2.FINISH_REASON_LENGTH:
+        return "length"
+    eos = set(route.model.answer.eos_token_ids) | set(upstream.stop_token_ids)
+    if last is not None and last.token_id in eos:
+        return "eos_token"
+    return "stop_sequence" if upstream.stop else "eos_token"
+
+
+def _seed(upstream) -> int | None:
+    if upstream.sampling.temperature == 0 or not upstream.sampling.HasField("seed"):
+        return None
+    return upstream.sampling.seed
+
+
+def _sampling(params: dict) -> SamplingParams:
+    """TGI's: greedy unless do_sample (or a temperature, top_k or top_p is set)."""
+    sampled = _flag(params, "do_sample", False) or any(
+        params.get(f) is not None for f in ("temperature", "top_k", "top_p"))
+    temperature = params.get("temperature")
+    if temperature is not None and (not isinstance(temperature, (int, float)) or isinstance(
+            temperature, bool) or temperature <= 0):
+        raise InvalidArgument(f"temperature: must be > 0, got {temperature!r}")
+    seed = params.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+        raise InvalidArgument(f"seed: must be an integer >= 0, got {seed!r}")
+    top_p = params.get("top_p")
+    sampling = SamplingParams(
+        temperature=float(temperature or 1.0) if sampled else 0.0,
+        top_k=_int(params, "top_k", 0, 1) if params.get("top_k") is not None else 0,
+        top_p=float(top_p) if top_p is not None and not isinstance(top_p, bool) else 1.0,
+        seed=None if seed is None else seed % MAX_SEED)
+    try:
+        return sampling.validate()
+    except InvalidArgument as err:
+        raise InvalidArgument(str(err).removeprefix("sampling.")) from None
+
+
+def _stops(params: dict) -> list[str]:
+    stop = params.get("stop") or []
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise InvalidArgument("stop: must be a list of non-empty strings")
+    if len(stop) > MAX_STOP:
+        raise InvalidArgument(f"stop: at most {MAX_STOP} strings")
+    return stop
+
+
+def _int(params: dict, field: str, default: int, low: int) -> int:
+    value = params.get(field)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise InvalidArgument(f"{field}: must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def _flag(params: dict, field: str, default: bool) -> bool:
+    value = params.get(field, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"{field}: must be true or false, got {value!r}")
+    return value
+
+
+def tgi_error(exc: BaseException) -> tuple[int, dict]:
+    """(HTTP status, {"error", "error_type"}): TGI's shape; validation errors are 422 as in
+    TGI."""
+    status, body, _ = error_body(exc)
+    kind = _ERROR_TYPES.get(status, "generation")
+    return (422 if status == 400 else status), {"error": body["error"]["message"],
+                                                "error_type": kind}
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    status, body, headers = error_body(exc)
+    kind = _ERROR_TYPES.get(status, "generation")
+    return JSONResponse({"error": body["error"]["message"], "error_type": kind},
+                        status_code=422 if status == 400 else status, headers=headers)
