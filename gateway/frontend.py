@@ -1,8 +1,8 @@
 """The request path of the gateway, shared by its gRPC and HTTP faces: who is calling, which pool
 and adapter version a model name means, the prompt as token ids, the tenant's rate limit, and the
 token stream from the pool: from the cell that ranks first for the adapter, or from the next one
-when a cell cannot be reached before its first token (after that, the stream's error is the
-client's: its tokens so far cannot be taken back).
+when a cell cannot be reached, or is found down, before its first token (after that, the stream's
+error is the client's: its tokens so far cannot be taken back).
 
 The gateway tokenizes (the scheduler then does not): the tenant's token rate limit counts real
 tokens, a prompt too long for the pool is refused before it travels, and chat prompts, whose
@@ -146,15 +146,23 @@ class Frontend:
             if remaining <= 0:
                 break
             call = cell.stub.Generate(request, metadata=metadata, timeout=remaining)
+            messages = aiter(call)
             started = False
             try:
-                async for message in call:
-                    if not started:
-                        started = True
-                        self.metrics.first_token.observe(time.monotonic() - start)
+                message = await _first_unless_lost(messages, cell)
+                if message is _LOST:
+                    log.warning("scheduler %s of pool %s is down; its request moves on",
+                                cell.address, route.pool.model_id)
+                    self.metrics.failovers.inc()
+                    last = Unavailable(f"scheduler {cell.address}: {cell.problem}")
+                    continue
+                started = True
+                self.metrics.first_token.observe(time.monotonic() - start)
+                while message is not None:
                     if message.finish_reason:
                         self.metrics.tokens.inc(message.usage.completion_tokens)
                     yield message
+                    message = await anext(messages, None)
                 return
             except grpc.aio.AioRpcError as err:
                 if started or not _unreachable(err):
@@ -171,6 +179,23 @@ class Frontend:
                     pool.model_id, err.details())
         self.metrics.failovers.inc()
         self._pools.cell_failed(cell, f"{err.code().name}: {err.details()}")
+
+
+_LOST = object()  # the cell went down before its first answer
+
+
+async def _first_unless_lost(messages, cell: Cell):
+    """The stream's first message (None: it ended empty), or _LOST when the cell is found down
+    first."""
+    first = asyncio.ensure_future(anext(messages, None))
+    lost = asyncio.ensure_future(cell.lost.wait())
+    try:
+        await asyncio.wait((first, lost), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        lost.cancel()
+        if not first.done():
+            first.cancel()
+    return first.result() if first.done() and not first.cancelled() else _LOST
 
 
 def _unreachable(err: grpc.aio.AioRpcError) -> bool:

@@ -15,7 +15,9 @@ down is known as down (UNAVAILABLE), not as unknown.
 
 Which cell serves a request: for an adapter, the up cell that ranks first for the adapter's name
 by rendezvous (highest random weight) hashing, so each adapter stays hot in one cell and a cell
-that comes or goes moves only its own share of adapters; for the base model, any up cell.
+that comes or goes moves only its own share of adapters; for the base model, any up cell. A cell
+found down (a failed probe: dead, frozen, or too slow to answer one) gives up the requests that
+wait for its first answer: they go to the next cell (gateway/frontend.py).
 """
 
 import asyncio
@@ -61,6 +63,16 @@ class Cell:
     stub: scheduler_pb2_grpc.SchedulerStub
     is_up: bool = False
     problem: str = "not asked yet"  # why it is down
+    # Set while down: requests still waiting for its first answer move to another cell.
+    lost: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+
+    def up(self) -> None:
+        self.is_up, self.problem = True, ""
+        self.lost.clear()
+
+    def down(self, problem: str) -> None:
+        self.is_up, self.problem = False, problem
+        self.lost.set()
 
 
 @dataclasses.dataclass(eq=False)
@@ -144,7 +156,7 @@ class Pools:
 
     def cell_failed(self, cell: Cell, problem: str) -> None:
         """A call found `cell` unreachable: no requests go to it until it answers a probe."""
-        cell.is_up, cell.problem = False, problem
+        cell.down(problem)
         self._wake.set()
 
     async def _refresh_forever(self) -> None:
@@ -224,16 +236,16 @@ class Pools:
             if cell.is_up:
                 log.warning("scheduler %s of pool %s is down: %s", cell.address, pool.model_id,
                             err.details())
-            cell.is_up, cell.problem = False, f"{err.code().name}: {err.details()}"
+            cell.down(f"{err.code().name}: {err.details()}")
             return
         if answer.model_id != pool.model_id:
             if cell.problem != (problem := f"serves {answer.model_id!r}, not {pool.model_id!r}"):
                 log.error("scheduler %s is configured for pool %s but %s: not used",
                           cell.address, pool.model_id, problem)
-            cell.is_up, cell.problem = False, problem
+            cell.down(problem)
             return
         if answer.fingerprint != known:  # a full answer: the model changed, or is new here
             pool.model = PoolModel(answer)
         if not cell.is_up:
             log.info("scheduler %s of pool %s is up", cell.address, pool.model_id)
-        cell.is_up, cell.problem = True, ""
+        cell.up()
