@@ -194,10 +194,11 @@ async def test_grpc_generate_through_the_gateway_equals_the_pool(adapters):
         assert base.text == await direct(adapters, "fixture", "", "hi", 4)
 
 
-def post(world, path: str, body: dict, tenant: str = "acme") -> tuple[int, bytes]:
+def post(world, path: str, body: dict | bytes, tenant: str = "acme") -> tuple[int, bytes]:
     """A raw HTTP POST to the gateway, as lorax-client and TGI clients make it."""
     url = f"http://{world['gateway'].announced['gateway-http']}{path}"
-    request = urllib.request.Request(url, json.dumps(body).encode(), method="POST", headers={
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data, method="POST", headers={
         "Content-Type": "application/json", "Authorization": f"Bearer {KEYS[tenant]}"})
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
@@ -229,6 +230,44 @@ async def test_lorax_and_tgi_clients_requests(adapters):
     status, body = await asyncio.to_thread(post, adapters, "/generate", {
         "inputs": "hi", "parameters": {"adapter_id": "tiny-attn", "temperature": -1}})
     assert status == 422 and "temperature" in json.loads(body)["error"]
+
+
+WEIRD = [None, True, -1, 0, 2**70, 1e309, "x", "", [], [None], {}, {"a": 1}, [[1, -5]],
+         "\u2603" * 5000]
+FIELDS = {
+    "/v1/completions": ("model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n",
+                        "seed", "stop", "logprobs", "stream", "stream_options", "best_of",
+                        "echo", "suffix", "presence_penalty", "logit_bias", "user"),
+    "/v1/chat/completions": ("model", "messages", "max_tokens", "max_completion_tokens",
+                             "temperature", "n", "seed", "stop", "logprobs", "top_logprobs",
+                             "tools", "tool_choice", "response_format", "stream",
+                             "add_generation_prompt", "continue_final_message"),
+    "/generate": ("inputs", "parameters"),
+}
+BASES = {
+    "/v1/completions": {"model": "tiny-attn", "prompt": "The cat", "max_tokens": 2},
+    "/v1/chat/completions": {"model": "tiny-attn", "messages": MESSAGES, "max_tokens": 2},
+    "/generate": {"inputs": "The cat", "parameters": {"adapter_id": "tiny-attn",
+                                                      "max_new_tokens": 2}},
+}
+
+
+async def test_no_body_makes_the_gateway_fail_itself(adapters):
+    """Every field of every endpoint given values of every JSON kind: an answer or a 4xx that
+    says what is wrong, never a 5xx."""
+    wrong = []
+    for path, fields in FIELDS.items():
+        for field in fields:
+            for value in WEIRD:
+                body = {**BASES[path], field: value}
+                status, text = await asyncio.to_thread(post, adapters, path, body)
+                if status >= 500 or (status >= 400 and b"error" not in text):
+                    wrong.append(f"{path} {field}={str(value)[:20]}: {status} {text[:200]}")
+    for raw in (b"", b"[]", b"{", b"null", b"\xff\xfe", b'{"model": "tiny-attn"}' * 2):
+        status, text = await asyncio.to_thread(post, adapters, "/v1/completions", raw)
+        if status != 400:
+            wrong.append(f"raw {raw[:20]!r}: {status} {text[:200]}")
+    assert not wrong, "\n".join(wrong)
 
 
 async def test_a_pool_down_is_503_for_its_models_while_the_other_serves(adapters):
