@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as HttpRoute
 
-from common.errors import LoraplexError, NotFound, Unavailable
+from common.errors import NotFound, Unavailable
 from gateway.catalog import Catalog
 from gateway.frontend import DEFAULT_MAX_NEW_TOKENS, Frontend, Route
 from gateway.http_common import SSEResponse, guarded, json_body, tenant_of
@@ -133,7 +133,7 @@ class OpenAIApi:
             async for index, message in events:
                 completion_tokens += message.usage.completion_tokens
                 yield writer.token(index, message)
-        except LoraplexError as exc:
+        except Exception as exc:  # noqa: BLE001 - an error after the first token is an event
             yield writer.error(exc)
             return
         finally:

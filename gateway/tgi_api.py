@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as HttpRoute
 
-from common.errors import InvalidArgument, LoraplexError, Unavailable
+from common.errors import InvalidArgument, Unavailable
 from common.sampling import MAX_SEED, SamplingParams
 from gateway.frontend import Frontend, Route
 from gateway.http_common import SSEResponse, guarded, json_body, tenant_of
@@ -145,7 +145,7 @@ class TgiApi:
                                               "generated_tokens": tokens,
                                               "seed": _seed(upstream)}})
                 message = await anext(events, None)
-        except LoraplexError as exc:
+        except Exception as exc:  # noqa: BLE001 - an error after the first token is an event
             _, body = tgi_error(exc)
             yield _event(body)
         finally:
