@@ -51,6 +51,11 @@ class AdapterRecord:
     source: str = ""
     weights_key: str = ""  # "" = the pre-issue-5 layout, v{version}/adapter_model.safetensors
     crc32: int | None = None  # zlib.crc32 of the weights; None in manifests written before it
+    # Added with base fingerprints (common/base_fingerprint.py): base_model is then the matched
+    # registered base's id, and these say from what and how. "" in manifests written before.
+    base_model_name_or_path: str = ""  # as adapter_config.json states it
+    base_match: str = ""  # adapter_store.base_models.MatchKind's value
+    base_fingerprint: str = ""  # of the registered base matched to
 
     def __post_init__(self) -> None:
         if not self.weights_key:

@@ -68,13 +68,17 @@ class Registry(RegistryView):
     # ----- pushing versions -----
 
     async def push(self, name: str, owner_tenant: str, config_json: str, weights_filename: str,
-                   data: bytes, meta: VersionMeta = VersionMeta()) -> AdapterRecord:
-        """Validate and store the next version of `name`; the pushing tenant must own the name."""
+                   data: bytes, meta: VersionMeta = VersionMeta(),
+                   base_fingerprint: str = "") -> AdapterRecord:
+        """Validate and store the next version of `name`; the pushing tenant must own the name.
+        `base_fingerprint`: of the local folder the config's base_model_name_or_path names, when
+        the pusher has it (see BaseModels.match)."""
         check_name(name)
         for metric, score in meta.eval_scores.items():
             if not metric or not math.isfinite(score):
                 raise InvalidArgument(f"eval score {metric!r}={score} must be named and finite")
-        base = await self.base_models.for_adapter(config_json)
+        match = await self.base_models.match(config_json, base_fingerprint)
+        base = match.base
         spec = await asyncio.to_thread(validate_adapter, config_json, weights_filename, data,
                                        max_rank=self._max_rank, base=base)
         weights_key = f"{ROOT}{name}/weights/{spec.sha256}.safetensors"
@@ -86,7 +90,7 @@ class Registry(RegistryView):
                 record = AdapterRecord(
                     name=name, version=max(self._versions.get(name, {}), default=0) + 1,
                     owner_tenant=owner_tenant, is_public=not owner_tenant,
-                    base_model=spec.base_model, rank=spec.rank, alpha=spec.alpha,
+                    base_model=match.base_model, rank=spec.rank, alpha=spec.alpha,
                     use_rslora=spec.use_rslora, target_modules=spec.target_modules,
                     num_bytes=spec.num_bytes, sha256=spec.sha256, crc32=spec.crc32,
                     created_unix=time.time(),
@@ -95,7 +99,9 @@ class Registry(RegistryView):
                     base_config_sha256=base.config_sha256 if base else "", dtype=spec.dtype,
                     rank_pattern=spec.rank_pattern, alpha_pattern=spec.alpha_pattern,
                     training_dataset=meta.training_dataset, eval_scores=dict(meta.eval_scores),
-                    source=meta.source or "upload", weights_key=weights_key)
+                    source=meta.source or "upload", weights_key=weights_key,
+                    base_model_name_or_path=spec.base_model, base_match=match.kind.value,
+                    base_fingerprint=base.fingerprint if base else "")
                 key = version_prefix(name, record.version) + MANIFEST_FILENAME
                 try:
                     await self._blobs.put(key, record.to_json().encode(), if_none_match=True)
@@ -107,8 +113,9 @@ class Registry(RegistryView):
                 raise Unavailable(f"could not claim a version of {name!r}: too many concurrent "
                                   "pushes; retry")
             self._versions.setdefault(name, {})[record.version] = record
-        log.info("pushed %s (%d bytes, rank %d, owner %r, from %s)", record.ref,
-                 record.num_bytes, record.rank, owner_tenant, record.source)
+        log.info("pushed %s (%d bytes, rank %d, owner %r, from %s, base %s, match %s)", record.ref,
+                 record.num_bytes, record.rank, owner_tenant, record.source, record.base_model,
+                 record.base_match)
         return record
 
     async def register_from_uri(self, uri: str, name: str, owner_tenant: str,

@@ -13,20 +13,28 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
-from adapter_store.base_models import BaseModel
 from adapter_store.blob_backends import open_blob_store
 from adapter_store.blobs import BlobStore
 from adapter_store.config import StoreConfig, parse_args
 from adapter_store.host_cache import RESTART, HostCache
 from adapter_store.leases import LeaseBook
+from adapter_store.messages import base_to_pb, meta_from_pb, record_to_details, record_to_pb
 from adapter_store.metrics import store_registry
 from adapter_store.records import AdapterRecord, VersionMeta
 from adapter_store.registry import Registry
 from common import server
-from common.adapter_ref import AdapterRef, check_alias, check_name
+from common.adapter_ref import AdapterRef, check_name
 from common.allocator import keep_freed_memory
+from common.base_fingerprint import check_fingerprint
 from common.credentials import KeyRing, Role, acting_tenant
-from common.errors import DataLoss, InvalidArgument, ResourceExhausted, Unavailable, grpc_errors
+from common.errors import (
+    DataLoss,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+    grpc_errors,
+)
 from common.metrics import serve_metrics
 from common.peft.config import parse_config
 from common.peft.safetensors_header import WEIGHTS_FILE
@@ -36,45 +44,6 @@ from protos import adapter_store_pb2 as pb
 from protos import adapter_store_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
-
-_MAX_METADATA_CHARS = 256  # training_dataset, base_model_revision, an eval score's name
-_MAX_EVAL_SCORES = 64
-_MAX_ALIASES = 16  # set by one push
-_INFO_FIELDS = tuple(common_pb2.AdapterInfo.DESCRIPTOR.fields_by_name)
-
-
-def record_to_pb(record: AdapterRecord) -> common_pb2.AdapterInfo:
-    fields = dataclasses.asdict(record)
-    return common_pb2.AdapterInfo(**{k: fields[k] for k in _INFO_FIELDS})
-
-
-def record_to_details(record: AdapterRecord, aliases: list[str]) -> pb.AdapterDetails:
-    return pb.AdapterDetails(
-        info=record_to_pb(record), base_model_revision=record.base_model_revision,
-        base_config_sha256=record.base_config_sha256, dtype=record.dtype,
-        rank_pattern=record.rank_pattern, alpha_pattern=record.alpha_pattern,
-        training_dataset=record.training_dataset, eval_scores=record.eval_scores,
-        source=record.source, aliases=aliases)
-
-
-def meta_from_pb(metadata: pb.VersionMetadata) -> tuple[VersionMeta, list[str]]:
-    """The pusher's statements, checked, and the aliases to set once the version exists."""
-    for field, text in (("training_dataset", metadata.training_dataset),
-                        ("base_model_revision", metadata.base_model_revision),
-                        *(("eval_scores key", name) for name in metadata.eval_scores)):
-        if len(text) > _MAX_METADATA_CHARS:
-            raise InvalidArgument(f"metadata.{field} is longer than {_MAX_METADATA_CHARS} "
-                                  "characters")
-    for field, items, limit in (("eval_scores", metadata.eval_scores, _MAX_EVAL_SCORES),
-                                ("aliases", metadata.aliases, _MAX_ALIASES)):
-        if len(items) > limit:
-            raise InvalidArgument(f"metadata.{field} has {len(items)} entries; at most {limit}")
-    for alias in metadata.aliases:
-        check_alias(alias)
-    meta = VersionMeta(training_dataset=metadata.training_dataset,
-                       eval_scores=dict(metadata.eval_scores),
-                       base_model_revision=metadata.base_model_revision)
-    return meta, list(metadata.aliases)
 
 
 async def receive_push(
@@ -94,6 +63,7 @@ async def receive_push(
             header = request.header
             # Refuse what would fail anyway before receiving the bytes.
             check_name(header.name)
+            check_fingerprint(header.base_fingerprint, "base_fingerprint")
             meta, aliases = meta_from_pb(header.metadata)
             if header.weights_filename != WEIGHTS_FILE:
                 check_weights_file(header.weights_filename, b"")
@@ -207,7 +177,8 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
                     request_iterator, accept, self._config.max_adapter_bytes,
                     self._config.push_idle_s)
                 record = await self._registry.push(header.name, owner, header.config_json,
-                                                   header.weights_filename, data, meta)
+                                                   header.weights_filename, data, meta,
+                                                   header.base_fingerprint)
             finally:
                 self._push_bytes -= reserved
             return await self._registered(record, aliases, owner)
@@ -314,10 +285,32 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
     async def RegisterBaseModel(self, request, context) -> pb.BaseModelInfo:
         async with grpc_errors(context):
             self._keys.require(context, Role.ADMIN)
-            base: BaseModel = await self._registry.base_models.register(
-                request.model_id, request.config_json, request.revision)
-            return pb.BaseModelInfo(model_id=base.model_id, revision=base.revision,
-                                    config_sha256=base.config_sha256, num_layers=base.num_layers)
+            return base_to_pb(await self._registry.base_models.register(
+                request.model_id, request.config_json, request.revision, request.fingerprint,
+                list(request.names)))
+
+    async def GetBaseModel(self, request, context) -> pb.BaseModelInfo:
+        async with grpc_errors(context):
+            self._keys.require(context, Role.TENANT, Role.SERVICE, Role.ADMIN)
+            key = request.WhichOneof("key")
+            if key is None:
+                raise InvalidArgument("give a base model's name (its id or another name) or its "
+                                      "fingerprint")
+            if key == "fingerprint":
+                check_fingerprint(request.fingerprint, "fingerprint")
+                base = await self._registry.base_models.find(fingerprint=request.fingerprint)
+            else:
+                base = await self._registry.base_models.find(name=request.name)
+            if base is None:
+                raise NotFound(f"no registered base model has {key} {getattr(request, key)!r}; "
+                               "register it with loraplex adapters base add MODEL_DIR --id ID")
+            return base_to_pb(base)
+
+    async def ListBaseModels(self, request, context) -> pb.ListBaseModelsResponse:
+        async with grpc_errors(context):
+            self._keys.require(context, Role.TENANT, Role.SERVICE, Role.ADMIN)
+            return pb.ListBaseModelsResponse(base_models=[
+                base_to_pb(b) for b in await self._registry.base_models.all()])
 
     async def ReportResidency(self, request, context) -> pb.ResidencyAck:
         async with grpc_errors(context):

@@ -47,9 +47,11 @@ import grpc
 import torch
 
 from common.adapter_ref import AdapterRef
+from common.base_fingerprint import is_same_base
 from common.errors import (
     Aborted,
     DataLoss,
+    FailedPrecondition,
     InvalidArgument,
     LoraplexError,
     Unavailable,
@@ -318,7 +320,7 @@ class AdapterLoader:
                 raise DataLoss(f"adapter {key}: the store sent no metadata")
             if writer.num_bytes == info.num_bytes:
                 parsing = asyncio.ensure_future(asyncio.to_thread(
-                    self._parse, key, info.config_json, staging[:info.num_bytes]))
+                    self._parse, key, info, staging[:info.num_bytes]))
             if not await writer.matches():
                 raise DataLoss(f"adapter {key}: received {writer.num_bytes} bytes that do not "
                                f"match the store's size {info.num_bytes} and checksum")
@@ -332,11 +334,18 @@ class AdapterLoader:
                 self._staging.release(staging)
             raise
 
-    def _parse(self, key: str, config_json: str, data: torch.Tensor) -> LoraWeights:
-        """Runs in a worker thread: the PEFT adapter in `data`, validated; views into it."""
+    def _parse(self, key: str, info: common_pb2.AdapterInfo, data: torch.Tensor) -> LoraWeights:
+        """Runs in a worker thread: the PEFT adapter in `data`, validated; views into it. Its
+        base is the one the store matched it to (info.base_model, by id or fingerprint), not
+        the text of its config (a path on the machine it was trained on)."""
+        model_id = self._runner.config.model_id
         try:
-            return parse_peft_adapter(config_json, data, self._runner.config,
-                                      max_rank=self._pool.max_rank, dtype=None)
+            if not is_same_base(info, model_id, self._runner.base_fingerprint):
+                raise FailedPrecondition(f"adapter was trained on base model "
+                                         f"{info.base_model!r}, this pool serves {model_id!r}")
+            return parse_peft_adapter(info.config_json, data, self._runner.config,
+                                      max_rank=self._pool.max_rank, check_base_model=False,
+                                      dtype=None)
         except LoraplexError as err:
             raise type(err)(f"adapter {key}: {err}") from None
 

@@ -16,7 +16,12 @@ class ExecutorConfig:
     address: str = "127.0.0.1:0"
     metrics_port: int = 0  # Prometheus endpoint; 0 = off
     grace_s: float = 30.0  # on SIGTERM: how long in-flight work may take to finish
-    model_id: str = ""  # overrides the model's own identity (what adapters' base_model must say)
+    # What adapters' base_model must say. "" = the id a store registered the model folder's
+    # fingerprint under (asked at start), else the config's _name_or_path or the folder's name.
+    model_id: str = ""
+    # At start: how long the stores together may take to say which registered base the model's
+    # fingerprint is; past it (or while they are down) the folder's own name is kept.
+    resolve_base_s: float = 5.0
     num_kv_blocks: int = 512
     block_size: int = 16
     adapter_slots: int = 8
@@ -37,6 +42,8 @@ class ExecutorConfig:
             raise ValueError("executor: --model is required (a model directory or random:<name>)")
         if not self.stores:
             raise ValueError("executor: at least one adapter store address is required (--store)")
+        if self.resolve_base_s < 0:
+            raise ValueError(f"executor: resolve_base_s must be >= 0, got {self.resolve_base_s}")
         if self.threads < 0:
             raise ValueError(f"executor: threads must be >= 0, got {self.threads}")
         for name in ("num_kv_blocks", "block_size", "adapter_slots", "max_rank", "staging_mb"):
@@ -61,7 +68,12 @@ class ExecutorConfig:
                        help="adapter store host:port (repeatable)")
         p.add_argument("--address", default="127.0.0.1:0",
                        help="host:port to listen on (port 0 = any)")
-        p.add_argument("--model-id", default="", help="override the base model identity")
+        p.add_argument("--model-id", default="",
+                       help="the base model's id adapters must name (default: the id a store "
+                            "registered this model's fingerprint under, else the folder's name)")
+        p.add_argument("--resolve-base-s", type=float, default=5.0,
+                       help="at start, how long to ask the stores for the registered id of this "
+                            "model's fingerprint (0 = do not ask)")
         p.add_argument("--metrics-port", type=int, default=0,
                        help="Prometheus /metrics port (0 = off)")
         p.add_argument("--grace-s", type=float, default=30.0,
@@ -82,6 +94,7 @@ class ExecutorConfig:
         add_key_arguments(p)
         a = p.parse_args(argv)
         return cls(model=a.model, stores=tuple(a.store), address=a.address, model_id=a.model_id,
+                   resolve_base_s=a.resolve_base_s,
                    metrics_port=a.metrics_port, grace_s=a.grace_s,
                    num_kv_blocks=a.num_kv_blocks, block_size=a.block_size,
                    adapter_slots=a.adapter_slots, max_rank=a.max_rank,

@@ -88,6 +88,15 @@ class ModelRunner:
         self.lora = make_lora_backend(lora_backend, self.pool)
         self.model = Transformer(config, weights, self.lora)
         self._seqs: dict[int, _Sequence] = {}
+        self.base_fingerprint = ""  # of the model folder (common/base_fingerprint.py); "": none
+
+    def set_identity(self, model_id: str, base_fingerprint: str) -> None:
+        """Who the served model is: `model_id`, what adapters' base_model must say (the id the
+        store registered its fingerprint under, --model-id, or the folder's own name), and its
+        folder's fingerprint: an adapter matched to a base of that fingerprint fits whatever
+        model_id says."""
+        self.config = self.config.replace(model_id=model_id)
+        self.base_fingerprint = base_fingerprint
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, model_id: str = "",

@@ -21,6 +21,7 @@ from common.server import Service, announce, configure_logging, run, run_until_s
 from executor.adapter_loader import FETCH_TIMEOUT_S, AdapterLoader
 from executor.config import ExecutorConfig
 from executor.lora import resolve_lora_backend
+from executor.model_identity import log_identity, resolve_identity
 from executor.runner import ModelRunner, Row
 from executor.tokenizer_files import TokenizerFiles
 from protos import common_pb2, executor_pb2, executor_pb2_grpc
@@ -91,7 +92,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             device=self._config.device,
             slot_adapters=[a.to_pb() if a else common_pb2.AdapterRef()
                            for a in self._loader.slot_adapters],
-            num_sequences=self._runner.num_sequences)
+            num_sequences=self._runner.num_sequences,
+            base_fingerprint=self._runner.base_fingerprint)
 
     async def Step(self, request_iterator, context):
         async with grpc_errors(context):
@@ -180,8 +182,12 @@ def _fetch_timeout(context) -> float:
 
 
 async def serve(config: ExecutorConfig) -> None:
-    runner, tokenizer = await asyncio.to_thread(build_runner, config)
     keys = config.keys.load()
+    # Which base it serves is asked of the stores while the weights load.
+    identity, (runner, tokenizer) = await asyncio.gather(
+        resolve_identity(config, keys.service_key), asyncio.to_thread(build_runner, config))
+    runner.set_identity(identity.model_id or runner.config.model_id, identity.fingerprint)
+    log_identity(identity, runner.config.model_id)
     if keys.is_open:
         log.warning("executor: no service key configured, open access; configure "
                     "--service-key-file (or LORAPLEX_SERVICE_KEY)")

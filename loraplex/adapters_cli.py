@@ -3,21 +3,25 @@
     loraplex adapters push DIR --name N      upload a PEFT folder (progress bar on stderr)
     loraplex adapters register s3://b/p --name N
     loraplex adapters list|show|alias|rm ...
-    loraplex adapters base add MODEL_DIR --id ID
+    loraplex adapters base add MODEL_DIR --id ID [--name NAME ...]
+    loraplex adapters base list
     loraplex adapters stats                  a store's registry and host-tier counters
 
 A refused call prints one line on stderr (error: CODE: details) and exits with status 1.
 """
 
 import argparse
+import asyncio
 import pathlib
 import sys
 import time
 
 from common.adapter_ref import AdapterQuery, AdapterRef
+from common.base_fingerprint import base_fingerprint
 from common.errors import InvalidArgument
 from loraplex import api_key, client
 from protos import adapter_store_pb2 as pb
+from protos import common_pb2
 
 
 def add_parser(sub: argparse._SubParsersAction, default_store: str) -> None:
@@ -65,10 +69,16 @@ def add_parser(sub: argparse._SubParsersAction, default_store: str) -> None:
     rm.add_argument("--all-versions", action="store_true")
     bases = asub.add_parser("base", help="base models that pushes are checked against")
     bsub = bases.add_subparsers(dest="base_command", required=True)
-    base = store_command("add", "register a base model's config.json for shape checks", bsub)
-    base.add_argument("dir", help="folder with the model's config.json")
-    base.add_argument("--id", required=True, help="model id adapters name as their base")
+    base = store_command("add", "register a base model: its config.json for shape checks and "
+                                "its fingerprint, so adapters naming any copy of it match", bsub)
+    base.add_argument("dir", help="the model's folder (config.json and safetensors weights)")
+    base.add_argument("--id", required=True,
+                      help="the base's canonical id: executors serving it should use it")
+    base.add_argument("--name", action="append", default=[], dest="names",
+                      help="another name adapters may give it, e.g. a hub id or a local path "
+                           "(repeatable; replaces the names it had)")
     base.add_argument("--revision", default="")
+    store_command("list", "registered base models", bsub)
     store_command("stats", "host tier and registry counters of a store")
 
 
@@ -104,6 +114,20 @@ def _metadata(args: argparse.Namespace) -> pb.VersionMetadata:
     return client.version_metadata(args.dataset, scores, args.base_revision, args.alias)
 
 
+def _base_match(info: common_pb2.AdapterInfo) -> str:
+    """How the store matched the adapter's base_model_name_or_path to its base_model."""
+    text = info.base_model_name_or_path
+    if info.base_match == common_pb2.BASE_MATCH_FINGERPRINT:
+        return (f"matched by fingerprint {info.base_fingerprint[:16]}... of the folder {text!r}")
+    if info.base_match == common_pb2.BASE_MATCH_NAME:
+        return f"matched by name {text!r}"
+    if info.base_match == common_pb2.BASE_MATCH_ID:
+        return "matched by id"
+    if info.base_match == common_pb2.BASE_MATCH_UNREGISTERED:
+        return "not a registered base model"
+    return "pushed before bases were matched"
+
+
 def _describe(d: pb.AdapterDetails) -> str:
     i = d.info
     aliases = f"  (aliases: {', '.join(d.aliases)})" if d.aliases else ""
@@ -111,7 +135,7 @@ def _describe(d: pb.AdapterDetails) -> str:
     evals = ", ".join(f"{k}={v:g}" for k, v in sorted(d.eval_scores.items()))
     lines = [str(AdapterRef(i.name, i.version)) + aliases,
              f"  owner      {i.owner_tenant or 'public'}",
-             f"  base       {i.base_model}{revision}",
+             f"  base       {i.base_model}{revision} ({_base_match(i)})",
              f"  rank       {i.rank} (alpha {i.alpha:g}{', rsLoRA' if i.use_rslora else ''})"
              + (f", patterns {dict(d.rank_pattern)}" if d.rank_pattern else ""),
              f"  targets    {' '.join(i.target_modules)}",
@@ -158,6 +182,8 @@ async def run(args: argparse.Namespace) -> None:
         try:
             info = await client.push_adapter(args.store, args.dir, args.name, args.tenant,
                                              progress, _metadata(args), key=api_key.read(args))
+        except ValueError as err:  # the local base folder's checkpoint is unreadable
+            sys.exit(f"error: {err}")
         finally:
             progress.end()
     elif command == "register":
@@ -167,7 +193,8 @@ async def run(args: argparse.Namespace) -> None:
     if command in ("push", "register"):
         print(f"registered {AdapterRef(info.name, info.version)} (rank {info.rank}, "
               f"{len(info.target_modules)} modules, {info.num_bytes / 2**20:.2f} MiB, "
-              f"owner {info.owner_tenant or 'public'}, base {info.base_model})")
+              f"owner {info.owner_tenant or 'public'}, base {info.base_model}: "
+              f"{_base_match(info)})")
     elif command == "list":
         listed = await call("ListAdapters", pb.ListAdaptersRequest(
             tenant=args.tenant, name=args.name, all_versions=args.all_versions))
@@ -202,12 +229,29 @@ async def run(args: argparse.Namespace) -> None:
         answer = await call("DeleteAdapter", pb.DeleteAdapterRequest(
             name=name, version=version, tenant=args.tenant))
         print(f"deleted {name} versions {', '.join(map(str, answer.versions))}")
+    elif command == "base" and args.base_command == "list":
+        listed = await call("ListBaseModels", pb.ListBaseModelsRequest())
+        print(f"{'BASE MODEL':32s} {'LAYERS':>6s}  {'FINGERPRINT':19s} NAMES")
+        for b in listed.base_models:
+            fingerprint = f"{b.fingerprint[:16]}..." if b.fingerprint else "-"
+            print(f"{b.model_id:32s} {b.num_layers:6d}  {fingerprint:19s} "
+                  f"{', '.join(b.names) or '-'}")
     elif command == "base":
         folder = pathlib.Path(args.dir)
+        config_json = (folder / "config.json").read_text()
+        try:
+            fingerprint = await asyncio.to_thread(base_fingerprint, folder)
+        except ValueError as err:
+            sys.exit(f"error: {err}")
         base = await call("RegisterBaseModel", pb.RegisterBaseModelRequest(
-            model_id=args.id, config_json=(folder / "config.json").read_text(),
-            revision=args.revision))
+            model_id=args.id, config_json=config_json, revision=args.revision,
+            fingerprint=fingerprint or "", names=args.names))
         print(f"registered base model {base.model_id} ({base.num_layers} layers, revision "
-              f"{base.revision or '-'}, config sha256 {base.config_sha256[:16]}...)")
+              f"{base.revision or '-'}, config sha256 {base.config_sha256[:16]}..., fingerprint "
+              f"{base.fingerprint[:16] + '...' if base.fingerprint else '-'}, names "
+              f"{', '.join(base.names) or '-'})")
+        if fingerprint is None:
+            print(f"note: {folder} holds no safetensors weights, so it was registered without a "
+                  "fingerprint: adapters match it by --id and --name only")
     elif command == "stats":
         print(_store_stats(await call("Stats", pb.StoreStatsRequest())))

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from common import wire
 from common.adapter_ref import AdapterRef
+from common.base_fingerprint import base_fingerprint
 from common.credentials import metadata
 from common.server import insecure_channel
 from protos import (
@@ -33,12 +34,31 @@ def version_metadata(training_dataset: str = "", eval_scores: dict[str, float] |
         base_model_revision=base_model_revision, aliases=aliases or [])
 
 
+def local_base_fingerprint(config_json: str) -> str:
+    """The fingerprint (common/base_fingerprint.py) of the model in the local folder an
+    adapter_config.json's base_model_name_or_path names on this machine; "" when it names no
+    folder holding a config.json, or one without safetensors weights. ValueError when the
+    folder's checkpoint cannot be read."""
+    try:
+        text = json.loads(config_json).get("base_model_name_or_path")
+    except (ValueError, AttributeError, RecursionError):
+        return ""  # the store names what is wrong with the config
+    if not isinstance(text, str) or not text:
+        return ""
+    folder = pathlib.Path(text).expanduser()
+    if not (folder / "config.json").is_file():
+        return ""  # a hub id, or a path of another machine
+    return base_fingerprint(folder) or ""
+
+
 async def push_adapter(store: str, folder: str | pathlib.Path, name: str, tenant: str = "",
                        progress: Callable[[int, int], None] | None = None,
                        metadata: adapter_store_pb2.VersionMetadata | None = None,
                        key: str = "") -> common_pb2.AdapterInfo:
     """Upload a PEFT adapter folder to the store; returns the registered version. With a tenant
-    `key` it belongs to that tenant; with an admin key to `tenant` ("" = public)."""
+    `key` it belongs to that tenant; with an admin key to `tenant` ("" = public). When the
+    adapter's base_model_name_or_path is a local model folder here, its fingerprint goes along,
+    so the store can match the adapter to the registered base that folder holds."""
     folder = pathlib.Path(folder)
     config_json = (folder / "adapter_config.json").read_text()
     weights = next((folder / f for f in WEIGHT_FILES if (folder / f).exists()), None)
@@ -47,7 +67,8 @@ async def push_adapter(store: str, folder: str | pathlib.Path, name: str, tenant
     data = weights.read_bytes()
     header = adapter_store_pb2.PushHeader(
         name=name, owner_tenant=tenant, config_json=config_json, weights_filename=weights.name,
-        num_bytes=len(data), metadata=metadata)
+        num_bytes=len(data), metadata=metadata,
+        base_fingerprint=await asyncio.to_thread(local_base_fingerprint, config_json))
     async with insecure_channel(store, key) as channel:
         return await push(adapter_store_pb2_grpc.AdapterStoreStub(channel), header, data,
                           progress=progress)

@@ -27,20 +27,22 @@ class VersionMetadata(_message.Message):
     def __init__(self, training_dataset: _Optional[str] = ..., eval_scores: _Optional[_Mapping[str, float]] = ..., base_model_revision: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("name", "owner_tenant", "config_json", "weights_filename", "num_bytes", "metadata")
+    __slots__ = ("name", "owner_tenant", "config_json", "weights_filename", "num_bytes", "metadata", "base_fingerprint")
     NAME_FIELD_NUMBER: _ClassVar[int]
     OWNER_TENANT_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FILENAME_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    BASE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     name: str
     owner_tenant: str
     config_json: str
     weights_filename: str
     num_bytes: int
     metadata: VersionMetadata
-    def __init__(self, name: _Optional[str] = ..., owner_tenant: _Optional[str] = ..., config_json: _Optional[str] = ..., weights_filename: _Optional[str] = ..., num_bytes: _Optional[int] = ..., metadata: _Optional[_Union[VersionMetadata, _Mapping]] = ...) -> None: ...
+    base_fingerprint: str
+    def __init__(self, name: _Optional[str] = ..., owner_tenant: _Optional[str] = ..., config_json: _Optional[str] = ..., weights_filename: _Optional[str] = ..., num_bytes: _Optional[int] = ..., metadata: _Optional[_Union[VersionMetadata, _Mapping]] = ..., base_fingerprint: _Optional[str] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -246,26 +248,52 @@ class StoreStatsResponse(_message.Message):
     def __init__(self, blob_store: _Optional[str] = ..., num_adapters: _Optional[int] = ..., num_versions: _Optional[int] = ..., host_entries: _Optional[int] = ..., host_bytes: _Optional[int] = ..., host_capacity_bytes: _Optional[int] = ..., host_hits: _Optional[int] = ..., host_misses: _Optional[int] = ..., host_joined: _Optional[int] = ..., blob_reads: _Optional[int] = ..., blob_bytes_read: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., host_evictions: _Optional[int] = ..., fetches: _Optional[int] = ...) -> None: ...
 
 class RegisterBaseModelRequest(_message.Message):
-    __slots__ = ("model_id", "config_json", "revision")
+    __slots__ = ("model_id", "config_json", "revision", "fingerprint", "names")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     config_json: str
     revision: str
-    def __init__(self, model_id: _Optional[str] = ..., config_json: _Optional[str] = ..., revision: _Optional[str] = ...) -> None: ...
+    fingerprint: str
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_id: _Optional[str] = ..., config_json: _Optional[str] = ..., revision: _Optional[str] = ..., fingerprint: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BaseModelInfo(_message.Message):
-    __slots__ = ("model_id", "revision", "config_sha256", "num_layers")
+    __slots__ = ("model_id", "revision", "config_sha256", "num_layers", "fingerprint", "names")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     CONFIG_SHA256_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     revision: str
     config_sha256: str
     num_layers: int
-    def __init__(self, model_id: _Optional[str] = ..., revision: _Optional[str] = ..., config_sha256: _Optional[str] = ..., num_layers: _Optional[int] = ...) -> None: ...
+    fingerprint: str
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_id: _Optional[str] = ..., revision: _Optional[str] = ..., config_sha256: _Optional[str] = ..., num_layers: _Optional[int] = ..., fingerprint: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetBaseModelRequest(_message.Message):
+    __slots__ = ("name", "fingerprint")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    fingerprint: str
+    def __init__(self, name: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class ListBaseModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListBaseModelsResponse(_message.Message):
+    __slots__ = ("base_models",)
+    BASE_MODELS_FIELD_NUMBER: _ClassVar[int]
+    base_models: _containers.RepeatedCompositeFieldContainer[BaseModelInfo]
+    def __init__(self, base_models: _Optional[_Iterable[_Union[BaseModelInfo, _Mapping]]] = ...) -> None: ...
 
 class ResidencyReport(_message.Message):
     __slots__ = ("holder", "adapters", "ttl_seconds")

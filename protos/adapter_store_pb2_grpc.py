@@ -90,6 +90,16 @@ class AdapterStoreStub:
                 request_serializer=protos_dot_adapter__store__pb2.RegisterBaseModelRequest.SerializeToString,
                 response_deserializer=protos_dot_adapter__store__pb2.BaseModelInfo.FromString,
                 _registered_method=True)
+        self.GetBaseModel = channel.unary_unary(
+                '/loraplex.v1.AdapterStore/GetBaseModel',
+                request_serializer=protos_dot_adapter__store__pb2.GetBaseModelRequest.SerializeToString,
+                response_deserializer=protos_dot_adapter__store__pb2.BaseModelInfo.FromString,
+                _registered_method=True)
+        self.ListBaseModels = channel.unary_unary(
+                '/loraplex.v1.AdapterStore/ListBaseModels',
+                request_serializer=protos_dot_adapter__store__pb2.ListBaseModelsRequest.SerializeToString,
+                response_deserializer=protos_dot_adapter__store__pb2.ListBaseModelsResponse.FromString,
+                _registered_method=True)
         self.ReportResidency = channel.unary_unary(
                 '/loraplex.v1.AdapterStore/ReportResidency',
                 request_serializer=protos_dot_adapter__store__pb2.ResidencyReport.SerializeToString,
@@ -181,7 +191,24 @@ class AdapterStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RegisterBaseModel(self, request, context):
-        """Register (or replace) a base model's config.json: pushes naming it are checked against its shapes.
+        """Register (or replace) a base model: its config.json, fingerprint and the names it goes by.
+        Pushes naming it (by id, a name, or a local folder with its fingerprint) are matched to it and
+        checked against its shapes. ALREADY_EXISTS when another base holds the fingerprint or a name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetBaseModel(self, request, context):
+        """One registered base model, by id, by any of its names, or by fingerprint (NOT_FOUND when
+        none has it). Executors ask it at start for the id of the model they serve.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListBaseModels(self, request, context):
+        """Every registered base model, sorted by id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -251,6 +278,16 @@ def add_AdapterStoreServicer_to_server(servicer, server):
                     servicer.RegisterBaseModel,
                     request_deserializer=protos_dot_adapter__store__pb2.RegisterBaseModelRequest.FromString,
                     response_serializer=protos_dot_adapter__store__pb2.BaseModelInfo.SerializeToString,
+            ),
+            'GetBaseModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetBaseModel,
+                    request_deserializer=protos_dot_adapter__store__pb2.GetBaseModelRequest.FromString,
+                    response_serializer=protos_dot_adapter__store__pb2.BaseModelInfo.SerializeToString,
+            ),
+            'ListBaseModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListBaseModels,
+                    request_deserializer=protos_dot_adapter__store__pb2.ListBaseModelsRequest.FromString,
+                    response_serializer=protos_dot_adapter__store__pb2.ListBaseModelsResponse.SerializeToString,
             ),
             'ReportResidency': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportResidency,
@@ -555,6 +592,60 @@ class AdapterStore:
             '/loraplex.v1.AdapterStore/RegisterBaseModel',
             protos_dot_adapter__store__pb2.RegisterBaseModelRequest.SerializeToString,
             protos_dot_adapter__store__pb2.BaseModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBaseModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplex.v1.AdapterStore/GetBaseModel',
+            protos_dot_adapter__store__pb2.GetBaseModelRequest.SerializeToString,
+            protos_dot_adapter__store__pb2.BaseModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListBaseModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplex.v1.AdapterStore/ListBaseModels',
+            protos_dot_adapter__store__pb2.ListBaseModelsRequest.SerializeToString,
+            protos_dot_adapter__store__pb2.ListBaseModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,10 +1,24 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class BaseMatch(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BASE_MATCH_UNSPECIFIED: _ClassVar[BaseMatch]
+    BASE_MATCH_UNREGISTERED: _ClassVar[BaseMatch]
+    BASE_MATCH_ID: _ClassVar[BaseMatch]
+    BASE_MATCH_NAME: _ClassVar[BaseMatch]
+    BASE_MATCH_FINGERPRINT: _ClassVar[BaseMatch]
+BASE_MATCH_UNSPECIFIED: BaseMatch
+BASE_MATCH_UNREGISTERED: BaseMatch
+BASE_MATCH_ID: BaseMatch
+BASE_MATCH_NAME: BaseMatch
+BASE_MATCH_FINGERPRINT: BaseMatch
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed")
@@ -27,7 +41,7 @@ class AdapterRef(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class AdapterInfo(_message.Message):
-    __slots__ = ("name", "version", "owner_tenant", "is_public", "base_model", "rank", "alpha", "use_rslora", "target_modules", "num_bytes", "sha256", "created_unix", "config_json", "crc32")
+    __slots__ = ("name", "version", "owner_tenant", "is_public", "base_model", "rank", "alpha", "use_rslora", "target_modules", "num_bytes", "sha256", "created_unix", "config_json", "crc32", "base_model_name_or_path", "base_match", "base_fingerprint")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OWNER_TENANT_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +56,9 @@ class AdapterInfo(_message.Message):
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_NAME_OR_PATH_FIELD_NUMBER: _ClassVar[int]
+    BASE_MATCH_FIELD_NUMBER: _ClassVar[int]
+    BASE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     owner_tenant: str
@@ -56,4 +73,7 @@ class AdapterInfo(_message.Message):
     created_unix: float
     config_json: str
     crc32: int
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., owner_tenant: _Optional[str] = ..., is_public: _Optional[bool] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., use_rslora: _Optional[bool] = ..., target_modules: _Optional[_Iterable[str]] = ..., num_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., created_unix: _Optional[float] = ..., config_json: _Optional[str] = ..., crc32: _Optional[int] = ...) -> None: ...
+    base_model_name_or_path: str
+    base_match: BaseMatch
+    base_fingerprint: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., owner_tenant: _Optional[str] = ..., is_public: _Optional[bool] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., use_rslora: _Optional[bool] = ..., target_modules: _Optional[_Iterable[str]] = ..., num_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., created_unix: _Optional[float] = ..., config_json: _Optional[str] = ..., crc32: _Optional[int] = ..., base_model_name_or_path: _Optional[str] = ..., base_match: _Optional[_Union[BaseMatch, str]] = ..., base_fingerprint: _Optional[str] = ...) -> None: ...

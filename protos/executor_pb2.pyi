@@ -12,7 +12,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "max_model_len", "eos_token_ids", "num_kv_blocks", "block_size", "num_adapter_slots", "max_lora_rank", "tokenizer_json", "weight_bytes", "kv_cache_bytes", "adapter_pool_bytes", "lora_backend", "device", "slot_adapters", "num_sequences", "chat_template", "special_tokens")
+    __slots__ = ("model_id", "vocab_size", "max_model_len", "eos_token_ids", "num_kv_blocks", "block_size", "num_adapter_slots", "max_lora_rank", "tokenizer_json", "weight_bytes", "kv_cache_bytes", "adapter_pool_bytes", "lora_backend", "device", "slot_adapters", "num_sequences", "chat_template", "special_tokens", "base_fingerprint")
     class SpecialTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class InfoResponse(_message.Message):
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BASE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     max_model_len: int
@@ -56,7 +57,8 @@ class InfoResponse(_message.Message):
     num_sequences: int
     chat_template: str
     special_tokens: _containers.ScalarMap[str, str]
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_adapter_slots: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., adapter_pool_bytes: _Optional[int] = ..., lora_backend: _Optional[str] = ..., device: _Optional[str] = ..., slot_adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., num_sequences: _Optional[int] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    base_fingerprint: str
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_adapter_slots: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., adapter_pool_bytes: _Optional[int] = ..., lora_backend: _Optional[str] = ..., device: _Optional[str] = ..., slot_adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., num_sequences: _Optional[int] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., base_fingerprint: _Optional[str] = ...) -> None: ...
 
 class NewSequence(_message.Message):
     __slots__ = ("seq_id", "token_ids", "sampling", "slot", "num_generated")

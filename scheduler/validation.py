@@ -4,6 +4,7 @@ FAILED_PRECONDITION for a base-model mismatch) with a message that says what to 
 from collections.abc import Sequence
 
 from common.adapter_ref import AdapterRef
+from common.base_fingerprint import is_same_base
 from common.errors import FailedPrecondition, InvalidArgument
 from common.prompt_bounds import min_tokens
 from protos import common_pb2, executor_pb2, scheduler_pb2
@@ -50,8 +51,11 @@ def check_stops(req: scheduler_pb2.GenerateRequest, max_strings: int, max_chars:
 
 
 def check_adapter(adapter: common_pb2.AdapterInfo, info: executor_pb2.InfoResponse) -> None:
+    """The adapter fits the pool: made for its base (the registered base the store matched it
+    to is the pool's model id, or has the fingerprint of the executors' model folder), within
+    its rank."""
     ref = AdapterRef(adapter.name, adapter.version)
-    if adapter.base_model != info.model_id:
+    if not is_same_base(adapter, info.model_id, info.base_fingerprint):
         raise FailedPrecondition(f"adapter {ref} was trained for base model "
                                  f"{adapter.base_model!r}, but this pool serves "
                                  f"{info.model_id!r}: send it to a pool of that model")

@@ -109,6 +109,10 @@ MATRIX = {
     "RegisterBaseModel": (lambda s, w, src: s.RegisterBaseModel(pb.RegisterBaseModelRequest(
         model_id="tiny-llama", config_json=json.dumps(TINY_BASE))),
         (UNAUTH, DENIED, DENIED, DENIED, OK)),
+    "GetBaseModel": (lambda s, w, src: s.GetBaseModel(pb.GetBaseModelRequest(name="no-such-base")),
+                     (UNAUTH, NOT_FOUND, NOT_FOUND, NOT_FOUND, NOT_FOUND)),
+    "ListBaseModels": (lambda s, w, src: s.ListBaseModels(pb.ListBaseModelsRequest()),
+                       (UNAUTH, OK, OK, OK, OK)),
     "ReportResidency": (lambda s, w, src: s.ReportResidency(pb.ResidencyReport(
         holder="exec-1", adapters=[ref("a-bot", 1)])), (UNAUTH, DENIED, DENIED, OK, OK)),
 }

@@ -1,0 +1,60 @@
+"""The store's records as protobuf messages and back: AdapterRecord and BaseModel out, a pusher's
+VersionMetadata in (checked). Plain conversions, no I/O."""
+
+import dataclasses
+
+from adapter_store.base_models import BaseModel, MatchKind
+from adapter_store.records import AdapterRecord, VersionMeta
+from common.adapter_ref import check_alias
+from common.errors import InvalidArgument
+from protos import adapter_store_pb2 as pb
+from protos import common_pb2
+
+_MAX_METADATA_CHARS = 256  # training_dataset, base_model_revision, an eval score's name
+_MAX_EVAL_SCORES = 64
+_MAX_ALIASES = 16  # set by one push
+_INFO_FIELDS = tuple(common_pb2.AdapterInfo.DESCRIPTOR.fields_by_name)
+_BASE_MATCH = {kind.value: common_pb2.BaseMatch.Value(f"BASE_MATCH_{kind.name}")
+               for kind in MatchKind}  # "" (manifests written before matching): UNSPECIFIED
+
+
+def record_to_pb(record: AdapterRecord) -> common_pb2.AdapterInfo:
+    fields = dataclasses.asdict(record)
+    fields["base_match"] = _BASE_MATCH.get(record.base_match, common_pb2.BASE_MATCH_UNSPECIFIED)
+    fields["base_model_name_or_path"] = record.base_model_name_or_path or record.base_model
+    return common_pb2.AdapterInfo(**{k: fields[k] for k in _INFO_FIELDS})
+
+
+def base_to_pb(base: BaseModel) -> pb.BaseModelInfo:
+    return pb.BaseModelInfo(model_id=base.model_id, revision=base.revision,
+                            config_sha256=base.config_sha256, num_layers=base.num_layers,
+                            fingerprint=base.fingerprint, names=base.names)
+
+
+def record_to_details(record: AdapterRecord, aliases: list[str]) -> pb.AdapterDetails:
+    return pb.AdapterDetails(
+        info=record_to_pb(record), base_model_revision=record.base_model_revision,
+        base_config_sha256=record.base_config_sha256, dtype=record.dtype,
+        rank_pattern=record.rank_pattern, alpha_pattern=record.alpha_pattern,
+        training_dataset=record.training_dataset, eval_scores=record.eval_scores,
+        source=record.source, aliases=aliases)
+
+
+def meta_from_pb(metadata: pb.VersionMetadata) -> tuple[VersionMeta, list[str]]:
+    """The pusher's statements, checked, and the aliases to set once the version exists."""
+    for field, text in (("training_dataset", metadata.training_dataset),
+                        ("base_model_revision", metadata.base_model_revision),
+                        *(("eval_scores key", name) for name in metadata.eval_scores)):
+        if len(text) > _MAX_METADATA_CHARS:
+            raise InvalidArgument(f"metadata.{field} is longer than {_MAX_METADATA_CHARS} "
+                                  "characters")
+    for field, items, limit in (("eval_scores", metadata.eval_scores, _MAX_EVAL_SCORES),
+                                ("aliases", metadata.aliases, _MAX_ALIASES)):
+        if len(items) > limit:
+            raise InvalidArgument(f"metadata.{field} has {len(items)} entries; at most {limit}")
+    for alias in metadata.aliases:
+        check_alias(alias)
+    meta = VersionMeta(training_dataset=metadata.training_dataset,
+                       eval_scores=dict(metadata.eval_scores),
+                       base_model_revision=metadata.base_model_revision)
+    return meta, list(metadata.aliases)
