@@ -138,14 +138,14 @@ class Frontend:
         """The pool's stream for `request` (prompt as token ids, adapter as route.adapter_ref)."""
         start = time.monotonic()
         deadline = start + (timeout_s or self._request_timeout_s)
-        metadata = ((wire.ON_BEHALF_OF, tenant),)
         cells = route.pool.cells_for(route.adapter.name if route.adapter else None)
         last: Exception | None = None
         for cell in cells:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            call = cell.stub.Generate(request, metadata=metadata, timeout=remaining)
+            call = cell.stub.Generate(request, metadata=(*cell.auth, (wire.ON_BEHALF_OF, tenant)),
+                                      timeout=remaining)
             messages = aiter(call)
             started = False
             try:

@@ -32,6 +32,7 @@ import socket
 import grpc
 from tokenizers import Tokenizer
 
+from common.credentials import metadata
 from common.prompt_bounds import max_chars_per_token
 from common.server import insecure_channel
 from gateway.chat import ChatTemplate
@@ -61,6 +62,9 @@ class Cell:
     address: str
     channel: grpc.aio.Channel
     stub: scheduler_pb2_grpc.SchedulerStub
+    # The service key as call metadata: passed per call rather than by a channel interceptor,
+    # which would cost a Python task per call and a wrapper around every streamed message.
+    auth: tuple[tuple[str, str], ...] = ()
     is_up: bool = False
     problem: str = "not asked yet"  # why it is down
     # Set while down: requests still waiting for its first answer move to another cell.
@@ -223,15 +227,16 @@ class Pools:
             asyncio.ensure_future(cell.channel.close())
         for address in addresses:
             if address not in pool.cells:
-                channel = insecure_channel(address, self._service_key, keepalive=True)
+                channel = insecure_channel(address, keepalive=True)
                 pool.cells[address] = Cell(address, channel,
-                                           scheduler_pb2_grpc.SchedulerStub(channel))
+                                           scheduler_pb2_grpc.SchedulerStub(channel),
+                                           auth=metadata(self._service_key))
 
     async def _probe(self, pool: Pool, cell: Cell) -> None:
         known = pool.model.answer.fingerprint if pool.model else ""
         try:
             answer = await cell.stub.Model(scheduler_pb2.ModelRequest(known_fingerprint=known),
-                                           timeout=self._rpc_s)
+                                           metadata=cell.auth, timeout=self._rpc_s)
         except grpc.aio.AioRpcError as err:
             if cell.is_up:
                 log.warning("scheduler %s of pool %s is down: %s", cell.address, pool.model_id,
