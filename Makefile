@@ -9,6 +9,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps lorax-client==0.6.3
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -10,6 +10,7 @@ import urllib.error
 import urllib.request
 
 import grpc
+import lorax
 import openai
 import pytest
 from transformers import AutoTokenizer
@@ -230,6 +231,35 @@ async def test_lorax_and_tgi_clients_requests(adapters):
     status, body = await asyncio.to_thread(post, adapters, "/generate", {
         "inputs": "hi", "parameters": {"adapter_id": "tiny-attn", "temperature": -1}})
     assert status == 422 and "temperature" in json.loads(body)["error"]
+
+
+async def test_lorax_client_unchanged(adapters):
+    """LoRAX's own Python client (lorax-client), pointed at the gateway: generate and
+    generate_stream with adapter_id give the pool's answer; its errors map to its exceptions."""
+    expected = await direct(adapters, "fixture", "tiny-attn", "The little cat", 8)
+    url = f"http://{adapters['gateway'].announced['gateway-http']}"
+    lx = lorax.AsyncClient(url, headers={"Authorization": f"Bearer {KEYS['acme']}"}, timeout=2)
+    answer = await lx.generate("The little cat", adapter_id="tiny-attn", max_new_tokens=8,
+                               details=True)
+    assert answer.generated_text == expected
+    assert answer.details.generated_tokens == len(answer.details.tokens) == 8
+    assert answer.details.finish_reason.value in ("length", "eos_token")
+    streamed = [r async for r in lx.generate_stream("The little cat", adapter_id="tiny-attn",
+                                                     max_new_tokens=8)]
+    assert "".join(r.token.text for r in streamed if not r.token.special) == expected
+    assert streamed[-1].generated_text == expected
+    seeded = [await lx.generate("The little cat", adapter_id="shared-q", max_new_tokens=6,
+                                do_sample=True, temperature=0.9, top_p=0.9, seed=7)
+              for _ in range(2)]
+    assert seeded[0].generated_text == seeded[1].generated_text  # a seed reproduces
+    with pytest.raises(lorax.errors.NotFoundError):
+        await lx.generate("hi", adapter_id="globex-mlp", max_new_tokens=2)  # another tenant's
+    with pytest.raises(lorax.errors.ValidationError, match="context"):  # refused by the gateway
+        await lx.generate("hi", adapter_id="tiny-attn", max_new_tokens=100_000)
+    sync = lorax.Client(url, headers={"Authorization": f"Bearer {KEYS['acme']}"}, timeout=120)
+    done = await asyncio.to_thread(sync.generate, "The little cat", adapter_id="tiny-attn",
+                                   max_new_tokens=8)
+    assert done.generated_text == expected
 
 
 WEIRD = [None, True, -1, 0, 2**70, 1e309, "x", "", [], [None], {}, {"a": 1}, [[1, -5]],
