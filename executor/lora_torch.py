@@ -5,45 +5,120 @@ metadata. For every segment s with slot j, in PEFT's order:
 
 Segments longer than `gather_max_rows` (prefill chunks) get one shrink and one expand matmul
 each, at the exact rank. The shorter ones (decode: a row or a few per adapter) go all at once,
-padded to the longest of them: their adapters' A and B gathered per segment, one batched shrink
-per group and one batched expand per slice at the group's largest rank in the step, ranks above
-a segment's own masked off. That is a handful of ops per group instead of two matmuls per segment
-and projection: what keeps a CPU decode step over 64 adapters near one over a single adapter.
+padded to the longest of them: one batched shrink per group and one batched expand per slice, at
+the group's largest rank among them, ranks above a segment's own masked off. That is a handful of
+ops per group instead of two matmuls per segment and projection: what keeps a CPU decode step over
+64 adapters near one over a single adapter.
+
+The batched path reads its adapters' A and B stacked side by side ([S, ...], gathered from the
+pool). Decode steps run the same adapters step after step, so the stack is built once and kept
+(`_Stack`) while its slots hold the same weights (the pool's write counts); a step whose adapters
+are a large enough subset of the kept stack (STACK_REUSE_FRACTION) runs over the whole stack, the
+absent slots' rows masked off, rather than copying a new one. The stack costs at most one more
+copy of the slots it holds (the pool's size with every slot in it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import collections
+from dataclasses import dataclass, field
 
 import torch
 
 from executor.lora_segments import LoraSegments
 from executor.slot_pool import LoraSlotPool, SliceGroup
 
+# A step reuses the kept stack when its short segments' slots are in it and are at least this
+# fraction of it (below, the wasted rows of absent slots would cost more than a new stack).
+STACK_REUSE_FRACTION = 0.75
+
+
+@dataclass
+class _Stack:
+    """Adapters of a set of slots stacked for the batched path, filled per (layer, group) on
+    first use and kept while the pool's write counts of `slots` are `writes`."""
+
+    slots: tuple[int, ...]
+    writes: tuple[int, ...]
+    ranks: torch.Tensor  # [L, S, 7] int32: rank per layer and module (0 = not targeted)
+    scales: torch.Tensor  # [L, S, 7] fp32
+    # slot -> its positions in the stack (a slot whose rows are not contiguous in a step has a
+    # segment, and a position, for each run of rows)
+    index: dict[int, list[int]] = field(init=False)
+    groups: dict[tuple[int, str], _StackedGroup | None] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.index = {}
+        for i, slot in enumerate(self.slots):
+            self.index.setdefault(slot, []).append(i)
+
+    def holds(self, slots: list[int]) -> bool:
+        """Whether every segment of `slots` has a position of its slot in the stack."""
+        return all(len(self.index.get(slot, ())) >= count
+                   for slot, count in collections.Counter(slots).items())
+
+    def group(self, layer: int, g: SliceGroup, name: str, device: torch.device,
+              dtype: torch.dtype) -> _StackedGroup | None:
+        """The stacked A, B^T, rank mask and scales of group `g` at `layer` (None when no slot
+        of the stack targets it there)."""
+        key = (layer, name)
+        if key not in self.groups:
+            self.groups[key] = _StackedGroup.build(layer, g, self, device, dtype)
+        return self.groups[key]
+
+
+@dataclass(frozen=True)
+class _StackedGroup:
+    a_t: torch.Tensor  # [S, in, n * R]: each slot's A of the group's slices, transposed
+    bt: torch.Tensor  # [S, R, sum(out)]
+    keep: torch.Tensor  # [S, 1, n, R] bool: rank below the slot's own for that slice
+    scales: torch.Tensor  # [S, n] in the activations' dtype
+
+    @classmethod
+    def build(cls, layer: int, g: SliceGroup, stack: _Stack, device: torch.device,
+              dtype: torch.dtype) -> _StackedGroup | None:
+        n = len(g.modules)
+        m = slice(g.first_module, g.first_module + n)
+        ranks = stack.ranks[layer, :, m]  # [S, n]
+        max_rank = int(ranks.max())
+        if max_rank == 0:
+            return None
+        slots = torch.tensor(stack.slots, device=g.a.device)
+        num = len(stack.slots)
+        a = g.a[layer, :, :, :max_rank].index_select(0, slots)  # [S, n, R, in]
+        keep = torch.arange(max_rank) < ranks.unsqueeze(-1)  # [S, n, R]
+        return cls(a_t=a.reshape(num, n * max_rank, -1).transpose(1, 2),
+                   bt=g.bt[layer, :, :max_rank].index_select(0, slots),
+                   keep=keep.unsqueeze(1).to(device),
+                   scales=stack.scales[layer, :, m].to(device, dtype))
+
 
 @dataclass(frozen=True)
 class _ShortSegments:
-    """Segments the torch backend handles together, padded to the longest: [S, Lmax] rows."""
+    """Segments the torch backend handles together, one row of [S, Lmax] per slot of `stack`
+    (padded to the longest segment; a slot of the stack without a segment is all padding)."""
 
-    rows: torch.Tensor  # [S, Lmax] long: each segment's row indices, padded with its first row
+    rows: torch.Tensor  # [S, Lmax] long: each segment's row indices, padding repeats a row
     valid: torch.Tensor  # [S, Lmax] bool: False on padding
     flat_rows: torch.Tensor  # [N] long: rows[valid], the rows to update, in that order
-    slots: torch.Tensor  # [S] long
-    ranks: torch.Tensor  # [L, S, 7] int32: rank per layer and module (0 = not targeted)
-    scales: torch.Tensor  # [L, S, 7] fp32
+    stack: _Stack
 
     @classmethod
-    def build(cls, segments: list[tuple[int, int, int]], pool: LoraSlotPool) -> _ShortSegments:
+    def build(cls, segments: list[tuple[int, int, int]], stack: _Stack,
+              device: torch.device) -> _ShortSegments:
         longest = max(end - start for start, end, _ in segments)
+        starts = [0] * len(stack.slots)
+        lens = [0] * len(stack.slots)
+        taken = collections.Counter()
+        for start, end, slot in segments:
+            i = stack.index[slot][taken[slot]]
+            taken[slot] += 1
+            starts[i], lens[i] = start, end - start
         offsets = torch.arange(longest)
-        starts = torch.tensor([start for start, _, _ in segments]).unsqueeze(1)
-        lens = torch.tensor([end - start for start, end, _ in segments]).unsqueeze(1)
-        valid = offsets < lens
-        rows = torch.where(valid, starts + offsets, starts)
-        slots = torch.tensor([slot for _, _, slot in segments])
-        device = pool.device
-        return cls(rows.to(device), valid.to(device), rows[valid].to(device), slots.to(device),
-                   pool.rank_table[:, slots], pool.scale_table[:, slots])
+        starts_t = torch.tensor(starts).unsqueeze(1)
+        valid = offsets < torch.tensor(lens).unsqueeze(1)
+        rows = torch.where(valid, starts_t + offsets, starts_t)
+        return cls(rows.to(device), valid.to(device), rows[valid].to(device), stack)
 
 
 @dataclass(frozen=True)
@@ -60,12 +135,29 @@ class TorchLoraBackend:
 
     def __init__(self, pool: LoraSlotPool, *, gather_max_rows: int = 8) -> None:
         self.pool, self.gather_max_rows = pool, gather_max_rows
+        self._stack: _Stack | None = None  # the short segments' adapters, kept across steps
 
     def prepare(self, row_slots: torch.Tensor) -> TorchBatchMeta:
         segments = LoraSegments.from_row_slots(row_slots).segments
         short = [seg for seg in segments if seg[1] - seg[0] <= self.gather_max_rows]
         long = tuple(seg for seg in segments if seg[1] - seg[0] > self.gather_max_rows)
-        return TorchBatchMeta(long, _ShortSegments.build(short, self.pool) if short else None)
+        if not short:
+            return TorchBatchMeta(long, None)
+        return TorchBatchMeta(long, _ShortSegments.build(short, self._stack_for(short),
+                                                         self.pool.device))
+
+    def _stack_for(self, short: list[tuple[int, int, int]]) -> _Stack:
+        """The kept stack if it holds these segments' slots as they are now, else a new one."""
+        slots = [slot for _, _, slot in short]
+        kept = self._stack
+        if (kept is not None and len(slots) >= STACK_REUSE_FRACTION * len(kept.slots)
+                and kept.holds(slots)
+                and self.pool.write_counts(list(kept.slots)) == kept.writes):
+            return kept
+        index = torch.tensor(slots)
+        self._stack = _Stack(tuple(slots), self.pool.write_counts(slots),
+                             self.pool.rank_table[:, index], self.pool.scale_table[:, index])
+        return self._stack
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor,
               meta: TorchBatchMeta) -> None:
@@ -75,7 +167,7 @@ class TorchLoraBackend:
         for module, out_m in zip(g.modules, out.split(g.out_sizes, dim=-1)):
             self._apply_module(layer, module, x, out_m, meta.long)
         if meta.short is not None:
-            self._apply_short(layer, g, x, out, meta.short)
+            self._apply_short(layer, group, g, x, out, meta.short)
 
     def _apply_module(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor,
                       segments: tuple[tuple[int, int, int], ...]) -> None:
@@ -90,25 +182,17 @@ class TorchLoraBackend:
             out[start:end] += (x[start:end] @ a.T) @ b.T * scale
 
     @staticmethod
-    def _apply_short(layer: int, g: SliceGroup, x: torch.Tensor, out: torch.Tensor,
+    def _apply_short(layer: int, name: str, g: SliceGroup, x: torch.Tensor, out: torch.Tensor,
                      segs: _ShortSegments) -> None:
-        n = len(g.modules)
-        m = slice(g.first_module, g.first_module + n)
-        ranks = segs.ranks[layer, :, m]  # [S, n]
-        max_rank = int(ranks.max())
-        if max_rank == 0:
+        stacked = segs.stack.group(layer, g, name, x.device, x.dtype)
+        if stacked is None:
             return  # no short segment's adapter targets this group here
-        num = len(segs.slots)
-        a = g.a[layer, :, :, :max_rank].index_select(0, segs.slots)  # [S, n, R, in]
-        t = x[segs.rows] @ a.reshape(num, n * max_rank, -1).transpose(1, 2)  # [S, Lmax, n*R]
-        keep = (torch.arange(max_rank, device=x.device)
-                < ranks.to(x.device).unsqueeze(-1))  # [S, n, R]
-        t = t.view(num, -1, n, max_rank).masked_fill(~keep.unsqueeze(1), 0.0)
-        bt = g.bt[layer, :, :max_rank].index_select(0, segs.slots)  # [S, R, sum(out)]
-        scales = segs.scales[layer, :, m].to(x.device, x.dtype)  # [S, n]
+        num, n = stacked.bt.shape[0], len(g.modules)
+        t = x[segs.rows] @ stacked.a_t  # [S, Lmax, n*R]
+        t = t.view(num, -1, n, stacked.bt.shape[1]).masked_fill(~stacked.keep, 0.0)
         pieces, offset = [], 0
         for s, out_f in enumerate(g.out_sizes):
-            y = t[:, :, s] @ bt[:, :, offset:offset + out_f]  # [S, Lmax, out]
-            pieces.append(y * scales[:, s, None, None])
+            y = t[:, :, s] @ stacked.bt[:, :, offset:offset + out_f]  # [S, Lmax, out]
+            pieces.append(y * stacked.scales[:, s, None, None])
             offset += out_f
         out.index_add_(0, segs.flat_rows, torch.cat(pieces, dim=-1)[segs.valid])

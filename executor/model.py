@@ -69,10 +69,11 @@ class StepMetadata:
         positions, write_slots, prefills = [], [], []
         decode_rows, decode_groups = [], []
         row = 0
-        for g in groups:
+        for g in groups:  # plain ints: no small tensors per row (a decode step is many rows)
             end_pos = g.start_pos + g.num_tokens
-            positions.append(torch.arange(g.start_pos, end_pos))
-            write_slots.append(kv.slots(g.block_table, g.start_pos, end_pos))
+            table = g.block_table
+            positions.extend(range(g.start_pos, end_pos))
+            write_slots.extend(table[p // bs] * bs + p % bs for p in range(g.start_pos, end_pos))
             if g.num_tokens == 1:
                 decode_rows.append(row)
                 decode_groups.append(g)
@@ -95,8 +96,8 @@ class StepMetadata:
         mask = (k_pos[None, :] < ctx_lens[:, None]) & _visible(
             (ctx_lens - 1)[:, None], k_pos[None, :], sliding_window)  # [Sd, Cmax]
         return cls(
-            positions=torch.cat(positions).to(device),
-            write_slots=torch.cat(write_slots).to(device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            write_slots=torch.tensor(write_slots, dtype=torch.long, device=device),
             decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
             decode_ctx_slots=ctx_slots.to(device),
             decode_mask=mask[:, None, None, :].to(device),

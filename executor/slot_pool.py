@@ -124,6 +124,9 @@ class LoraSlotPool:
         self.scale_table = torch.zeros(num_layers, num_slots, len(LORA_MODULES))
         # Written only by the methods below (each assignment whole: the step thread reads them).
         self._slots: list[SlotState] = [EMPTY_SLOT] * num_slots
+        # Per slot, how many times its weights were written (zeroed, then maybe copied): a copy
+        # of a slot's weights made at count c is current while the count is still c.
+        self._writes: list[int] = [0] * num_slots
 
     def num_bytes(self) -> int:
         tensors = [*self.scale.values()]
@@ -144,6 +147,10 @@ class LoraSlotPool:
         """Whether `slot` is loaded with exactly `adapter`."""
         state = self.state(slot)
         return state.is_loaded and state.adapter == adapter
+
+    def write_counts(self, slots: list[int]) -> tuple[int, ...]:
+        """How many times each of `slots` was written (see copies of slot weights)."""
+        return tuple(self._writes[slot] for slot in slots)
 
     def adapters(self) -> list[AdapterRef | None]:
         """The adapter each slot is loaded with; None where it holds none (or an unnamed one)."""
@@ -208,6 +215,7 @@ class LoraSlotPool:
         not one of the whole slot at max_rank."""
         targets = self._slots[slot].targets
         self._slots[slot] = dataclasses.replace(self._slots[slot], is_loaded=False, adapter=None)
+        self._writes[slot] += 1
         for g in self.groups.values():
             rank = max((r for (_, m), (r, _) in targets.items() if m in g.modules), default=0)
             if rank:

@@ -50,3 +50,35 @@ def test_gathered_rows_match_per_segment_matmuls(pool, row_slots):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         untouched = row_slots < 0
         assert torch.equal(got[untouched], base[untouched])  # rows without adapter cost nothing
+
+
+def check_against_exact(backend, pool, row_slots):
+    exact = TorchLoraBackend(pool, gather_max_rows=0)
+    for _, _, _, got, want in backend_outputs(CONFIG, backend, exact, torch.tensor(row_slots),
+                                              seed=9):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_steps_reuse_one_stack_until_its_slots_are_written(pool):
+    """Decode steps over the same adapters read one stacked copy of them, not a copy per step; a
+    step over most of them reuses it too; a slot written since (another adapter loaded into it)
+    or a step over few of them gets a new one. Every step's output equals the exact path's."""
+    fast = TorchLoraBackend(pool)
+    every = [0, 1, 2, 3, 4]
+    first = fast.prepare(torch.tensor(every)).short.stack
+    check_against_exact(fast, pool, every)
+    assert fast.prepare(torch.tensor([0, 0, 1, 2, 3, 4])).short.stack is first
+    most = [0, 2, 3, 4]  # 4 of the stack's 5: its rows for slot 1 are all padding
+    assert fast.prepare(torch.tensor(most)).short.stack is first
+    check_against_exact(fast, pool, most)
+
+    pool.load(1, random_adapter(CONFIG, 7, 77))
+    rewritten = fast.prepare(torch.tensor(every)).short.stack
+    assert rewritten is not first
+    check_against_exact(fast, pool, every)  # the new weights of slot 1, not the kept copy
+
+    few = [3, 4]
+    assert fast.prepare(torch.tensor(few)).short.stack is not rewritten
+    check_against_exact(fast, pool, few)
+    split = [2, 2, 0, 2]  # slot 2 in two runs: a position of the stack for each
+    check_against_exact(fast, pool, split)
