@@ -14,8 +14,11 @@ work should hit both sides and not set the number). The full run writes
 bench/results/serving-cpu.md.
 """
 
+from __future__ import annotations
+
 import argparse
 import asyncio
+import json
 import os
 import pathlib
 import random
@@ -26,6 +29,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from step_breakdown import breakdown_table, decode_breakdown
 
 from common.server import insecure_channel, run
 from loraplex import client, fixtures
@@ -134,10 +138,38 @@ class Row:
     ttft_p99: float
     peft_tok_s: float
     num_agree: int  # requests whose tokens agree with PEFT's up to the first EOS
+    steps: StepShares  # where the scheduler's wall time went, over this count's loraplex rounds
+
+
+@dataclass
+class StepShares:
+    """Mean per executor step over some rounds (seconds), from the scheduler's timing lines
+    (scheduler/timings.py), and the executor's busy share of the rounds' wall time."""
+
+    steps_per_round: float
+    compute: float  # the executor's own forward + sampling
+    rpc: float  # round trip minus compute: gRPC, (de)serialization, the executor's service code
+    plan: float  # the scheduler planning the step
+    done: float  # the scheduler taking in the samples and streaming tokens to clients
+    other: float  # the rest of the wall time: the scheduler's loop on other work, or waiting
+    busy: float  # compute / wall
+
+    @classmethod
+    def of(cls, lines: list[dict], windows: list[tuple[float, float]]) -> StepShares:
+        steps = [r for r in lines if "step" in r
+                 and any(start <= r["at"] <= end for start, end in windows)]
+        wall = sum(end - start for start, end in windows)
+        n = max(len(steps), 1)
+        total = {k: sum(r[k] for r in steps) for k in ("seconds", "round_trip_s", "plan_s",
+                                                       "done_s")}
+        accounted = total["round_trip_s"] + total["plan_s"] + total["done_s"]
+        return cls(len(steps) / len(windows), total["seconds"] / n,
+                   (total["round_trip_s"] - total["seconds"]) / n, total["plan_s"] / n,
+                   total["done_s"] / n, (wall - accounted) / n, total["seconds"] / wall)
 
 
 async def measure(fleet: Fleet, model, adapter_dir: pathlib.Path, prompts: list[list[int]],
-                  counts: list[int]) -> tuple[list[Row], str]:
+                  counts: list[int], timings: pathlib.Path) -> tuple[list[Row], str]:
     """Push and warm up every adapter; then, per count, ROUNDS rounds of loraplex and PEFT in
     turn. Returns a Row per count and a line on the warm-up."""
     names = [f"a{i}" for i in range(max(counts))]
@@ -153,16 +185,20 @@ async def measure(fleet: Fleet, model, adapter_dir: pathlib.Path, prompts: list[
         loads = await adapter_loads(stub)
         for n in counts:
             per_request = adapter_names(len(prompts), n)
-            ours, theirs = [], []
+            ours, theirs, windows = [], [], []
             for _ in range(ROUNDS):
+                start = time.time()
                 ours.append(await loraplex_round(stub, prompts, per_request))
+                windows.append((start, time.time()))
                 theirs.append(peft_round(model, batch, per_request))
             seconds, gens = median_round(ours)
             peft_seconds, peft_tokens = median_round(theirs)
             ttfts = [g.ttft_seconds for g in gens]
             agree = sum(agree_until_eos(g.token_ids, t, eos) for g, t in zip(gens, peft_tokens))
+            lines = [json.loads(line) for line in timings.read_text().splitlines()]
             rows.append(Row(n, sum(len(g.token_ids) for g in gens) / seconds, pct(ttfts, 50),
-                            pct(ttfts, 99), sum(map(len, peft_tokens)) / peft_seconds, agree))
+                            pct(ttfts, 99), sum(map(len, peft_tokens)) / peft_seconds, agree,
+                            StepShares.of(lines, windows)))
         loads_after = await adapter_loads(stub)
     warmup = (f"warm-up, one 1-token request per adapter in turn: TTFT p50 "
               f"{statistics.median(cold) * 1e3:.0f} ms with its adapter load, "
@@ -171,13 +207,28 @@ async def measure(fleet: Fleet, model, adapter_dir: pathlib.Path, prompts: list[
     return rows, warmup
 
 
+def step_parts(model_dir: str, adapter_dir: pathlib.Path, prompts: list[list[int]], n: int):
+    """The in-process decode-step breakdown (bench/step_breakdown.py) for n distinct adapters."""
+    adapters = [((adapter_dir / f"a{i}" / "adapter_config.json").read_text(),
+                 (adapter_dir / f"a{i}" / "adapter_model.safetensors").read_bytes())
+                for i in range(n)]
+    slot_of = [int(name[1:]) for name in adapter_names(len(prompts), n)]
+    return decode_breakdown(model_dir, adapters, prompts, slot_of, MAX_NEW_TOKENS - 1)
+
+
 def report(rows: list[Row], num_requests: int, threads: int, warmup: str, load: float,
-           command: str) -> str:
+           command: str, parts: list[str]) -> str:
     lines = [("| distinct adapters | loraplex tok/s | loraplex TTFT p50 / p99 (ms) | HF PEFT tok/s "
               "| loraplex/PEFT ratio |"), "|---:|---:|---:|---:|---:|"]
     lines += [f"| {r.num_adapters} | {r.loraplex_tok_s:.0f} | {r.ttft_p50 * 1e3:.0f} / "
               f"{r.ttft_p99 * 1e3:.0f} | {r.peft_tok_s:.0f} "
               f"| {r.loraplex_tok_s / r.peft_tok_s:.2f} |" for r in rows]
+    shares = [("| distinct adapters | steps per round | executor compute | gRPC + executor "
+               "service | scheduler: plan | scheduler: samples to clients | other (loop, "
+               "waiting) | executor busy |"), "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    shares += [f"| {r.num_adapters} | {s.steps_per_round:.0f} | {s.compute * 1e3:.2f} | "
+               f"{s.rpc * 1e3:.2f} | {s.plan * 1e3:.2f} | {s.done * 1e3:.2f} | "
+               f"{s.other * 1e3:.2f} | {s.busy:.0%} |" for r in rows for s in [r.steps]]
     same = ", ".join(f"{r.num_agree}/{num_requests}" for r in rows)
     cpus = len(os.sched_getaffinity(0))
     return "\n".join([
@@ -186,6 +237,15 @@ def report(rows: list[Row], num_requests: int, threads: int, warmup: str, load: 
          f"projections; tiny LLaMA (4 layers, hidden 256), float32, CPU; {threads} torch "
          "thread(s) for the executor and for PEFT."),
         "", *lines, "",
+        ("Where the wall time of loraplex's rounds went, per executor step (ms, mean over all "
+         "rounds of a row; from the scheduler's --timings-out lines). The executor is idle for "
+         "everything but its compute: while the scheduler plans, takes in samples and streams "
+         "tokens, and while gRPC carries the step and its answer."),
+        "", *shares, "",
+        ("Inside the executor's compute: one decode step over every request, measured in-process "
+         "(bench/step_breakdown.py: the same model, adapters and prompts in a ModelRunner, torch "
+         "LoRA backend; ms per step and share of it)."),
+        "", *parts, "",
         f"- {warmup}",
         f"- requests whose greedy tokens match HF PEFT's up to the first EOS, per row: {same}",
         (f"- machine: nproc {cpus}, torch {torch.__version__}, python {sys.version.split()[0]}, "
@@ -217,13 +277,18 @@ def main() -> None:
                       log_dir=tmp / "logs",
                       executor_args=["--adapter-slots", str(max(counts)), "--max-rank", "32",
                                      "--kv-blocks", "1024", "--threads", str(args.threads)],
-                      scheduler_args=["--max-num-seqs", str(num_requests)])
+                      scheduler_args=["--max-num-seqs", str(num_requests),
+                                      "--timings-out", str(tmp / "timings.jsonl")])
         print("starting the services; pushing and warming up adapters; then "
               f"{ROUNDS} rounds of loraplex and HF PEFT in turn per adapter count ...", flush=True)
         with fleet:
-            rows, warmup = run(lambda: measure(fleet, model, tmp / "adapters", prompts, counts))
+            rows, warmup = run(lambda: measure(fleet, model, tmp / "adapters", prompts, counts,
+                                               tmp / "timings.jsonl"))
+        print("timing the parts of a decode step in-process ...", flush=True)
+        parts = breakdown_table([
+            (n, step_parts(manifest["model_dir"], tmp / "adapters", prompts, n)) for n in counts])
     command = " ".join([".venv/bin/python bench/serving.py", *sys.argv[1:]])
-    text = report(rows, num_requests, args.threads, warmup, load, command)
+    text = report(rows, num_requests, args.threads, warmup, load, command, parts)
     print("\n" + text)
     if not args.quick:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -254,6 +254,7 @@ class Engine:
         ex = link.state
         while not ex.is_retired:
             link.woken.clear()
+            planning = time.monotonic()
             plan = self.core.schedule(ex)
             if not plan and not plan.freed:  # idle: wait for work, probing now and then
                 silent_s = time.monotonic() - link.answered_at
@@ -264,12 +265,16 @@ class Engine:
                     async with asyncio.timeout(self.timeouts.probe_interval_s - silent_s):
                         await link.woken.wait()
                 continue
+            sent = time.monotonic()
             samples, seconds = await link.step(plan)
+            answered = time.monotonic()
             if plan:  # (a step that only frees sequences computes nothing: not a step to time)
                 self.metrics.on_step(link.address, plan, seconds)
-                if self.timings is not None:
-                    self.timings.step(link.address, plan.num_tokens, plan.num_adapters, seconds)
             self.core.on_step_done(ex, plan, samples, seconds)
+            if plan and self.timings is not None:
+                self.timings.step(link.address, plan.num_tokens, plan.num_adapters, seconds,
+                                  plan_s=sent - planning, round_trip_s=answered - sent,
+                                  done_s=time.monotonic() - answered)
         log.info("executor %s drained", link.address)
 
     def _start_load(self, ex: ExecutorState, slot: Slot) -> None:

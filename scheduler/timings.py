@@ -3,12 +3,21 @@
     loraplex serve scheduler ... --timings-out timings.jsonl   (a JSON line per step and per load)
     loraplex fit-cost timings.jsonl                             (prints a [cost] section)
 
-Lines: {"step": executor, "tokens": T, "adapters": D, "seconds": s} for every step (the executor's
-own compute time), {"load": executor, "bytes": B, "seconds": s} for every adapter load. The fit
-itself is offline, in scheduler/sim/cost_fit.py: serving code never imports the simulator.
+Lines: {"step": executor, "tokens": T, "adapters": D, "seconds": s, ...} for every step, and
+{"load": executor, "bytes": B, "seconds": s} for every adapter load. A step's line also says where
+the scheduler's time around it went (bench/serving.py reads them for the executor's idle share):
+
+    seconds       the executor's own compute time (what the cost model fits)
+    plan_s        the scheduler planning it (core.schedule)
+    round_trip_s  from writing it to the executor to reading the answer (seconds + gRPC)
+    done_s        the scheduler taking in its samples (core.on_step_done: tokens out to clients)
+    at            wall clock (time.time()) when the scheduler was done with it
+
+The fit itself is offline, in scheduler/sim/cost_fit.py: serving code never imports the simulator.
 """
 
 import json
+import time
 from typing import IO
 
 
@@ -19,9 +28,11 @@ class TimingLog:
         # Open for the process's life, closed by close().
         self._file: IO[str] = open(path, "a", buffering=1)  # noqa: SIM115
 
-    def step(self, executor: str, tokens: int, adapters: int, seconds: float) -> None:
+    def step(self, executor: str, tokens: int, adapters: int, seconds: float, *,
+             plan_s: float = 0.0, round_trip_s: float = 0.0, done_s: float = 0.0) -> None:
         self._write({"step": executor, "tokens": tokens, "adapters": adapters,
-                     "seconds": seconds})
+                     "seconds": seconds, "plan_s": plan_s, "round_trip_s": round_trip_s,
+                     "done_s": done_s, "at": time.time()})
 
     def load(self, executor: str, num_bytes: int, seconds: float) -> None:
         self._write({"load": executor, "bytes": num_bytes, "seconds": seconds})
