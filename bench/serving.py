@@ -148,10 +148,10 @@ class StepShares:
 
     steps_per_round: float
     compute: float  # the executor's own forward + sampling
-    rpc: float  # round trip minus compute: gRPC, (de)serialization, the executor's service code
-    plan: float  # the scheduler planning the step
+    plan: float  # the scheduler planning and sending the step
+    wait: float  # the scheduler waiting for the step's answer
     done: float  # the scheduler taking in the samples and streaming tokens to clients
-    other: float  # the rest of the wall time: the scheduler's loop on other work, or waiting
+    other: float  # the rest of the scheduler's wall time: its loop on other work, or idle
     busy: float  # compute / wall
 
     @classmethod
@@ -160,12 +160,11 @@ class StepShares:
                  and any(start <= r["at"] <= end for start, end in windows)]
         wall = sum(end - start for start, end in windows)
         n = max(len(steps), 1)
-        total = {k: sum(r[k] for r in steps) for k in ("seconds", "round_trip_s", "plan_s",
-                                                       "done_s")}
-        accounted = total["round_trip_s"] + total["plan_s"] + total["done_s"]
-        return cls(len(steps) / len(windows), total["seconds"] / n,
-                   (total["round_trip_s"] - total["seconds"]) / n, total["plan_s"] / n,
-                   total["done_s"] / n, (wall - accounted) / n, total["seconds"] / wall)
+        total = {k: sum(r[k] for r in steps) for k in ("seconds", "plan_s", "wait_s", "done_s")}
+        scheduler = total["plan_s"] + total["wait_s"] + total["done_s"]
+        return cls(len(steps) / len(windows), total["seconds"] / n, total["plan_s"] / n,
+                   total["wait_s"] / n, total["done_s"] / n, (wall - scheduler) / n,
+                   total["seconds"] / wall)
 
 
 async def measure(fleet: Fleet, model, adapter_dir: pathlib.Path, prompts: list[list[int]],
@@ -223,11 +222,11 @@ def report(rows: list[Row], num_requests: int, threads: int, warmup: str, load: 
     lines += [f"| {r.num_adapters} | {r.loraplex_tok_s:.0f} | {r.ttft_p50 * 1e3:.0f} / "
               f"{r.ttft_p99 * 1e3:.0f} | {r.peft_tok_s:.0f} "
               f"| {r.loraplex_tok_s / r.peft_tok_s:.2f} |" for r in rows]
-    shares = [("| distinct adapters | steps per round | executor compute | gRPC + executor "
-               "service | scheduler: plan | scheduler: samples to clients | other (loop, "
-               "waiting) | executor busy |"), "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    shares = [("| distinct adapters | steps per round | executor compute | scheduler: plan and "
+               "send | scheduler: wait for the answer | scheduler: samples to clients | scheduler: "
+               "other | executor busy |"), "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     shares += [f"| {r.num_adapters} | {s.steps_per_round:.0f} | {s.compute * 1e3:.2f} | "
-               f"{s.rpc * 1e3:.2f} | {s.plan * 1e3:.2f} | {s.done * 1e3:.2f} | "
+               f"{s.plan * 1e3:.2f} | {s.wait * 1e3:.2f} | {s.done * 1e3:.2f} | "
                f"{s.other * 1e3:.2f} | {s.busy:.0%} |" for r in rows for s in [r.steps]]
     same = ", ".join(f"{r.num_agree}/{num_requests}" for r in rows)
     cpus = len(os.sched_getaffinity(0))
@@ -238,9 +237,10 @@ def report(rows: list[Row], num_requests: int, threads: int, warmup: str, load: 
          "thread(s) for the executor and for PEFT."),
         "", *lines, "",
         ("Where the wall time of loraplex's rounds went, per executor step (ms, mean over all "
-         "rounds of a row; from the scheduler's --timings-out lines). The executor is idle for "
-         "everything but its compute: while the scheduler plans, takes in samples and streams "
-         "tokens, and while gRPC carries the step and its answer."),
+         "rounds of a row; from the scheduler's --timings-out lines): the executor's compute, and "
+         "the scheduler's time in the same steps. Steps are pipelined (--pipeline-depth 2): the "
+         "executor runs a step while the scheduler plans the next and streams the last one's "
+         "tokens, so its busy share is its compute over the wall time."),
         "", *shares, "",
         ("Inside the executor's compute: one decode step over every request, measured in-process "
          "(bench/step_breakdown.py: the same model, adapters and prompts in a ModelRunner, torch "

@@ -102,17 +102,25 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 raise FailedPrecondition("executor is already driven by another scheduler stream")
             self._driver = context
         step: asyncio.Future | None = None
+        reading: asyncio.Future | None = None
         try:
             if self._closing is not None:
                 await asyncio.shield(self._closing)
-            async for req in request_iterator:
+            requests = aiter(request_iterator)
+            reading = asyncio.ensure_future(anext(requests, None))
+            while (req := await reading) is not None:
                 # Shielded: when the client cancels, the step runs on in its thread, and the next
                 # stream must not start before it ends (same sequence ids, same KV blocks).
                 step = asyncio.ensure_future(asyncio.to_thread(self._step, req))
+                # The scheduler sends the next step before this one's answer (its steps are
+                # pipelined): read it while this one runs, so it starts as soon as this ends.
+                reading = asyncio.ensure_future(anext(requests, None))
                 async with grpc_errors(context):
                     response = await asyncio.shield(step)
                 yield response
         finally:
+            if reading is not None and not reading.done():
+                reading.cancel()
             self._closing = asyncio.ensure_future(self._close_stream(self._closing, step))
             self._driver = None
 

@@ -112,9 +112,12 @@ class Scheduler(Placement):
                 break
             if seq.seq_id not in ex.running:  # preempted to make room for another
                 continue
-            n = min(len(seq.token_ids) - seq.num_computed, budget)
-            if self._make_room(ex, seq, seq.num_computed + n):
-                rows.append(ScheduledRow(seq, n, ex.blocks.grow(seq.seq_id, seq.num_computed + n)))
+            if _all_samples_due(seq):
+                continue  # its last token is on its way: nothing more to compute
+            n = min(seq.num_known - seq.num_computed, budget)
+            if n > 0 and self._make_room(ex, seq, seq.num_computed + n):
+                rows.append(ScheduledRow(seq, n, ex.blocks.grow(seq.seq_id, seq.num_computed + n),
+                                         samples=seq.num_computed + n == seq.num_known))
                 budget -= n
         rows = [row for row in rows if row.seq.seq_id in ex.running]
         if ex.is_admitting:
@@ -123,6 +126,12 @@ class Scheduler(Placement):
         new = [row.seq for row in rows if not row.seq.is_sent]
         for seq in new:  # sent now: one cancelled while this step runs must be freed after it
             seq.is_sent = True
+        for row in rows:  # counted as computed once sent: the next plan may follow at once
+            seq = row.seq
+            seq.num_computed += row.num_tokens
+            seq.samples_due += row.samples
+            seq.request.work_left -= row.num_tokens
+            ex.work_tokens -= row.num_tokens
         freed, ex.pending_frees = ex.pending_frees, []
         return StepPlan(freed, new, rows)
 
@@ -130,17 +139,12 @@ class Scheduler(Placement):
                      step_seconds: float = 0.0) -> None:
         ex.num_steps += bool(plan.rows)  # (a step that only frees sequences computes nothing)
         ex.rates.observe_step(plan.num_tokens, step_seconds)
-        for row in plan.rows:
-            if row.seq.seq_id not in ex.running:  # released while the step ran: accounted then
-                continue
-            row.seq.num_computed += row.num_tokens
-            row.seq.request.work_left -= row.num_tokens
-            ex.work_tokens -= row.num_tokens
         now = self.clock()
         for sample in samples:
             seq = ex.running.get(sample.seq_id)
-            if seq is None:  # cancelled or preempted while the step ran
+            if seq is None:  # cancelled, preempted or finished while the step ran
                 continue
+            seq.samples_due -= 1
             seq.token_ids.append(sample.token_id)
             req = seq.request
             self.fair.charge_output(req.tenant)
@@ -174,7 +178,8 @@ class Scheduler(Placement):
                 break  # the fairest request does not fit: admit nobody behind it
             seq = self._start(ex, req, seq_id, tokens)
             n = min(len(tokens), budget)
-            rows.append(ScheduledRow(seq, n, ex.blocks.grow(seq_id, len(tokens))))
+            rows.append(ScheduledRow(seq, n, ex.blocks.grow(seq_id, len(tokens)),
+                                     samples=n == len(tokens)))
             budget -= n
             if req.adapter:
                 active.add(req.adapter)
@@ -363,3 +368,9 @@ class Scheduler(Placement):
     def stats(self) -> PoolStats:
         return snapshot(self.executors, self.fair, self.totals)
 
+
+def _all_samples_due(seq: Sequence) -> bool:
+    """The samples on their way make its request's last token: computing on would be waste."""
+    req = seq.request
+    return bool(seq.samples_due) and \
+        len(req.output_token_ids) + seq.samples_due >= req.output.max_new_tokens

@@ -12,6 +12,7 @@ probe step answer in time. An idle executor is probed every probe_interval_s.
 """
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -72,7 +73,9 @@ class ExecutorLink:
         """An empty step, answered within rpc_s: the executor's step loop is alive."""
         await self._round_trip(executor_pb2.StepRequest(), self.timeouts.rpc_s)
 
-    async def step(self, plan: StepPlan) -> tuple[list[Sample], float]:
+    async def send(self, plan: StepPlan, seconds: float) -> None:
+        """Write a step to the step stream (UNAVAILABLE past `seconds`: the stream does not take
+        it, its executor is not reading)."""
         req = executor_pb2.StepRequest(
             freed_seq_ids=plan.freed,
             new_sequences=[executor_pb2.NewSequence(
@@ -82,16 +85,33 @@ class ExecutorLink:
             rows=[executor_pb2.ScheduledRow(seq_id=row.seq.seq_id, num_tokens=row.num_tokens,
                                             new_block_ids=row.new_block_ids)
                   for row in plan.rows])
-        deadline = self.timeouts.step(plan.num_tokens, self.state.rates, self.state.num_steps)
-        resp = await self._round_trip(req, deadline)
+        try:
+            async with asyncio.timeout(seconds):
+                await self._call.write(req)
+        except TimeoutError:
+            raise Unavailable(f"executor {self.address} took no step within {seconds:.1f}s: "
+                              "suspect, its work moves elsewhere") from None
+
+    async def receive(self, seconds: float) -> tuple[list[Sample], float]:
+        """The answer to the oldest step sent (UNAVAILABLE past `seconds`)."""
+        resp = await self._read(seconds)
         return [Sample(s.seq_id, s.token_id, s.logprob) for s in resp.samples], resp.step_seconds
 
     async def _round_trip(self, req: executor_pb2.StepRequest,
                           seconds: float) -> executor_pb2.StepResponse:
         """One request and its answer on the step stream, or UNAVAILABLE past `seconds`."""
+        deadline = time.monotonic() + seconds
         try:
             async with asyncio.timeout(seconds):
                 await self._call.write(req)
+        except TimeoutError:
+            raise Unavailable(f"executor {self.address} took no step within {seconds:.1f}s: "
+                              "suspect, its work moves elsewhere") from None
+        return await self._read(max(deadline - time.monotonic(), 0.0))
+
+    async def _read(self, seconds: float) -> executor_pb2.StepResponse:
+        try:
+            async with asyncio.timeout(seconds):
                 resp = await self._call.read()
         except TimeoutError:
             raise Unavailable(f"executor {self.address} did not answer a step within "
@@ -250,32 +270,51 @@ class Engine:
 
     async def _step_loop(self, link: ExecutorLink) -> None:
         """Step until the executor is drained and leaving or stopping: closing the step stream then
-        lets a stopping executor exit at once. An operator's Drain keeps it listed, idle."""
+        lets a stopping executor exit at once. An operator's Drain keeps it listed, idle.
+
+        Steps are pipelined (Limits.pipeline_depth): the next step is planned and sent as soon as
+        one is sent, and answers are read in order. A plan needs no answer to be made: the
+        executor keeps each sequence's sampled tokens, and the core counts the samples due
+        (Sequence.samples_due). A sequence that ends on a sample (EOS, a stop string) may have
+        one more token computed in the step behind, which is dropped; tokens reach clients only
+        from answers, so a lost executor loses none that were shown."""
         ex = link.state
-        while not ex.is_retired:
+        in_flight: collections.deque[tuple[StepPlan, float, float]] = collections.deque()
+        while in_flight or not ex.is_retired:
             link.woken.clear()
-            planning = time.monotonic()
-            plan = self.core.schedule(ex)
-            if not plan and not plan.freed:  # idle: wait for work, probing now and then
-                silent_s = time.monotonic() - link.answered_at
-                if silent_s >= self.timeouts.probe_interval_s:
-                    await link.probe()  # is it still there?
+            if len(in_flight) < self.core.limits.pipeline_depth and not ex.is_retired:
+                planning = time.monotonic()
+                plan = self.core.schedule(ex)
+                if plan or plan.freed:
+                    # Written behind the steps in flight: it may wait for them to be read.
+                    ahead = sum(self._step_deadline(ex, p) for p, _, _ in in_flight)
+                    await link.send(plan, ahead + self._step_deadline(ex, plan))
+                    in_flight.append((plan, planning, time.monotonic()))
                     continue
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self.timeouts.probe_interval_s - silent_s):
-                        await link.woken.wait()
+            if in_flight:  # answers come in order; the executor runs the next meanwhile
+                plan, planning, sent = in_flight.popleft()
+                waiting = time.monotonic()
+                samples, seconds = await link.receive(self._step_deadline(ex, plan))
+                answered = time.monotonic()
+                if plan:  # (a step that only frees sequences computes nothing: not a step to time)
+                    self.metrics.on_step(link.address, plan, seconds)
+                self.core.on_step_done(ex, plan, samples, seconds)
+                if plan and self.timings is not None:
+                    self.timings.step(link.address, plan.num_tokens, plan.num_adapters, seconds,
+                                      plan_s=sent - planning, wait_s=answered - waiting,
+                                      done_s=time.monotonic() - answered)
                 continue
-            sent = time.monotonic()
-            samples, seconds = await link.step(plan)
-            answered = time.monotonic()
-            if plan:  # (a step that only frees sequences computes nothing: not a step to time)
-                self.metrics.on_step(link.address, plan, seconds)
-            self.core.on_step_done(ex, plan, samples, seconds)
-            if plan and self.timings is not None:
-                self.timings.step(link.address, plan.num_tokens, plan.num_adapters, seconds,
-                                  plan_s=sent - planning, round_trip_s=answered - sent,
-                                  done_s=time.monotonic() - answered)
+            silent_s = time.monotonic() - link.answered_at  # idle: wait for work, probing
+            if silent_s >= self.timeouts.probe_interval_s:
+                await link.probe()  # is it still there?
+                continue
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.timeouts.probe_interval_s - silent_s):
+                    await link.woken.wait()
         log.info("executor %s drained", link.address)
+
+    def _step_deadline(self, ex: ExecutorState, plan: StepPlan) -> float:
+        return self.timeouts.step(plan.num_tokens, ex.rates, ex.num_steps)
 
     def _start_load(self, ex: ExecutorState, slot: Slot) -> None:
         link = self.links[ex.address]

@@ -40,8 +40,14 @@ class Limits:
     # Requests one tenant may have waiting; one more is refused at once (RESOURCE_EXHAUSTED with
     # retry-after). 0 = no cap.
     max_queued_per_tenant: int = 1024
+    # Steps sent to an executor before the oldest one's answer is read (engine.py): at 2 the next
+    # step is planned and sent while the executor runs this one, so it never waits between
+    # steps; 1 = one at a time.
+    pipeline_depth: int = 2
 
     def __post_init__(self) -> None:
+        if self.pipeline_depth < 1:
+            raise ValueError(f"pipeline_depth must be >= 1, got {self.pipeline_depth}")
         if self.popularity_half_life_s <= 0:
             raise ValueError("popularity_half_life_s must be > 0, got "
                              f"{self.popularity_half_life_s}")
@@ -77,9 +83,17 @@ class Sequence:
     seq_id: int
     request: Request
     slot: Slot | None
-    token_ids: list[int]  # every token the executor knows for it
-    num_computed: int = 0  # tokens whose KV the executor has computed
+    token_ids: list[int]  # every token the executor knows for it, as far as answers came back
+    num_computed: int = 0  # tokens whose KV the executor computes in the steps sent so far
+    # Samples the steps in flight will bring (steps are pipelined: engine.py). The executor
+    # knows a sample as soon as it made it, so a step may compute it before its answer is here.
+    samples_due: int = 0
     is_sent: bool = False  # its NewSequence went out
+
+    @property
+    def num_known(self) -> int:
+        """Tokens the executor will have when it runs the next step sent."""
+        return len(self.token_ids) + self.samples_due
 
 
 @dataclass(eq=False)
@@ -134,6 +148,7 @@ class ScheduledRow:
     seq: Sequence
     num_tokens: int
     new_block_ids: list[int]
+    samples: bool = False  # it reaches the sequence's last known token: a sample comes back
 
 
 @dataclass

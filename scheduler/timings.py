@@ -8,8 +8,9 @@ Lines: {"step": executor, "tokens": T, "adapters": D, "seconds": s, ...} for eve
 the scheduler's time around it went (bench/serving.py reads them for the executor's idle share):
 
     seconds       the executor's own compute time (what the cost model fits)
-    plan_s        the scheduler planning it (core.schedule)
-    round_trip_s  from writing it to the executor to reading the answer (seconds + gRPC)
+    plan_s        the scheduler planning and sending it (core.schedule, the stream write)
+    wait_s        the scheduler waiting for its answer (steps are pipelined: the executor may
+                  have answered before the scheduler asked)
     done_s        the scheduler taking in its samples (core.on_step_done: tokens out to clients)
     at            wall clock (time.time()) when the scheduler was done with it
 
@@ -29,9 +30,9 @@ class TimingLog:
         self._file: IO[str] = open(path, "a", buffering=1)  # noqa: SIM115
 
     def step(self, executor: str, tokens: int, adapters: int, seconds: float, *,
-             plan_s: float = 0.0, round_trip_s: float = 0.0, done_s: float = 0.0) -> None:
+             plan_s: float = 0.0, wait_s: float = 0.0, done_s: float = 0.0) -> None:
         self._write({"step": executor, "tokens": tokens, "adapters": adapters,
-                     "seconds": seconds, "plan_s": plan_s, "round_trip_s": round_trip_s,
+                     "seconds": seconds, "plan_s": plan_s, "wait_s": wait_s,
                      "done_s": done_s, "at": time.time()})
 
     def load(self, executor: str, num_bytes: int, seconds: float) -> None:

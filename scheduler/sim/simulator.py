@@ -152,9 +152,10 @@ class Simulator:
                 continue
             plan = self.core.schedule(ex)
             self._record_ends(i)  # preempted ones
+            started = {seq.seq_id for seq in plan.new}
             for row in plan.rows:
                 seq = row.seq
-                if seq.num_computed == 0 and seq.request.adapter:
+                if seq.seq_id in started and seq.request.adapter:
                     self.trace[ex.address].append(("+", seq.request.adapter, seq.seq_id))
                     self._pinning[i][seq.seq_id] = seq.request.adapter
             if not plan:
@@ -167,8 +168,7 @@ class Simulator:
 
     def _step_done(self, i: int, plan: StepPlan, seconds: float) -> None:
         self._busy.discard(i)
-        samples = [Sample(row.seq.seq_id, 7, 0.0) for row in plan.rows
-                   if row.seq.num_computed + row.num_tokens == len(row.seq.token_ids)]
+        samples = [Sample(row.seq.seq_id, 7, 0.0) for row in plan.rows if row.samples]
         self.core.on_step_done(self.executors[i], plan, samples, seconds)
         self._record_ends(i)
 

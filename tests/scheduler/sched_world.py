@@ -69,8 +69,7 @@ class World:
             plan = self.core.schedule(ex)
             slots = [row.seq.slot.index if row.seq.slot else -1 for row in plan.rows]
             assert slots == sorted(slots), "rows must be sorted by adapter slot"
-            samples = [Sample(row.seq.seq_id, 7, -0.1) for row in plan.rows
-                       if row.seq.num_computed + row.num_tokens == len(row.seq.token_ids)]
+            samples = [Sample(row.seq.seq_id, 7, -0.1) for row in plan.rows if row.samples]
             self.core.on_step_done(ex, plan, samples)
             check_invariants(self.core, self.requests)
 

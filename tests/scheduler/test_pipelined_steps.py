@@ -1,0 +1,133 @@
+"""Pipelined steps (Limits.pipeline_depth): the core plans a step before the answers of the steps
+in flight are back, counting the samples they will bring (Sequence.samples_due). Against a
+stand-in executor that keeps each sequence's tokens and samples a token that depends on its
+whole history, every request must get exactly the tokens it gets one step at a time, through
+EOS, stop tokens, length limits, chunked prefill and preemption; no row may ask the executor for
+a token it does not have, or compute past the request's last position (prompt + max_new_tokens
+- 1: at the context's end that would be refused); the invariants hold after every answer; and
+steps do overlap."""
+
+import collections
+import random
+import zlib
+
+import pytest
+
+from common.sampling import SamplingParams
+from scheduler.core import Limits, Sample
+from scheduler.detokenizer import OutputProcessor
+from scheduler.request import FinishEvent, Request, TokenEvent
+from scheduler.sim.invariants import check_invariants
+from tests.scheduler.sched_world import World
+
+EOS, STOP = 0, 1
+
+
+class StandInExecutor:
+    """Runs each plan as an executor does, in the order sent: its own copy of every sequence's
+    tokens, a sample whenever a row reaches the last of them."""
+
+    def __init__(self) -> None:
+        self.seqs: dict[int, list] = {}  # seq_id -> [tokens, computed]
+
+    def run(self, plan) -> list[Sample]:
+        for seq_id in plan.freed:
+            del self.seqs[seq_id]
+        for seq in plan.new:
+            self.seqs[seq.seq_id] = [list(seq.token_ids), 0]
+        samples = []
+        for row in plan.rows:
+            tokens, computed = self.seqs[row.seq.seq_id]
+            assert 1 <= row.num_tokens <= len(tokens) - computed, "a row past the known tokens"
+            computed += row.num_tokens
+            req = row.seq.request
+            assert computed <= len(req.prompt_ids) + req.output.max_new_tokens - 1, \
+                "computed past the request's last position"
+            self.seqs[row.seq.seq_id][1] = computed
+            if computed == len(tokens):
+                token = next_token(tokens)
+                tokens.append(token)
+                samples.append(Sample(row.seq.seq_id, token, -0.5))
+        return samples
+
+
+def next_token(history: list[int]) -> int:
+    """A token that depends on every token before it: EOS and STOP now and then."""
+    h = zlib.crc32(bytes(t % 251 for t in history))
+    return EOS if h % 23 == 0 else STOP if h % 29 == 0 else 2 + h % 97
+
+
+def drive(depth: int, seed: int, num_blocks: int, cancel_every: int = 0) -> dict[int, tuple]:
+    """Requests arriving over time, stepped with `depth` steps in flight; request id -> (tokens,
+    finish reason)."""
+    rng = random.Random(seed)
+    w = World(num_blocks=num_blocks, block_size=4,
+              limits=Limits(max_num_seqs=6, max_batched_tokens=24, pipeline_depth=depth,
+                            fairness_window=0.0))
+    ex, executor = w.executors[0], StandInExecutor()
+    in_flight: collections.deque = collections.deque()
+    overlapped = steps = 0  # steps planned while another was in flight, all steps
+    arrivals = [(rng.randint(0, 60), rng.choice("abc"), rng.randint(1, 30), rng.randint(1, 12))
+                for _ in range(30)]
+    for step in range(2000):
+        w.now += 0.01
+        for at, tenant, prompt_len, max_new in arrivals:
+            if at == step:
+                submit(w, tenant, prompt_len, max_new, rng)
+        if cancel_every and step % cancel_every == cancel_every - 1:
+            running = [r for r in w.requests if r.status.name in ("QUEUED", "RUNNING")]
+            if running:
+                w.core.cancel(rng.choice(running))
+        while len(in_flight) < depth:
+            plan = w.core.schedule(ex)
+            if not plan and not plan.freed:
+                break
+            overlapped += bool(in_flight) and bool(plan)
+            steps += bool(plan)
+            in_flight.append((plan, executor.run(plan)))
+        if in_flight:
+            plan, samples = in_flight.popleft()
+            w.core.on_step_done(ex, plan, samples)
+            check_invariants(w.core, w.requests)
+        if step > 60 and not in_flight and not w.core.has_work(ex):
+            break
+    else:
+        raise AssertionError("work did not drain")
+    assert all(seq.samples_due == 0 for seq in ex.running.values())
+    if depth > 1:  # most steps are planned while the one before runs
+        assert overlapped > steps / 2, (overlapped, steps)
+    return {r.request_id: outcome(w, r) for r in w.requests}
+
+
+def submit(w: World, tenant: str, prompt_len: int, max_new: int, rng: random.Random) -> Request:
+    rid = next(w._ids)
+    w.events[rid] = []
+    req = Request(rid, tenant, None, 0, [rng.randint(2, 200) for _ in range(prompt_len)],
+                  SamplingParams(), OutputProcessor(None, max_new_tokens=max_new,
+                                                    stop_token_ids=(EOS, STOP)),
+                  w.events[rid].append)
+    w.core.submit(req)
+    w.requests.append(req)
+    return req
+
+
+def outcome(w: World, req: Request) -> tuple:
+    events = w.events[req.request_id]
+    finishes = [e.reason for e in events if isinstance(e, FinishEvent)]
+    return [e.token_id for e in events if isinstance(e, TokenEvent)], finishes
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("num_blocks", [40, 14])  # 14: preemption and recompute
+def test_pipelined_steps_give_every_request_the_tokens_of_one_step_at_a_time(seed, num_blocks):
+    one_at_a_time = drive(1, seed, num_blocks)
+    assert drive(2, seed, num_blocks) == one_at_a_time
+    assert drive(3, seed, num_blocks) == one_at_a_time
+    for tokens, finishes in one_at_a_time.values():
+        assert len(finishes) == 1  # each finished once
+        assert not set(tokens[:-1]) & {EOS, STOP}  # nothing shown past its stop
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cancels_while_steps_are_in_flight_keep_every_invariant(seed):
+    drive(2, seed, num_blocks=14, cancel_every=7)
