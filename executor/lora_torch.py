@@ -69,9 +69,11 @@ class _Stack:
 
 @dataclass(frozen=True)
 class _StackedGroup:
+    """Contiguous, as the batched matmuls read them (a strided view would be copied per call)."""
+
     a_t: torch.Tensor  # [S, in, n * R]: each slot's A of the group's slices, transposed
-    bt: torch.Tensor  # [S, R, sum(out)]
-    keep: torch.Tensor  # [S, 1, n, R] bool: rank below the slot's own for that slice
+    bt: tuple[torch.Tensor, ...]  # per slice [S, R, out]
+    drop: torch.Tensor  # [S, 1, n, R] bool: rank at or above the slot's own for that slice
     scales: torch.Tensor  # [S, n] in the activations' dtype
 
     @classmethod
@@ -86,10 +88,11 @@ class _StackedGroup:
         slots = torch.tensor(stack.slots, device=g.a.device)
         num = len(stack.slots)
         a = g.a[layer, :, :, :max_rank].index_select(0, slots)  # [S, n, R, in]
-        keep = torch.arange(max_rank) < ranks.unsqueeze(-1)  # [S, n, R]
-        return cls(a_t=a.reshape(num, n * max_rank, -1).transpose(1, 2),
-                   bt=g.bt[layer, :, :max_rank].index_select(0, slots),
-                   keep=keep.unsqueeze(1).to(device),
+        drop = torch.arange(max_rank) >= ranks.unsqueeze(-1)  # [S, n, R]
+        bt = g.bt[layer, :, :max_rank].index_select(0, slots)  # [S, R, sum(out)]
+        return cls(a_t=a.reshape(num, n * max_rank, -1).transpose(1, 2).contiguous(),
+                   bt=tuple(b.contiguous() for b in bt.split(g.out_sizes, dim=-1)),
+                   drop=drop.unsqueeze(1).to(device),
                    scales=stack.scales[layer, :, m].to(device, dtype))
 
 
@@ -102,6 +105,7 @@ class _ShortSegments:
     valid: torch.Tensor  # [S, Lmax] bool: False on padding
     flat_rows: torch.Tensor  # [N] long: rows[valid], the rows to update, in that order
     stack: _Stack
+    dense: bool  # no padding (e.g. decode, a row per adapter): rows.flatten() is flat_rows
 
     @classmethod
     def build(cls, segments: list[tuple[int, int, int]], stack: _Stack,
@@ -118,7 +122,8 @@ class _ShortSegments:
         starts_t = torch.tensor(starts).unsqueeze(1)
         valid = offsets < torch.tensor(lens).unsqueeze(1)
         rows = torch.where(valid, starts_t + offsets, starts_t)
-        return cls(rows.to(device), valid.to(device), rows[valid].to(device), stack)
+        return cls(rows.to(device), valid.to(device), rows[valid].to(device), stack,
+                   dense=bool(valid.all()))
 
 
 @dataclass(frozen=True)
@@ -187,12 +192,14 @@ class TorchLoraBackend:
         stacked = segs.stack.group(layer, g, name, x.device, x.dtype)
         if stacked is None:
             return  # no short segment's adapter targets this group here
-        num, n = stacked.bt.shape[0], len(g.modules)
-        t = x[segs.rows] @ stacked.a_t  # [S, Lmax, n*R]
-        t = t.view(num, -1, n, stacked.bt.shape[1]).masked_fill(~stacked.keep, 0.0)
-        pieces, offset = [], 0
-        for s, out_f in enumerate(g.out_sizes):
-            y = t[:, :, s] @ stacked.bt[:, :, offset:offset + out_f]  # [S, Lmax, out]
-            pieces.append(y * stacked.scales[:, s, None, None])
-            offset += out_f
-        out.index_add_(0, segs.flat_rows, torch.cat(pieces, dim=-1)[segs.valid])
+        num, n = stacked.a_t.shape[0], len(g.modules)
+        if segs.dense:
+            xs = x.index_select(0, segs.flat_rows).view(num, -1, x.shape[-1])  # [S, Lmax, in]
+        else:
+            xs = x[segs.rows]
+        t = xs @ stacked.a_t  # [S, Lmax, n*R]
+        t = t.view(num, -1, n, stacked.drop.shape[-1]).masked_fill(stacked.drop, 0.0)
+        pieces = [(t[:, :, s] @ bt) * stacked.scales[:, s, None, None]  # [S, Lmax, out]
+                  for s, bt in enumerate(stacked.bt)]
+        y = torch.cat(pieces, dim=-1)
+        out.index_add_(0, segs.flat_rows, y.view(-1, y.shape[-1]) if segs.dense else y[segs.valid])
