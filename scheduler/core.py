@@ -130,6 +130,7 @@ class Scheduler(Placement):
             seq = row.seq
             seq.num_computed += row.num_tokens
             seq.samples_due += row.samples
+            seq.steps_in_flight += 1
             seq.request.work_left -= row.num_tokens
             ex.work_tokens -= row.num_tokens
         freed, ex.pending_frees = ex.pending_frees, []
@@ -139,6 +140,14 @@ class Scheduler(Placement):
                      step_seconds: float = 0.0) -> None:
         ex.num_steps += bool(plan.rows)  # (a step that only frees sequences computes nothing)
         ex.rates.observe_step(plan.num_tokens, step_seconds)
+        for row in plan.rows:
+            row.seq.steps_in_flight -= 1
+        if ex.unpin_later:
+            for seq in [s for s in ex.unpin_later if not s.steps_in_flight]:
+                ex.unpin_later.remove(seq)
+                ex.slots.unpin(seq.slot)
+            if not ex.unpin_later:
+                self._wake()  # a slot may be free for a load now
         now = self.clock()
         for sample in samples:
             seq = ex.running.get(sample.seq_id)
@@ -156,6 +165,7 @@ class Scheduler(Placement):
     def _admit(self, ex: ExecutorState, budget: int) -> list[ScheduledRow]:
         rows = []
         ex.slots.drop_reservations(ex.queue.demand)
+        self._load_into_drained(ex)
         active = {seq.request.adapter for seq in ex.running.values() if seq.request.adapter}
         heap = [(self.fair.counter(t), t) for t in ex.queue.tenants()]
         heapq.heapify(heap)
@@ -186,6 +196,18 @@ class Scheduler(Placement):
             if ex.queue.queued(tenant):
                 heapq.heappush(heap, (self.fair.counter(tenant), tenant))
         return rows
+
+    def _load_into_drained(self, ex: ExecutorState) -> None:
+        """A slot reserved for a staged adapter, once drained, takes it at once: its requests
+        may no longer be any tenant's oldest (those could be for the drained slot's adapter,
+        which a reserved slot admits no more), and nothing else would start the load."""
+        for slot in ex.slots.slots:
+            adapter = slot.reserved_for
+            if adapter is None or slot.pins or slot.state is not SlotState.READY:
+                continue
+            staged = ex.slots.staged(adapter)
+            if staged is not None and staged.staged_at is not None:
+                self.start_load_on(ex, adapter, staged.num_bytes)
 
     def _pick(self, ex: ExecutorState, tenant: str, active: set[AdapterRef],
               is_fairest: bool) -> Request | None:
@@ -322,6 +344,7 @@ class Scheduler(Placement):
                     f"last {ex.address}: {error or 'it went away'}")))
         self._evacuate(ex, running=True)
         ex.pending_frees.clear()
+        ex.unpin_later.clear()
         ex.slots.reset()
         ex.blocks = BlockManager(ex.blocks.num_blocks, ex.blocks.block_size)
         self._wake()

@@ -88,6 +88,7 @@ class Sequence:
     # Samples the steps in flight will bring (steps are pipelined: engine.py). The executor
     # knows a sample as soon as it made it, so a step may compute it before its answer is here.
     samples_due: int = 0
+    steps_in_flight: int = 0  # steps sent with a row of it and not answered yet
     is_sent: bool = False  # its NewSequence went out
 
     @property
@@ -108,6 +109,10 @@ class ExecutorState:
     queue: ExecutorQueue = field(default_factory=ExecutorQueue)
     running: dict[int, Sequence] = field(default_factory=dict)  # seq_id -> seq, admission order
     pending_frees: list[int] = field(default_factory=list)
+    # Sequences that left the running set while steps with their rows were in flight: they keep
+    # their slot pinned until those are answered (loads are not ordered with steps: an adapter
+    # loaded into the slot meanwhile would be read by them).
+    unpin_later: list[Sequence] = field(default_factory=list)
     rates: Rates = field(default_factory=Rates)
     popularity: Popularity = field(default_factory=Popularity)  # of adapters routed here
     work_tokens: float = 0.0  # tokens still to compute for its queued and running requests

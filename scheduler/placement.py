@@ -223,7 +223,10 @@ class Placement:
         ex.blocks.free(seq.seq_id)
         ex.work_tokens -= seq.request.work_left
         if seq.slot is not None:
-            ex.slots.unpin(seq.slot)
+            if seq.steps_in_flight:
+                ex.unpin_later.append(seq)
+            else:
+                ex.slots.unpin(seq.slot)
         if seq.is_sent:
             ex.pending_frees.append(seq.seq_id)
 

@@ -30,6 +30,10 @@ def check_invariants(core: Scheduler, live: Iterable[Request] = ()) -> None:
                 assert seq.slot.adapter == req.adapter, \
                     f"{where}: seq {seq.seq_id} on a foreign slot"
                 pins[seq.slot.index] += 1
+        for seq in ex.unpin_later:  # left while steps with its rows were in flight
+            assert seq.steps_in_flight > 0 and seq.seq_id not in ex.running, \
+                f"{where}: seq {seq.seq_id} kept its slot pinned for no step"
+            pins[seq.slot.index] += 1
         held = Counter(s.adapter for s in ex.slots.slots if s.adapter)
         assert all(n == 1 for n in held.values()), f"{where}: an adapter in two slots: {held}"
         for slot in ex.slots.slots:

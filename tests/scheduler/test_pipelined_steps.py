@@ -4,8 +4,10 @@ stand-in executor that keeps each sequence's tokens and samples a token that dep
 whole history, every request must get exactly the tokens it gets one step at a time, through
 EOS, stop tokens, length limits, chunked prefill and preemption; no row may ask the executor for
 a token it does not have, or compute past the request's last position (prompt + max_new_tokens
-- 1: at the context's end that would be refused); the invariants hold after every answer; and
-steps do overlap."""
+- 1: at the context's end that would be refused), or read a slot that a load is writing or that
+holds another adapter (loads are not ordered with steps: a sequence that ends keeps its slot
+pinned until the steps with its rows are answered); the invariants hold after every answer; and
+steps do overlap. The stand-in runs each step as late as it can: when its answer is read."""
 
 import collections
 import random
@@ -18,7 +20,7 @@ from scheduler.core import Limits, Sample
 from scheduler.detokenizer import OutputProcessor
 from scheduler.request import FinishEvent, Request, TokenEvent
 from scheduler.sim.invariants import check_invariants
-from tests.scheduler.sched_world import World
+from tests.scheduler.sched_world import World, ref
 
 EOS, STOP = 0, 1
 
@@ -29,6 +31,7 @@ class StandInExecutor:
 
     def __init__(self) -> None:
         self.seqs: dict[int, list] = {}  # seq_id -> [tokens, computed]
+        self.slots: dict[int, object] = {}  # slot index -> its adapter (None: being written)
 
     def run(self, plan) -> list[Sample]:
         for seq_id in plan.freed:
@@ -37,6 +40,9 @@ class StandInExecutor:
             self.seqs[seq.seq_id] = [list(seq.token_ids), 0]
         samples = []
         for row in plan.rows:
+            if row.seq.slot is not None:
+                assert self.slots.get(row.seq.slot.index) == row.seq.request.adapter, \
+                    "a row read a slot being loaded or holding another adapter"
             tokens, computed = self.seqs[row.seq.seq_id]
             assert 1 <= row.num_tokens <= len(tokens) - computed, "a row past the known tokens"
             computed += row.num_tokens
@@ -58,10 +64,11 @@ def next_token(history: list[int]) -> int:
 
 
 def drive(depth: int, seed: int, num_blocks: int, cancel_every: int = 0) -> dict[int, tuple]:
-    """Requests arriving over time, stepped with `depth` steps in flight; request id -> (tokens,
-    finish reason)."""
+    """Requests over the base model and 5 adapters (2 slots: loads and evictions all along)
+    arriving over time, stepped with `depth` steps in flight; request id -> (tokens, finish
+    reason)."""
     rng = random.Random(seed)
-    w = World(num_blocks=num_blocks, block_size=4,
+    w = World(num_blocks=num_blocks, block_size=4, num_slots=2,
               limits=Limits(max_num_seqs=6, max_batched_tokens=24, pipeline_depth=depth,
                             fairness_window=0.0))
     ex, executor = w.executors[0], StandInExecutor()
@@ -69,7 +76,7 @@ def drive(depth: int, seed: int, num_blocks: int, cancel_every: int = 0) -> dict
     overlapped = steps = 0  # steps planned while another was in flight, all steps
     arrivals = [(rng.randint(0, 60), rng.choice("abc"), rng.randint(1, 30), rng.randint(1, 12))
                 for _ in range(30)]
-    for step in range(2000):
+    for step in range(5000):
         w.now += 0.01
         for at, tenant, prompt_len, max_new in arrivals:
             if at == step:
@@ -84,11 +91,15 @@ def drive(depth: int, seed: int, num_blocks: int, cancel_every: int = 0) -> dict
                 break
             overlapped += bool(in_flight) and bool(plan)
             steps += bool(plan)
-            in_flight.append((plan, executor.run(plan)))
+            in_flight.append(plan)
+        loads_started(w, executor)
         if in_flight:
-            plan, samples = in_flight.popleft()
-            w.core.on_step_done(ex, plan, samples)
+            plan = in_flight.popleft()
+            w.core.on_step_done(ex, plan, executor.run(plan))
             check_invariants(w.core, w.requests)
+        loads_started(w, executor)
+        if step % 2:  # a load may stay under way while a step runs
+            complete_loads(w, executor)
         if step > 60 and not in_flight and not w.core.has_work(ex):
             break
     else:
@@ -99,10 +110,31 @@ def drive(depth: int, seed: int, num_blocks: int, cancel_every: int = 0) -> dict
     return {r.request_id: outcome(w, r) for r in w.requests}
 
 
+def loads_started(w: World, executor: StandInExecutor) -> None:
+    """A load writes its slot from the moment it starts (as the executor's loader does)."""
+    for _, slot, _ in w.loads:
+        executor.slots[slot.index] = None
+
+
+def complete_loads(w: World, executor: StandInExecutor) -> None:
+    while w.stages or w.loads:
+        stages, w.stages = w.stages, []
+        for ex, adapter in stages:
+            w.core.on_stage_done(ex, adapter, None)
+        loads, w.loads = w.loads, []
+        for ex, slot, adapter in loads:
+            executor.slots[slot.index] = adapter
+            w.core.on_load_done(ex, slot, adapter, None)
+
+
+ADAPTERS = [None, *(ref(f"lora{i}@1") for i in range(5))]
+
+
 def submit(w: World, tenant: str, prompt_len: int, max_new: int, rng: random.Random) -> Request:
     rid = next(w._ids)
     w.events[rid] = []
-    req = Request(rid, tenant, None, 0, [rng.randint(2, 200) for _ in range(prompt_len)],
+    req = Request(rid, tenant, rng.choice(ADAPTERS), 2**20,
+                  [rng.randint(2, 200) for _ in range(prompt_len)],
                   SamplingParams(), OutputProcessor(None, max_new_tokens=max_new,
                                                     stop_token_ids=(EOS, STOP)),
                   w.events[rid].append)
