@@ -1,6 +1,6 @@
 """Serving throughput on the tiny model: loraplex (three services) vs HF PEFT mixed-adapter batches.
 
-    .venv/bin/python bench/serving.py [--quick]
+    .venv/bin/python bench/serving.py [--quick] [--pipeline-depth N]
 
 The same prompts (token ids), the same adapters and the same greedy 32-token budget go to both:
 - loraplex: an adapter store (temp files), one CPU executor with a slot for every adapter, and a
@@ -10,7 +10,10 @@ The same prompts (token ids), the same adapters and the same greedy 32-token bud
   requests as one left-padded batch.
 Request i uses adapter i mod N for N distinct adapters. The two sides run in turn, round by
 round, and each reports its median round by wall time (these CPUs are shared: a burst of other
-work should hit both sides and not set the number). The full run writes
+work should hit both sides and not set the number). Then, per adapter count, where the wall time
+of loraplex's rounds went (the scheduler's --timings-out lines: executor compute and busy share,
+scheduler planning, waiting, streaming) and an in-process breakdown of a decode step
+(bench/step_breakdown.py). The full run at the default --pipeline-depth writes
 bench/results/serving-cpu.md.
 """
 
