@@ -35,11 +35,11 @@ class PagedKVCache:
             raise ValueError(f"sequence {seq_id}: block id {bad[0]} out of range "
                              f"[0, {self.num_blocks})")
 
-    def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
-        """[end - start] flat slots of positions [start, end) of a sequence with this table."""
-        positions = torch.arange(start, end)
-        table = torch.tensor(block_table, dtype=torch.long)
-        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+    def slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        """The flat slots of positions [start, end) of a sequence with this table, as plain ints
+        (a step builds them for many short row groups: no small tensor each)."""
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, Hkv, D] of this step's rows at flat `slots` [T]."""

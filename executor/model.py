@@ -71,9 +71,8 @@ class StepMetadata:
         row = 0
         for g in groups:  # plain ints: no small tensors per row (a decode step is many rows)
             end_pos = g.start_pos + g.num_tokens
-            table = g.block_table
             positions.extend(range(g.start_pos, end_pos))
-            write_slots.extend(table[p // bs] * bs + p % bs for p in range(g.start_pos, end_pos))
+            write_slots.extend(kv.slots(g.block_table, g.start_pos, end_pos))
             if g.num_tokens == 1:
                 decode_rows.append(row)
                 decode_groups.append(g)
@@ -82,7 +81,8 @@ class StepMetadata:
                 k_pos = torch.arange(end_pos)[None, :]  # [1, C]
                 prefills.append(PrefillChunk(
                     start=row, end=row + g.num_tokens,
-                    ctx_slots=kv.slots(g.block_table, 0, end_pos).to(device),
+                    ctx_slots=torch.tensor(kv.slots(g.block_table, 0, end_pos),
+                                           dtype=torch.long, device=device),
                     mask=_visible(q_pos, k_pos, sliding_window).to(device)))
             row += g.num_tokens
         ctx_lens = torch.tensor([g.start_pos + 1 for g in decode_groups], dtype=torch.long)

@@ -99,6 +99,15 @@ class Frontend:
                               "retry later")
         return Route(pool, pool.model, adapter)
 
+    def only_model(self, field: str) -> str:
+        """The base model of a request that names none: the one this gateway serves
+        (INVALID_ARGUMENT naming `field` when it serves several, or none)."""
+        served = self._pools.model_ids()
+        if len(served) != 1:
+            raise InvalidArgument(f"{field}: name an adapter or a base model (this gateway "
+                                  f"serves {', '.join(served) or 'none'})")
+        return served[0]
+
     def _served(self) -> str:
         return "served: " + (", ".join(self._pools.model_ids()) or "none")
 

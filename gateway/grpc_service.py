@@ -7,7 +7,7 @@ import grpc
 
 from common import wire
 from common.credentials import bearer
-from common.errors import InvalidArgument, grpc_errors
+from common.errors import grpc_errors
 from gateway.frontend import DEFAULT_MAX_NEW_TOKENS, Frontend, Route
 from protos import scheduler_pb2, scheduler_pb2_grpc
 
@@ -35,13 +35,7 @@ class GatewayServicer(scheduler_pb2_grpc.SchedulerServicer):
             self._frontend.metrics.finished("grpc")
 
     def _model(self, adapter: str) -> str:
-        if adapter:
-            return adapter
-        served = self._frontend.pools.model_ids()
-        if len(served) != 1:
-            raise InvalidArgument(f"name the base model in `adapter` (this gateway serves "
-                                  f"{', '.join(served) or 'none'}) or an adapter")
-        return served[0]
+        return adapter or self._frontend.only_model("adapter")
 
     async def _upstream(self, route: Route,
                         request: scheduler_pb2.GenerateRequest) -> scheduler_pb2.GenerateRequest:

@@ -117,11 +117,7 @@ class TgiApi:
             if not isinstance(adapter, str):
                 raise InvalidArgument("adapter_id: must be a string")
             return adapter
-        served = self._frontend.pools.model_ids()
-        if len(served) != 1:
-            raise InvalidArgument(f"adapter_id: name an adapter or a base model (this gateway "
-                                  f"serves {', '.join(served) or 'none'})")
-        return served[0]
+        return self._frontend.only_model("adapter_id")
 
     async def _events(self, route: Route, upstream, first, events, prefix: str):
         texts: list[str] = []

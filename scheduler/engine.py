@@ -85,12 +85,7 @@ class ExecutorLink:
             rows=[executor_pb2.ScheduledRow(seq_id=row.seq.seq_id, num_tokens=row.num_tokens,
                                             new_block_ids=row.new_block_ids)
                   for row in plan.rows])
-        try:
-            async with asyncio.timeout(seconds):
-                await self._call.write(req)
-        except TimeoutError:
-            raise Unavailable(f"executor {self.address} took no step within {seconds:.1f}s: "
-                              "suspect, its work moves elsewhere") from None
+        await self._write(req, seconds)
 
     async def receive(self, seconds: float) -> tuple[list[Sample], float]:
         """The answer to the oldest step sent (UNAVAILABLE past `seconds`)."""
@@ -101,13 +96,16 @@ class ExecutorLink:
                           seconds: float) -> executor_pb2.StepResponse:
         """One request and its answer on the step stream, or UNAVAILABLE past `seconds`."""
         deadline = time.monotonic() + seconds
+        await self._write(req, seconds)
+        return await self._read(max(deadline - time.monotonic(), 0.0))
+
+    async def _write(self, req: executor_pb2.StepRequest, seconds: float) -> None:
         try:
             async with asyncio.timeout(seconds):
                 await self._call.write(req)
         except TimeoutError:
             raise Unavailable(f"executor {self.address} took no step within {seconds:.1f}s: "
                               "suspect, its work moves elsewhere") from None
-        return await self._read(max(deadline - time.monotonic(), 0.0))
 
     async def _read(self, seconds: float) -> executor_pb2.StepResponse:
         try:

@@ -41,7 +41,8 @@ def find_weed() -> str | None:
     return str(beside) if beside.is_file() else shutil.which("weed")
 
 
-def _is_free(port: int) -> bool:
+def is_free_port(port: int) -> bool:
+    """Nothing listens on 127.0.0.1:port now."""
     with socket.socket() as sock:
         try:
             sock.bind(("127.0.0.1", port))
@@ -57,7 +58,7 @@ def _free_ports(count: int) -> list[int]:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        if port <= _MAX_PORT and port not in ports and _is_free(port + 10000):
+        if port <= _MAX_PORT and port not in ports and is_free_port(port + 10000):
             ports.append(port)
     return ports
 

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+from tests.s3server import is_free_port
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BIN = pathlib.Path(sys.executable).parent
 
@@ -31,18 +33,9 @@ def free_base_port() -> int:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             base = sock.getsockname()[1]
-        if base < 60000 and all(_free(base + i) for i in (-1, 1, 2)):
+        if base < 60000 and all(is_free_port(base + i) for i in (-1, 1, 2)):
             return base
     raise RuntimeError("no free ports")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 def test_the_readme_gateway_examples_work(tmp_path):

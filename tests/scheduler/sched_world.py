@@ -50,15 +50,18 @@ class World:
         self.requests.append(req)
         return req
 
-    def complete_loads(self, error=None) -> None:
+    def complete_loads(self, error=None, loaded=None) -> None:
         """End every staging and load under way (with `error`, failed); loads that stagings
-        start are completed too, unless `error`."""
+        start are completed too, unless `error`. `loaded(slot, adapter)` is told of each load
+        before the core is."""
         while self.stages or self.loads:
             stages, self.stages = self.stages, []
             for ex, adapter in stages:
                 self.core.on_stage_done(ex, adapter, error)
             loads, self.loads = self.loads, []
             for ex, slot, adapter in loads:
+                if loaded is not None:
+                    loaded(slot, adapter)
                 self.core.on_load_done(ex, slot, adapter, error)
             if error is not None:
                 break

@@ -99,7 +99,8 @@ def drive(depth: int, seed: int, num_blocks: int, cancel_every: int = 0) -> dict
             check_invariants(w.core, w.requests)
         loads_started(w, executor)
         if step % 2:  # a load may stay under way while a step runs
-            complete_loads(w, executor)
+            w.complete_loads(loaded=lambda slot, adapter: executor.slots.update(
+                {slot.index: adapter}))
         if step > 60 and not in_flight and not w.core.has_work(ex):
             break
     else:
@@ -114,17 +115,6 @@ def loads_started(w: World, executor: StandInExecutor) -> None:
     """A load writes its slot from the moment it starts (as the executor's loader does)."""
     for _, slot, _ in w.loads:
         executor.slots[slot.index] = None
-
-
-def complete_loads(w: World, executor: StandInExecutor) -> None:
-    while w.stages or w.loads:
-        stages, w.stages = w.stages, []
-        for ex, adapter in stages:
-            w.core.on_stage_done(ex, adapter, None)
-        loads, w.loads = w.loads, []
-        for ex, slot, adapter in loads:
-            executor.slots[slot.index] = adapter
-            w.core.on_load_done(ex, slot, adapter, None)
 
 
 ADAPTERS = [None, *(ref(f"lora{i}@1") for i in range(5))]
