@@ -142,12 +142,9 @@ class Scheduler(Placement):
         ex.rates.observe_step(plan.num_tokens, step_seconds)
         for row in plan.rows:
             row.seq.steps_in_flight -= 1
-        if ex.unpin_later:
-            for seq in [s for s in ex.unpin_later if not s.steps_in_flight]:
-                ex.unpin_later.remove(seq)
-                ex.slots.unpin(seq.slot)
-            if not ex.unpin_later:
-                self._wake()  # a slot may be free for a load now
+        for seq in [s for s in ex.unpin_later if not s.steps_in_flight]:
+            ex.unpin_later.remove(seq)  # (the step loop plans next: a freed slot is seen then)
+            ex.slots.unpin(seq.slot)
         now = self.clock()
         for sample in samples:
             seq = ex.running.get(sample.seq_id)
