@@ -11,3 +11,6 @@ RETRY_AFTER = "retry-after"
 # A store's initial metadata on Push once the header passed its checks (see adapter_store.proto):
 # the client sends the weights only after it.
 PUSH_ACCEPTED = ("loraplex-push", "header-accepted")
+
+# Longest cache_salt a Generate request (or an OpenAI request body) may carry.
+MAX_CACHE_SALT_CHARS = 256

@@ -126,9 +126,11 @@ class ModelRunner:
         self.pool.mark_loaded(slot)
 
     def add_sequence(self, seq_id: int, token_ids: Sequence[int], sampling: SamplingParams,
-                     slot: int, num_generated: int = 0) -> None:
+                     slot: int, num_generated: int = 0, num_cached: int = 0) -> None:
         """Register a sequence (prompt token ids; after a preemption or failover, prompt and the
-        `num_generated` tokens sampled so far); slot -1 = base model only."""
+        `num_generated` tokens sampled so far); slot -1 = base model only. The KV of its first
+        `num_cached` tokens is in the blocks its first rows bring (a prefix cache hit): its
+        first row computes from there."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already exists")
         if not token_ids:
@@ -146,8 +148,11 @@ class ModelRunner:
         if not 0 <= num_generated < len(token_ids):
             raise ValueError(f"sequence {seq_id}: num_generated {num_generated} must be below "
                              f"its {len(token_ids)} tokens (a prompt comes first)")
+        if not 0 <= num_cached < len(token_ids):
+            raise ValueError(f"sequence {seq_id}: num_cached {num_cached} must be below its "
+                             f"{len(token_ids)} tokens (the last one is computed for a sample)")
         sampling.validate()
-        self._seqs[seq_id] = _Sequence(list(token_ids), 0, [], sampling, slot,
+        self._seqs[seq_id] = _Sequence(list(token_ids), num_cached, [], sampling, slot,
                                        DrawStream(sampling.seed, num_generated, self.device))
 
     def free_sequence(self, seq_id: int) -> None:

@@ -144,7 +144,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         for new in req.new_sequences:
             self._runner.add_sequence(new.seq_id, list(new.token_ids),
                                       SamplingParams.from_pb(new.sampling), new.slot,
-                                      new.num_generated)
+                                      new.num_generated, new.num_cached)
         rows = [Row(r.seq_id, r.num_tokens, tuple(r.new_block_ids)) for r in req.rows]
         samples = self._runner.step(rows) if rows else []
         self.metrics.step.observe(time.perf_counter() - start)

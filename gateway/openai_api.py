@@ -102,7 +102,8 @@ class OpenAIApi:
         upstreams = [(i * options.n + j, scheduler_pb2.GenerateRequest(
                         adapter=route.adapter_ref, token_ids=scheduler_pb2.TokenIds(ids=ids),
                         sampling=options.choice_seed(j).to_pb(), max_new_tokens=max_new,
-                        stop=options.stop, ignore_eos=options.ignore_eos))
+                        stop=options.stop, ignore_eos=options.ignore_eos,
+                        cache_salt=options.cache_salt))
                      for i, ids in enumerate(prompts) for j in range(options.n)]
         self._frontend.admit(tenant, sum(len(u.token_ids.ids) + max_new for _, u in upstreams))
         prompt_tokens = sum(map(len, prompts))

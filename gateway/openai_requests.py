@@ -8,6 +8,7 @@ import math
 
 from common.errors import InvalidArgument
 from common.sampling import MAX_SEED, SamplingParams
+from common.wire import MAX_CACHE_SALT_CHARS
 from gateway.chat import ROLES
 
 MAX_N = 16  # choices per request (n x prompts)
@@ -35,6 +36,7 @@ class Options:
     include_usage: bool
     logprobs: bool
     ignore_eos: bool
+    cache_salt: str = ""  # vLLM's extension: prefix-cached KV is reused only with the same salt
 
     def choice_seed(self, choice: int) -> SamplingParams:
         """The sampling of choice `choice` of n: a seeded request gives each choice its own
@@ -137,9 +139,14 @@ def _options(body: dict, logprobs: bool) -> Options:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise BadField("user", "must be a string")
+    cache_salt = body.get("cache_salt", "")
+    if not isinstance(cache_salt, str) or len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise BadField("cache_salt", f"must be a string of at most {MAX_CACHE_SALT_CHARS} "
+                                     "characters")
     return Options(model=model, n=n, max_tokens=max_tokens, sampling=sampling,
                    stop=_stop(body.get("stop")), stream=stream, include_usage=include_usage,
-                   logprobs=logprobs, ignore_eos=_boolean(body, "ignore_eos", False))
+                   logprobs=logprobs, ignore_eos=_boolean(body, "ignore_eos", False),
+                   cache_salt=cache_salt)
 
 
 def _completion_logprobs(body: dict) -> bool:

@@ -112,16 +112,21 @@ async def _resume(stub: Stub, args: argparse.Namespace, timeout_s: float) -> str
             "queued on it")
 
 
+def _share(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.0f}%" if whole else "-"
+
+
 def format_stats(stats: pb.StatsResponse) -> str:
     """Executors (with their occupied slots) and tenants, as two tables."""
     lines = []
     if stats.executors:
         lines.append(f"{'EXECUTOR':22s} {'STATE':9s} {'RUNNING':>7s} {'QUEUED':>6s} "
-                     f"{'FREE KV':>13s} {'STEPS':>8s} {'LOADS':>6s} {'HITS':>6s}")
+                     f"{'FREE KV':>13s} {'CACHED':>7s} {'STEPS':>8s} {'LOADS':>6s} {'HITS':>6s}")
         for ex in stats.executors:
             kv = f"{ex.free_kv_blocks}/{ex.num_kv_blocks}"
             lines.append(f"{ex.address:22s} {_state(ex):9s} {ex.running:7d} {ex.queued:6d} "
-                         f"{kv:>13s} {ex.steps:8d} {ex.adapter_loads:6d} {ex.adapter_hits:6d}")
+                         f"{kv:>13s} {ex.cached_kv_blocks:7d} {ex.steps:8d} {ex.adapter_loads:6d} "
+                         f"{ex.adapter_hits:6d}")
             used = [(i, s) for i, s in enumerate(ex.slots) if s.state != "empty"]
             lines.append(f"  {len(used)} of {len(ex.slots)} slots in use")
             lines.extend(f"  slot {i:<3d} {_slot(s)}" for i, s in used)
@@ -129,9 +134,11 @@ def format_stats(stats: pb.StatsResponse) -> str:
         lines.append("EXECUTORS: none shown (a tenant key sees its own counters only)")
     lines.append("")
     lines.append(f"{'TENANT':20s} {'QUEUED':>6s} {'RUNNING':>7s} {'REQUESTS':>8s} "
-                 f"{'PROMPT TOK':>10s} {'OUTPUT TOK':>10s} {'LOADS':>6s} {'VIRTUAL':>10s}")
+                 f"{'PROMPT TOK':>10s} {'CACHED':>7s} {'OUTPUT TOK':>10s} {'LOADS':>6s} "
+                 f"{'VIRTUAL':>10s}")
     lines.extend(f"{t.tenant or '-':20s} {t.queued:6d} {t.running:7d} {t.requests:8d} "
-                 f"{t.prompt_tokens:10d} {t.completion_tokens:10d} {t.adapter_loads_caused:6d} "
+                 f"{t.prompt_tokens:10d} {_share(t.cached_prompt_tokens, t.prompt_tokens):>7s} "
+                 f"{t.completion_tokens:10d} {t.adapter_loads_caused:6d} "
                  f"{t.virtual_counter:10.1f}" for t in stats.tenants)
     if not stats.tenants:
         lines.append("(no tenant seen yet)")

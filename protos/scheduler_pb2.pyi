@@ -111,7 +111,7 @@ class ResumeResponse(_message.Message):
     def __init__(self, queued: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("adapter", "text", "token_ids", "sampling", "max_new_tokens", "stop", "stop_token_ids", "ignore_eos")
+    __slots__ = ("adapter", "text", "token_ids", "sampling", "max_new_tokens", "stop", "stop_token_ids", "ignore_eos", "cache_salt")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,7 @@ class GenerateRequest(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     adapter: str
     text: str
     token_ids: TokenIds
@@ -128,7 +129,8 @@ class GenerateRequest(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
-    def __init__(self, adapter: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, adapter: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -183,7 +185,7 @@ class SlotStats(_message.Message):
     def __init__(self, adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., state: _Optional[str] = ..., pins: _Optional[int] = ..., is_admin_pinned: _Optional[bool] = ..., reserved_for: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ...) -> None: ...
 
 class ExecutorStats(_message.Message):
-    __slots__ = ("address", "running", "free_kv_blocks", "num_kv_blocks", "slots", "steps", "adapter_loads", "adapter_hits", "queued", "is_draining", "is_drained", "is_up")
+    __slots__ = ("address", "running", "free_kv_blocks", "num_kv_blocks", "slots", "steps", "adapter_loads", "adapter_hits", "queued", "is_draining", "is_drained", "is_up", "cached_kv_blocks")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +198,7 @@ class ExecutorStats(_message.Message):
     IS_DRAINING_FIELD_NUMBER: _ClassVar[int]
     IS_DRAINED_FIELD_NUMBER: _ClassVar[int]
     IS_UP_FIELD_NUMBER: _ClassVar[int]
+    CACHED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     address: str
     running: int
     free_kv_blocks: int
@@ -208,10 +211,11 @@ class ExecutorStats(_message.Message):
     is_draining: bool
     is_drained: bool
     is_up: bool
-    def __init__(self, address: _Optional[str] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotStats, _Mapping]]] = ..., steps: _Optional[int] = ..., adapter_loads: _Optional[int] = ..., adapter_hits: _Optional[int] = ..., queued: _Optional[int] = ..., is_draining: _Optional[bool] = ..., is_drained: _Optional[bool] = ..., is_up: _Optional[bool] = ...) -> None: ...
+    cached_kv_blocks: int
+    def __init__(self, address: _Optional[str] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotStats, _Mapping]]] = ..., steps: _Optional[int] = ..., adapter_loads: _Optional[int] = ..., adapter_hits: _Optional[int] = ..., queued: _Optional[int] = ..., is_draining: _Optional[bool] = ..., is_drained: _Optional[bool] = ..., is_up: _Optional[bool] = ..., cached_kv_blocks: _Optional[int] = ...) -> None: ...
 
 class TenantStats(_message.Message):
-    __slots__ = ("tenant", "queued", "running", "virtual_counter", "requests", "prompt_tokens", "completion_tokens", "adapter_loads_caused")
+    __slots__ = ("tenant", "queued", "running", "virtual_counter", "requests", "prompt_tokens", "completion_tokens", "adapter_loads_caused", "cached_prompt_tokens")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +224,7 @@ class TenantStats(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_LOADS_CAUSED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     queued: int
     running: int
@@ -228,7 +233,8 @@ class TenantStats(_message.Message):
     prompt_tokens: int
     completion_tokens: int
     adapter_loads_caused: int
-    def __init__(self, tenant: _Optional[str] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., virtual_counter: _Optional[float] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., adapter_loads_caused: _Optional[int] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, tenant: _Optional[str] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., virtual_counter: _Optional[float] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., adapter_loads_caused: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("executors", "tenants")

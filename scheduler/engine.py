@@ -81,7 +81,8 @@ class ExecutorLink:
             new_sequences=[executor_pb2.NewSequence(
                 seq_id=seq.seq_id, token_ids=seq.token_ids, slot=seq.slot.index if seq.slot else -1,
                 sampling=seq.request.sampling.to_pb(),
-                num_generated=len(seq.request.output_token_ids)) for seq in plan.new],
+                num_generated=len(seq.request.output_token_ids), num_cached=seq.num_cached)
+                for seq in plan.new],
             rows=[executor_pb2.ScheduledRow(seq_id=row.seq.seq_id, num_tokens=row.num_tokens,
                                             new_block_ids=row.new_block_ids)
                   for row in plan.rows])

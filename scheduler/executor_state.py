@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from common.adapter_ref import AdapterRef
 from common.errors import LoraplexError
 from scheduler.block_manager import BlockManager
+from scheduler.prefix_cache import SCOPES
 from scheduler.queues import ExecutorQueue
 from scheduler.request import Request
 from scheduler.routing import Popularity, Rates
@@ -44,8 +45,14 @@ class Limits:
     # step is planned and sent while the executor runs this one, so it never waits between
     # steps; 1 = one at a time.
     pipeline_depth: int = 2
+    # Prefix caching (prefix_cache.py): "tenant" reuses KV blocks within a tenant (and adapter
+    # version and cache salt), "pool" across tenants too, "off" never.
+    prefix_cache: str = "tenant"
 
     def __post_init__(self) -> None:
+        if self.prefix_cache not in SCOPES:
+            raise ValueError(f"prefix_cache must be one of {', '.join(SCOPES)}, got "
+                             f"{self.prefix_cache!r}")
         if self.pipeline_depth < 1:
             raise ValueError(f"pipeline_depth must be >= 1, got {self.pipeline_depth}")
         if self.popularity_half_life_s <= 0:
@@ -90,6 +97,11 @@ class Sequence:
     samples_due: int = 0
     steps_in_flight: int = 0  # steps sent with a row of it and not answered yet
     is_sent: bool = False  # its NewSequence went out
+    num_cached: int = 0  # leading tokens whose KV it found in the prefix cache
+    # Chained hashes of its full blocks (prefix_cache.py; its request's, shared), and how many
+    # of its blocks are published to the prefix cache.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_published: int = 0
 
     @property
     def num_known(self) -> int:

@@ -3,6 +3,8 @@ tenant also pays for the adapter loads its requests cause.
 
 Each tenant u has a counter c[u] of weighted service received:
     admission of a request:    c[u] += input_weight * prompt_tokens / w[u]
+                               (only the prompt tokens it computes: those whose KV its first
+                               admission found in the prefix cache cost no compute, and are free)
     each generated token:      c[u] += output_weight / w[u]
     an adapter load it caused: c[u] += load_tokens / w[u]
 where load_tokens = load_weight * (adapter bytes / load bandwidth) * executor token rate: the tokens

@@ -24,7 +24,9 @@ class SchedulerMetrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("loraplex_queue_seconds", "Arrival to admission.", ["tenant"],
                                buckets=LATENCY_BUCKETS, registry=r)
-        self.tokens = Counter("loraplex_tokens", "Tokens served.", ["tenant", "kind"], registry=r)
+        self.tokens = Counter("loraplex_tokens", "Tokens served (kind: prompt, completion, and "
+                              "cached_prompt: the prompt tokens the prefix cache held).",
+                              ["tenant", "kind"], registry=r)
         self.step = Histogram("loraplex_step_seconds", "Executor step time (forward + sampling).",
                               ["executor"], buckets=LATENCY_BUCKETS, registry=r)
         self.batch = Histogram("loraplex_step_rows", "Rows (sequences) per step.", ["executor"],
@@ -49,6 +51,7 @@ class SchedulerMetrics:
         tenant = self.tenant(req.tenant)
         self.tokens.labels(tenant, "prompt").inc(len(req.prompt_ids))
         self.tokens.labels(tenant, "completion").inc(req.output.num_tokens)
+        self.tokens.labels(tenant, "cached_prompt").inc(req.cached_prompt_tokens)
         if req.admitted_at is not None:
             self.queue.labels(tenant).observe(req.admitted_at - req.arrival)
         if req.first_token_at is not None:
@@ -80,12 +83,27 @@ class _CoreCollector:
                                     labels=["executor"])
         queued = GaugeMetricFamily("loraplex_queued_requests", "Requests queued.",
                                    labels=["executor"])
-        free = GaugeMetricFamily("loraplex_free_kv_blocks", "Free KV blocks.", labels=["executor"])
+        free = GaugeMetricFamily("loraplex_free_kv_blocks", "Free KV blocks (cached ones in no "
+                                 "sequence's table included).", labels=["executor"])
+        cached = GaugeMetricFamily("loraplex_cached_kv_blocks",
+                                   "KV blocks holding a cached prefix.", labels=["executor"])
         for ex in self._core.executors:
             running.add_metric([ex.address], len(ex.running))
             queued.add_metric([ex.address], len(ex.queue))
             free.add_metric([ex.address], ex.blocks.num_free)
-        yield from (running, queued, free)
+            cached.add_metric([ex.address], ex.blocks.num_cached)
+        yield from (running, queued, free, cached)
+        hit_rate = GaugeMetricFamily(
+            "loraplex_prefix_cache_hit_rate", "Of the prompt tokens of each tenant's ended "
+            "requests, the fraction the prefix cache held.", labels=["tenant"])
+        rates: dict[str, list[int]] = {}
+        for tenant, totals in self._core.totals.items():
+            label = rates.setdefault(self._tenant(tenant), [0, 0])
+            label[0] += totals.cached_prompt_tokens
+            label[1] += totals.prompt_tokens
+        for label, (hits, prompt) in sorted(rates.items()):
+            hit_rate.add_metric([label], hits / prompt if prompt else 0.0)
+        yield hit_rate
         counters = GaugeMetricFamily("loraplex_tenant_virtual_counter",
                                      "Virtual-time counter of each tenant (token-equivalents).",
                                      labels=["tenant"])

@@ -2,7 +2,7 @@
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from common.adapter_ref import AdapterRef
@@ -61,6 +61,12 @@ class Request:
     executor_failures: int = 0  # executors lost while it ran there (their step failed or they left)
     executor: Any = None  # the ExecutorState it is queued or running on
     work_left: int = 0  # tokens still to compute for it (prompt + outputs), for routing
+    cache_salt: str = ""  # keeps its cached KV blocks apart from requests with another salt
+    cache_key: bytes = b""  # whose cached KV blocks it may reuse (prefix_cache.py); b"": none
+    # Prompt tokens whose KV its first admission found in the prefix cache (not computed).
+    cached_prompt_tokens: int = 0
+    # Chained hashes of its full blocks, per block size (executors may differ): prefix_cache.py.
+    block_hashes: dict[int, list[bytes]] = field(default_factory=dict)
 
     @property
     def all_token_ids(self) -> list[int]:

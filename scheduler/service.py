@@ -104,6 +104,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if sampling.seed is None:  # one of its own, so a recompute draws the same tokens
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(64))
         validation.check_stops(pb, self._config.max_stop_strings, self._config.max_stop_chars)
+        validation.check_cache_salt(pb.cache_salt)
         adapter, adapter_bytes = None, 0
         if pb.adapter:
             found = await self._registry.resolve(pb.adapter, tenant)
@@ -126,7 +127,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         output = OutputProcessor(self._tokenizer, max_new_tokens=max_new, stop_token_ids=stop_ids,
                                  stop=list(pb.stop))
         return Request(next(self._ids), tenant, adapter, adapter_bytes, prompt, sampling, output,
-                       emit)
+                       emit, cache_salt=pb.cache_salt)
 
     @staticmethod
     def _usage(req: Request) -> scheduler_pb2.Usage:
@@ -220,7 +221,7 @@ def _executor_pb(ex: ExecutorStats) -> scheduler_pb2.ExecutorStats:
         address=ex.address, running=ex.running, free_kv_blocks=ex.free_kv_blocks,
         num_kv_blocks=ex.num_kv_blocks, steps=ex.num_steps, adapter_loads=ex.num_loads,
         adapter_hits=ex.num_hits, queued=ex.queued, is_draining=ex.is_draining,
-        is_drained=ex.is_drained, is_up=ex.is_up,
+        is_drained=ex.is_drained, is_up=ex.is_up, cached_kv_blocks=ex.cached_kv_blocks,
         slots=[scheduler_pb2.SlotStats(adapter=_pb(s.adapter), state=s.state.value, pins=s.pins,
                                        is_admin_pinned=s.is_admin_pinned,
                                        reserved_for=_pb(s.reserved_for))
@@ -232,7 +233,8 @@ def _tenant_pb(t: TenantStats) -> scheduler_pb2.TenantStats:
         tenant=t.tenant, queued=t.queued, running=t.running, virtual_counter=t.virtual_counter,
         requests=t.totals.requests, prompt_tokens=t.totals.prompt_tokens,
         completion_tokens=t.totals.completion_tokens,
-        adapter_loads_caused=t.totals.adapter_loads_caused)
+        adapter_loads_caused=t.totals.adapter_loads_caused,
+        cached_prompt_tokens=t.totals.cached_prompt_tokens)
 
 
 async def serve(config: SchedulerConfig, ready_timeout: float = 300.0) -> None:

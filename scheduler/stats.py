@@ -21,12 +21,14 @@ class TenantTotals:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     adapter_loads_caused: int = 0
+    cached_prompt_tokens: int = 0  # of prompt_tokens, found in the prefix cache
 
     def add(self, req: Request) -> None:
         self.requests += 1
         self.prompt_tokens += len(req.prompt_ids)
         self.completion_tokens += req.output.num_tokens
         self.adapter_loads_caused += req.caused_load
+        self.cached_prompt_tokens += req.cached_prompt_tokens
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class ExecutorStats:
     queued: int
     free_kv_blocks: int
     num_kv_blocks: int
+    cached_kv_blocks: int
     num_steps: int
     num_loads: int
     num_hits: int
@@ -85,6 +88,7 @@ def _executor(ex: ExecutorState) -> ExecutorStats:
     return ExecutorStats(
         address=ex.address, running=len(ex.running), queued=len(ex.queue),
         free_kv_blocks=ex.blocks.num_free, num_kv_blocks=ex.blocks.num_blocks,
+        cached_kv_blocks=ex.blocks.num_cached,
         num_steps=ex.num_steps, num_loads=ex.num_loads, num_hits=ex.num_hits, is_up=ex.is_up,
         is_draining=ex.is_draining, is_drained=ex.is_drained,
         slots=tuple(SlotStats(s.adapter, s.state, s.pins, s.is_admin_pinned, s.reserved_for)

@@ -7,6 +7,7 @@ from common.adapter_ref import AdapterRef
 from common.base_fingerprint import is_same_base
 from common.errors import FailedPrecondition, InvalidArgument
 from common.prompt_bounds import min_tokens
+from common.wire import MAX_CACHE_SALT_CHARS
 from protos import common_pb2, executor_pb2, scheduler_pb2
 
 
@@ -48,6 +49,12 @@ def check_stops(req: scheduler_pb2.GenerateRequest, max_strings: int, max_chars:
         raise InvalidArgument(f"at most {max_strings} stop strings, got {len(req.stop)}")
     if any(len(s) > max_chars for s in req.stop):
         raise InvalidArgument(f"stop strings must be at most {max_chars} characters")
+
+
+def check_cache_salt(salt: str) -> None:
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidArgument(f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters, "
+                              f"got {len(salt)}")
 
 
 def check_adapter(adapter: common_pb2.AdapterInfo, info: executor_pb2.InfoResponse) -> None:

@@ -44,8 +44,16 @@ def check_invariants(core: Scheduler, live: Iterable[Request] = ()) -> None:
             if slot.adapter:
                 assert ex.slots.find(slot.adapter) is slot, f"{what}: index of {slot.adapter} stale"
         assert set(ex.blocks.tables) == set(ex.running), f"{where}: blocks of unknown sequences"
-        in_tables = sum(len(t) for t in ex.blocks.tables.values())
-        assert in_tables == ex.blocks.num_allocated(), f"{where}: blocks leaked"
+        ex.blocks.check()  # every block free, cached or referenced, by as many as hold it
+        in_tables = {b for t in ex.blocks.tables.values() for b in t}
+        assert len(in_tables) == ex.blocks.num_allocated(), f"{where}: blocks leaked"
+        holder: dict[int, Request] = {}
+        for seq in ex.running.values():
+            key = seq.request.cache_key
+            for block in ex.blocks.tables[seq.seq_id]:
+                other = holder.setdefault(block, seq.request)
+                assert other is seq.request or key and other.cache_key == key, \
+                    f"{where}: block {block} shared across cache keys"
         demand: Counter[AdapterRef | None] = Counter()
         for req in ex.queue:
             assert req.status is Status.QUEUED and req.executor is ex, \

@@ -27,34 +27,49 @@ EOS, STOP = 0, 1
 
 class StandInExecutor:
     """Runs each plan as an executor does, in the order sent: its own copy of every sequence's
-    tokens, a sample whenever a row reaches the last of them."""
+    tokens and block table, a sample whenever a row reaches the last of them. Its KV cache holds,
+    for each position written, what a model's KV there depends on (the tokens up to it and the
+    adapter); before each sample the sequence's whole context is read back through its table and
+    must be its own (prefix-cached blocks included)."""
 
-    def __init__(self) -> None:
-        self.seqs: dict[int, list] = {}  # seq_id -> [tokens, computed]
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.seqs: dict[int, list] = {}  # seq_id -> [tokens, computed, block table]
         self.slots: dict[int, object] = {}  # slot index -> its adapter (None: being written)
+        self.kv: dict[tuple[int, int], tuple] = {}  # (block, offset) -> (tokens so far, adapter)
 
     def run(self, plan) -> list[Sample]:
         for seq_id in plan.freed:
             del self.seqs[seq_id]
         for seq in plan.new:
-            self.seqs[seq.seq_id] = [list(seq.token_ids), 0]
+            self.seqs[seq.seq_id] = [list(seq.token_ids), seq.num_cached, []]
         samples = []
         for row in plan.rows:
-            if row.seq.slot is not None:
-                assert self.slots.get(row.seq.slot.index) == row.seq.request.adapter, \
-                    "a row read a slot being loaded or holding another adapter"
-            tokens, computed = self.seqs[row.seq.seq_id]
-            assert 1 <= row.num_tokens <= len(tokens) - computed, "a row past the known tokens"
-            computed += row.num_tokens
             req = row.seq.request
+            if row.seq.slot is not None:
+                assert self.slots.get(row.seq.slot.index) == req.adapter, \
+                    "a row read a slot being loaded or holding another adapter"
+            tokens, computed, table = self.seqs[row.seq.seq_id]
+            table.extend(row.new_block_ids)
+            assert 1 <= row.num_tokens <= len(tokens) - computed, "a row past the known tokens"
+            for p in range(computed, computed + row.num_tokens):
+                self.kv[self._at(table, p)] = (tuple(tokens[:p + 1]), req.adapter)
+            computed += row.num_tokens
             assert computed <= len(req.prompt_ids) + req.output.max_new_tokens - 1, \
                 "computed past the request's last position"
             self.seqs[row.seq.seq_id][1] = computed
             if computed == len(tokens):
+                for p in range(computed):
+                    expected = (tuple(tokens[:p + 1]), req.adapter)
+                    assert self.kv.get(self._at(table, p)) == expected, \
+                        f"seq {row.seq.seq_id} read another context's KV at position {p}"
                 token = next_token(tokens)
                 tokens.append(token)
                 samples.append(Sample(row.seq.seq_id, token, -0.5))
         return samples
+
+    def _at(self, table: list[int], position: int) -> tuple[int, int]:
+        return table[position // self.block_size], position % self.block_size
 
 
 def next_token(history: list[int]) -> int:
@@ -71,7 +86,7 @@ def drive(depth: int, seed: int, num_blocks: int, cancel_every: int = 0) -> dict
     w = World(num_blocks=num_blocks, block_size=4, num_slots=2,
               limits=Limits(max_num_seqs=6, max_batched_tokens=24, pipeline_depth=depth,
                             fairness_window=0.0))
-    ex, executor = w.executors[0], StandInExecutor()
+    ex, executor = w.executors[0], StandInExecutor(block_size=4)
     in_flight: collections.deque = collections.deque()
     overlapped = steps = 0  # steps planned while another was in flight, all steps
     arrivals = [(rng.randint(0, 60), rng.choice("abc"), rng.randint(1, 30), rng.randint(1, 12))
@@ -118,13 +133,14 @@ def loads_started(w: World, executor: StandInExecutor) -> None:
 
 
 ADAPTERS = [None, *(ref(f"lora{i}@1") for i in range(5))]
+PREFIXES = [[], [5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 8, 20]]  # shared prompt starts
 
 
 def submit(w: World, tenant: str, prompt_len: int, max_new: int, rng: random.Random) -> Request:
     rid = next(w._ids)
     w.events[rid] = []
     req = Request(rid, tenant, rng.choice(ADAPTERS), 2**20,
-                  [rng.randint(2, 200) for _ in range(prompt_len)],
+                  rng.choice(PREFIXES) + [rng.randint(2, 200) for _ in range(prompt_len)],
                   SamplingParams(), OutputProcessor(None, max_new_tokens=max_new,
                                                     stop_token_ids=(EOS, STOP)),
                   w.events[rid].append)
