@@ -117,8 +117,9 @@ class BlockManager:
 
     def free(self, seq_id: int) -> None:
         """Drop `seq_id`'s table (idempotent): its blocks in no other table become free, or
-        cached (most recently used) when hashed."""
-        for block in self.tables.pop(seq_id, ()):
+        cached (most recently used) when hashed. Its last block goes first: eviction then takes
+        a chain's tail before its head, which every longer match needs."""
+        for block in reversed(self.tables.pop(seq_id, ())):
             refs = self._refs[block] - 1
             if refs:
                 self._refs[block] = refs

@@ -1,5 +1,9 @@
 """Property tests of the scheduler's invariants under random arrivals, cancellations, load failures,
-executor loss, drains and returns (hypothesis drives the sequence of events)."""
+executor loss, drains and returns (hypothesis drives the sequence of events). Every prompt of the
+harness starts 1, 2, 3, ...: with the prefix cache on, requests of the same tenant (or of any
+tenant, in pool scope) and adapter share blocks all along, and the invariants check that no block
+is ever shared across cache keys, that reference counts match the tables and that every block is
+free, cached or referenced."""
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -32,7 +36,8 @@ event = st.one_of(
                         max_batched_tokens=st.integers(1, 32),
                         max_adapters_per_batch=st.integers(0, 3),
                         fairness_window=st.sampled_from([0.0, 50.0]),
-                        affinity_max_wait_s=st.sampled_from([0.0, 0.05])))
+                        affinity_max_wait_s=st.sampled_from([0.0, 0.05]),
+                        prefix_cache=st.sampled_from(["tenant", "pool", "off"])))
 def test_invariants_hold_and_no_request_is_lost(events, slots, blocks, limits):
     w = World(num_executors=2, num_blocks=blocks, block_size=4, num_slots=slots, limits=limits)
     for kind, *args in events:
