@@ -107,7 +107,7 @@ def numerics(x: torch.Tensor) -> dict:
     """Constexprs for x's dtype and device: UPCAST (interpreter: fp32 compute), EMULATE_RNE
     (interpreter bf16 rounding), IEEE (fp32 dots without tf32 on the GPU), DT."""
     if x.dtype not in TL_DTYPES:
-        raise ValueError(f"SGMV kernels take {', '.join(map(str, TL_DTYPES))}, got {x.dtype}")
+        raise ValueError(f"the Triton kernels take {', '.join(map(str, TL_DTYPES))}, got {x.dtype}")
     upcast = x.device.type != "cuda"
     return {"DT": TL_DTYPES[x.dtype], "UPCAST": upcast,
             "EMULATE_RNE": upcast and x.dtype == torch.bfloat16, "IEEE": x.dtype == torch.float32}
