@@ -125,9 +125,11 @@ class Generation:
 def generate_request(adapter: str = "", prompt: str | list[int] = "", max_new_tokens: int = 16,
                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                      seed: int | None = None, stop: list[str] | None = None,
-                     ignore_eos: bool = False) -> scheduler_pb2.GenerateRequest:
+                     ignore_eos: bool = False,
+                     cache_salt: str = "") -> scheduler_pb2.GenerateRequest:
     req = scheduler_pb2.GenerateRequest(
         adapter=adapter, max_new_tokens=max_new_tokens, stop=stop or [], ignore_eos=ignore_eos,
+        cache_salt=cache_salt,
         sampling=common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
                                            seed=seed))
     if isinstance(prompt, str):

@@ -87,6 +87,41 @@ async def test_50_concurrent_streams_across_10_adapters_match_hf_peft(fleet, pus
     assert {t.tenant for t in stats.tenants} >= {"acme", "globex", "initech"}
 
 
+async def _cached_prompt_tokens(fleet, stub, tenant: str) -> int:
+    stats = await stub.Stats(scheduler_pb2.StatsRequest(),
+                             metadata=client.metadata(fleet.keys.admin))
+    return next((t.cached_prompt_tokens for t in stats.tenants if t.tenant == tenant), 0)
+
+
+async def test_a_shared_prefix_comes_from_the_cache_with_the_oracles_tokens(fleet, pushed, stub,
+                                                                           hf_peft):
+    """A 40-token system prompt (5 blocks) then short turns, on the base model and two adapters:
+    after one request per adapter, the others reuse its blocks (the tenant's cached prompt
+    tokens say so) and every answer is HF PEFT's. Another cache_salt gets no hit."""
+    rng = random.Random(3)
+    system = [rng.randrange(2, 1000) for _ in range(5 * BLOCK)]
+    turns = [[rng.randrange(2, 1000) for _ in range(rng.randint(1, 6))] for _ in range(4)]
+    adapters = ["", "r16_all", "r8_mlp"]
+
+    async def one(adapter: str, turn: list[int], tenant: str = "acme", salt: str = "") -> None:
+        prompt = system + turn
+        req = client.generate_request(adapter, prompt, 6, ignore_eos=True, cache_salt=salt)
+        got = await client.generate(stub, req, KEY_OF[tenant])
+        assert got.token_ids == hf_greedy(hf_peft, prompt, 6, adapter or None)[0], adapter
+
+    before = await _cached_prompt_tokens(fleet, stub, "acme")
+    for adapter in adapters:  # computes the system prompt once per adapter
+        await one(adapter, turns[0])
+    await asyncio.gather(*(one(a, t) for a in adapters for t in turns[1:]))
+    after = await _cached_prompt_tokens(fleet, stub, "acme")
+    assert after - before >= len(adapters) * 3 * len(system)
+
+    before = await _cached_prompt_tokens(fleet, stub, "initech")
+    for salt in ("s1", "s2", "s1"):
+        await one("r1_down", turns[0], "initech", salt)
+    assert await _cached_prompt_tokens(fleet, stub, "initech") - before == len(system)
+
+
 async def test_stats_need_a_key_and_show_a_tenant_its_own_counters_only(fleet, pushed, stub):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.Stats(scheduler_pb2.StatsRequest())
