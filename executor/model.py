@@ -9,12 +9,9 @@ contiguous. Running example, block_size 4:
 
 Every projection is one dense matmul over all T rows (q/k/v fused, gate/up fused), then the LoRA
 backend adds the adapters of its segments with one call per fused output. Attention reads each
-sequence's context back through its block table:
-  - decode rows (one query each) are batched into one SDPA call, keys padded to the longest
-    context and masked: a decode step is many short rows, so one call beats a Python loop, and
-    padding costs little because decode attention is cheap next to the projections;
-  - prefill chunks (many queries) get one SDPA call each: padding them together would waste up
-    to (num_seqs x longest chunk) query rows, and there are few chunks per step.
+sequence's context back through its block table (executor/attention.py): on CUDA one Triton
+kernel reads K/V in place for every row group; on CPU decode rows are batched in a few SDPA
+calls by context length and prefill chunks get one SDPA call each.
 """
 
 from __future__ import annotations
@@ -25,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from executor.attention import AttentionMeta, attend, build_attention_meta
 from executor.kv_cache import PagedKVCache
 from executor.lora import LoraBackend, LoraBatchMeta
 from executor.model_config import ModelConfig
@@ -41,76 +39,37 @@ class RowSpec:
 
 
 @dataclass(frozen=True)
-class PrefillChunk:
-    start: int  # first row in the step
-    end: int
-    ctx_slots: torch.Tensor  # [C] flat KV slots of positions 0..C-1
-    mask: torch.Tensor  # [n, C] bool, True = may attend
-
-
-@dataclass(frozen=True)
 class StepMetadata:
     """Built once per step, read by every layer."""
 
     positions: torch.Tensor  # [T]
     write_slots: torch.Tensor  # [T] where each row's k/v goes
-    decode_rows: torch.Tensor  # [Sd] rows of single-token groups
-    decode_ctx_slots: torch.Tensor  # [Sd, Cmax] padded with slot 0
-    decode_mask: torch.Tensor  # [Sd, 1, 1, Cmax] bool
-    prefills: tuple[PrefillChunk, ...]
+    attention: AttentionMeta  # the attention path's own metadata (executor/attention.py)
     lora: LoraBatchMeta
     sample_rows: torch.Tensor  # [S] rows whose logits are returned
 
     @classmethod
     def build(cls, groups: list[RowSpec], *, kv: PagedKVCache, sliding_window: int | None,
-              lora: LoraBatchMeta, sample_rows: list[int],
-              device: str | torch.device) -> StepMetadata:
-        bs = kv.block_size
-        positions, write_slots, prefills = [], [], []
-        decode_rows, decode_groups = [], []
+              lora: LoraBatchMeta, sample_rows: list[int], device: str | torch.device,
+              attention: str = "auto") -> StepMetadata:
+        """attention: the attention backend (executor/attention.py), 'auto' by device."""
+        positions, write_slots, starts = [], [], []
         row = 0
         for g in groups:  # plain ints: no small tensors per row (a decode step is many rows)
             end_pos = g.start_pos + g.num_tokens
             positions.extend(range(g.start_pos, end_pos))
             write_slots.extend(kv.slots(g.block_table, g.start_pos, end_pos))
-            if g.num_tokens == 1:
-                decode_rows.append(row)
-                decode_groups.append(g)
-            else:
-                q_pos = torch.arange(g.start_pos, end_pos)[:, None]  # [n, 1]
-                k_pos = torch.arange(end_pos)[None, :]  # [1, C]
-                prefills.append(PrefillChunk(
-                    start=row, end=row + g.num_tokens,
-                    ctx_slots=torch.tensor(kv.slots(g.block_table, 0, end_pos),
-                                           dtype=torch.long, device=device),
-                    mask=_visible(q_pos, k_pos, sliding_window).to(device)))
+            starts.append(row)
             row += g.num_tokens
-        ctx_lens = torch.tensor([g.start_pos + 1 for g in decode_groups], dtype=torch.long)
-        c_max = int(ctx_lens.max()) if decode_groups else 1
-        n_blocks = (c_max + bs - 1) // bs
-        used = [g.block_table[: g.start_pos // bs + 1] for g in decode_groups]
-        tables = torch.tensor([u + [0] * (n_blocks - len(u)) for u in used],
-                              dtype=torch.long).view(len(used), n_blocks)  # [Sd, blocks]
-        k_pos = torch.arange(c_max)  # [Cmax]
-        ctx_slots = tables[:, k_pos // bs] * bs + k_pos % bs  # [Sd, Cmax]
-        mask = (k_pos[None, :] < ctx_lens[:, None]) & _visible(
-            (ctx_lens - 1)[:, None], k_pos[None, :], sliding_window)  # [Sd, Cmax]
+        attention_meta = build_attention_meta(
+            [g.block_table for g in groups], [g.start_pos + g.num_tokens for g in groups], starts,
+            [g.num_tokens for g in groups], block_size=kv.block_size,
+            sliding_window=sliding_window, backend=attention, device=device)
         return cls(
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             write_slots=torch.tensor(write_slots, dtype=torch.long, device=device),
-            decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
-            decode_ctx_slots=ctx_slots.to(device),
-            decode_mask=mask[:, None, None, :].to(device),
-            prefills=tuple(prefills), lora=lora,
+            attention=attention_meta, lora=lora,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device))
-
-
-def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
-    """Causal (and sliding-window) visibility of keys at k_pos from queries at q_pos."""
-    mask = k_pos <= q_pos
-    if sliding_window is not None:
-        mask &= k_pos > q_pos - sliding_window
-    return mask
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -176,21 +135,7 @@ class Transformer:
         k = apply_rope(k.reshape(t, c.num_key_value_heads, c.head_dim), cos, sin)  # [T, Hkv, D]
         kv.write(i, meta.write_slots, k, v.reshape(t, c.num_key_value_heads, c.head_dim))
 
-        attn = torch.empty_like(q)  # [T, H, D]
-        if meta.decode_rows.numel():
-            k_ctx, v_ctx = kv.gather(i, meta.decode_ctx_slots)  # [Sd, Cmax, Hkv, D]
-            q_d = q[meta.decode_rows][:, :, None, :]  # [Sd, H, 1, D]
-            o = F.scaled_dot_product_attention(
-                q_d, k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
-                attn_mask=meta.decode_mask, enable_gqa=True)  # [Sd, H, 1, D]
-            attn[meta.decode_rows] = o[:, :, 0, :]
-        for p in meta.prefills:
-            k_ctx, v_ctx = kv.gather(i, p.ctx_slots)  # [C, Hkv, D]
-            q_p = q[p.start:p.end].transpose(0, 1)  # [H, n, D]
-            o = F.scaled_dot_product_attention(
-                q_p, k_ctx.transpose(0, 1), v_ctx.transpose(0, 1),
-                attn_mask=p.mask, enable_gqa=True)  # [H, n, D]
-            attn[p.start:p.end] = o.transpose(0, 1)
+        attn = attend(q, kv, i, meta.attention)  # [T, H, D]
         attn = attn.reshape(t, c.q_size)  # [T, H * D]
         out = F.linear(attn, w.wo)  # [T, hidden]
         self.lora.apply(i, "o", attn, out, meta.lora)
