@@ -74,6 +74,7 @@ def no_prompt() -> scheduler_pb2.GenerateRequest:
     (client.generate_request("", "hi", 2**32 - 1), "max_new_tokens (4294967295)"),
     (client.generate_request("", "hi", 4, stop=["x"] * 17), "at most 16 stop strings"),
     (client.generate_request("", "hi", 4, stop=["x" * 257]), "at most 256 characters"),
+    (client.generate_request("", "hi", 4, cache_salt="s" * 257), "cache_salt must be at most"),
 ])
 async def test_generate_requests_out_of_range(fleet, stub, request_, words):
     """Cases test_services.py does not already cover."""

@@ -173,6 +173,15 @@ async def test_bad_key_bad_field_and_rate_limit(adapters):
         await openai_client(adapters).completions.create(model="tiny-attn", prompt="hi",
                                                          max_tokens=2, temperature=7)
     assert err.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as err:
+        await openai_client(adapters).completions.create(
+            model="tiny-attn", prompt="hi", max_tokens=2, extra_body={"cache_salt": 7})
+    assert err.value.body["param"] == "cache_salt"
+    salted = await openai_client(adapters).completions.create(
+        model="tiny-attn", prompt="The little cat", max_tokens=8, temperature=0,
+        extra_body={"cache_salt": "conversation-1"})
+    assert salted.choices[0].text == await direct(adapters, "fixture", "tiny-attn",
+                                                  "The little cat", 8)
     limited = openai_client(adapters, "limited")
     await limited.completions.create(model=DEMO_MODEL, prompt="a b", max_tokens=2)
     with pytest.raises(openai.RateLimitError) as err:
