@@ -11,7 +11,7 @@ import heapq
 import itertools
 import random
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from common.adapter_ref import AdapterRef
 from common.sampling import SamplingParams
@@ -61,7 +61,10 @@ class Simulator:
         self.executors = [
             ExecutorState(f"ex{i}", BlockManager(c.executors.kv_blocks, c.executors.block_size),
                           SlotTable(c.executors.slots)) for i in range(c.executors.count)]
-        self.core = Scheduler(self.executors, FairnessWeights(tenant_weights=weights), c.limits,
+        # Simulated prompts are placeholders ([1] * length): a prefix cache would find them all
+        # alike. Prefix caching is not modelled.
+        limits = replace(c.limits, prefix_cache="off")
+        self.core = Scheduler(self.executors, FairnessWeights(tenant_weights=weights), limits,
                               start_load=self._start_load, wake=lambda: None,
                               clock=lambda: self.now, start_stage=self._start_stage)
         self._busy: set[int] = set()
