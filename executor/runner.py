@@ -17,6 +17,7 @@ from common.peft.modules import LORA_MODULES
 from common.sampling import SamplingParams
 from executor.kv_cache import PagedKVCache
 from executor.lora import make_lora_backend
+from executor.merge import Merged, merge, unmerge
 from executor.model import RowSpec, StepMetadata, Transformer
 from executor.model_config import ModelConfig
 from executor.sampling import DrawStream, sample
@@ -88,6 +89,7 @@ class ModelRunner:
         self.lora = make_lora_backend(lora_backend, self.pool)
         self.model = Transformer(config, weights, self.lora)
         self._seqs: dict[int, _Sequence] = {}
+        self._merged: Merged | None = None  # the adapter folded into the weights (merge.py)
         self.base_fingerprint = ""  # of the model folder (common/base_fingerprint.py); "": none
 
     def set_identity(self, model_id: str, base_fingerprint: str) -> None:
@@ -124,6 +126,31 @@ class ModelRunner:
         The executor's loads go through AdapterLoader instead (side stream, store reference)."""
         self.pool.load(slot, weights)
         self.pool.mark_loaded(slot)
+
+    @property
+    def merged_slot(self) -> int | None:
+        """The slot whose adapter is merged into the weights, if any."""
+        return self._merged.slot if self._merged else None
+
+    def merge(self, slot: int) -> None:
+        """Fold the adapter in `slot` into the base weights (executor/merge.py): its rows then do
+        no LoRA work; no other adapter's (nor the base model's) rows may run until `unmerge`.
+        Refused while a sequence of anything else is registered."""
+        if self._merged is not None:
+            raise ValueError(f"slot {self._merged.slot} is merged already: unmerge it first")
+        if not self.pool.is_loaded(slot):
+            raise ValueError(f"cannot merge adapter slot {slot}: it holds no adapter")
+        others = sorted(i for i, s in self._seqs.items() if s.slot != slot)
+        if others:
+            raise ValueError(f"cannot merge adapter slot {slot} while sequences of other "
+                             f"adapters are registered (e.g. {others[0]})")
+        self._merged = merge(self.weights, self.pool, slot)
+
+    def unmerge(self) -> None:
+        """Restore the base weights bit for bit (no-op when nothing is merged)."""
+        if self._merged is not None:
+            unmerge(self.weights, self._merged)
+            self._merged = None
 
     def add_sequence(self, seq_id: int, token_ids: Sequence[int], sampling: SamplingParams,
                      slot: int, num_generated: int = 0, num_cached: int = 0) -> None:
@@ -191,8 +218,10 @@ class ModelRunner:
         if not groups:
             return [], torch.empty(0, self.config.vocab_size)
         tokens = torch.tensor([t for r in rows for t in self._pending(r)], device=self.device)
+        merged = self.merged_slot  # its rows: the weights hold their adapter, no LoRA
         row_slots = torch.repeat_interleave(  # [T]
-            torch.tensor([self._seqs[r.seq_id].slot for r in rows]),
+            torch.tensor([-1 if self._seqs[r.seq_id].slot == merged else self._seqs[r.seq_id].slot
+                          for r in rows]),
             torch.tensor([r.num_tokens for r in rows]))
         lora_meta = self.lora.prepare(row_slots)
         meta = StepMetadata.build(groups, kv=self.kv, sliding_window=self.config.sliding_window,
@@ -237,3 +266,6 @@ class ModelRunner:
                                  f"{self.kv.block_size} cannot hold positions up to {end - 1}")
             if seq.slot >= 0 and not self.pool.is_loaded(seq.slot):
                 raise ValueError(f"sequence {r.seq_id}: adapter slot {seq.slot} holds no adapter")
+            if self._merged is not None and seq.slot != self._merged.slot:
+                raise ValueError(f"sequence {r.seq_id}: the adapter of slot {self._merged.slot} "
+                                 "is merged into the weights; only its rows may run here")

@@ -93,7 +93,18 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             slot_adapters=[a.to_pb() if a else common_pb2.AdapterRef()
                            for a in self._loader.slot_adapters],
             num_sequences=self._runner.num_sequences,
-            base_fingerprint=self._runner.base_fingerprint)
+            base_fingerprint=self._runner.base_fingerprint,
+            merged_adapter=self._merged_adapter())
+
+    def _check_not_merged(self, slot: int) -> None:
+        if slot == self._runner.merged_slot:
+            raise FailedPrecondition(f"adapter slot {slot} is merged into the weights: unmerge "
+                                     "it (a Step with unmerge) before replacing it")
+
+    def _merged_adapter(self) -> common_pb2.AdapterRef | None:
+        slot = self._runner.merged_slot
+        adapter = None if slot is None else self._loader.slot_adapters[slot]
+        return adapter.to_pb() if adapter else None
 
     async def Step(self, request_iterator, context):
         async with grpc_errors(context):
@@ -136,15 +147,21 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 log.info("the last step of a cancelled Step stream failed: %s",
                          last_step.exception())
         self._runner.free_all()
+        self._runner.unmerge()  # the next scheduler finds the base model as loaded
 
     def _step(self, req: executor_pb2.StepRequest) -> executor_pb2.StepResponse:
         start = time.perf_counter()
         for seq_id in req.freed_seq_ids:
             self._runner.free_sequence(seq_id)
+        if req.unmerge:
+            self._runner.unmerge()
         for new in req.new_sequences:
             self._runner.add_sequence(new.seq_id, list(new.token_ids),
                                       SamplingParams.from_pb(new.sampling), new.slot,
                                       new.num_generated, new.num_cached)
+        if req.HasField("merge_slot"):
+            self._runner.merge(req.merge_slot)
+            log.info("merged the adapter of slot %d into the weights", req.merge_slot)
         rows = [Row(r.seq_id, r.num_tokens, tuple(r.new_block_ids)) for r in req.rows]
         samples = self._runner.step(rows) if rows else []
         self.metrics.step.observe(time.perf_counter() - start)
@@ -166,6 +183,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     async def LoadAdapter(self, request, context):
         async with grpc_errors(context):
             self._keys.require(context, Role.SERVICE, Role.ADMIN)
+            self._check_not_merged(request.slot)
             result = await self._loader.load(AdapterRef.from_pb(request.adapter), request.slot,
                                              _fetch_timeout(context), request.only_staged)
             if not result.was_resident:
@@ -179,6 +197,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     async def UnloadAdapter(self, request, context):
         async with grpc_errors(context):
             self._keys.require(context, Role.SERVICE, Role.ADMIN)
+            self._check_not_merged(request.slot)
             await self._loader.unload(request.slot, AdapterRef.from_optional_pb(request.adapter))
             return executor_pb2.UnloadAdapterResponse()
 
