@@ -1,5 +1,6 @@
-"""Compile the SGMV kernels ahead of time for a GPU target without a GPU (Triton's bundled
-ptxas), with the tile choices the launchers make, and print each variant's shared memory.
+"""Compile the SGMV and paged-attention kernels ahead of time for a GPU target without a GPU
+(Triton's bundled ptxas), with the tile choices the launchers make, and print each variant's
+shared memory.
 
     python -m kernels.compile_check [--arch 90] [--all]
 
@@ -16,13 +17,16 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from kernels.paged_attention import _paged_attention_kernel, attention_tiles
 from kernels.sgmv_expand import _sgmv_expand_kernel
 from kernels.sgmv_fused import _sgmv_fused_kernel, fused_block_k
 from kernels.sgmv_shrink import _sgmv_shrink_kernel, shrink_tiles
 
 SHARED_LIMIT = 227 * 1024  # Hopper's opt-in shared memory per block
 DTYPES = {"bf16": (tl.bfloat16, 2), "fp16": (tl.float16, 2), "fp32": (tl.float32, 4)}
-PTR_TYPES = {"items_ptr": "*i32", "rank_ptr": "*i32", "scale_ptr": "*fp32", "t_ptr": "*fp32"}
+PTR_TYPES = {"items_ptr": "*i32", "rank_ptr": "*i32", "scale_ptr": "*fp32", "t_ptr": "*fp32",
+             "tables_ptr": "*i32", "ctx_ptr": "*i32", "q_start_ptr": "*i32", "q_len_ptr": "*i32"}
+SCALAR_TYPES = {"scale_log2e": "fp32"}  # other scalars are i32
 
 
 def compile_variant(fn, dtype_name: str, constexprs: dict, num_warps: int, arch: int) -> int:
@@ -34,7 +38,7 @@ def compile_variant(fn, dtype_name: str, constexprs: dict, num_warps: int, arch:
         elif name.endswith("_ptr"):
             signature[name] = PTR_TYPES.get(name, "*" + dtype_name)
         else:
-            signature[name] = "i32"
+            signature[name] = SCALAR_TYPES.get(name, "i32")
     src = ASTSource(fn, signature, constexprs=constexprs)
     kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                             options={"num_warps": num_warps})
@@ -59,6 +63,12 @@ def variants(everything: bool):
                                     "BLOCK_M": 64, "BLOCK_K": block_k, "ATOMIC": True}, warps)
             yield (f"expand {dtype_name} r{rb}", _sgmv_expand_kernel, dtype_name,
                    {**c, "BLOCK_M": 64, "BLOCK_N": 128}, 4)
+        for max_query_len, has_window in ((1, False), (1, True), (512, False)):
+            block_m = attention_tiles(max_query_len, 4)  # Llama-3-8B: 32 / 8 heads, D 128
+            yield (f"paged attention {dtype_name} BLOCK_M {block_m}"
+                   f"{' window' if has_window else ''}", _paged_attention_kernel, dtype_name,
+                   {**common, "GROUP": 4, "PAGE": 16, "BLOCK_M": block_m, "BLOCK_N": 64,
+                    "BLOCK_D": 128, "HAS_WINDOW": has_window}, 4)
 
 
 def main(argv: list[str] | None = None) -> None:
