@@ -5,10 +5,12 @@
     loraplex admin evict ADAPTER [--executor HOST:PORT]
     loraplex admin drain HOST:PORT       admit nothing new there; what runs finishes
     loraplex admin resume HOST:PORT      admit there again
+    loraplex admin merge ADAPTER [--executors N]   merge it into N executors' weights
+    loraplex admin unmerge [ADAPTER] [--executor HOST:PORT]
 
-prewarm, evict, drain and resume need an admin key; stats takes any key (a tenant key sees its own
-counters only). A refused call prints one line on stderr (error: CODE: details) and exits with
-status 1.
+prewarm, evict, drain, resume, merge and unmerge need an admin key; stats takes any key (a
+tenant key sees its own counters only). A refused call prints one line on stderr (error: CODE:
+details) and exits with status 1.
 """
 
 import argparse
@@ -65,6 +67,15 @@ def add_parser(sub: argparse._SubParsersAction, default_scheduler: str) -> None:
     drain.add_argument("executor", help="HOST:PORT, as `loraplex admin stats` lists it")
     resume = command("resume", "admit on a drained executor again", _resume)
     resume.add_argument("executor", help="HOST:PORT, as `loraplex admin stats` lists it")
+    merge = command("merge", "dedicate executors to an adapter, merged into their weights",
+                    _merge)
+    merge.add_argument("adapter", help="NAME or NAME@VERSION")
+    merge.add_argument("--executors", type=_positive(int), default=1,
+                       help="into how many executors (default 1; one must keep serving all)")
+    unmerge = command("unmerge", "let merged executors serve every adapter again", _unmerge)
+    unmerge.add_argument("adapter", nargs="?", default="",
+                         help="NAME or NAME@VERSION (default: whatever is merged)")
+    unmerge.add_argument("--executor", default="", help="only this executor (default: all)")
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -87,6 +98,21 @@ async def _prewarm(stub: Stub, args: argparse.Namespace, timeout_s: float) -> st
     state = "ready" if args.wait else "resident or loading (--wait waits for the loads)"
     return f"{client.ref_text(answer.adapter)} {state} on {where}" + \
         (", pinned until evicted" if args.pin else "")
+
+
+async def _merge(stub: Stub, args: argparse.Namespace, timeout_s: float) -> str:
+    answer = await stub.Merge(pb.MergeRequest(adapter=args.adapter, num_executors=args.executors),
+                              timeout=timeout_s)
+    return (f"{client.ref_text(answer.adapter)} dedicated to {', '.join(answer.executors)}: "
+            "each merges once its other work ends (`loraplex admin stats` shows when)")
+
+
+async def _unmerge(stub: Stub, args: argparse.Namespace, timeout_s: float) -> str:
+    answer = await stub.Unmerge(pb.UnmergeRequest(adapter=args.adapter, executor=args.executor),
+                                timeout=timeout_s)
+    if not answer.executors:
+        return "nothing was merged there: nothing to do"
+    return f"unmerged on {', '.join(answer.executors)}: they serve every adapter again"
 
 
 async def _evict(stub: Stub, args: argparse.Namespace, timeout_s: float) -> str:
@@ -128,6 +154,9 @@ def format_stats(stats: pb.StatsResponse) -> str:
                          f"{kv:>13s} {ex.cached_kv_blocks:7d} {ex.steps:8d} {ex.adapter_loads:6d} "
                          f"{ex.adapter_hits:6d}")
             used = [(i, s) for i, s in enumerate(ex.slots) if s.state != "empty"]
+            if client.ref_text(ex.dedicated_to):
+                state = "merged" if ex.is_merged else "merging once its other work ends"
+                lines.append(f"  dedicated to {client.ref_text(ex.dedicated_to)} ({state})")
             lines.append(f"  {len(used)} of {len(ex.slots)} slots in use")
             lines.extend(f"  slot {i:<3d} {_slot(s)}" for i, s in used)
     else:
@@ -148,6 +177,8 @@ def format_stats(stats: pb.StatsResponse) -> str:
 def _state(ex: pb.ExecutorStats) -> str:
     if not ex.is_up:
         return "down"
+    if ex.is_merged or client.ref_text(ex.dedicated_to):
+        return "merged" if ex.is_merged else "merging"
     return "drained" if ex.is_drained else "draining" if ex.is_draining else "up"
 
 

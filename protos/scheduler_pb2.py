@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/scheduler.proto\x12\x0bloraplex.v1\x1a\x13protos/common.proto\")\n\x0cModelRequest\x12\x19\n\x11known_fingerprint\x18\x01 \x01(\t\"\xbb\x02\n\rModelResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_lora_rank\x18\x04 \x01(\r\x12\x16\n\x0etokenizer_json\x18\x05 \x01(\t\x12\x15\n\rchat_template\x18\x06 \x01(\t\x12\x45\n\x0especial_tokens\x18\x07 \x03(\x0b\x32-.loraplex.v1.ModelResponse.SpecialTokensEntry\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x13\n\x0b\x66ingerprint\x18\t \x01(\t\x1a\x34\n\x12SpecialTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"S\n\x0ePrewarmRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x15\n\rnum_executors\x18\x02 \x01(\r\x12\x0b\n\x03pin\x18\x03 \x01(\x08\x12\x0c\n\x04wait\x18\x04 \x01(\x08\"T\n\x0fPrewarmResponse\x12(\n\x07\x61\x64\x61pter\x18\x03 \x01(\x0b\x32\x17.loraplex.v1.AdapterRef\x12\x11\n\texecutors\x18\x02 \x03(\tJ\x04\x08\x01\x10\x02\"1\n\x0c\x45victRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x10\n\x08\x65xecutor\x18\x02 \x01(\t\"$\n\rEvictResponse\x12\x13\n\x0bnum_evicted\x18\x01 \x01(\r\" \n\x0c\x44rainRequest\x12\x10\n\x08\x65xecutor\x18\x01 \x01(\t\" \n\rDrainResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\"!\n\rResumeRequest\x12\x10\n\x08\x65xecutor\x18\x01 \x01(\t\" \n\x0eResumeResponse\x12\x0e\n\x06queued\x18\x01 \x01(\r\"\xfd\x01\n\x0fGenerateRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.loraplex.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.loraplex.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\ncache_salt\x18\t \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xaa\x01\n\x10GenerateResponse\x12\x15\n\x08token_id\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.loraplex.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.loraplex.v1.UsageB\x0b\n\t_token_id\"\xa5\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rqueue_seconds\x18\x03 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x04 \x01(\x01\x12(\n\x07\x61\x64\x61pter\x18\x06 \x01(\x0b\x32\x17.loraplex.v1.AdapterRefJ\x04\x08\x05\x10\x06\"\x0e\n\x0cStatsRequest\"\xa6\x01\n\tSlotStats\x12(\n\x07\x61\x64\x61pter\x18\x06 \x01(\x0b\x32\x17.loraplex.v1.AdapterRef\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0c\n\x04pins\x18\x03 \x01(\r\x12\x17\n\x0fis_admin_pinned\x18\x04 \x01(\x08\x12-\n\x0creserved_for\x18\x07 \x01(\x0b\x32\x17.loraplex.v1.AdapterRefJ\x04\x08\x01\x10\x02J\x04\x08\x05\x10\x06\"\xa5\x02\n\rExecutorStats\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x03 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\r\x12%\n\x05slots\x18\x05 \x03(\x0b\x32\x16.loraplex.v1.SlotStats\x12\r\n\x05steps\x18\x06 \x01(\x04\x12\x15\n\radapter_loads\x18\x07 \x01(\x04\x12\x14\n\x0c\x61\x64\x61pter_hits\x18\x08 \x01(\x04\x12\x0e\n\x06queued\x18\t \x01(\r\x12\x13\n\x0bis_draining\x18\n \x01(\x08\x12\x12\n\nis_drained\x18\x0b \x01(\x08\x12\r\n\x05is_up\x18\x0c \x01(\x08\x12\x18\n\x10\x63\x61\x63hed_kv_blocks\x18\r \x01(\r\"\xd7\x01\n\x0bTenantStats\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06queued\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x17\n\x0fvirtual_counter\x18\x04 \x01(\x01\x12\x10\n\x08requests\x18\x05 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\x04\x12\x1c\n\x14\x61\x64\x61pter_loads_caused\x18\x08 \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\t \x01(\x04\"i\n\rStatsResponse\x12-\n\texecutors\x18\x01 \x03(\x0b\x32\x1a.loraplex.v1.ExecutorStats\x12)\n\x07tenants\x18\x02 \x03(\x0b\x32\x18.loraplex.v1.TenantStats*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x32\xdf\x03\n\tScheduler\x12I\n\x08Generate\x12\x1c.loraplex.v1.GenerateRequest\x1a\x1d.loraplex.v1.GenerateResponse0\x01\x12>\n\x05Stats\x12\x19.loraplex.v1.StatsRequest\x1a\x1a.loraplex.v1.StatsResponse\x12\x44\n\x07Prewarm\x12\x1b.loraplex.v1.PrewarmRequest\x1a\x1c.loraplex.v1.PrewarmResponse\x12>\n\x05\x45vict\x12\x19.loraplex.v1.EvictRequest\x1a\x1a.loraplex.v1.EvictResponse\x12>\n\x05\x44rain\x12\x19.loraplex.v1.DrainRequest\x1a\x1a.loraplex.v1.DrainResponse\x12\x41\n\x06Resume\x12\x1a.loraplex.v1.ResumeRequest\x1a\x1b.loraplex.v1.ResumeResponse\x12>\n\x05Model\x12\x19.loraplex.v1.ModelRequest\x1a\x1a.loraplex.v1.ModelResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/scheduler.proto\x12\x0bloraplex.v1\x1a\x13protos/common.proto\")\n\x0cModelRequest\x12\x19\n\x11known_fingerprint\x18\x01 \x01(\t\"\xbb\x02\n\rModelResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_lora_rank\x18\x04 \x01(\r\x12\x16\n\x0etokenizer_json\x18\x05 \x01(\t\x12\x15\n\rchat_template\x18\x06 \x01(\t\x12\x45\n\x0especial_tokens\x18\x07 \x03(\x0b\x32-.loraplex.v1.ModelResponse.SpecialTokensEntry\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x13\n\x0b\x66ingerprint\x18\t \x01(\t\x1a\x34\n\x12SpecialTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"S\n\x0ePrewarmRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x15\n\rnum_executors\x18\x02 \x01(\r\x12\x0b\n\x03pin\x18\x03 \x01(\x08\x12\x0c\n\x04wait\x18\x04 \x01(\x08\"T\n\x0fPrewarmResponse\x12(\n\x07\x61\x64\x61pter\x18\x03 \x01(\x0b\x32\x17.loraplex.v1.AdapterRef\x12\x11\n\texecutors\x18\x02 \x03(\tJ\x04\x08\x01\x10\x02\"1\n\x0c\x45victRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x10\n\x08\x65xecutor\x18\x02 \x01(\t\"$\n\rEvictResponse\x12\x13\n\x0bnum_evicted\x18\x01 \x01(\r\" \n\x0c\x44rainRequest\x12\x10\n\x08\x65xecutor\x18\x01 \x01(\t\" \n\rDrainResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\"6\n\x0cMergeRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x15\n\rnum_executors\x18\x02 \x01(\r\"L\n\rMergeResponse\x12(\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x17.loraplex.v1.AdapterRef\x12\x11\n\texecutors\x18\x02 \x03(\t\"3\n\x0eUnmergeRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x10\n\x08\x65xecutor\x18\x02 \x01(\t\"$\n\x0fUnmergeResponse\x12\x11\n\texecutors\x18\x01 \x03(\t\"!\n\rResumeRequest\x12\x10\n\x08\x65xecutor\x18\x01 \x01(\t\" \n\x0eResumeResponse\x12\x0e\n\x06queued\x18\x01 \x01(\r\"\xfd\x01\n\x0fGenerateRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.loraplex.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.loraplex.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\ncache_salt\x18\t \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xaa\x01\n\x10GenerateResponse\x12\x15\n\x08token_id\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.loraplex.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.loraplex.v1.UsageB\x0b\n\t_token_id\"\xa5\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rqueue_seconds\x18\x03 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x04 \x01(\x01\x12(\n\x07\x61\x64\x61pter\x18\x06 \x01(\x0b\x32\x17.loraplex.v1.AdapterRefJ\x04\x08\x05\x10\x06\"\x0e\n\x0cStatsRequest\"\xa6\x01\n\tSlotStats\x12(\n\x07\x61\x64\x61pter\x18\x06 \x01(\x0b\x32\x17.loraplex.v1.AdapterRef\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0c\n\x04pins\x18\x03 \x01(\r\x12\x17\n\x0fis_admin_pinned\x18\x04 \x01(\x08\x12-\n\x0creserved_for\x18\x07 \x01(\x0b\x32\x17.loraplex.v1.AdapterRefJ\x04\x08\x01\x10\x02J\x04\x08\x05\x10\x06\"\xe7\x02\n\rExecutorStats\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x03 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\r\x12%\n\x05slots\x18\x05 \x03(\x0b\x32\x16.loraplex.v1.SlotStats\x12\r\n\x05steps\x18\x06 \x01(\x04\x12\x15\n\radapter_loads\x18\x07 \x01(\x04\x12\x14\n\x0c\x61\x64\x61pter_hits\x18\x08 \x01(\x04\x12\x0e\n\x06queued\x18\t \x01(\r\x12\x13\n\x0bis_draining\x18\n \x01(\x08\x12\x12\n\nis_drained\x18\x0b \x01(\x08\x12\r\n\x05is_up\x18\x0c \x01(\x08\x12\x18\n\x10\x63\x61\x63hed_kv_blocks\x18\r \x01(\r\x12-\n\x0c\x64\x65\x64icated_to\x18\x0e \x01(\x0b\x32\x17.loraplex.v1.AdapterRef\x12\x11\n\tis_merged\x18\x0f \x01(\x08\"\xd7\x01\n\x0bTenantStats\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06queued\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x17\n\x0fvirtual_counter\x18\x04 \x01(\x01\x12\x10\n\x08requests\x18\x05 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\x04\x12\x1c\n\x14\x61\x64\x61pter_loads_caused\x18\x08 \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\t \x01(\x04\"i\n\rStatsResponse\x12-\n\texecutors\x18\x01 \x03(\x0b\x32\x1a.loraplex.v1.ExecutorStats\x12)\n\x07tenants\x18\x02 \x03(\x0b\x32\x18.loraplex.v1.TenantStats*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x32\xe5\x04\n\tScheduler\x12I\n\x08Generate\x12\x1c.loraplex.v1.GenerateRequest\x1a\x1d.loraplex.v1.GenerateResponse0\x01\x12>\n\x05Stats\x12\x19.loraplex.v1.StatsRequest\x1a\x1a.loraplex.v1.StatsResponse\x12\x44\n\x07Prewarm\x12\x1b.loraplex.v1.PrewarmRequest\x1a\x1c.loraplex.v1.PrewarmResponse\x12>\n\x05\x45vict\x12\x19.loraplex.v1.EvictRequest\x1a\x1a.loraplex.v1.EvictResponse\x12>\n\x05\x44rain\x12\x19.loraplex.v1.DrainRequest\x1a\x1a.loraplex.v1.DrainResponse\x12\x41\n\x06Resume\x12\x1a.loraplex.v1.ResumeRequest\x1a\x1b.loraplex.v1.ResumeResponse\x12>\n\x05Merge\x12\x19.loraplex.v1.MergeRequest\x1a\x1a.loraplex.v1.MergeResponse\x12\x44\n\x07Unmerge\x12\x1b.loraplex.v1.UnmergeRequest\x1a\x1c.loraplex.v1.UnmergeResponse\x12>\n\x05Model\x12\x19.loraplex.v1.ModelRequest\x1a\x1a.loraplex.v1.ModelResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MODELRESPONSE_SPECIALTOKENSENTRY']._loaded_options = None
   _globals['_MODELRESPONSE_SPECIALTOKENSENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2246
-  _globals['_FINISHREASON']._serialized_end=2341
+  _globals['_FINISHREASON']._serialized_start=2537
+  _globals['_FINISHREASON']._serialized_end=2632
   _globals['_MODELREQUEST']._serialized_start=60
   _globals['_MODELREQUEST']._serialized_end=101
   _globals['_MODELRESPONSE']._serialized_start=104
@@ -54,28 +54,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAINREQUEST']._serialized_end=713
   _globals['_DRAINRESPONSE']._serialized_start=715
   _globals['_DRAINRESPONSE']._serialized_end=747
-  _globals['_RESUMEREQUEST']._serialized_start=749
-  _globals['_RESUMEREQUEST']._serialized_end=782
-  _globals['_RESUMERESPONSE']._serialized_start=784
-  _globals['_RESUMERESPONSE']._serialized_end=816
-  _globals['_GENERATEREQUEST']._serialized_start=819
-  _globals['_GENERATEREQUEST']._serialized_end=1072
-  _globals['_TOKENIDS']._serialized_start=1074
-  _globals['_TOKENIDS']._serialized_end=1097
-  _globals['_GENERATERESPONSE']._serialized_start=1100
-  _globals['_GENERATERESPONSE']._serialized_end=1270
-  _globals['_USAGE']._serialized_start=1273
-  _globals['_USAGE']._serialized_end=1438
-  _globals['_STATSREQUEST']._serialized_start=1440
-  _globals['_STATSREQUEST']._serialized_end=1454
-  _globals['_SLOTSTATS']._serialized_start=1457
-  _globals['_SLOTSTATS']._serialized_end=1623
-  _globals['_EXECUTORSTATS']._serialized_start=1626
-  _globals['_EXECUTORSTATS']._serialized_end=1919
-  _globals['_TENANTSTATS']._serialized_start=1922
-  _globals['_TENANTSTATS']._serialized_end=2137
-  _globals['_STATSRESPONSE']._serialized_start=2139
-  _globals['_STATSRESPONSE']._serialized_end=2244
-  _globals['_SCHEDULER']._serialized_start=2344
-  _globals['_SCHEDULER']._serialized_end=2823
+  _globals['_MERGEREQUEST']._serialized_start=749
+  _globals['_MERGEREQUEST']._serialized_end=803
+  _globals['_MERGERESPONSE']._serialized_start=805
+  _globals['_MERGERESPONSE']._serialized_end=881
+  _globals['_UNMERGEREQUEST']._serialized_start=883
+  _globals['_UNMERGEREQUEST']._serialized_end=934
+  _globals['_UNMERGERESPONSE']._serialized_start=936
+  _globals['_UNMERGERESPONSE']._serialized_end=972
+  _globals['_RESUMEREQUEST']._serialized_start=974
+  _globals['_RESUMEREQUEST']._serialized_end=1007
+  _globals['_RESUMERESPONSE']._serialized_start=1009
+  _globals['_RESUMERESPONSE']._serialized_end=1041
+  _globals['_GENERATEREQUEST']._serialized_start=1044
+  _globals['_GENERATEREQUEST']._serialized_end=1297
+  _globals['_TOKENIDS']._serialized_start=1299
+  _globals['_TOKENIDS']._serialized_end=1322
+  _globals['_GENERATERESPONSE']._serialized_start=1325
+  _globals['_GENERATERESPONSE']._serialized_end=1495
+  _globals['_USAGE']._serialized_start=1498
+  _globals['_USAGE']._serialized_end=1663
+  _globals['_STATSREQUEST']._serialized_start=1665
+  _globals['_STATSREQUEST']._serialized_end=1679
+  _globals['_SLOTSTATS']._serialized_start=1682
+  _globals['_SLOTSTATS']._serialized_end=1848
+  _globals['_EXECUTORSTATS']._serialized_start=1851
+  _globals['_EXECUTORSTATS']._serialized_end=2210
+  _globals['_TENANTSTATS']._serialized_start=2213
+  _globals['_TENANTSTATS']._serialized_end=2428
+  _globals['_STATSRESPONSE']._serialized_start=2430
+  _globals['_STATSRESPONSE']._serialized_end=2535
+  _globals['_SCHEDULER']._serialized_start=2635
+  _globals['_SCHEDULER']._serialized_end=3248
 # @@protoc_insertion_point(module_scope)

@@ -98,6 +98,36 @@ class DrainResponse(_message.Message):
     running: int
     def __init__(self, running: _Optional[int] = ...) -> None: ...
 
+class MergeRequest(_message.Message):
+    __slots__ = ("adapter", "num_executors")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXECUTORS_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    num_executors: int
+    def __init__(self, adapter: _Optional[str] = ..., num_executors: _Optional[int] = ...) -> None: ...
+
+class MergeResponse(_message.Message):
+    __slots__ = ("adapter", "executors")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    EXECUTORS_FIELD_NUMBER: _ClassVar[int]
+    adapter: _common_pb2.AdapterRef
+    executors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., executors: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class UnmergeRequest(_message.Message):
+    __slots__ = ("adapter", "executor")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    EXECUTOR_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    executor: str
+    def __init__(self, adapter: _Optional[str] = ..., executor: _Optional[str] = ...) -> None: ...
+
+class UnmergeResponse(_message.Message):
+    __slots__ = ("executors",)
+    EXECUTORS_FIELD_NUMBER: _ClassVar[int]
+    executors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, executors: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class ResumeRequest(_message.Message):
     __slots__ = ("executor",)
     EXECUTOR_FIELD_NUMBER: _ClassVar[int]
@@ -185,7 +215,7 @@ class SlotStats(_message.Message):
     def __init__(self, adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., state: _Optional[str] = ..., pins: _Optional[int] = ..., is_admin_pinned: _Optional[bool] = ..., reserved_for: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ...) -> None: ...
 
 class ExecutorStats(_message.Message):
-    __slots__ = ("address", "running", "free_kv_blocks", "num_kv_blocks", "slots", "steps", "adapter_loads", "adapter_hits", "queued", "is_draining", "is_drained", "is_up", "cached_kv_blocks")
+    __slots__ = ("address", "running", "free_kv_blocks", "num_kv_blocks", "slots", "steps", "adapter_loads", "adapter_hits", "queued", "is_draining", "is_drained", "is_up", "cached_kv_blocks", "dedicated_to", "is_merged")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +229,8 @@ class ExecutorStats(_message.Message):
     IS_DRAINED_FIELD_NUMBER: _ClassVar[int]
     IS_UP_FIELD_NUMBER: _ClassVar[int]
     CACHED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEDICATED_TO_FIELD_NUMBER: _ClassVar[int]
+    IS_MERGED_FIELD_NUMBER: _ClassVar[int]
     address: str
     running: int
     free_kv_blocks: int
@@ -212,7 +244,9 @@ class ExecutorStats(_message.Message):
     is_drained: bool
     is_up: bool
     cached_kv_blocks: int
-    def __init__(self, address: _Optional[str] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotStats, _Mapping]]] = ..., steps: _Optional[int] = ..., adapter_loads: _Optional[int] = ..., adapter_hits: _Optional[int] = ..., queued: _Optional[int] = ..., is_draining: _Optional[bool] = ..., is_drained: _Optional[bool] = ..., is_up: _Optional[bool] = ..., cached_kv_blocks: _Optional[int] = ...) -> None: ...
+    dedicated_to: _common_pb2.AdapterRef
+    is_merged: bool
+    def __init__(self, address: _Optional[str] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotStats, _Mapping]]] = ..., steps: _Optional[int] = ..., adapter_loads: _Optional[int] = ..., adapter_hits: _Optional[int] = ..., queued: _Optional[int] = ..., is_draining: _Optional[bool] = ..., is_drained: _Optional[bool] = ..., is_up: _Optional[bool] = ..., cached_kv_blocks: _Optional[int] = ..., dedicated_to: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., is_merged: _Optional[bool] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("tenant", "queued", "running", "virtual_counter", "requests", "prompt_tokens", "completion_tokens", "adapter_loads_caused", "cached_prompt_tokens")

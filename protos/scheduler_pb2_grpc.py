@@ -64,6 +64,16 @@ class SchedulerStub:
                 request_serializer=protos_dot_scheduler__pb2.ResumeRequest.SerializeToString,
                 response_deserializer=protos_dot_scheduler__pb2.ResumeResponse.FromString,
                 _registered_method=True)
+        self.Merge = channel.unary_unary(
+                '/loraplex.v1.Scheduler/Merge',
+                request_serializer=protos_dot_scheduler__pb2.MergeRequest.SerializeToString,
+                response_deserializer=protos_dot_scheduler__pb2.MergeResponse.FromString,
+                _registered_method=True)
+        self.Unmerge = channel.unary_unary(
+                '/loraplex.v1.Scheduler/Unmerge',
+                request_serializer=protos_dot_scheduler__pb2.UnmergeRequest.SerializeToString,
+                response_deserializer=protos_dot_scheduler__pb2.UnmergeResponse.FromString,
+                _registered_method=True)
         self.Model = channel.unary_unary(
                 '/loraplex.v1.Scheduler/Model',
                 request_serializer=protos_dot_scheduler__pb2.ModelRequest.SerializeToString,
@@ -116,6 +126,23 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Merge(self, request, context):
+        """Admin: dedicate N executors to one adapter and merge it into their weights (its rows then
+        do no LoRA work; they serve nothing else until Unmerge). Each merges once it runs nothing
+        else: other adapters' queued requests move to other executors, running ones finish. At least
+        one executor keeps serving every adapter.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unmerge(self, request, context):
+        """Admin: unmerge an adapter (from every executor, or one): they serve every adapter again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Model(self, request, context):
         """The pool's base model, for gateways and clients: identity, limits, tokenizer, chat template.
         """
@@ -155,6 +182,16 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Resume,
                     request_deserializer=protos_dot_scheduler__pb2.ResumeRequest.FromString,
                     response_serializer=protos_dot_scheduler__pb2.ResumeResponse.SerializeToString,
+            ),
+            'Merge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Merge,
+                    request_deserializer=protos_dot_scheduler__pb2.MergeRequest.FromString,
+                    response_serializer=protos_dot_scheduler__pb2.MergeResponse.SerializeToString,
+            ),
+            'Unmerge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unmerge,
+                    request_deserializer=protos_dot_scheduler__pb2.UnmergeRequest.FromString,
+                    response_serializer=protos_dot_scheduler__pb2.UnmergeResponse.SerializeToString,
             ),
             'Model': grpc.unary_unary_rpc_method_handler(
                     servicer.Model,
@@ -324,6 +361,60 @@ class Scheduler:
             '/loraplex.v1.Scheduler/Resume',
             protos_dot_scheduler__pb2.ResumeRequest.SerializeToString,
             protos_dot_scheduler__pb2.ResumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Merge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplex.v1.Scheduler/Merge',
+            protos_dot_scheduler__pb2.MergeRequest.SerializeToString,
+            protos_dot_scheduler__pb2.MergeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unmerge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplex.v1.Scheduler/Unmerge',
+            protos_dot_scheduler__pb2.UnmergeRequest.SerializeToString,
+            protos_dot_scheduler__pb2.UnmergeResponse.FromString,
             options,
             channel_credentials,
             insecure,

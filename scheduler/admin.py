@@ -24,7 +24,7 @@ def prewarm(core: Scheduler, adapter: AdapterRef, adapter_bytes: int, num_execut
             pin: bool) -> list[ExecutorState]:
     """Make `adapter` resident on `num_executors` executors (those already holding it count),
     choosing the least loaded others; with `pin`, LRU never takes those slots back."""
-    up = [ex for ex in core.executors if ex.is_admitting]
+    up = [ex for ex in core.executors if ex.is_admitting and ex.serves(adapter)]
     if not up:
         raise Unavailable(f"no executor is up and admitting work to pre-warm {adapter} on "
                           f"({len(core.executors)} known, all down or draining)")

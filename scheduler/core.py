@@ -27,6 +27,7 @@ from common.errors import (
     Unavailable,
     retry_after,
 )
+from scheduler import merging
 from scheduler.block_manager import BlockManager
 from scheduler.deadlines import Due
 from scheduler.detokenizer import Finish
@@ -75,6 +76,7 @@ class Scheduler(Placement):
         """Drop the waiting requests whose time is up (see deadlines.py); wake the executors
         when an adapter's load may be tried again. The engine calls this on a clock tick."""
         now = self.clock()
+        self.merges.tick(self, now)
         for req, due in self.deadlines.due(now):
             self._fail(req, self._expiry_error(req, due, now))
         for ex in self.executors:
@@ -139,7 +141,8 @@ class Scheduler(Placement):
             ex.work_tokens -= row.num_tokens
             self._publish(ex, seq)
         freed, ex.pending_frees = ex.pending_frees, []
-        return StepPlan(freed, new, rows)
+        unmerge = merging.unmerge_now(ex)
+        return StepPlan(freed, new, rows, merging.merge_now(ex), unmerge)
 
     def on_step_done(self, ex: ExecutorState, plan: StepPlan, samples: Iterable[Sample],
                      step_seconds: float = 0.0) -> None:
@@ -147,10 +150,12 @@ class Scheduler(Placement):
         ex.rates.observe_step(plan.num_tokens, step_seconds)
         for row in plan.rows:
             row.seq.steps_in_flight -= 1
+        merging.on_step_done(ex, plan)
         for seq in [s for s in ex.unpin_later if not s.steps_in_flight]:
             ex.unpin_later.remove(seq)  # (the step loop plans next: a freed slot is seen then)
             ex.slots.unpin(seq.slot)
         now = self.clock()
+        self.merges.observe(plan, now)
         for sample in samples:
             seq = ex.running.get(sample.seq_id)
             if seq is None:  # cancelled, preempted or finished while the step ran
@@ -381,12 +386,15 @@ class Scheduler(Placement):
         ex.unpin_later.clear()
         ex.slots.reset()
         ex.blocks = BlockManager(ex.blocks.num_blocks, ex.blocks.block_size)
+        merging.forget(ex)
+        merging.keep_one_serving_everyone(self)
         self._wake()
 
     def drain(self, ex: ExecutorState) -> None:
         """Admit nothing new on ex; its running sequences finish, its queue moves elsewhere."""
         ex.is_draining = True
         self._evacuate(ex, running=False)
+        merging.keep_one_serving_everyone(self)
         self._wake()
 
     def leave(self, ex: ExecutorState) -> None:

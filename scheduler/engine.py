@@ -85,7 +85,8 @@ class ExecutorLink:
                 for seq in plan.new],
             rows=[executor_pb2.ScheduledRow(seq_id=row.seq.seq_id, num_tokens=row.num_tokens,
                                             new_block_ids=row.new_block_ids)
-                  for row in plan.rows])
+                  for row in plan.rows],
+            merge_slot=plan.merge_slot, unmerge=plan.unmerge)
         await self._write(req, seconds)
 
     async def receive(self, seconds: float) -> tuple[list[Sample], float]:
@@ -284,7 +285,7 @@ class Engine:
             if len(in_flight) < self.core.limits.pipeline_depth and not ex.is_retired:
                 planning = time.monotonic()
                 plan = self.core.schedule(ex)
-                if plan or plan.freed:
+                if plan.needs_sending:
                     # Written behind the steps in flight: it may wait for them to be read.
                     ahead = sum(self._step_deadline(ex, p) for p, _, _ in in_flight)
                     await link.send(plan, ahead + self._step_deadline(ex, plan))
@@ -313,7 +314,9 @@ class Engine:
         log.info("executor %s drained", link.address)
 
     def _step_deadline(self, ex: ExecutorState, plan: StepPlan) -> float:
-        return self.timeouts.step(plan.num_tokens, ex.rates, ex.num_steps)
+        merging = plan.merge_slot is not None or plan.unmerge
+        return self.timeouts.step(plan.num_tokens, ex.rates, ex.num_steps) + \
+            merging * self.timeouts.merge_s
 
     def _start_load(self, ex: ExecutorState, slot: Slot) -> None:
         link = self.links[ex.address]

@@ -48,8 +48,22 @@ class Limits:
     # Prefix caching (prefix_cache.py): "tenant" reuses KV blocks within a tenant (and adapter
     # version and cache salt), "pool" across tenants too, "off" never.
     prefix_cache: str = "tenant"
+    # Automatic merging (merging.py): an adapter whose share of the pool's tokens stays at least
+    # merge_share for merge_window_s is merged into one executor's weights (with >= 2 executors
+    # up, never the last serving everyone); merged, once its share stays below unmerge_share
+    # for a window, it is unmerged. 0 = only the admin Merge RPC merges.
+    merge_share: float = 0.0
+    unmerge_share: float = 0.5
+    merge_window_s: float = 60.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.merge_share <= 1 or not 0 <= self.unmerge_share <= 1:
+            raise ValueError("merge_share and unmerge_share must be in [0, 1]")
+        if self.merge_share and self.unmerge_share >= self.merge_share:
+            raise ValueError(f"unmerge_share ({self.unmerge_share}) must be below merge_share "
+                             f"({self.merge_share}): the gap is the hysteresis")
+        if not self.merge_window_s > 0:
+            raise ValueError(f"merge_window_s must be > 0, got {self.merge_window_s}")
         if self.prefix_cache not in SCOPES:
             raise ValueError(f"prefix_cache must be one of {', '.join(SCOPES)}, got "
                              f"{self.prefix_cache!r}")
@@ -133,6 +147,13 @@ class ExecutorState:
     is_draining: bool = False  # admits nothing new; its running sequences finish
     is_leaving: bool = False  # gone from discovery: forget it once drained
     is_stopping: bool = False  # its health said NOT_SERVING: release it once drained
+    # Dedicated to one adapter (merging.py): admits only its requests; once it runs nothing else
+    # a step merges it into the weights (merged_slot, pinned while merged). unmerge_due: the
+    # next step unmerges; its slot (unmerging) stays pinned until that step is answered.
+    dedicated_to: AdapterRef | None = None
+    merged_slot: Slot | None = None
+    unmerge_due: bool = False
+    unmerging: Slot | None = None
     num_steps: int = 0
     num_loads: int = 0
     num_hits: int = 0
@@ -150,6 +171,10 @@ class ExecutorState:
     def is_retired(self) -> bool:
         """Drained and leaving or stopping: its step stream may close."""
         return self.is_drained and (self.is_leaving or self.is_stopping)
+
+    def serves(self, adapter: AdapterRef | None) -> bool:
+        """Requests for `adapter` may be queued here (a dedicated executor takes only its own)."""
+        return self.dedicated_to is None or adapter == self.dedicated_to
 
     @property
     def can_resume(self) -> bool:
@@ -173,9 +198,16 @@ class StepPlan:
     freed: list[int]  # sequences the executor may forget
     new: list[Sequence]  # sequences the executor has not seen yet
     rows: list[ScheduledRow]  # sorted by slot: each adapter's rows are contiguous
+    merge_slot: int | None = None  # fold this slot's adapter into the weights before the rows
+    unmerge: bool = False  # restore the base weights first
 
     def __bool__(self) -> bool:
         return bool(self.rows)
+
+    @property
+    def needs_sending(self) -> bool:
+        """It computes, frees, merges or unmerges something."""
+        return bool(self.rows or self.freed or self.unmerge) or self.merge_slot is not None
 
     @property
     def num_tokens(self) -> int:

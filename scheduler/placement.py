@@ -18,6 +18,7 @@ from common.errors import FailedPrecondition, LoraplexError, ResourceExhausted, 
 from scheduler.deadlines import Deadlines
 from scheduler.executor_state import ExecutorState, Limits, Sequence
 from scheduler.fairness import FairnessWeights, FairShare
+from scheduler.merging import MergePolicy
 from scheduler.request import ErrorEvent, Request, Status
 from scheduler.routing import home, score
 from scheduler.slots import Slot
@@ -41,6 +42,7 @@ class Placement:
         self.deadlines = Deadlines(limits.max_queue_s)
         self.totals: dict[str, TenantTotals] = {}  # per tenant, of its ended requests
         self.clock = clock
+        self.merges = MergePolicy(limits)
         self._start_load, self._start_unload, self._wake = start_load, start_unload, wake
         self._warm_host, self._start_stage = warm_host, start_stage
         self._seq_ids = itertools.count(1)
@@ -77,12 +79,15 @@ class Placement:
         self._enqueue(ex, req, front)
 
     def _best_executor(self, req: Request) -> ExecutorState | None:
-        candidates = [ex for ex in self.executors if ex.is_admitting]
+        """The executor where req would start soonest, its adapter's home (rendezvous hash) or
+        an executor it is merged into (merging.py) winning ties by home_bias_s."""
+        candidates = [ex for ex in self.executors if ex.is_admitting and ex.serves(req.adapter)]
         if not candidates:
             return None
-        addresses = [e.address for e in candidates]
-        home_address = home(req.adapter, addresses) if req.adapter else ""
-        return min(candidates, key=lambda e: self._score(e, req, e.address != home_address))
+        homes = {ex.address for ex in candidates if ex.dedicated_to is not None}
+        if req.adapter and not homes:
+            homes = {home(req.adapter, [e.address for e in candidates])}
+        return min(candidates, key=lambda e: self._score(e, req, e.address not in homes))
 
     def _enqueue(self, ex: ExecutorState, req: Request, front: bool = False) -> None:
         req.executor = ex
@@ -95,6 +100,14 @@ class Placement:
             # Not on its way (its loads back off): have the store bring it into RAM meanwhile,
             # so that the next try does not wait on S3.
             self._warm_host(req.adapter)
+
+    def move(self, req: Request) -> None:
+        """Route a queued request again (its executor no longer takes it)."""
+        self._dequeue(req)
+        self._route(req)
+
+    def place_work(self) -> None:
+        self._place_work()
 
     def _rebalance(self) -> None:
         """Move queued requests to where they would start sooner now."""

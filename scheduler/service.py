@@ -26,7 +26,7 @@ from common.registry_client import RegistryClient
 from common.sampling import SamplingParams
 from common.server import Service, announce, configure_logging, run, run_until_signalled
 from protos import common_pb2, executor_pb2, scheduler_pb2, scheduler_pb2_grpc
-from scheduler import admin, validation
+from scheduler import admin, merging, validation
 from scheduler.config import SchedulerConfig
 from scheduler.detokenizer import Finish, OutputProcessor
 from scheduler.engine import Engine
@@ -189,6 +189,29 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             self._engine.core.drain(ex)
             return scheduler_pb2.DrainResponse(running=len(ex.running))
 
+    async def Merge(self, request, context):
+        async with grpc_errors(context):
+            self._check_admin(context)
+            found = await self._registry.resolve(request.adapter, "")
+            validation.check_adapter(found, self._info)
+            key = AdapterRef(found.name, found.version)
+            chosen = merging.merge(self._engine.core, key, found.num_bytes,
+                                   request.num_executors or 1)
+            return scheduler_pb2.MergeResponse(adapter=key.to_pb(),
+                                               executors=[ex.address for ex in chosen])
+
+    async def Unmerge(self, request, context):
+        async with grpc_errors(context):
+            self._check_admin(context)
+            key = None
+            if request.adapter:
+                found = await self._registry.resolve(request.adapter, "")
+                key = AdapterRef(found.name, found.version)
+            if request.executor:
+                admin.find_executor(self._engine.core, request.executor)
+            released = merging.unmerge(self._engine.core, key, request.executor)
+            return scheduler_pb2.UnmergeResponse(executors=released)
+
     async def Resume(self, request, context):
         async with grpc_errors(context):
             self._check_admin(context)
@@ -222,6 +245,7 @@ def _executor_pb(ex: ExecutorStats) -> scheduler_pb2.ExecutorStats:
         num_kv_blocks=ex.num_kv_blocks, steps=ex.num_steps, adapter_loads=ex.num_loads,
         adapter_hits=ex.num_hits, queued=ex.queued, is_draining=ex.is_draining,
         is_drained=ex.is_drained, is_up=ex.is_up, cached_kv_blocks=ex.cached_kv_blocks,
+        dedicated_to=_pb(ex.dedicated_to), is_merged=ex.is_merged,
         slots=[scheduler_pb2.SlotStats(adapter=_pb(s.adapter), state=s.state.value, pins=s.pins,
                                        is_admin_pinned=s.is_admin_pinned,
                                        reserved_for=_pb(s.reserved_for))

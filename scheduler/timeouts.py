@@ -10,6 +10,7 @@ and a part that stops answering is treated like one that died.
                step answer.
     probe      an idle executor is sent an empty step every probe_interval_s, answered within
                rpc_s, so a frozen idle executor is found before work is routed to it.
+    merge      a step that merges or unmerges an adapter (merging.py) has merge_s more.
     load       max(load_floor_s, load_factor x bytes / the measured load bandwidth).
     rpc        Info, UnloadAdapter, probes: rpc_s.
     registry   a lookup, per store replica: resolve_s; a host warm: warm_s. Names and aliases
@@ -34,6 +35,7 @@ class Timeouts:
     resolve_s: float = 2.0
     resolve_ttl_s: float = 1.0
     warm_s: float = 60.0
+    merge_s: float = 120.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

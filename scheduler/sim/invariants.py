@@ -34,6 +34,16 @@ def check_invariants(core: Scheduler, live: Iterable[Request] = ()) -> None:
             assert seq.steps_in_flight > 0 and seq.seq_id not in ex.running, \
                 f"{where}: seq {seq.seq_id} kept its slot pinned for no step"
             pins[seq.slot.index] += 1
+        for slot in (ex.merged_slot, ex.unmerging):  # pinned while merged (merging.py)
+            if slot is not None:
+                pins[slot.index] += 1
+        if ex.merged_slot is not None:
+            adapter = ex.merged_slot.adapter
+            assert all(s.request.adapter == adapter for s in ex.running.values()), \
+                f"{where}: merged with {adapter}, runs another adapter"
+        if ex.dedicated_to is not None:
+            assert all(r.adapter == ex.dedicated_to for r in ex.queue), \
+                f"{where}: dedicated to {ex.dedicated_to}, queues another adapter"
         held = Counter(s.adapter for s in ex.slots.slots if s.adapter)
         assert all(n == 1 for n in held.values()), f"{where}: an adapter in two slots: {held}"
         for slot in ex.slots.slots:

@@ -1,5 +1,6 @@
 """Property tests of the scheduler's invariants under random arrivals, cancellations, load failures,
-executor loss, drains and returns (hypothesis drives the sequence of events). Every prompt of the
+executor loss, drains and returns, merges and unmerges (hypothesis drives the sequence of
+events). Every prompt of the
 harness starts 1, 2, 3, ...: with the prefix cache on, requests of the same tenant (or of any
 tenant, in pool scope) and adapter share blocks all along, and the invariants check that no block
 is ever shared across cache keys, that reference counts match the tables and that every block is
@@ -8,11 +9,12 @@ free, cached or referenced."""
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.errors import InvalidArgument, Unavailable
+from common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from scheduler import merging
 from scheduler.core import Limits
 from scheduler.request import ErrorEvent, FinishEvent, Status
 from scheduler.sim.invariants import check_invariants
-from tests.scheduler.sched_world import World
+from tests.scheduler.sched_world import World, ref
 
 ADAPTERS = ["", "a@1", "b@1", "c@1", "d@1", "e@1"]
 
@@ -26,6 +28,8 @@ event = st.one_of(
     st.tuples(st.just("lose"), st.integers(0, 1)),
     st.tuples(st.just("return"), st.integers(0, 1)),
     st.tuples(st.just("drain"), st.integers(0, 1)),
+    st.tuples(st.just("merge"), st.sampled_from(ADAPTERS[1:])),
+    st.tuples(st.just("unmerge"), st.sampled_from(ADAPTERS[1:])),
 )
 
 
@@ -64,6 +68,13 @@ def test_invariants_hold_and_no_request_is_lost(events, slots, blocks, limits):
             w.core.add_executor(w.executors[args[0]])  # up and admitting again
         elif kind == "drain":
             w.core.drain(w.executors[args[0]])
+        elif kind == "merge":
+            try:
+                merging.merge(w.core, ref(args[0]), 2**20, 1)
+            except (FailedPrecondition, Unavailable):
+                pass  # the last executor serving everyone, or none up
+        elif kind == "unmerge":
+            merging.unmerge(w.core, ref(args[0]))
         check_invariants(w.core, w.requests)
 
     for ex in w.executors:  # bring every executor back, then everything must finish
@@ -76,4 +87,4 @@ def test_invariants_hold_and_no_request_is_lost(events, slots, blocks, limits):
             "finished once, or cancelled"
     for ex in w.executors:
         assert ex.blocks.num_free == ex.blocks.num_blocks and not ex.running and len(ex.queue) == 0
-        assert all(slot.pins == 0 for slot in ex.slots.slots)
+        assert all(slot.pins == (slot is ex.merged_slot) for slot in ex.slots.slots)

@@ -1,0 +1,128 @@
+"""Dedicated executors and merged adapters in the scheduler core (scheduler/merging.py): when the
+merge and unmerge steps go out, where requests go meanwhile, what is refused, and the automatic
+policy's hysteresis. No request is lost or fails because of a merge."""
+
+import pytest
+
+from common.errors import FailedPrecondition
+from scheduler import merging
+from scheduler.core import Limits, Sample
+from scheduler.request import Status
+from tests.scheduler.sched_world import World, ref
+
+A, B = ref("a@1"), ref("b@1")
+
+
+def plans(w: World, ex):
+    """Plan and answer one step on ex (as World.step does for all); returns the plan."""
+    plan = w.core.schedule(ex)
+    w.core.on_step_done(ex, plan, [Sample(r.seq.seq_id, 7, -0.1) for r in plan.rows if r.samples])
+    return plan
+
+
+def test_a_merge_waits_for_other_adapters_to_finish_and_moves_their_queue():
+    w = World(num_executors=2, num_slots=3, limits=Limits(max_num_seqs=2))
+    running_b = [w.request(adapter="b@1", max_new=6) for _ in range(2)]
+    w.complete_loads()
+    w.step()
+    ex = running_b[0].executor
+    assert running_b[0].status is Status.RUNNING
+    queued_b = [w.request(adapter="b@1", max_new=2) for _ in range(3)]
+    merging.dedicate(w.core, ex, A, 2**20)
+    assert ex.dedicated_to == A and all(r.executor is not ex for r in queued_b), \
+        "its queue for other adapters moved"
+    w.complete_loads()
+    other = next(e for e in w.executors if e is not ex)
+    seen_merge = False
+    for _ in range(40):
+        plan = plans(w, ex)
+        if plan.merge_slot is not None:
+            seen_merge = True
+            assert not any(r.seq.request.adapter != A for r in plan.rows)
+            assert all(s.request.adapter == A for s in ex.running.values()), \
+                "merged only once nothing else runs"
+            assert ex.slots.slots[plan.merge_slot].adapter == A
+        plans(w, other)
+        w.complete_loads()
+    assert seen_merge and ex.merged_slot is not None
+    a_reqs = [w.request(adapter="a@1", max_new=3) for _ in range(3)]
+    assert all(r.executor is ex for r in a_reqs), "its traffic goes to its merged executor"
+    b_req = w.request(adapter="b@1", max_new=3)
+    assert b_req.executor is not ex
+    w.run()
+    assert all(w.finished(r) for r in [*running_b, *queued_b, *a_reqs, b_req])
+
+
+def test_unmerge_goes_out_in_the_next_step_and_the_slot_stays_pinned_until_answered():
+    w = World(num_executors=2, num_slots=2)
+    ex = merging.merge(w.core, A, 2**20, 1)[0]
+    w.complete_loads()
+    plan = plans(w, ex)
+    assert plan.merge_slot is not None
+    slot = ex.merged_slot
+    assert slot.pins == 1
+    merging.unmerge(w.core, A)
+    assert ex.dedicated_to is None and ex.serves(B)
+    req = w.request(adapter="b@1", max_new=2)
+    w.complete_loads()
+    plan = w.core.schedule(ex)
+    assert plan.unmerge and ex.merged_slot is None and slot.pins >= 1, "pinned until answered"
+    w.core.on_step_done(ex, plan, [Sample(r.seq.seq_id, 7, -0.1) for r in plan.rows if r.samples])
+    assert ex.unmerging is None
+    w.run()
+    assert w.finished(req)
+
+
+def test_the_last_executor_serving_everyone_is_never_merged():
+    w = World(num_executors=1)
+    with pytest.raises(FailedPrecondition, match="serving every adapter|one of those"):
+        merging.merge(w.core, A, 2**20, 1)
+    w = World(num_executors=2)
+    with pytest.raises(FailedPrecondition, match="one of those must keep"):
+        merging.merge(w.core, A, 2**20, 2)
+    merging.merge(w.core, A, 2**20, 1)
+    with pytest.raises(FailedPrecondition):
+        merging.merge(w.core, B, 2**20, 1)
+
+
+def test_losing_the_executor_that_serves_everyone_releases_the_merged_ones():
+    w = World(num_executors=2)
+    dedicated = merging.merge(w.core, A, 2**20, 1)[0]
+    other = next(ex for ex in w.executors if ex is not dedicated)
+    w.complete_loads()
+    w.step()
+    assert dedicated.merged_slot is not None
+    b_req = w.request(adapter="b@1", max_new=2)
+    w.core.on_executor_lost(other)
+    assert dedicated.dedicated_to is None and dedicated.unmerge_due
+    w.complete_loads()
+    assert plans(w, dedicated).unmerge
+    w.run()
+    assert w.finished(b_req) and b_req.executor is dedicated
+
+
+def test_traffic_merges_a_hot_adapter_after_a_window_and_unmerges_it_when_it_cools():
+    limits = Limits(merge_share=0.6, unmerge_share=0.3, merge_window_s=5.0)
+    w = World(num_executors=2, num_slots=3, limits=limits)
+
+    def traffic(adapter: str, seconds: float) -> None:
+        end = w.now + seconds
+        while w.now < end:
+            w.request(adapter=adapter, max_new=2)
+            w.complete_loads()
+            w.step()  # (advances the clock 0.01 s)
+            w.now += 0.09
+            w.core.expire()
+
+    traffic("a@1", 3.0)
+    assert not any(ex.dedicated_to for ex in w.executors), "not before a full window"
+    traffic("a@1", 3.0)
+    assert [ex.dedicated_to for ex in w.executors].count(A) == 1
+    traffic("b@1", 3.0)
+    assert [ex.dedicated_to for ex in w.executors].count(A) == 1, "no change within a window"
+    traffic("b@1", 4.0)
+    assert A not in [ex.dedicated_to for ex in w.executors], "cooled below unmerge_share"
+    traffic("b@1", 6.0)
+    assert [ex.dedicated_to for ex in w.executors].count(B) == 1, "now b is the hot one"
+    w.run()
+    assert all(w.finished(r) for r in w.requests)
