@@ -1,7 +1,9 @@
 """The scheduler drives two executor processes: pre-warm onto both, routing by residency, evict,
-drain of one executor while requests keep completing on the other, and its resume."""
+drain of one executor while requests keep completing on the other, its resume, and merging an
+adapter into one executor under load."""
 
 import asyncio
+import random
 
 import grpc
 import pytest
@@ -9,6 +11,7 @@ import pytest
 from loraplex import client
 from loraplex.launch import Fleet, FleetKeys
 from protos import scheduler_pb2
+from tests.oracle import hf_greedy
 
 TENANT = "routing-test-tenant-key-0001"  # a tenant key of the fleet
 KEYS = FleetKeys(tenants={TENANT: "t"})
@@ -128,3 +131,54 @@ async def test_drain_one_executor_while_requests_keep_completing(fleet, adapters
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.Resume(scheduler_pb2.ResumeRequest(executor="127.0.0.1:1"), metadata=admin())
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_merge_and_unmerge_under_load_lose_nothing_and_keep_the_oracles_tokens(
+        fleet, adapters, stub, hf_peft):
+    """r16_all is merged into one executor while requests for it, r8_mlp and the base model
+    stream, then unmerged: every request completes with HF PEFT's greedy tokens; merged, the
+    executor runs only r16_all, and the other adapters are served by the other executor."""
+    rng = random.Random(5)
+    jobs = [(name, [rng.randrange(2, 1000) for _ in range(rng.randint(3, 12))])
+            for name in ["r16_all"] * 12 + ["r8_mlp"] * 4 + [""] * 4]
+
+    def launch(batch):
+        return [asyncio.create_task(client.generate(stub, client.generate_request(
+            name, prompt, 24, ignore_eos=True), TENANT)) for name, prompt in batch]
+
+    def check(batch, results):
+        for (name, prompt), got in zip(batch, results):
+            assert got.token_ids == hf_greedy(hf_peft, prompt, 24, name or None)[0], name
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Merge(scheduler_pb2.MergeRequest(adapter="r16_all"),
+                         metadata=client.metadata(TENANT))
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Merge(scheduler_pb2.MergeRequest(adapter="r16_all", num_executors=2),
+                         metadata=admin())
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # one must serve everyone
+
+    before = launch(jobs)
+    await asyncio.sleep(0.2)
+    merged = await stub.Merge(scheduler_pb2.MergeRequest(adapter="r16_all"), metadata=admin())
+    (address,) = merged.executors
+    for _ in range(600):
+        executor = (await stats(stub))[address]
+        if executor.is_merged:
+            break
+        await asyncio.sleep(0.05)
+    assert executor.is_merged and client.ref_text(executor.dedicated_to) == "r16_all@1"
+    during = launch(jobs)
+    check(jobs, await asyncio.gather(*before))
+    executors = await stats(stub)
+    assert executors[address].is_merged, "still merged while its adapter's traffic runs"
+
+    released = await stub.Unmerge(scheduler_pb2.UnmergeRequest(adapter="r16_all"),
+                                  metadata=admin())
+    assert list(released.executors) == [address]
+    after = launch(jobs)
+    check(jobs, await asyncio.gather(*during))
+    check(jobs, await asyncio.gather(*after))
+    executor = (await stats(stub))[address]
+    assert not executor.is_merged and not client.ref_text(executor.dedicated_to)
