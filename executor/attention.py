@@ -62,50 +62,64 @@ class TorchAttentionMeta:
     prefills: tuple[PrefillChunk, ...]
 
     @classmethod
-    def build(cls, work: PagedAttentionWork, *, block_size: int, sliding_window: int | None,
+    def build(cls, tables: list[list[int]], context_lens: list[int], query_starts: list[int],
+              query_lens: list[int], *, block_size: int, sliding_window: int | None,
               device: str | torch.device) -> TorchAttentionMeta:
-        """work: on the host."""
-        tables = work.block_tables.long()  # [S, W]
-        ctx, starts = work.context_lens.long(), work.query_starts.long()  # [S] each
-        is_decode = work.query_lens == 1
-        buckets = decode_buckets(tables[is_decode], ctx[is_decode], starts[is_decode],
-                                 block_size, sliding_window, device)
+        """One entry per row group (see build_attention_meta)."""
+        decode = [s for s, n in enumerate(query_lens) if n == 1]
+        buckets = decode_buckets([tables[s] for s in decode], [context_lens[s] for s in decode],
+                                 [query_starts[s] for s in decode], block_size, sliding_window,
+                                 device)
         prefills = []
-        for s in (~is_decode).nonzero()[:, 0].tolist():  # few chunks per step
-            c, start, n = int(ctx[s]), int(starts[s]), int(work.query_lens[s])
+        for s in (s for s, n in enumerate(query_lens) if n > 1):  # few chunks per step
+            c, start, n = context_lens[s], query_starts[s], query_lens[s]
+            table = torch.tensor(tables[s][: -(-c // block_size)])  # [blocks]
             k_pos = torch.arange(c)  # [C]
             prefills.append(PrefillChunk(
                 start=start, end=start + n,
-                ctx_slots=(tables[s, k_pos // block_size] * block_size
+                ctx_slots=(table[k_pos // block_size] * block_size
                            + k_pos % block_size).to(device),
                 mask=visible_keys(torch.arange(c - n, c)[:, None], k_pos[None, :],
                                   sliding_window).to(device)))
         return cls(buckets, tuple(prefills))
 
 
-def decode_buckets(tables: torch.Tensor, ctx: torch.Tensor, rows: torch.Tensor, block_size: int,
+def decode_buckets(tables: list[list[int]], ctx: list[int], rows: list[int], block_size: int,
                    sliding_window: int | None, device: str | torch.device,
                    ) -> tuple[DecodeBucket, ...]:
-    """Buckets of decode rows by number of visible keys. tables [Sd, W], ctx [Sd] (the query
-    is at position ctx - 1), rows [Sd] step rows; all int64 on the host.
+    """Buckets of decode rows by number of visible keys: row i has block table tables[i], keys
+    at positions < ctx[i] (its query at ctx[i] - 1), and is step row rows[i]. Rows are grouped
+    in plain ints; a bucket is one tensor of just the blocks its rows see, and a few vectorised
+    ops: the work is proportional to the keys, padding to at most twice a row's own.
 
-    Example, block_size 4, no window: ctx [3, 40, 5] -> bucket <= 32 keys: rows 0, 2 with slots
-    of positions [0 1 2 0 0] and [0 1 2 3 4] (mask [1 1 1 0 0], [1 1 1 1 1]); bucket 33..64:
-    row 1, positions 0..39, no mask."""
-    num_keys = ctx if sliding_window is None else ctx.clamp(max=sliding_window)  # [Sd]
-    first = ctx - num_keys  # [Sd] position of each row's first visible key
-    bucket = torch.ceil(torch.log2(num_keys.clamp(min=MIN_BUCKET_KEYS).double())).long()
+    Example, block_size 4, no window, tables [[0..9], [10..19], [20..29]]: ctx [3, 40, 5] ->
+    bucket <= 32 keys: rows 0, 2 with slots [0 1 2 0 0] and [80 81 82 83 84], mask
+    [1 1 1 0 0], [1 1 1 1 1]; bucket 33..64: row 1, slots of positions 0..39, no mask."""
+    num_keys = ctx if sliding_window is None else [min(c, sliding_window) for c in ctx]
+    members: dict[int, list[int]] = {}  # ceil(log2(keys)) -> rows; <= 32 keys share one
+    for i, n in enumerate(num_keys):
+        members.setdefault((max(n, MIN_BUCKET_KEYS) - 1).bit_length(), []).append(i)
     out = []
-    for b in torch.unique(bucket).tolist():  # a handful: log2(longest / MIN_BUCKET_KEYS) + 1
-        sel = (bucket == b).nonzero()[:, 0]  # [Sb]
-        n = num_keys[sel]  # [Sb]
-        j = torch.arange(int(n.max()))  # [Cb]
-        is_key = j[None, :] < n[:, None]  # [Sb, Cb]
-        k_pos = torch.where(is_key, first[sel, None] + j[None, :], 0)  # [Sb, Cb]
-        slots = (tables[sel[:, None], k_pos // block_size] * block_size
-                 + k_pos % block_size)  # [Sb, Cb]
-        mask = None if bool(is_key.all()) else is_key[:, None, None, :].to(device)
-        out.append(DecodeBucket(rows[sel].to(device), slots.to(device), mask))
+    for sel in (members[b] for b in sorted(members)):  # a handful: log2(longest / 32) + 1
+        n = [num_keys[i] for i in sel]
+        first_block = [(ctx[i] - k) // block_size for i, k in zip(sel, n)]
+        seen = [tables[i][f: -(-ctx[i] // block_size)] for i, f in zip(sel, first_block)]
+        width = max(map(len, seen))
+        table = torch.tensor([t + [0] * (width - len(t)) for t in seen])  # [Sb, blocks seen]
+        # Key j of a row is at position first + j: offset (first % block_size) + j in `table`.
+        offset, step_rows, n_t = torch.tensor(
+            [[ctx[i] - k - f * block_size for i, k, f in zip(sel, n, first_block)],
+             [rows[i] for i in sel], n])  # [3, Sb]
+        j = torch.arange(max(n))  # [Cb]
+        k_off = offset[:, None] + j[None, :]  # [Sb, Cb]
+        mask = None
+        if min(n) < max(n):  # padded: point padding at the row's first key, mask it off
+            is_key = j[None, :] < n_t[:, None]  # [Sb, Cb]
+            k_off = torch.where(is_key, k_off, offset[:, None])
+            mask = is_key[:, None, None, :].to(device)
+        slots = (table.gather(1, k_off // block_size) * block_size
+                 + k_off % block_size)  # [Sb, Cb]
+        out.append(DecodeBucket(step_rows.to(device), slots.to(device), mask))
     return tuple(out)
 
 
@@ -140,9 +154,8 @@ def build_attention_meta(tables: list[list[int]], context_lens: list[int],
         work = PagedAttentionWork.build(tables, context_lens, query_starts, query_lens,
                                         block_size=block_size, device=device)
         return TritonAttentionMeta.build(work, sliding_window=sliding_window, device=device)
-    work = PagedAttentionWork.build(tables, context_lens, query_starts, query_lens,
-                                    block_size=block_size)  # host
-    return TorchAttentionMeta.build(work, block_size=block_size, sliding_window=sliding_window,
+    return TorchAttentionMeta.build(tables, context_lens, query_starts, query_lens,
+                                    block_size=block_size, sliding_window=sliding_window,
                                     device=device)
 
 

@@ -32,20 +32,6 @@ def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor,
     return mask
 
 
-def padded_tables(tables: list[list[int]], widths: list[int]) -> torch.Tensor:
-    """The first widths[s] block ids of each table, as one int64 [S, max(widths)] tensor padded
-    with block 0: one tensor from one flat list, not a tensor per row."""
-    widths_t = torch.tensor(widths, dtype=torch.long)  # [S]
-    num_rows, width = len(tables), max(widths, default=0)
-    flat = torch.tensor(list(chain.from_iterable(t[:w] for t, w in zip(tables, widths))),
-                        dtype=torch.long)  # [sum(widths)]
-    row_of = torch.repeat_interleave(torch.arange(num_rows), widths_t)  # [sum(widths)]
-    col_of = torch.arange(flat.numel()) - (torch.cumsum(widths_t, 0) - widths_t)[row_of]
-    out = torch.zeros(num_rows, width, dtype=torch.long)
-    out[row_of, col_of] = flat
-    return out
-
-
 @dataclass(frozen=True)
 class PagedAttentionWork:
     block_tables: torch.Tensor  # [S, max_blocks] int32
@@ -65,14 +51,18 @@ class PagedAttentionWork:
         """tables: each sequence's block ids (at least cdiv(context_len, block_size) of them;
         ids past those are not copied); the other lists: one int per sequence."""
         widths = [-(-c // block_size) for c in context_lens]
-        block_tables = padded_tables(tables, widths)  # [S, W]
-        per_seq = torch.tensor([context_lens, query_starts, query_lens],
-                               dtype=torch.long)  # [3, S]
-        # One host-to-device copy: the tables, then the three per-sequence rows.
-        flat = torch.cat([block_tables.flatten(), per_seq.flatten()]).int().to(device)
-        n = block_tables.numel()
-        ctx, starts, lens = flat[n:].view(3, len(context_lens))
-        return cls(block_tables=flat[:n].view(block_tables.shape), context_lens=ctx,
+        if any(len(t) < w for t, w in zip(tables, widths)):
+            raise ValueError("a block table is shorter than its context needs")
+        width = max(widths, default=0)
+        # One tensor from one flat list of plain ints, one host-to-device copy: the tables
+        # (padded with block 0), then context_lens, query_starts, query_lens.
+        flat = torch.tensor([*chain.from_iterable(t[:w] + [0] * (width - w)
+                                                  for t, w in zip(tables, widths)),
+                             *context_lens, *query_starts, *query_lens],
+                            dtype=torch.int32).to(device)
+        n, num_seqs = len(tables) * width, len(context_lens)
+        ctx, starts, lens = flat[n:].view(3, num_seqs)
+        return cls(block_tables=flat[:n].view(num_seqs, width), context_lens=ctx,
                    query_starts=starts, query_lens=lens,
                    max_query_len=max(query_lens, default=0))
 

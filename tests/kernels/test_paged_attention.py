@@ -155,24 +155,22 @@ def test_work_running_example_and_bad_inputs():
 
 
 def test_decode_buckets_pad_each_row_to_at_most_twice_its_keys():
-    tables = torch.arange(3 * 10).view(3, 10)
-    example = decode_buckets(tables, torch.tensor([3, 40, 5]), torch.tensor([0, 1, 2]), 4, None,
-                             "cpu")
+    tables = torch.arange(3 * 10).view(3, 10).tolist()
+    example = decode_buckets(tables, [3, 40, 5], [0, 1, 2], 4, None, "cpu")
     assert [b.rows.tolist() for b in example] == [[0, 2], [1]]
-    assert example[0].slots.tolist() == [[0, 1, 2, 0, 0], [80, 81, 82, 83, 84]]
+    assert example[0].slots.tolist() == [[0, 1, 2, 0, 0], [80, 81, 82, 83, 84]]  # padding: key 0
     assert example[0].mask[:, 0, 0].tolist() == [[True] * 3 + [False] * 2, [True] * 5]
     assert example[1].mask is None and example[1].slots.shape == (1, 40)
-    lens = torch.tensor([32] * 63 + [2048])
-    buckets = decode_buckets(torch.zeros(64, 128, dtype=torch.long), lens, torch.arange(64), 16,
-                             None, "cpu")
+    buckets = decode_buckets([[0] * 128] * 64, [32] * 63 + [2048],
+                             list(range(64)), 16, None, "cpu")
     assert [b.slots.shape for b in buckets] == [(63, 32), (1, 2048)]  # not 64 x 2048
     assert all(b.mask is None for b in buckets)
     rng = random.Random(0)
-    lens = torch.tensor([rng.randint(1, 3000) for _ in range(64)])
+    lens = [rng.randint(1, 3000) for _ in range(64)]
     for window in (None, 500):
-        buckets = decode_buckets(torch.zeros(64, 200, dtype=torch.long), lens, torch.arange(64),
+        buckets = decode_buckets([[0] * 200] * 64, lens, list(range(64)),
                                  16, window, "cpu")
-        keys = lens if window is None else lens.clamp(max=window)
+        keys = torch.tensor(lens).clamp(max=window or 3000)
         assert sorted(r for b in buckets for r in b.rows.tolist()) == list(range(64))
         for b in buckets:
             assert b.slots.shape[1] <= 2 * max(int(keys[b.rows].min()), MIN_BUCKET_KEYS)
