@@ -90,10 +90,17 @@ def _simulate(args: argparse.Namespace) -> None:
     config = SimConfig.load(args.config)
     if args.requests:
         config = dataclasses.replace(config, num_requests=args.requests)
-    start = time.perf_counter()
-    result = Simulator(config).run()
-    print(format_report(config, result))
-    print(f"(simulated in {time.perf_counter() - start:.0f}s of wall time)")
+    variants = [("", config)]
+    if args.compare_merge:
+        off = dataclasses.replace(config, limits=dataclasses.replace(config.limits, merge_share=0))
+        variants = [("with merging (its [limits])", config), ("without merging", off)]
+    for title, variant in variants:
+        start = time.perf_counter()
+        result = Simulator(variant).run()
+        if title:
+            print(f"== {title}")
+        print(format_report(variant, result))
+        print(f"(simulated in {time.perf_counter() - start:.0f}s of wall time)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -127,6 +134,8 @@ def _parser() -> argparse.ArgumentParser:
     sim = sub.add_parser("simulate", help="run the scheduler policy against a simulated workload")
     sim.add_argument("config", help="TOML workload (see bench/sim/zipf1000.toml)")
     sim.add_argument("--requests", type=int, default=0, help="override num_requests")
+    sim.add_argument("--compare-merge", action="store_true",
+                     help="run it twice: as configured, and with merging off")
 
     fit = sub.add_parser("fit-cost",
                          help="fit the simulator's cost model to measured step and load times")

@@ -214,9 +214,10 @@ class MergePolicy:
         for adapter, s in sorted(share.items(), key=lambda item: -item[1]):
             if s < self.limits.merge_share:
                 break
-            # Executors in proportion to its share, one more per window, at least one left to
-            # serve everyone.
-            target = max(1, min(int(s * len(up)), len(up) - 1))
+            # Executors in proportion to its share, rounded down by half an executor (its
+            # traffic may overflow onto the others, theirs never onto its), one more per window,
+            # at least one left to serve everyone.
+            target = max(1, min(int(s * len(up) - 0.5), len(up) - 1))
             if merged[adapter] < target and len(serving_everyone(core)) >= 2:
                 merge(core, adapter, self._bytes.get(adapter, 0), merged[adapter] + 1)
                 return self._changed(now)

@@ -4,11 +4,14 @@
     num_requests = 1000000
     [arrivals]   process = "poisson" | "bursty", rate_per_s, burst_factor, burst_period_s
     [lengths]    prompt_mean, prompt_max, output_mean, output_max   (geometric-like, capped)
-    [adapters]   count, zipf_s, ranks = [8, 16, 32], bytes_per_rank
+    [adapters]   count, zipf_s, ranks = [8, 16, 32], bytes_per_rank, heavy_share (the share of
+                 requests for adapter a0 alone, one heavy tenant's; the rest Zipf over all)
     [tenants]    count, weights = [...]  (adapters are split among tenants round-robin)
     [executors]  count, slots, kv_blocks, block_size
     [cost]       step_base_s, step_per_token_s, step_per_adapter_s, load_latency_s,
-                 load_bytes_per_s   (`loraplex fit-cost` fits them to a scheduler's --timings-out)
+                 load_bytes_per_s   (`loraplex fit-cost` fits them to a scheduler's --timings-out),
+                 step_per_lora_token_s (LoRA work per token of an adapter's row, none where the
+                 adapter is merged into the executor; not fitted)
     [limits]     any field of scheduler.executor_state.Limits (max_num_seqs, max_batched_tokens...)
 """
 
@@ -53,10 +56,13 @@ class Adapters:
     zipf_s: float = 1.0
     ranks: tuple[int, ...] = (8, 16, 32)
     bytes_per_rank: int = 5_242_880  # an 8B model, 7 projections: ~5.2 MB per unit of rank (bf16)
+    heavy_share: float = 0.0  # requests for a0 alone (one heavy tenant), before the Zipf draw
 
     def __post_init__(self) -> None:
         if self.count < 1 or self.zipf_s < 0 or not self.ranks:
             raise ValueError("adapters: count >= 1, zipf_s >= 0, at least one rank")
+        if not 0 <= self.heavy_share <= 1:
+            raise ValueError("adapters: heavy_share in [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -79,7 +85,8 @@ class Executors:
 
 @dataclass(frozen=True)
 class Cost:
-    """Step time = base + per_token * tokens + per_adapter * distinct adapters; load = latency +
+    """Step time = base + per_token * tokens + per_adapter * distinct adapters + per_lora_token *
+    tokens of adapter rows (neither for an adapter merged into the executor); load = latency +
     bytes / bandwidth (loads on one executor go one at a time)."""
 
     step_base_s: float = 0.012
@@ -87,6 +94,7 @@ class Cost:
     step_per_adapter_s: float = 0.0002
     load_latency_s: float = 0.002
     load_bytes_per_s: float = 20e9
+    step_per_lora_token_s: float = 0.0
 
 
 @dataclass(frozen=True)

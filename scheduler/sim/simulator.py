@@ -25,7 +25,8 @@ from scheduler.sim.belady import belady_hits, lru_hits, pinned_belady_hits
 from scheduler.sim.config import SimConfig
 from scheduler.slots import SlotTable
 
-ARRIVAL, STEP_DONE, LOAD_DONE, STAGE_DONE = 0, 1, 2, 3
+ARRIVAL, STEP_DONE, LOAD_DONE, STAGE_DONE, MERGE_TICK = 0, 1, 2, 3, 4
+MERGE_TICK_S = 1.0  # how often the merge policy looks at traffic (the engine's tick is finer)
 
 
 @dataclass
@@ -87,7 +88,10 @@ class Simulator:
         return a.ranks[k % len(a.ranks)] * a.bytes_per_rank
 
     def _adapter(self) -> tuple[int, AdapterRef, int]:
-        k = self.rng.choices(self._indices, cum_weights=self._cum)[0]
+        if self.rng.random() < self.cfg.adapters.heavy_share:
+            k = 0
+        else:
+            k = self.rng.choices(self._indices, cum_weights=self._cum)[0]
         return k, AdapterRef(f"a{k}", 1), self._adapter_bytes(k)
 
     def _length(self, mean: int, cap: int) -> int:
@@ -162,12 +166,23 @@ class Simulator:
                     self.trace[ex.address].append(("+", seq.request.adapter, seq.seq_id))
                     self._pinning[i][seq.seq_id] = seq.request.adapter
             if not plan:
+                if plan.needs_sending:  # a merge, an unmerge or frees only: answered at once
+                    self.core.on_step_done(ex, plan, [], 0.0)
                 continue
-            c = self.cfg.cost
-            seconds = (c.step_base_s + c.step_per_token_s * plan.num_tokens
-                       + c.step_per_adapter_s * plan.num_adapters)
+            seconds = self._step_seconds(ex, plan)
             self._busy.add(i)
             self._push(self.now + seconds, STEP_DONE, (i, plan, seconds))
+
+    def _step_seconds(self, ex: ExecutorState, plan: StepPlan) -> float:
+        """The cost model's time for a step; an adapter merged into ex costs no LoRA work."""
+        c = self.cfg.cost
+        merged = ex.merged_slot.adapter if ex.merged_slot else None
+        lora_rows = [row for row in plan.rows
+                     if row.seq.request.adapter and row.seq.request.adapter != merged]
+        adapters = {row.seq.request.adapter for row in lora_rows}
+        return (c.step_base_s + c.step_per_token_s * plan.num_tokens
+                + c.step_per_adapter_s * len(adapters)
+                + c.step_per_lora_token_s * sum(row.num_tokens for row in lora_rows))
 
     def _step_done(self, i: int, plan: StepPlan, seconds: float) -> None:
         self._busy.discard(i)
@@ -193,6 +208,8 @@ class Simulator:
     def run(self) -> SimResult:
         n = self.cfg.num_requests
         self._push(self._next_arrival(), ARRIVAL, 0)
+        if self.cfg.limits.merge_share:
+            self._push(MERGE_TICK_S, MERGE_TICK, None)
         handled = 0
         while self._events:
             self.now, _, kind, payload = heapq.heappop(self._events)
@@ -204,6 +221,10 @@ class Simulator:
                 self._step_done(*payload)
             elif kind == STAGE_DONE:
                 self.core.on_stage_done(*payload)
+            elif kind == MERGE_TICK:
+                self.core.merges.tick(self.core, self.now)
+                if self._events:  # (while anything else is to happen)
+                    self._push(self.now + MERGE_TICK_S, MERGE_TICK, None)
             else:
                 self.core.on_load_done(*payload[:3], None, *payload[3:])
             self._try_steps()

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from common.adapter_ref import AdapterRef
 from scheduler.sim.belady import belady_hits, lru_hits, pinned_belady_hits
 from scheduler.sim.config import SimConfig
 from scheduler.sim.invariants import check_invariants
@@ -153,3 +154,25 @@ def test_serving_code_never_imports_the_simulator():
             wrong += [f"{path.name} imports {n}" for n in names
                       if n == "scheduler.sim" or n.startswith("scheduler.sim.")]
     assert not wrong, wrong
+
+
+def test_the_merge_policy_merges_a_heavy_adapter_in_the_simulator_and_loses_nothing():
+    raw = {**SMALL, "num_requests": 3000,
+           "adapters": {**SMALL["adapters"], "heavy_share": 0.8},
+           "cost": {"step_per_lora_token_s": 0.000004},
+           "limits": {"merge_share": 0.5, "unmerge_share": 0.2, "merge_window_s": 2.0}}
+    sim = Simulator(SimConfig.from_dict(raw))
+    merged_steps = []
+    step_seconds = sim._step_seconds
+
+    def checked(ex, plan):  # invariants, and which steps ran with an adapter merged
+        check_invariants(sim.core)
+        merged_steps.append(ex.merged_slot is not None)
+        return step_seconds(ex, plan)
+
+    sim._step_seconds = checked
+    result = sim.run()
+    assert result.unfinished == 0
+    assert sum(t.requests for t in result.tenants.values()) == 3000
+    assert any(merged_steps) and not all(merged_steps), "merged after a window of traffic"
+    assert any(ex.dedicated_to == AdapterRef("a0", 1) for ex in sim.executors)
