@@ -361,6 +361,8 @@ class Scheduler(Placement):
         log.warning("fetching %s onto %s failed: %s", adapter, ex.address, error)
         for req in [r for r in ex.queue if r.adapter == adapter]:
             self._fail(req, error)
+        if ex.dedicated_to == adapter:  # it can never merge there
+            merging.release(self, ex)
 
     def remove_executor(self, ex: ExecutorState) -> None:
         """Forget an executor for good (it left the pool); its work moves to the others."""

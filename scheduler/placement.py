@@ -24,7 +24,6 @@ from scheduler.routing import home, score
 from scheduler.slots import Slot
 from scheduler.stats import TenantTotals
 
-
 # A merged executor wins its adapter's requests unless its expected wait is this much longer
 # than another's: it runs them without LoRA work, a gain not worth a long queue.
 MERGED_BIAS_S = 0.1

@@ -126,3 +126,11 @@ def test_traffic_merges_a_hot_adapter_after_a_window_and_unmerges_it_when_it_coo
     assert [ex.dedicated_to for ex in w.executors].count(B) == 1, "now b is the hot one"
     w.run()
     assert all(w.finished(r) for r in w.requests)
+
+
+def test_an_adapter_that_cannot_load_releases_its_dedicated_executor():
+    from common.errors import InvalidArgument
+    w = World(num_executors=2)
+    ex = merging.merge(w.core, A, 2**20, 1)[0]
+    w.complete_loads(InvalidArgument("bad shapes"))
+    assert ex.dedicated_to is None and ex.serves(B)
