@@ -1,4 +1,5 @@
-"""GPU check of the SGMV LoRA kernels (issue 3). Run it with `bench/gpu_check.sh`.
+"""GPU check of the SGMV LoRA kernels (issue 3) and the paged-attention kernel (issue 16). Run it
+with `bench/gpu_check.sh`.
 
 Sections, each catching its own failure (printed; the script goes on), the markdown report
 rewritten after each so a cut-off run still leaves one:
@@ -10,8 +11,11 @@ rewritten after each so a cut-off run still leaves one:
      a pinned staging buffer copied into a slot on a side stream, bf16 and fp32 files; checked
      bit for bit; its time against a plain pinned copy of the same bytes; decode steps timed
      while loads run beside them (the step loop must not wait on a load);
-  5. kernel timings (triton.testing.do_bench, median) over tokens x adapters x ranks: GB/s vs the
-     copy, LoRA time / base matmul time, speed-up over a torch gather+bmm baseline.
+  5. the paged-attention kernel vs its torch reference at 8B attention shapes (64 decode rows of
+     mixed lengths up to 4k, sliding window on and off, prefill chunks beside decode rows), and
+     its time against the old padded gather + SDPA decode path (bench/gpu_attention.py);
+  6. SGMV kernel timings (triton.testing.do_bench, median) over tokens x adapters x ranks: GB/s vs
+     the copy, LoRA time / base matmul time, speed-up over a torch gather+bmm baseline.
 `--smoke` runs a tiny version on CPU through the Triton interpreter (checks the script itself).
 """
 
@@ -28,6 +32,7 @@ from common.peft.modules import LORA_MODULES
 from executor.lora_torch import TorchLoraBackend
 from executor.lora_triton import TritonLoraBackend
 from executor.slot_pool import LORA_GROUPS, LoraSlotPool
+from gpu_attention import paged_attention_check
 from gpu_step import decode_step
 from kernels.reference import TOLERANCES, sgmv_fused_ref, sgmv_shrink_ref
 from kernels.sgmv_shrink import sgmv_shrink
@@ -195,7 +200,7 @@ def time_rank(rank: int, copy_gbs: float, base_cache: dict) -> tuple[list, int]:
     return rows, skipped
 
 
-@section("5. Kernel timings (bf16, Llama-3-8B projections, one layer)")
+@section("6. Kernel timings (bf16, Llama-3-8B projections, one layer)")
 def kernel_timings(copy_gbs: float) -> None:
     rows, base_cache, skipped = [], {}, 0
     for rank in RANKS:
@@ -223,6 +228,7 @@ def main() -> None:
     copy_gbs = copy_bandwidth() or float("nan")
     correctness()
     decode_step(copy_gbs)
+    paged_attention_check(copy_gbs)
     kernel_timings(copy_gbs)
     print(f"\nwrote {OPTS.out} in {time.perf_counter() - START:.0f} s")
 

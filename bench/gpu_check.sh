@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check of the SGMV LoRA kernels (issue 3), one command from the repository root:
+# The GPU check of the SGMV LoRA kernels (issue 3) and the paged-attention kernel (issue 16), one
+# command from the repository root:
 #     bench/gpu_check.sh            (writes bench/results/gpu-check.md)
 # Needs CUDA, torch and triton only (no installs); about 6-7 minutes on one H200, hard-capped at
 # 7m50s. Extra arguments go to bench/gpu_check.py (e.g. --budget-s 300); on a CPU machine

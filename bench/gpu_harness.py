@@ -15,7 +15,8 @@ import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ARGS = argparse.ArgumentParser(description="GPU check of the SGMV LoRA kernels")
+ARGS = argparse.ArgumentParser(description="GPU check of the SGMV LoRA and paged-attention "
+                                           "kernels")
 ARGS.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (Triton interpreter)")
 ARGS.add_argument("--budget-s", type=float, default=420.0, help="stop timing configs after this")
 ARGS.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu-check.md"))
@@ -75,7 +76,7 @@ def section(title: str):
 
 def write_report() -> None:
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke)"
-    head = [f"# GPU check: SGMV LoRA kernels ({MODEL} shapes)\n",
+    head = [f"# GPU check: SGMV LoRA and paged-attention kernels ({MODEL} shapes)\n",
             (f"Device: {device}; torch {torch.__version__}, triton {triton.__version__}; "
              f"{time.strftime('%Y-%m-%d %H:%M')}; {time.perf_counter() - START:.0f} s.\n")]
     Path(OPTS.out).parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ def test_gpu_check_smoke_runs_every_section_and_every_check_passes(tmp_path):
     report = out.read_text()
     for section in ("## 1. Copy bandwidth", "## 2. Kernels vs torch references",
                     "## 3. Executor decode step", "## 4. Adapter load into a slot",
-                    "## 5. Kernel timings"):
+                    "## 5. Paged attention kernel", "## 6. Kernel timings"):
         assert section in report
     assert "**FAILED**" not in report
     loads = [line for line in report.splitlines() if line.startswith("| float32 file")]
@@ -27,3 +27,6 @@ def test_gpu_check_smoke_runs_every_section_and_every_check_passes(tmp_path):
     checks = [line for line in report.splitlines() if line.startswith(("| bfloat16", "| float16"))]
     assert len(checks) == 16 and all(line.rstrip().endswith("| yes |") for line in checks)
     assert "4 distinct adapters | torch" in report and "4 distinct adapters | triton" in report
+    attention = [line for line in report.splitlines() if line.startswith("| paged ")]
+    assert len(attention) == 6 and all(line.rstrip().endswith("| yes |") for line in attention)
+    assert "| short + 1 long | 196 | 100 |" in report  # the timing table
