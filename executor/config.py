@@ -33,6 +33,9 @@ class ExecutorConfig:
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
     # Host memory for adapters staged ahead of their load (StageAdapter): pinned on CUDA.
     staging_mb: int = 1024
+    # BENCHMARK MODE (executor/benchmark_runner.py): > 0 skips the forward pass; each step
+    # returns deterministic tokens and lasts this long. Only with random weights.
+    benchmark_step_s: float = 0.0
     # Where the service key is read (and admin keys, for operators' debugging): files or
     # LORAPLEX_* env. None: the executor runs open (common/credentials.py).
     keys: KeySources = KeySources()
@@ -52,6 +55,9 @@ class ExecutorConfig:
         if self.lora_backend not in LORA_BACKENDS:
             raise ValueError(f"executor: lora_backend must be one of {LORA_BACKENDS}, "
                              f"got {self.lora_backend!r}")
+        if self.benchmark_step_s < 0 or (self.benchmark_step_s and not self.random_config):
+            raise ValueError("executor: --benchmark-step-s (benchmark mode: no forward pass, "
+                             "made-up tokens) needs --model random:<name>")
         if self.dtype not in DTYPES:
             raise ValueError(f"executor: dtype must be one of {DTYPES}, got {self.dtype!r}")
 
@@ -91,6 +97,10 @@ class ExecutorConfig:
                        help="torch CPU threads (0 = torch default)")
         p.add_argument("--staging-mb", type=int, default=1024,
                        help="host memory for adapters fetched ahead of their load (MiB)")
+        p.add_argument("--benchmark-step-s", type=float, default=0.0,
+                       help="BENCHMARK MODE, to measure the control plane alone: no forward "
+                            "pass, deterministic made-up tokens, each step lasting this long "
+                            "(needs --model random:<name>; 0 = off)")
         add_key_arguments(p)
         a = p.parse_args(argv)
         return cls(model=a.model, stores=tuple(a.store), address=a.address, model_id=a.model_id,
@@ -99,4 +109,5 @@ class ExecutorConfig:
                    num_kv_blocks=a.num_kv_blocks, block_size=a.block_size,
                    adapter_slots=a.adapter_slots, max_rank=a.max_rank,
                    lora_backend=a.lora_backend, dtype=a.dtype, device=a.device, seed=a.seed,
-                   threads=a.threads, staging_mb=a.staging_mb, keys=sources_from_args(a))
+                   threads=a.threads, staging_mb=a.staging_mb,
+                   benchmark_step_s=a.benchmark_step_s, keys=sources_from_args(a))

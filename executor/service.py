@@ -19,6 +19,7 @@ from common.metrics import serve_metrics
 from common.sampling import SamplingParams
 from common.server import Service, announce, configure_logging, run, run_until_signalled
 from executor.adapter_loader import FETCH_TIMEOUT_S, AdapterLoader
+from executor.benchmark_runner import BenchmarkRunner
 from executor.config import ExecutorConfig
 from executor.lora import resolve_lora_backend
 from executor.model_identity import log_identity, resolve_identity
@@ -37,6 +38,12 @@ def build_runner(config: ExecutorConfig) -> tuple[ModelRunner, TokenizerFiles]:
               num_slots=config.adapter_slots, max_rank=config.max_rank,
               lora_backend=config.lora_backend, dtype=getattr(torch, config.dtype),
               device=config.device)
+    if config.benchmark_step_s:
+        log.warning("executor: BENCHMARK MODE: no forward pass, made-up tokens, %.3fs steps",
+                    config.benchmark_step_s)
+        runner = BenchmarkRunner.random(config.random_config, seed=config.seed,
+                                        step_s=config.benchmark_step_s, **kw)
+        return runner, TokenizerFiles()
     if config.random_config is not None:
         runner = ModelRunner.random(config.random_config, seed=config.seed, **kw)
         return runner, TokenizerFiles()
