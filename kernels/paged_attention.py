@@ -13,6 +13,9 @@ The program walks the keys its tile's queries can see in tiles of BLOCK_N positi
 from block table[p // PAGE] at offset p % PAGE; the causal (and sliding-window) mask is applied
 per (row, key); softmax is online (running max and sum in fp32, base-2 exponentials with the
 1/sqrt(D) scale folded in), so the keys are read once. A sequence costs its own context only.
+Numerics: q k^T in the cache dtype with fp32 accumulation; p v with p kept in fp32 (tf32 on the
+GPU for bf16/fp16, IEEE for fp32); the output rounded once. Not done: splitting one long
+sequence's keys over several programs (flash-decoding); its KV heads' programs walk it alone.
 """
 
 from __future__ import annotations
