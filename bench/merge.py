@@ -23,7 +23,7 @@ import tempfile
 import time
 
 import torch
-from serving import make_adapters
+from serving import machine_line, make_adapters
 
 from common.sampling import SamplingParams
 from executor.peft_adapter import parse_peft_adapter
@@ -101,9 +101,7 @@ def main() -> None:
          "in-process ModelRunner (torch LoRA backend)."),
         "", *lines, "",
         f"- sequences whose greedy tokens are the same merged and unmerged: {same}/{batch}",
-        (f"- machine: nproc {len(os.sched_getaffinity(0))}, torch {torch.__version__}, 1-min "
-         f"load average at start {load:.1f}"),
-        f"- command: `{command}`", ""])
+        machine_line(load), f"- command: `{command}`", ""])
     print("\n" + text)
     if not args.quick:
         RESULTS.write_text("# A merged adapter's decode throughput on CPU\n\n" + text)

@@ -27,7 +27,7 @@ import tempfile
 import time
 
 import torch
-from serving import make_adapters, median_round, pct
+from serving import machine_line, make_adapters, median_round, pct
 
 from common.server import insecure_channel, run
 from loraplex import client, fixtures
@@ -109,7 +109,6 @@ def report(results: dict[str, list[tuple]], rounds: int, num_turns: int, threads
     pairs = [(a, b) for ra, rb in zip(results["tenant"], results["off"])
              for a, b in zip(ra[1], rb[1])]  # the same turns went to both pools, round by round
     same = sum(a.token_ids == b.token_ids for a, b in pairs)
-    cpus = len(os.sched_getaffinity(0))
     return "\n".join([
         (f"{NUM_TENANTS} tenants x {NUM_ADAPTERS} adapters = {NUM_TENANTS * NUM_ADAPTERS} "
          f"clients, each {num_turns} requests in a row: a {SYSTEM_TOKENS}-token system prompt + "
@@ -120,9 +119,7 @@ def report(results: dict[str, list[tuple]], rounds: int, num_turns: int, threads
         f"TTFT p50, cached / off: {p50['off'] / p50['tenant']:.1f}x better with the cache.",
         "",
         f"- requests whose greedy tokens are the same in both pools: {same}/{len(pairs)}",
-        (f"- machine: nproc {cpus}, torch {torch.__version__}, python {sys.version.split()[0]}, "
-         f"1-min load average at start {load:.1f}"),
-        f"- command: `{command}`", ""])
+        machine_line(load), f"- command: `{command}`", ""])
 
 
 def main() -> None:

@@ -232,7 +232,6 @@ def report(rows: list[Row], num_requests: int, threads: int, warmup: str, load: 
                f"{s.plan * 1e3:.2f} | {s.wait * 1e3:.2f} | {s.done * 1e3:.2f} | "
                f"{s.other * 1e3:.2f} | {s.busy:.0%} |" for r in rows for s in [r.steps]]
     same = ", ".join(f"{r.num_agree}/{num_requests}" for r in rows)
-    cpus = len(os.sched_getaffinity(0))
     return "\n".join([
         (f"{num_requests} requests sent at once, median of {ROUNDS} rounds; prompts 8-24 tokens, "
          f"{MAX_NEW_TOKENS} new tokens each (greedy, EOS ignored); adapters rank 16 on all 7 "
@@ -251,9 +250,13 @@ def report(rows: list[Row], num_requests: int, threads: int, warmup: str, load: 
         "", *parts, "",
         f"- {warmup}",
         f"- requests whose greedy tokens match HF PEFT's up to the first EOS, per row: {same}",
-        (f"- machine: nproc {cpus}, torch {torch.__version__}, python {sys.version.split()[0]}, "
-         f"1-min load average at start {load:.1f}"),
-        f"- command: `{command}`", ""])
+        machine_line(load), f"- command: `{command}`", ""])
+
+
+def machine_line(load: float) -> str:
+    """Where a benchmark ran: a line for its results file."""
+    return (f"- machine: nproc {len(os.sched_getaffinity(0))}, torch {torch.__version__}, python "
+            f"{sys.version.split()[0]}, 1-min load average at start {load:.1f}")
 
 
 def main() -> None:

@@ -158,13 +158,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     eos_token_ids=self._model.eos_token_ids, fingerprint=self._model.fingerprint)
             return self._model
 
+    async def _servable(self, text: str) -> tuple[AdapterRef, int]:
+        """An operator's adapter reference, resolved and checked to fit the pool: (version,
+        bytes)."""
+        found = await self._registry.resolve(text, "")
+        validation.check_adapter(found, self._info)
+        return AdapterRef(found.name, found.version), found.num_bytes
+
     async def Prewarm(self, request, context):
         async with grpc_errors(context):
             self._check_admin(context)
-            found = await self._registry.resolve(request.adapter, "")
-            validation.check_adapter(found, self._info)
-            key = AdapterRef(found.name, found.version)
-            chosen = admin.prewarm(self._engine.core, key, found.num_bytes,
+            key, num_bytes = await self._servable(request.adapter)
+            chosen = admin.prewarm(self._engine.core, key, num_bytes,
                                    request.num_executors or 1, request.pin)
             if request.wait:
                 failed = await admin.loads_done(chosen, key)
@@ -192,10 +197,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Merge(self, request, context):
         async with grpc_errors(context):
             self._check_admin(context)
-            found = await self._registry.resolve(request.adapter, "")
-            validation.check_adapter(found, self._info)
-            key = AdapterRef(found.name, found.version)
-            chosen = merging.merge(self._engine.core, key, found.num_bytes,
+            key, num_bytes = await self._servable(request.adapter)
+            chosen = merging.merge(self._engine.core, key, num_bytes,
                                    request.num_executors or 1)
             return scheduler_pb2.MergeResponse(adapter=key.to_pb(),
                                                executors=[ex.address for ex in chosen])
