@@ -24,6 +24,7 @@ from executor.config import ExecutorConfig
 from executor.lora import resolve_lora_backend
 from executor.model_identity import log_identity, resolve_identity
 from executor.runner import ModelRunner, Row
+from executor.step_worker import StepWorker
 from executor.tokenizer_files import TokenizerFiles
 from protos import common_pb2, executor_pb2, executor_pb2_grpc
 
@@ -119,40 +120,39 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             if self._driver is not None:
                 raise FailedPrecondition("executor is already driven by another scheduler stream")
             self._driver = context
-        step: asyncio.Future | None = None
+        worker: StepWorker | None = None
         reading: asyncio.Future | None = None
         try:
             if self._closing is not None:
                 await asyncio.shield(self._closing)
-            requests = aiter(request_iterator)
-            reading = asyncio.ensure_future(anext(requests, None))
-            while (req := await reading) is not None:
-                # Shielded: when the client cancels, the step runs on in its thread, and the next
-                # stream must not start before it ends (same sequence ids, same KV blocks).
-                step = asyncio.ensure_future(asyncio.to_thread(self._step, req))
-                # The scheduler sends the next step before this one's answer (its steps are
-                # pipelined): read it while this one runs, so it starts as soon as this ends.
-                reading = asyncio.ensure_future(anext(requests, None))
+            # Steps run on the worker's thread, one after another: the scheduler sends the next
+            # step before this one's answer (its steps are pipelined), so it starts as soon as
+            # this one ends. A step the client stops waiting for runs on, and the next stream
+            # starts only after it (same sequence ids, same KV blocks).
+            worker = StepWorker(self._step, asyncio.get_running_loop())
+            reading = asyncio.ensure_future(_feed(request_iterator, worker))
+            while True:
                 async with grpc_errors(context):
-                    response = await asyncio.shield(step)
+                    response = await worker.result()
+                if response is None:
+                    break
                 yield response
         finally:
             if reading is not None and not reading.done():
                 reading.cancel()
-            self._closing = asyncio.ensure_future(self._close_stream(self._closing, step))
+            if worker is not None:
+                worker.stop()
+            self._closing = asyncio.ensure_future(self._close_stream(self._closing, worker))
             self._driver = None
 
     async def _close_stream(self, previous: asyncio.Future | None,
-                            last_step: asyncio.Future | None) -> None:
+                            worker: StepWorker | None) -> None:
         """Forget the stream's sequences once its last step (which a cancel does not stop) and the
         end of the stream before it are over."""
         if previous is not None:
             await asyncio.wait([previous])
-        if last_step is not None and not last_step.done():  # the client went away mid-step
-            await asyncio.wait([last_step])
-            if not last_step.cancelled() and last_step.exception() is not None:
-                log.info("the last step of a cancelled Step stream failed: %s",
-                         last_step.exception())
+        if worker is not None:
+            await worker.done
         self._runner.free_all()
         self._runner.unmerge()  # the next scheduler finds the base model as loaded
 
@@ -207,6 +207,15 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             self._check_not_merged(request.slot)
             await self._loader.unload(request.slot, AdapterRef.from_optional_pb(request.adapter))
             return executor_pb2.UnloadAdapterResponse()
+
+
+async def _feed(request_iterator, worker: StepWorker) -> None:
+    """Hand the stream's requests to the worker as they arrive, then say there are no more."""
+    try:
+        async for request in request_iterator:
+            worker.submit(request)
+    finally:
+        worker.finish()
 
 
 def _fetch_timeout(context) -> float:
