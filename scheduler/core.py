@@ -142,7 +142,7 @@ class Scheduler(Placement):
             self._publish(ex, seq)
         freed, ex.pending_frees = ex.pending_frees, []
         unmerge = merging.unmerge_now(ex)
-        return StepPlan(freed, new, rows, merging.merge_now(ex), unmerge)
+        return StepPlan(freed, new, rows, merging.merge_now(self, ex), unmerge)
 
     def on_step_done(self, ex: ExecutorState, plan: StepPlan, samples: Iterable[Sample],
                      step_seconds: float = 0.0) -> None:

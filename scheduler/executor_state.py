@@ -151,6 +151,7 @@ class ExecutorState:
     # a step merges it into the weights (merged_slot, pinned while merged). unmerge_due: the
     # next step unmerges; its slot (unmerging) stays pinned until that step is answered.
     dedicated_to: AdapterRef | None = None
+    dedicated_bytes: int = 0  # its adapter's size (to bring it in)
     merged_slot: Slot | None = None
     unmerge_due: bool = False
     unmerging: Slot | None = None

@@ -61,7 +61,7 @@ def dedicate(core: Scheduler, ex: ExecutorState, adapter: AdapterRef, adapter_by
     if [e for e in serving_everyone(core) if e is not ex] == []:
         raise FailedPrecondition(f"merging {adapter} into {ex.address} would leave no executor "
                                  "serving every adapter: the pool needs another one up")
-    ex.dedicated_to = adapter
+    ex.dedicated_to, ex.dedicated_bytes = adapter, adapter_bytes
     for req in [r for r in ex.queue if r.adapter != adapter]:
         core.move(req)
     if ex.slots.find(adapter) is None:
@@ -84,14 +84,19 @@ def release(core: Scheduler, ex: ExecutorState) -> None:
     core.wake()
 
 
-def merge_now(ex: ExecutorState) -> int | None:
+def merge_now(core: Scheduler, ex: ExecutorState) -> int | None:
     """The slot to merge in the step being planned: ex is dedicated, not merged, its adapter
-    READY here, and every sequence it runs is of that adapter."""
+    READY here, and every sequence it runs is of that adapter. Until its adapter is here, each
+    plan tries to bring it in (its slot may have been pinned by the other adapters' sequences,
+    and no request of its own may be waiting to ask)."""
     adapter = ex.dedicated_to
     if adapter is None or ex.merged_slot is not None or ex.unmerge_due or ex.unmerging:
         return None  # (an unmerge on its way: merge again once it is answered)
     slot = ex.slots.find(adapter)
-    if slot is None or slot.state is not SlotState.READY:
+    if slot is None:
+        core.bring_in(ex, adapter, ex.dedicated_bytes)
+        return None
+    if slot.state is not SlotState.READY:
         return None
     if any(seq.request.adapter != adapter for seq in ex.running.values()):
         return None

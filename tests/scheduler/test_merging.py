@@ -134,3 +134,18 @@ def test_an_adapter_that_cannot_load_releases_its_dedicated_executor():
     ex = merging.merge(w.core, A, 2**20, 1)[0]
     w.complete_loads(InvalidArgument("bad shapes"))
     assert ex.dedicated_to is None and ex.serves(B)
+
+
+def test_a_merge_with_no_traffic_brings_its_adapter_in_once_a_slot_frees():
+    w = World(num_executors=2, num_slots=1, limits=Limits(max_num_seqs=2))
+    busy = [w.request(adapter="b@1", max_new=5) for _ in range(2)]
+    w.complete_loads()
+    w.step()
+    ex = busy[0].executor
+    merging.dedicate(w.core, ex, A, 2**20)  # its only slot is pinned by b's sequences
+    for _ in range(20):
+        w.complete_loads()
+        w.step()
+    assert all(w.finished(r) for r in busy)
+    assert ex.merged_slot is not None and ex.merged_slot.adapter == A, \
+        "staged, loaded and merged with no request of its own waiting"
