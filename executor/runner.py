@@ -218,10 +218,11 @@ class ModelRunner:
         if not groups:
             return [], torch.empty(0, self.config.vocab_size)
         tokens = torch.tensor([t for r in rows for t in self._pending(r)], device=self.device)
-        merged = self.merged_slot  # its rows: the weights hold their adapter, no LoRA
+        slots = [self._seqs[r.seq_id].slot for r in rows]
+        if self._merged is not None:  # its rows: the weights hold their adapter, no LoRA
+            slots = [-1 if s == self._merged.slot else s for s in slots]
         row_slots = torch.repeat_interleave(  # [T]
-            torch.tensor([-1 if self._seqs[r.seq_id].slot == merged else self._seqs[r.seq_id].slot
-                          for r in rows]),
+            torch.tensor(slots),
             torch.tensor([r.num_tokens for r in rows]))
         lora_meta = self.lora.prepare(row_slots)
         meta = StepMetadata.build(groups, kv=self.kv, sliding_window=self.config.sliding_window,

@@ -41,7 +41,7 @@ from scheduler.executor_state import (
     StepPlan,
 )
 from scheduler.placement import Placement
-from scheduler.prefix_cache import cache_key, extend_hashes
+from scheduler.prefix_cache import cache_key, cached_prefix, publish
 from scheduler.request import ErrorEvent, FinishEvent, Request, Status
 from scheduler.slots import Slot, SlotState
 from scheduler.stats import PoolStats, snapshot
@@ -139,7 +139,7 @@ class Scheduler(Placement):
             seq.steps_in_flight += 1
             seq.request.work_left -= row.num_tokens
             ex.work_tokens -= row.num_tokens
-            self._publish(ex, seq)
+            publish(ex.blocks, seq)
         freed, ex.pending_frees = ex.pending_frees, []
         unmerge = merging.unmerge_now(ex)
         return StepPlan(freed, new, rows, merging.merge_now(self, ex), unmerge)
@@ -162,7 +162,7 @@ class Scheduler(Placement):
                 continue
             seq.samples_due -= 1
             seq.token_ids.append(sample.token_id)
-            self._publish(ex, seq)
+            publish(ex.blocks, seq)
             req = seq.request
             self.fair.charge_output(req.tenant)
             finish = req.on_sample(sample.token_id, sample.logprob, now)
@@ -191,12 +191,12 @@ class Scheduler(Placement):
             if req is None:
                 continue  # nothing of this tenant can start here yet
             tokens = req.all_token_ids
-            hashes, hits = self._cached_prefix(ex, req, tokens)
+            hits = cached_prefix(ex.blocks, req, tokens)
             if not ex.blocks.can_start(hits, len(tokens) + 1):
                 break  # the fairest request does not fit: admit nobody behind it
             seq_id = next(self._seq_ids)
             table = ex.blocks.start(seq_id, hits, len(tokens))
-            seq = self._start(ex, req, seq_id, tokens, hashes, len(hits))
+            seq = self._start(ex, req, seq_id, tokens, len(hits))
             n = min(len(tokens) - seq.num_cached, budget)
             rows.append(ScheduledRow(seq, n, table, samples=seq.num_cached + n == len(tokens)))
             budget -= n
@@ -205,30 +205,6 @@ class Scheduler(Placement):
             if ex.queue.queued(tenant):
                 heapq.heappush(heap, (self.fair.counter(tenant), tenant))
         return rows
-
-    def _cached_prefix(self, ex: ExecutorState, req: Request,
-                       tokens: list[int]) -> tuple[list[bytes], list[int]]:
-        """The chained hashes of the full blocks of `tokens` (kept on the request) and the
-        cached blocks on ex that hold the longest prefix of them; none when caching is off. The
-        last token is always left to compute: its logits make the next sample."""
-        if not req.cache_key:
-            return [], []
-        bs = ex.blocks.block_size
-        hashes = req.block_hashes.setdefault(bs, [])
-        extend_hashes(hashes, req.cache_key, tokens, bs)
-        return hashes, ex.blocks.match(hashes[:(len(tokens) - 1) // bs])
-
-    def _publish(self, ex: ExecutorState, seq: Sequence) -> None:
-        """Cache seq's blocks that are now full, computed (in the steps sent: an executor runs
-        its steps in order, so a later step may read them) and named (their tokens known)."""
-        bs = ex.blocks.block_size
-        full = min(seq.num_computed, len(seq.token_ids)) // bs
-        if full <= seq.num_published or not seq.request.cache_key:
-            return
-        extend_hashes(seq.block_hashes, seq.request.cache_key, seq.token_ids, bs)
-        for index in range(seq.num_published, full):
-            ex.blocks.publish(seq.seq_id, index, seq.block_hashes[index])
-        seq.num_published = full
 
     def _load_into_drained(self, ex: ExecutorState) -> None:
         """A slot reserved for a staged adapter, once drained, takes it at once: its requests
@@ -269,13 +245,13 @@ class Scheduler(Placement):
         return None
 
     def _start(self, ex: ExecutorState, req: Request, seq_id: int, tokens: list[int],
-               hashes: list[bytes], num_hits: int) -> Sequence:
+               num_hits: int) -> Sequence:
         """Run req on ex as seq_id, its first `num_hits` blocks found in the prefix cache."""
         self._dequeue(req)
         slot = ex.slots.find(req.adapter) if req.adapter else None
         cached = num_hits * ex.blocks.block_size
         seq = Sequence(seq_id, req, slot, list(tokens), num_computed=cached, num_cached=cached,
-                       block_hashes=hashes, num_published=num_hits)
+                       num_published=num_hits)
         ex.running[seq_id] = seq
         req.work_left -= cached
         ex.work_tokens += req.work_left

@@ -112,10 +112,7 @@ class Sequence:
     steps_in_flight: int = 0  # steps sent with a row of it and not answered yet
     is_sent: bool = False  # its NewSequence went out
     num_cached: int = 0  # leading tokens whose KV it found in the prefix cache
-    # Chained hashes of its full blocks (prefix_cache.py; its request's, shared), and how many
-    # of its blocks are published to the prefix cache.
-    block_hashes: list[bytes] = field(default_factory=list)
-    num_published: int = 0
+    num_published: int = 0  # of its blocks, those in the prefix cache (prefix_cache.py)
 
     @property
     def num_known(self) -> int:

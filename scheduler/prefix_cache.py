@@ -16,10 +16,18 @@ hashes mean equal prefixes under the same key, with a collision chance no advers
 (unlike Python's hash of a tuple of ints).
 """
 
+from __future__ import annotations
+
 import hashlib
 from array import array
+from typing import TYPE_CHECKING
 
 from common.adapter_ref import AdapterRef
+
+if TYPE_CHECKING:  # (executor_state imports this module)
+    from scheduler.block_manager import BlockManager
+    from scheduler.executor_state import Sequence
+    from scheduler.request import Request
 
 SCOPES = ("tenant", "pool", "off")
 
@@ -41,3 +49,29 @@ def extend_hashes(hashes: list[bytes], key: bytes, token_ids: list[int], block_s
         h.update(array("I", token_ids[start:start + block_size]).tobytes())
         previous = h.digest()
         hashes.append(previous)
+
+
+def cached_prefix(blocks: BlockManager, req: Request, tokens: list[int]) -> list[int]:
+    """The cached blocks that hold the longest prefix of `tokens` (req's tokens), none when
+    caching is off; the chain of hashes is kept on the request. The last token is always left to
+    compute: its logits make the next sample."""
+    if not req.cache_key:
+        return []
+    bs = blocks.block_size
+    hashes = req.block_hashes.setdefault(bs, [])
+    extend_hashes(hashes, req.cache_key, tokens, bs)
+    return blocks.match(hashes[:(len(tokens) - 1) // bs])
+
+
+def publish(blocks: BlockManager, seq: Sequence) -> None:
+    """Cache seq's blocks that are now full, computed (in the steps sent: an executor runs its
+    steps in order, so a later step may read them) and named (their tokens known)."""
+    req, bs = seq.request, blocks.block_size
+    full = min(seq.num_computed, len(seq.token_ids)) // bs
+    if full <= seq.num_published or not req.cache_key:
+        return
+    hashes = req.block_hashes.setdefault(bs, [])
+    extend_hashes(hashes, req.cache_key, seq.token_ids, bs)
+    for index in range(seq.num_published, full):
+        blocks.publish(seq.seq_id, index, hashes[index])
+    seq.num_published = full

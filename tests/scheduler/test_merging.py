@@ -4,7 +4,7 @@ policy's hysteresis. No request is lost or fails because of a merge."""
 
 import pytest
 
-from common.errors import FailedPrecondition
+from common.errors import FailedPrecondition, InvalidArgument
 from scheduler import merging
 from scheduler.core import Limits, Sample
 from scheduler.request import Status
@@ -20,13 +20,18 @@ def plans(w: World, ex):
     return plan
 
 
-def test_a_merge_waits_for_other_adapters_to_finish_and_moves_their_queue():
-    w = World(num_executors=2, num_slots=3, limits=Limits(max_num_seqs=2))
-    running_b = [w.request(adapter="b@1", max_new=6) for _ in range(2)]
+def b_running(num_slots: int, max_new: int) -> tuple[World, list, object]:
+    """Two executors; two requests for b running on one of them (returned)."""
+    w = World(num_executors=2, num_slots=num_slots, limits=Limits(max_num_seqs=2))
+    running = [w.request(adapter="b@1", max_new=max_new) for _ in range(2)]
     w.complete_loads()
     w.step()
-    ex = running_b[0].executor
-    assert running_b[0].status is Status.RUNNING
+    assert running[0].status is Status.RUNNING
+    return w, running, running[0].executor
+
+
+def test_a_merge_waits_for_other_adapters_to_finish_and_moves_their_queue():
+    w, running_b, ex = b_running(num_slots=3, max_new=6)
     queued_b = [w.request(adapter="b@1", max_new=2) for _ in range(3)]
     merging.dedicate(w.core, ex, A, 2**20)
     assert ex.dedicated_to == A and all(r.executor is not ex for r in queued_b), \
@@ -129,7 +134,6 @@ def test_traffic_merges_a_hot_adapter_after_a_window_and_unmerges_it_when_it_coo
 
 
 def test_an_adapter_that_cannot_load_releases_its_dedicated_executor():
-    from common.errors import InvalidArgument
     w = World(num_executors=2)
     ex = merging.merge(w.core, A, 2**20, 1)[0]
     w.complete_loads(InvalidArgument("bad shapes"))
@@ -137,11 +141,7 @@ def test_an_adapter_that_cannot_load_releases_its_dedicated_executor():
 
 
 def test_a_merge_with_no_traffic_brings_its_adapter_in_once_a_slot_frees():
-    w = World(num_executors=2, num_slots=1, limits=Limits(max_num_seqs=2))
-    busy = [w.request(adapter="b@1", max_new=5) for _ in range(2)]
-    w.complete_loads()
-    w.step()
-    ex = busy[0].executor
+    w, busy, ex = b_running(num_slots=1, max_new=5)
     merging.dedicate(w.core, ex, A, 2**20)  # its only slot is pinned by b's sequences
     for _ in range(20):
         w.complete_loads()
