@@ -74,6 +74,7 @@ class DataLoss(LoraplexError):
 
 # A status received from another service keeps its code when it is passed on.
 _FORWARDED = {cls.code: cls for cls in LoraplexError.__subclasses__()}
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def from_rpc_error(err: grpc.aio.AioRpcError, what: str) -> LoraplexError:
@@ -88,8 +89,18 @@ def relayed(err: grpc.aio.AioRpcError) -> LoraplexError:
     """A downstream error passed on as it came (a gateway relaying its pool's answer): the same
     code, message and retry-after; a status of no class here (CANCELLED, UNKNOWN, INTERNAL...) is
     UNAVAILABLE for the caller."""
-    error = _FORWARDED.get(err.code(), Unavailable)(err.details() or err.code().name)
-    wait = dict(err.trailing_metadata() or ()).get(wire.RETRY_AFTER)
+    return _relay(err.code(), err.details(), dict(err.trailing_metadata() or ()).get(
+        wire.RETRY_AFTER))
+
+
+def relayed_status(code: int, message: str, wait: str = "") -> LoraplexError:
+    """A status sent as data (a scheduler's StreamUpdate: the code's number, the message and the
+    retry-after), passed on as `relayed` passes on an RPC's."""
+    return _relay(_CODES.get(code, grpc.StatusCode.UNKNOWN), message, wait or None)
+
+
+def _relay(code: grpc.StatusCode, message: str, wait: str | None) -> LoraplexError:
+    error = _FORWARDED.get(code, Unavailable)(message or code.name)
     if wait is not None:
         error.trailers = ((wire.RETRY_AFTER, wait),)
     return error

@@ -8,6 +8,9 @@ BEARER = "Bearer "
 ON_BEHALF_OF = "loraplex-tenant"
 # Trailing metadata of a RESOURCE_EXHAUSTED (or retryable UNAVAILABLE) answer: seconds to wait.
 RETRY_AFTER = "retry-after"
+# Trailing metadata of an UNAVAILABLE that ended a request mid-stream (its scheduler was lost):
+# how many tokens the client got before it.
+TOKENS_DELIVERED = "loraplex-tokens-delivered"
 # A store's initial metadata on Push once the header passed its checks (see adapter_store.proto):
 # the client sends the weights only after it.
 PUSH_ACCEPTED = ("loraplex-push", "header-accepted")

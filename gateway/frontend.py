@@ -20,10 +20,19 @@ import grpc
 from common import wire
 from common.adapter_ref import AdapterRef
 from common.credentials import KeyRing, Role
-from common.errors import FailedPrecondition, InvalidArgument, Unavailable, relayed
+from common.detokenizer import Finish, OutputProcessor
+from common.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    LoraplexError,
+    Unavailable,
+    relayed_status,
+)
 from common.prompt_bounds import min_tokens
 from common.ratelimit import RateLimiter
 from common.registry_client import RegistryClient
+from gateway.cell_stream import CellStream
 from gateway.metrics import GatewayMetrics
 from gateway.pools import Cell, Pool, PoolModel, Pools
 from protos import common_pb2, scheduler_pb2
@@ -144,73 +153,133 @@ class Frontend:
     async def generate(self, route: Route, request: scheduler_pb2.GenerateRequest, tenant: str,
                        timeout_s: float | None = None
                        ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
-        """The pool's stream for `request` (prompt as token ids, adapter as route.adapter_ref)."""
+        """The pool's stream for `request` (prompt as token ids, adapter as route.adapter_ref),
+        as Generate's messages: from the cell that ranks first, or the next one while nothing
+        was delivered."""
         start = time.monotonic()
         deadline = start + (timeout_s or self._request_timeout_s)
-        cells = route.pool.cells_for(route.adapter.name if route.adapter else None)
-        last: Exception | None = None
-        for cell in cells:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+        last: LoraplexError | None = None
+        for cell in route.pool.cells_for(route.adapter.name if route.adapter else None):
+            if deadline - time.monotonic() <= 0:
                 break
-            call = cell.stub.Generate(request, metadata=(*cell.auth, (wire.ON_BEHALF_OF, tenant)),
-                                      timeout=remaining)
-            messages = aiter(call)
-            started = False
             try:
-                message = await _first_unless_lost(messages, cell)
-                if message is _LOST:
-                    log.warning("scheduler %s of pool %s is down; its request moves on",
-                                cell.address, route.pool.model_id)
-                    self.metrics.failovers.inc()
-                    last = Unavailable(f"scheduler {cell.address}: {cell.problem}")
-                    continue
-                started = True
-                self.metrics.first_token.observe(time.monotonic() - start)
-                while message is not None:
-                    if message.finish_reason:
-                        self.metrics.tokens.inc(message.usage.completion_tokens)
+                async for message in self._from_cell(cell, route, request, tenant, start,
+                                                     deadline):
                     yield message
-                    message = await anext(messages, None)
                 return
-            except grpc.aio.AioRpcError as err:
-                if started or not _unreachable(err):
-                    raise relayed(err) from None
-                self._cell_failed(route.pool, cell, err)
-                last = relayed(err)
-            finally:
-                call.cancel()
+            except _NothingDelivered as failed:
+                log.warning("scheduler %s of pool %s did not serve a request (%s); it moves on",
+                            cell.address, route.pool.model_id, failed.error)
+                self.metrics.failovers.inc()
+                last = failed.error
         raise Unavailable(f"no scheduler of the pool serving {route.pool.model_id!r} answered"
                           f"{f' ({last})' if last else ''}; retry later")
 
-    def _cell_failed(self, pool: Pool, cell: Cell, err: grpc.aio.AioRpcError) -> None:
-        log.warning("scheduler %s of pool %s unreachable (%s); trying another", cell.address,
-                    pool.model_id, err.details())
-        self.metrics.failovers.inc()
-        self._pools.cell_failed(cell, f"{err.code().name}: {err.details()}")
+    async def _from_cell(self, cell: Cell, route: Route, request: scheduler_pb2.GenerateRequest,
+                         tenant: str, start: float, deadline: float
+                         ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
+        """One cell's answer, through the gateway's stream to it: token ids in, Generate's
+        messages out, detokenized here with the stop strings applied here (a match cancels the
+        request at the scheduler; tokens past it are never shown). _NothingDelivered when the
+        cell fails the request before its first token."""
+        max_new = request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+        eos = () if request.ignore_eos else route.model.answer.eos_token_ids
+        output = OutputProcessor(route.model.tokenizer, max_new_tokens=max_new,
+                                 stop_token_ids=[*request.stop_token_ids, *eos],
+                                 stop=list(request.stop))
+        upstream = scheduler_pb2.GenerateRequest()
+        upstream.CopyFrom(request)
+        del upstream.stop[:]
+        upstream.max_new_tokens = max_new
+        stream = self._stream_to(cell)
+        stream_id, updates = stream.submit(upstream, tenant, deadline - time.monotonic())
+        timing, prompt_tokens = (0.0, 0.0), len(request.token_ids.ids)
+        try:
+            while True:
+                update = await _next_update(updates, deadline, output.num_tokens)
+                error = update if isinstance(update, LoraplexError) else _error_of(update)
+                if error is not None:
+                    if output.num_tokens:
+                        raise _cut_short(error, cell, output.num_tokens)
+                    if _unreachable(error):
+                        if isinstance(update, LoraplexError) and cell.is_up:
+                            self._pools.cell_failed(cell, str(error))
+                        raise _NothingDelivered(error)
+                    raise error
+                if update.token_ids and not output.num_tokens:
+                    timing = (update.queue_seconds, update.time_to_first_token_seconds)
+                    self.metrics.first_token.observe(time.monotonic() - start)
+                for token_id, logprob in zip(update.token_ids, update.logprobs, strict=True):
+                    text, finish = output.append(token_id)
+                    yield scheduler_pb2.GenerateResponse(token_id=token_id, logprob=logprob,
+                                                         text=text)
+                    if finish is not None:
+                        yield self._last(finish.value, output, route, timing, prompt_tokens)
+                        return
+                if update.finish_reason:  # (the scheduler's count and ours agree: not reached)
+                    yield self._last(update.finish_reason, output, route, timing, prompt_tokens,
+                                     text=output.close())
+                    return
+        finally:
+            stream.cancel(stream_id)  # (a request that finished there is no longer open)
+
+    def _stream_to(self, cell: Cell) -> CellStream:
+        if cell.stream is None or not cell.stream.is_open:
+            cell.stream = CellStream(cell, STREAM_WRITE_S)
+        return cell.stream
+
+    def _last(self, finish, output: OutputProcessor, route: Route, timing: tuple[float, float],
+              prompt_tokens: int, text: str = "") -> scheduler_pb2.GenerateResponse:
+        self.metrics.tokens.inc(output.num_tokens)
+        reason = _FINISH_PB.get(finish, finish)
+        adapter = (common_pb2.AdapterRef(name=route.adapter.name, version=route.adapter.version)
+                   if route.adapter else None)
+        return scheduler_pb2.GenerateResponse(
+            finish_reason=reason, text=text, usage=scheduler_pb2.Usage(
+                prompt_tokens=prompt_tokens, completion_tokens=output.num_tokens,
+                queue_seconds=timing[0], time_to_first_token_seconds=timing[1],
+                adapter=adapter))
 
 
-_LOST = object()  # the cell went down before its first answer
+_FINISH_PB = {Finish.LENGTH.value: scheduler_pb2.FINISH_REASON_LENGTH,
+              Finish.STOP.value: scheduler_pb2.FINISH_REASON_STOP}
+STREAM_WRITE_S = 30.0  # a cell's scheduler that takes no message of its stream this long is down
 
 
-async def _first_unless_lost(messages, cell: Cell):
-    """The stream's first message (None: it ended empty), or _LOST when the cell is found down
-    first."""
-    first = asyncio.ensure_future(anext(messages, None))
-    lost = asyncio.ensure_future(cell.lost.wait())
+class _NothingDelivered(Exception):
+    """A cell failed a request before its first token: another cell may serve it."""
+
+    def __init__(self, error: LoraplexError):
+        super().__init__(str(error))
+        self.error = error
+
+
+async def _next_update(updates: asyncio.Queue, deadline: float, delivered: int):
     try:
-        await asyncio.wait((first, lost), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        lost.cancel()
-        if not first.done():
-            first.cancel()
-    return first.result() if first.done() and not first.cancelled() else _LOST
+        async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
+            return await updates.get()
+    except TimeoutError:
+        raise DeadlineExceeded(f"the request's deadline passed ({delivered} tokens delivered)"
+                               ) from None
 
 
-def _unreachable(err: grpc.aio.AioRpcError) -> bool:
-    """The cell was not reached, or stopped answering, before it sent anything: UNAVAILABLE
-    without a scheduler's own retry-after (a scheduler that sheds load says when to come back,
-    and another cell would not know better)."""
-    if err.code() != grpc.StatusCode.UNAVAILABLE:
-        return False
-    return wire.RETRY_AFTER not in dict(err.trailing_metadata() or ())
+def _error_of(update: scheduler_pb2.StreamUpdate) -> LoraplexError | None:
+    if not update.error_code:
+        return None
+    return relayed_status(update.error_code, update.error_message, update.retry_after)
+
+
+def _cut_short(error: LoraplexError, cell: Cell, delivered: int) -> LoraplexError:
+    """The error of a request its cell failed mid-stream: retryable, saying how many tokens the
+    client has (also in the trailer wire.TOKENS_DELIVERED)."""
+    cut = Unavailable(f"scheduler {cell.address} failed after {delivered} tokens were delivered "
+                      f"({error}); the rest will not come: retry the request")
+    cut.trailers = (*error.trailers, (wire.TOKENS_DELIVERED, str(delivered)))
+    return cut
+
+
+def _unreachable(error: LoraplexError) -> bool:
+    """The cell could not serve it: UNAVAILABLE without a scheduler's own retry-after (a
+    scheduler that sheds load says when to come back, and another cell would not know better)."""
+    return (error.code == grpc.StatusCode.UNAVAILABLE
+            and wire.RETRY_AFTER not in dict(error.trailers))

@@ -28,15 +28,20 @@ import logging
 import os
 import random
 import socket
+from typing import TYPE_CHECKING
 
 import grpc
 from tokenizers import Tokenizer
 
 from common.credentials import metadata
+from common.errors import Unavailable
 from common.prompt_bounds import max_chars_per_token
 from common.server import insecure_channel
 from gateway.chat import ChatTemplate
 from protos import scheduler_pb2, scheduler_pb2_grpc
+
+if TYPE_CHECKING:
+    from gateway.cell_stream import CellStream
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +74,7 @@ class Cell:
     problem: str = "not asked yet"  # why it is down
     # Set while down: requests still waiting for its first answer move to another cell.
     lost: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    stream: "CellStream | None" = None  # the gateway's requests to it (cell_stream.py)
 
     def up(self) -> None:
         self.is_up, self.problem = True, ""
@@ -77,6 +83,10 @@ class Cell:
     def down(self, problem: str) -> None:
         self.is_up, self.problem = False, problem
         self.lost.set()
+
+    def close_stream(self) -> None:
+        if self.stream is not None:
+            self.stream.close(Unavailable(f"scheduler {self.address} left the pool"))
 
 
 @dataclasses.dataclass(eq=False)
@@ -156,6 +166,7 @@ class Pools:
             await asyncio.gather(self._task, return_exceptions=True)
         for pool in self._pools.values():
             for cell in pool.cells.values():
+                cell.close_stream()
                 await cell.channel.close()
 
     def cell_failed(self, cell: Cell, problem: str) -> None:
@@ -224,6 +235,7 @@ class Pools:
     def _place(self, pool: Pool, addresses: list[str]) -> None:
         for address in set(pool.cells) - set(addresses):
             cell = pool.cells.pop(address)
+            cell.close_stream()
             asyncio.ensure_future(cell.channel.close())
         for address in addresses:
             if address not in pool.cells:

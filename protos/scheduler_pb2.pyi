@@ -162,6 +162,54 @@ class GenerateRequest(_message.Message):
     cache_salt: str
     def __init__(self, adapter: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
+class StreamRequest(_message.Message):
+    __slots__ = ("submits", "cancels")
+    SUBMITS_FIELD_NUMBER: _ClassVar[int]
+    CANCELS_FIELD_NUMBER: _ClassVar[int]
+    submits: _containers.RepeatedCompositeFieldContainer[StreamSubmit]
+    cancels: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, submits: _Optional[_Iterable[_Union[StreamSubmit, _Mapping]]] = ..., cancels: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StreamSubmit(_message.Message):
+    __slots__ = ("id", "request", "tenant", "timeout_seconds")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    request: GenerateRequest
+    tenant: str
+    timeout_seconds: float
+    def __init__(self, id: _Optional[int] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., tenant: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class StreamResponse(_message.Message):
+    __slots__ = ("updates",)
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    updates: _containers.RepeatedCompositeFieldContainer[StreamUpdate]
+    def __init__(self, updates: _Optional[_Iterable[_Union[StreamUpdate, _Mapping]]] = ...) -> None: ...
+
+class StreamUpdate(_message.Message):
+    __slots__ = ("id", "token_ids", "logprobs", "finish_reason", "queue_seconds", "time_to_first_token_seconds", "error_code", "error_message", "retry_after")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    finish_reason: FinishReason
+    queue_seconds: float
+    time_to_first_token_seconds: float
+    error_code: int
+    error_message: str
+    retry_after: str
+    def __init__(self, id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., queue_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., retry_after: _Optional[str] = ...) -> None: ...
+
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
     IDS_FIELD_NUMBER: _ClassVar[int]

@@ -39,6 +39,11 @@ class SchedulerStub:
                 request_serializer=protos_dot_scheduler__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=protos_dot_scheduler__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Stream = channel.stream_stream(
+                '/loraplex.v1.Scheduler/Stream',
+                request_serializer=protos_dot_scheduler__pb2.StreamRequest.SerializeToString,
+                response_deserializer=protos_dot_scheduler__pb2.StreamResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/loraplex.v1.Scheduler/Stats',
                 request_serializer=protos_dot_scheduler__pb2.StatsRequest.SerializeToString,
@@ -86,6 +91,18 @@ class SchedulerServicer:
 
     def Generate(self, request, context):
         """Generate a completion, one message per sampled token, the last one carrying the finish reason.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stream(self, request_iterator, context):
+        """For gateways (service keys): many requests over one stream, their tokens in batches. Each
+        message from the caller submits requests and cancels others; each message back carries, for
+        every request that moved, the tokens sampled since its last update: about one message per
+        executor step, not one per token. Token ids only: the caller detokenizes and applies stop
+        strings (and cancels the request when one matches); the scheduler ends a request at its stop
+        token ids, EOS and max_new_tokens, as Generate does.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -158,6 +175,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     request_deserializer=protos_dot_scheduler__pb2.GenerateRequest.FromString,
                     response_serializer=protos_dot_scheduler__pb2.GenerateResponse.SerializeToString,
             ),
+            'Stream': grpc.stream_stream_rpc_method_handler(
+                    servicer.Stream,
+                    request_deserializer=protos_dot_scheduler__pb2.StreamRequest.FromString,
+                    response_serializer=protos_dot_scheduler__pb2.StreamResponse.SerializeToString,
+            ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
                     request_deserializer=protos_dot_scheduler__pb2.StatsRequest.FromString,
@@ -226,6 +248,33 @@ class Scheduler:
             '/loraplex.v1.Scheduler/Generate',
             protos_dot_scheduler__pb2.GenerateRequest.SerializeToString,
             protos_dot_scheduler__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/loraplex.v1.Scheduler/Stream',
+            protos_dot_scheduler__pb2.StreamRequest.SerializeToString,
+            protos_dot_scheduler__pb2.StreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -18,6 +18,7 @@ import logging
 from collections.abc import Iterable
 
 from common.adapter_ref import AdapterRef
+from common.detokenizer import Finish
 from common.errors import (
     Aborted,
     DeadlineExceeded,
@@ -30,7 +31,6 @@ from common.errors import (
 from scheduler import merging
 from scheduler.block_manager import BlockManager
 from scheduler.deadlines import Due
-from scheduler.detokenizer import Finish
 from scheduler.executor_state import (
     ExecutorState,
     Limits,

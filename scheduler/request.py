@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.adapter_ref import AdapterRef
+from common.detokenizer import Finish, OutputProcessor
 from common.errors import LoraplexError
 from common.sampling import SamplingParams
-from scheduler.detokenizer import Finish, OutputProcessor
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ messages and delegate (from_pb -> core or admin.py -> to_pb). Policy lives in sc
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import itertools
 import logging
@@ -13,6 +14,7 @@ from tokenizers import Tokenizer
 from common import wire
 from common.adapter_ref import AdapterRef
 from common.credentials import KeyRing, Role
+from common.detokenizer import OutputProcessor
 from common.errors import (
     InvalidArgument,
     Unavailable,
@@ -28,17 +30,15 @@ from common.server import Service, announce, configure_logging, run, run_until_s
 from protos import common_pb2, executor_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler import admin, merging, validation
 from scheduler.config import SchedulerConfig
-from scheduler.detokenizer import Finish, OutputProcessor
 from scheduler.engine import Engine
 from scheduler.request import ErrorEvent, Event, FinishEvent, Request, Status
 from scheduler.stats import ExecutorStats, PoolStats, TenantStats
+from scheduler.streams import FINISH_PB, StreamConnection, check_no_stops, tenant_of
 from scheduler.timings import TimingLog
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "default"
-_FINISH_PB = {Finish.LENGTH: scheduler_pb2.FINISH_REASON_LENGTH,
-              Finish.STOP: scheduler_pb2.FINISH_REASON_STOP}
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -72,7 +72,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     await context.abort(*status_for(event.error), event.error.trailers)
                 if isinstance(event, FinishEvent):
                     yield scheduler_pb2.GenerateResponse(
-                        finish_reason=_FINISH_PB[event.reason], usage=self._usage(req))
+                        finish_reason=FINISH_PB[event.reason], usage=self._usage(req))
                     return
                 yield scheduler_pb2.GenerateResponse(token_id=event.token_id,
                                                      logprob=event.logprob, text=event.text)
@@ -80,6 +80,40 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if req.status is not Status.FINISHED:  # the client cancelled or went away
                 self._engine.core.cancel(req)
             self._engine.metrics.on_finish(req, self._engine.core.clock())
+
+    async def Stream(self, request_iterator, context):
+        """A gateway's requests over one stream, their tokens in batches (streams.py)."""
+        async with grpc_errors(context):
+            self._keys.require(context, Role.SERVICE)
+        connection = StreamConnection(self._engine.core, self._engine.metrics, context.write,
+                                      self._config.timeouts.stream_write_s)
+        reading = asyncio.create_task(self._read_stream(request_iterator, connection))
+        try:
+            async with grpc_errors(context):
+                await connection.send(reading)
+        finally:
+            reading.cancel()
+            connection.close()
+
+    async def _read_stream(self, request_iterator, connection: StreamConnection) -> None:
+        async for message in request_iterator:
+            for stream_id in message.cancels:
+                connection.cancel(stream_id)
+            for submit in message.submits:
+                connection.submit(submit.id, functools.partial(self._stream_request, submit,
+                                                               connection))
+
+    async def _stream_request(self, submit: scheduler_pb2.StreamSubmit,
+                              connection: StreamConnection) -> Request:
+        """A Stream's request, checked as Generate checks one, without detokenization."""
+        check_no_stops(submit.request)
+        tenant = tenant_of(submit, self._keys.is_open, DEFAULT_TENANT)
+        req = await self._make_request(submit.request, tenant, connection.emitter(submit.id),
+                                       detokenize=False)
+        if submit.timeout_seconds > 0:
+            req.deadline = self._engine.core.clock() + submit.timeout_seconds
+        self._rate_limiter.admit(req.tenant, len(req.prompt_ids) + req.output.max_new_tokens)
+        return req
 
     def _tenant(self, context) -> str:
         """Who a Generate is for: a tenant key's tenant, or the tenant a service (a gateway)
@@ -98,7 +132,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def _check_admin(self, context) -> None:
         self._keys.require(context, Role.ADMIN)
 
-    async def _make_request(self, pb: scheduler_pb2.GenerateRequest, tenant: str, emit) -> Request:
+    async def _make_request(self, pb: scheduler_pb2.GenerateRequest, tenant: str, emit,
+                            detokenize: bool = True) -> Request:
         info = self._info
         sampling = SamplingParams.from_pb(pb.sampling).validate(info.vocab_size)
         if sampling.seed is None:  # one of its own, so a recompute draws the same tokens
@@ -124,8 +159,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         validation.check_prompt(prompt, info.vocab_size)
         prompt = list(prompt)
         stop_ids = list(pb.stop_token_ids) + ([] if pb.ignore_eos else list(info.eos_token_ids))
-        output = OutputProcessor(self._tokenizer, max_new_tokens=max_new, stop_token_ids=stop_ids,
-                                 stop=list(pb.stop))
+        output = OutputProcessor(self._tokenizer if detokenize else None, max_new_tokens=max_new,
+                                 stop_token_ids=stop_ids, stop=list(pb.stop))
         return Request(next(self._ids), tenant, adapter, adapter_bytes, prompt, sampling, output,
                        emit, cache_salt=pb.cache_salt)
 

@@ -13,6 +13,8 @@ and a part that stops answering is treated like one that died.
     merge      a step that merges or unmerges an adapter (merging.py) has merge_s more.
     load       max(load_floor_s, load_factor x bytes / the measured load bandwidth).
     rpc        Info, UnloadAdapter, probes: rpc_s.
+    stream     a gateway's Stream that takes no message within stream_write_s ends, and its
+               requests are cancelled (streams.py).
     registry   a lookup, per store replica: resolve_s; a host warm: warm_s. Names and aliases
                are asked again once resolve_ttl_s old (registry_client.py).
 """
@@ -36,6 +38,7 @@ class Timeouts:
     resolve_ttl_s: float = 1.0
     warm_s: float = 60.0
     merge_s: float = 120.0
+    stream_write_s: float = 30.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

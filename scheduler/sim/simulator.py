@@ -14,10 +14,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 from common.adapter_ref import AdapterRef
+from common.detokenizer import OutputProcessor
 from common.sampling import SamplingParams
 from scheduler.block_manager import BlockManager
 from scheduler.core import Scheduler
-from scheduler.detokenizer import OutputProcessor
 from scheduler.executor_state import ExecutorState, Sample, StepPlan
 from scheduler.fairness import FairnessWeights, spread_bound
 from scheduler.request import FinishEvent, Request

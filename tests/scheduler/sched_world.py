@@ -3,10 +3,10 @@ token per sequence that reached the end of its tokens; loads finish when told to
 checker runs after every step."""
 
 from common.adapter_ref import AdapterRef
+from common.detokenizer import OutputProcessor
 from common.sampling import SamplingParams
 from scheduler.block_manager import BlockManager
 from scheduler.core import ExecutorState, Limits, Sample, Scheduler
-from scheduler.detokenizer import OutputProcessor
 from scheduler.fairness import FairnessWeights
 from scheduler.request import FinishEvent, Request
 from scheduler.sim.invariants import check_invariants

@@ -15,9 +15,9 @@ import zlib
 
 import pytest
 
+from common.detokenizer import OutputProcessor
 from common.sampling import SamplingParams
 from scheduler.core import Limits, Sample
-from scheduler.detokenizer import OutputProcessor
 from scheduler.request import FinishEvent, Request, TokenEvent
 from scheduler.sim.invariants import check_invariants
 from tests.scheduler.sched_world import World, ref

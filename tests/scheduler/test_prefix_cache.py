@@ -4,10 +4,10 @@ reuse which blocks, what they compute and are charged, and how cached blocks are
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.detokenizer import OutputProcessor
 from common.sampling import SamplingParams
 from scheduler.block_manager import BlockManager
 from scheduler.core import Limits, Sample
-from scheduler.detokenizer import OutputProcessor
 from scheduler.fairness import FairnessWeights
 from scheduler.prefix_cache import cache_key, extend_hashes
 from scheduler.request import Request, Status

@@ -5,11 +5,11 @@ import random
 
 import pytest
 
+from common.detokenizer import Finish
 from common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from scheduler import admin
 from scheduler.block_manager import BlockManager
 from scheduler.core import Limits
-from scheduler.detokenizer import Finish
 from scheduler.executor_state import ExecutorState
 from scheduler.fairness import FairnessWeights
 from scheduler.request import ErrorEvent, Status, TokenEvent

@@ -5,7 +5,7 @@ import random
 import pytest
 from tokenizers import Tokenizer
 
-from scheduler.detokenizer import Finish, OutputProcessor
+from common.detokenizer import Finish, OutputProcessor
 
 
 @pytest.fixture(scope="module")

@@ -52,6 +52,12 @@ class OutputProcessor:
             return self._flush(len(self.text)), Finish.LENGTH
         return self._flush(len(self.text) - self._holdback), None
 
+    def close(self) -> str:
+        """The text not streamed yet, for a request that ended without its last token saying so
+        (ended by the side that counts its tokens)."""
+        self._decode(final=True)
+        return self._flush(len(self.text))
+
     def _decode(self, final: bool = False) -> None:
         """Append newly decodable text; `final` also releases an incomplete trailing character."""
         if self._tokenizer is None:  # a model without tokenizer streams token ids only

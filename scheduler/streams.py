@@ -1,0 +1,189 @@
+"""A gateway's Stream (scheduler.proto): many requests over one gRPC stream, their tokens sent in
+batches.
+
+A request's events land in its connection's outbox (per request: the tokens sampled since its
+last update, and how it ended); one writer sends all the outbox holds as one message, then waits
+for more. Every event of an executor step comes in one turn of the event loop (the engine's
+on_step_done), so a step's tokens leave as one message per connection, and a caller that reads
+slowly gets fewer, larger messages. The scheduler does no detokenization here and applies no stop
+strings: token ids only (the caller does both, and cancels a request whose stop string matched).
+
+Every wait is bounded: a message the caller does not take within `write_s` ends the stream. When
+the stream ends, for any reason, its unfinished requests are cancelled: blocks, slot pins and
+executor sequences are freed, as for a Generate whose client went away.
+"""
+
+import asyncio
+import functools
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from common import wire
+from common.detokenizer import Finish
+from common.errors import InvalidArgument, Unavailable, status_for
+from protos import scheduler_pb2
+from scheduler.core import Scheduler
+from scheduler.metrics import SchedulerMetrics
+from scheduler.request import ErrorEvent, Event, FinishEvent, Request, TokenEvent
+
+FINISH_PB = {Finish.LENGTH: scheduler_pb2.FINISH_REASON_LENGTH,
+             Finish.STOP: scheduler_pb2.FINISH_REASON_STOP}
+
+
+@dataclass
+class _Update:
+    """What one request's next update carries."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    timing: tuple[float, float] | None = None  # (queue, first token) seconds, with the first token
+    finish: Finish | None = None
+    error: BaseException | None = None
+
+    def to_pb(self, stream_id: int) -> scheduler_pb2.StreamUpdate:
+        update = scheduler_pb2.StreamUpdate(id=stream_id, token_ids=self.token_ids,
+                                            logprobs=self.logprobs)
+        if self.timing is not None:
+            update.queue_seconds, update.time_to_first_token_seconds = self.timing
+        if self.finish is not None:
+            update.finish_reason = FINISH_PB[self.finish]
+        if self.error is not None:
+            code, update.error_message = status_for(self.error)
+            update.error_code = code.value[0]
+            update.retry_after = dict(getattr(self.error, "trailers", ())).get(
+                wire.RETRY_AFTER, "")
+        return update
+
+
+class StreamConnection:
+    """One Stream's requests, by the caller's ids, and the outbox of their updates."""
+
+    def __init__(self, core: Scheduler, metrics: SchedulerMetrics,
+                 write: Callable[[scheduler_pb2.StreamResponse], Awaitable[None]], write_s: float):
+        self._core, self._metrics = core, metrics
+        self._write, self._write_s = write, write_s
+        self._requests: dict[int, Request] = {}  # running or queued
+        self._submitting: dict[int, asyncio.Task] = {}  # being checked (an adapter resolving)
+        self._cancelled_early: set[int] = set()  # cancelled while being checked
+        self._outbox: dict[int, _Update] = {}
+        self._ready = asyncio.Event()
+
+    # ---- the caller's messages --------------------------------------------------------------
+    def submit(self, stream_id: int, check: Callable[[], Awaitable[Request]]) -> None:
+        """Check a submitted request off the reading loop (`check` may wait on the registry),
+        then queue it."""
+        if stream_id in self._requests or stream_id in self._submitting:
+            self._refuse(stream_id, InvalidArgument(
+                f"request id {stream_id} is already in use on this stream"))
+            return
+        task = asyncio.create_task(self._admit(stream_id, check))
+        self._submitting[stream_id] = task
+
+    async def _admit(self, stream_id: int, check: Callable[[], Awaitable[Request]]) -> None:
+        try:
+            req = await check()
+            if stream_id in self._cancelled_early:
+                return
+            self._requests[stream_id] = req
+            self._core.submit(req)
+        except Exception as exc:  # noqa: BLE001 - refused: the caller gets its status
+            self._requests.pop(stream_id, None)
+            self._refuse(stream_id, exc)
+        finally:
+            del self._submitting[stream_id]
+            self._cancelled_early.discard(stream_id)
+
+    def cancel(self, stream_id: int) -> None:
+        if stream_id in self._submitting:
+            self._cancelled_early.add(stream_id)
+        req = self._requests.pop(stream_id, None)
+        if req is not None:
+            self._core.cancel(req)
+            self._metrics.on_finish(req, self._core.clock())
+        self._outbox.pop(stream_id, None)  # its client is gone: nothing more is sent for it
+
+    def close(self) -> None:
+        """The stream ended: cancel everything of it still unfinished."""
+        for task in self._submitting.values():
+            task.cancel()
+        for stream_id in list(self._requests):
+            self.cancel(stream_id)
+
+    # ---- the requests' events ---------------------------------------------------------------
+    def emitter(self, stream_id: int) -> Callable[[Event], None]:
+        """What a request of this stream emits its events to."""
+        return functools.partial(self._on_event, stream_id)
+
+    def _on_event(self, stream_id: int, event: Event) -> None:
+        req = self._requests.get(stream_id)
+        if req is None:  # cancelled: its last events are not sent
+            return
+        update = self._outbox.get(stream_id)
+        if update is None:
+            update = self._outbox[stream_id] = _Update()
+            self._ready.set()
+        if isinstance(event, TokenEvent):
+            if req.output.num_tokens == 1:
+                update.timing = ((req.admitted_at or req.arrival) - req.arrival,
+                                 req.first_token_at - req.arrival)
+            update.token_ids.append(event.token_id)
+            update.logprobs.append(event.logprob)
+            return
+        if isinstance(event, FinishEvent):
+            update.finish = event.reason
+        elif isinstance(event, ErrorEvent):
+            update.error = event.error
+        del self._requests[stream_id]
+        self._metrics.on_finish(req, self._core.clock())
+
+    def _refuse(self, stream_id: int, error: BaseException) -> None:
+        self._outbox[stream_id] = _Update(error=error)
+        self._ready.set()
+
+    # ---- the writer -------------------------------------------------------------------------
+    async def send(self, reading: asyncio.Task) -> None:
+        """Write the outbox as it fills, until the caller's side has ended (`reading` done) and
+        none of its requests is left. UNAVAILABLE when the caller takes no message within
+        write_s; `reading`'s error when reading failed."""
+        while True:
+            if reading.done() and reading.exception() is not None:
+                raise reading.exception()
+            if self._outbox:
+                message = scheduler_pb2.StreamResponse(
+                    updates=[u.to_pb(stream_id) for stream_id, u in self._outbox.items()])
+                self._outbox.clear()
+                try:
+                    async with asyncio.timeout(self._write_s):
+                        await self._write(message)
+                except TimeoutError:
+                    raise Unavailable(f"the caller took no message within {self._write_s:.0f}s: "
+                                      "its stream ends and its requests are cancelled") from None
+                continue
+            if reading.done() and not self._requests and not self._submitting:
+                return
+            await self._next_event(reading)
+
+    async def _next_event(self, reading: asyncio.Task) -> None:
+        self._ready.clear()
+        ready = asyncio.ensure_future(self._ready.wait())
+        try:
+            await asyncio.wait({ready} if reading.done() else {ready, reading},
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready.cancel()
+
+
+def tenant_of(submit: scheduler_pb2.StreamSubmit, is_open: bool, default: str) -> str:
+    """The tenant a submitted request is for (`default` when the scheduler runs open)."""
+    if is_open:
+        return default
+    if not submit.tenant:
+        raise InvalidArgument("a Stream submit names the tenant it is for (StreamSubmit.tenant)")
+    return submit.tenant
+
+
+def check_no_stops(request: scheduler_pb2.GenerateRequest) -> None:
+    if request.stop:
+        raise InvalidArgument("Stream: stop strings are applied by the caller, which detokenizes; "
+                              "send none (stop_token_ids are applied here)")
+
