@@ -71,11 +71,11 @@ class StreamConnection:
     # ---- the caller's messages --------------------------------------------------------------
     def submit(self, stream_id: int, check: Callable[[], Awaitable[Request]]) -> None:
         """Check a submitted request off the reading loop (`check` may wait on the registry),
-        then queue it."""
+        then queue it. A caller that reuses the id of an unfinished request is broken: its
+        stream ends (INVALID_ARGUMENT)."""
         if stream_id in self._requests or stream_id in self._submitting:
-            self._refuse(stream_id, InvalidArgument(
-                f"request id {stream_id} is already in use on this stream"))
-            return
+            raise InvalidArgument(f"request id {stream_id} is already in use on this stream (ids "
+                                  "are unique among unfinished requests): the stream ends")
         task = asyncio.create_task(self._admit(stream_id, check))
         self._submitting[stream_id] = task
 

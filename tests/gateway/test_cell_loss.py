@@ -1,0 +1,100 @@
+"""A cell's scheduler killed under load, behind the gateway: requests that had streamed nothing
+complete on the other cell with the tokens they would have had; those cut mid-stream end
+UNAVAILABLE (retryable) saying how many tokens the client got, in the message and in the trailer
+loraplex-tokens-delivered; nothing hangs."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from common import wire
+from common.server import insecure_channel
+from gateway.pools import _weight
+from loraplex import client
+from loraplex.fixtures import MODEL_ID
+from loraplex.launch import Fleet, start_gateway
+from protos import scheduler_pb2, scheduler_pb2_grpc
+
+ADAPTERS = ("r4_attn", "r8_mlp", "r16_all", "r2_q", "r12_vo", "r24_k_up")
+REQUESTS = 24
+NEW_TOKENS = 40
+
+
+@pytest.fixture
+def cells(tiny, tmp_path_factory, log_dir):
+    logs = log_dir / "cell-loss"
+    # The cell to be killed runs 3 sequences at a time (8 KV blocks of 16, 3 per request), so
+    # most of the load waits in its queue when it dies.
+    doomed = Fleet(model=tiny["model_dir"], log_dir=logs / "a",
+                   store_url=tmp_path_factory.mktemp("cell-loss-store").as_uri(),
+                   executor_args=["--adapter-slots", "6", "--threads", "1", "--kv-blocks", "8"])
+    other = gateway = None
+    try:
+        doomed.start()
+        other = Fleet(model=tiny["model_dir"], store_url="", log_dir=logs / "b",
+                      store_addresses=doomed.stores,
+                      executor_args=["--adapter-slots", "6", "--threads", "1"]).start()
+        gateway = start_gateway({MODEL_ID: [doomed.scheduler, other.scheduler]}, doomed.stores,
+                                logs, args=["--refresh-s", "0.5", "--rpc-s", "1"])
+        yield doomed, other, gateway
+    finally:
+        for part in (gateway, other, doomed):
+            if part is not None:
+                part.stop()
+
+
+async def run(address: str, adapter: str, got: list[int]):
+    """One request through the gateway, its tokens appended to `got` as they come; its error,
+    or None once finished."""
+    async with insecure_channel(address) as channel:
+        request = client.generate_request(adapter, "The little cat", NEW_TOKENS, ignore_eos=True)
+        try:
+            async for m in scheduler_pb2_grpc.SchedulerStub(channel).Generate(request, timeout=120):
+                if m.HasField("token_id"):
+                    got.append(m.token_id)
+        except grpc.aio.AioRpcError as err:
+            return err
+    return None
+
+
+async def test_a_killed_cell_moves_what_it_had_not_started_and_cuts_the_rest_retryably(cells,
+                                                                                        tiny):
+    doomed, other, gateway = cells
+    mine = [n for n in ADAPTERS
+            if _weight(n, doomed.scheduler) > _weight(n, other.scheduler)]
+    assert mine  # the fixed addresses' hashing gives the doomed cell some of the adapters
+    for name in mine:
+        await client.push_adapter(doomed.stores[0], tiny["adapters"][name]["path"], name)
+    expected = {}
+    for name in mine:
+        got: list[int] = []
+        assert await run(gateway.address, name, got) is None
+        expected[name] = got
+
+    adapters = [mine[i % len(mine)] for i in range(REQUESTS)]
+    tokens: list[list[int]] = [[] for _ in adapters]
+    tasks = [asyncio.create_task(run(gateway.address, a, t)) for a, t in zip(adapters, tokens)]
+    for _ in range(600):  # kill it once a few requests are streaming
+        if sum(map(bool, tokens)) >= 2:
+            break
+        await asyncio.sleep(0.05)
+    doomed.by_name("scheduler")[0].kill()
+    errors = await asyncio.wait_for(asyncio.gather(*tasks), 180)
+
+    moved = cut = 0
+    for adapter, got, error in zip(adapters, tokens, errors):
+        if error is None:
+            assert got == expected[adapter]
+            moved += 1
+            continue
+        assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
+        assert got and got == expected[adapter][:len(got)] and len(got) < NEW_TOKENS
+        assert dict(error.trailing_metadata())[wire.TOKENS_DELIVERED] == str(len(got))
+        assert f"after {len(got)} tokens were delivered" in error.details()
+        cut += 1
+    assert cut >= 1 and moved >= 1, (cut, moved)
+    async with insecure_channel(other.scheduler) as channel:  # the moved ones ran there
+        stats = await scheduler_pb2_grpc.SchedulerStub(channel).Stats(
+            scheduler_pb2.StatsRequest(), timeout=10)
+    assert sum(t.requests for t in stats.tenants) >= 1
