@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from common.adapter_ref import AdapterRef
 from common.allocator import keep_freed_memory
 from common.credentials import KeyRing, Role
-from common.errors import FailedPrecondition, grpc_errors
+from common.errors import FailedPrecondition, InvalidArgument, grpc_errors
 from common.metrics import serve_metrics
 from common.sampling import SamplingParams
 from common.server import Service, announce, configure_logging, run, run_until_signalled
@@ -169,13 +169,14 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         if req.HasField("merge_slot"):
             self._runner.merge(req.merge_slot)
             log.info("merged the adapter of slot %d into the weights", req.merge_slot)
-        rows = [Row(r.seq_id, r.num_tokens, tuple(r.new_block_ids)) for r in req.rows]
+        rows = _rows(req)
         samples = self._runner.step(rows) if rows else []
         self.metrics.step.observe(time.perf_counter() - start)
-        self.metrics.rows.inc(sum(r.num_tokens for r in rows))
+        self.metrics.rows.inc(sum(req.row_num_tokens))
         return executor_pb2.StepResponse(
-            samples=[executor_pb2.SampledToken(seq_id=s.seq_id, token_id=s.token_id,
-                                               logprob=s.logprob) for s in samples],
+            sample_seq_ids=[s.seq_id for s in samples],
+            sample_token_ids=[s.token_id for s in samples],
+            sample_logprobs=[s.logprob for s in samples],
             step_seconds=time.perf_counter() - start)
 
     async def StageAdapter(self, request, context):
@@ -207,6 +208,23 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             self._check_not_merged(request.slot)
             await self._loader.unload(request.slot, AdapterRef.from_optional_pb(request.adapter))
             return executor_pb2.UnloadAdapterResponse()
+
+
+def _rows(req: executor_pb2.StepRequest) -> list[Row]:
+    """A step's rows, from their columns (executor.proto)."""
+    seq_ids, counts, num_blocks = req.row_seq_ids, req.row_num_tokens, req.row_num_new_blocks
+    if not len(seq_ids) == len(counts) == len(num_blocks):
+        raise InvalidArgument(f"a step's row columns differ in length: {len(seq_ids)} seq ids, "
+                              f"{len(counts)} token counts, {len(num_blocks)} block counts")
+    blocks = list(req.new_block_ids)
+    if sum(num_blocks) != len(blocks):
+        raise InvalidArgument(f"the rows add {sum(num_blocks)} KV blocks but new_block_ids has "
+                              f"{len(blocks)}")
+    rows, at = [], 0
+    for seq_id, num_tokens, k in zip(seq_ids, counts, num_blocks):
+        rows.append(Row(seq_id, num_tokens, tuple(blocks[at:at + k])))
+        at += k
+    return rows
 
 
 async def _feed(request_iterator, worker: StepWorker) -> None:

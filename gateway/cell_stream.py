@@ -11,6 +11,7 @@ request (frontend.py).
 """
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 
@@ -21,6 +22,16 @@ from gateway.pools import Cell
 from protos import scheduler_pb2
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Update:
+    """What one message of the stream brought one request."""
+
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    timing: tuple[float, float] | None = None  # (queue, first token) seconds, with its first token
+    end: scheduler_pb2.StreamEnd | None = None  # how it ended (after these tokens), if it did
 
 
 class CellStream:
@@ -43,8 +54,8 @@ class CellStream:
 
     def submit(self, request: scheduler_pb2.GenerateRequest, tenant: str,
                timeout_s: float) -> tuple[int, asyncio.Queue]:
-        """Send `request` (its id, and the queue its updates arrive in: StreamUpdate messages,
-        or the LoraplexError the stream closed with)."""
+        """Send `request` (its id, and the queue its updates arrive in: Update, or the
+        LoraplexError the stream closed with)."""
         stream_id = next(self._ids)
         updates: asyncio.Queue = asyncio.Queue()
         if self.error is not None:
@@ -78,16 +89,33 @@ class CellStream:
     async def _read(self) -> None:
         try:
             while (response := await self._call.read()) is not grpc.aio.EOF:
-                for update in response.updates:
-                    updates = self._open.get(update.id)
-                    if updates is None:  # cancelled here meanwhile
-                        continue
-                    updates.put_nowait(update)
-                    if update.finish_reason or update.error_code:
-                        del self._open[update.id]
+                self._deliver(response)
             self.close(Unavailable(f"scheduler {self.cell.address} ended its stream"))
         except grpc.aio.AioRpcError as err:
             self.close(relayed(err))
+
+    def _deliver(self, response: scheduler_pb2.StreamResponse) -> None:
+        """Hand each request its part of `response` (requests cancelled here meanwhile get
+        nothing)."""
+        updates: dict[int, Update] = {}
+        for stream_id, token_id, logprob in zip(response.token_request_ids, response.token_ids,
+                                                response.logprobs, strict=True):
+            update = updates.get(stream_id)
+            if update is None:
+                update = updates[stream_id] = Update()
+            update.token_ids.append(token_id)
+            update.logprobs.append(logprob)
+        for start in response.starts:
+            updates.setdefault(start.id, Update()).timing = (
+                start.queue_seconds, start.time_to_first_token_seconds)
+        for end in response.ends:
+            updates.setdefault(end.id, Update()).end = end
+        for stream_id, update in updates.items():
+            queue = self._open.get(stream_id)
+            if queue is not None:
+                queue.put_nowait(update)
+                if update.end is not None:
+                    del self._open[stream_id]
 
     async def _write(self) -> None:
         try:

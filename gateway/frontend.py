@@ -197,17 +197,12 @@ class Frontend:
         try:
             while True:
                 update = await _next_update(updates, deadline, output.num_tokens)
-                error = update if isinstance(update, LoraplexError) else _error_of(update)
-                if error is not None:
-                    if output.num_tokens:
-                        raise _cut_short(error, cell, output.num_tokens)
-                    if _unreachable(error):
-                        if isinstance(update, LoraplexError) and cell.is_up:
-                            self._pools.cell_failed(cell, str(error))
-                        raise _NothingDelivered(error)
-                    raise error
-                if update.token_ids and not output.num_tokens:
-                    timing = (update.queue_seconds, update.time_to_first_token_seconds)
+                if isinstance(update, LoraplexError):  # the stream closed
+                    if _unreachable(update) and cell.is_up:
+                        self._pools.cell_failed(cell, str(update))
+                    raise _failed(update, cell, output.num_tokens, cut=True)
+                if update.timing is not None:
+                    timing = update.timing
                     self.metrics.first_token.observe(time.monotonic() - start)
                 for token_id, logprob in zip(update.token_ids, update.logprobs, strict=True):
                     text, finish = output.append(token_id)
@@ -216,10 +211,16 @@ class Frontend:
                     if finish is not None:
                         yield self._last(finish.value, output, route, timing, prompt_tokens)
                         return
-                if update.finish_reason:  # (the scheduler's count and ours agree: not reached)
-                    yield self._last(update.finish_reason, output, route, timing, prompt_tokens,
-                                     text=output.close())
-                    return
+                if update.end is None:
+                    continue
+                if update.end.error_code:
+                    raise _failed(relayed_status(update.end.error_code, update.end.error_message,
+                                                 update.end.retry_after),
+                                  cell, output.num_tokens, cut=False)
+                # (Not reached: the scheduler ends a request where our own count ends it.)
+                yield self._last(update.end.finish_reason, output, route, timing, prompt_tokens,
+                                 text=output.close())
+                return
         finally:
             stream.cancel(stream_id)  # (a request that finished there is no longer open)
 
@@ -263,19 +264,20 @@ async def _next_update(updates: asyncio.Queue, deadline: float, delivered: int):
                                ) from None
 
 
-def _error_of(update: scheduler_pb2.StreamUpdate) -> LoraplexError | None:
-    if not update.error_code:
-        return None
-    return relayed_status(update.error_code, update.error_message, update.retry_after)
-
-
-def _cut_short(error: LoraplexError, cell: Cell, delivered: int) -> LoraplexError:
-    """The error of a request its cell failed mid-stream: retryable, saying how many tokens the
-    client has (also in the trailer wire.TOKENS_DELIVERED)."""
-    cut = Unavailable(f"scheduler {cell.address} failed after {delivered} tokens were delivered "
-                      f"({error}); the rest will not come: retry the request")
-    cut.trailers = (*error.trailers, (wire.TOKENS_DELIVERED, str(delivered)))
-    return cut
+def _failed(error: LoraplexError, cell: Cell, delivered: int, cut: bool) -> Exception:
+    """What a request that `cell` failed raises: _NothingDelivered when another cell may serve
+    it; once tokens were delivered, `error` with their count in its message and in the trailer
+    wire.TOKENS_DELIVERED, as UNAVAILABLE (retry) when the stream was `cut` (its cell lost)."""
+    if not delivered:
+        return _NothingDelivered(error) if _unreachable(error) else error
+    if cut:
+        told = Unavailable(f"scheduler {cell.address} was lost after {delivered} tokens were "
+                           f"delivered ({error}); the rest will not come: retry the request")
+    else:
+        told = type(error)(f"{error} (after {delivered} tokens were delivered)")
+        told.trailers = error.trailers
+    told.trailers = (*told.trailers, (wire.TOKENS_DELIVERED, str(delivered)))
+    return told
 
 
 def _unreachable(error: LoraplexError) -> bool:

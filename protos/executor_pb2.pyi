@@ -78,47 +78,37 @@ class NewSequence(_message.Message):
     num_cached: int
     def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., slot: _Optional[int] = ..., num_generated: _Optional[int] = ..., num_cached: _Optional[int] = ...) -> None: ...
 
-class ScheduledRow(_message.Message):
-    __slots__ = ("seq_id", "num_tokens", "new_block_ids")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    seq_id: int
-    num_tokens: int
-    new_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
-
 class StepRequest(_message.Message):
-    __slots__ = ("freed_seq_ids", "new_sequences", "rows", "merge_slot", "unmerge")
+    __slots__ = ("freed_seq_ids", "new_sequences", "row_seq_ids", "row_num_tokens", "row_num_new_blocks", "new_block_ids", "merge_slot", "unmerge")
     FREED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
-    ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROW_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    ROW_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROW_NUM_NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     MERGE_SLOT_FIELD_NUMBER: _ClassVar[int]
     UNMERGE_FIELD_NUMBER: _ClassVar[int]
     freed_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
-    rows: _containers.RepeatedCompositeFieldContainer[ScheduledRow]
+    row_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    row_num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    row_num_new_blocks: _containers.RepeatedScalarFieldContainer[int]
+    new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     merge_slot: int
     unmerge: bool
-    def __init__(self, freed_seq_ids: _Optional[_Iterable[int]] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., rows: _Optional[_Iterable[_Union[ScheduledRow, _Mapping]]] = ..., merge_slot: _Optional[int] = ..., unmerge: _Optional[bool] = ...) -> None: ...
-
-class SampledToken(_message.Message):
-    __slots__ = ("seq_id", "token_id", "logprob")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    LOGPROB_FIELD_NUMBER: _ClassVar[int]
-    seq_id: int
-    token_id: int
-    logprob: float
-    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+    def __init__(self, freed_seq_ids: _Optional[_Iterable[int]] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., row_seq_ids: _Optional[_Iterable[int]] = ..., row_num_tokens: _Optional[_Iterable[int]] = ..., row_num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., merge_slot: _Optional[int] = ..., unmerge: _Optional[bool] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("samples", "step_seconds")
-    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("sample_seq_ids", "sample_token_ids", "sample_logprobs", "step_seconds")
+    SAMPLE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    samples: _containers.RepeatedCompositeFieldContainer[SampledToken]
+    sample_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    sample_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sample_logprobs: _containers.RepeatedScalarFieldContainer[float]
     step_seconds: float
-    def __init__(self, samples: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., step_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, sample_seq_ids: _Optional[_Iterable[int]] = ..., sample_token_ids: _Optional[_Iterable[int]] = ..., sample_logprobs: _Optional[_Iterable[float]] = ..., step_seconds: _Optional[float] = ...) -> None: ...
 
 class StageAdapterRequest(_message.Message):
     __slots__ = ("adapter",)

@@ -183,32 +183,42 @@ class StreamSubmit(_message.Message):
     def __init__(self, id: _Optional[int] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., tenant: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class StreamResponse(_message.Message):
-    __slots__ = ("updates",)
-    UPDATES_FIELD_NUMBER: _ClassVar[int]
-    updates: _containers.RepeatedCompositeFieldContainer[StreamUpdate]
-    def __init__(self, updates: _Optional[_Iterable[_Union[StreamUpdate, _Mapping]]] = ...) -> None: ...
-
-class StreamUpdate(_message.Message):
-    __slots__ = ("id", "token_ids", "logprobs", "finish_reason", "queue_seconds", "time_to_first_token_seconds", "error_code", "error_message", "retry_after")
-    ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("token_request_ids", "token_ids", "logprobs", "starts", "ends")
+    TOKEN_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STARTS_FIELD_NUMBER: _ClassVar[int]
+    ENDS_FIELD_NUMBER: _ClassVar[int]
+    token_request_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    starts: _containers.RepeatedCompositeFieldContainer[StreamStart]
+    ends: _containers.RepeatedCompositeFieldContainer[StreamEnd]
+    def __init__(self, token_request_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., starts: _Optional[_Iterable[_Union[StreamStart, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[StreamEnd, _Mapping]]] = ...) -> None: ...
+
+class StreamStart(_message.Message):
+    __slots__ = ("id", "queue_seconds", "time_to_first_token_seconds")
+    ID_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    queue_seconds: float
+    time_to_first_token_seconds: float
+    def __init__(self, id: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ...) -> None: ...
+
+class StreamEnd(_message.Message):
+    __slots__ = ("id", "finish_reason", "error_code", "error_message", "retry_after")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_FIELD_NUMBER: _ClassVar[int]
     id: int
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    logprobs: _containers.RepeatedScalarFieldContainer[float]
     finish_reason: FinishReason
-    queue_seconds: float
-    time_to_first_token_seconds: float
     error_code: int
     error_message: str
     retry_after: str
-    def __init__(self, id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., queue_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., retry_after: _Optional[str] = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., retry_after: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

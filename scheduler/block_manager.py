@@ -83,7 +83,7 @@ class BlockManager:
     def num_missing(self, seq_id: int, num_tokens: int) -> int:
         """Blocks `seq_id` still lacks to hold `num_tokens` tokens."""
         have = len(self.tables.get(seq_id, ()))
-        return max(0, blocks_for(num_tokens, self.block_size) - have)
+        return max(0, -(-num_tokens // self.block_size) - have)  # (blocks_for, inlined: per row)
 
     def can_grow(self, seq_id: int, num_tokens: int) -> bool:
         return self.num_missing(seq_id, num_tokens) <= self.num_free
@@ -91,6 +91,8 @@ class BlockManager:
     def grow(self, seq_id: int, num_tokens: int) -> list[int]:
         """Extend the table of `seq_id` to cover `num_tokens` tokens; returns the new block ids."""
         missing = self.num_missing(seq_id, num_tokens)
+        if not missing:  # (most decode steps)
+            return []
         if missing > self.num_free:
             raise RuntimeError(f"seq {seq_id}: needs {missing} blocks, {self.num_free} free")
         new = [self._take() for _ in range(missing)]

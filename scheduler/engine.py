@@ -83,16 +83,19 @@ class ExecutorLink:
                 sampling=seq.request.sampling.to_pb(),
                 num_generated=len(seq.request.output_token_ids), num_cached=seq.num_cached)
                 for seq in plan.new],
-            rows=[executor_pb2.ScheduledRow(seq_id=row.seq.seq_id, num_tokens=row.num_tokens,
-                                            new_block_ids=row.new_block_ids)
-                  for row in plan.rows],
+            row_seq_ids=[row.seq.seq_id for row in plan.rows],
+            row_num_tokens=[row.num_tokens for row in plan.rows],
+            row_num_new_blocks=[len(row.new_block_ids) for row in plan.rows],
+            new_block_ids=[b for row in plan.rows for b in row.new_block_ids],
             merge_slot=plan.merge_slot, unmerge=plan.unmerge)
         await self._write(req, seconds)
 
     async def receive(self, seconds: float) -> tuple[list[Sample], float]:
         """The answer to the oldest step sent (UNAVAILABLE past `seconds`)."""
         resp = await self._read(seconds)
-        return [Sample(s.seq_id, s.token_id, s.logprob) for s in resp.samples], resp.step_seconds
+        samples = list(map(Sample, resp.sample_seq_ids, resp.sample_token_ids,
+                           resp.sample_logprobs))
+        return samples, resp.step_seconds
 
     async def _round_trip(self, req: executor_pb2.StepRequest,
                           seconds: float) -> executor_pb2.StepResponse:

@@ -1,7 +1,9 @@
 """Plain data the scheduler keeps per executor (placement, lifecycle, counters), the limits it
 schedules under, and what one step carries (StepPlan of ScheduledRows, Samples back)."""
 
+import functools
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from common.adapter_ref import AdapterRef
 from common.errors import LoraplexError
@@ -180,8 +182,7 @@ class ExecutorState:
         return self.is_up and not (self.is_leaving or self.is_stopping)
 
 
-@dataclass(frozen=True)
-class ScheduledRow:
+class ScheduledRow(NamedTuple):  # (a tuple: one per row and step, made fast)
     """One sequence's share of a step: its next `num_tokens` tokens, and the KV blocks it was
     given for them."""
 
@@ -207,18 +208,17 @@ class StepPlan:
         """It computes, frees, merges or unmerges something."""
         return bool(self.rows or self.freed or self.unmerge) or self.merge_slot is not None
 
-    @property
+    @functools.cached_property  # (asked for at every deadline: rows are final once planned)
     def num_tokens(self) -> int:
         return sum(row.num_tokens for row in self.rows)
 
-    @property
+    @functools.cached_property
     def num_adapters(self) -> int:
         """Distinct adapters (slots) among the rows."""
         return len({row.seq.slot.index for row in self.rows if row.seq.slot})
 
 
-@dataclass(frozen=True)
-class Sample:
+class Sample(NamedTuple):  # (a tuple: one per row and step, made fast)
     seq_id: int
     token_id: int
     logprob: float

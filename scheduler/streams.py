@@ -1,12 +1,13 @@
 """A gateway's Stream (scheduler.proto): many requests over one gRPC stream, their tokens sent in
 batches.
 
-A request's events land in its connection's outbox (per request: the tokens sampled since its
-last update, and how it ended); one writer sends all the outbox holds as one message, then waits
-for more. Every event of an executor step comes in one turn of the event loop (the engine's
-on_step_done), so a step's tokens leave as one message per connection, and a caller that reads
-slowly gets fewer, larger messages. The scheduler does no detokenization here and applies no stop
-strings: token ids only (the caller does both, and cancels a request whose stop string matched).
+A request's events land in its connection's outbox (the tokens sampled since the last message, as
+columns, and the requests that started or ended); one writer sends all the outbox holds as one
+message, then waits for more. Every event of an executor step comes in one turn of the event loop
+(the engine's on_step_done), so a step's tokens leave as one message per connection, and a caller
+that reads slowly gets fewer, larger messages. The scheduler does no detokenization here and applies
+no stop strings: token ids only (the caller does both, and cancels a request whose stop string
+matched).
 
 Every wait is bounded: a message the caller does not take within `write_s` ends the stream. When
 the stream ends, for any reason, its unfinished requests are cancelled: blocks, slot pins and
@@ -16,7 +17,6 @@ executor sequences are freed, as for a Generate whose client went away.
 import asyncio
 import functools
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 
 from common import wire
 from common.detokenizer import Finish
@@ -30,29 +30,34 @@ FINISH_PB = {Finish.LENGTH: scheduler_pb2.FINISH_REASON_LENGTH,
              Finish.STOP: scheduler_pb2.FINISH_REASON_STOP}
 
 
-@dataclass
-class _Update:
-    """What one request's next update carries."""
+class _Outbox:
+    """The next message: tokens as columns, and the requests that started or ended."""
 
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    timing: tuple[float, float] | None = None  # (queue, first token) seconds, with the first token
-    finish: Finish | None = None
-    error: BaseException | None = None
+    def __init__(self) -> None:
+        self.request_ids: list[int] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.starts: list[scheduler_pb2.StreamStart] = []
+        self.ends: list[scheduler_pb2.StreamEnd] = []
 
-    def to_pb(self, stream_id: int) -> scheduler_pb2.StreamUpdate:
-        update = scheduler_pb2.StreamUpdate(id=stream_id, token_ids=self.token_ids,
-                                            logprobs=self.logprobs)
-        if self.timing is not None:
-            update.queue_seconds, update.time_to_first_token_seconds = self.timing
-        if self.finish is not None:
-            update.finish_reason = FINISH_PB[self.finish]
-        if self.error is not None:
-            code, update.error_message = status_for(self.error)
-            update.error_code = code.value[0]
-            update.retry_after = dict(getattr(self.error, "trailers", ())).get(
-                wire.RETRY_AFTER, "")
-        return update
+    def __bool__(self) -> bool:
+        return bool(self.request_ids or self.ends)
+
+    def end(self, stream_id: int, finish: Finish | None = None,
+            error: BaseException | None = None) -> None:
+        end = scheduler_pb2.StreamEnd(id=stream_id)
+        if finish is not None:
+            end.finish_reason = FINISH_PB[finish]
+        if error is not None:
+            code, end.error_message = status_for(error)
+            end.error_code = code.value[0]
+            end.retry_after = dict(getattr(error, "trailers", ())).get(wire.RETRY_AFTER, "")
+        self.ends.append(end)
+
+    def to_pb(self) -> scheduler_pb2.StreamResponse:
+        return scheduler_pb2.StreamResponse(
+            token_request_ids=self.request_ids, token_ids=self.token_ids, logprobs=self.logprobs,
+            starts=self.starts, ends=self.ends)
 
 
 class StreamConnection:
@@ -65,7 +70,7 @@ class StreamConnection:
         self._requests: dict[int, Request] = {}  # running or queued
         self._submitting: dict[int, asyncio.Task] = {}  # being checked (an adapter resolving)
         self._cancelled_early: set[int] = set()  # cancelled while being checked
-        self._outbox: dict[int, _Update] = {}
+        self._outbox = _Outbox()
         self._ready = asyncio.Event()
 
     # ---- the caller's messages --------------------------------------------------------------
@@ -100,7 +105,6 @@ class StreamConnection:
         if req is not None:
             self._core.cancel(req)
             self._metrics.on_finish(req, self._core.clock())
-        self._outbox.pop(stream_id, None)  # its client is gone: nothing more is sent for it
 
     def close(self) -> None:
         """The stream ended: cancel everything of it still unfinished."""
@@ -118,27 +122,29 @@ class StreamConnection:
         req = self._requests.get(stream_id)
         if req is None:  # cancelled: its last events are not sent
             return
-        update = self._outbox.get(stream_id)
-        if update is None:
-            update = self._outbox[stream_id] = _Update()
+        outbox = self._outbox
+        if not outbox:
             self._ready.set()
         if isinstance(event, TokenEvent):
+            outbox.request_ids.append(stream_id)
+            outbox.token_ids.append(event.token_id)
+            outbox.logprobs.append(event.logprob)
             if req.output.num_tokens == 1:
-                update.timing = ((req.admitted_at or req.arrival) - req.arrival,
-                                 req.first_token_at - req.arrival)
-            update.token_ids.append(event.token_id)
-            update.logprobs.append(event.logprob)
+                outbox.starts.append(scheduler_pb2.StreamStart(
+                    id=stream_id, queue_seconds=(req.admitted_at or req.arrival) - req.arrival,
+                    time_to_first_token_seconds=req.first_token_at - req.arrival))
             return
         if isinstance(event, FinishEvent):
-            update.finish = event.reason
+            outbox.end(stream_id, finish=event.reason)
         elif isinstance(event, ErrorEvent):
-            update.error = event.error
+            outbox.end(stream_id, error=event.error)
         del self._requests[stream_id]
         self._metrics.on_finish(req, self._core.clock())
 
     def _refuse(self, stream_id: int, error: BaseException) -> None:
-        self._outbox[stream_id] = _Update(error=error)
-        self._ready.set()
+        if not self._outbox:
+            self._ready.set()
+        self._outbox.end(stream_id, error=error)
 
     # ---- the writer -------------------------------------------------------------------------
     async def send(self, reading: asyncio.Task) -> None:
@@ -149,9 +155,7 @@ class StreamConnection:
             if reading.done() and reading.exception() is not None:
                 raise reading.exception()
             if self._outbox:
-                message = scheduler_pb2.StreamResponse(
-                    updates=[u.to_pb(stream_id) for stream_id, u in self._outbox.items()])
-                self._outbox.clear()
+                message, self._outbox = self._outbox.to_pb(), _Outbox()
                 try:
                     async with asyncio.timeout(self._write_s):
                         await self._write(message)

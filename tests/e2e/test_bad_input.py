@@ -142,8 +142,11 @@ def new_seq(seq_id: int, token_ids: list[int], **sampling) -> executor_pb2.NewSe
                                     sampling=common_pb2.SamplingParams(**sampling))
 
 
-def row(seq_id: int, num_tokens: int, blocks: list[int] = ()) -> executor_pb2.ScheduledRow:
-    return executor_pb2.ScheduledRow(seq_id=seq_id, num_tokens=num_tokens, new_block_ids=blocks)
+def rows(*specs: tuple[int, int, list[int]]) -> dict:
+    """StepRequest's row columns for rows of (seq id, tokens, new block ids)."""
+    return dict(row_seq_ids=[s[0] for s in specs], row_num_tokens=[s[1] for s in specs],
+                row_num_new_blocks=[len(s[2]) for s in specs],
+                new_block_ids=[b for s in specs for b in s[2]])
 
 
 async def open_step(ex_stub):
@@ -165,13 +168,13 @@ async def greedy_tokens(call, seq_id: int, prompt: list[int], num: int,
                         pause_s: float = 0.0) -> list[int]:
     """Prefill `prompt` into block 0 onwards, then decode: `num` greedy tokens in all."""
     await call.write(executor_pb2.StepRequest(new_sequences=[new_seq(seq_id, prompt)],
-                                              rows=[row(seq_id, len(prompt), [0])]))
-    tokens = [(await call.read()).samples[0].token_id]
+                                              **rows((seq_id, len(prompt), [0]))))
+    tokens = [(await call.read()).sample_token_ids[0]]
     while len(tokens) < num:
         position = len(prompt) + len(tokens) - 1  # of the token computed now
         blocks = [position // BLOCK] if position % BLOCK == 0 else []
-        await call.write(executor_pb2.StepRequest(rows=[row(seq_id, 1, blocks)]))
-        tokens.append((await call.read()).samples[0].token_id)
+        await call.write(executor_pb2.StepRequest(**rows((seq_id, 1, blocks))))
+        tokens.append((await call.read()).sample_token_ids[0])
         await asyncio.sleep(pause_s)
     return tokens
 
@@ -185,9 +188,12 @@ async def test_second_step_stream_is_refused_until_the_first_ends(ex_stub):
 
 
 @pytest.mark.parametrize("step, words", [
-    (executor_pb2.StepRequest(rows=[row(77, 1)]), "unknown sequence id 77"),
+    (executor_pb2.StepRequest(**rows((77, 1, []))), "unknown sequence id 77"),
+    (executor_pb2.StepRequest(row_seq_ids=[1], row_num_tokens=[1]), "differ in length"),
+    (executor_pb2.StepRequest(row_seq_ids=[1], row_num_tokens=[1], row_num_new_blocks=[2],
+                              new_block_ids=[0]), "add 2 KV blocks"),
     (executor_pb2.StepRequest(new_sequences=[new_seq(1, [5]), new_seq(1, [6])]), "already exists"),
-    (executor_pb2.StepRequest(new_sequences=[new_seq(1, [5])], rows=[row(1, 1, [512])]),
+    (executor_pb2.StepRequest(new_sequences=[new_seq(1, [5])], **rows((1, 1, [512]))),
      "block id 512"),
     (executor_pb2.StepRequest(new_sequences=[new_seq(1, [5], temperature=float("nan"))]),
      "temperature"),
@@ -216,7 +222,7 @@ async def test_stream_cancelled_mid_step_does_not_touch_the_next_stream(ex_stub)
     per = 1500 // BLOCK + 1
     await big.write(executor_pb2.StepRequest(
         new_sequences=[new_seq(i, [5 + j % 50 for j in range(1500)]) for i in (1, 2)],
-        rows=[row(i, 1500, list(range((i - 1) * per, i * per))) for i in (1, 2)]))
+        **rows(*((i, 1500, list(range((i - 1) * per, i * per))) for i in (1, 2)))))
     await asyncio.sleep(0.1)
     big.cancel()
     call = await open_step(ex_stub)

@@ -140,22 +140,25 @@ async def test_a_stop_string_or_a_client_that_leaves_ends_the_request_at_the_sch
     assert await ended_at_scheduler(fleet) - after_stop < long
 
 
-async def stream_once(fleet: Fleet, *requests: scheduler_pb2.StreamRequest
-                      ) -> dict[int, list[scheduler_pb2.StreamUpdate]]:
-    """Send `requests` on one Stream; every update by request id, until each submit has had
-    its last one."""
-    wanted = collections.Counter(s.id for r in requests for s in r.submits)  # last updates due
-    by_id: dict[int, list[scheduler_pb2.StreamUpdate]] = {}
+async def stream_once(fleet: Fleet, *requests: scheduler_pb2.StreamRequest) -> dict[int, dict]:
+    """Send `requests` on one Stream; per request id: its tokens, its start and its end, once
+    every submit has ended."""
+    wanted = collections.Counter(s.id for r in requests for s in r.submits)
+    by_id: dict[int, dict] = collections.defaultdict(lambda: {"tokens": []})
     async with insecure_channel(fleet.scheduler) as channel:
         call = scheduler_pb2_grpc.SchedulerStub(channel).Stream(timeout=60)
         for request in requests:
             await call.write(request)
         ended: collections.Counter = collections.Counter()
         while ended != wanted:
-            for update in (await call.read()).updates:
-                by_id.setdefault(update.id, []).append(update)
-                if update.finish_reason or update.error_code:
-                    ended[update.id] += 1
+            response = await call.read()
+            for stream_id, token_id in zip(response.token_request_ids, response.token_ids):
+                by_id[stream_id]["tokens"].append(token_id)
+            for start in response.starts:
+                by_id[start.id]["start"] = start
+            for end in response.ends:
+                by_id[end.id]["end"] = end
+                ended[end.id] += 1
         await call.done_writing()
     return by_id
 
@@ -172,15 +175,14 @@ async def test_the_stream_rpc_directly(pool, tiny):
 
     updates = await stream_once(fleet, scheduler_pb2.StreamRequest(
         submits=[submit(1), submit(2, stop=["x"])], cancels=[99]))
-    tokens = [t for u in updates[1] for t in u.token_ids]
     direct, _ = await messages(fleet.scheduler, client.generate_request(
         ADAPTERS[2], prompt, 12, ignore_eos=True))
-    assert tokens == [m[0] for m in direct if m[0] is not None]
-    assert updates[1][-1].finish_reason == scheduler_pb2.FINISH_REASON_LENGTH
-    assert updates[1][0].time_to_first_token_seconds > 0
-    refused = updates[2][-1]
+    assert updates[1]["tokens"] == [m[0] for m in direct if m[0] is not None]
+    assert updates[1]["end"].finish_reason == scheduler_pb2.FINISH_REASON_LENGTH
+    assert updates[1]["start"].time_to_first_token_seconds > 0
+    refused = updates[2]["end"]
     assert refused.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-    assert "stop strings" in refused.error_message
+    assert "stop strings" in refused.error_message and not updates[2]["tokens"]
 
     with pytest.raises(grpc.aio.AioRpcError) as reused:  # an id reused while its request runs
         await stream_once(fleet, scheduler_pb2.StreamRequest(submits=[submit(1), submit(1)]))
