@@ -4,14 +4,14 @@ executors (--benchmark-step-s: no forward pass, made-up tokens, fixed step time)
     .venv/bin/python bench/control_plane.py [--quick] [--step-s 0.02] [--window-s 8]
 
 For E in 1, 2, 4, 8 executors (one pool: a store on local files, E benchmark executors on random
-tiny weights, one scheduler, a gateway in front) and R in 64, 256 rows per executor step:
-E x R closed-loop streams through the gateway's gRPC Generate (one tenant, base model, 3-token
-prompts, 256 new tokens, EOS ignored; a stream that ends is replaced at once), from this one
-client process. Measured over a window after a warm-up: tokens/s delivered to the clients, the
-scheduler's and the gateway's CPU microseconds per delivered token (/proc utime + stime), and the
-p99 inter-token latency (gap between a token's arrival and the previous one's in its stream).
-Every process shares this machine's CPUs (the client included): read ratios of one run, and
-expect the client to bound throughput at high stream counts. Writes
+tiny weights, one scheduler, a gateway in front) and R in 64, 256 rows per executor step: E x R
+closed-loop streams through the gateway's gRPC Generate (one tenant, base model, 3-token prompts,
+256 new tokens, EOS ignored; a stream that ends is replaced at once), from this one client process.
+Measured over a window after a warm-up: tokens/s the scheduler scheduled and tokens/s delivered to
+the clients, the scheduler's CPU microseconds per scheduled token and the gateway's per delivered
+token (/proc utime + stime), and the p99 inter-token latency (gap between a token's arrival and the
+previous one's in its stream). Every process shares this machine's CPUs (the client included): read
+ratios of one run, and expect the client to bound throughput at high stream counts. Writes
 bench/results/control-plane-cpu.md unless --quick.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import pathlib
 import statistics
@@ -71,17 +72,29 @@ async def measure(gateway: str, pids: dict[str, int], streams: int, warmup_s: fl
         tasks = [asyncio.create_task(loop(i)) for i in range(streams)]
         await asyncio.sleep(warmup_s)
         start, cpu = time.perf_counter(), {name: cpu_seconds(pid) for name, pid in pids.items()}
+        wall_start = time.time()
         first_gap = len(gaps)
         await asyncio.sleep(window_s)
         end, used = time.perf_counter(), {n: cpu_seconds(p) - cpu[n] for n, p in pids.items()}
+        wall_end = time.time()
         window_gaps = gaps[first_gap:]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     tokens = sum(1 for t in arrivals if start <= t < end)
-    per_token = {f"{name} us/token": 1e6 * s / max(tokens, 1) for name, s in used.items()}
     p99 = statistics.quantiles(window_gaps, n=100)[98] if len(window_gaps) > 100 else float("nan")
-    return {"tokens/s": tokens / (end - start), **per_token, "ITL p99 ms": 1e3 * p99}
+    return {"tokens/s": tokens / (end - start), "window": (wall_start, wall_end),
+            "cpu": used, "delivered": tokens, "ITL p99 ms": 1e3 * p99}
+
+
+def scheduled_tokens(timings: pathlib.Path, window: tuple[float, float]) -> int:
+    """Tokens of the steps the scheduler finished within `window` (its --timings-out lines)."""
+    total = 0
+    for line in timings.read_text().splitlines():
+        record = json.loads(line)
+        if "step" in record and window[0] <= record["at"] < window[1]:
+            total += record["tokens"]
+    return total
 
 
 def main() -> None:
@@ -104,7 +117,8 @@ def main() -> None:
                                          str(max(rows) * 20), "--adapter-slots", "1",
                                          "--max-rank", "8", "--threads", "1"],
                           scheduler_args=["--max-num-seqs", str(max(rows)),
-                                          "--max-queued-per-tenant", "0"])
+                                          "--max-queued-per-tenant", "0",
+                                          "--timings-out", str(tmp / f"timings{n}.jsonl")])
             with fleet:
                 gateway = start_gateway({"tiny": [fleet.scheduler]}, fleet.stores,
                                         tmp / f"logs{n}", keys)
@@ -119,18 +133,30 @@ def main() -> None:
                         results.append((n, r, figures))
                 finally:
                     gateway.stop()
-    header = ["executors", "rows per step", "streams", "tokens/s", "ideal tokens/s",
-              "scheduler us/token", "gateway us/token", "ITL p99 ms"]
+            for m, r, figures in results:  # (the log is complete once the scheduler stopped)
+                if m == n:
+                    figures["scheduled"] = scheduled_tokens(tmp / f"timings{n}.jsonl",
+                                                            figures["window"])
+    header = ["executors", "rows per step", "streams", "tokens/s scheduled", "ideal",
+              "tokens/s delivered", "scheduler us/token scheduled",
+              "gateway us/token delivered", "ITL p99 ms"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
     for n, r, f in results:
-        lines.append(f"| {n} | {r} | {n * r} | {f['tokens/s']:,.0f} | {n * r / args.step_s:,.0f} "
-                     f"| {f['scheduler us/token']:.0f} | {f['gateway us/token']:.0f} "
+        seconds = f["window"][1] - f["window"][0]
+        lines.append(f"| {n} | {r} | {n * r} | {f['scheduled'] / seconds:,.0f} "
+                     f"| {n * r / args.step_s:,.0f} | {f['tokens/s']:,.0f} "
+                     f"| {1e6 * f['cpu']['scheduler'] / max(f['scheduled'], 1):.0f} "
+                     f"| {1e6 * f['cpu']['gateway'] / max(f['delivered'], 1):.0f} "
                      f"| {f['ITL p99 ms']:.0f} |")
     command = " ".join([".venv/bin/python bench/control_plane.py", *sys.argv[1:]])
     text = "\n".join([
         (f"Benchmark executors (--benchmark-step-s {args.step_s}: no forward pass), closed-loop "
          f"gRPC streams through the gateway from one client process, {NEW_TOKENS} new tokens "
-         f"each; {args.window_s:g} s measured after a 3 s warm-up. 'ideal' = every stream gets "
+         f"each; {args.window_s:g} s measured after a 3 s warm-up. 'scheduled': tokens of the "
+         "steps the scheduler completed in the window (its --timings-out log; 256 generated per "
+         "3 prompt tokens), the scheduler's CPU divided by them; 'delivered': tokens that reached "
+         "the client, the gateway's CPU divided by them (when the gateway or the client cannot "
+         "keep up, tokens wait in buffers and delivered < scheduled); 'ideal' = every stream gets "
          "a token every step."),
         "", *lines, "",
         (f"- machine: nproc {len(os.sched_getaffinity(0))}, python {sys.version.split()[0]}, "
