@@ -15,5 +15,9 @@ TOKENS_DELIVERED = "loraplex-tokens-delivered"
 # the client sends the weights only after it.
 PUSH_ACCEPTED = ("loraplex-push", "header-accepted")
 
+# Stop strings a request may carry, and the longest one: the scheduler's defaults
+# (--max-stop-strings, --max-stop-chars), and what a gateway, which applies them, accepts.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 # Longest cache_salt a Generate request (or an OpenAI request body) may carry.
 MAX_CACHE_SALT_CHARS = 256

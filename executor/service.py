@@ -158,6 +158,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
     def _step(self, req: executor_pb2.StepRequest) -> executor_pb2.StepResponse:
         start = time.perf_counter()
+        rows = _rows(req)  # (checked before anything changes)
         for seq_id in req.freed_seq_ids:
             self._runner.free_sequence(seq_id)
         if req.unmerge:
@@ -169,7 +170,6 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         if req.HasField("merge_slot"):
             self._runner.merge(req.merge_slot)
             log.info("merged the adapter of slot %d into the weights", req.merge_slot)
-        rows = _rows(req)
         samples = self._runner.step(rows) if rows else []
         self.metrics.step.observe(time.perf_counter() - start)
         self.metrics.rows.inc(sum(req.row_num_tokens))

@@ -1,13 +1,18 @@
-"""The gateway's one Stream to a cell's scheduler (scheduler.proto): every request the gateway
-sends that cell travels on it, and its tokens come back as ids in batches, about one message per
+"""The gateway's Stream to a cell's scheduler (scheduler.proto): every request the gateway sends
+that cell travels on it, and its tokens come back as ids in batches, about one message per
 executor step for all requests together, instead of a message per token per request.
 
-Submits and cancels queue up and leave as one message per event-loop turn. Each request gets a
-queue of its updates; the reader hands each update to its request's queue. The stream closes, and
-every request on it gets the reason in its queue, when the scheduler ends it, when a write is not
-taken within `write_s`, or when the cell is found down (a probe unanswered: dead or frozen), so
-no request waits on a cell that stopped answering. A closed stream is replaced at the next
-request (frontend.py).
+Submits and cancels queue up and leave together at the next write (at most MAX_WRITE_BYTES of
+submits per message). Each request gets a queue of its updates; the reader hands each its part of
+every message.
+
+When the cell is found down (a probe unanswered: stopping, dead or frozen), its requests that have
+had no token yet get UNAVAILABLE at once (the frontend sends them to another cell) and the stream
+retires: it takes no new request, serves those that are streaming, and closes once they end. A
+frozen scheduler cannot hold them: the channel's keepalive breaks the call within 15 s. The
+stream closes, every request on it getting the reason, when the scheduler ends it or the call
+breaks, or when a write is not taken within `write_s`. A closed or retired stream is replaced at
+the cell's next request (frontend.py).
 """
 
 import asyncio
@@ -17,11 +22,15 @@ import logging
 
 import grpc
 
-from common.errors import LoraplexError, Unavailable, relayed
+from common.errors import LoraplexError, Unavailable, relayed, relayed_status
 from gateway.pools import Cell
 from protos import scheduler_pb2
 
 log = logging.getLogger(__name__)
+
+MAX_WRITE_BYTES = 4 << 20  # submits per message (long prompts queued together stay well below
+# the channel's message limit)
+_LIVE: set["CellStream"] = set()  # (asyncio holds tasks weakly: a retired stream is kept here)
 
 
 @dataclasses.dataclass
@@ -41,37 +50,45 @@ class CellStream:
         self._call = cell.stub.Stream(metadata=cell.auth)
         self._ids = itertools.count(1)
         self._open: dict[int, asyncio.Queue] = {}  # request id -> its updates
-        self._submits: list[scheduler_pb2.StreamSubmit] = []
+        self._streaming: set[int] = set()  # open requests that have had a token
+        self._submits: dict[int, scheduler_pb2.StreamSubmit] = {}  # not written yet
         self._cancels: list[int] = []
         self._wake = asyncio.Event()
+        self.is_retired = False  # takes no new request (its cell was found down)
         self.error: LoraplexError | None = None  # why it closed; None while open
         self._tasks = [asyncio.create_task(coro) for coro in
                        (self._read(), self._write(), self._watch())]
+        _LIVE.add(self)
 
     @property
-    def is_open(self) -> bool:
-        return self.error is None
+    def takes_requests(self) -> bool:
+        return self.error is None and not self.is_retired
 
     def submit(self, request: scheduler_pb2.GenerateRequest, tenant: str,
                timeout_s: float) -> tuple[int, asyncio.Queue]:
         """Send `request` (its id, and the queue its updates arrive in: Update, or the
-        LoraplexError the stream closed with)."""
+        LoraplexError the stream ended it with)."""
         stream_id = next(self._ids)
         updates: asyncio.Queue = asyncio.Queue()
-        if self.error is not None:
-            updates.put_nowait(self.error)
+        if not self.takes_requests:
+            updates.put_nowait(self.error or Unavailable(f"scheduler {self.cell.address} is "
+                                                         "down"))
             return stream_id, updates
         self._open[stream_id] = updates
-        self._submits.append(scheduler_pb2.StreamSubmit(
-            id=stream_id, request=request, tenant=tenant, timeout_seconds=timeout_s))
+        self._submits[stream_id] = scheduler_pb2.StreamSubmit(
+            id=stream_id, request=request, tenant=tenant, timeout_seconds=timeout_s)
         self._wake.set()
         return stream_id, updates
 
     def cancel(self, stream_id: int) -> None:
         """End an unfinished request (its client left, or a stop string matched here)."""
-        if self._open.pop(stream_id, None) is not None and self.error is None:
+        if self._open.pop(stream_id, None) is None or self.error is not None:
+            return
+        self._streaming.discard(stream_id)
+        if self._submits.pop(stream_id, None) is None:  # (one not written yet is just dropped)
             self._cancels.append(stream_id)
             self._wake.set()
+        self._close_if_retired_and_done()
 
     def close(self, error: LoraplexError) -> None:
         """End the stream: every request still on it gets `error`."""
@@ -85,6 +102,11 @@ class CellStream:
         for task in self._tasks:
             if task is not asyncio.current_task():
                 task.cancel()
+        _LIVE.discard(self)
+
+    def _close_if_retired_and_done(self) -> None:
+        if self.is_retired and not self._open:
+            self.close(Unavailable(f"scheduler {self.cell.address} is down"))
 
     async def _read(self) -> None:
         try:
@@ -93,6 +115,10 @@ class CellStream:
             self.close(Unavailable(f"scheduler {self.cell.address} ended its stream"))
         except grpc.aio.AioRpcError as err:
             self.close(relayed(err))
+        except Exception as err:  # noqa: BLE001 - a bug, or a malformed answer: never a hang
+            log.exception("the stream from scheduler %s failed", self.cell.address)
+            self.close(Unavailable(f"the stream from scheduler {self.cell.address} failed: "
+                                   f"{err!r}"))
 
     def _deliver(self, response: scheduler_pb2.StreamResponse) -> None:
         """Hand each request its part of `response` (requests cancelled here meanwhile get
@@ -112,29 +138,59 @@ class CellStream:
             updates.setdefault(end.id, Update()).end = end
         for stream_id, update in updates.items():
             queue = self._open.get(stream_id)
-            if queue is not None:
-                queue.put_nowait(update)
-                if update.end is not None:
-                    del self._open[stream_id]
+            if queue is None:
+                continue
+            queue.put_nowait(update)
+            if update.token_ids:
+                self._streaming.add(stream_id)
+            if update.end is not None:
+                del self._open[stream_id]
+                self._streaming.discard(stream_id)
+        self._close_if_retired_and_done()
 
     async def _write(self) -> None:
         try:
             while True:
                 await self._wake.wait()
                 self._wake.clear()
-                message = scheduler_pb2.StreamRequest(submits=self._submits,
-                                                      cancels=self._cancels)
-                self._submits, self._cancels = [], []
-                async with asyncio.timeout(self._write_s):
-                    await self._call.write(message)
+                await self._write_some()
         except TimeoutError:
             self.close(Unavailable(f"scheduler {self.cell.address} took no message within "
                                    f"{self._write_s:.0f}s"))
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as err:
-            self.close(Unavailable(f"the stream to scheduler {self.cell.address} broke: {err}"))
+            self.close(await self._ended_with(err))
+
+    async def _write_some(self) -> None:
+        """One message: the cancels, and the submits that fit MAX_WRITE_BYTES (at least one;
+        the rest wait for the next)."""
+        message = scheduler_pb2.StreamRequest(cancels=self._cancels)
+        self._cancels, size = [], 0
+        while self._submits and (size < MAX_WRITE_BYTES or not message.submits):
+            stream_id = next(iter(self._submits))
+            submit = self._submits.pop(stream_id)
+            size += submit.ByteSize()
+            message.submits.append(submit)
+        if self._submits:
+            self._wake.set()
+        async with asyncio.timeout(self._write_s):
+            await self._call.write(message)
+
+    async def _ended_with(self, err: Exception) -> LoraplexError:
+        """Why a call that refused a write ended: its status, as the scheduler sent it."""
+        try:
+            async with asyncio.timeout(self._write_s):
+                code, details = await self._call.code(), await self._call.details()
+        except TimeoutError:
+            return Unavailable(f"the stream to scheduler {self.cell.address} broke: {err!r}")
+        return relayed_status(code.value[0], details)
 
     async def _watch(self) -> None:
         await self.cell.lost.wait()
-        log.warning("scheduler %s is down (%s): its stream closes", self.cell.address,
-                    self.cell.problem)
-        self.close(Unavailable(f"scheduler {self.cell.address} is down: {self.cell.problem}"))
+        log.warning("scheduler %s is down (%s): its requests without a token move on, its "
+                    "stream retires", self.cell.address, self.cell.problem)
+        self.is_retired = True
+        down = Unavailable(f"scheduler {self.cell.address} is down: {self.cell.problem}")
+        for stream_id in [i for i in self._open if i not in self._streaming]:
+            self._open[stream_id].put_nowait(down)
+            self.cancel(stream_id)  # (a scheduler that comes back frees it)
+        self._close_if_retired_and_done()

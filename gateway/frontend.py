@@ -162,6 +162,8 @@ class Frontend:
         for cell in route.pool.cells_for(route.adapter.name if route.adapter else None):
             if deadline - time.monotonic() <= 0:
                 break
+            if route.pool.cells.get(cell.address) is not cell:  # it left the pool meanwhile
+                continue
             try:
                 async for message in self._from_cell(cell, route, request, tenant, start,
                                                      deadline):
@@ -182,6 +184,7 @@ class Frontend:
         messages out, detokenized here with the stop strings applied here (a match cancels the
         request at the scheduler; tokens past it are never shown). _NothingDelivered when the
         cell fails the request before its first token."""
+        _check_stops(request.stop)
         max_new = request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
         eos = () if request.ignore_eos else route.model.answer.eos_token_ids
         output = OutputProcessor(route.model.tokenizer, max_new_tokens=max_new,
@@ -225,7 +228,7 @@ class Frontend:
             stream.cancel(stream_id)  # (a request that finished there is no longer open)
 
     def _stream_to(self, cell: Cell) -> CellStream:
-        if cell.stream is None or not cell.stream.is_open:
+        if cell.stream is None or not cell.stream.takes_requests:
             cell.stream = CellStream(cell, STREAM_WRITE_S)
         return cell.stream
 
@@ -278,6 +281,14 @@ def _failed(error: LoraplexError, cell: Cell, delivered: int, cut: bool) -> Exce
         told.trailers = error.trailers
     told.trailers = (*told.trailers, (wire.TOKENS_DELIVERED, str(delivered)))
     return told
+
+
+def _check_stops(stops) -> None:
+    """The limits a scheduler puts on the stop strings it applies (the gateway applies them)."""
+    if len(stops) > wire.MAX_STOP_STRINGS:
+        raise InvalidArgument(f"at most {wire.MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+    if any(len(s) > wire.MAX_STOP_CHARS for s in stops):
+        raise InvalidArgument(f"stop strings must be at most {wire.MAX_STOP_CHARS} characters")
 
 
 def _unreachable(error: LoraplexError) -> bool:

@@ -8,11 +8,11 @@ import math
 
 from common.errors import InvalidArgument
 from common.sampling import MAX_SEED, SamplingParams
-from common.wire import MAX_CACHE_SALT_CHARS
+from common.wire import MAX_CACHE_SALT_CHARS, MAX_STOP_STRINGS
 from gateway.chat import ROLES
 
 MAX_N = 16  # choices per request (n x prompts)
-MAX_STOP = 16
+MAX_STOP = MAX_STOP_STRINGS
 
 
 class BadField(InvalidArgument):

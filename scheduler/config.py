@@ -3,6 +3,7 @@
 import argparse
 from dataclasses import dataclass, field, fields
 
+from common import wire
 from common.credentials import KeySources, add_key_arguments, sources_from_args
 from common.ratelimit import RateLimit, add_rate_limit_arguments, rate_limits_from_args
 from scheduler.executor_state import Limits
@@ -38,8 +39,8 @@ class SchedulerConfig:
     discovery_interval_s: float = 5.0  # how often executor names are re-resolved
     timings_out: str = ""  # append a JSON line per step and per load here (scheduler/timings.py)
     default_max_new_tokens: int = 16
-    max_stop_strings: int = 16
-    max_stop_chars: int = 256
+    max_stop_strings: int = wire.MAX_STOP_STRINGS
+    max_stop_chars: int = wire.MAX_STOP_CHARS
 
     def __post_init__(self) -> None:
         if not self.executors:

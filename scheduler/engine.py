@@ -90,9 +90,16 @@ class ExecutorLink:
             merge_slot=plan.merge_slot, unmerge=plan.unmerge)
         await self._write(req, seconds)
 
-    async def receive(self, seconds: float) -> tuple[list[Sample], float]:
-        """The answer to the oldest step sent (UNAVAILABLE past `seconds`)."""
+    async def receive(self, plan: StepPlan, seconds: float) -> tuple[list[Sample], float]:
+        """The answer to the oldest step sent, `plan` (UNAVAILABLE past `seconds`, or when it
+        does not bring a sample for each row that ends its sequence's known tokens)."""
         resp = await self._read(seconds)
+        due = sum(row.samples for row in plan.rows)
+        if not due == len(resp.sample_seq_ids) == len(resp.sample_token_ids) == len(
+                resp.sample_logprobs):
+            raise Unavailable(f"executor {self.address} answered a step due {due} samples with "
+                              f"{len(resp.sample_seq_ids)} seq ids, {len(resp.sample_token_ids)} "
+                              f"tokens and {len(resp.sample_logprobs)} logprobs")
         samples = list(map(Sample, resp.sample_seq_ids, resp.sample_token_ids,
                            resp.sample_logprobs))
         return samples, resp.step_seconds
@@ -297,7 +304,7 @@ class Engine:
             if in_flight:  # answers come in order; the executor runs the next meanwhile
                 plan, planning, sent = in_flight.popleft()
                 waiting = time.monotonic()
-                samples, seconds = await link.receive(self._step_deadline(ex, plan))
+                samples, seconds = await link.receive(plan, self._step_deadline(ex, plan))
                 answered = time.monotonic()
                 if plan:  # (a step that only frees sequences computes nothing: not a step to time)
                     self.metrics.on_step(link.address, plan, seconds)

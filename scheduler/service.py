@@ -94,14 +94,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             reading.cancel()
             connection.close()
+            await asyncio.gather(reading, return_exceptions=True)
 
     async def _read_stream(self, request_iterator, connection: StreamConnection) -> None:
         async for message in request_iterator:
-            for stream_id in message.cancels:
-                connection.cancel(stream_id)
-            for submit in message.submits:
+            for submit in message.submits:  # (before the cancels: a message may cancel its own)
                 connection.submit(submit.id, functools.partial(self._stream_request, submit,
                                                                connection))
+            for stream_id in message.cancels:
+                connection.cancel(stream_id)
 
     async def _stream_request(self, submit: scheduler_pb2.StreamSubmit,
                               connection: StreamConnection) -> Request:

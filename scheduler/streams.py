@@ -97,6 +97,7 @@ class StreamConnection:
         finally:
             del self._submitting[stream_id]
             self._cancelled_early.discard(stream_id)
+            self._ready.set()  # (the writer may be waiting for the last request to end)
 
     def cancel(self, stream_id: int) -> None:
         if stream_id in self._submitting:

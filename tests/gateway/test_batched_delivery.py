@@ -97,6 +97,17 @@ async def test_every_client_gets_what_generate_gives(pool, tiny):
         assert direct[-1][2] == scheduler_pb2.FINISH_REASON_STOP
 
 
+async def test_the_gateway_keeps_the_schedulers_stop_string_limits(pool):
+    _, gateway = pool
+    for stop, words in ((["ab"] * 17, "at most 16 stop strings"),
+                        (["x" * 257], "at most 256 characters")):
+        request = client.generate_request(ADAPTERS[0], PROMPTS[0], 4, stop=stop)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await messages(gateway.address, request)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert words in refused.value.details()
+
+
 async def scheduler_totals(fleet: Fleet) -> tuple[int, int]:
     """(running or queued requests, completion tokens counted) over the pool's tenants."""
     async with insecure_channel(fleet.scheduler) as channel:
@@ -140,10 +151,11 @@ async def test_a_stop_string_or_a_client_that_leaves_ends_the_request_at_the_sch
     assert await ended_at_scheduler(fleet) - after_stop < long
 
 
-async def stream_once(fleet: Fleet, *requests: scheduler_pb2.StreamRequest) -> dict[int, dict]:
+async def stream_once(fleet: Fleet, *requests: scheduler_pb2.StreamRequest,
+                      wanted: dict[int, int] | None = None) -> dict[int, dict]:
     """Send `requests` on one Stream; per request id: its tokens, its start and its end, once
-    every submit has ended."""
-    wanted = collections.Counter(s.id for r in requests for s in r.submits)
+    every submit has ended (or those of `wanted`: id -> ends due)."""
+    wanted = collections.Counter(wanted or [s.id for r in requests for s in r.submits])
     by_id: dict[int, dict] = collections.defaultdict(lambda: {"tokens": []})
     async with insecure_channel(fleet.scheduler) as channel:
         call = scheduler_pb2_grpc.SchedulerStub(channel).Stream(timeout=60)
@@ -183,6 +195,14 @@ async def test_the_stream_rpc_directly(pool, tiny):
     refused = updates[2]["end"]
     assert refused.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert "stop strings" in refused.error_message and not updates[2]["tokens"]
+
+    # A message that cancels its own submit: the request never runs.
+    _, tokens_before = await scheduler_totals(fleet)
+    updates = await stream_once(fleet, scheduler_pb2.StreamRequest(
+        submits=[submit(3)], cancels=[3]), scheduler_pb2.StreamRequest(submits=[submit(4)]),
+        wanted={4: 1})
+    assert 3 not in updates and len(updates[4]["tokens"]) == 12
+    assert await ended_at_scheduler(fleet) - tokens_before == 12
 
     with pytest.raises(grpc.aio.AioRpcError) as reused:  # an id reused while its request runs
         await stream_once(fleet, scheduler_pb2.StreamRequest(submits=[submit(1), submit(1)]))

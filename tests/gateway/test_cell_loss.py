@@ -1,7 +1,7 @@
-"""A cell's scheduler killed under load, behind the gateway: requests that had streamed nothing
-complete on the other cell with the tokens they would have had; those cut mid-stream end
-UNAVAILABLE (retryable) saying how many tokens the client got, in the message and in the trailer
-loraplex-tokens-delivered; nothing hangs."""
+"""A cell's scheduler killed or frozen under load, behind the gateway: requests that had
+streamed nothing complete on the other cell with the tokens they would have had; those cut
+mid-stream end UNAVAILABLE (retryable) saying how many tokens the client got, in the message and
+in the trailer loraplex-tokens-delivered; nothing hangs."""
 
 import asyncio
 
@@ -58,8 +58,11 @@ async def run(address: str, adapter: str, got: list[int]):
     return None
 
 
-async def test_a_killed_cell_moves_what_it_had_not_started_and_cuts_the_rest_retryably(cells,
-                                                                                        tiny):
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+async def test_a_lost_cell_moves_what_it_had_not_started_and_cuts_the_rest_retryably(
+        cells, tiny, fault):
+    """Killed: its streams break at once. Frozen: the gateway's probe finds it down (requests
+    without a token move on) and the channel's keepalive breaks the streaming ones (15 s)."""
     doomed, other, gateway = cells
     mine = [n for n in ADAPTERS
             if _weight(n, doomed.scheduler) > _weight(n, other.scheduler)]
@@ -79,8 +82,16 @@ async def test_a_killed_cell_moves_what_it_had_not_started_and_cuts_the_rest_ret
         if sum(map(bool, tokens)) >= 2:
             break
         await asyncio.sleep(0.05)
-    doomed.by_name("scheduler")[0].kill()
-    errors = await asyncio.wait_for(asyncio.gather(*tasks), 180)
+    scheduler = doomed.by_name("scheduler")[0]
+    if fault == "kill":
+        scheduler.kill()
+    else:
+        scheduler.freeze()
+    try:
+        errors = await asyncio.wait_for(asyncio.gather(*tasks), 180)
+    finally:
+        if fault == "freeze":
+            scheduler.thaw()
 
     moved = cut = 0
     for adapter, got, error in zip(adapters, tokens, errors):
