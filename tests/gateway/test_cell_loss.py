@@ -58,11 +58,13 @@ async def run(address: str, adapter: str, got: list[int]):
     return None
 
 
-@pytest.mark.parametrize("fault", ["kill", "freeze"])
+@pytest.mark.parametrize("fault", ["kill", "freeze", "stop"])
 async def test_a_lost_cell_moves_what_it_had_not_started_and_cuts_the_rest_retryably(
         cells, tiny, fault):
     """Killed: its streams break at once. Frozen: the gateway's probe finds it down (requests
-    without a token move on) and the channel's keepalive breaks the streaming ones (15 s)."""
+    without a token move on) and the channel's keepalive breaks the streaming ones (15 s).
+    Stopped (SIGTERM, 30 s grace): the ones without a token move on, the streaming ones finish
+    there: nothing is cut."""
     doomed, other, gateway = cells
     mine = [n for n in ADAPTERS
             if _weight(n, doomed.scheduler) > _weight(n, other.scheduler)]
@@ -83,15 +85,20 @@ async def test_a_lost_cell_moves_what_it_had_not_started_and_cuts_the_rest_retry
             break
         await asyncio.sleep(0.05)
     scheduler = doomed.by_name("scheduler")[0]
+    stopping = None
     if fault == "kill":
         scheduler.kill()
-    else:
+    elif fault == "freeze":
         scheduler.freeze()
+    else:
+        stopping = asyncio.create_task(asyncio.to_thread(scheduler.stop, 60))
     try:
         errors = await asyncio.wait_for(asyncio.gather(*tasks), 180)
     finally:
         if fault == "freeze":
             scheduler.thaw()
+        if stopping is not None:
+            await stopping
 
     moved = cut = 0
     for adapter, got, error in zip(adapters, tokens, errors):
@@ -104,7 +111,7 @@ async def test_a_lost_cell_moves_what_it_had_not_started_and_cuts_the_rest_retry
         assert dict(error.trailing_metadata())[wire.TOKENS_DELIVERED] == str(len(got))
         assert f"after {len(got)} tokens were delivered" in error.details()
         cut += 1
-    assert cut >= 1 and moved >= 1, (cut, moved)
+    assert moved >= 1 and (cut == 0 if fault == "stop" else cut >= 1), (cut, moved)
     async with insecure_channel(other.scheduler) as channel:  # the moved ones ran there
         stats = await scheduler_pb2_grpc.SchedulerStub(channel).Stats(
             scheduler_pb2.StatsRequest(), timeout=10)
