@@ -45,6 +45,9 @@ class Driver:
             self.state[r.seq_id][0] += r.num_tokens
 
 
+WARMUP = 1 if OPTS.smoke else 3  # decode steps before the timed ones (smoke: the interpreter)
+
+
 def time_decode(runner, slots: list[int], prompt_len: int, steps: int) -> tuple[float, float]:
     """(prefill step ms, median decode step ms) for one row per entry of `slots`."""
     runner.free_all()
@@ -59,10 +62,10 @@ def time_decode(runner, slots: list[int], prompt_len: int, steps: int) -> tuple[
     sync()
     prefill_ms = (time.perf_counter() - t0) * 1e3
     times = []
-    for i in range(steps + 3):
+    for i in range(steps + WARMUP):
         t0 = time.perf_counter()
         driver.step(1)  # the runner samples on the host: every step ends synchronised
-        if i >= 3:
+        if i >= WARMUP:
             times.append((time.perf_counter() - t0) * 1e3)
     return prefill_ms, statistics.median(times)
 
@@ -86,7 +89,7 @@ def decode_step(copy_gbs: float) -> None:
     base_bytes = w.num_bytes() - w.embed.numel() * w.embed.element_size()  # embed: rows only
     per_adapter = c.num_hidden_layers * sum(rank * sum(c.module_shape(m)) for m in LORA_MODULES)
     per_adapter *= torch.empty((), dtype=dtype).element_size()
-    steps = 2 if OPTS.smoke else 10
+    steps = 1 if OPTS.smoke else 10
     cases = [("base only", [-1] * num_rows, 0), ("1 adapter (all rows)", [0] * num_rows, 1),
              (f"{num_rows} distinct adapters", list(range(num_rows)), num_rows)]
     rows, base_ms = [], None
@@ -102,8 +105,9 @@ def decode_step(copy_gbs: float) -> None:
     rows.append([f"{num_rows} distinct adapters", "torch", ms, ms / base_ms, floor_ms,
                  ms / floor_ms, prefill_ms])
     REPORT.append(
-        f"Median of {steps} decode steps (after 3 warm-up) of {num_rows} sequences, 32-token "
-        f"prompts, rank-{rank} adapters on all 7 projections ({per_adapter / 1e6:.0f} MB each). "
+        f"Median of {steps} decode steps (after {WARMUP} warm-up) of {num_rows} sequences, "
+        f"32-token prompts, rank-{rank} adapters on all 7 projections "
+        f"({per_adapter / 1e6:.0f} MB each). "
         f"Floor = (base weights read per step {base_bytes / 1e9:.2f} GB + adapters' bytes) / "
         f"copy bandwidth. Targets: 1 adapter <= 1.05x base; {num_rows} distinct <= 1.15x floor."
         f" Step time is wall time (eager PyTorch: includes host launch overhead).\n\n")
