@@ -41,7 +41,7 @@ from soak_records import (
 from common.server import insecure_channel, run
 from loraplex import client, demo
 from loraplex.demo_tasks import TASKS, held_out
-from loraplex.launch import Fleet, FleetKeys, start_service
+from loraplex.launch import Fleet, FleetKeys, start_gateway, start_service
 from protos import executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from scheduler.executor_state import Limits
 from scheduler.timeouts import Timeouts
@@ -234,7 +234,24 @@ async def measure(fleet: Fleet, s3, frozen: set[int], plans, faults: list[Fault]
     owned = {(c.tenant, c.adapter) for cs in plans.values() for c in cs if c.adapter}
     await asyncio.gather(*(push(tenant, name) for tenant, name in sorted(owned)))
     store_flags = fleet.keys.write(fleet.log_dir / "keys")["store"]
-    async with insecure_channel(fleet.scheduler) as channel:
+    gateway = None
+    if args.through_gateway:
+        gateway = await asyncio.to_thread(start_gateway, {demo.MODEL_ID: [fleet.scheduler]},
+                                          fleet.stores, fleet.log_dir, fleet.keys)
+    try:
+        return await _measure_at(gateway.address if gateway else fleet.scheduler, fleet, s3,
+                                 frozen, plans, faults, args, key_of, store_flags)
+    finally:
+        if gateway is not None:
+            gateway.stop()
+
+
+async def _measure_at(address: str, fleet: Fleet, s3, frozen: set[int], plans,
+                      faults: list[Fault], args, key_of: dict[str, str],
+                      store_flags: list[str]) -> dict:
+    """The reference passes, then the soak with its faults, sending to `address` (the
+    scheduler, or a gateway in front of it); then the pool must come back to idle."""
+    async with insecure_channel(address) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         print(f"reference: {sum(map(len, plans.values()))} combinations, twice ...", flush=True)
         expected, notes = await reference(stub, plans, key_of, args.deadline_s)
@@ -274,6 +291,7 @@ def report(result: dict, faults: list[Fault], plans, args, load: tuple[float, fl
     is_met = not (kinds["hung"] or kinds["wrong"] or result["leaks"])
     return "\n".join([
         (f"{len(plans)} tenants, each a closed loop of streaming Generate calls "
+         f"{'through a gateway (its Stream to the scheduler) ' if args.through_gateway else ''}"
          f"({args.deadline_s:.0f} s gRPC deadline; hung = no end {HANG_MARGIN_S:.0f} s after it) "
          f"for {args.duration_s:.0f} s over {num_adapters} adapters (each tenant pushes 2 demo "
          "task adapters with its own key) and the base model; 1 in 4 requests seeded sampling "
@@ -327,6 +345,9 @@ def parse_args() -> argparse.Namespace:
                    help=f"KIND: {', '.join(FAULT_KINDS)}; repeatable (default: each once, at "
                         f"{', '.join(f'{a * 100:.0f}%%' for a in DEFAULT_AT)} of the run)")
     p.add_argument("--no-faults", action="store_true")
+    p.add_argument("--through-gateway", action="store_true",
+                   help="send every request through a gateway in front of the scheduler (its "
+                        "Stream: tokens in batches, detokenized and stop strings applied there)")
     p.add_argument("--quick", action="store_true", help="60 s, faults 10 s, 2 prompts per task")
     p.add_argument("--out", nargs="?", const=str(RESULTS), metavar="PATH",
                    help=f"also write the report here ({RESULTS.relative_to(REPO)})")
