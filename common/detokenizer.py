@@ -33,10 +33,17 @@ class OutputProcessor:
         self._prefix = 0  # window start (token index) for decoding
         self._read = 0  # tokens already turned into text
         self._emitted = 0  # characters of self.text already returned
+        # No text to make (token ids only: a scheduler's Stream): only stop ids and the length.
+        self._ids_only = tokenizer is None and not self._stops
 
     def append(self, token_id: int) -> tuple[str, Finish | None]:
         """Record a sampled token; returns (text to stream now, finish reason or None)."""
         self.num_tokens += 1
+        if self._ids_only:
+            if token_id in self._stop_ids:
+                return "", Finish.STOP
+            self.token_ids.append(token_id)
+            return "", Finish.LENGTH if self.num_tokens >= self.max_new_tokens else None
         if token_id in self._stop_ids:
             self._decode(final=True)
             return self._flush(len(self.text)), Finish.STOP
