@@ -163,6 +163,7 @@ class Scheduler(Placement):
             ex.slots.unpin(seq.slot)
         now = self.clock()
         self.merges.observe(plan, now)
+        outputs: dict[str, int] = {}  # tenant -> its tokens in this step (charged once)
         for sample in samples:
             seq = ex.running.get(sample.seq_id)
             if seq is None:  # cancelled, preempted or finished while the step ran
@@ -171,10 +172,12 @@ class Scheduler(Placement):
             seq.token_ids.append(sample.token_id)
             publish(ex.blocks, seq)
             req = seq.request
-            self.fair.charge_output(req.tenant)
+            outputs[req.tenant] = outputs.get(req.tenant, 0) + 1
             finish = req.on_sample(sample.token_id, sample.logprob, now)
             if finish is not None:
                 self._finish(ex, seq, finish)
+        for tenant, num_tokens in outputs.items():
+            self.fair.charge_output(tenant, num_tokens)
 
     # ---- admission --------------------------------------------------------------------------
     def _admit(self, ex: ExecutorState, budget: int) -> list[ScheduledRow]:
