@@ -10,6 +10,7 @@ template already placed the special tokens, are tokenized without adding any.
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -165,9 +166,11 @@ class Frontend:
             if route.pool.cells.get(cell.address) is not cell:  # it left the pool meanwhile
                 continue
             try:
-                async for message in self._from_cell(cell, route, request, tenant, start,
-                                                     deadline):
-                    yield message
+                # (closed at once when our caller stops reading: its request is cancelled there)
+                async with contextlib.aclosing(self._from_cell(cell, route, request, tenant,
+                                                               start, deadline)) as answer:
+                    async for message in answer:
+                        yield message
                 return
             except _NothingDelivered as failed:
                 log.warning("scheduler %s of pool %s did not serve a request (%s); it moves on",
