@@ -11,10 +11,27 @@ from collections.abc import Sequence
 
 from tokenizers import Tokenizer
 
+from common import wire
+from common.errors import InvalidArgument
+from protos import scheduler_pb2
+
 
 class Finish(enum.Enum):
     LENGTH = "length"
     STOP = "stop"
+
+
+FINISH_PB = {Finish.LENGTH: scheduler_pb2.FINISH_REASON_LENGTH,
+             Finish.STOP: scheduler_pb2.FINISH_REASON_STOP}
+
+
+def check_stops(stops: Sequence[str], max_strings: int = wire.MAX_STOP_STRINGS,
+                max_chars: int = wire.MAX_STOP_CHARS) -> None:
+    """Stop strings a request may carry (whoever applies them checks them)."""
+    if len(stops) > max_strings:
+        raise InvalidArgument(f"at most {max_strings} stop strings, got {len(stops)}")
+    if any(len(s) > max_chars for s in stops):
+        raise InvalidArgument(f"stop strings must be at most {max_chars} characters")
 
 
 class OutputProcessor:
@@ -39,16 +56,13 @@ class OutputProcessor:
     def append(self, token_id: int) -> tuple[str, Finish | None]:
         """Record a sampled token; returns (text to stream now, finish reason or None)."""
         self.num_tokens += 1
-        if self._ids_only:
-            if token_id in self._stop_ids:
-                return "", Finish.STOP
-            self.token_ids.append(token_id)
-            return "", Finish.LENGTH if self.num_tokens >= self.max_new_tokens else None
         if token_id in self._stop_ids:
             self._decode(final=True)
             return self._flush(len(self.text)), Finish.STOP
         self.token_ids.append(token_id)
         is_last = self.num_tokens >= self.max_new_tokens
+        if self._ids_only:
+            return "", Finish.LENGTH if is_last else None
         self._decode(final=is_last)
         if self._stops:
             start = max(0, self._emitted - self._holdback)

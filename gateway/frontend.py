@@ -21,7 +21,7 @@ import grpc
 from common import wire
 from common.adapter_ref import AdapterRef
 from common.credentials import KeyRing, Role
-from common.detokenizer import Finish, OutputProcessor
+from common.detokenizer import FINISH_PB, OutputProcessor, check_stops
 from common.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -187,7 +187,7 @@ class Frontend:
         messages out, detokenized here with the stop strings applied here (a match cancels the
         request at the scheduler; tokens past it are never shown). _NothingDelivered when the
         cell fails the request before its first token."""
-        _check_stops(request.stop)
+        check_stops(request.stop)
         max_new = request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
         eos = () if request.ignore_eos else route.model.answer.eos_token_ids
         output = OutputProcessor(route.model.tokenizer, max_new_tokens=max_new,
@@ -215,7 +215,8 @@ class Frontend:
                     yield scheduler_pb2.GenerateResponse(token_id=token_id, logprob=logprob,
                                                          text=text)
                     if finish is not None:
-                        yield self._last(finish.value, output, route, timing, prompt_tokens)
+                        yield self._last(FINISH_PB[finish], output, route, timing,
+                                         prompt_tokens)
                         return
                 if update.end is None:
                     continue
@@ -235,11 +236,12 @@ class Frontend:
             cell.stream = CellStream(cell, STREAM_WRITE_S)
         return cell.stream
 
-    def _last(self, finish, output: OutputProcessor, route: Route, timing: tuple[float, float],
-              prompt_tokens: int, text: str = "") -> scheduler_pb2.GenerateResponse:
+    def _last(self, reason: int, output: OutputProcessor, route: Route,
+              timing: tuple[float, float], prompt_tokens: int,
+              text: str = "") -> scheduler_pb2.GenerateResponse:
+        """The final message: `reason` (a FinishReason) and the usage."""
         self.metrics.tokens.inc(output.num_tokens)
-        reason = _FINISH_PB.get(finish, finish)
-        adapter = (common_pb2.AdapterRef(name=route.adapter.name, version=route.adapter.version)
+        adapter = (AdapterRef(route.adapter.name, route.adapter.version).to_pb()
                    if route.adapter else None)
         return scheduler_pb2.GenerateResponse(
             finish_reason=reason, text=text, usage=scheduler_pb2.Usage(
@@ -248,8 +250,6 @@ class Frontend:
                 adapter=adapter))
 
 
-_FINISH_PB = {Finish.LENGTH.value: scheduler_pb2.FINISH_REASON_LENGTH,
-              Finish.STOP.value: scheduler_pb2.FINISH_REASON_STOP}
 STREAM_WRITE_S = 30.0  # a cell's scheduler that takes no message of its stream this long is down
 
 
@@ -284,14 +284,6 @@ def _failed(error: LoraplexError, cell: Cell, delivered: int, cut: bool) -> Exce
         told.trailers = error.trailers
     told.trailers = (*told.trailers, (wire.TOKENS_DELIVERED, str(delivered)))
     return told
-
-
-def _check_stops(stops) -> None:
-    """The limits a scheduler puts on the stop strings it applies (the gateway applies them)."""
-    if len(stops) > wire.MAX_STOP_STRINGS:
-        raise InvalidArgument(f"at most {wire.MAX_STOP_STRINGS} stop strings, got {len(stops)}")
-    if any(len(s) > wire.MAX_STOP_CHARS for s in stops):
-        raise InvalidArgument(f"stop strings must be at most {wire.MAX_STOP_CHARS} characters")
 
 
 def _unreachable(error: LoraplexError) -> bool:

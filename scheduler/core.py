@@ -121,17 +121,10 @@ class Scheduler(Placement):
             if _all_samples_due(seq):
                 continue  # its last token is on its way: nothing more to compute
             n = min(seq.num_known - seq.num_computed, budget)
-            if n <= 0:
-                continue
-            need = seq.num_computed + n
-            if not ex.blocks.num_missing(seq.seq_id, need):  # (most decode rows)
-                new_blocks = []
-            elif self._make_room(ex, seq, need):
-                new_blocks = ex.blocks.grow(seq.seq_id, need)
-            else:
-                continue
-            rows.append(ScheduledRow(seq, n, new_blocks, samples=need == seq.num_known))
-            budget -= n
+            if n > 0 and self._make_room(ex, seq, seq.num_computed + n):
+                rows.append(ScheduledRow(seq, n, ex.blocks.grow(seq.seq_id, seq.num_computed + n),
+                                         samples=seq.num_computed + n == seq.num_known))
+                budget -= n
         rows = [row for row in rows if row.seq.seq_id in ex.running]
         if ex.is_admitting:
             rows += self._admit(ex, budget)

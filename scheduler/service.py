@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 from common import wire
 from common.adapter_ref import AdapterRef
 from common.credentials import KeyRing, Role
-from common.detokenizer import OutputProcessor
+from common.detokenizer import FINISH_PB, OutputProcessor, check_stops
 from common.errors import (
     InvalidArgument,
     Unavailable,
@@ -33,7 +33,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.request import ErrorEvent, Event, FinishEvent, Request, Status
 from scheduler.stats import ExecutorStats, PoolStats, TenantStats
-from scheduler.streams import FINISH_PB, StreamConnection, check_no_stops, tenant_of
+from scheduler.streams import StreamConnection, check_no_stops, tenant_of
 from scheduler.timings import TimingLog
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         sampling = SamplingParams.from_pb(pb.sampling).validate(info.vocab_size)
         if sampling.seed is None:  # one of its own, so a recompute draws the same tokens
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(64))
-        validation.check_stops(pb, self._config.max_stop_strings, self._config.max_stop_chars)
+        check_stops(pb.stop, self._config.max_stop_strings, self._config.max_stop_chars)
         validation.check_cache_salt(pb.cache_salt)
         adapter, adapter_bytes = None, 0
         if pb.adapter:

@@ -19,15 +19,12 @@ import functools
 from collections.abc import Awaitable, Callable
 
 from common import wire
-from common.detokenizer import Finish
+from common.detokenizer import FINISH_PB, Finish
 from common.errors import InvalidArgument, Unavailable, status_for
 from protos import scheduler_pb2
 from scheduler.core import Scheduler
 from scheduler.metrics import SchedulerMetrics
 from scheduler.request import ErrorEvent, Event, FinishEvent, Request, TokenEvent
-
-FINISH_PB = {Finish.LENGTH: scheduler_pb2.FINISH_REASON_LENGTH,
-             Finish.STOP: scheduler_pb2.FINISH_REASON_STOP}
 
 
 class _Outbox:

@@ -8,7 +8,7 @@ from common.base_fingerprint import is_same_base
 from common.errors import FailedPrecondition, InvalidArgument
 from common.prompt_bounds import min_tokens
 from common.wire import MAX_CACHE_SALT_CHARS
-from protos import common_pb2, executor_pb2, scheduler_pb2
+from protos import common_pb2, executor_pb2
 
 
 def check_prompt(ids: Sequence[int], vocab_size: int) -> None:
@@ -42,13 +42,6 @@ def check_length(prompt_len: int, max_new_tokens: int, info: executor_pb2.InfoRe
         raise InvalidArgument(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) "
                               f"exceeds the context of {limit} tokens: shorten the prompt or ask "
                               "for fewer tokens")
-
-
-def check_stops(req: scheduler_pb2.GenerateRequest, max_strings: int, max_chars: int) -> None:
-    if len(req.stop) > max_strings:
-        raise InvalidArgument(f"at most {max_strings} stop strings, got {len(req.stop)}")
-    if any(len(s) > max_chars for s in req.stop):
-        raise InvalidArgument(f"stop strings must be at most {max_chars} characters")
 
 
 def check_cache_salt(salt: str) -> None:
