@@ -170,9 +170,9 @@ def attend(q: torch.Tensor, kv: PagedKVCache, layer: int, meta: AttentionMeta) -
     for b in meta.decode:
         k, v = kv.gather(layer, b.slots)  # [Sb, Cb, Hkv, D]
         o = F.scaled_dot_product_attention(
-            q[b.rows][:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
+            q.index_select(0, b.rows)[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
             attn_mask=b.mask, enable_gqa=True)  # [Sb, H, 1, D]
-        attn[b.rows] = o[:, :, 0, :]
+        attn.index_copy_(0, b.rows, o[:, :, 0, :])
     for p in meta.prefills:
         k, v = kv.gather(layer, p.ctx_slots)  # [C, Hkv, D]
         o = F.scaled_dot_product_attention(

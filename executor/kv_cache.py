@@ -42,12 +42,14 @@ class PagedKVCache:
         return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v [T, Hkv, D] of this step's rows at flat `slots` [T]."""
-        self.k[layer].view(-1, *k.shape[1:])[slots] = k
-        self.v[layer].view(-1, *v.shape[1:])[slots] = v
+        """Store k, v [T, Hkv, D] of this step's rows at flat `slots` [T] (distinct)."""
+        self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+        self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, slots, v)
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v at flat `slots` of any shape [*S]: each [*S, Hkv, D]."""
-        k_flat = self.k[layer].flatten(0, 1)  # [blocks * block_size, Hkv, D]
-        v_flat = self.v[layer].flatten(0, 1)
-        return k_flat[slots], v_flat[slots]
+        """k, v at flat `slots` of any shape [*S]: each [*S, Hkv, D]. (index_select copies whole
+        [Hkv, D] rows; advanced indexing, element by element, was 6-8x slower on CPU.)"""
+        flat = slots.flatten()
+        k = self.k[layer].flatten(0, 1).index_select(0, flat)  # [S, Hkv, D]
+        v = self.v[layer].flatten(0, 1).index_select(0, flat)
+        return k.view(*slots.shape, *k.shape[1:]), v.view(*slots.shape, *v.shape[1:])

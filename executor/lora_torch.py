@@ -3,19 +3,24 @@ metadata. For every segment s with slot j, in PEFT's order:
 
     out[rows_s] += (x[rows_s] @ A_j^T) @ B_j^T * scale_j      (shrink to rank r, expand back)
 
-Segments longer than `gather_max_rows` (prefill chunks) get one shrink and one expand matmul
-each, at the exact rank. The shorter ones (decode: a row or a few per adapter) go all at once,
-padded to the longest of them: one batched shrink per group and one batched expand per slice, at
-the group's largest rank among them, ranks above a segment's own masked off. That is a handful of
-ops per group instead of two matmuls per segment and projection: what keeps a CPU decode step over
-64 adapters near one over a single adapter.
+Segments of similar length go all at once: those of at most DECODE_MAX_ROWS rows (decode: a row
+or a few per adapter) form one batch, and prefill chunks up to BATCH_MAX_ROWS one batch per
+quarter octave of length (9-10 rows, 11-12, ..., 17-20, ...), so padding adds under 25% to a
+segment. A batch is padded to its longest segment and runs one batched shrink per group and one
+batched expand per slice, at the group's largest rank among its adapters, ranks above a segment's
+own masked off. That is a handful of ops per group instead of two matmuls per segment and
+projection: what keeps a CPU step over 64 adapters near one over a single adapter (a prefill of
+64 chunks of 8-24 rows was ~1.8k small matmul pairs: its LoRA time fell by a quarter). Longer
+segments, and every segment with `exact=True` (the reference the batches are tested against),
+get one shrink and one expand matmul each at their exact rank.
 
-The batched path reads its adapters' A and B stacked side by side ([S, ...], gathered from the
-pool). Decode steps run the same adapters step after step, so the stack is built once and kept
-(`_Stack`) while its slots hold the same weights (the pool's write counts); a step whose adapters
-are a large enough subset of the kept stack (STACK_REUSE_FRACTION) runs over the whole stack, the
-absent slots' rows masked off, rather than copying a new one. The stack costs at most one more
-copy of the slots it holds (the pool's size with every slot in it).
+A batch reads its adapters' A and B stacked side by side ([S, ...], gathered from the pool).
+Decode steps run the same adapters step after step, so a stack is kept (`_Stack`) while its slots
+hold the same weights (the pool's write counts); a batch whose adapters are a large enough subset
+of the kept stack (STACK_REUSE_FRACTION) runs over the whole stack, the absent slots' rows masked
+off, rather than copying a new one. Otherwise the batch gets a stack of its own for the step, and
+the largest batch's replaces the kept one. The kept stack costs at most one more copy of the
+slots it holds (the pool's size with every slot in it).
 """
 
 from __future__ import annotations
@@ -28,8 +33,13 @@ import torch
 from executor.lora_segments import LoraSegments
 from executor.slot_pool import LoraSlotPool, SliceGroup
 
-# A step reuses the kept stack when its short segments' slots are in it and are at least this
-# fraction of it (below, the wasted rows of absent slots would cost more than a new stack).
+# Segments of at most this many rows share one batch (decode); longer ones are batched by length
+# up to BATCH_MAX_ROWS. Longer still, a segment's own matmuls cost more than their Python (and a
+# batch would copy its adapters into a stack): they run on their own, like the exact path.
+DECODE_MAX_ROWS = 8
+BATCH_MAX_ROWS = 32
+# A batch reuses the kept stack when its segments' slots are in it and are at least this fraction
+# of it (below, the wasted rows of absent slots would cost more than a new stack).
 STACK_REUSE_FRACTION = 0.75
 
 
@@ -73,8 +83,10 @@ class _StackedGroup:
 
     a_t: torch.Tensor  # [S, in, n * R]: each slot's A of the group's slices, transposed
     bt: tuple[torch.Tensor, ...]  # per slice [S, R, out]
-    drop: torch.Tensor  # [S, 1, n, R] bool: rank at or above the slot's own for that slice
-    scales: torch.Tensor  # [S, n] in the activations' dtype
+    # [S, 1, n, R] bool: rank at or above the slot's own for that slice (None: every slot has
+    # the group's largest rank in every slice, the usual case, and nothing is masked)
+    drop: torch.Tensor | None
+    scales: torch.Tensor  # [S, n, 1, 1] in the activations' dtype
 
     @classmethod
     def build(cls, layer: int, g: SliceGroup, stack: _Stack, device: torch.device,
@@ -92,24 +104,27 @@ class _StackedGroup:
         bt = g.bt[layer, :, :max_rank].index_select(0, slots)  # [S, R, sum(out)]
         return cls(a_t=a.reshape(num, n * max_rank, -1).transpose(1, 2).contiguous(),
                    bt=tuple(b.contiguous() for b in bt.split(g.out_sizes, dim=-1)),
-                   drop=drop.unsqueeze(1).to(device),
-                   scales=stack.scales[layer, :, m].to(device, dtype))
+                   drop=drop.unsqueeze(1).to(device) if bool(drop.any()) else None,
+                   scales=stack.scales[layer, :, m, None, None].to(device, dtype))
 
 
 @dataclass(frozen=True)
-class _ShortSegments:
+class _SegmentBatch:
     """Segments the torch backend handles together, one row of [S, Lmax] per slot of `stack`
     (padded to the longest segment; a slot of the stack without a segment is all padding)."""
 
-    rows: torch.Tensor  # [S, Lmax] long: each segment's row indices, padding repeats a row
-    valid: torch.Tensor  # [S, Lmax] bool: False on padding
+    rows: torch.Tensor  # [S * Lmax] long: each segment's row indices, padding repeats a row
+    valid: torch.Tensor  # [N] long: the positions in `rows` that are not padding
     flat_rows: torch.Tensor  # [N] long: rows[valid], the rows to update, in that order
     stack: _Stack
-    dense: bool  # no padding (e.g. decode, a row per adapter): rows.flatten() is flat_rows
+    dense: bool  # no padding (e.g. decode, a row per adapter): rows is flat_rows
+    # (start, end) when flat_rows is start..end-1 in order (decode over distinct adapters in the
+    # stack's order; a single segment): x and out are read and written in place, no gather
+    span: tuple[int, int] | None
 
     @classmethod
     def build(cls, segments: list[tuple[int, int, int]], stack: _Stack,
-              device: torch.device) -> _ShortSegments:
+              device: torch.device) -> _SegmentBatch:
         longest = max(end - start for start, end, _ in segments)
         starts = [0] * len(stack.slots)
         lens = [0] * len(stack.slots)
@@ -122,57 +137,84 @@ class _ShortSegments:
         starts_t = torch.tensor(starts).unsqueeze(1)
         valid = offsets < torch.tensor(lens).unsqueeze(1)
         rows = torch.where(valid, starts_t + offsets, starts_t)
-        return cls(rows.to(device), valid.to(device), rows[valid].to(device), stack,
-                   dense=bool(valid.all()))
+        dense = bool(valid.all())
+        flat = rows.flatten()
+        first = int(flat[0])
+        span = (first, first + len(flat)) if dense and torch.equal(
+            flat, torch.arange(first, first + len(flat))) else None
+        return cls(flat.to(device), valid.flatten().nonzero().flatten().to(device),
+                   rows[valid].to(device), stack, dense, span)
 
 
 @dataclass(frozen=True)
 class TorchBatchMeta:
     """The torch backend's per-step metadata, built once and read by every layer and group."""
 
-    long: tuple[tuple[int, int, int], ...]  # (start_row, end_row, slot): one matmul pair each
-    short: _ShortSegments | None  # the short segments, done all at once (None: there are none)
+    alone: tuple[tuple[int, int, int], ...]  # (start_row, end_row, slot): one matmul pair each
+    batches: tuple[_SegmentBatch, ...]  # segments of similar length, each batch all at once
+
+
+def _length_class(rows: int) -> int:
+    """0 for decode segments (<= DECODE_MAX_ROWS); else one class per quarter of an octave (9-10,
+    11-12, 13-14, 15-16, 17-20, ...): padding a segment to its class's longest adds < 25%."""
+    if rows <= DECODE_MAX_ROWS:
+        return 0
+    octave = (rows - 1).bit_length()
+    return 4 * octave + ((rows - 1) >> (octave - 3))
 
 
 class TorchLoraBackend:
-    """Pure torch (see the module docstring). `gather_max_rows=0` keeps every segment on the
-    exact per-segment path (the reference)."""
+    """Pure torch (see the module docstring). `exact=True` runs every segment on its own (the
+    reference)."""
 
-    def __init__(self, pool: LoraSlotPool, *, gather_max_rows: int = 8) -> None:
-        self.pool, self.gather_max_rows = pool, gather_max_rows
-        self._stack: _Stack | None = None  # the short segments' adapters, kept across steps
+    def __init__(self, pool: LoraSlotPool, *, exact: bool = False) -> None:
+        self.pool, self.exact = pool, exact
+        self._stack: _Stack | None = None  # the largest batch's adapters, kept across steps
 
     def prepare(self, row_slots: torch.Tensor) -> TorchBatchMeta:
         segments = LoraSegments.from_row_slots(row_slots).segments
-        short = [seg for seg in segments if seg[1] - seg[0] <= self.gather_max_rows]
-        long = tuple(seg for seg in segments if seg[1] - seg[0] > self.gather_max_rows)
-        if not short:
-            return TorchBatchMeta(long, None)
-        return TorchBatchMeta(long, _ShortSegments.build(short, self._stack_for(short),
-                                                         self.pool.device))
+        if self.exact:
+            return TorchBatchMeta(segments, ())
+        by_length: dict[int, list[tuple[int, int, int]]] = {}
+        alone = []
+        for seg in segments:
+            rows = seg[1] - seg[0]
+            if rows > BATCH_MAX_ROWS:
+                alone.append(seg)
+            else:
+                by_length.setdefault(_length_class(rows), []).append(seg)
+        largest = max(by_length.values(), key=len, default=None)
+        return TorchBatchMeta(tuple(alone), tuple(
+            _SegmentBatch.build(segs, self._stack_for(segs, keep=segs is largest),
+                                self.pool.device)
+            for _, segs in sorted(by_length.items())))
 
-    def _stack_for(self, short: list[tuple[int, int, int]]) -> _Stack:
-        """The kept stack if it holds these segments' slots as they are now, else a new one."""
-        slots = [slot for _, _, slot in short]
+    def _stack_for(self, segments: list[tuple[int, int, int]], keep: bool) -> _Stack:
+        """The kept stack if it holds these segments' slots as they are now, else a new one
+        (kept from now on if `keep`)."""
+        slots = [slot for _, _, slot in segments]
         kept = self._stack
         if (kept is not None and len(slots) >= STACK_REUSE_FRACTION * len(kept.slots)
                 and kept.holds(slots)
                 and self.pool.write_counts(list(kept.slots)) == kept.writes):
             return kept
         index = torch.tensor(slots)
-        self._stack = _Stack(tuple(slots), self.pool.write_counts(slots),
-                             self.pool.rank_table[:, index], self.pool.scale_table[:, index])
-        return self._stack
+        stack = _Stack(tuple(slots), self.pool.write_counts(slots),
+                       self.pool.rank_table[:, index], self.pool.scale_table[:, index])
+        if keep:
+            self._stack = stack
+        return stack
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor,
               meta: TorchBatchMeta) -> None:
         """out [T, sum of the group's out_features] += the group's adapter contributions to
         x [T, in], in place."""
         g = self.pool.groups[group]
-        for module, out_m in zip(g.modules, out.split(g.out_sizes, dim=-1)):
-            self._apply_module(layer, module, x, out_m, meta.long)
-        if meta.short is not None:
-            self._apply_short(layer, group, g, x, out, meta.short)
+        if meta.alone:
+            for module, out_m in zip(g.modules, out.split(g.out_sizes, dim=-1)):
+                self._apply_module(layer, module, x, out_m, meta.alone)
+        for batch in meta.batches:
+            self._apply_batch(layer, group, g, x, out, batch)
 
     def _apply_module(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor,
                       segments: tuple[tuple[int, int, int], ...]) -> None:
@@ -187,19 +229,26 @@ class TorchLoraBackend:
             out[start:end] += (x[start:end] @ a.T) @ b.T * scale
 
     @staticmethod
-    def _apply_short(layer: int, name: str, g: SliceGroup, x: torch.Tensor, out: torch.Tensor,
-                     segs: _ShortSegments) -> None:
+    def _apply_batch(layer: int, name: str, g: SliceGroup, x: torch.Tensor, out: torch.Tensor,
+                     segs: _SegmentBatch) -> None:
         stacked = segs.stack.group(layer, g, name, x.device, x.dtype)
         if stacked is None:
-            return  # no short segment's adapter targets this group here
+            return  # no adapter of the batch targets this group here
         num, n = stacked.a_t.shape[0], len(g.modules)
-        if segs.dense:
-            xs = x.index_select(0, segs.flat_rows).view(num, -1, x.shape[-1])  # [S, Lmax, in]
+        if segs.span is not None:
+            xs = x[segs.span[0]:segs.span[1]].reshape(num, -1, x.shape[-1])  # [S, Lmax, in]
         else:
-            xs = x[segs.rows]
-        t = xs @ stacked.a_t  # [S, Lmax, n*R]
-        t = t.view(num, -1, n, stacked.drop.shape[-1]).masked_fill(stacked.drop, 0.0)
-        pieces = [(t[:, :, s] @ bt) * stacked.scales[:, s, None, None]  # [S, Lmax, out]
+            xs = x.index_select(0, segs.rows).view(num, -1, x.shape[-1])
+        t = (xs @ stacked.a_t).view(num, -1, n, stacked.a_t.shape[-1] // n)  # [S, Lmax, n, R]
+        if stacked.drop is not None:
+            t = t.masked_fill(stacked.drop, 0.0)
+        pieces = [(t[:, :, s] @ bt).mul_(stacked.scales[:, s])  # [S, Lmax, out] per slice
                   for s, bt in enumerate(stacked.bt)]
-        y = torch.cat(pieces, dim=-1)
-        out.index_add_(0, segs.flat_rows, y.view(-1, y.shape[-1]) if segs.dense else y[segs.valid])
+        if segs.span is not None:
+            start, end = segs.span
+            for y, out_s in zip(pieces, out.split(g.out_sizes, dim=-1)):
+                out_s[start:end].add_(y.view(end - start, -1))
+            return
+        # (index_add_ into a column slice of `out` was ~10x slower than into all of it)
+        y = (torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]).view(-1, out.shape[-1])
+        out.index_add_(0, segs.flat_rows, y if segs.dense else y.index_select(0, segs.valid))

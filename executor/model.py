@@ -121,7 +121,8 @@ class Transformer:
             h = h + self._attention(i, x, cos, sin, meta, kv)
             x = rms_norm(h, layer.post_attention_norm, self.config.rms_norm_eps)
             h = h + self._mlp(i, x, meta.lora)
-        last = rms_norm(h[meta.sample_rows], self.weights.norm, self.config.rms_norm_eps)
+        last = rms_norm(h.index_select(0, meta.sample_rows), self.weights.norm,
+                        self.config.rms_norm_eps)
         return F.linear(last, self.weights.lm_head).float()  # [S, vocab]
 
     def _attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

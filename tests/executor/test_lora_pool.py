@@ -128,7 +128,7 @@ def test_outputs_of_a_reused_pool_are_bit_identical(backend):
     def make(pool):
         if backend == "triton":
             return TritonLoraBackend(pool, target_ctas=4)
-        return TorchLoraBackend(pool, gather_max_rows=0 if backend == "torch_exact" else 8)
+        return TorchLoraBackend(pool, exact=backend == "torch_exact")
 
     row_slots = torch.tensor([-1, 0, 0, 1, 2, 2, 2, -1, 1])
     outputs = backend_outputs(CONFIG, make(reused), make(fresh), row_slots, seed=3)

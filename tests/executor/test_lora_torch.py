@@ -1,4 +1,4 @@
-"""The torch LoRA backend's batched path for short segments against its exact per-segment path."""
+"""The torch LoRA backend's batched path against its exact per-segment path."""
 
 import pytest
 import torch
@@ -37,15 +37,25 @@ def pool():
 
 @pytest.mark.parametrize("row_slots", [
     [-1, 0, 0, 0, 1, -1, 3, 3, 2, 4, 4],  # decode-shaped: every segment short
+    [0, 1, 2, 3, 4],  # a row per adapter, every row: read and written in place
     [0] * 12 + [1, -1, 2, 2, 3] + [4] * 9 + [-1, 2],  # prefill-long segments beside short ones
+    [0] * 30,  # one segment of a prefill chunk: in place too
+    # prefill chunks of several length classes, one too long to batch (slot 4), decode rows
+    [0] * 10 + [1] * 16 + [2] * 17 + [3] * 30 + [4] * 40 + [-1] * 3 + [2, 3, 0],
+    [0] * 9 + [1] * 10 + [2] * 12 + [3] * 20 + [1] * 21 + [0] * 32,  # several per class
     [-1, -1, -1],  # no adapter at all
 ])
-def test_gathered_rows_match_per_segment_matmuls(pool, row_slots):
+def test_batched_segments_match_per_segment_matmuls(pool, row_slots):
     row_slots = torch.tensor(row_slots)
-    fast, exact = TorchLoraBackend(pool), TorchLoraBackend(pool, gather_max_rows=0)
+    fast, exact = TorchLoraBackend(pool), TorchLoraBackend(pool, exact=True)
     meta_fast, meta_exact = fast.prepare(row_slots), exact.prepare(row_slots)
-    assert meta_exact.short is None
-    assert (meta_fast.short is not None) == bool((row_slots >= 0).any())
+    assert meta_exact.batches == ()
+    assert not any(end - start <= 32 for start, end, _ in meta_fast.alone)
+    assert bool(meta_fast.batches) == bool((row_slots >= 0).any())
+    for batch in meta_fast.batches:  # padding at most doubles a segment past decode length
+        width = len(batch.rows) // len(batch.stack.slots)
+        lens = torch.bincount(batch.valid // width)
+        assert width <= max(8, 2 * int(lens[lens > 0].min()) - 1)
     for _, _, base, got, want in backend_outputs(CONFIG, fast, exact, row_slots, seed=5):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         untouched = row_slots < 0
@@ -53,7 +63,7 @@ def test_gathered_rows_match_per_segment_matmuls(pool, row_slots):
 
 
 def check_against_exact(backend, pool, row_slots):
-    exact = TorchLoraBackend(pool, gather_max_rows=0)
+    exact = TorchLoraBackend(pool, exact=True)
     for _, _, _, got, want in backend_outputs(CONFIG, backend, exact, torch.tensor(row_slots),
                                               seed=9):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -65,20 +75,36 @@ def test_decode_steps_reuse_one_stack_until_its_slots_are_written(pool):
     or a step over few of them gets a new one. Every step's output equals the exact path's."""
     fast = TorchLoraBackend(pool)
     every = [0, 1, 2, 3, 4]
-    first = fast.prepare(torch.tensor(every)).short.stack
+    first = fast.prepare(torch.tensor(every)).batches[0].stack
     check_against_exact(fast, pool, every)
-    assert fast.prepare(torch.tensor([0, 0, 1, 2, 3, 4])).short.stack is first
+    assert fast.prepare(torch.tensor([0, 0, 1, 2, 3, 4])).batches[0].stack is first
     most = [0, 2, 3, 4]  # 4 of the stack's 5: its rows for slot 1 are all padding
-    assert fast.prepare(torch.tensor(most)).short.stack is first
+    assert fast.prepare(torch.tensor(most)).batches[0].stack is first
     check_against_exact(fast, pool, most)
 
     pool.load(1, random_adapter(CONFIG, 7, 77))
-    rewritten = fast.prepare(torch.tensor(every)).short.stack
+    rewritten = fast.prepare(torch.tensor(every)).batches[0].stack
     assert rewritten is not first
     check_against_exact(fast, pool, every)  # the new weights of slot 1, not the kept copy
 
     few = [3, 4]
-    assert fast.prepare(torch.tensor(few)).short.stack is not rewritten
+    assert fast.prepare(torch.tensor(few)).batches[0].stack is not rewritten
     check_against_exact(fast, pool, few)
     split = [2, 2, 0, 2]  # slot 2 in two runs: a position of the stack for each
     check_against_exact(fast, pool, split)
+
+
+def test_adapters_of_one_rank_need_no_mask_and_match_the_exact_path():
+    """The usual case: every adapter of a batch has the same rank on every projection, so no
+    rank is masked off; decode rows and prefill chunks still equal the exact path's."""
+    pool = LoraSlotPool(CONFIG, num_slots=4, max_rank=16)
+    for slot in range(4):
+        pool.load(slot, random_adapter(CONFIG, 8, 30 + slot, same_rank=True))
+    fast = TorchLoraBackend(pool)
+    decode = [0, 1, 2, 3]
+    meta = fast.prepare(torch.tensor(decode))
+    stacked = meta.batches[0].stack.group(0, pool.groups["qkv"], "qkv", pool.device,
+                                          torch.float32)
+    assert stacked.drop is None
+    check_against_exact(fast, pool, decode)
+    check_against_exact(fast, pool, [0] * 11 + [1] * 12 + [2, 3])
