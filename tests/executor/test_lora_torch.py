@@ -71,8 +71,9 @@ def check_against_exact(backend, pool, row_slots):
 
 def test_decode_steps_reuse_one_stack_until_its_slots_are_written(pool):
     """Decode steps over the same adapters read one stacked copy of them, not a copy per step; a
-    step over most of them reuses it too; a slot written since (another adapter loaded into it)
-    or a step over few of them gets a new one. Every step's output equals the exact path's."""
+    step over half of them or more reuses it too; a slot written since (another adapter loaded
+    into it) or a step over few of them gets a new one. Every step's output equals the exact
+    path's."""
     fast = TorchLoraBackend(pool)
     every = [0, 1, 2, 3, 4]
     first = fast.prepare(torch.tensor(every)).batches[0].stack
@@ -81,6 +82,14 @@ def test_decode_steps_reuse_one_stack_until_its_slots_are_written(pool):
     most = [0, 2, 3, 4]  # 4 of the stack's 5: its rows for slot 1 are all padding
     assert fast.prepare(torch.tensor(most)).batches[0].stack is first
     check_against_exact(fast, pool, most)
+    # 3 of 5, e.g. the decode rows of a step whose other adapters run prefill chunks: reading
+    # the whole stack costs less than copying a new one (and then the old one again)
+    assert fast.prepare(torch.tensor([0, 2, 4])).batches[0].stack is first
+    prefill_step = [0] * 12 + [1, 2, 3, 4]  # the chunk's batch (slot 0) gets a stack of its own
+    meta = fast.prepare(torch.tensor(prefill_step))
+    assert [b.stack is first for b in meta.batches] == [True, False]
+    assert fast.prepare(torch.tensor(every)).batches[0].stack is first  # still kept
+    check_against_exact(fast, pool, prefill_step)
 
     pool.load(1, random_adapter(CONFIG, 7, 77))
     rewritten = fast.prepare(torch.tensor(every)).batches[0].stack
