@@ -14,23 +14,24 @@ projection: what keeps a CPU step over 64 adapters near one over a single adapte
 segments, and every segment with `exact=True` (the reference the batches are tested against),
 get one shrink and one expand matmul each at their exact rank.
 
-A batch reads its adapters' A and B stacked side by side ([S, ...], gathered from the pool).
-Decode steps run the same adapters step after step, so a stack is kept (`_Stack`) while its slots
-hold the same weights (the pool's write counts); a batch whose adapters are a large enough subset
-of the kept stack (STACK_REUSE_FRACTION) runs over the whole stack, the absent slots' rows masked
-off, rather than copying a new one. Otherwise the batch gets a stack of its own for the step, and
-the largest batch's replaces the kept one. The kept stack costs at most one more copy of the
-slots it holds (the pool's size with every slot in it).
+A batch reads its adapters' A and B stacked side by side ([S, ...]: executor/lora_stack.py).
+Decode steps run nearly the same adapters step after step, so one stack is kept and updated in
+place: a new adapter of the step is appended, a slot rewritten since is copied again, the rest is
+not touched. A batch whose adapters, once appended, are at least STACK_REUSE_FRACTION of the kept
+stack runs over all of it, the absent slots' rows masked off; otherwise it gets a stack of its own
+for the step, and the largest batch's replaces the kept one. The kept stack has room for the
+pool's slots (or a step's segments, if more): at most one more copy of the pool.
 """
 
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from executor.lora_segments import LoraSegments
+from executor.lora_stack import AdapterStack
 from executor.slot_pool import LoraSlotPool, SliceGroup
 
 # Segments of at most this many rows share one batch (decode); longer ones are batched by length
@@ -38,77 +39,12 @@ from executor.slot_pool import LoraSlotPool, SliceGroup
 # batch would copy its adapters into a stack): they run on their own, like the exact path.
 DECODE_MAX_ROWS = 8
 BATCH_MAX_ROWS = 32
-# A batch reuses the kept stack when its segments' slots are in it and are at least this fraction
-# of it. The batch then reads every slot of the stack; a new stack would read and write its own
-# slots once more before the batch reads them, so reuse costs less down to about a third. (At
-# 0.75, the decode rows of a prefill step over 64 adapters, ~46 of them, built a stack of their
-# own, kept it, and the next decode step built the 64 again: two copies of ~60-80 MB per prefill.)
+# A batch reuses the kept stack when its segments' slots, the missing ones appended, are at least
+# this fraction of it. The batch then reads every slot of the stack; a new stack would read and
+# write its own slots once more before the batch reads them, so reuse costs less down to about a
+# third. (At 0.75, the decode rows of a prefill step over 64 adapters, ~46 of them, built a stack
+# of their own, and the next decode step built the 64 again: two copies of ~60-80 MB per prefill.)
 STACK_REUSE_FRACTION = 0.5
-
-
-@dataclass
-class _Stack:
-    """Adapters of a set of slots stacked for the batched path, filled per (layer, group) on
-    first use and kept while the pool's write counts of `slots` are `writes`."""
-
-    slots: tuple[int, ...]
-    writes: tuple[int, ...]
-    ranks: torch.Tensor  # [L, S, 7] int32: rank per layer and module (0 = not targeted)
-    scales: torch.Tensor  # [L, S, 7] fp32
-    # slot -> its positions in the stack (a slot whose rows are not contiguous in a step has a
-    # segment, and a position, for each run of rows)
-    index: dict[int, list[int]] = field(init=False)
-    groups: dict[tuple[int, str], _StackedGroup | None] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.index = {}
-        for i, slot in enumerate(self.slots):
-            self.index.setdefault(slot, []).append(i)
-
-    def holds(self, slots: list[int]) -> bool:
-        """Whether every segment of `slots` has a position of its slot in the stack."""
-        return all(len(self.index.get(slot, ())) >= count
-                   for slot, count in collections.Counter(slots).items())
-
-    def group(self, layer: int, g: SliceGroup, name: str, device: torch.device,
-              dtype: torch.dtype) -> _StackedGroup | None:
-        """The stacked A, B^T, rank mask and scales of group `g` at `layer` (None when no slot
-        of the stack targets it there)."""
-        key = (layer, name)
-        if key not in self.groups:
-            self.groups[key] = _StackedGroup.build(layer, g, self, device, dtype)
-        return self.groups[key]
-
-
-@dataclass(frozen=True)
-class _StackedGroup:
-    """Contiguous, as the batched matmuls read them (a strided view would be copied per call)."""
-
-    a_t: torch.Tensor  # [S, in, n * R]: each slot's A of the group's slices, transposed
-    bt: tuple[torch.Tensor, ...]  # per slice [S, R, out]
-    # [S, 1, n, R] bool: rank at or above the slot's own for that slice (None: every slot has
-    # the group's largest rank in every slice, the usual case, and nothing is masked)
-    drop: torch.Tensor | None
-    scales: torch.Tensor  # [S, n, 1, 1] in the activations' dtype
-
-    @classmethod
-    def build(cls, layer: int, g: SliceGroup, stack: _Stack, device: torch.device,
-              dtype: torch.dtype) -> _StackedGroup | None:
-        n = len(g.modules)
-        m = slice(g.first_module, g.first_module + n)
-        ranks = stack.ranks[layer, :, m]  # [S, n]
-        max_rank = int(ranks.max())
-        if max_rank == 0:
-            return None
-        slots = torch.tensor(stack.slots, device=g.a.device)
-        num = len(stack.slots)
-        a = g.a[layer, :, :, :max_rank].index_select(0, slots)  # [S, n, R, in]
-        drop = torch.arange(max_rank) >= ranks.unsqueeze(-1)  # [S, n, R]
-        bt = g.bt[layer, :, :max_rank].index_select(0, slots)  # [S, R, sum(out)]
-        return cls(a_t=a.reshape(num, n * max_rank, -1).transpose(1, 2).contiguous(),
-                   bt=tuple(b.contiguous() for b in bt.split(g.out_sizes, dim=-1)),
-                   drop=drop.unsqueeze(1).to(device) if bool(drop.any()) else None,
-                   scales=stack.scales[layer, :, m, None, None].to(device, dtype))
 
 
 @dataclass(frozen=True)
@@ -116,21 +52,22 @@ class _SegmentBatch:
     """Segments the torch backend handles together, one row of [S, Lmax] per slot of `stack`
     (padded to the longest segment; a slot of the stack without a segment is all padding)."""
 
+    size: int  # S: the batch reads the stack's first S positions
     rows: torch.Tensor  # [S * Lmax] long: each segment's row indices, padding repeats a row
     valid: torch.Tensor  # [N] long: the positions in `rows` that are not padding
     flat_rows: torch.Tensor  # [N] long: rows[valid], the rows to update, in that order
-    stack: _Stack
+    stack: AdapterStack
     dense: bool  # no padding (e.g. decode, a row per adapter): rows is flat_rows
     # (start, end) when flat_rows is start..end-1 in order (decode over distinct adapters in the
     # stack's order; a single segment): x and out are read and written in place, no gather
     span: tuple[int, int] | None
 
     @classmethod
-    def build(cls, segments: list[tuple[int, int, int]], stack: _Stack,
+    def build(cls, segments: list[tuple[int, int, int]], stack: AdapterStack,
               device: torch.device) -> _SegmentBatch:
         longest = max(end - start for start, end, _ in segments)
-        starts = [0] * len(stack.slots)
-        lens = [0] * len(stack.slots)
+        starts = [0] * len(stack)
+        lens = [0] * len(stack)
         taken = collections.Counter()
         for start, end, slot in segments:
             i = stack.index[slot][taken[slot]]
@@ -145,7 +82,7 @@ class _SegmentBatch:
         first = int(flat[0])
         span = (first, first + len(flat)) if dense and torch.equal(
             flat, torch.arange(first, first + len(flat))) else None
-        return cls(flat.to(device), valid.flatten().nonzero().flatten().to(device),
+        return cls(len(stack), flat.to(device), valid.flatten().nonzero().flatten().to(device),
                    rows[valid].to(device), stack, dense, span)
 
 
@@ -172,7 +109,7 @@ class TorchLoraBackend:
 
     def __init__(self, pool: LoraSlotPool, *, exact: bool = False) -> None:
         self.pool, self.exact = pool, exact
-        self._stack: _Stack | None = None  # the largest batch's adapters, kept across steps
+        self._stack: AdapterStack | None = None  # kept across steps (lora_stack.py)
 
     def prepare(self, row_slots: torch.Tensor) -> TorchBatchMeta:
         segments = LoraSegments.from_row_slots(row_slots).segments
@@ -192,21 +129,21 @@ class TorchLoraBackend:
                                 self.pool.device)
             for _, segs in sorted(by_length.items())))
 
-    def _stack_for(self, segments: list[tuple[int, int, int]], keep: bool) -> _Stack:
-        """The kept stack if it holds these segments' slots as they are now, else a new one
-        (kept from now on if `keep`)."""
+    def _stack_for(self, segments: list[tuple[int, int, int]], keep: bool) -> AdapterStack:
+        """The kept stack, brought up to date for these segments' slots, if they would be at
+        least STACK_REUSE_FRACTION of it; else a new one (kept from now on if `keep`)."""
         slots = [slot for _, _, slot in segments]
         kept = self._stack
-        if (kept is not None and len(slots) >= STACK_REUSE_FRACTION * len(kept.slots)
-                and kept.holds(slots)
-                and self.pool.write_counts(list(kept.slots)) == kept.writes):
-            return kept
-        index = torch.tensor(slots)
-        stack = _Stack(tuple(slots), self.pool.write_counts(slots),
-                       self.pool.rank_table[:, index], self.pool.scale_table[:, index])
-        if keep:
-            self._stack = stack
-        return stack
+        if kept is not None:
+            size = len(kept) + len(kept.missing(slots))
+            if size <= kept.capacity and len(slots) >= STACK_REUSE_FRACTION * size:
+                kept.update(slots)
+                return kept
+        if not keep:
+            return AdapterStack(self.pool, slots, capacity=len(slots))
+        self._stack = AdapterStack(self.pool, slots,
+                                   capacity=max(self.pool.num_slots, len(slots)))
+        return self._stack
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor,
               meta: TorchBatchMeta) -> None:
@@ -234,18 +171,18 @@ class TorchLoraBackend:
     @staticmethod
     def _apply_batch(layer: int, name: str, g: SliceGroup, x: torch.Tensor, out: torch.Tensor,
                      segs: _SegmentBatch) -> None:
-        stacked = segs.stack.group(layer, g, name, x.device, x.dtype)
+        stacked = segs.stack.group(layer, name, x.device, x.dtype)
         if stacked is None:
             return  # no adapter of the batch targets this group here
-        num, n = stacked.a_t.shape[0], len(g.modules)
+        num, n = segs.size, len(g.modules)
         if segs.span is not None:
             xs = x[segs.span[0]:segs.span[1]].reshape(num, -1, x.shape[-1])  # [S, Lmax, in]
         else:
             xs = x.index_select(0, segs.rows).view(num, -1, x.shape[-1])
-        t = (xs @ stacked.a_t).view(num, -1, n, stacked.a_t.shape[-1] // n)  # [S, Lmax, n, R]
+        t = (xs @ stacked.a_t[:num]).view(num, -1, n, stacked.rank)  # [S, Lmax, n, R]
         if stacked.drop is not None:
-            t = t.masked_fill(stacked.drop, 0.0)
-        pieces = [(t[:, :, s] @ bt).mul_(stacked.scales[:, s])  # [S, Lmax, out] per slice
+            t = t.masked_fill(stacked.drop[:num], 0.0)
+        pieces = [(t[:, :, s] @ bt[:num]).mul_(stacked.scales[:num, s])  # [S, Lmax, out] each
                   for s, bt in enumerate(stacked.bt)]
         if segs.span is not None:
             start, end = segs.span

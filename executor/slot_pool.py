@@ -70,6 +70,11 @@ class SliceGroup:
     a: torch.Tensor  # [L, num_slots, num_slices, max_rank, in]
     bt: torch.Tensor  # [L, num_slots, max_rank, sum(out_sizes)]: B transposed, rank-major
 
+    @property
+    def modules_slice(self) -> slice:
+        """The group's columns in the pool's per-module tables (rank_table, scale_table)."""
+        return slice(self.first_module, self.first_module + len(self.modules))
+
 
 @dataclass(frozen=True)
 class SlotState:

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from executor.lora_stack import StackedGroup
 from executor.lora_torch import TorchLoraBackend
 from executor.model_config import ModelConfig
 from executor.slot_pool import LoraSlotPool
@@ -69,15 +70,25 @@ def check_against_exact(backend, pool, row_slots):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_decode_steps_reuse_one_stack_until_its_slots_are_written(pool):
-    """Decode steps over the same adapters read one stacked copy of them, not a copy per step; a
-    step over half of them or more reuses it too; a slot written since (another adapter loaded
-    into it) or a step over few of them gets a new one. Every step's output equals the exact
-    path's."""
+def test_decode_steps_keep_one_stack_and_copy_only_what_changed(pool, monkeypatch):
+    """Decode steps over the same adapters read one stacked copy of them, not a copy per step. A
+    step over half of them or more reads the whole stack; a new adapter is appended to it and a
+    slot written since (another adapter loaded into it) is copied again, each alone; a step over
+    few of them gets a stack of its own. Every step's output equals the exact path's."""
+    copied = []
+    original = StackedGroup.copy
+    monkeypatch.setattr(StackedGroup, "copy", lambda self, layer, g, stack, positions: (
+        copied.extend(positions), original(self, layer, g, stack, positions)))
     fast = TorchLoraBackend(pool)
-    every = [0, 1, 2, 3, 4]
-    first = fast.prepare(torch.tensor(every)).batches[0].stack
+    four = [0, 1, 2, 3]
+    first = fast.prepare(torch.tensor(four)).batches[0].stack
+    check_against_exact(fast, pool, four)
+    copied.clear()
+    every = [0, 1, 2, 3, 4]  # slot 4 is new: appended, and only it is copied
+    assert fast.prepare(torch.tensor(every)).batches[0].stack is first
+    assert first.slots == every and set(copied) == {4}
     check_against_exact(fast, pool, every)
+    copied.clear()
     assert fast.prepare(torch.tensor([0, 0, 1, 2, 3, 4])).batches[0].stack is first
     most = [0, 2, 3, 4]  # 4 of the stack's 5: its rows for slot 1 are all padding
     assert fast.prepare(torch.tensor(most)).batches[0].stack is first
@@ -88,19 +99,34 @@ def test_decode_steps_reuse_one_stack_until_its_slots_are_written(pool):
     prefill_step = [0] * 12 + [1, 2, 3, 4]  # the chunk's batch (slot 0) gets a stack of its own
     meta = fast.prepare(torch.tensor(prefill_step))
     assert [b.stack is first for b in meta.batches] == [True, False]
-    assert fast.prepare(torch.tensor(every)).batches[0].stack is first  # still kept
     check_against_exact(fast, pool, prefill_step)
+    assert fast.prepare(torch.tensor(every)).batches[0].stack is first  # still kept
+    copied.clear()
 
-    pool.load(1, random_adapter(CONFIG, 7, 77))
-    rewritten = fast.prepare(torch.tensor(every)).batches[0].stack
-    assert rewritten is not first
-    check_against_exact(fast, pool, every)  # the new weights of slot 1, not the kept copy
+    pool.load(1, random_adapter(CONFIG, 7, 77))  # slot 1 rewritten: copied again, alone
+    assert fast.prepare(torch.tensor(every)).batches[0].stack is first
+    assert set(copied) == {1}
+    check_against_exact(fast, pool, every)  # the new weights of slot 1, not the old copy
 
     few = [3, 4]
-    assert fast.prepare(torch.tensor(few)).batches[0].stack is not rewritten
+    assert fast.prepare(torch.tensor(few)).batches[0].stack is not first
     check_against_exact(fast, pool, few)
     split = [2, 2, 0, 2]  # slot 2 in two runs: a position of the stack for each
     check_against_exact(fast, pool, split)
+    runs = [0, 1, 0, 1, 0, 1, 2, 3, 4]  # more segments than the pool has slots
+    check_against_exact(fast, pool, runs)
+
+
+def test_a_stack_group_is_rebuilt_when_a_slot_needs_a_larger_rank(pool):
+    fast = TorchLoraBackend(pool)
+    low = [3, 4]  # ranks up to 8 and 5
+    stack = fast.prepare(torch.tensor(low)).batches[0].stack
+    check_against_exact(fast, pool, low)
+    ranks = {key: group.rank for key, group in stack.groups.items() if group is not None}
+    pool.load(4, random_adapter(CONFIG, 16, 44))
+    assert fast.prepare(torch.tensor(low)).batches[0].stack is stack
+    check_against_exact(fast, pool, low)
+    assert all(stack.groups[key].rank > rank for key, rank in ranks.items())
 
 
 def test_adapters_of_one_rank_need_no_mask_and_match_the_exact_path():
@@ -112,8 +138,7 @@ def test_adapters_of_one_rank_need_no_mask_and_match_the_exact_path():
     fast = TorchLoraBackend(pool)
     decode = [0, 1, 2, 3]
     meta = fast.prepare(torch.tensor(decode))
-    stacked = meta.batches[0].stack.group(0, pool.groups["qkv"], "qkv", pool.device,
-                                          torch.float32)
+    stacked = meta.batches[0].stack.group(0, "qkv", pool.device, torch.float32)
     assert stacked.drop is None
     check_against_exact(fast, pool, decode)
     check_against_exact(fast, pool, [0] * 11 + [1] * 12 + [2, 3])

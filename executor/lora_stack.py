@@ -1,0 +1,136 @@
+"""Adapters stacked side by side for the torch backend's batched matmuls (executor/lora_torch.py).
+
+A stack gives each of its positions one slot of the pool, and per (layer, group) holds the A and
+B of those slots contiguous in the layout the batched matmuls read ([S, in, n * R] and per slice
+[S, R, out]). Decode steps run nearly the same adapters step after step, so the backend keeps one
+stack and updates it in place instead of copying all of it when the set changes:
+
+    - a slot the stack lacks gets the next free position (its weights copied there, nothing else);
+    - a slot the pool has written since (another adapter loaded into it) is copied again where it
+      sits (the pool's write counts tell);
+    - a group whose largest rank grows past what it was built at is built again, whole.
+
+Running example, a kept stack over slots [4, 7, 2]: a step over slots [7, 2, 9] appends 9 at
+position 3 and copies only slot 9's weights; the step reads positions 0-3, position 0 (slot 4,
+absent from the step) as padding. Positions are only appended, so a batch built over the first S
+positions stays valid while a later batch of the same step appends more.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+import torch
+
+from executor.slot_pool import LoraSlotPool, SliceGroup
+
+
+class AdapterStack:
+    """Slots at positions, their rank and scale tables, and per (layer, group) their stacked
+    weights, filled on first use and kept up to date by `update`."""
+
+    def __init__(self, pool: LoraSlotPool, slots: list[int], capacity: int) -> None:
+        self.pool, self.capacity = pool, capacity
+        self.slots: list[int] = []  # position -> slot
+        self.writes: list[int] = []  # the pool's write count of each position's slot, as copied
+        # slot -> its positions (a slot whose rows are not contiguous in a step has a segment,
+        # and a position, for each run of rows)
+        self.index: dict[int, list[int]] = {}
+        num_layers = pool.rank_table.shape[0]
+        self.ranks = torch.zeros(num_layers, capacity, pool.rank_table.shape[2],
+                                 dtype=pool.rank_table.dtype)  # [L, cap, 7]; 0 = not targeted
+        self.scales = torch.zeros(num_layers, capacity, pool.scale_table.shape[2],
+                                  dtype=pool.scale_table.dtype)  # [L, cap, 7]
+        self.groups: dict[tuple[int, str], StackedGroup | None] = {}
+        self.update(slots)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def missing(self, slots: list[int]) -> list[int]:
+        """The slots (a slot once per segment) without a position of their own yet."""
+        return [slot for slot, count in collections.Counter(slots).items()
+                for _ in range(count - len(self.index.get(slot, ())))]
+
+    def update(self, slots: list[int]) -> None:
+        """Give every segment of `slots` a position, and make every position hold its slot's
+        weights as the pool has them now; copies only what is new or rewritten."""
+        counts = self.pool.write_counts(self.slots)
+        changed = [p for p, (now, then) in enumerate(zip(counts, self.writes)) if now != then]
+        new = self.missing(slots)
+        if len(self.slots) + len(new) > self.capacity:
+            raise ValueError(f"stack of {self.capacity} positions cannot take {len(new)} more")
+        for slot in new:
+            changed.append(len(self.slots))
+            self.index.setdefault(slot, []).append(len(self.slots))
+            self.slots.append(slot)
+        if not changed:
+            return
+        self.writes = self.pool.write_counts(self.slots)
+        positions = torch.tensor(changed)
+        of = torch.tensor([self.slots[p] for p in changed])
+        self.ranks[:, positions] = self.pool.rank_table[:, of]
+        self.scales[:, positions] = self.pool.scale_table[:, of]
+        for (layer, name), group in list(self.groups.items()):
+            g = self.pool.groups[name]
+            if group is None or group.rank < int(self.ranks[layer, :len(self), g.modules_slice]
+                                                  .max()):
+                del self.groups[(layer, name)]  # built again, whole, on its next use
+            else:
+                group.copy(layer, g, self, changed)
+
+    def group(self, layer: int, name: str, device: torch.device,
+              dtype: torch.dtype) -> StackedGroup | None:
+        """The stacked weights of group `name` at `layer` (None when no slot of the stack
+        targets it there)."""
+        key = (layer, name)
+        if key not in self.groups:
+            self.groups[key] = StackedGroup.build(layer, self.pool.groups[name], self, device,
+                                                  dtype)
+        return self.groups[key]
+
+
+@dataclass
+class StackedGroup:
+    """One group's weights at one layer for every position of a stack, contiguous as the batched
+    matmuls read them (a strided view would be copied per call); the first S positions are a
+    batch's view."""
+
+    rank: int  # R: the group's largest rank over the stack's slots when built
+    a_t: torch.Tensor  # [cap, in, n * R]: each position's A of the group's slices, transposed
+    bt: tuple[torch.Tensor, ...]  # per slice [cap, R, out]
+    scales: torch.Tensor  # [cap, n, 1, 1] in the activations' dtype
+    # [S, 1, n, R] bool: rank at or above the slot's own for that slice (None: every slot has
+    # the group's largest rank in every slice, the usual case, and nothing is masked)
+    drop: torch.Tensor | None
+
+    @classmethod
+    def build(cls, layer: int, g: SliceGroup, stack: AdapterStack, device: torch.device,
+              dtype: torch.dtype) -> StackedGroup | None:
+        rank = int(stack.ranks[layer, :len(stack), g.modules_slice].max())
+        if rank == 0:
+            return None
+        n, cap, in_f = len(g.modules), stack.capacity, g.a.shape[-1]
+        group = cls(rank, torch.empty(cap, in_f, n * rank, device=device, dtype=g.a.dtype),
+                    tuple(torch.empty(cap, rank, out, device=device, dtype=g.bt.dtype)
+                          for out in g.out_sizes),
+                    torch.zeros(cap, n, 1, 1, device=device, dtype=dtype), None)
+        group.copy(layer, g, stack, list(range(len(stack))))
+        return group
+
+    def copy(self, layer: int, g: SliceGroup, stack: AdapterStack, positions: list[int]) -> None:
+        """Copy the weights of the slots at `positions` from the pool; recompute the mask."""
+        n, rank, device = len(g.modules), self.rank, self.a_t.device
+        at = torch.tensor(positions, device=device)
+        of = torch.tensor([stack.slots[p] for p in positions], device=g.a.device)
+        a = g.a[layer, :, :, :rank].index_select(0, of)  # [k, n, R, in]
+        self.a_t.index_copy_(0, at, a.reshape(len(positions), n * rank, -1).transpose(1, 2))
+        bt = g.bt[layer, :, :rank].index_select(0, of)  # [k, R, sum(out)]
+        for buf, b in zip(self.bt, bt.split(g.out_sizes, dim=-1)):
+            buf.index_copy_(0, at, b)
+        scales = stack.scales[layer, positions, g.modules_slice]  # [k, n]
+        self.scales.index_copy_(0, at, scales[:, :, None, None].to(device, self.scales.dtype))
+        ranks = stack.ranks[layer, :len(stack), g.modules_slice]  # [S, n]
+        drop = torch.arange(rank) >= ranks.unsqueeze(-1)  # [S, n, R]
+        self.drop = drop.unsqueeze(1).to(device) if bool(drop.any()) else None
