@@ -107,6 +107,12 @@ def test_decode_steps_keep_one_stack_and_copy_only_what_changed(pool, monkeypatc
     assert fast.prepare(torch.tensor(every)).batches[0].stack is first
     assert set(copied) == {1}
     check_against_exact(fast, pool, every)  # the new weights of slot 1, not the old copy
+    copied.clear()
+    pool.load(0, random_adapter(CONFIG, 16, 70))
+    pool.load(3, random_adapter(CONFIG, 8, 73))  # two apart: copied where they sit
+    assert fast.prepare(torch.tensor(every)).batches[0].stack is first
+    assert set(copied) == {0, 3}
+    check_against_exact(fast, pool, every)
 
     few = [3, 4]
     assert fast.prepare(torch.tensor(few)).batches[0].stack is not first
