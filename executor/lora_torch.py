@@ -54,10 +54,11 @@ class _SegmentBatch:
 
     size: int  # S: the batch reads the stack's first S positions
     rows: torch.Tensor  # [S * Lmax] long: each segment's row indices, padding repeats a row
-    valid: torch.Tensor  # [N] long: the positions in `rows` that are not padding
+    # [N] long: the positions in `rows` that are not padding (None: there is none, e.g. decode
+    # with a row per adapter, and `rows` is `flat_rows`)
+    valid: torch.Tensor | None
     flat_rows: torch.Tensor  # [N] long: rows[valid], the rows to update, in that order
     stack: AdapterStack
-    dense: bool  # no padding (e.g. decode, a row per adapter): rows is flat_rows
     # (start, end) when flat_rows is start..end-1 in order (decode over distinct adapters in the
     # stack's order; a single segment): x and out are read and written in place, no gather
     span: tuple[int, int] | None
@@ -82,8 +83,8 @@ class _SegmentBatch:
         first = int(flat[0])
         span = (first, first + len(flat)) if dense and torch.equal(
             flat, torch.arange(first, first + len(flat))) else None
-        return cls(len(stack), flat.to(device), valid.flatten().nonzero().flatten().to(device),
-                   rows[valid].to(device), stack, dense, span)
+        picks = None if dense else valid.flatten().nonzero().flatten().to(device)
+        return cls(len(stack), flat.to(device), picks, rows[valid].to(device), stack, span)
 
 
 @dataclass(frozen=True)
@@ -191,4 +192,5 @@ class TorchLoraBackend:
             return
         # (index_add_ into a column slice of `out` was ~10x slower than into all of it)
         y = (torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]).view(-1, out.shape[-1])
-        out.index_add_(0, segs.flat_rows, y if segs.dense else y.index_select(0, segs.valid))
+        out.index_add_(0, segs.flat_rows,
+                       y if segs.valid is None else y.index_select(0, segs.valid))
