@@ -4,8 +4,9 @@ Placement holds the pool's executors, the requests that had nowhere to go (orpha
 fair counters and the totals of ended requests, and the moves of a request between places:
 routed to the executor where it would start soonest (routing.py) and queued there, its adapter
 brought in (a slot claimed and loaded, or the store asked to warm it), moved when another executor
-would start it sooner, preempted back into a queue, released, ended. Scheduler (core.py) adds the
-step, admission, loads and the rest of an executor's life on top.
+would start it sooner, preempted back into a queue, released, ended. ExecutorEvents
+(executor_events.py) adds loads and an executor's life on top, Scheduler (core.py) the step and
+admission.
 """
 
 import itertools
