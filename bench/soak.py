@@ -15,7 +15,6 @@ the client's deadline). Then Stats and executors' Info must come back to idle.
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import importlib.metadata
 import os
@@ -28,6 +27,7 @@ import time
 from collections import Counter
 
 import grpc
+from soak_faults import DEFAULT_AT, FAULT_KINDS, fault_spec, inject, leaks, thaw
 from soak_records import (
     MAX_NEW_TOKENS,
     Combo,
@@ -41,18 +41,15 @@ from soak_records import (
 from common.server import insecure_channel, run
 from loraplex import client, demo
 from loraplex.demo_tasks import TASKS, held_out
-from loraplex.launch import Fleet, FleetKeys, start_gateway, start_service
-from protos import executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from loraplex.launch import Fleet, FleetKeys, start_gateway
+from protos import scheduler_pb2_grpc
 from scheduler.executor_state import Limits
 from scheduler.timeouts import Timeouts
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "soak-cpu.md"
-FAULT_KINDS = ("executor-stop", "store-kill", "s3-stop")
-DEFAULT_AT = (0.05, 0.25, 0.65)  # when each fault starts, as a fraction of --duration-s
 KINDS = ("correct", "wrong", "retryable", "failed", "hung")
 HANG_MARGIN_S = 10.0  # a call not ended this long after its gRPC deadline is hung
-SETTLE_S = 30.0  # how long the pool may take to come back to idle after the load
 # Scheduler settings for a run of minutes: 16 sequences per executor keeps a queue (saturation);
 # the rest bound the waits on a frozen or dead part. Each goes in only if the scheduler has it.
 SCHEDULER = {"max_num_seqs": 16, "step_floor_s": 3.0, "step_warmup_s": 20.0, "rpc_s": 2.0,
@@ -60,13 +57,6 @@ SCHEDULER = {"max_num_seqs": 16, "step_floor_s": 3.0, "step_warmup_s": 20.0, "rp
              "max_queue_s": 45.0, "max_load_backoff_s": 4.0}
 EXECUTOR = ["--threads", "1", "--adapter-slots", "12", "--max-rank", "16", "--kv-blocks", "512"]
 STORE = ["--host-cache-mb", "8"]  # below the adapters' ~35 MB: loads keep reading S3
-
-
-def thaw(frozen: set[int]) -> None:
-    """SIGCONT every process group this run SIGSTOPped (called on every way out)."""
-    while frozen:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(frozen.pop(), signal.SIGCONT)
 
 
 def plan(num_tenants: int, num_prompts: int) -> dict[str, list[Combo]]:
@@ -152,73 +142,6 @@ async def soak(stub, plans: dict[str, list[Combo]], expected: dict[Combo, tuple]
 
     await asyncio.gather(progress(), *(tenant_loop(t, random.Random(t)) for t in plans))
     return records
-
-
-async def inject(fault: Fault, fleet: Fleet, s3, frozen: set[int], t0: float, fault_s: float,
-                 store_flags: list[str]) -> None:
-    await asyncio.sleep(max(0.0, t0 + fault.at_s - time.monotonic()))
-    fault.start = time.monotonic()
-    if fault.kind == "store-kill":
-        store = fleet.by_name("adapter_store")[0]
-        store.kill()
-        fault.note = f"{store.name} SIGKILL, down {fault_s:.0f} s, restarted on {store.address}"
-        await asyncio.sleep(fault_s)
-        args = ["--url", fleet.store_url, "--address", store.address, *store_flags,
-                *fleet.store_args]
-
-        def restart() -> None:  # records what it started itself, even if the run is cancelled
-            fleet.services[fleet.services.index(store)] = start_service(
-                store.name, "adapter_store.service", args, fleet.log_dir, timeout=60.0)
-
-        try:
-            await asyncio.to_thread(restart)
-            fault.note += f", listening {time.monotonic() - fault.start - fault_s:.1f} s later"
-        except (RuntimeError, TimeoutError) as exc:
-            fault.note += f": restart FAILED: {exc}"
-    else:
-        target = fleet.by_name("executor")[0] if fault.kind == "executor-stop" else None
-        fault.note = f"{target.name if target else 'SeaweedFS'} SIGSTOP, SIGCONT {fault_s:.0f} s on"
-        pgid = target.process.pid if target else s3.process.pid  # each leads its process group
-        frozen.add(pgid)
-        os.killpg(pgid, signal.SIGSTOP)
-        try:
-            await asyncio.sleep(fault_s)
-        finally:
-            frozen.discard(pgid)
-            thaw({pgid})
-    fault.end = time.monotonic()
-
-
-async def leaks(fleet: Fleet) -> tuple[list[str], list[str], float]:
-    """Poll Stats (admin key) and each executor's Info until idle, for at most SETTLE_S:
-    (leaks, a line per executor, seconds waited)."""
-    start = time.monotonic()
-    while True:
-        problems, lines = [], []
-        try:
-            async with insecure_channel(fleet.scheduler, fleet.keys.admin) as channel:
-                stats = await scheduler_pb2_grpc.SchedulerStub(channel).Stats(
-                    scheduler_pb2.StatsRequest(), timeout=5)
-            for ex in stats.executors:
-                pins = sum(s.pins for s in ex.slots)
-                async with insecure_channel(ex.address, fleet.keys.service) as channel:
-                    held = (await executor_pb2_grpc.ExecutorStub(channel).Info(
-                        executor_pb2.InfoRequest(), timeout=5)).num_sequences
-                lines.append(f"{ex.address}: up {ex.is_up}, running {ex.running}, queued "
-                             f"{ex.queued}, free KV blocks {ex.free_kv_blocks}/{ex.num_kv_blocks},"
-                             f" slot pins {pins}; its Info: num_sequences {held}")
-                if ex.running or ex.queued or pins or ex.free_kv_blocks != ex.num_kv_blocks:
-                    problems.append(f"the scheduler's {ex.address} is not idle")
-                if held != 0:
-                    problems.append(f"executor {ex.address} holds {held} sequences")
-            problems += [f"tenant {t.tenant}: queued {t.queued}, running {t.running}"
-                         for t in stats.tenants if t.queued or t.running]
-        except grpc.aio.AioRpcError as exc:
-            problems = [f"Stats or Info: {exc.code().name}: {exc.details()}"]
-        waited = time.monotonic() - start
-        if not problems or waited > SETTLE_S:
-            return problems, lines, waited
-        await asyncio.sleep(0.5)
 
 
 async def measure(fleet: Fleet, s3, frozen: set[int], plans, faults: list[Fault], args) -> dict:
@@ -357,13 +280,6 @@ def parse_args() -> argparse.Namespace:
     args.faults = [] if args.no_faults else args.fault or [
         Fault(kind, at * args.duration_s) for kind, at in zip(FAULT_KINDS, DEFAULT_AT)]
     return args
-
-
-def fault_spec(spec: str) -> Fault:
-    kind, _, at = spec.partition("@")
-    if kind not in FAULT_KINDS:
-        raise argparse.ArgumentTypeError(f"{spec!r}: KIND must be one of {FAULT_KINDS}")
-    return Fault(kind, float(at))
 
 
 def main() -> None:
