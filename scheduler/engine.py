@@ -94,7 +94,7 @@ class ExecutorLink:
         """The answer to the oldest step sent, `plan` (UNAVAILABLE past `seconds`, or when it
         does not bring a sample for each row that ends its sequence's known tokens)."""
         resp = await self._read(seconds)
-        due = sum(row.samples for row in plan.rows)
+        due = plan.num_samples
         if not due == len(resp.sample_seq_ids) == len(resp.sample_token_ids) == len(
                 resp.sample_logprobs):
             raise Unavailable(f"executor {self.address} answered a step due {due} samples with "

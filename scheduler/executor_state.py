@@ -213,6 +213,11 @@ class StepPlan:
         return sum(row.num_tokens for row in self.rows)
 
     @functools.cached_property
+    def num_samples(self) -> int:
+        """Rows whose answer brings a sampled token (they end their sequence's known tokens)."""
+        return sum(row.samples for row in self.rows)
+
+    @functools.cached_property
     def num_adapters(self) -> int:
         """Distinct adapters (slots) among the rows."""
         return len({row.seq.slot.index for row in self.rows if row.seq.slot})
