@@ -32,13 +32,19 @@ CLIENT_OPTIONS = CHANNEL_OPTIONS + [("grpc.lb_policy_name", "round_robin")]
 # answer within 10 s: a frozen or vanished client (a scheduler holding an executor's only step
 # stream, an executor in the middle of a Fetch) releases what its calls held.
 # Clients that ping (KEEPALIVE_OPTIONS) are let ping every 5 s, and never sent away for it.
+# The wait for a ping's answer is grpc.http2.ping_timeout_ms (default 60 s) in the gRPC we pin:
+# keepalive_timeout_ms alone is not applied, so a frozen peer was found after 60 s, not 10 or 5
+# (measured with grpc 1.85: a SIGSTOPped server broke a pinging client's stream after 60.2 s,
+# 5.4 s with the ping timeout set; tests/common/test_keepalive.py).
 SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.keepalive_time_ms", 30_000),
                                     ("grpc.keepalive_timeout_ms", 10_000),
+                                    ("grpc.http2.ping_timeout_ms", 10_000),
                                     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
                                     ("grpc.http2.max_ping_strikes", 0)]
 # A client whose calls may wait long for a first answer (a gateway's Generate on a scheduler)
 # pings during them: a frozen server is a broken call (UNAVAILABLE) within 15 s.
 KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+                     ("grpc.http2.ping_timeout_ms", 5_000),
                      ("grpc.keepalive_permit_without_calls", 0)]
 
 
