@@ -143,8 +143,9 @@ def gather_bmm(pool, group: str, x, out, row_slots) -> None:
         off += n
 
 
-def host_us(fn, n: int = 50) -> float:
-    """Host time per call (launch overhead), queueing n calls without waiting for the GPU."""
+def host_us(fn, n: int = 2 if OPTS.smoke else 50) -> float:
+    """Host time per call (launch overhead), queueing n calls without waiting for the GPU (smoke:
+    2, each call a run of the interpreter)."""
     fn()
     sync()
     t0 = time.perf_counter()
