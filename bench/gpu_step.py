@@ -45,7 +45,8 @@ class Driver:
             self.state[r.seq_id][0] += r.num_tokens
 
 
-WARMUP = 1 if OPTS.smoke else 3  # decode steps before the timed ones (smoke: the interpreter)
+WARMUP = 0 if OPTS.smoke else 3  # decode steps before the timed ones (smoke: none, the interpreter)
+PROMPT_LEN = 8 if OPTS.smoke else 32  # tokens per sequence prefilled before the decode steps
 
 
 def time_decode(runner, slots: list[int], prompt_len: int, steps: int) -> tuple[float, float]:
@@ -94,19 +95,19 @@ def decode_step(copy_gbs: float) -> None:
              (f"{num_rows} distinct adapters", list(range(num_rows)), num_rows)]
     rows, base_ms = [], None
     for name, slots, num_adapters in cases:
-        prefill_ms, ms = time_decode(runner, slots, 32, steps)
+        prefill_ms, ms = time_decode(runner, slots, PROMPT_LEN, steps)
         floor_ms = (base_bytes + num_adapters * per_adapter) / copy_gbs / 1e6
         base_ms = base_ms or ms
         rows.append([name, "triton", ms, ms / base_ms, floor_ms, ms / floor_ms, prefill_ms])
         print(rows[-1], flush=True)
     runner.lora = runner.model.lora = TorchLoraBackend(runner.pool)
-    prefill_ms, ms = time_decode(runner, list(range(num_rows)), 32, 2)
+    prefill_ms, ms = time_decode(runner, list(range(num_rows)), PROMPT_LEN, 2)
     floor_ms = (base_bytes + num_rows * per_adapter) / copy_gbs / 1e6
     rows.append([f"{num_rows} distinct adapters", "torch", ms, ms / base_ms, floor_ms,
                  ms / floor_ms, prefill_ms])
     REPORT.append(
         f"Median of {steps} decode steps (after {WARMUP} warm-up) of {num_rows} sequences, "
-        f"32-token prompts, rank-{rank} adapters on all 7 projections "
+        f"{PROMPT_LEN}-token prompts, rank-{rank} adapters on all 7 projections "
         f"({per_adapter / 1e6:.0f} MB each). "
         f"Floor = (base weights read per step {base_bytes / 1e9:.2f} GB + adapters' bytes) / "
         f"copy bandwidth. Targets: 1 adapter <= 1.05x base; {num_rows} distinct <= 1.15x floor."
@@ -195,7 +196,7 @@ def adapter_load(runner, rank: int, steps: int) -> None:
                          "slot bit-exact"], rows))
     # Decode steps of every other slot while a thread loads the spare one again and again.
     busy = list(range(slot))
-    _, alone_ms = time_decode(runner, busy, 32, steps)
+    _, alone_ms = time_decode(runner, busy, PROMPT_LEN, steps)
     stop, num_loads = threading.Event(), [0]
 
     staged, source = loaded[pool.a["q_proj"].dtype]
@@ -209,7 +210,7 @@ def adapter_load(runner, rank: int, steps: int) -> None:
     thread = threading.Thread(target=keep_loading, daemon=True)
     thread.start()
     try:
-        _, beside_ms = time_decode(runner, busy, 32, steps)
+        _, beside_ms = time_decode(runner, busy, PROMPT_LEN, steps)
     finally:
         stop.set()
         thread.join()
