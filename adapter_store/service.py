@@ -37,8 +37,7 @@ from common.errors import (
 )
 from common.metrics import serve_metrics
 from common.peft.config import parse_config
-from common.peft.safetensors_header import WEIGHTS_FILE
-from common.peft.tensors import check_weights_file
+from common.peft.safetensors_header import WEIGHTS_FILE, check_weights_file
 from common.wire import PUSH_ACCEPTED
 from protos import adapter_store_pb2 as pb
 from protos import adapter_store_pb2_grpc, common_pb2

@@ -16,9 +16,9 @@ import zlib
 from adapter_store.base_models import BaseModel
 from common.errors import FailedPrecondition, InvalidArgument
 from common.peft.config import parse_config
+from common.peft.finite import check_finite
 from common.peft.layout import check_fits, plan_adapter
-from common.peft.safetensors_header import parse_header
-from common.peft.tensors import as_uint8, check_finite, check_weights_file, tensor_views
+from common.peft.safetensors_header import check_weights_file, parse_header
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +53,7 @@ def validate_adapter(config_json: str, weights_filename: str, data: bytes, *,
     if base is not None:
         check_base_model_revision(config.revision, base)
         check_fits(layout, base.shapes)
-    raw = as_uint8(data)
-    check_finite(raw, layout, tensor_views(raw, layout))
+    check_finite(data, layout)
     return AdapterSpec(
         base_model=config.base_model, use_rslora=config.use_rslora, alpha=config.alpha,
         rank=config.max_rank, target_modules=layout.target_modules, num_bytes=len(data),

@@ -8,10 +8,11 @@ import torch
 
 from common.errors import FailedPrecondition, InvalidArgument
 from common.peft.config import parse_config
+from common.peft.finite import check_finite
 from common.peft.layout import BaseShapes, check_fits, plan_adapter
 from common.peft.modules import LORA_MODULES
-from common.peft.safetensors_header import WEIGHTS_FILE, parse_header
-from common.peft.tensors import as_uint8, check_finite, check_weights_file, tensor_views
+from common.peft.safetensors_header import WEIGHTS_FILE, check_weights_file, parse_header
+from common.peft.tensors import as_uint8, tensor_views
 from executor.model_config import ModelConfig
 from executor.slot_pool import LoraModuleWeights, LoraWeights
 
@@ -42,11 +43,12 @@ def parse_peft_adapter(config_json: str, safetensors_bytes: bytes | torch.Tensor
         raise FailedPrecondition(f"adapter was trained on base model {wanted!r}, this pool "
                                  f"serves {model.model_id!r}")
     raw = as_uint8(safetensors_bytes)
-    check_weights_file(WEIGHTS_FILE, raw[:16].numpy().tobytes())
-    layout = plan_adapter(config, parse_header(raw.numpy()))
+    data = raw.numpy()
+    check_weights_file(WEIGHTS_FILE, data[:16].tobytes())
+    layout = plan_adapter(config, parse_header(data))
     check_fits(layout, model_shapes(model))
+    check_finite(data, layout)
     views = tensor_views(raw, layout)
-    check_finite(raw, layout, views)
     return LoraWeights(modules={
         key: LoraModuleWeights(a=a.to(dtype or a.dtype), b=b.to(dtype or b.dtype),
                                scale=layout.modules[key].scale)

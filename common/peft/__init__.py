@@ -4,7 +4,9 @@ executors read every load with it.
     modules             the 7 projections, their shapes, PEFT's tensor names
     config              adapter_config.json (bounded, plain LoRA only)
     patterns            target_modules / rank_pattern / alpha_pattern regexes, matched with a bound
-    safetensors_header  the safetensors header, bounds-checked before anything is allocated
+    safetensors_header  the safetensors header, bounds-checked before anything is allocated;
+                        pickle refused
     layout              which tensor is which projection's A or B, at what rank and scale
-    tensors             the weights as views into the file's bytes; pickle refused; finiteness
+    finite              every value finite, on the bytes (numpy: the store loads no torch)
+    tensors             the weights as torch views into the file's bytes (executors)
 """

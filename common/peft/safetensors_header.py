@@ -21,6 +21,7 @@ DTYPE_BYTES = {
     "U64": 8, "I64": 8, "F64": 8,
 }
 WEIGHTS_FILE = "adapter_model.safetensors"
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,3 +107,19 @@ def _check_tiling(entries: list[TensorEntry], data_len: int) -> None:
     if position != data_len:
         raise _invalid(f"{data_len - position} bytes after the last tensor are not part of any "
                        "tensor")
+
+
+def check_weights_file(filename: str, head: bytes) -> None:
+    """Only safetensors named adapter_model.safetensors is accepted: pickle is refused by its
+    name and by its first bytes (`head`, at least 9 of them when there are that many)."""
+    if filename.endswith(_PICKLE_SUFFIXES):
+        raise InvalidArgument(f"weights file {filename!r} is a pickle checkpoint; only "
+                              f"safetensors is accepted: save the adapter as {WEIGHTS_FILE}")
+    if filename != WEIGHTS_FILE:
+        raise InvalidArgument(f"weights file {filename!r} is not accepted; only safetensors is "
+                              f"accepted, named {WEIGHTS_FILE}")
+    # Pickle starts 0x80 <protocol>, torch's zip format "PK\3\4"; safetensors has '{' at byte 8.
+    is_pickle = head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
+    if (is_pickle or head[:4] == b"PK\x03\x04") and head[8:9] != b"{":
+        raise InvalidArgument(f"{WEIGHTS_FILE} holds a pickle/torch.save checkpoint; only "
+                              "safetensors is accepted (use safetensors.torch.save_file)")

@@ -9,6 +9,7 @@
 
 import ast
 import pathlib
+import subprocess
 import sys
 
 import pytest
@@ -65,3 +66,14 @@ def test_kernels_import_only_torch_and_triton():
 def test_every_package_is_placed_in_a_layer():
     packages = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests"}
     assert packages == FIRST_PARTY, "a new top-level package needs its place in ALLOWED"
+
+
+@pytest.mark.parametrize("service", ["scheduler", "gateway", "adapter_store"])
+def test_control_plane_services_start_without_torch(service):
+    """Only executors compute: the scheduler, the gateway and the adapter store (which checks
+    pushed weights with numpy, common/peft/finite.py) never import torch, which takes seconds to
+    load and would be in every replica's start."""
+    probe = f"import sys, {service}.service; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert out.strip() == "False", f"{service}.service imports torch"
