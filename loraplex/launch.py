@@ -6,6 +6,7 @@ gateway-http, then gateway); `start_service` waits for that line, so callers get
 of pools.
 """
 
+import itertools
 import os
 import pathlib
 import re
@@ -31,14 +32,22 @@ class ServiceProcess:
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM (graceful drain), then SIGKILL after `grace` seconds."""
+        self.terminate()
+        self.wait_stopped(grace)
+
+    def terminate(self) -> None:
+        """SIGTERM: the service drains and exits (wait_stopped waits for it)."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             self.thaw()  # a frozen process would not act on it
-            try:
-                self.process.wait(grace)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+
+    def wait_stopped(self, grace: float) -> None:
+        """Wait up to `grace` seconds for the process to exit; then SIGKILL."""
+        try:
+            self.process.wait(grace)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
     def kill(self) -> None:
         self.process.kill()
@@ -140,33 +149,53 @@ class Fleet:
         return f"127.0.0.1:{self.base_port + offset if self.base_port else 0}"
 
     def start(self) -> "Fleet":
+        """Stores, then executors (they are given the stores' addresses), then the scheduler
+        (given theirs); the services of a tier start at once, each tier once the one before
+        listens."""
         keys = self.keys.write(self.log_dir / "keys") if self.keys else {}
         try:
             if not self.store_addresses:
-                for i in range(self.num_stores):
-                    self._start(f"adapter_store-{i}", "adapter_store.service",
-                                ["--url", self.store_url, "--address", self._address(1 + i),
-                                 *keys.get("store", ()), *self.store_args])
+                self._start_tier([
+                    (f"adapter_store-{i}", "adapter_store.service",
+                     ["--url", self.store_url, "--address", self._address(1 + i),
+                      *keys.get("store", ()), *self.store_args])
+                    for i in range(self.num_stores)])
             store_flags = [f for address in self.stores for f in ("--store", address)]
-            executors = [self._start(f"executor-{i}", "executor.service",
-                                     ["--model", self.model,
-                                      "--address", self._address(1 + self.num_stores + i),
-                                      *store_flags, *keys.get("executor", ()),
-                                      *self.executor_args])
-                         for i in range(self.num_executors)]
-            self._start("scheduler", "scheduler.service",
-                        ["--address", self._address(0), *store_flags,
-                         *keys.get("scheduler", ()), *self.scheduler_args,
-                         *(f for e in executors for f in ("--executor", e.address))])
+            executors = self._start_tier([
+                (f"executor-{i}", "executor.service",
+                 ["--model", self.model, "--address", self._address(1 + self.num_stores + i),
+                  *store_flags, *keys.get("executor", ()), *self.executor_args])
+                for i in range(self.num_executors)])
+            self._start_tier([("scheduler", "scheduler.service",
+                               ["--address", self._address(0), *store_flags,
+                                *keys.get("scheduler", ()), *self.scheduler_args,
+                                *(f for e in executors for f in ("--executor", e.address))])])
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _start(self, name: str, module: str, args: list[str]) -> ServiceProcess:
-        service = start_service(name, module, args, self.log_dir)
-        self.services.append(service)
-        return service
+    def _start_tier(self, specs: list[tuple[str, str, list[str]]]) -> list[ServiceProcess]:
+        """Start every (name, module, args) at once; the services in `specs`' order. When one
+        fails, those that started are kept in `services` (to be stopped) and the error raised."""
+        started: list[ServiceProcess | None] = [None] * len(specs)
+        errors: list[BaseException] = []
+
+        def start(i: int) -> None:
+            try:
+                started[i] = start_service(*specs[i][:2], specs[i][2], self.log_dir)
+            except BaseException as err:  # noqa: BLE001 (raised below, in the caller's thread)
+                errors.append(err)
+
+        threads = [threading.Thread(target=start, args=(i,)) for i in range(len(specs))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        self.services += [service for service in started if service is not None]
+        if errors:
+            raise errors[0]
+        return started
 
     def by_name(self, prefix: str) -> list[ServiceProcess]:
         return [s for s in self.services if s.name.startswith(prefix)]
@@ -179,10 +208,16 @@ class Fleet:
     def stores(self) -> list[str]:
         return self.store_addresses or [s.address for s in self.by_name("adapter_store")]
 
-    def stop(self) -> None:
-        """Stop the scheduler first (it drains), then executors, then stores."""
-        for service in reversed(self.services):
-            service.stop()
+    def stop(self, grace: float = 10.0) -> None:
+        """Stop in the reverse of the start's order, a tier at once: the scheduler first (it
+        drains), then the executors together, then the stores together."""
+        for _, tier in itertools.groupby(reversed(self.services),
+                                         key=lambda service: service.name.split("-")[0]):
+            tier = list(tier)
+            for service in tier:
+                service.terminate()
+            for service in tier:
+                service.wait_stopped(grace)
         self.services.clear()
 
     def __enter__(self) -> "Fleet":
