@@ -182,8 +182,9 @@ class Fleet:
         errors: list[BaseException] = []
 
         def start(i: int) -> None:
+            name, module, args = specs[i]
             try:
-                started[i] = start_service(*specs[i][:2], specs[i][2], self.log_dir)
+                started[i] = start_service(name, module, args, self.log_dir)
             except BaseException as err:  # noqa: BLE001 (raised below, in the caller's thread)
                 errors.append(err)
 
