@@ -199,10 +199,17 @@ class Frontend:
         upstream.max_new_tokens = max_new
         stream = self._stream_to(cell)
         stream_id, updates = stream.submit(upstream, tenant, deadline - time.monotonic())
+        # One timer for the whole request, not one per token: at the deadline it queues
+        # _DEADLINE behind the updates already there.
+        expiry = asyncio.get_running_loop().call_later(
+            max(deadline - time.monotonic(), 0.0), updates.put_nowait, _DEADLINE)
         timing, prompt_tokens = (0.0, 0.0), len(request.token_ids.ids)
         try:
             while True:
-                update = await _next_update(updates, deadline, output.num_tokens)
+                update = await updates.get()
+                if update is _DEADLINE:
+                    raise DeadlineExceeded(f"the request's deadline passed ({output.num_tokens} "
+                                           "tokens delivered)")
                 if isinstance(update, LoraplexError):  # the stream closed
                     if _unreachable(update) and cell.is_up:
                         self._pools.cell_failed(cell, str(update))
@@ -229,6 +236,7 @@ class Frontend:
                                  text=output.close())
                 return
         finally:
+            expiry.cancel()
             stream.cancel(stream_id)  # (a request that finished there is no longer open)
 
     def _stream_to(self, cell: Cell) -> CellStream:
@@ -253,21 +261,15 @@ class Frontend:
 STREAM_WRITE_S = 30.0  # a cell's scheduler that takes no message of its stream this long is down
 
 
+_DEADLINE = object()  # queued in a request's updates when its deadline passes
+
+
 class _NothingDelivered(Exception):
     """A cell failed a request before its first token: another cell may serve it."""
 
     def __init__(self, error: LoraplexError):
         super().__init__(str(error))
         self.error = error
-
-
-async def _next_update(updates: asyncio.Queue, deadline: float, delivered: int):
-    try:
-        async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
-            return await updates.get()
-    except TimeoutError:
-        raise DeadlineExceeded(f"the request's deadline passed ({delivered} tokens delivered)"
-                               ) from None
 
 
 def _failed(error: LoraplexError, cell: Cell, delivered: int, cut: bool) -> Exception:
