@@ -12,7 +12,7 @@ from loraplex.launch import Fleet, start_gateway
 from protos import scheduler_pb2_grpc
 
 STEP_S = 0.2  # the benchmark executor's step: a token every 0.2 s
-TIMEOUT_S = 1.5
+TIMEOUT_S = 3.0  # ~15 tokens in: the first comes well before it even on a busy machine
 
 
 async def test_a_request_past_its_deadline_ends_with_the_count_of_what_it_got(tmp_path):
