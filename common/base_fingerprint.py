@@ -34,7 +34,7 @@ import re
 from pathlib import Path
 
 from common.errors import InvalidArgument
-from common.peft.safetensors_header import WEIGHTS_FILE, TensorEntry, parse_header
+from common.peft.safetensors_header import WEIGHTS_FILE, TensorEntry, data_start, parse_header
 from protos import common_pb2
 
 FINGERPRINT_VERSION = b"loraplex base fingerprint v1"
@@ -88,16 +88,16 @@ def base_fingerprint(model_dir: str | Path) -> str | None:
         for path in files:
             fd = os.open(path, os.O_RDONLY)
             stack.callback(os.close, fd)
-            data_start, entries = _read_header(fd, path)
+            start, entries = _read_header(fd, path)
             for name, entry in entries.items():
                 if name in tensors:
                     raise ValueError(f"{model_dir}: tensor {name!r} is in more than one shard")
-                tensors[name] = (path, fd, data_start, entry)
+                tensors[name] = (path, fd, start, entry)
         for name in sorted(tensors):
-            path, fd, data_start, entry = tensors[name]
+            path, fd, start, entry = tensors[name]
             _add(digest, json.dumps([name, entry.dtype, list(entry.shape)]).encode())
             for begin, end in sample_ranges(entry.begin, entry.end):
-                sample = os.pread(fd, end - begin, data_start + begin)
+                sample = os.pread(fd, end - begin, start + begin)
                 if len(sample) != end - begin:
                     raise ValueError(f"{path}: file ends inside tensor {name!r} (truncated?)")
                 _add(digest, sample)
@@ -159,4 +159,4 @@ def _read_header(fd: int, path: Path) -> tuple[int, dict[str, TensorEntry]]:
         entries = parse_header(view)
     except InvalidArgument as err:
         raise ValueError(f"{path}: {str(err).removeprefix(WEIGHTS_FILE + ': ')}") from None
-    return 8 + int.from_bytes(view[:8], "little"), entries
+    return data_start(view), entries

@@ -14,7 +14,7 @@ import numpy as np
 
 from common.errors import InvalidArgument
 from common.peft.layout import AdapterLayout
-from common.peft.safetensors_header import DTYPE_BYTES, TensorEntry
+from common.peft.safetensors_header import data_start
 
 _EXPONENT_BITS = {"F16": (np.uint16, 0x7C00), "BF16": (np.uint16, 0x7F80),
                   "F32": (np.uint32, 0x7F800000), "F64": (np.uint64, 0x7FF0000000000000)}
@@ -25,20 +25,16 @@ def check_finite(data, layout: AdapterLayout) -> None:
     """INVALID_ARGUMENT naming a tensor with a NaN or infinite value. `data`: the file's bytes
     (anything with the buffer protocol: bytes, a uint8 numpy array), its header already parsed
     into `layout`."""
-    start = 8 + int.from_bytes(bytes(data[:8]), "little")
+    start = data_start(data)
     dtypes = layout.dtype.split(",")
-    if len(dtypes) == 1 and (len(data) - start) % DTYPE_BYTES[dtypes[0]] == 0:
-        if not _count_non_finite(data, start, len(data) - start, dtypes[0]):
-            return
+    if len(dtypes) == 1 and not _count_non_finite(data, start, len(data) - start, dtypes[0]):
+        return
     for module in layout.modules.values():
         for entry in (module.a, module.b):
-            count = _count_entry(data, start, entry)
+            count = _count_non_finite(data, start + entry.begin, entry.end - entry.begin,
+                                      entry.dtype)
             if count:
                 raise InvalidArgument(f"tensor {entry.name!r} has {count} NaN or infinite values")
-
-
-def _count_entry(data, start: int, entry: TensorEntry) -> int:
-    return _count_non_finite(data, start + entry.begin, entry.end - entry.begin, entry.dtype)
 
 
 def _count_non_finite(data, offset: int, num_bytes: int, dtype: str) -> int:

@@ -34,6 +34,12 @@ class TensorEntry:
     end: int
 
 
+def data_start(data) -> int:
+    """Where the data section starts in a file whose header `parse_header` accepted: tensor
+    offsets count from here."""
+    return 8 + int.from_bytes(bytes(data[:8]), "little")
+
+
 def _invalid(message: str) -> InvalidArgument:
     return InvalidArgument(f"{WEIGHTS_FILE}: {message}")
 

@@ -7,7 +7,7 @@ import warnings
 import torch
 
 from common.peft.layout import AdapterLayout
-from common.peft.safetensors_header import TensorEntry
+from common.peft.safetensors_header import TensorEntry, data_start
 
 _TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
                  "F64": torch.float64}
@@ -29,7 +29,7 @@ def tensor_views(raw: torch.Tensor, layout: AdapterLayout
                  ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     """(A [r, in], B [out, r]) of every module, as views into `raw` [num_bytes] uint8 (a copy
     only for a tensor misaligned for its dtype). The header was checked against len(raw)."""
-    start = 8 + int.from_bytes(raw[:8].numpy().tobytes(), "little")
+    start = data_start(raw.numpy())
 
     def view(entry: TensorEntry) -> torch.Tensor:
         dtype = _TORCH_DTYPES[entry.dtype]

@@ -52,7 +52,7 @@ from tests.common.test_keepalive import ticks_handler
 async def main():
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((ticks_handler(),))
-    print(server.add_insecure_port("127.0.0.1:0"), flush=True)
+    print(server.add_insecure_port("127.0.0.1:0"), flush=True)  # its port, for the test
     await server.start()
     await server.wait_for_termination()
 asyncio.run(main())
