@@ -49,17 +49,18 @@ WARMUP = 0 if OPTS.smoke else 3  # decode steps before the timed ones (smoke: no
 PROMPT_LEN = 8 if OPTS.smoke else 32  # tokens per sequence prefilled before the decode steps
 
 
-def time_decode(runner, slots: list[int], prompt_len: int, steps: int) -> tuple[float, float]:
-    """(prefill step ms, median decode step ms) for one row per entry of `slots`."""
+def time_decode(runner, slots: list[int], steps: int) -> tuple[float, float]:
+    """(prefill step ms, median decode step ms) for one row per entry of `slots`, each after a
+    PROMPT_LEN-token prompt."""
     runner.free_all()
     driver = Driver(runner)
     g = torch.Generator().manual_seed(0)
     for sid, slot in enumerate(slots):
-        driver.add(sid, torch.randint(2, runner.config.vocab_size, (prompt_len,),
+        driver.add(sid, torch.randint(2, runner.config.vocab_size, (PROMPT_LEN,),
                                       generator=g).tolist(), slot)
     sync()
     t0 = time.perf_counter()
-    driver.step(prompt_len)  # the whole prompt: a prefill step of len(slots) * prompt_len rows
+    driver.step(PROMPT_LEN)  # the whole prompt: a prefill step of len(slots) * PROMPT_LEN rows
     sync()
     prefill_ms = (time.perf_counter() - t0) * 1e3
     times = []
@@ -95,13 +96,13 @@ def decode_step(copy_gbs: float) -> None:
              (f"{num_rows} distinct adapters", list(range(num_rows)), num_rows)]
     rows, base_ms = [], None
     for name, slots, num_adapters in cases:
-        prefill_ms, ms = time_decode(runner, slots, PROMPT_LEN, steps)
+        prefill_ms, ms = time_decode(runner, slots, steps)
         floor_ms = (base_bytes + num_adapters * per_adapter) / copy_gbs / 1e6
         base_ms = base_ms or ms
         rows.append([name, "triton", ms, ms / base_ms, floor_ms, ms / floor_ms, prefill_ms])
         print(rows[-1], flush=True)
     runner.lora = runner.model.lora = TorchLoraBackend(runner.pool)
-    prefill_ms, ms = time_decode(runner, list(range(num_rows)), PROMPT_LEN, 2)
+    prefill_ms, ms = time_decode(runner, list(range(num_rows)), 2)
     floor_ms = (base_bytes + num_rows * per_adapter) / copy_gbs / 1e6
     rows.append([f"{num_rows} distinct adapters", "torch", ms, ms / base_ms, floor_ms,
                  ms / floor_ms, prefill_ms])
@@ -196,7 +197,7 @@ def adapter_load(runner, rank: int, steps: int) -> None:
                          "slot bit-exact"], rows))
     # Decode steps of every other slot while a thread loads the spare one again and again.
     busy = list(range(slot))
-    _, alone_ms = time_decode(runner, busy, PROMPT_LEN, steps)
+    _, alone_ms = time_decode(runner, busy, steps)
     stop, num_loads = threading.Event(), [0]
 
     staged, source = loaded[pool.a["q_proj"].dtype]
@@ -210,7 +211,7 @@ def adapter_load(runner, rank: int, steps: int) -> None:
     thread = threading.Thread(target=keep_loading, daemon=True)
     thread.start()
     try:
-        _, beside_ms = time_decode(runner, busy, PROMPT_LEN, steps)
+        _, beside_ms = time_decode(runner, busy, steps)
     finally:
         stop.set()
         thread.join()
