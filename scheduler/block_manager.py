@@ -90,11 +90,22 @@ class BlockManager:
 
     def grow(self, seq_id: int, num_tokens: int) -> list[int]:
         """Extend the table of `seq_id` to cover `num_tokens` tokens; returns the new block ids."""
-        missing = self.num_missing(seq_id, num_tokens)
-        if not missing:  # (most decode steps)
+        new = self.try_grow(seq_id, num_tokens)
+        if new is None:
+            raise RuntimeError(f"seq {seq_id}: needs {self.num_missing(seq_id, num_tokens)} "
+                               f"blocks, {self.num_free} free")
+        return new
+
+    def try_grow(self, seq_id: int, num_tokens: int) -> list[int] | None:
+        """`grow`, or None (nothing taken) when too few blocks are free: `can_grow` and `grow` in
+        one look at the table (the scheduler asks for every row of every step)."""
+        table = self.tables.get(seq_id)
+        have = 0 if table is None else len(table)
+        missing = -(-num_tokens // self.block_size) - have  # (blocks_for, inlined)
+        if missing <= 0:  # (most decode steps)
             return []
-        if missing > self.num_free:
-            raise RuntimeError(f"seq {seq_id}: needs {missing} blocks, {self.num_free} free")
+        if missing > len(self._free) + len(self._cached):
+            return None
         new = [self._take() for _ in range(missing)]
         self.tables.setdefault(seq_id, []).extend(new)
         return new

@@ -107,42 +107,55 @@ class Scheduler(ExecutorEvents):
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self, ex: ExecutorState) -> StepPlan:
         """Rows for the next step of `ex`: running sequences first, then admissions in fair
-        order."""
+        order. (Runs for every row of every step: its loops stay plain.)"""
         budget = self.limits.max_batched_tokens
+        running, blocks = ex.running, ex.blocks
+        num_running = len(running)
         rows: list[ScheduledRow] = []
-        for seq in list(ex.running.values()):
+        for seq in list(running.values()):
             if budget == 0:
                 break
-            if seq.seq_id not in ex.running:  # preempted to make room for another
+            if seq.seq_id not in running:  # preempted to make room for another
                 continue
-            if _all_samples_due(seq):
+            known = len(seq.token_ids) + seq.samples_due  # what the executor will have
+            if seq.samples_due and known >= seq.max_tokens:
                 continue  # its last token is on its way: nothing more to compute
-            n = min(seq.num_known - seq.num_computed, budget)
-            if n > 0 and self._make_room(ex, seq, seq.num_computed + n):
-                rows.append(ScheduledRow(seq, n, ex.blocks.grow(seq.seq_id, seq.num_computed + n),
-                                         samples=seq.num_computed + n == seq.num_known))
-                budget -= n
-        rows = [row for row in rows if row.seq.seq_id in ex.running]
+            n = min(known - seq.num_computed, budget)
+            if n <= 0:
+                continue
+            end = seq.num_computed + n
+            new_blocks = blocks.try_grow(seq.seq_id, end)
+            if new_blocks is None:
+                if not self._make_room(ex, seq, end):
+                    continue
+                new_blocks = blocks.grow(seq.seq_id, end)
+            rows.append(ScheduledRow(seq, n, new_blocks, end == known))
+            budget -= n
+        if len(running) != num_running:  # sequences were preempted: drop their rows
+            rows = [row for row in rows if row.seq.seq_id in running]
         if ex.is_admitting:
             rows += self._admit(ex, budget)
-        rows.sort(key=lambda row: row.seq.slot.index if row.seq.slot else -1)
+        rows.sort(key=_slot_of)
         new = [row.seq for row in rows if not row.seq.is_sent]
         for seq in new:  # sent now: one cancelled while this step runs must be freed after it
             seq.is_sent = True
-        for row in rows:  # counted as computed once sent: the next plan may follow at once
-            seq = row.seq
-            seq.num_computed += row.num_tokens
-            seq.samples_due += row.samples
+        bs, num_tokens = blocks.block_size, 0
+        for seq, n, _, samples in rows:  # counted as computed once sent: the next plan may
+            seq.num_computed += n        # follow at once
+            seq.samples_due += samples
             seq.steps_in_flight += 1
-            seq.request.work_left -= row.num_tokens
-            ex.work_tokens -= row.num_tokens
-            publish(ex.blocks, seq)
+            seq.request.work_left -= n
+            num_tokens += n
+            if seq.num_computed // bs > seq.num_published:  # (publish's cheap half)
+                publish(blocks, seq)
+        ex.work_tokens -= num_tokens
         freed, ex.pending_frees = ex.pending_frees, []
         unmerge = merging.unmerge_now(ex)
         return StepPlan(freed, new, rows, merging.merge_now(self, ex), unmerge)
 
-    def on_step_done(self, ex: ExecutorState, plan: StepPlan, samples: Iterable[Sample],
-                     step_seconds: float = 0.0) -> None:
+    def on_step_done(self, ex: ExecutorState, plan: StepPlan,
+                     samples: Iterable[tuple[int, int, float]], step_seconds: float = 0.0) -> None:
+        """`samples`: (seq id, token id, logprob) each, as Sample has them."""
         ex.num_steps += bool(plan.rows)  # (a step that only frees sequences computes nothing)
         ex.rates.observe_step(plan.num_tokens, step_seconds)
         for row in plan.rows:
@@ -153,17 +166,20 @@ class Scheduler(ExecutorEvents):
             ex.slots.unpin(seq.slot)
         now = self.clock()
         self.merges.observe(plan, now)
+        running, blocks = ex.running, ex.blocks
+        bs = blocks.block_size
         outputs: dict[str, int] = {}  # tenant -> its tokens in this step (charged once)
-        for sample in samples:
-            seq = ex.running.get(sample.seq_id)
+        for seq_id, token_id, logprob in samples:
+            seq = running.get(seq_id)
             if seq is None:  # cancelled, preempted or finished while the step ran
                 continue
             seq.samples_due -= 1
-            seq.token_ids.append(sample.token_id)
-            publish(ex.blocks, seq)
+            seq.token_ids.append(token_id)
+            if len(seq.token_ids) // bs > seq.num_published:  # (publish's cheap half)
+                publish(blocks, seq)
             req = seq.request
             outputs[req.tenant] = outputs.get(req.tenant, 0) + 1
-            finish = req.on_sample(sample.token_id, sample.logprob, now)
+            finish = req.on_sample(token_id, logprob, now)
             if finish is not None:
                 self._finish(ex, seq, finish)
         for tenant, num_tokens in outputs.items():
@@ -174,9 +190,11 @@ class Scheduler(ExecutorEvents):
         rows = []
         ex.slots.drop_reservations(ex.queue.demand)
         self._load_into_drained(ex)
-        active = {seq.request.adapter for seq in ex.running.values() if seq.request.adapter}
         heap = [(self.fair.counter(t), t) for t in ex.queue.tenants()]
+        if not heap:
+            return rows
         heapq.heapify(heap)
+        active = {seq.request.adapter for seq in ex.running.values() if seq.request.adapter}
         is_fairest = True
         ceiling = self._fairness_ceiling()
         while heap and budget > 0 and len(ex.running) < self.limits.max_num_seqs:
@@ -292,8 +310,5 @@ class Scheduler(ExecutorEvents):
         return snapshot(self.executors, self.fair, self.totals)
 
 
-def _all_samples_due(seq: Sequence) -> bool:
-    """The samples on their way make its request's last token: computing on would be waste."""
-    req = seq.request
-    return bool(seq.samples_due) and \
-        len(req.output_token_ids) + seq.samples_due >= req.output.max_new_tokens
+def _slot_of(row: ScheduledRow) -> int:
+    return row.seq.slot_index

@@ -16,17 +16,18 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.adapter_ref import AdapterRef
+from common.credentials import metadata
 from common.errors import LoraplexError, Unavailable, from_rpc_error
 from common.server import insecure_channel
 from protos import executor_pb2, executor_pb2_grpc
 from scheduler.block_manager import BlockManager
-from scheduler.core import ExecutorState, Limits, Sample, Scheduler, StepPlan
+from scheduler.core import ExecutorState, Limits, Scheduler, StepPlan
 from scheduler.discovery import resolve
 from scheduler.fairness import FairnessWeights
 from scheduler.metrics import SchedulerMetrics
@@ -50,7 +51,10 @@ class ExecutorLink:
     def __init__(self, address: str, key: str = "", timeouts: Timeouts = Timeouts()):
         self.address = address
         self.timeouts = timeouts
-        self.channel = insecure_channel(address, key)
+        # Every call presents the key itself: a channel that does it (an interceptor) costs ~25%
+        # more CPU per step on the step stream.
+        self.channel = insecure_channel(address)
+        self.auth = metadata(key)
         self.stub = executor_pb2_grpc.ExecutorStub(self.channel)
         self.info: executor_pb2.InfoResponse | None = None
         self.state = ExecutorState(address, BlockManager(1, 1), SlotTable(0))  # until connected
@@ -60,13 +64,14 @@ class ExecutorLink:
 
     async def connect(self) -> None:
         """Fetch Info, reset our view of the executor, open a fresh step stream and probe it."""
-        self.info = await self.stub.Info(executor_pb2.InfoRequest(), timeout=self.timeouts.rpc_s)
+        self.info = await self.stub.Info(executor_pb2.InfoRequest(), metadata=self.auth,
+                                         timeout=self.timeouts.rpc_s)
         # Slots the executor still holds from an earlier scheduler are not ours to trust: reload.
         # A departing executor stays departing; a stopping one that answers again is not.
         blocks = BlockManager(self.info.num_kv_blocks, self.info.block_size)
         self.state = ExecutorState(self.address, blocks, SlotTable(self.info.num_adapter_slots),
                                    is_leaving=self.state.is_leaving)
-        self._call = self.stub.Step()
+        self._call = self.stub.Step(metadata=self.auth)
         await self.probe()
 
     async def probe(self) -> None:
@@ -90,7 +95,8 @@ class ExecutorLink:
             merge_slot=plan.merge_slot, unmerge=plan.unmerge)
         await self._write(req, seconds)
 
-    async def receive(self, plan: StepPlan, seconds: float) -> tuple[list[Sample], float]:
+    async def receive(self, plan: StepPlan,
+                      seconds: float) -> tuple[Iterable[tuple[int, int, float]], float]:
         """The answer to the oldest step sent, `plan` (UNAVAILABLE past `seconds`, or when it
         does not bring a sample for each row that ends its sequence's known tokens)."""
         resp = await self._read(seconds)
@@ -100,9 +106,8 @@ class ExecutorLink:
             raise Unavailable(f"executor {self.address} answered a step due {due} samples with "
                               f"{len(resp.sample_seq_ids)} seq ids, {len(resp.sample_token_ids)} "
                               f"tokens and {len(resp.sample_logprobs)} logprobs")
-        samples = list(map(Sample, resp.sample_seq_ids, resp.sample_token_ids,
-                           resp.sample_logprobs))
-        return samples, resp.step_seconds
+        return zip(resp.sample_seq_ids, resp.sample_token_ids, resp.sample_logprobs), \
+            resp.step_seconds
 
     async def _round_trip(self, req: executor_pb2.StepRequest,
                           seconds: float) -> executor_pb2.StepResponse:
@@ -231,7 +236,8 @@ class Engine:
         stub = health_pb2_grpc.HealthStub(link.channel)
         while True:
             try:
-                async for status in stub.Watch(health_pb2.HealthCheckRequest(service="")):
+                async for status in stub.Watch(health_pb2.HealthCheckRequest(service=""),
+                                               metadata=link.auth):
                     is_stopping = status.status == health_pb2.HealthCheckResponse.NOT_SERVING
                     if is_stopping and link.state.is_up:
                         self.core.stop(link.state)
@@ -337,7 +343,7 @@ class Engine:
         try:
             resp = await link.stub.LoadAdapter(executor_pb2.LoadAdapterRequest(
                 adapter=adapter.to_pb(), slot=slot.index, only_staged=slot.is_from_staged),
-                timeout=self.timeouts.load(slot.num_bytes, ex.rates))
+                metadata=link.auth, timeout=self.timeouts.load(slot.num_bytes, ex.rates))
         except grpc.aio.AioRpcError as err:
             error = from_rpc_error(err, f"loading adapter {adapter} on executor {link.address}")
             self.core.on_load_done(ex, slot, adapter, error)
@@ -356,7 +362,7 @@ class Engine:
                      num_bytes: int) -> None:
         try:
             resp = await link.stub.StageAdapter(
-                executor_pb2.StageAdapterRequest(adapter=adapter.to_pb()),
+                executor_pb2.StageAdapterRequest(adapter=adapter.to_pb()), metadata=link.auth,
                 timeout=self.timeouts.load(num_bytes, ex.rates))
         except grpc.aio.AioRpcError as err:
             error = from_rpc_error(err, f"staging adapter {adapter} on executor {link.address}")
@@ -386,7 +392,7 @@ class Engine:
     @staticmethod
     async def _unload(link: ExecutorLink, request: executor_pb2.UnloadAdapterRequest) -> None:
         try:
-            await link.stub.UnloadAdapter(request, timeout=link.timeouts.rpc_s)
+            await link.stub.UnloadAdapter(request, metadata=link.auth, timeout=link.timeouts.rpc_s)
         except grpc.aio.AioRpcError as err:  # the scheduler's table is the truth; this only tidies
             log.warning("unloading slot %d on %s failed: %s", request.slot, link.address,
                         err.details())

@@ -99,14 +99,14 @@ class LoadFailure:
     is_due: bool = False  # the executors were woken once its backoff passed
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sequence:
     """A request's current run on one executor (a preempted request gets a new one)."""
 
     seq_id: int
     request: Request
     slot: Slot | None
-    token_ids: list[int]  # every token the executor knows for it, as far as answers came back
+    token_ids: list[int]  # its prompt and every token sampled, as far as answers came back
     num_computed: int = 0  # tokens whose KV the executor computes in the steps sent so far
     # Samples the steps in flight will bring (steps are pipelined: engine.py). The executor
     # knows a sample as soon as it made it, so a step may compute it before its answer is here.
@@ -115,11 +115,14 @@ class Sequence:
     is_sent: bool = False  # its NewSequence went out
     num_cached: int = 0  # leading tokens whose KV it found in the prefix cache
     num_published: int = 0  # of its blocks, those in the prefix cache (prefix_cache.py)
+    slot_index: int = field(init=False)  # its slot's index, -1 on the base model: rows sort by it
+    # Its request is done once it has this many tokens (prompt and max_new_tokens outputs).
+    max_tokens: int = field(init=False)
 
-    @property
-    def num_known(self) -> int:
-        """Tokens the executor will have when it runs the next step sent."""
-        return len(self.token_ids) + self.samples_due
+    def __post_init__(self) -> None:
+        self.slot_index = -1 if self.slot is None else self.slot.index
+        req = self.request
+        self.max_tokens = len(req.prompt_ids) + req.output.max_new_tokens
 
 
 @dataclass(eq=False)
@@ -220,7 +223,7 @@ class StepPlan:
     @functools.cached_property
     def num_adapters(self) -> int:
         """Distinct adapters (slots) among the rows."""
-        return len({row.seq.slot.index for row in self.rows if row.seq.slot})
+        return len({row.seq.slot_index for row in self.rows} - {-1})
 
 
 class Sample(NamedTuple):  # (a tuple: one per row and step, made fast)
