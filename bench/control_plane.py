@@ -5,13 +5,17 @@ executors (--benchmark-step-s: no forward pass, made-up tokens, fixed step time)
 
 For E in 1, 2, 4, 8 executors (one pool: a store on local files, E benchmark executors on random
 tiny weights, one scheduler, a gateway in front) and R in 64, 256 rows per executor step: E x R
-closed-loop streams through the gateway's gRPC Generate (one tenant, base model, 3-token prompts,
-256 new tokens, EOS ignored; a stream that ends is replaced at once), from this one client process.
-Measured over a window after a warm-up: tokens/s the scheduler scheduled and tokens/s delivered to
-the clients, the scheduler's CPU microseconds per scheduled token and the gateway's per delivered
-token (/proc utime + stime), and the p99 inter-token latency (gap between a token's arrival and the
-previous one's in its stream). Every process shares this machine's CPUs (the client included): read
-ratios of one run, and expect the client to bound throughput at high stream counts. Writes
+closed-loop streams (one tenant, base model, 3-token prompts, 256 new tokens, EOS ignored; a
+stream that ends is replaced at once), from this one client process, measured twice:
+- through the gateway's gRPC Generate (a message per token per client): tokens/s the scheduler
+  scheduled and tokens/s delivered to the clients, the scheduler's CPU microseconds per scheduled
+  token and the gateway's per delivered token;
+- straight into the scheduler's Stream, as a gateway calls it (a message per step for all
+  requests): tokens/s delivered and the scheduler's CPU microseconds per token. The client then
+  costs little, so this is the scheduler's own figure, and how it changes with E.
+CPU is /proc utime + stime over a window after a warm-up; p99 inter-token latency is the gap
+between a token's arrival and the previous one's in its stream. Every process shares this
+machine's CPUs (the client included): read ratios of one run. Writes
 bench/results/control-plane-cpu.md unless --quick.
 """
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import pathlib
@@ -27,10 +32,13 @@ import sys
 import tempfile
 import time
 
+import grpc
+
+from common import credentials
 from common.server import insecure_channel, run
 from loraplex import client
 from loraplex.launch import Fleet, FleetKeys, start_gateway
-from protos import scheduler_pb2_grpc
+from protos import scheduler_pb2, scheduler_pb2_grpc
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "control-plane-cpu.md"
@@ -87,6 +95,60 @@ async def measure(gateway: str, pids: dict[str, int], streams: int, warmup_s: fl
             "cpu": used, "delivered": tokens, "ITL p99 ms": 1e3 * p99}
 
 
+async def measure_stream(scheduler: str, service_key: str, pid: int, streams: int,
+                         warmup_s: float, window_s: float) -> dict[str, float]:
+    """`streams` closed-loop requests on one Stream straight to the scheduler; figures over the
+    window after the warm-up."""
+    ids = itertools.count(1)
+    last: dict[int, float] = {}  # request id -> arrival of its latest token
+    counted = {"tokens": 0, "messages": 0}
+    gaps: list[float] = []
+    window: list[float] = []  # [start, end] once the window opened
+    async with insecure_channel(scheduler) as channel:
+        call = scheduler_pb2_grpc.SchedulerStub(channel).Stream(
+            metadata=credentials.metadata(service_key))
+
+        def submits(n: int) -> scheduler_pb2.StreamRequest:
+            return scheduler_pb2.StreamRequest(submits=[scheduler_pb2.StreamSubmit(
+                id=next(ids), tenant="bench", request=client.generate_request(
+                    "", [3, 4, 5 + i % 100], NEW_TOKENS, ignore_eos=True))
+                for i in range(n)])
+
+        async def read() -> None:
+            while True:
+                message = await call.read()
+                if message is grpc.aio.EOF:
+                    raise RuntimeError("the scheduler ended the benchmark's Stream")
+                now = time.perf_counter()
+                if window and now < window[-1]:
+                    counted["tokens"] += len(message.token_ids)
+                    counted["messages"] += 1
+                    gaps.extend(now - last[r] for r in message.token_request_ids if r in last)
+                last.update(dict.fromkeys(message.token_request_ids, now))
+                for end in message.ends:
+                    if end.error_code:
+                        raise RuntimeError(f"request failed: {end.error_message}")
+                    last.pop(end.id, None)
+                if message.ends:
+                    await call.write(submits(len(message.ends)))
+
+        await call.write(submits(streams))
+        reading = asyncio.create_task(read())
+        await asyncio.sleep(warmup_s)
+        start, cpu, wall_start = time.perf_counter(), cpu_seconds(pid), time.time()
+        window[:] = [start, start + window_s]
+        await asyncio.sleep(window_s)
+        used = cpu_seconds(pid) - cpu
+        if reading.done():
+            reading.result()  # (its error)
+        reading.cancel()
+        call.cancel()
+    p99 = statistics.quantiles(gaps, n=100)[98] if len(gaps) > 100 else float("nan")
+    return {"tokens/s": counted["tokens"] / window_s, "cpu": {"scheduler": used},
+            "delivered": counted["tokens"], "messages/s": counted["messages"] / window_s,
+            "window": (wall_start, wall_start + window_s), "ITL p99 ms": 1e3 * p99}
+
+
 def scheduled_tokens(timings: pathlib.Path, window: tuple[float, float]) -> int:
     """Tokens of the steps the scheduler finished within `window` (its --timings-out lines)."""
     total = 0
@@ -106,7 +168,7 @@ def main() -> None:
     args = parser.parse_args()
     counts, rows = ([1, 2], [64]) if args.quick else ([1, 2, 4, 8], [64, 256])
     load = os.getloadavg()[0]
-    results = []
+    results, direct = [], []  # through the gateway, straight into the scheduler's Stream
     keys = FleetKeys(tenants={KEY: "bench"})
     with tempfile.TemporaryDirectory(prefix="loraplex-control-") as tmp_name:
         tmp = pathlib.Path(tmp_name)
@@ -131,6 +193,9 @@ def main() -> None:
                         figures = run(lambda: measure(gateway.address, pids, n * r, 3.0,
                                                       args.window_s))
                         results.append((n, r, figures))
+                        direct.append((n, r, run(lambda: measure_stream(
+                            fleet.scheduler, keys.service, pids["scheduler"], n * r, 3.0,
+                            args.window_s))))
                 finally:
                     gateway.stop()
             for m, r, figures in results:  # (the log is complete once the scheduler stopped)
@@ -148,6 +213,14 @@ def main() -> None:
                      f"| {1e6 * f['cpu']['scheduler'] / max(f['scheduled'], 1):.0f} "
                      f"| {1e6 * f['cpu']['gateway'] / max(f['delivered'], 1):.0f} "
                      f"| {f['ITL p99 ms']:.0f} |")
+    header = ["executors", "rows per step", "streams", "tokens/s", "ideal", "messages/s",
+              "scheduler us/token", "ITL p99 ms"]
+    direct_lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
+    for n, r, f in direct:
+        us = 1e6 * f["cpu"]["scheduler"] / max(f["delivered"], 1)
+        direct_lines.append(
+            f"| {n} | {r} | {n * r} | {f['tokens/s']:,.0f} | {n * r / args.step_s:,.0f} "
+            f"| {f['messages/s']:,.0f} | {us:.1f} | {f['ITL p99 ms']:.0f} |")
     command = " ".join([".venv/bin/python bench/control_plane.py", *sys.argv[1:]])
     text = "\n".join([
         (f"Benchmark executors (--benchmark-step-s {args.step_s}: no forward pass), closed-loop "
@@ -159,6 +232,11 @@ def main() -> None:
          "keep up, tokens wait in buffers and delivered < scheduled); 'ideal' = every stream gets "
          "a token every step."),
         "", *lines, "",
+        "## The scheduler alone: its Stream, as a gateway calls it", "",
+        ("The same pool and streams, the client speaking the scheduler's Stream RPC itself (a "
+         "message per step carries every request's tokens as columns): the client costs little, "
+         "so the scheduler's CPU per token shows on its own (its --timings-out log included)."),
+        "", *direct_lines, "",
         (f"- machine: nproc {len(os.sched_getaffinity(0))}, python {sys.version.split()[0]}, "
          f"1-min load average at start {load:.1f}; the client, the scheduler, the gateway and "
          "the executors share these CPUs"),
