@@ -140,9 +140,10 @@ class Scheduler(ExecutorEvents):
         for seq in new:  # sent now: one cancelled while this step runs must be freed after it
             seq.is_sent = True
         bs, num_tokens = blocks.block_size, 0
-        for seq, n, _, samples in rows:  # counted as computed once sent: the next plan may
-            seq.num_computed += n        # follow at once
-            seq.samples_due += samples
+        for row in rows:  # counted as computed once sent: the next plan may follow at once
+            seq, n = row.seq, row.num_tokens
+            seq.num_computed += n
+            seq.samples_due += row.samples
             seq.steps_in_flight += 1
             seq.request.work_left -= n
             num_tokens += n

@@ -121,9 +121,9 @@ class StreamConnection:
         if req is None:  # cancelled: its last events are not sent
             return
         outbox = self._outbox
-        if not outbox:
-            self._ready.set()
-        if isinstance(event, TokenEvent):
+        if type(event) is TokenEvent:  # (per token: the cheap tests first)
+            if not outbox.request_ids:
+                self._ready.set()  # (set again when only ends were waiting: harmless)
             outbox.request_ids.append(stream_id)
             outbox.token_ids.append(event.token_id)
             outbox.logprobs.append(event.logprob)
@@ -132,6 +132,7 @@ class StreamConnection:
                     id=stream_id, queue_seconds=(req.admitted_at or req.arrival) - req.arrival,
                     time_to_first_token_seconds=req.first_token_at - req.arrival))
             return
+        self._ready.set()
         if isinstance(event, FinishEvent):
             outbox.end(stream_id, finish=event.reason)
         elif isinstance(event, ErrorEvent):
@@ -140,8 +141,7 @@ class StreamConnection:
         self._metrics.on_finish(req, self._core.clock())
 
     def _refuse(self, stream_id: int, error: BaseException) -> None:
-        if not self._outbox:
-            self._ready.set()
+        self._ready.set()
         self._outbox.end(stream_id, error=error)
 
     # ---- the writer -------------------------------------------------------------------------
