@@ -4,7 +4,7 @@ reuse which blocks, what they compute and are charged, and how cached blocks are
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.detokenizer import OutputProcessor
+from common.detokenizer import Finish, OutputProcessor
 from common.sampling import SamplingParams
 from scheduler.block_manager import BlockManager
 from scheduler.core import Limits, Sample
@@ -227,3 +227,26 @@ def test_eviction_takes_a_chains_tail_before_its_head():
     bm.free(1)
     bm.start(2, [], 2)  # one block, evicted from the cached chain
     assert len(bm.match(hashes)) == 2, "the first two blocks still match"
+
+
+def test_a_block_its_last_sample_fills_is_cached_when_a_step_behind_computed_it():
+    """Steps are pipelined: the step behind computes a sampled token's KV before the sample's
+    answer is read. A sequence that then stops on that token leaves its full last block cached
+    (named on the answer, as the sequence ends), and a next turn reuses it."""
+    w = World(num_blocks=32)
+    rid = next(w._ids)
+    w.events[rid] = []
+    prompt = SYSTEM + [1, 2, 3]  # 15 tokens: the first sample completes block 3
+    first = Request(rid, "t", None, 2**20, prompt, SamplingParams(),
+                    OutputProcessor(None, max_new_tokens=10, stop_token_ids=[7]),
+                    w.events[rid].append)
+    w.core.submit(first)
+    ex = w.executors[0]
+    prefill, behind = w.core.schedule(ex), w.core.schedule(ex)
+    (row,) = behind.rows
+    assert row.seq.num_computed == 16, "the step behind computes the sampled token"
+    w.core.on_step_done(ex, prefill, [Sample(row.seq.seq_id, 7, -0.1)])  # 7: a stop token
+    w.core.on_step_done(ex, behind, [Sample(row.seq.seq_id, 5, -0.1)])
+    assert first.finish_reason is Finish.STOP
+    turn = submit(w, prompt=prompt + [7, 5])
+    assert first_row(w, turn).seq.num_cached == 16, "all 4 blocks reused"
