@@ -172,7 +172,7 @@ def test_hashes_chain_over_every_earlier_block():
     assert cache_key("pool", "t", None, "") == cache_key("pool", "u", None, "")
 
 
-ops = st.lists(st.tuples(st.sampled_from(["start", "grow", "publish", "free"]),
+ops = st.lists(st.tuples(st.sampled_from(["start", "grow", "try_grow", "publish", "free"]),
                          st.integers(0, 5), st.integers(0, 3), st.integers(1, 12)),
                max_size=80)
 
@@ -180,9 +180,9 @@ ops = st.lists(st.tuples(st.sampled_from(["start", "grow", "publish", "free"]),
 @settings(max_examples=200, deadline=None)
 @given(ops=ops)
 def test_block_manager_keeps_every_block_free_cached_or_referenced(ops):
-    """Random starts (with whatever prefix matches), growth, publishes and frees of sequences of
-    two keys' prompts: reference counts match the tables, no block is lost, no block is in two
-    states, and a match never returns a block another key published."""
+    """Random starts (with whatever prefix matches), growth (tried or checked first), publishes
+    and frees of sequences of two keys' prompts: reference counts match the tables, no block is
+    lost, no block is in two states, and a match never returns a block another key published."""
     bm = BlockManager(num_blocks=10, block_size=2)
     keys = [b"k0", b"k1"]
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 50, 60, 70, 80, 9, 10]]
@@ -200,6 +200,11 @@ def test_block_manager_keeps_every_block_free_cached_or_referenced(ops):
                 owner[seq] = which
         elif op == "grow" and seq in bm.tables and bm.can_grow(seq, n):
             bm.grow(seq, n)
+        elif op == "try_grow" and seq in bm.tables:  # grow when it can, else take nothing
+            could, before = bm.can_grow(seq, n), list(bm.tables[seq])
+            new = bm.try_grow(seq, n)
+            assert (new is not None) == could
+            assert bm.tables[seq] == before + (new or [])
         elif op == "publish" and seq in bm.tables:
             which = owner[seq]
             hashes = []
