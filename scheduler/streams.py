@@ -149,6 +149,7 @@ class StreamConnection:
         """Write the outbox as it fills, until the caller's side has ended (`reading` done) and
         none of its requests is left. UNAVAILABLE when the caller takes no message within
         write_s; `reading`'s error when reading failed."""
+        reading.add_done_callback(lambda _: self._ready.set())  # (its end wakes the writer too)
         while True:
             if reading.done() and reading.exception() is not None:
                 raise reading.exception()
@@ -163,16 +164,8 @@ class StreamConnection:
                 continue
             if reading.done() and not self._requests and not self._submitting:
                 return
-            await self._next_event(reading)
-
-    async def _next_event(self, reading: asyncio.Task) -> None:
-        self._ready.clear()
-        ready = asyncio.ensure_future(self._ready.wait())
-        try:
-            await asyncio.wait({ready} if reading.done() else {ready, reading},
-                               return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            ready.cancel()
+            self._ready.clear()  # (nothing to do: wait for an event or for reading to end)
+            await self._ready.wait()
 
 
 def tenant_of(submit: scheduler_pb2.StreamSubmit, is_open: bool, default: str) -> str:
