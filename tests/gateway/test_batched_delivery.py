@@ -172,6 +172,8 @@ async def stream_once(fleet: Fleet, *requests: scheduler_pb2.StreamRequest,
                 by_id[end.id]["end"] = end
                 ended[end.id] += 1
         await call.done_writing()
+        # Nothing left to send and the caller done: the scheduler ends the stream.
+        assert await call.read() is grpc.aio.EOF
     return by_id
 
 
