@@ -137,8 +137,7 @@ class Engine:
         stub = health_pb2_grpc.HealthStub(link.channel)
         while True:
             try:
-                async for status in stub.Watch(health_pb2.HealthCheckRequest(service=""),
-                                               metadata=link.auth):
+                async for status in stub.Watch(health_pb2.HealthCheckRequest(service="")):
                     is_stopping = status.status == health_pb2.HealthCheckResponse.NOT_SERVING
                     if is_stopping and link.state.is_up:
                         self.core.stop(link.state)
@@ -244,7 +243,7 @@ class Engine:
         try:
             resp = await link.stub.LoadAdapter(executor_pb2.LoadAdapterRequest(
                 adapter=adapter.to_pb(), slot=slot.index, only_staged=slot.is_from_staged),
-                metadata=link.auth, timeout=self.timeouts.load(slot.num_bytes, ex.rates))
+                timeout=self.timeouts.load(slot.num_bytes, ex.rates))
         except grpc.aio.AioRpcError as err:
             error = from_rpc_error(err, f"loading adapter {adapter} on executor {link.address}")
             self.core.on_load_done(ex, slot, adapter, error)
@@ -263,7 +262,7 @@ class Engine:
                      num_bytes: int) -> None:
         try:
             resp = await link.stub.StageAdapter(
-                executor_pb2.StageAdapterRequest(adapter=adapter.to_pb()), metadata=link.auth,
+                executor_pb2.StageAdapterRequest(adapter=adapter.to_pb()),
                 timeout=self.timeouts.load(num_bytes, ex.rates))
         except grpc.aio.AioRpcError as err:
             error = from_rpc_error(err, f"staging adapter {adapter} on executor {link.address}")
@@ -293,7 +292,7 @@ class Engine:
     @staticmethod
     async def _unload(link: ExecutorLink, request: executor_pb2.UnloadAdapterRequest) -> None:
         try:
-            await link.stub.UnloadAdapter(request, metadata=link.auth, timeout=link.timeouts.rpc_s)
+            await link.stub.UnloadAdapter(request, timeout=link.timeouts.rpc_s)
         except grpc.aio.AioRpcError as err:  # the scheduler's table is the truth; this only tidies
             log.warning("unloading slot %d on %s failed: %s", request.slot, link.address,
                         err.details())
