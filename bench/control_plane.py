@@ -52,6 +52,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
+def p99_ms(gaps: list[float]) -> float:
+    """The 99th percentile of inter-token gaps (seconds), in ms (NaN below 100 gaps)."""
+    return 1e3 * statistics.quantiles(gaps, n=100)[98] if len(gaps) > 100 else float("nan")
+
+
 async def measure(gateway: str, pids: dict[str, int], streams: int, warmup_s: float,
                   window_s: float) -> dict[str, float]:
     """`streams` closed-loop streams; figures over the window after the warm-up."""
@@ -90,9 +95,8 @@ async def measure(gateway: str, pids: dict[str, int], streams: int, warmup_s: fl
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     tokens = sum(1 for t in arrivals if start <= t < end)
-    p99 = statistics.quantiles(window_gaps, n=100)[98] if len(window_gaps) > 100 else float("nan")
     return {"tokens/s": tokens / (end - start), "window": (wall_start, wall_end),
-            "cpu": used, "delivered": tokens, "ITL p99 ms": 1e3 * p99}
+            "cpu": used, "delivered": tokens, "ITL p99 ms": p99_ms(window_gaps)}
 
 
 async def measure_stream(scheduler: str, service_key: str, pid: int, streams: int,
@@ -143,10 +147,9 @@ async def measure_stream(scheduler: str, service_key: str, pid: int, streams: in
             reading.result()  # (its error)
         reading.cancel()
         call.cancel()
-    p99 = statistics.quantiles(gaps, n=100)[98] if len(gaps) > 100 else float("nan")
     return {"tokens/s": counted["tokens"] / window_s, "cpu": {"scheduler": used},
             "delivered": counted["tokens"], "messages/s": counted["messages"] / window_s,
-            "window": (wall_start, wall_start + window_s), "ITL p99 ms": 1e3 * p99}
+            "window": (wall_start, wall_start + window_s), "ITL p99 ms": p99_ms(gaps)}
 
 
 def scheduled_tokens(timings: pathlib.Path, window: tuple[float, float]) -> int:
