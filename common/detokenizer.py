@@ -34,6 +34,9 @@ def check_stops(stops: Sequence[str], max_strings: int = wire.MAX_STOP_STRINGS,
         raise InvalidArgument(f"stop strings must be at most {max_chars} characters")
 
 
+_MORE, _LAST = ("", None), ("", Finish.LENGTH)  # (a token id's answer without text)
+
+
 class OutputProcessor:
     """Per request: decodes output tokens and decides when generation finishes."""
 
@@ -62,7 +65,7 @@ class OutputProcessor:
         self.token_ids.append(token_id)
         is_last = self.num_tokens >= self.max_new_tokens
         if self._ids_only:
-            return "", Finish.LENGTH if is_last else None
+            return _LAST if is_last else _MORE
         self._decode(final=is_last)
         if self._stops:
             start = max(0, self._emitted - self._holdback)

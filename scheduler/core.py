@@ -14,8 +14,10 @@ requests wait and how they move between executors is placement.py; what an execu
 life do to them is executor_events.py; Scheduler builds on both.
 """
 
+import collections
 import heapq
 import logging
+import operator
 from collections.abc import Iterable
 
 from common.adapter_ref import AdapterRef
@@ -110,28 +112,39 @@ class Scheduler(ExecutorEvents):
         order. (Runs for every row of every step: its loops stay plain.)"""
         budget = self.limits.max_batched_tokens
         running, blocks = ex.running, ex.blocks
-        num_running = len(running)
+        bs = blocks.block_size
         rows: list[ScheduledRow] = []
+        preempted = False
         for seq in list(running.values()):
             if budget == 0:
                 break
-            if seq.seq_id not in running:  # preempted to make room for another
+            if preempted and seq.seq_id not in running:  # preempted to make room for another
                 continue
-            known = len(seq.token_ids) + seq.samples_due  # what the executor will have
-            if seq.samples_due and known >= seq.max_tokens:
+            due = seq.samples_due
+            known = len(seq.token_ids) + due  # what the executor will have
+            if due and known >= seq.max_tokens:
                 continue  # its last token is on its way: nothing more to compute
-            n = min(known - seq.num_computed, budget)
+            n = known - seq.num_computed
             if n <= 0:
                 continue
+            if n > budget:
+                n = budget
             end = seq.num_computed + n
-            new_blocks = blocks.try_grow(seq.seq_id, end)
-            if new_blocks is None:
-                if not self._make_room(ex, seq, end):
-                    continue
-                new_blocks = blocks.grow(seq.seq_id, end)
+            if end <= seq.capacity:  # (most decode steps: its blocks hold the token)
+                new_blocks = []
+            else:
+                new_blocks = blocks.try_grow(seq.seq_id, end)
+                if new_blocks is None:
+                    num_running = len(running)
+                    is_room = self._make_room(ex, seq, end)
+                    preempted = preempted or len(running) != num_running
+                    if not is_room:
+                        continue
+                    new_blocks = blocks.grow(seq.seq_id, end)
+                seq.capacity = len(blocks.tables[seq.seq_id]) * bs
             rows.append(ScheduledRow(seq, n, new_blocks, end == known))
             budget -= n
-        if len(running) != num_running:  # sequences were preempted: drop their rows
+        if preempted:  # drop the rows of sequences preempted after their row was made
             rows = [row for row in rows if row.seq.seq_id in running]
         if ex.is_admitting:
             rows += self._admit(ex, budget)
@@ -139,20 +152,22 @@ class Scheduler(ExecutorEvents):
         new = [row.seq for row in rows if not row.seq.is_sent]
         for seq in new:  # sent now: one cancelled while this step runs must be freed after it
             seq.is_sent = True
-        bs, num_tokens = blocks.block_size, 0
+        num_tokens = num_samples = 0
         for row in rows:  # counted as computed once sent: the next plan may follow at once
             seq, n = row.seq, row.num_tokens
-            seq.num_computed += n
+            computed = seq.num_computed = seq.num_computed + n
             seq.samples_due += row.samples
+            num_samples += row.samples
             seq.steps_in_flight += 1
             seq.request.work_left -= n
             num_tokens += n
-            if seq.num_computed // bs > seq.num_published:  # (publish's cheap half)
+            if computed >= seq.publish_at:  # (publish's cheap half)
                 publish(blocks, seq)
         ex.work_tokens -= num_tokens
         freed, ex.pending_frees = ex.pending_frees, []
         unmerge = merging.unmerge_now(ex)
-        return StepPlan(freed, new, rows, merging.merge_now(self, ex), unmerge)
+        return StepPlan(freed, new, rows, num_tokens, num_samples, merging.merge_now(self, ex),
+                        unmerge)
 
     def on_step_done(self, ex: ExecutorState, plan: StepPlan,
                      samples: Iterable[tuple[int, int, float]], step_seconds: float = 0.0) -> None:
@@ -168,22 +183,22 @@ class Scheduler(ExecutorEvents):
         now = self.clock()
         self.merges.observe(plan, now)
         running, blocks = ex.running, ex.blocks
-        bs = blocks.block_size
-        outputs: dict[str, int] = {}  # tenant -> its tokens in this step (charged once)
+        sampled: list[Request] = []  # (its tenants charged once per step)
         for seq_id, token_id, logprob in samples:
             seq = running.get(seq_id)
             if seq is None:  # cancelled, preempted or finished while the step ran
                 continue
             seq.samples_due -= 1
-            seq.token_ids.append(token_id)
-            if len(seq.token_ids) // bs > seq.num_published:  # (publish's cheap half)
+            tokens = seq.token_ids
+            tokens.append(token_id)
+            if len(tokens) >= seq.publish_at:  # (publish's cheap half)
                 publish(blocks, seq)
             req = seq.request
-            outputs[req.tenant] = outputs.get(req.tenant, 0) + 1
+            sampled.append(req)
             finish = req.on_sample(token_id, logprob, now)
             if finish is not None:
                 self._finish(ex, seq, finish)
-        for tenant, num_tokens in outputs.items():
+        for tenant, num_tokens in collections.Counter(map(_tenant_of, sampled)).items():
             self.fair.charge_output(tenant, num_tokens)
 
     # ---- admission --------------------------------------------------------------------------
@@ -216,6 +231,7 @@ class Scheduler(ExecutorEvents):
             seq_id = next(self._seq_ids)
             table = ex.blocks.start(seq_id, hits, len(tokens))
             seq = self._start(ex, req, seq_id, tokens, len(hits))
+            seq.capacity = len(table) * ex.blocks.block_size
             n = min(len(tokens) - seq.num_cached, budget)
             rows.append(ScheduledRow(seq, n, table, samples=seq.num_cached + n == len(tokens)))
             budget -= n
@@ -311,5 +327,5 @@ class Scheduler(ExecutorEvents):
         return snapshot(self.executors, self.fair, self.totals)
 
 
-def _slot_of(row: ScheduledRow) -> int:
-    return row.seq.slot_index
+_slot_of = operator.attrgetter("seq.slot_index")  # (sort keys in C: rows of every step)
+_tenant_of = operator.attrgetter("tenant")

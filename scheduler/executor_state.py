@@ -115,6 +115,10 @@ class Sequence:
     is_sent: bool = False  # its NewSequence went out
     num_cached: int = 0  # leading tokens whose KV it found in the prefix cache
     num_published: int = 0  # of its blocks, those in the prefix cache (prefix_cache.py)
+    # Tokens its KV blocks hold (0: not known yet): a row that fits needs no look at the table.
+    capacity: int = 0
+    # publish() is asked again once its computed and known tokens both reach this (0: at once).
+    publish_at: int = 0
     slot_index: int = field(init=False)  # its slot's index, -1 on the base model: rows sort by it
     # Its request is done once it has this many tokens (prompt and max_new_tokens outputs).
     max_tokens: int = field(init=False)
@@ -201,6 +205,8 @@ class StepPlan:
     freed: list[int]  # sequences the executor may forget
     new: list[Sequence]  # sequences the executor has not seen yet
     rows: list[ScheduledRow]  # sorted by slot: each adapter's rows are contiguous
+    num_tokens: int  # the rows' tokens
+    num_samples: int  # rows whose answer brings a sampled token (they end their known tokens)
     merge_slot: int | None = None  # fold this slot's adapter into the weights before the rows
     unmerge: bool = False  # restore the base weights first
 
@@ -211,15 +217,6 @@ class StepPlan:
     def needs_sending(self) -> bool:
         """It computes, frees, merges or unmerges something."""
         return bool(self.rows or self.freed or self.unmerge) or self.merge_slot is not None
-
-    @functools.cached_property  # (asked for at every deadline: rows are final once planned)
-    def num_tokens(self) -> int:
-        return sum(row.num_tokens for row in self.rows)
-
-    @functools.cached_property
-    def num_samples(self) -> int:
-        """Rows whose answer brings a sampled token (they end their sequence's known tokens)."""
-        return sum(row.samples for row in self.rows)
 
     @functools.cached_property
     def num_adapters(self) -> int:

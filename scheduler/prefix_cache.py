@@ -19,6 +19,7 @@ hashes mean equal prefixes under the same key, with a collision chance no advers
 from __future__ import annotations
 
 import hashlib
+import sys
 from array import array
 from typing import TYPE_CHECKING
 
@@ -67,11 +68,14 @@ def publish(blocks: BlockManager, seq: Sequence) -> None:
     """Cache seq's blocks that are now full, computed (in the steps sent: an executor runs its
     steps in order, so a later step may read them) and named (their tokens known)."""
     req, bs = seq.request, blocks.block_size
-    full = min(seq.num_computed, len(seq.token_ids)) // bs
-    if full <= seq.num_published or not req.cache_key:
+    if not req.cache_key:
+        seq.publish_at = sys.maxsize  # (never again)
         return
-    hashes = req.block_hashes.setdefault(bs, [])
-    extend_hashes(hashes, req.cache_key, seq.token_ids, bs)
-    for index in range(seq.num_published, full):
-        blocks.publish(seq.seq_id, index, hashes[index])
-    seq.num_published = full
+    full = min(seq.num_computed, len(seq.token_ids)) // bs
+    if full > seq.num_published:
+        hashes = req.block_hashes.setdefault(bs, [])
+        extend_hashes(hashes, req.cache_key, seq.token_ids, bs)
+        for index in range(seq.num_published, full):
+            blocks.publish(seq.seq_id, index, hashes[index])
+        seq.num_published = full
+    seq.publish_at = (seq.num_published + 1) * bs

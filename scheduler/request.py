@@ -39,7 +39,9 @@ class Status(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """One Generate call. `emit` receives its events; the core never blocks on it."""
+    """One Generate call. `emit` receives its events; the core never blocks on it. Its tokens go
+    to `emit_token` instead where one is set (token id, logprob, text): a Stream connection takes
+    them into its next message's columns so, with no event built per token."""
 
     request_id: int
     tenant: str
@@ -67,6 +69,7 @@ class Request:
     cached_prompt_tokens: int = 0
     # Chained hashes of its full blocks, per block size (executors may differ): prefix_cache.py.
     block_hashes: dict[int, list[bytes]] = field(default_factory=dict)
+    emit_token: Callable[[int, float, str], None] | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -75,16 +78,16 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self._sampled
-
-    def __post_init__(self) -> None:
-        self._sampled: list[int] = []
+        """Its tokens so far, but a final stop token (a request that has one is not run again)."""
+        return self.output.token_ids
 
     def on_sample(self, token_id: int, logprob: float, now: float) -> Finish | None:
         """Record a sampled token, stream what it adds; returns the finish reason, if any."""
         if self.first_token_at is None:
             self.first_token_at = now
-        self._sampled.append(token_id)
         text, finish = self.output.append(token_id)
-        self.emit(TokenEvent(token_id, logprob, text))
+        if self.emit_token is None:
+            self.emit(TokenEvent(token_id, logprob, text))
+        else:
+            self.emit_token(token_id, logprob, text)
         return finish

@@ -24,7 +24,7 @@ from common.errors import InvalidArgument, Unavailable, status_for
 from protos import scheduler_pb2
 from scheduler.core import Scheduler
 from scheduler.metrics import SchedulerMetrics
-from scheduler.request import ErrorEvent, Event, FinishEvent, Request, TokenEvent
+from scheduler.request import ErrorEvent, Event, FinishEvent, Request
 
 
 class _Outbox:
@@ -68,6 +68,7 @@ class StreamConnection:
         self._submitting: dict[int, asyncio.Task] = {}  # being checked (an adapter resolving)
         self._cancelled_early: set[int] = set()  # cancelled while being checked
         self._outbox = _Outbox()
+        self._unstarted: set[int] = set()  # queued or running, no token sent yet
         self._ready = asyncio.Event()
 
     # ---- the caller's messages --------------------------------------------------------------
@@ -87,6 +88,8 @@ class StreamConnection:
             if stream_id in self._cancelled_early:
                 return
             self._requests[stream_id] = req
+            self._unstarted.add(stream_id)
+            req.emit_token = functools.partial(self._on_token, stream_id)
             self._core.submit(req)
         except Exception as exc:  # noqa: BLE001 - refused: the caller gets its status
             self._requests.pop(stream_id, None)
@@ -100,6 +103,7 @@ class StreamConnection:
         if stream_id in self._submitting:
             self._cancelled_early.add(stream_id)
         req = self._requests.pop(stream_id, None)
+        self._unstarted.discard(stream_id)
         if req is not None:
             self._core.cancel(req)
             self._metrics.on_finish(req, self._core.clock())
@@ -116,28 +120,28 @@ class StreamConnection:
         """What a request of this stream emits its events to."""
         return functools.partial(self._on_event, stream_id)
 
+    def _on_token(self, stream_id: int, token_id: int, logprob: float, _text: str) -> None:
+        """(Per token: kept to the appends. The core sends none after a request ended.)"""
+        outbox = self._outbox
+        if not outbox.request_ids:
+            self._ready.set()
+        outbox.request_ids.append(stream_id)
+        outbox.token_ids.append(token_id)
+        outbox.logprobs.append(logprob)
+
     def _on_event(self, stream_id: int, event: Event) -> None:
-        req = self._requests.get(stream_id)
+        req = self._requests.pop(stream_id, None)
         if req is None:  # cancelled: its last events are not sent
             return
-        outbox = self._outbox
-        if type(event) is TokenEvent:  # (per token: the cheap tests first)
-            if not outbox.request_ids:
-                self._ready.set()  # (set again when only ends were waiting: harmless)
-            outbox.request_ids.append(stream_id)
-            outbox.token_ids.append(event.token_id)
-            outbox.logprobs.append(event.logprob)
-            if req.output.num_tokens == 1:
-                outbox.starts.append(scheduler_pb2.StreamStart(
-                    id=stream_id, queue_seconds=(req.admitted_at or req.arrival) - req.arrival,
-                    time_to_first_token_seconds=req.first_token_at - req.arrival))
-            return
         self._ready.set()
+        if stream_id in self._unstarted:
+            self._unstarted.discard(stream_id)
+            if req.first_token_at is not None:  # its first token is in the outbox
+                self._start(stream_id, req)
         if isinstance(event, FinishEvent):
-            outbox.end(stream_id, finish=event.reason)
+            self._outbox.end(stream_id, finish=event.reason)
         elif isinstance(event, ErrorEvent):
-            outbox.end(stream_id, error=event.error)
-        del self._requests[stream_id]
+            self._outbox.end(stream_id, error=event.error)
         self._metrics.on_finish(req, self._core.clock())
 
     def _refuse(self, stream_id: int, error: BaseException) -> None:
@@ -154,6 +158,7 @@ class StreamConnection:
             if reading.done() and reading.exception() is not None:
                 raise reading.exception()
             if self._outbox:
+                self._note_starts()
                 message, self._outbox = self._outbox.to_pb(), _Outbox()
                 try:
                     async with asyncio.timeout(self._write_s):
@@ -166,6 +171,21 @@ class StreamConnection:
                 return
             self._ready.clear()  # (nothing to do: wait for an event or for reading to end)
             await self._ready.wait()
+
+    def _note_starts(self) -> None:
+        """The outbox's requests with their first token in it get a StreamStart (found once
+        per message, not per token)."""
+        if not self._unstarted or not self._outbox.request_ids:
+            return
+        started = self._unstarted.intersection(self._outbox.request_ids)
+        self._unstarted -= started
+        for stream_id in sorted(started):
+            self._start(stream_id, self._requests[stream_id])  # (an ended one left _unstarted)
+
+    def _start(self, stream_id: int, req: Request) -> None:
+        self._outbox.starts.append(scheduler_pb2.StreamStart(
+            id=stream_id, queue_seconds=(req.admitted_at or req.arrival) - req.arrival,
+            time_to_first_token_seconds=req.first_token_at - req.arrival))
 
 
 def tenant_of(submit: scheduler_pb2.StreamSubmit, is_open: bool, default: str) -> str:

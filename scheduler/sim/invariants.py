@@ -59,6 +59,9 @@ def check_invariants(core: Scheduler, live: Iterable[Request] = ()) -> None:
         assert len(in_tables) == ex.blocks.num_allocated(), f"{where}: blocks leaked"
         holder: dict[int, Request] = {}
         for seq in ex.running.values():
+            held = len(ex.blocks.tables[seq.seq_id]) * ex.blocks.block_size
+            assert seq.num_computed <= seq.capacity <= held, \
+                f"{where}: seq {seq.seq_id} computes past its blocks, or believes it holds more"
             key = seq.request.cache_key
             for block in ex.blocks.tables[seq.seq_id]:
                 other = holder.setdefault(block, seq.request)

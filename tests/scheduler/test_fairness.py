@@ -51,9 +51,9 @@ def test_tenant_cycling_cold_adapters_pays_for_its_loads_and_gets_no_more_than_i
         w.step()
     for req in w.requests:
         if req.admitted_at is not None:
-            tokens[req.tenant] += len(req.prompt_ids) + len(req.output_token_ids)
+            tokens[req.tenant] += len(req.prompt_ids) + req.output.num_tokens
     loads_caused = sum(r.caused_load for r in w.requests if r.tenant == "cold")
-    token_charges = sum(len(r.prompt_ids) + 2 * len(r.output_token_ids)
+    token_charges = sum(len(r.prompt_ids) + 2 * r.output.num_tokens
                         for r in w.requests if r.tenant == "cold" and r.admitted_at is not None)
     assert loads_caused > 10
     assert w.core.fair.counter("cold") > token_charges, "its loads are on its bill"

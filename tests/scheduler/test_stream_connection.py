@@ -1,0 +1,79 @@
+"""A Stream connection's messages, in process over the core (the World harness): every token in
+the step's message, and each request's StreamStart in the message that carries its first token,
+including a request whose first token is also its last."""
+
+import asyncio
+
+from common.detokenizer import OutputProcessor
+from common.sampling import SamplingParams
+from protos import scheduler_pb2
+from scheduler.metrics import SchedulerMetrics
+from scheduler.request import Request
+from scheduler.streams import StreamConnection
+from tests.scheduler.sched_world import World
+
+
+async def test_each_start_comes_with_its_first_token():
+    w = World(num_blocks=64, block_size=4)
+    sent: list[scheduler_pb2.StreamResponse] = []
+
+    async def write(message: scheduler_pb2.StreamResponse) -> None:
+        sent.append(message)
+
+    connection = StreamConnection(w.core, SchedulerMetrics(w.core), write, write_s=10.0)
+    reading = asyncio.get_running_loop().create_future()  # (the caller keeps its side open)
+    writer = asyncio.create_task(connection.send(reading))
+
+    def submit(stream_id: int, max_new: int) -> None:
+        async def check() -> Request:
+            req = Request(stream_id, "t", None, 0, [1, 2, 3], SamplingParams(),
+                          OutputProcessor(None, max_new_tokens=max_new),
+                          connection.emitter(stream_id))
+            w.requests.append(req)
+            return req
+        connection.submit(stream_id, check)
+
+    submit(1, max_new=1)  # its only token ends it
+    submit(2, max_new=3)
+    await asyncio.sleep(0)
+    for _ in range(6):
+        w.step()
+        await asyncio.sleep(0)  # (the writer sends what the step produced)
+        if len(sent) >= 3 and sent[-1].ends and sent[-1].ends[-1].id == 2:
+            break
+    writer.cancel()
+
+    tokens = {1: [], 2: []}
+    for message in sent:
+        for stream_id in message.token_request_ids:
+            tokens[stream_id].append(message)
+    assert [len(tokens[1]), len(tokens[2])] == [1, 3]
+    starts = [(i, start.id) for i, m in enumerate(sent) for start in m.starts]
+    assert starts == [(0, 1), (0, 2)], "one start each, in the message of its first token"
+    assert sent[0].ends[0].id == 1 and sent[0].ends[0].finish_reason == \
+        scheduler_pb2.FINISH_REASON_LENGTH
+    assert all(s.time_to_first_token_seconds >= 0 for m in sent for s in m.starts)
+
+
+async def test_a_request_cancelled_before_its_first_token_gets_no_start():
+    w = World()
+    sent: list[scheduler_pb2.StreamResponse] = []
+
+    async def write(message: scheduler_pb2.StreamResponse) -> None:
+        sent.append(message)
+
+    connection = StreamConnection(w.core, SchedulerMetrics(w.core), write, write_s=10.0)
+    reading = asyncio.get_running_loop().create_future()
+    writer = asyncio.create_task(connection.send(reading))
+
+    async def check() -> Request:
+        return Request(1, "t", None, 0, [1, 2, 3], SamplingParams(),
+                       OutputProcessor(None, max_new_tokens=5), connection.emitter(1))
+    connection.submit(1, check)
+    await asyncio.sleep(0)
+    connection.cancel(1)
+    for _ in range(3):
+        w.step()
+        await asyncio.sleep(0)
+    writer.cancel()
+    assert not any(m.starts or m.token_request_ids for m in sent)
