@@ -13,7 +13,8 @@ stream that ends is replaced at once), from this one client process, measured tw
 - straight into the scheduler's Stream, as a gateway calls it (a message per step for all
   requests): tokens/s delivered and the scheduler's CPU microseconds per token. The client then
   costs little, so this is the scheduler's own figure, and how it changes with E.
-CPU is /proc utime + stime over a window after a warm-up; p99 inter-token latency is the gap
+Then, at 2 executors x 256 rows, the gateway path again through 1 and 2 gateway replicas (the
+streams spread evenly). CPU is /proc utime + stime over a window after a warm-up; p99 inter-token latency is the gap
 between a token's arrival and the previous one's in its stream. Every process shares this
 machine's CPUs (the client included): read ratios of one run. Writes
 bench/results/control-plane-cpu.md unless --quick.
@@ -57,43 +58,47 @@ def p99_ms(gaps: list[float]) -> float:
     return 1e3 * statistics.quantiles(gaps, n=100)[98] if len(gaps) > 100 else float("nan")
 
 
-async def measure(gateway: str, pids: dict[str, int], streams: int, warmup_s: float,
+async def measure(gateways: list[str], pids: dict[str, int], streams: int, warmup_s: float,
                   window_s: float) -> dict[str, float]:
-    """`streams` closed-loop streams; figures over the window after the warm-up."""
+    """`streams` closed-loop streams, spread over `gateways`; figures over the window after the
+    warm-up ('cpu' also holds this client's own, as "client")."""
     arrivals: list[float] = []
     gaps: list[float] = []
     stop = time.perf_counter() + warmup_s + window_s
-    async with insecure_channel(gateway) as channel:
-        stub = scheduler_pb2_grpc.SchedulerStub(channel)
-        metadata = client.metadata(KEY)
+    channels = [insecure_channel(address) for address in gateways]
+    stubs = [scheduler_pb2_grpc.SchedulerStub(channel) for channel in channels]
+    metadata = client.metadata(KEY)
 
-        async def loop(i: int) -> None:
-            while time.perf_counter() < stop:
-                req = client.generate_request("", [3, 4, 5 + i % 100], NEW_TOKENS,
-                                              ignore_eos=True)
-                last = None
-                async for message in stub.Generate(req, metadata=metadata, timeout=120):
-                    now = time.perf_counter()
-                    if message.HasField("token_id"):
-                        arrivals.append(now)
-                        if last is not None:
-                            gaps.append(now - last)
-                        last = now
-                    if now >= stop:
-                        return
+    async def loop(i: int) -> None:
+        while time.perf_counter() < stop:
+            req = client.generate_request("", [3, 4, 5 + i % 100], NEW_TOKENS, ignore_eos=True)
+            last = None
+            async for message in stubs[i % len(stubs)].Generate(req, metadata=metadata,
+                                                                timeout=120):
+                now = time.perf_counter()
+                if message.HasField("token_id"):
+                    arrivals.append(now)
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
+                if now >= stop:
+                    return
 
-        tasks = [asyncio.create_task(loop(i)) for i in range(streams)]
-        await asyncio.sleep(warmup_s)
-        start, cpu = time.perf_counter(), {name: cpu_seconds(pid) for name, pid in pids.items()}
-        wall_start = time.time()
-        first_gap = len(gaps)
-        await asyncio.sleep(window_s)
-        end, used = time.perf_counter(), {n: cpu_seconds(p) - cpu[n] for n, p in pids.items()}
-        wall_end = time.time()
-        window_gaps = gaps[first_gap:]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    tasks = [asyncio.create_task(loop(i)) for i in range(streams)]
+    await asyncio.sleep(warmup_s)
+    start, cpu = time.perf_counter(), {name: cpu_seconds(pid) for name, pid in pids.items()}
+    wall_start, client_cpu = time.time(), time.process_time()
+    first_gap = len(gaps)
+    await asyncio.sleep(window_s)
+    end, used = time.perf_counter(), {n: cpu_seconds(p) - cpu[n] for n, p in pids.items()}
+    used["client"] = time.process_time() - client_cpu
+    wall_end = time.time()
+    window_gaps = gaps[first_gap:]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for channel in channels:
+        await channel.close()
     tokens = sum(1 for t in arrivals if start <= t < end)
     return {"tokens/s": tokens / (end - start), "window": (wall_start, wall_end),
             "cpu": used, "delivered": tokens, "ITL p99 ms": p99_ms(window_gaps)}
@@ -162,6 +167,45 @@ def scheduled_tokens(timings: pathlib.Path, window: tuple[float, float]) -> int:
     return total
 
 
+def gateway_replicas(tmp: pathlib.Path, keys: FleetKeys, args: argparse.Namespace,
+                     executors: int = 2, rows: int = 256) -> list[str]:
+    """The same closed loop through 1, then 2 gateways in front of one pool (the streams spread
+    evenly): the table's lines."""
+    header = ["gateways", "streams", "tokens/s delivered", "gateway us/token (all replicas)",
+              "scheduler us/token", "client CPU %", "ITL p99 ms"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
+    fleet = Fleet(model="random:tiny", store_url=(tmp / "store-replicas").as_uri(),
+                  log_dir=tmp / "logs-replicas", num_executors=executors, keys=keys,
+                  executor_args=["--benchmark-step-s", str(args.step_s), "--kv-blocks",
+                                 str(rows * 20), "--adapter-slots", "1", "--max-rank", "8",
+                                 "--threads", "1"],
+                  scheduler_args=["--max-num-seqs", str(rows), "--max-queued-per-tenant", "0"])
+    with fleet:
+        scheduler = next(s.process.pid for s in fleet.services if s.name == "scheduler")
+        for count in (1, 2):
+            print(f"{count} gateway(s), {executors} executors x {rows} rows ...", flush=True)
+            gateways = [start_gateway({"tiny": [fleet.scheduler]}, fleet.stores,
+                                      tmp / "logs-replicas", keys, name=f"gateway{i}")
+                        for i in range(count)]
+            try:
+                pids = {"scheduler": scheduler} | {
+                    f"gateway{i}": g.process.pid for i, g in enumerate(gateways)}
+                f = run(lambda: measure([g.address for g in gateways], pids, executors * rows,
+                                        3.0, args.window_s))
+            finally:
+                for gateway in gateways:
+                    gateway.stop()
+            tokens = max(f["delivered"], 1)
+            gateway_cpu = sum(v for k, v in f["cpu"].items() if k.startswith("gateway"))
+            seconds = f["window"][1] - f["window"][0]
+            lines.append(f"| {count} | {executors * rows} | {f['tokens/s']:,.0f} "
+                         f"| {1e6 * gateway_cpu / tokens:.0f} "
+                         f"| {1e6 * f['cpu']['scheduler'] / tokens:.1f} "
+                         f"| {100 * f['cpu']['client'] / seconds:.0f} "
+                         f"| {f['ITL p99 ms']:.0f} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -193,7 +237,7 @@ def main() -> None:
                             "gateway": gateway.process.pid}
                     for r in rows:
                         print(f"{n} executor(s) x {r} rows ...", flush=True)
-                        figures = run(lambda: measure(gateway.address, pids, n * r, 3.0,
+                        figures = run(lambda: measure([gateway.address], pids, n * r, 3.0,
                                                       args.window_s))
                         results.append((n, r, figures))
                         direct.append((n, r, run(lambda: measure_stream(
@@ -205,6 +249,7 @@ def main() -> None:
                 if m == n:
                     figures["scheduled"] = scheduled_tokens(tmp / f"timings{n}.jsonl",
                                                             figures["window"])
+        replicas = [] if args.quick else gateway_replicas(tmp, keys, args)
     header = ["executors", "rows per step", "streams", "tokens/s scheduled", "ideal",
               "tokens/s delivered", "scheduler us/token scheduled",
               "gateway us/token delivered", "ITL p99 ms"]
@@ -240,6 +285,13 @@ def main() -> None:
          "message per step carries every request's tokens as columns): the client costs little, "
          "so the scheduler's CPU per token shows on its own (its --timings-out log included)."),
         "", *direct_lines, "",
+        "## Gateway replicas", "",
+        ("2 executors x 256 rows, the same closed loop spread evenly over 1, then 2 gateways in "
+         "front of the pool (each gateway keeps its own Stream to the scheduler): 'client CPU %' "
+         "is this one client process's share of a core. Replicas share nothing but the "
+         "scheduler, so what one more adds shows where the machine runs out: on a 2-core "
+         "machine the client and the gateways compete for the same CPUs."),
+        "", *replicas, "",
         (f"- machine: nproc {len(os.sched_getaffinity(0))}, python {sys.version.split()[0]}, "
          f"1-min load average at start {load:.1f}; the client, the scheduler, the gateway and "
          "the executors share these CPUs"),
