@@ -131,7 +131,7 @@ class Scheduler(ExecutorEvents):
                 n = budget
             end = seq.num_computed + n
             if end <= seq.capacity:  # (most decode steps: its blocks hold the token)
-                new_blocks = []
+                new_blocks = ()
             else:
                 new_blocks = blocks.try_grow(seq.seq_id, end)
                 if new_blocks is None:

@@ -3,6 +3,8 @@ answer's samples) and its adapter RPCs, every call with a deadline (timeouts.py)
 the service key."""
 
 import asyncio
+import itertools
+import operator
 import time
 from collections.abc import Iterable
 
@@ -101,7 +103,9 @@ class ExecutorLink:
 
 
 def step_request(plan: StepPlan) -> executor_pb2.StepRequest:
-    """The step stream's message for `plan`."""
+    """The step stream's message for `plan` (its columns made by map in C: a row each)."""
+    rows = plan.rows
+    new_blocks = list(map(_new_block_ids, rows))
     return executor_pb2.StepRequest(
         freed_seq_ids=plan.freed,
         new_sequences=[executor_pb2.NewSequence(
@@ -109,8 +113,13 @@ def step_request(plan: StepPlan) -> executor_pb2.StepRequest:
             sampling=seq.request.sampling.to_pb(),
             num_generated=len(seq.request.output_token_ids), num_cached=seq.num_cached)
             for seq in plan.new],
-        row_seq_ids=[row.seq.seq_id for row in plan.rows],
-        row_num_tokens=[row.num_tokens for row in plan.rows],
-        row_num_new_blocks=[len(row.new_block_ids) for row in plan.rows],
-        new_block_ids=[b for row in plan.rows for b in row.new_block_ids],
+        row_seq_ids=list(map(_seq_id, rows)),
+        row_num_tokens=list(map(_num_tokens, rows)),
+        row_num_new_blocks=list(map(len, new_blocks)),
+        new_block_ids=list(itertools.chain.from_iterable(new_blocks)),
         merge_slot=plan.merge_slot, unmerge=plan.unmerge)
+
+
+_seq_id = operator.attrgetter("seq.seq_id")
+_num_tokens = operator.attrgetter("num_tokens")
+_new_block_ids = operator.attrgetter("new_block_ids")

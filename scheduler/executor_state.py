@@ -2,6 +2,7 @@
 schedules under, and what one step carries (StepPlan of ScheduledRows, Samples back)."""
 
 import functools
+import operator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -196,7 +197,7 @@ class ScheduledRow:
 
     seq: Sequence
     num_tokens: int
-    new_block_ids: list[int]
+    new_block_ids: list[int] | tuple[()]  # () for most decode rows (nothing allocated)
     samples: bool = False  # it reaches the sequence's last known token: a sample comes back
 
 
@@ -221,7 +222,10 @@ class StepPlan:
     @functools.cached_property
     def num_adapters(self) -> int:
         """Distinct adapters (slots) among the rows."""
-        return len({row.seq.slot_index for row in self.rows} - {-1})
+        return len(set(map(_slot_index, self.rows)) - {-1})
+
+
+_slot_index = operator.attrgetter("seq.slot_index")
 
 
 class Sample(NamedTuple):  # (a tuple: on_step_done unpacks it, as it does the engine's columns)
