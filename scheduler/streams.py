@@ -51,10 +51,17 @@ class _Outbox:
             end.retry_after = dict(getattr(error, "trailers", ())).get(wire.RETRY_AFTER, "")
         self.ends.append(end)
 
-    def to_pb(self) -> scheduler_pb2.StreamResponse:
-        return scheduler_pb2.StreamResponse(
+    def take(self) -> scheduler_pb2.StreamResponse:
+        """The message, the outbox left empty (its token columns are the same lists: request
+        token sinks append to them)."""
+        message = scheduler_pb2.StreamResponse(
             token_request_ids=self.request_ids, token_ids=self.token_ids, logprobs=self.logprobs,
             starts=self.starts, ends=self.ends)
+        self.request_ids.clear()
+        self.token_ids.clear()
+        self.logprobs.clear()
+        self.starts, self.ends = [], []
+        return message
 
 
 class StreamConnection:
@@ -89,7 +96,7 @@ class StreamConnection:
                 return
             self._requests[stream_id] = req
             self._unstarted.add(stream_id)
-            req.emit_token = functools.partial(self._on_token, stream_id)
+            req.emit_token = self._token_sink(stream_id)
             self._core.submit(req)
         except Exception as exc:  # noqa: BLE001 - refused: the caller gets its status
             self._requests.pop(stream_id, None)
@@ -120,14 +127,20 @@ class StreamConnection:
         """What a request of this stream emits its events to."""
         return functools.partial(self._on_event, stream_id)
 
-    def _on_token(self, stream_id: int, token_id: int, logprob: float, _text: str) -> None:
-        """(Per token: kept to the appends. The core sends none after a request ended.)"""
-        outbox = self._outbox
-        if not outbox.request_ids:
-            self._ready.set()
-        outbox.request_ids.append(stream_id)
-        outbox.token_ids.append(token_id)
-        outbox.logprobs.append(logprob)
+    def _token_sink(self, stream_id: int) -> Callable[[int, float, str], None]:
+        """Where a request's tokens go: straight into the outbox's columns (a closure over them:
+        this runs per token. The core sends none after a request ended)."""
+        ids, token_ids, logprobs = (self._outbox.request_ids, self._outbox.token_ids,
+                                    self._outbox.logprobs)
+        ready = self._ready
+
+        def on_token(token_id: int, logprob: float, _text: str) -> None:
+            if not ids:
+                ready.set()
+            ids.append(stream_id)
+            token_ids.append(token_id)
+            logprobs.append(logprob)
+        return on_token
 
     def _on_event(self, stream_id: int, event: Event) -> None:
         req = self._requests.pop(stream_id, None)
@@ -159,7 +172,7 @@ class StreamConnection:
                 raise reading.exception()
             if self._outbox:
                 self._note_starts()
-                message, self._outbox = self._outbox.to_pb(), _Outbox()
+                message = self._outbox.take()
                 try:
                     async with asyncio.timeout(self._write_s):
                         await self._write(message)
