@@ -39,9 +39,9 @@ class Status(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """One Generate call. `emit` receives its events; the core never blocks on it. Its tokens go
-    to `emit_token` instead where one is set (token id, logprob, text): a Stream connection takes
-    them into its next message's columns so, with no event built per token."""
+    """One Generate call. `emit` receives its events; the core never blocks on it. Where
+    `emit_token` is set, its tokens go there instead, as (token id, logprob, text) and with no
+    event built per token: a Stream connection appends them to its next message's columns."""
 
     request_id: int
     tenant: str
