@@ -14,9 +14,9 @@ stream that ends is replaced at once), from this one client process, measured tw
   requests): tokens/s delivered and the scheduler's CPU microseconds per token. The client then
   costs little, so this is the scheduler's own figure, and how it changes with E.
 Then, at 2 executors x 256 rows, the gateway path again through 1 and 2 gateway replicas (the
-streams spread evenly). CPU is /proc utime + stime over a window after a warm-up; p99 inter-token latency is the gap
-between a token's arrival and the previous one's in its stream. Every process shares this
-machine's CPUs (the client included): read ratios of one run. Writes
+streams spread evenly). CPU is /proc utime + stime over a window after a warm-up; p99 inter-token
+latency is the gap between a token's arrival and the previous one's in its stream. Every process
+shares this machine's CPUs (the client included): read ratios of one run. Writes
 bench/results/control-plane-cpu.md unless --quick.
 """
 
