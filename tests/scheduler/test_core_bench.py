@@ -12,4 +12,4 @@ def test_the_core_benchmark_runs_against_the_current_core():
     out = subprocess.run([sys.executable, "bench/scheduler_core.py", "--steps", "5", "--rows", "8"],
                          cwd=REPO, capture_output=True, text=True, timeout=120, check=True).stdout
     row = out.splitlines()[-1].strip("|").split("|")
-    assert int(row[0]) == 8 and float(row[1]) > 0, out
+    assert int(row[0]) == 8 and float(row[1]) > 0 and float(row[2]) > 0, out
