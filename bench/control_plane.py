@@ -167,25 +167,38 @@ def scheduled_tokens(timings: pathlib.Path, window: tuple[float, float]) -> int:
     return total
 
 
+def bench_fleet(tmp: pathlib.Path, name: str, executors: int, rows: int, keys: FleetKeys,
+                step_s: float, scheduler_args: list[str] = ()) -> Fleet:
+    """A pool of `executors` benchmark executors (tiny random weights, a step every `step_s`,
+    KV for `rows` sequences) and a scheduler admitting up to `rows` per executor, unstarted."""
+    return Fleet(model="random:tiny", store_url=(tmp / f"store{name}").as_uri(),
+                 log_dir=tmp / f"logs{name}", num_executors=executors, keys=keys,
+                 executor_args=["--benchmark-step-s", str(step_s), "--kv-blocks", str(rows * 20),
+                                "--adapter-slots", "1", "--max-rank", "8", "--threads", "1"],
+                 scheduler_args=["--max-num-seqs", str(rows), "--max-queued-per-tenant", "0",
+                                 *scheduler_args])
+
+
 def gateway_replicas(tmp: pathlib.Path, keys: FleetKeys, args: argparse.Namespace,
                      executors: int = 2, rows: int = 256) -> list[str]:
     """The same closed loop through 1, then 2 gateways in front of one pool (the streams spread
-    evenly): the table's lines."""
+    evenly): the results file's section, its table included."""
     header = ["gateways", "streams", "tokens/s delivered", "gateway us/token (all replicas)",
               "scheduler us/token", "client CPU %", "ITL p99 ms"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
-    fleet = Fleet(model="random:tiny", store_url=(tmp / "store-replicas").as_uri(),
-                  log_dir=tmp / "logs-replicas", num_executors=executors, keys=keys,
-                  executor_args=["--benchmark-step-s", str(args.step_s), "--kv-blocks",
-                                 str(rows * 20), "--adapter-slots", "1", "--max-rank", "8",
-                                 "--threads", "1"],
-                  scheduler_args=["--max-num-seqs", str(rows), "--max-queued-per-tenant", "0"])
-    with fleet:
-        scheduler = next(s.process.pid for s in fleet.services if s.name == "scheduler")
+    lines = [
+        "## Gateway replicas", "",
+        (f"{executors} executors x {rows} rows, the same closed loop spread evenly over 1, then 2 "
+         "gateways in front of the pool (each gateway keeps its own Stream to the scheduler): "
+         "'client CPU %' is this one client process's share of a core. Replicas share nothing "
+         "but the scheduler, so what one more adds shows where the machine runs out: on a 2-core "
+         "machine the client and the gateways compete for the same CPUs."), "",
+        "| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
+    with bench_fleet(tmp, "replicas", executors, rows, keys, args.step_s) as fleet:
+        scheduler = fleet.by_name("scheduler")[0].process.pid
         for count in (1, 2):
             print(f"{count} gateway(s), {executors} executors x {rows} rows ...", flush=True)
             gateways = [start_gateway({"tiny": [fleet.scheduler]}, fleet.stores,
-                                      tmp / "logs-replicas", keys, name=f"gateway{i}")
+                                      fleet.log_dir, keys, name=f"gateway{i}")
                         for i in range(count)]
             try:
                 pids = {"scheduler": scheduler} | {
@@ -203,7 +216,7 @@ def gateway_replicas(tmp: pathlib.Path, keys: FleetKeys, args: argparse.Namespac
                          f"| {1e6 * f['cpu']['scheduler'] / tokens:.1f} "
                          f"| {100 * f['cpu']['client'] / seconds:.0f} "
                          f"| {f['ITL p99 ms']:.0f} |")
-    return lines
+    return lines + [""]
 
 
 def main() -> None:
@@ -220,20 +233,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="loraplex-control-") as tmp_name:
         tmp = pathlib.Path(tmp_name)
         for n in counts:
-            fleet = Fleet(model="random:tiny", store_url=(tmp / f"store{n}").as_uri(),
-                          log_dir=tmp / f"logs{n}", num_executors=n, keys=keys,
-                          executor_args=["--benchmark-step-s", str(args.step_s), "--kv-blocks",
-                                         str(max(rows) * 20), "--adapter-slots", "1",
-                                         "--max-rank", "8", "--threads", "1"],
-                          scheduler_args=["--max-num-seqs", str(max(rows)),
-                                          "--max-queued-per-tenant", "0",
-                                          "--timings-out", str(tmp / f"timings{n}.jsonl")])
+            fleet = bench_fleet(tmp, str(n), n, max(rows), keys, args.step_s,
+                                ["--timings-out", str(tmp / f"timings{n}.jsonl")])
             with fleet:
                 gateway = start_gateway({"tiny": [fleet.scheduler]}, fleet.stores,
-                                        tmp / f"logs{n}", keys)
+                                        fleet.log_dir, keys)
                 try:
-                    pids = {"scheduler": next(s.process.pid for s in fleet.services
-                                              if s.name == "scheduler"),
+                    pids = {"scheduler": fleet.by_name("scheduler")[0].process.pid,
                             "gateway": gateway.process.pid}
                     for r in rows:
                         print(f"{n} executor(s) x {r} rows ...", flush=True)
@@ -285,13 +291,7 @@ def main() -> None:
          "message per step carries every request's tokens as columns): the client costs little, "
          "so the scheduler's CPU per token shows on its own (its --timings-out log included)."),
         "", *direct_lines, "",
-        "## Gateway replicas", "",
-        ("2 executors x 256 rows, the same closed loop spread evenly over 1, then 2 gateways in "
-         "front of the pool (each gateway keeps its own Stream to the scheduler): 'client CPU %' "
-         "is this one client process's share of a core. Replicas share nothing but the "
-         "scheduler, so what one more adds shows where the machine runs out: on a 2-core "
-         "machine the client and the gateways compete for the same CPUs."),
-        "", *replicas, "",
+        *replicas,
         (f"- machine: nproc {len(os.sched_getaffinity(0))}, python {sys.version.split()[0]}, "
          f"1-min load average at start {load:.1f}; the client, the scheduler, the gateway and "
          "the executors share these CPUs"),

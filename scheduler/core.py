@@ -39,6 +39,7 @@ from scheduler.executor_state import (
     ScheduledRow,
     Sequence,
     StepPlan,
+    row_slot,
 )
 from scheduler.prefix_cache import cache_key, cached_prefix, publish
 from scheduler.request import FinishEvent, Request, Status
@@ -148,7 +149,7 @@ class Scheduler(ExecutorEvents):
             rows = [row for row in rows if row.seq.seq_id in running]
         if ex.is_admitting:
             rows += self._admit(ex, budget)
-        rows.sort(key=_slot_of)
+        rows.sort(key=row_slot)
         new = [row.seq for row in rows if not row.seq.is_sent]
         for seq in new:  # sent now: one cancelled while this step runs must be freed after it
             seq.is_sent = True
@@ -327,5 +328,4 @@ class Scheduler(ExecutorEvents):
         return snapshot(self.executors, self.fair, self.totals)
 
 
-_slot_of = operator.attrgetter("seq.slot_index")  # (sort keys in C: rows of every step)
 _tenant_of = operator.attrgetter("tenant")

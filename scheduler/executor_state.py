@@ -222,10 +222,10 @@ class StepPlan:
     @functools.cached_property
     def num_adapters(self) -> int:
         """Distinct adapters (slots) among the rows."""
-        return len(set(map(_slot_index, self.rows)) - {-1})
+        return len(set(map(row_slot, self.rows)) - {-1})
 
 
-_slot_index = operator.attrgetter("seq.slot_index")
+row_slot = operator.attrgetter("seq.slot_index")  # a row's slot index, -1 on the base model (C)
 
 
 class Sample(NamedTuple):  # (a tuple: on_step_done unpacks it, as it does the engine's columns)
