@@ -56,12 +56,17 @@ class SlotCopier:
         the zeroing (on the default stream nothing would order the two)."""
         self._on_side_stream(self._pool.clear, slot)
 
-    def _on_side_stream(self, write, *args) -> None:
-        if self._stream is None:
-            write(*args)
-            return
+    def _on_side_stream(self, write, slot: int, *args) -> None:
+        """`write(slot, *args)`, then, once done (the side stream passed it), the pool told so:
+        a step that copied the slot meanwhile copies it again."""
         try:
-            with torch.cuda.stream(self._stream):
-                write(*args)
+            if self._stream is None:
+                write(slot, *args)
+                return
+            try:
+                with torch.cuda.stream(self._stream):
+                    write(slot, *args)
+            finally:
+                self._stream.synchronize()  # this thread waits; the step loop's stream does not
         finally:
-            self._stream.synchronize()  # this thread waits; the step loop's stream does not
+            self._pool.finish_write(slot)

@@ -129,8 +129,11 @@ class LoraSlotPool:
         self.scale_table = torch.zeros(num_layers, num_slots, len(LORA_MODULES))
         # Written only by the methods below (each assignment whole: the step thread reads them).
         self._slots: list[SlotState] = [EMPTY_SLOT] * num_slots
-        # Per slot, how many times its weights were written (zeroed, then maybe copied): a copy
-        # of a slot's weights made at count c is current while the count is still c.
+        # Per slot, how its weights were written: the count moves when a write (a load or a
+        # clear) begins and again once it has completed (finish_write). A copy of a slot's weights
+        # made at count c is current while the count is still c: one made while a write ran (a
+        # step's stack, on the step thread, beside a load's copy on a worker thread) carries the
+        # count the write began with, and is made again.
         self._writes: list[int] = [0] * num_slots
 
     def num_bytes(self) -> int:
@@ -160,6 +163,11 @@ class LoraSlotPool:
     def adapters(self) -> list[AdapterRef | None]:
         """The adapter each slot is loaded with; None where it holds none (or an unnamed one)."""
         return [s.adapter if s.is_loaded else None for s in self._slots]
+
+    def finish_write(self, slot: int) -> None:
+        """A write into `slot` (`load` or `clear`) has completed, on CUDA its stream included:
+        copies of the slot made since the write began are stale from now on."""
+        self._writes[slot] += 1
 
     def mark_loaded(self, slot: int, adapter: AdapterRef | None = None) -> None:
         """The copy into `slot` completed (as `adapter`): steps may read it."""

@@ -6,6 +6,7 @@ import torch
 from executor.lora_stack import StackedGroup
 from executor.lora_torch import TorchLoraBackend
 from executor.model_config import ModelConfig
+from executor.slot_copy import SlotCopier
 from executor.slot_pool import LoraSlotPool
 from tests.executor.lora_backends import backend_outputs
 from tests.random_adapters import random_adapter
@@ -122,6 +123,24 @@ def test_decode_steps_keep_one_stack_and_copy_only_what_changed(pool, monkeypatc
     check_against_exact(fast, pool, split)
     runs = [0, 1, 0, 1, 0, 1, 2, 3, 4]  # more segments than the pool has slots
     check_against_exact(fast, pool, runs)
+
+
+def test_a_step_while_a_load_runs_does_not_keep_the_half_written_slot(pool, monkeypatch):
+    """A load copies on a worker thread while the step thread runs steps: a step that updates
+    its kept stack while a slot of it is being written copies it again once the load is done
+    (else every later step of that adapter reads the zeroed or half-copied weights)."""
+    fast = TorchLoraBackend(pool)
+    every = [0, 1, 2, 3, 4]
+    fast.prepare(torch.tensor(every))  # the kept stack holds slot 1's adapter
+    zero = pool._zero_written
+
+    def step_midway(slot: int) -> None:  # a step lands after the zeroing, before the copy
+        zero(slot)
+        fast.prepare(torch.tensor(every))
+    monkeypatch.setattr(pool, "_zero_written", step_midway)
+    SlotCopier(pool).copy(1, random_adapter(CONFIG, 7, 77))
+    pool.mark_loaded(1)
+    check_against_exact(fast, pool, every)
 
 
 def test_a_stack_group_is_rebuilt_when_a_slot_needs_a_larger_rank(pool):
