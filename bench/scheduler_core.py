@@ -22,7 +22,7 @@ import time
 from common.detokenizer import OutputProcessor
 from common.sampling import SamplingParams
 from scheduler.block_manager import BlockManager
-from scheduler.core import ExecutorState, Limits, Scheduler
+from scheduler.core import ExecutorState, Limits, Samples, Scheduler
 from scheduler.executor_link import step_request
 from scheduler.fairness import FairnessWeights
 from scheduler.metrics import SchedulerMetrics
@@ -62,7 +62,7 @@ async def us_per_token(rows: int, steps: int, idle_s: float = 0.0) -> float:
         step_request(plan).SerializeToString()  # (built and serialized, as the link sends it)
         answer = ([row.seq.seq_id for row in plan.rows if row.samples],
                   [7] * plan.num_samples, [-0.5] * plan.num_samples)
-        core.on_step_done(ex, plan, zip(*answer), 0.02)
+        core.on_step_done(ex, plan, Samples(*answer), 0.02)
         tokens += plan.num_samples
         await asyncio.sleep(0)  # (the Stream's writer sends the step's tokens)
         if idle_s:

@@ -44,27 +44,32 @@ class OutputProcessor:
                  stop_token_ids: Sequence[int] = (), stop: Sequence[str] = ()):
         self._tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
-        self._stop_ids = frozenset(stop_token_ids)
+        self.stop_ids = frozenset(stop_token_ids)
         self._stops = tuple(s for s in stop if s)
         self._holdback = max((len(s) for s in self._stops), default=1) - 1
         self.token_ids: list[int] = []  # output tokens that count toward the text
-        self.num_tokens = 0  # all sampled tokens, including a final stop token
+        self.is_stopped = False  # it ended on a stop token (not in token_ids)
         self.text = ""
         self._prefix = 0  # window start (token index) for decoding
         self._read = 0  # tokens already turned into text
         self._emitted = 0  # characters of self.text already returned
         # No text to make (token ids only: a scheduler's Stream): only stop ids and the length.
-        self._ids_only = tokenizer is None and not self._stops
+        self.is_ids_only = tokenizer is None and not self._stops
+
+    @property
+    def num_tokens(self) -> int:
+        """All sampled tokens, including a final stop token."""
+        return len(self.token_ids) + self.is_stopped
 
     def append(self, token_id: int) -> tuple[str, Finish | None]:
         """Record a sampled token; returns (text to stream now, finish reason or None)."""
-        self.num_tokens += 1
-        if token_id in self._stop_ids:
+        if token_id in self.stop_ids:
+            self.is_stopped = True
             self._decode(final=True)
             return self._flush(len(self.text)), Finish.STOP
         self.token_ids.append(token_id)
-        is_last = self.num_tokens >= self.max_new_tokens
-        if self._ids_only:
+        is_last = len(self.token_ids) >= self.max_new_tokens
+        if self.is_ids_only:
             return _LAST if is_last else _MORE
         self._decode(final=is_last)
         if self._stops:

@@ -16,9 +16,9 @@ life do to them is executor_events.py; Scheduler builds on both.
 
 import collections
 import heapq
+import itertools
 import logging
 import operator
-from collections.abc import Iterable
 
 from common.adapter_ref import AdapterRef
 from common.detokenizer import Finish
@@ -36,6 +36,7 @@ from scheduler.executor_state import (
     ExecutorState,
     Limits,
     Sample,
+    Samples,
     ScheduledRow,
     Sequence,
     StepPlan,
@@ -50,8 +51,8 @@ log = logging.getLogger(__name__)
 # An adapter staged on an executor and not taken into a slot within this long is staged again
 # when wanted (executors drop staged bytes after EXECUTOR_STAGED_TTL_S, which is longer).
 STAGED_TTL_S = 60.0
-__all__ = ["ExecutorState", "Limits", "Sample", "ScheduledRow", "Scheduler", "Sequence",
-           "StepPlan"]
+__all__ = ["ExecutorState", "Limits", "Sample", "Samples", "ScheduledRow", "Scheduler",
+           "Sequence", "StepPlan"]
 
 
 class Scheduler(ExecutorEvents):
@@ -121,11 +122,14 @@ class Scheduler(ExecutorEvents):
                 break
             if preempted and seq.seq_id not in running:  # preempted to make room for another
                 continue
-            due = seq.samples_due
-            known = len(seq.token_ids) + due  # what the executor will have
-            if due and known >= seq.max_tokens:
-                continue  # its last token is on its way: nothing more to compute
+            known = seq.num_known  # what the executor will have
             n = known - seq.num_computed
+            if n == 1 and known <= seq.capacity and known < seq.max_tokens:
+                rows.append(seq.decode_row)  # (most rows: one token its blocks hold, a sample)
+                budget -= 1
+                continue
+            if known >= seq.max_tokens and known > len(seq.token_ids):
+                continue  # its last token is on its way: nothing more to compute
             if n <= 0:
                 continue
             if n > budget:
@@ -154,12 +158,13 @@ class Scheduler(ExecutorEvents):
         for seq in new:  # sent now: one cancelled while this step runs must be freed after it
             seq.is_sent = True
         num_tokens = num_samples = 0
+        step = ex.steps_planned = ex.steps_planned + 1
         for row in rows:  # counted as computed once sent: the next plan may follow at once
             seq, n = row.seq, row.num_tokens
             computed = seq.num_computed = seq.num_computed + n
-            seq.samples_due += row.samples
+            seq.num_known += row.samples
             num_samples += row.samples
-            seq.steps_in_flight += 1
+            seq.last_step = step
             seq.request.work_left -= n
             num_tokens += n
             if computed >= seq.publish_at:  # (publish's cheap half)
@@ -167,40 +172,54 @@ class Scheduler(ExecutorEvents):
         ex.work_tokens -= num_tokens
         freed, ex.pending_frees = ex.pending_frees, []
         unmerge = merging.unmerge_now(ex)
-        return StepPlan(freed, new, rows, num_tokens, num_samples, merging.merge_now(self, ex),
-                        unmerge)
+        return StepPlan(step, freed, new, rows, num_tokens, num_samples,
+                        merging.merge_now(self, ex), unmerge)
 
-    def on_step_done(self, ex: ExecutorState, plan: StepPlan,
-                     samples: Iterable[tuple[int, int, float]], step_seconds: float = 0.0) -> None:
-        """`samples`: (seq id, token id, logprob) each, as Sample has them."""
+    def on_step_done(self, ex: ExecutorState, plan: StepPlan, samples: Samples,
+                     step_seconds: float = 0.0) -> None:
         ex.num_steps += bool(plan.rows)  # (a step that only frees sequences computes nothing)
         ex.rates.observe_step(plan.num_tokens, step_seconds)
-        for row in plan.rows:
-            row.seq.steps_in_flight -= 1
+        ex.steps_answered = max(ex.steps_answered, plan.step)
         merging.on_step_done(ex, plan)
-        for seq in [s for s in ex.unpin_later if not s.steps_in_flight]:
+        for seq in [s for s in ex.unpin_later if not ex.is_in_flight(s)]:
             ex.unpin_later.remove(seq)  # (the step loop plans next: a freed slot is seen then)
             ex.slots.unpin(seq.slot)
         now = self.clock()
         self.merges.observe(plan, now)
-        running, blocks = ex.running, ex.blocks
-        sampled: list[Request] = []  # (its tenants charged once per step)
-        for seq_id, token_id, logprob in samples:
-            seq = running.get(seq_id)
-            if seq is None:  # cancelled, preempted or finished while the step ran
-                continue
-            seq.samples_due -= 1
-            tokens = seq.token_ids
-            tokens.append(token_id)
-            if len(tokens) >= seq.publish_at:  # (publish's cheap half)
-                publish(blocks, seq)
-            req = seq.request
-            sampled.append(req)
-            finish = req.on_sample(token_id, logprob, now)
-            if finish is not None:
-                self._finish(ex, seq, finish)
-        for tenant, num_tokens in collections.Counter(map(_tenant_of, sampled)).items():
+        seqs = list(map(ex.running.get, samples.seq_ids))
+        token_ids, logprobs = samples.token_ids, samples.logprobs
+        if None in seqs:  # cancelled, preempted or finished while the step ran
+            kept = list(map(operator.is_not, seqs, itertools.repeat(None)))
+            seqs = list(itertools.compress(seqs, kept))
+            token_ids = list(itertools.compress(token_ids, kept))
+            logprobs = list(itertools.compress(logprobs, kept))
+        for tenant, num_tokens in collections.Counter(map(_tenant_of, seqs)).items():
             self.fair.charge_output(tenant, num_tokens)
+        # Most samples only add a token (Sequence.quiet_below): those are taken as columns.
+        quiet = list(map(operator.gt,  # (quiet and not a stop token)
+                         map(operator.lt, map(len, map(_token_ids, seqs)), map(_quiet_below, seqs)),
+                         map(operator.contains, map(_stop_ids, seqs), token_ids)))
+        if all(quiet):
+            return _take_quiet(seqs, token_ids, logprobs)
+        if any(quiet):
+            _take_quiet(list(itertools.compress(seqs, quiet)),
+                        list(itertools.compress(token_ids, quiet)),
+                        list(itertools.compress(logprobs, quiet)))
+        for i in itertools.compress(range(len(quiet)), map(operator.not_, quiet)):
+            self._take_sample(ex, seqs[i], token_ids[i], logprobs[i], now)
+
+    def _take_sample(self, ex: ExecutorState, seq: Sequence, token_id: int, logprob: float,
+                     now: float) -> None:
+        """A sample the long way: it may publish blocks, be the first token, end the request."""
+        tokens = seq.token_ids
+        tokens.append(token_id)
+        if len(tokens) >= seq.publish_at:  # (publish's cheap half)
+            publish(ex.blocks, seq)
+        finish = seq.request.on_sample(token_id, logprob, now)
+        if finish is not None:
+            self._finish(ex, seq, finish)
+        else:
+            seq.requiet()
 
     # ---- admission --------------------------------------------------------------------------
     def _admit(self, ex: ExecutorState, budget: int) -> list[ScheduledRow]:
@@ -328,4 +347,28 @@ class Scheduler(ExecutorEvents):
         return snapshot(self.executors, self.fair, self.totals)
 
 
-_tenant_of = operator.attrgetter("tenant")
+def _take_quiet(seqs: list[Sequence], token_ids: list[int], logprobs: list[float]) -> None:
+    """Samples that only add a token: appended to their sequences' and requests' tokens and
+    handed to their requests' sinks as columns (each list operation a map in C)."""
+    if not seqs:
+        return
+    collections.deque(map(list.append, map(_token_ids, seqs), token_ids), maxlen=0)
+    collections.deque(map(list.append, map(_output_ids, seqs), token_ids), maxlen=0)
+    sinks = list(map(_sink, seqs))
+    ids = list(map(_sink_id, seqs))
+    if sinks.count(sinks[0]) == len(sinks):  # (one Stream connection: the usual case)
+        sinks[0].add(ids, token_ids, logprobs)
+        return
+    for sink in set(sinks):
+        mine = list(map(operator.is_, sinks, itertools.repeat(sink)))
+        sink.add(itertools.compress(ids, mine), itertools.compress(token_ids, mine),
+                 itertools.compress(logprobs, mine))
+
+
+_tenant_of = operator.attrgetter("request.tenant")
+_token_ids = operator.attrgetter("token_ids")
+_output_ids = operator.attrgetter("request.output.token_ids")
+_quiet_below = operator.attrgetter("quiet_below")
+_stop_ids = operator.attrgetter("request.output.stop_ids")
+_sink = operator.attrgetter("request.sink")
+_sink_id = operator.attrgetter("request.sink_id")

@@ -6,7 +6,6 @@ import asyncio
 import itertools
 import operator
 import time
-from collections.abc import Iterable
 
 import grpc
 
@@ -15,7 +14,7 @@ from common.errors import Unavailable
 from common.server import insecure_channel
 from protos import executor_pb2, executor_pb2_grpc
 from scheduler.block_manager import BlockManager
-from scheduler.core import ExecutorState, StepPlan
+from scheduler.core import ExecutorState, Samples, StepPlan
 from scheduler.slots import SlotTable
 from scheduler.timeouts import Timeouts
 
@@ -55,8 +54,7 @@ class ExecutorLink:
         it, its executor is not reading)."""
         await self._write(step_request(plan), seconds)
 
-    async def receive(self, plan: StepPlan,
-                      seconds: float) -> tuple[Iterable[tuple[int, int, float]], float]:
+    async def receive(self, plan: StepPlan, seconds: float) -> tuple[Samples, float]:
         """The answer to the oldest step sent, `plan` (UNAVAILABLE past `seconds`, or when it
         does not bring a sample for each row that ends its sequence's known tokens)."""
         resp = await self._read(seconds)
@@ -66,7 +64,7 @@ class ExecutorLink:
             raise Unavailable(f"executor {self.address} answered a step due {due} samples with "
                               f"{len(resp.sample_seq_ids)} seq ids, {len(resp.sample_token_ids)} "
                               f"tokens and {len(resp.sample_logprobs)} logprobs")
-        return zip(resp.sample_seq_ids, resp.sample_token_ids, resp.sample_logprobs), \
+        return Samples(resp.sample_seq_ids, resp.sample_token_ids, resp.sample_logprobs), \
             resp.step_seconds
 
     async def _round_trip(self, req: executor_pb2.StepRequest,

@@ -3,6 +3,8 @@ schedules under, and what one step carries (StepPlan of ScheduledRows, Samples b
 
 import functools
 import operator
+from collections.abc import Iterable
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -109,10 +111,11 @@ class Sequence:
     slot: Slot | None
     token_ids: list[int]  # its prompt and every token sampled, as far as answers came back
     num_computed: int = 0  # tokens whose KV the executor computes in the steps sent so far
-    # Samples the steps in flight will bring (steps are pipelined: engine.py). The executor
-    # knows a sample as soon as it made it, so a step may compute it before its answer is here.
-    samples_due: int = 0
-    steps_in_flight: int = 0  # steps sent with a row of it and not answered yet
+    # Its tokens once the steps in flight are answered: token_ids and the samples they bring
+    # (steps are pipelined: engine.py). The executor knows a sample as soon as it made it, so a
+    # step may compute it before its answer is here.
+    num_known: int = field(init=False)
+    last_step: int = 0  # the last step (ExecutorState.steps_planned) with a row of it
     is_sent: bool = False  # its NewSequence went out
     num_cached: int = 0  # leading tokens whose KV it found in the prefix cache
     num_published: int = 0  # of its blocks, those in the prefix cache (prefix_cache.py)
@@ -123,11 +126,30 @@ class Sequence:
     slot_index: int = field(init=False)  # its slot's index, -1 on the base model: rows sort by it
     # Its request is done once it has this many tokens (prompt and max_new_tokens outputs).
     max_tokens: int = field(init=False)
+    # A sample that finds fewer tokens than this only adds a token, unless it is a stop token:
+    # nothing to publish, no first token, no length bound, a token sink to take it (0: never).
+    quiet_below: int = 0
+    # Its row in a step that computes its one next token, in its blocks, and samples: the same
+    # object every such step (rows are never changed).
+    decode_row: "ScheduledRow" = field(init=False)
 
     def __post_init__(self) -> None:
         self.slot_index = -1 if self.slot is None else self.slot.index
         req = self.request
         self.max_tokens = len(req.prompt_ids) + req.output.max_new_tokens
+        self.num_known = len(self.token_ids)
+        self.decode_row = ScheduledRow(self, 1, (), True)
+
+    @property
+    def samples_due(self) -> int:
+        """Samples the steps in flight will bring."""
+        return self.num_known - len(self.token_ids)
+
+    def requiet(self) -> None:
+        """Set quiet_below after a sample went the long way (on_step_done)."""
+        req = self.request
+        if req.sink is not None and req.output.is_ids_only and req.first_token_at is not None:
+            self.quiet_below = min(self.publish_at, self.max_tokens) - 1
 
 
 @dataclass(eq=False)
@@ -163,6 +185,10 @@ class ExecutorState:
     unmerge_due: bool = False
     unmerging: Slot | None = None
     num_steps: int = 0
+    # Plans made, and the last one answered (steps are answered in order): a sequence whose
+    # last_step is past steps_answered has a step in flight.
+    steps_planned: int = 0
+    steps_answered: int = 0
     num_loads: int = 0
     num_hits: int = 0
     num_evictions: int = 0
@@ -184,6 +210,10 @@ class ExecutorState:
         """Requests for `adapter` may be queued here (a dedicated executor takes only its own)."""
         return self.dedicated_to is None or adapter == self.dedicated_to
 
+    def is_in_flight(self, seq: Sequence) -> bool:
+        """A step sent with a row of `seq` is not answered yet."""
+        return seq.last_step > self.steps_answered
+
     @property
     def can_resume(self) -> bool:
         """An operator may let it admit again: it is up and neither leaving nor stopping."""
@@ -193,7 +223,7 @@ class ExecutorState:
 @dataclass(slots=True)  # (one per row and step: slots make it twice as fast to build as a tuple)
 class ScheduledRow:
     """One sequence's share of a step: its next `num_tokens` tokens, and the KV blocks it was
-    given for them."""
+    given for them. Never changed once made (Sequence.decode_row is reused)."""
 
     seq: Sequence
     num_tokens: int
@@ -203,6 +233,7 @@ class ScheduledRow:
 
 @dataclass
 class StepPlan:
+    step: int  # its number among the executor's plans (ExecutorState.steps_planned)
     freed: list[int]  # sequences the executor may forget
     new: list[Sequence]  # sequences the executor has not seen yet
     rows: list[ScheduledRow]  # sorted by slot: each adapter's rows are contiguous
@@ -228,7 +259,24 @@ class StepPlan:
 row_slot = operator.attrgetter("seq.slot_index")  # a row's slot index, -1 on the base model (C)
 
 
-class Sample(NamedTuple):  # (a tuple: on_step_done unpacks it, as it does the engine's columns)
+class Sample(NamedTuple):
     seq_id: int
     token_id: int
     logprob: float
+
+
+class Samples(NamedTuple):
+    """A step's answer as the step stream brings it: its samples as columns."""
+
+    seq_ids: SequenceOf[int]
+    token_ids: SequenceOf[int]
+    logprobs: SequenceOf[float]
+
+    @classmethod
+    def of(cls, samples: Iterable[Sample]) -> "Samples":
+        samples = list(samples)
+        return cls([s.seq_id for s in samples], [s.token_id for s in samples],
+                    [s.logprob for s in samples])
+
+
+NO_SAMPLES = Samples((), (), ())

@@ -243,7 +243,7 @@ class Placement:
         ex.blocks.free(seq.seq_id)
         ex.work_tokens -= seq.request.work_left
         if seq.slot is not None:
-            if seq.steps_in_flight:
+            if ex.is_in_flight(seq):
                 ex.unpin_later.append(seq)
             else:
                 ex.slots.unpin(seq.slot)

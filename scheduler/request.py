@@ -1,9 +1,9 @@
 """A client request as the scheduler sees it, and the events it streams back."""
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from common.adapter_ref import AdapterRef
 from common.detokenizer import Finish, OutputProcessor
@@ -16,6 +16,14 @@ class TokenEvent:
     token_id: int
     logprob: float
     text: str
+
+
+class TokenSink(Protocol):
+    """Where the tokens of many requests go as columns, without an event per token (a Stream
+    connection's next message): each request is known there by its own id."""
+
+    def add(self, ids: Iterable[int], token_ids: Iterable[int],
+            logprobs: Iterable[float]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -39,9 +47,9 @@ class Status(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """One Generate call. `emit` receives its events; the core never blocks on it. Where
-    `emit_token` is set, its tokens go there instead, as (token id, logprob, text) and with no
-    event built per token: a Stream connection appends them to its next message's columns."""
+    """One Generate call. `emit` receives its events; the core never blocks on it. Where `sink`
+    is set, its tokens go there instead, as `sink_id`'s (token id, logprob) and with no event
+    built per token: a Stream connection appends them to its next message's columns."""
 
     request_id: int
     tenant: str
@@ -69,7 +77,8 @@ class Request:
     cached_prompt_tokens: int = 0
     # Chained hashes of its full blocks, per block size (executors may differ): prefix_cache.py.
     block_hashes: dict[int, list[bytes]] = field(default_factory=dict)
-    emit_token: Callable[[int, float, str], None] | None = None
+    sink: TokenSink | None = None
+    sink_id: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -86,8 +95,8 @@ class Request:
         if self.first_token_at is None:
             self.first_token_at = now
         text, finish = self.output.append(token_id)
-        if self.emit_token is None:
+        if self.sink is None:
             self.emit(TokenEvent(token_id, logprob, text))
         else:
-            self.emit_token(token_id, logprob, text)
+            self.sink.add((self.sink_id,), (token_id,), (logprob,))
         return finish

@@ -16,7 +16,7 @@ executor sequences are freed, as for a Generate whose client went away.
 
 import asyncio
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 from common import wire
 from common.detokenizer import FINISH_PB, Finish
@@ -28,9 +28,11 @@ from scheduler.request import ErrorEvent, Event, FinishEvent, Request
 
 
 class _Outbox:
-    """The next message: tokens as columns, and the requests that started or ended."""
+    """The next message: tokens as columns, and the requests that started or ended. It is its
+    requests' TokenSink (request.py): the core adds their tokens as columns."""
 
-    def __init__(self) -> None:
+    def __init__(self, ready: asyncio.Event) -> None:
+        self._ready = ready  # (set when the outbox has something to send)
         self.request_ids: list[int] = []
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
@@ -39,6 +41,14 @@ class _Outbox:
 
     def __bool__(self) -> bool:
         return bool(self.request_ids or self.ends)
+
+    def add(self, ids: Iterable[int], token_ids: Iterable[int],
+            logprobs: Iterable[float]) -> None:
+        if not self.request_ids:
+            self._ready.set()
+        self.request_ids.extend(ids)
+        self.token_ids.extend(token_ids)
+        self.logprobs.extend(logprobs)
 
     def end(self, stream_id: int, finish: Finish | None = None,
             error: BaseException | None = None) -> None:
@@ -52,8 +62,7 @@ class _Outbox:
         self.ends.append(end)
 
     def take(self) -> scheduler_pb2.StreamResponse:
-        """The message, the outbox left empty (its token columns are the same lists: request
-        token sinks append to them)."""
+        """The message, the outbox left empty."""
         message = scheduler_pb2.StreamResponse(
             token_request_ids=self.request_ids, token_ids=self.token_ids, logprobs=self.logprobs,
             starts=self.starts, ends=self.ends)
@@ -74,9 +83,9 @@ class StreamConnection:
         self._requests: dict[int, Request] = {}  # running or queued
         self._submitting: dict[int, asyncio.Task] = {}  # being checked (an adapter resolving)
         self._cancelled_early: set[int] = set()  # cancelled while being checked
-        self._outbox = _Outbox()
-        self._unstarted: set[int] = set()  # queued or running, no token sent yet
         self._ready = asyncio.Event()
+        self._outbox = _Outbox(self._ready)
+        self._unstarted: set[int] = set()  # queued or running, no token sent yet
 
     # ---- the caller's messages --------------------------------------------------------------
     def submit(self, stream_id: int, check: Callable[[], Awaitable[Request]]) -> None:
@@ -96,7 +105,7 @@ class StreamConnection:
                 return
             self._requests[stream_id] = req
             self._unstarted.add(stream_id)
-            req.emit_token = self._token_sink(stream_id)
+            req.sink, req.sink_id = self._outbox, stream_id
             self._core.submit(req)
         except Exception as exc:  # noqa: BLE001 - refused: the caller gets its status
             self._requests.pop(stream_id, None)
@@ -126,21 +135,6 @@ class StreamConnection:
     def emitter(self, stream_id: int) -> Callable[[Event], None]:
         """What a request of this stream emits its events to."""
         return functools.partial(self._on_event, stream_id)
-
-    def _token_sink(self, stream_id: int) -> Callable[[int, float, str], None]:
-        """Where a request's tokens go: straight into the outbox's columns (a closure over them:
-        this runs per token. The core sends none after a request ended)."""
-        ids, token_ids, logprobs = (self._outbox.request_ids, self._outbox.token_ids,
-                                    self._outbox.logprobs)
-        ready = self._ready
-
-        def on_token(token_id: int, logprob: float, _text: str) -> None:
-            if not ids:
-                ready.set()
-            ids.append(stream_id)
-            token_ids.append(token_id)
-            logprobs.append(logprob)
-        return on_token
 
     def _on_event(self, stream_id: int, event: Event) -> None:
         req = self._requests.pop(stream_id, None)

@@ -31,7 +31,7 @@ def check_invariants(core: Scheduler, live: Iterable[Request] = ()) -> None:
                     f"{where}: seq {seq.seq_id} on a foreign slot"
                 pins[seq.slot.index] += 1
         for seq in ex.unpin_later:  # left while steps with its rows were in flight
-            assert seq.steps_in_flight > 0 and seq.seq_id not in ex.running, \
+            assert ex.is_in_flight(seq) and seq.seq_id not in ex.running, \
                 f"{where}: seq {seq.seq_id} kept its slot pinned for no step"
             pins[seq.slot.index] += 1
         for slot in (ex.merged_slot, ex.unmerging):  # pinned while merged (merging.py)

@@ -18,7 +18,7 @@ from common.detokenizer import OutputProcessor
 from common.sampling import SamplingParams
 from scheduler.block_manager import BlockManager
 from scheduler.core import Scheduler
-from scheduler.executor_state import ExecutorState, Sample, StepPlan
+from scheduler.executor_state import NO_SAMPLES, ExecutorState, Sample, Samples, StepPlan
 from scheduler.fairness import FairnessWeights, spread_bound
 from scheduler.request import FinishEvent, Request
 from scheduler.sim.belady import belady_hits, lru_hits, pinned_belady_hits
@@ -167,7 +167,7 @@ class Simulator:
                     self._pinning[i][seq.seq_id] = seq.request.adapter
             if not plan:
                 if plan.needs_sending:  # a merge, an unmerge or frees only: answered at once
-                    self.core.on_step_done(ex, plan, [], 0.0)
+                    self.core.on_step_done(ex, plan, NO_SAMPLES, 0.0)
                 continue
             seconds = self._step_seconds(ex, plan)
             self._busy.add(i)
@@ -187,7 +187,7 @@ class Simulator:
     def _step_done(self, i: int, plan: StepPlan, seconds: float) -> None:
         self._busy.discard(i)
         samples = [Sample(row.seq.seq_id, 7, 0.0) for row in plan.rows if row.samples]
-        self.core.on_step_done(self.executors[i], plan, samples, seconds)
+        self.core.on_step_done(self.executors[i], plan, Samples.of(samples), seconds)
         self._record_ends(i)
 
     def _record_ends(self, i: int) -> None:

@@ -6,7 +6,7 @@ from common.adapter_ref import AdapterRef
 from common.detokenizer import OutputProcessor
 from common.sampling import SamplingParams
 from scheduler.block_manager import BlockManager
-from scheduler.core import ExecutorState, Limits, Sample, Scheduler
+from scheduler.core import ExecutorState, Limits, Sample, Samples, Scheduler
 from scheduler.fairness import FairnessWeights
 from scheduler.request import FinishEvent, Request
 from scheduler.sim.invariants import check_invariants
@@ -73,7 +73,7 @@ class World:
             slots = [row.seq.slot.index if row.seq.slot else -1 for row in plan.rows]
             assert slots == sorted(slots), "rows must be sorted by adapter slot"
             samples = [Sample(row.seq.seq_id, 7, -0.1) for row in plan.rows if row.samples]
-            self.core.on_step_done(ex, plan, samples)
+            self.core.on_step_done(ex, plan, Samples.of(samples))
             check_invariants(self.core, self.requests)
 
     def run(self, max_steps=500) -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from common.errors import FailedPrecondition, InvalidArgument
 from scheduler import merging
-from scheduler.core import Limits, Sample
+from scheduler.core import Limits, Sample, Samples
 from scheduler.request import Status
 from tests.scheduler.sched_world import World, ref
 
@@ -16,7 +16,8 @@ A, B = ref("a@1"), ref("b@1")
 def plans(w: World, ex):
     """Plan and answer one step on ex (as World.step does for all); returns the plan."""
     plan = w.core.schedule(ex)
-    w.core.on_step_done(ex, plan, [Sample(r.seq.seq_id, 7, -0.1) for r in plan.rows if r.samples])
+    w.core.on_step_done(ex, plan, Samples.of(
+        Sample(r.seq.seq_id, 7, -0.1) for r in plan.rows if r.samples))
     return plan
 
 
@@ -72,7 +73,8 @@ def test_unmerge_goes_out_in_the_next_step_and_the_slot_stays_pinned_until_answe
     w.complete_loads()
     plan = w.core.schedule(ex)
     assert plan.unmerge and ex.merged_slot is None and slot.pins >= 1, "pinned until answered"
-    w.core.on_step_done(ex, plan, [Sample(r.seq.seq_id, 7, -0.1) for r in plan.rows if r.samples])
+    w.core.on_step_done(ex, plan, Samples.of(
+        Sample(r.seq.seq_id, 7, -0.1) for r in plan.rows if r.samples))
     assert ex.unmerging is None
     w.run()
     assert w.finished(req)

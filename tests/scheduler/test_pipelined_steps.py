@@ -1,5 +1,5 @@
 """Pipelined steps (Limits.pipeline_depth): the core plans a step before the answers of the steps
-in flight are back, counting the samples they will bring (Sequence.samples_due). Against a
+in flight are back, counting the samples they will bring (Sequence.num_known). Against a
 stand-in executor that keeps each sequence's tokens and samples a token that depends on its
 whole history, every request must get exactly the tokens it gets one step at a time, through
 EOS, stop tokens, length limits, chunked prefill and preemption; no row may ask the executor for
@@ -17,7 +17,7 @@ import pytest
 
 from common.detokenizer import OutputProcessor
 from common.sampling import SamplingParams
-from scheduler.core import Limits, Sample
+from scheduler.core import Limits, Sample, Samples
 from scheduler.request import FinishEvent, Request, TokenEvent
 from scheduler.sim.invariants import check_invariants
 from tests.scheduler.sched_world import World, ref
@@ -78,10 +78,31 @@ def next_token(history: list[int]) -> int:
     return EOS if h % 23 == 0 else STOP if h % 29 == 0 else 2 + h % 97
 
 
-def drive(depth: int, seed: int, num_blocks: int, cancel_every: int = 0) -> dict[int, tuple]:
+class Sink:
+    """A TokenSink (request.py), as a Stream connection's outbox: the tokens it was given, per
+    request id; how many of them went through Request.on_sample (the rest came as columns)."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[int, list[int]] = collections.defaultdict(list)
+        self.num_sampled = 0
+
+    def add(self, ids, token_ids, logprobs) -> None:
+        for request_id, token_id, _ in zip(ids, token_ids, logprobs, strict=True):
+            self.tokens[request_id].append(token_id)
+
+    def counting(self, on_sample):
+        def on_sample_counted(*args):
+            self.num_sampled += 1
+            return on_sample(*args)
+        return on_sample_counted
+
+
+def drive(depth: int, seed: int, num_blocks: int, cancel_every: int = 0,
+          num_sinks: int = 0) -> dict[int, tuple]:
     """Requests over the base model and 5 adapters (2 slots: loads and evictions all along)
     arriving over time, stepped with `depth` steps in flight; request id -> (tokens, finish
-    reason)."""
+    reason). With `num_sinks`, requests hand their tokens to that many sinks, as a Stream
+    connection's do (the core's columnar path), instead of emitting TokenEvents."""
     rng = random.Random(seed)
     w = World(num_blocks=num_blocks, block_size=4, num_slots=2,
               limits=Limits(max_num_seqs=6, max_batched_tokens=24, pipeline_depth=depth,
@@ -91,11 +112,12 @@ def drive(depth: int, seed: int, num_blocks: int, cancel_every: int = 0) -> dict
     overlapped = steps = 0  # steps planned while another was in flight, all steps
     arrivals = [(rng.randint(0, 60), rng.choice("abc"), rng.randint(1, 30), rng.randint(1, 12))
                 for _ in range(30)]
+    sinks = [Sink() for _ in range(num_sinks)]
     for step in range(5000):
         w.now += 0.01
         for at, tenant, prompt_len, max_new in arrivals:
             if at == step:
-                submit(w, tenant, prompt_len, max_new, rng)
+                submit(w, tenant, prompt_len, max_new, rng, sinks)
         if cancel_every and step % cancel_every == cancel_every - 1:
             running = [r for r in w.requests if r.status.name in ("QUEUED", "RUNNING")]
             if running:
@@ -110,7 +132,7 @@ def drive(depth: int, seed: int, num_blocks: int, cancel_every: int = 0) -> dict
         loads_started(w, executor)
         if in_flight:
             plan = in_flight.popleft()
-            w.core.on_step_done(ex, plan, executor.run(plan))
+            w.core.on_step_done(ex, plan, Samples.of(executor.run(plan)))
             check_invariants(w.core, w.requests)
         loads_started(w, executor)
         if step % 2:  # a load may stay under way while a step runs
@@ -120,9 +142,12 @@ def drive(depth: int, seed: int, num_blocks: int, cancel_every: int = 0) -> dict
             break
     else:
         raise AssertionError("work did not drain")
-    assert all(seq.samples_due == 0 for seq in ex.running.values())
+    assert all(seq.num_known == len(seq.token_ids) for seq in ex.running.values())
     if depth > 1:  # most steps are planned while the one before runs
         assert overlapped > steps / 2, (overlapped, steps)
+    if sinks:  # a good share of tokens took the columnar path (short requests: ~half)
+        num_tokens = sum(len(t) for sink in sinks for t in sink.tokens.values())
+        assert sum(sink.num_sampled for sink in sinks) < num_tokens * 0.75
     return {r.request_id: outcome(w, r) for r in w.requests}
 
 
@@ -136,7 +161,8 @@ ADAPTERS = [None, *(ref(f"lora{i}@1") for i in range(5))]
 PREFIXES = [[], [5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 8, 20]]  # shared prompt starts
 
 
-def submit(w: World, tenant: str, prompt_len: int, max_new: int, rng: random.Random) -> Request:
+def submit(w: World, tenant: str, prompt_len: int, max_new: int, rng: random.Random,
+           sinks: list[Sink]) -> Request:
     rid = next(w._ids)
     w.events[rid] = []
     req = Request(rid, tenant, rng.choice(ADAPTERS), 2**20,
@@ -144,6 +170,9 @@ def submit(w: World, tenant: str, prompt_len: int, max_new: int, rng: random.Ran
                   SamplingParams(), OutputProcessor(None, max_new_tokens=max_new,
                                                     stop_token_ids=(EOS, STOP)),
                   w.events[rid].append)
+    if sinks:  # (not drawn from rng: the same workload either way)
+        req.sink, req.sink_id = sinks[rid % len(sinks)], rid
+        req.on_sample = req.sink.counting(req.on_sample)
     w.core.submit(req)
     w.requests.append(req)
     return req
@@ -152,6 +181,8 @@ def submit(w: World, tenant: str, prompt_len: int, max_new: int, rng: random.Ran
 def outcome(w: World, req: Request) -> tuple:
     events = w.events[req.request_id]
     finishes = [e.reason for e in events if isinstance(e, FinishEvent)]
+    if req.sink is not None:
+        return req.sink.tokens.get(req.request_id, []), finishes
     return [e.token_id for e in events if isinstance(e, TokenEvent)], finishes
 
 
@@ -161,6 +192,8 @@ def test_pipelined_steps_give_every_request_the_tokens_of_one_step_at_a_time(see
     one_at_a_time = drive(1, seed, num_blocks)
     assert drive(2, seed, num_blocks) == one_at_a_time
     assert drive(3, seed, num_blocks) == one_at_a_time
+    assert drive(2, seed, num_blocks, num_sinks=1) == one_at_a_time
+    assert drive(2, seed, num_blocks, num_sinks=3) == one_at_a_time
     for tokens, finishes in one_at_a_time.values():
         assert len(finishes) == 1  # each finished once
         assert not set(tokens[:-1]) & {EOS, STOP}  # nothing shown past its stop
@@ -169,3 +202,4 @@ def test_pipelined_steps_give_every_request_the_tokens_of_one_step_at_a_time(see
 @pytest.mark.parametrize("seed", range(4))
 def test_cancels_while_steps_are_in_flight_keep_every_invariant(seed):
     drive(2, seed, num_blocks=14, cancel_every=7)
+    drive(2, seed, num_blocks=14, cancel_every=7, num_sinks=2)

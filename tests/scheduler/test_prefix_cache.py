@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from common.detokenizer import Finish, OutputProcessor
 from common.sampling import SamplingParams
 from scheduler.block_manager import BlockManager
-from scheduler.core import Limits, Sample
+from scheduler.core import Limits, Sample, Samples
 from scheduler.fairness import FairnessWeights
 from scheduler.prefix_cache import cache_key, extend_hashes
 from scheduler.request import Request, Status
@@ -33,7 +33,8 @@ def first_row(w: World, req: Request):
     ex = w.executors[0]
     plan = w.core.schedule(ex)
     row = next(r for r in plan.rows if r.seq.request is req)
-    w.core.on_step_done(ex, plan, [Sample(r.seq.seq_id, 7, -0.1) for r in plan.rows if r.samples])
+    w.core.on_step_done(ex, plan, Samples.of(
+        Sample(r.seq.seq_id, 7, -0.1) for r in plan.rows if r.samples))
     return row
 
 
@@ -250,8 +251,9 @@ def test_a_block_its_last_sample_fills_is_cached_when_a_step_behind_computed_it(
     prefill, behind = w.core.schedule(ex), w.core.schedule(ex)
     (row,) = behind.rows
     assert row.seq.num_computed == 16, "the step behind computes the sampled token"
-    w.core.on_step_done(ex, prefill, [Sample(row.seq.seq_id, 7, -0.1)])  # 7: a stop token
-    w.core.on_step_done(ex, behind, [Sample(row.seq.seq_id, 5, -0.1)])
+    stop = Sample(row.seq.seq_id, 7, -0.1)  # 7: a stop token
+    w.core.on_step_done(ex, prefill, Samples.of([stop]))
+    w.core.on_step_done(ex, behind, Samples.of([Sample(row.seq.seq_id, 5, -0.1)]))
     assert first.finish_reason is Finish.STOP
     turn = submit(w, prompt=prompt + [7, 5])
     assert first_row(w, turn).seq.num_cached == 16, "all 4 blocks reused"

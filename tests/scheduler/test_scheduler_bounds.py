@@ -14,6 +14,7 @@ from common.errors import (
 )
 from scheduler import admin
 from scheduler.core import Limits
+from scheduler.executor_state import NO_SAMPLES
 from scheduler.request import ErrorEvent, Status
 from scheduler.slots import SlotState
 from tests.scheduler.sched_world import World, ref
@@ -132,7 +133,7 @@ def test_a_sequence_cancelled_during_its_first_step_is_freed_on_the_executor():
     plan = w.core.schedule(ex)
     (seq,) = plan.new
     w.core.cancel(req)  # while the step runs
-    w.core.on_step_done(ex, plan, [])
+    w.core.on_step_done(ex, plan, NO_SAMPLES)
     assert w.core.schedule(ex).freed == [seq.seq_id]
 
 

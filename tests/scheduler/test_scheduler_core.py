@@ -10,7 +10,7 @@ from common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from scheduler import admin
 from scheduler.block_manager import BlockManager
 from scheduler.core import Limits
-from scheduler.executor_state import ExecutorState
+from scheduler.executor_state import NO_SAMPLES, ExecutorState
 from scheduler.fairness import FairnessWeights
 from scheduler.request import ErrorEvent, Status, TokenEvent
 from scheduler.sim.invariants import check_invariants
@@ -195,7 +195,7 @@ def test_chunked_prefill_respects_the_token_budget():
     req = w.request(prompt_len=30, max_new=2)
     plan = w.core.schedule(w.executors[0])
     assert [row.num_tokens for row in plan.rows] == [8]
-    w.core.on_step_done(w.executors[0], plan, [])
+    w.core.on_step_done(w.executors[0], plan, NO_SAMPLES)
     w.run()
     assert w.finished(req)
 
