@@ -6,8 +6,9 @@ alone' figure costs before any message is sent.
 In one process: a scheduler core with one executor's state, R requests of a Stream connection
 (the base model, 3-token prompts, no length limit in reach), and per step exactly what the service
 does between the executor's answers: plan the step (`schedule`), build its step-stream message
-(`step_request`), take its samples as the executor's answer brings them (columns) in
-`on_step_done`, and let the Stream's writer turn the outbox into its message. Prints the process's
+(`step_request`), take the samples of the step before (two in flight, as the service pipelines
+them) as the executor's answer brings them (columns) in `on_step_done`, and let the Stream's
+writer turn the outbox into its message. Prints the process's
 CPU microseconds per token at each R, over steady decode after a warm-up: steps back to back, and
 with the process idle --idle-ms between steps, as a scheduler is while its executors compute. The
 second is the service's case and costs more for the same work where an idle CPU loses its caches
@@ -16,6 +17,7 @@ second is the service's case and costs more for the same work where an idle CPU 
 
 import argparse
 import asyncio
+import collections
 import itertools
 import time
 
@@ -53,6 +55,7 @@ async def us_per_token(rows: int, steps: int, idle_s: float = 0.0) -> float:
         connection.submit(stream_id, check)
     await asyncio.sleep(0)  # (the submits are checked and queued)
     tokens, cpu = 0, 0.0
+    in_flight: collections.deque = collections.deque()
     for step in itertools.count():
         if step == WARMUP_STEPS:
             tokens, cpu = 0, time.process_time()
@@ -60,6 +63,10 @@ async def us_per_token(rows: int, steps: int, idle_s: float = 0.0) -> float:
             break
         plan = core.schedule(ex)
         step_request(plan).SerializeToString()  # (built and serialized, as the link sends it)
+        in_flight.append(plan)
+        if len(in_flight) < 2:
+            continue  # (the service plans the next step before this one's answer is read)
+        plan = in_flight.popleft()
         answer = ([row.seq.seq_id for row in plan.rows if row.samples],
                   [7] * plan.num_samples, [-0.5] * plan.num_samples)
         core.on_step_done(ex, plan, Samples(*answer), 0.02)

@@ -66,6 +66,7 @@ class Scheduler(ExecutorEvents):
         if req.adapter:
             self._check_placeable(req.adapter)
         req.work_left = len(req.prompt_ids) + req.output.max_new_tokens
+        self.stop_ids.update(req.output.stop_ids)
         if self.limits.prefix_cache != "off":
             req.cache_key = cache_key(self.limits.prefix_cache, req.tenant, req.adapter,
                                       req.cache_salt)
@@ -169,6 +170,7 @@ class Scheduler(ExecutorEvents):
             num_tokens += n
             if computed >= seq.publish_at:  # (publish's cheap half)
                 publish(blocks, seq)
+                seq.requiet()
         ex.work_tokens -= num_tokens
         freed, ex.pending_frees = ex.pending_frees, []
         unmerge = merging.unmerge_now(ex)
@@ -195,10 +197,11 @@ class Scheduler(ExecutorEvents):
             logprobs = list(itertools.compress(logprobs, kept))
         for tenant, num_tokens in collections.Counter(map(_tenant_of, seqs)).items():
             self.fair.charge_output(tenant, num_tokens)
-        # Most samples only add a token (Sequence.quiet_below): those are taken as columns.
-        quiet = list(map(operator.gt,  # (quiet and not a stop token)
-                         map(operator.lt, map(len, map(_token_ids, seqs)), map(_quiet_below, seqs)),
-                         map(operator.contains, map(_stop_ids, seqs), token_ids)))
+        # Most samples only add a token (Sequence.quiet_below) and are no request's stop token:
+        # those are taken as columns.
+        quiet = list(map(operator.lt, map(len, map(_token_ids, seqs)), map(_quiet_below, seqs)))
+        if not self.stop_ids.isdisjoint(token_ids):
+            quiet = list(map(operator.gt, quiet, map(self.stop_ids.__contains__, token_ids)))
         if all(quiet):
             return _take_quiet(seqs, token_ids, logprobs)
         if any(quiet):
@@ -365,10 +368,9 @@ def _take_quiet(seqs: list[Sequence], token_ids: list[int], logprobs: list[float
                  itertools.compress(logprobs, mine))
 
 
-_tenant_of = operator.attrgetter("request.tenant")
+_tenant_of = operator.attrgetter("tenant")
 _token_ids = operator.attrgetter("token_ids")
-_output_ids = operator.attrgetter("request.output.token_ids")
+_output_ids = operator.attrgetter("output_ids")
 _quiet_below = operator.attrgetter("quiet_below")
-_stop_ids = operator.attrgetter("request.output.stop_ids")
-_sink = operator.attrgetter("request.sink")
-_sink_id = operator.attrgetter("request.sink_id")
+_sink = operator.attrgetter("sink")
+_sink_id = operator.attrgetter("sink_id")

@@ -13,7 +13,7 @@ from common.errors import LoraplexError
 from scheduler.block_manager import BlockManager
 from scheduler.prefix_cache import SCOPES
 from scheduler.queues import ExecutorQueue
-from scheduler.request import Request
+from scheduler.request import Request, TokenSink
 from scheduler.routing import Popularity, Rates
 from scheduler.slots import Slot, SlotTable
 
@@ -132,6 +132,11 @@ class Sequence:
     # Its row in a step that computes its one next token, in its blocks, and samples: the same
     # object every such step (rows are never changed).
     decode_row: "ScheduledRow" = field(init=False)
+    # Its request's, at hand for on_step_done's columns: tenant, output tokens, token sink.
+    tenant: str = field(init=False)
+    output_ids: list[int] = field(init=False)
+    sink: TokenSink | None = field(init=False)
+    sink_id: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.slot_index = -1 if self.slot is None else self.slot.index
@@ -139,6 +144,8 @@ class Sequence:
         self.max_tokens = len(req.prompt_ids) + req.output.max_new_tokens
         self.num_known = len(self.token_ids)
         self.decode_row = ScheduledRow(self, 1, (), True)
+        self.tenant, self.output_ids = req.tenant, req.output.token_ids
+        self.sink, self.sink_id = req.sink, req.sink_id
 
     @property
     def samples_due(self) -> int:
@@ -146,7 +153,7 @@ class Sequence:
         return self.num_known - len(self.token_ids)
 
     def requiet(self) -> None:
-        """Set quiet_below after a sample went the long way (on_step_done)."""
+        """Set quiet_below after a sample went the long way or a block was published."""
         req = self.request
         if req.sink is not None and req.output.is_ids_only and req.first_token_at is not None:
             self.quiet_below = min(self.publish_at, self.max_tokens) - 1
