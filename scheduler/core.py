@@ -116,7 +116,8 @@ class Scheduler(ExecutorEvents):
         budget = self.limits.max_batched_tokens
         running, blocks = ex.running, ex.blocks
         bs = blocks.block_size
-        rows: list[ScheduledRow] = []
+        decode: list[Sequence] = []  # rows of one token, in its blocks, that samples (most)
+        rows: list[ScheduledRow] = []  # the others
         preempted = False
         for seq in list(running.values()):
             if budget == 0:
@@ -125,8 +126,8 @@ class Scheduler(ExecutorEvents):
                 continue
             known = seq.num_known  # what the executor will have
             n = known - seq.num_computed
-            if n == 1 and known <= seq.capacity and known < seq.max_tokens:
-                rows.append(seq.decode_row)  # (most rows: one token its blocks hold, a sample)
+            if n == 1 and known < seq.decode_below:
+                decode.append(seq)
                 budget -= 1
                 continue
             if known >= seq.max_tokens and known > len(seq.token_ids):
@@ -136,7 +137,7 @@ class Scheduler(ExecutorEvents):
             if n > budget:
                 n = budget
             end = seq.num_computed + n
-            if end <= seq.capacity:  # (most decode steps: its blocks hold the token)
+            if end <= seq.capacity:
                 new_blocks = ()
             else:
                 new_blocks = blocks.try_grow(seq.seq_id, end)
@@ -147,20 +148,32 @@ class Scheduler(ExecutorEvents):
                     if not is_room:
                         continue
                     new_blocks = blocks.grow(seq.seq_id, end)
-                seq.capacity = len(blocks.tables[seq.seq_id]) * bs
+                seq.hold(len(blocks.tables[seq.seq_id]) * bs)
             rows.append(ScheduledRow(seq, n, new_blocks, end == known))
             budget -= n
         if preempted:  # drop the rows of sequences preempted after their row was made
             rows = [row for row in rows if row.seq.seq_id in running]
+            decode = [seq for seq in decode if seq.seq_id in running]
         if ex.is_admitting:
-            rows += self._admit(ex, budget)
-        rows.sort(key=row_slot)
-        new = [row.seq for row in rows if not row.seq.is_sent]
-        for seq in new:  # sent now: one cancelled while this step runs must be freed after it
-            seq.is_sent = True
-        num_tokens = num_samples = 0
+            admitted = self._admit(ex, budget)
+            new = [row.seq for row in admitted]
+            for seq in new:  # sent now: one cancelled while this step runs must be freed after it
+                seq.is_sent = True
+            rows += admitted
+        else:
+            new = []
+        # Counted as computed once sent: the next plan may follow at once.
         step = ex.steps_planned = ex.steps_planned + 1
-        for row in rows:  # counted as computed once sent: the next plan may follow at once
+        for seq in decode:
+            computed = seq.num_computed = seq.num_known
+            seq.num_known = computed + 1
+            seq.last_step = step
+            seq.request.work_left -= 1
+            if computed >= seq.publish_at:  # (publish's cheap half)
+                publish(blocks, seq)
+                seq.requiet()
+        num_tokens = num_samples = len(decode)
+        for row in rows:
             seq, n = row.seq, row.num_tokens
             computed = seq.num_computed = seq.num_computed + n
             seq.num_known += row.samples
@@ -168,10 +181,12 @@ class Scheduler(ExecutorEvents):
             seq.last_step = step
             seq.request.work_left -= n
             num_tokens += n
-            if computed >= seq.publish_at:  # (publish's cheap half)
+            if computed >= seq.publish_at:
                 publish(blocks, seq)
                 seq.requiet()
         ex.work_tokens -= num_tokens
+        rows += map(_decode_row, decode)
+        rows.sort(key=row_slot)
         freed, ex.pending_frees = ex.pending_frees, []
         unmerge = merging.unmerge_now(ex)
         return StepPlan(step, freed, new, rows, num_tokens, num_samples,
@@ -254,7 +269,7 @@ class Scheduler(ExecutorEvents):
             seq_id = next(self._seq_ids)
             table = ex.blocks.start(seq_id, hits, len(tokens))
             seq = self._start(ex, req, seq_id, tokens, len(hits))
-            seq.capacity = len(table) * ex.blocks.block_size
+            seq.hold(len(table) * ex.blocks.block_size)
             n = min(len(tokens) - seq.num_cached, budget)
             rows.append(ScheduledRow(seq, n, table, samples=seq.num_cached + n == len(tokens)))
             budget -= n
@@ -368,6 +383,7 @@ def _take_quiet(seqs: list[Sequence], token_ids: list[int], logprobs: list[float
                  itertools.compress(logprobs, mine))
 
 
+_decode_row = operator.attrgetter("decode_row")
 _tenant_of = operator.attrgetter("tenant")
 _token_ids = operator.attrgetter("token_ids")
 _output_ids = operator.attrgetter("output_ids")

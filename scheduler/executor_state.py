@@ -121,6 +121,9 @@ class Sequence:
     num_published: int = 0  # of its blocks, those in the prefix cache (prefix_cache.py)
     # Tokens its KV blocks hold (0: not known yet): a row that fits needs no look at the table.
     capacity: int = 0
+    # A row of its next known token makes its decode_row while it knows fewer tokens than this:
+    # its blocks hold the token and its request's length is not reached (0: not known yet).
+    decode_below: int = 0
     # publish() is asked again once its computed and known tokens both reach this (0: at once).
     publish_at: int = 0
     slot_index: int = field(init=False)  # its slot's index, -1 on the base model: rows sort by it
@@ -146,6 +149,11 @@ class Sequence:
         self.decode_row = ScheduledRow(self, 1, (), True)
         self.tenant, self.output_ids = req.tenant, req.output.token_ids
         self.sink, self.sink_id = req.sink, req.sink_id
+
+    def hold(self, capacity: int) -> None:
+        """Its blocks now hold `capacity` tokens."""
+        self.capacity = capacity
+        self.decode_below = min(capacity + 1, self.max_tokens)
 
     @property
     def samples_due(self) -> int:
