@@ -241,6 +241,10 @@ def main() -> None:
                 try:
                     pids = {"scheduler": fleet.by_name("scheduler")[0].process.pid,
                             "gateway": gateway.process.pid}
+                    if n == 1:  # one row per step: what a step costs whatever its rows
+                        direct.append((n, 1, run(lambda: measure_stream(
+                            fleet.scheduler, keys.service, pids["scheduler"], 1, 3.0,
+                            args.window_s))))
                     for r in rows:
                         print(f"{n} executor(s) x {r} rows ...", flush=True)
                         figures = run(lambda: measure([gateway.address], pids, n * r, 3.0,
@@ -268,13 +272,13 @@ def main() -> None:
                      f"| {1e6 * f['cpu']['gateway'] / max(f['delivered'], 1):.0f} "
                      f"| {f['ITL p99 ms']:.0f} |")
     header = ["executors", "rows per step", "streams", "tokens/s", "ideal", "messages/s",
-              "scheduler us/token", "ITL p99 ms"]
+              "scheduler us/token", "scheduler us/step", "ITL p99 ms"]
     direct_lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
     for n, r, f in direct:
         us = 1e6 * f["cpu"]["scheduler"] / max(f["delivered"], 1)
         direct_lines.append(
             f"| {n} | {r} | {n * r} | {f['tokens/s']:,.0f} | {n * r / args.step_s:,.0f} "
-            f"| {f['messages/s']:,.0f} | {us:.1f} | {f['ITL p99 ms']:.0f} |")
+            f"| {f['messages/s']:,.0f} | {us:.1f} | {us * r:,.0f} | {f['ITL p99 ms']:.0f} |")
     command = " ".join([".venv/bin/python bench/control_plane.py", *sys.argv[1:]])
     text = "\n".join([
         (f"Benchmark executors (--benchmark-step-s {args.step_s}: no forward pass), closed-loop "
@@ -289,7 +293,10 @@ def main() -> None:
         "## The scheduler alone: its Stream, as a gateway calls it", "",
         ("The same pool and streams, the client speaking the scheduler's Stream RPC itself (a "
          "message per step carries every request's tokens as columns): the client costs little, "
-         "so the scheduler's CPU per token shows on its own (its --timings-out log included)."),
+         "so the scheduler's CPU per token shows on its own (its --timings-out log included). "
+         "'us/step': per executor step (us/token x rows); the 1-row line is what a step costs "
+         "whatever it carries (its step-stream message and answer, the Stream message, the "
+         "event loop's wake-ups), so at R rows a token cannot cost less than that / R."),
         "", *direct_lines, "",
         *replicas,
         (f"- machine: nproc {len(os.sched_getaffinity(0))}, python {sys.version.split()[0]}, "
