@@ -194,6 +194,7 @@ class Scheduler(ExecutorEvents):
 
     def on_step_done(self, ex: ExecutorState, plan: StepPlan, samples: Samples,
                      step_seconds: float = 0.0) -> None:
+        """The answer to `plan`, the oldest step in flight on `ex`: its sampled tokens."""
         ex.num_steps += bool(plan.rows)  # (a step that only frees sequences computes nothing)
         ex.rates.observe_step(plan.num_tokens, step_seconds)
         ex.steps_answered = max(ex.steps_answered, plan.step)

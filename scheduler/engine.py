@@ -191,7 +191,7 @@ class Engine:
         Steps are pipelined (Limits.pipeline_depth): the next step is planned and sent as soon as
         one is sent, and answers are read in order. A plan needs no answer to be made: the
         executor keeps each sequence's sampled tokens, and the core counts the samples due
-        (Sequence.samples_due). A sequence that ends on a sample (EOS, a stop string) may have
+        (Sequence.num_known). A sequence that ends on a sample (EOS, a stop string) may have
         one more token computed in the step behind, which is dropped; tokens reach clients only
         from answers, so a lost executor loses none that were shown."""
         ex = link.state

@@ -155,11 +155,6 @@ class Sequence:
         self.capacity = capacity
         self.decode_below = min(capacity + 1, self.max_tokens)
 
-    @property
-    def samples_due(self) -> int:
-        """Samples the steps in flight will bring."""
-        return self.num_known - len(self.token_ids)
-
     def requiet(self) -> None:
         """Set quiet_below after a sample went the long way or a block was published."""
         req = self.request
