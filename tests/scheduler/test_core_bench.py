@@ -13,3 +13,11 @@ def test_the_core_benchmark_runs_against_the_current_core():
                          cwd=REPO, capture_output=True, text=True, timeout=120, check=True).stdout
     row = out.splitlines()[-1].strip("|").split("|")
     assert int(row[0]) == 8 and float(row[1]) > 0 and float(row[2]) > 0, out
+
+
+def test_the_grpc_floor_benchmark_runs():
+    out = subprocess.run([sys.executable, "bench/grpc_floor.py", "--round-trips", "5",
+                          "--idle-ms", "0", "1"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120, check=True).stdout
+    rows = [line.strip("|").split("|") for line in out.splitlines()[-2:]]
+    assert [float(row[0]) for row in rows] == [0, 1] and all(float(row[1]) > 0 for row in rows), out
