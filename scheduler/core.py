@@ -111,21 +111,26 @@ class Scheduler(ExecutorEvents):
 
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self, ex: ExecutorState) -> StepPlan:
-        """Rows for the next step of `ex`: running sequences first, then admissions in fair
-        order. (Runs for every row of every step: its loops stay plain.)"""
+        """Rows for the next step of `ex`: its cohort's decode rows, its other running sequences,
+        then admissions in fair order. (Runs for every step: its loops stay plain.)"""
         budget = self.limits.max_batched_tokens
-        running, blocks = ex.running, ex.blocks
+        running, blocks, cohort = ex.running, ex.blocks, ex.cohort
         bs = blocks.block_size
-        decode: list[Sequence] = []  # rows of one token, in its blocks, that samples (most)
+        step = cohort.steps + 1
+        ex.unjoin(cohort.due(step))
+        if len(cohort) > budget:
+            ex.unjoin(cohort.dissolve())
+        budget -= len(cohort)
+        decode: list[Sequence] = []  # rows of one known token, in its blocks, that samples
         rows: list[ScheduledRow] = []  # the others
         preempted = False
-        for seq in list(running.values()):
+        for seq in list(ex.loose.values()):
             if budget == 0:
                 break
             if preempted and seq.seq_id not in running:  # preempted to make room for another
                 continue
-            known = seq.num_known  # what the executor will have
-            n = known - seq.num_computed
+            known = seq.own_known  # what the executor will have
+            n = known - seq.own_computed
             if n == 1 and known < seq.decode_below:
                 decode.append(seq)
                 budget -= 1
@@ -136,7 +141,7 @@ class Scheduler(ExecutorEvents):
                 continue
             if n > budget:
                 n = budget
-            end = seq.num_computed + n
+            end = seq.own_computed + n
             if end <= seq.capacity:
                 new_blocks = ()
             else:
@@ -162,29 +167,34 @@ class Scheduler(ExecutorEvents):
             rows += admitted
         else:
             new = []
-        # Counted as computed once sent: the next plan may follow at once.
-        step = ex.steps_planned = ex.steps_planned + 1
+        # Counted as computed once sent: the next plan may follow at once. The members move with
+        # the cohort's step count.
+        cohort.steps = step
+        num_tokens = num_samples = len(decode) + len(cohort)
+        member_rows = cohort.rows()
         for seq in decode:
-            computed = seq.num_computed = seq.num_known
-            seq.num_known = computed + 1
-            seq.last_step = step
-            seq.request.work_left -= 1
+            computed = seq.own_computed = seq.own_known
+            seq.own_known = computed + 1
+            seq.own_last_step = step
             if computed >= seq.publish_at:  # (publish's cheap half)
                 publish(blocks, seq)
                 seq.requiet()
-        num_tokens = num_samples = len(decode)
+            del ex.loose[seq.seq_id]
+            cohort.join(seq)
+            if seq.cohort is None:
+                ex.loose[seq.seq_id] = seq
         for row in rows:
             seq, n = row.seq, row.num_tokens
-            computed = seq.num_computed = seq.num_computed + n
-            seq.num_known += row.samples
+            computed = seq.own_computed = seq.own_computed + n
+            seq.own_known += row.samples
             num_samples += row.samples
-            seq.last_step = step
-            seq.request.work_left -= n
+            seq.own_last_step = step
             num_tokens += n
             if computed >= seq.publish_at:
                 publish(blocks, seq)
                 seq.requiet()
         ex.work_tokens -= num_tokens
+        rows += member_rows
         rows += map(_decode_row, decode)
         rows.sort(key=row_slot)
         freed, ex.pending_frees = ex.pending_frees, []
@@ -324,9 +334,9 @@ class Scheduler(ExecutorEvents):
         self._dequeue(req)
         slot = ex.slots.find(req.adapter) if req.adapter else None
         cached = num_hits * ex.blocks.block_size
-        seq = Sequence(seq_id, req, slot, list(tokens), num_computed=cached, num_cached=cached,
+        seq = Sequence(seq_id, req, slot, list(tokens), own_computed=cached, num_cached=cached,
                        num_published=num_hits)
-        ex.running[seq_id] = seq
+        ex.start(seq)
         req.work_left -= cached
         ex.work_tokens += req.work_left
         req.executor = ex

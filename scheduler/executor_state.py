@@ -11,6 +11,7 @@ from typing import NamedTuple
 from common.adapter_ref import AdapterRef
 from common.errors import LoraplexError
 from scheduler.block_manager import BlockManager
+from scheduler.cohort import Cohort
 from scheduler.prefix_cache import SCOPES
 from scheduler.queues import ExecutorQueue
 from scheduler.request import Request, TokenSink
@@ -104,18 +105,21 @@ class LoadFailure:
 
 @dataclass(eq=False, slots=True)
 class Sequence:
-    """A request's current run on one executor (a preempted request gets a new one)."""
+    """A request's current run on one executor (a preempted request gets a new one).
+
+    num_computed, num_known and last_step are its own_* counters, moved by the steps planned since
+    it joined its executor's cohort while it is a member (cohort.py)."""
 
     seq_id: int
     request: Request
     slot: Slot | None
     token_ids: list[int]  # its prompt and every token sampled, as far as answers came back
-    num_computed: int = 0  # tokens whose KV the executor computes in the steps sent so far
-    # Its tokens once the steps in flight are answered: token_ids and the samples they bring
-    # (steps are pipelined: engine.py). The executor knows a sample as soon as it made it, so a
-    # step may compute it before its answer is here.
-    num_known: int = field(init=False)
-    last_step: int = 0  # the last step (ExecutorState.steps_planned) with a row of it
+    own_computed: int = 0  # (num_computed)
+    own_known: int = field(init=False)  # (num_known)
+    own_last_step: int = 0  # (last_step)
+    cohort: "Cohort | None" = None  # its executor's, while a member
+    joined_at: int = 0  # the cohort's step count when it joined
+    leaves_at: int = 0  # the plan number before which it leaves
     is_sent: bool = False  # its NewSequence went out
     num_cached: int = 0  # leading tokens whose KV it found in the prefix cache
     num_published: int = 0  # of its blocks, those in the prefix cache (prefix_cache.py)
@@ -145,10 +149,31 @@ class Sequence:
         self.slot_index = -1 if self.slot is None else self.slot.index
         req = self.request
         self.max_tokens = len(req.prompt_ids) + req.output.max_new_tokens
-        self.num_known = len(self.token_ids)
+        self.own_known = len(self.token_ids)
         self.decode_row = ScheduledRow(self, 1, (), True)
         self.tenant, self.output_ids = req.tenant, req.output.token_ids
         self.sink, self.sink_id = req.sink, req.sink_id
+
+    @property
+    def num_computed(self) -> int:
+        """Tokens whose KV the executor computes in the steps sent so far."""
+        if self.cohort is None:
+            return self.own_computed
+        return self.own_computed + self.cohort.steps - self.joined_at
+
+    @property
+    def num_known(self) -> int:
+        """Its tokens once the steps in flight are answered: token_ids and the samples they bring
+        (steps are pipelined: engine.py). The executor knows a sample as soon as it made it, so
+        a step may compute it before its answer is here."""
+        if self.cohort is None:
+            return self.own_known
+        return self.own_known + self.cohort.steps - self.joined_at
+
+    @property
+    def last_step(self) -> int:
+        """The last step (ExecutorState.steps_planned) with a row of it."""
+        return self.own_last_step if self.cohort is None else self.cohort.steps
 
     def hold(self, capacity: int) -> None:
         """Its blocks now hold `capacity` tokens."""
@@ -173,6 +198,8 @@ class ExecutorState:
     slots: SlotTable
     queue: ExecutorQueue = field(default_factory=ExecutorQueue)
     running: dict[int, Sequence] = field(default_factory=dict)  # seq_id -> seq, admission order
+    cohort: Cohort = field(default_factory=Cohort)  # those of them planned as one (cohort.py)
+    loose: dict[int, Sequence] = field(default_factory=dict)  # the others: planned one by one
     pending_frees: list[int] = field(default_factory=list)
     # Sequences that left the running set while steps with their rows were in flight: they keep
     # their slot pinned until those are answered (loads are not ordered with steps: an adapter
@@ -195,9 +222,8 @@ class ExecutorState:
     unmerge_due: bool = False
     unmerging: Slot | None = None
     num_steps: int = 0
-    # Plans made, and the last one answered (steps are answered in order): a sequence whose
-    # last_step is past steps_answered has a step in flight.
-    steps_planned: int = 0
+    # The last plan answered (steps are answered in order; cohort.steps counts the plans made):
+    # a sequence whose last_step is past it has a step in flight.
     steps_answered: int = 0
     num_loads: int = 0
     num_hits: int = 0
@@ -224,6 +250,24 @@ class ExecutorState:
         """A step sent with a row of `seq` is not answered yet."""
         return seq.last_step > self.steps_answered
 
+    def start(self, seq: Sequence) -> None:
+        """`seq` runs here (planned one by one until it joins the cohort)."""
+        self.running[seq.seq_id] = seq
+        self.loose[seq.seq_id] = seq
+
+    def release(self, seq: Sequence) -> None:
+        """`seq` runs here no more (its counters its own again)."""
+        del self.running[seq.seq_id]
+        if seq.cohort is None:
+            del self.loose[seq.seq_id]
+        else:
+            self.cohort.leave(seq)
+
+    def unjoin(self, seqs: Iterable[Sequence]) -> None:
+        """Members that left the cohort: planned one by one again."""
+        for seq in seqs:
+            self.loose[seq.seq_id] = seq
+
     @property
     def can_resume(self) -> bool:
         """An operator may let it admit again: it is up and neither leaving nor stopping."""
@@ -243,7 +287,7 @@ class ScheduledRow:
 
 @dataclass
 class StepPlan:
-    step: int  # its number among the executor's plans (ExecutorState.steps_planned)
+    step: int  # its number among the executor's plans (Cohort.steps)
     freed: list[int]  # sequences the executor may forget
     new: list[Sequence]  # sequences the executor has not seen yet
     rows: list[ScheduledRow]  # sorted by slot: each adapter's rows are contiguous

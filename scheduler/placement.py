@@ -238,13 +238,13 @@ class Placement:
         req.status = Status.QUEUED
         req.queued_since = self.clock()
         self.deadlines.requeued(req)
-        req.work_left += seq.num_computed
+        req.work_left = seq.max_tokens  # (every token computed again)
         self._route(req, front=True)
 
     def _release(self, ex: ExecutorState, seq: Sequence) -> None:
-        del ex.running[seq.seq_id]
+        ex.release(seq)
         ex.blocks.free(seq.seq_id)
-        ex.work_tokens -= seq.request.work_left
+        ex.work_tokens -= seq.max_tokens - seq.num_computed  # (its work left)
         if seq.slot is not None:
             if ex.is_in_flight(seq):
                 ex.unpin_later.append(seq)

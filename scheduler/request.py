@@ -70,7 +70,9 @@ class Request:
     caused_load: bool = False  # it started the load of its adapter
     executor_failures: int = 0  # executors lost while it ran there (their step failed or they left)
     executor: Any = None  # the ExecutorState it is queued or running on
-    work_left: int = 0  # tokens still to compute for it (prompt + outputs), for routing
+    # Tokens still to compute for it while queued (prompt + outputs), for routing (running, its
+    # sequence's max_tokens - num_computed).
+    work_left: int = 0
     cache_salt: str = ""  # keeps its cached KV blocks apart from requests with another salt
     cache_key: bytes = b""  # whose cached KV blocks it may reuse (prefix_cache.py); b"": none
     # Prompt tokens whose KV its first admission found in the prefix cache (not computed).

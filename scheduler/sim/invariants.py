@@ -30,6 +30,14 @@ def check_invariants(core: Scheduler, live: Iterable[Request] = ()) -> None:
                 assert seq.slot.adapter == req.adapter, \
                     f"{where}: seq {seq.seq_id} on a foreign slot"
                 pins[seq.slot.index] += 1
+        members = ex.cohort.members
+        assert set(ex.running) == set(ex.loose) | set(members) and not set(ex.loose) & set(
+            members), f"{where}: running sequences not either in the cohort or out of it"
+        for seq in members.values():
+            assert seq.cohort is ex.cohort and seq.num_known - seq.num_computed == 1 \
+                and seq.num_known <= min(seq.decode_below, seq.publish_at), \
+                f"{where}: seq {seq.seq_id} in the cohort, its next row no plain decode row"
+        assert all(seq.cohort is None for seq in ex.loose.values()), f"{where}: loose member"
         for seq in ex.unpin_later:  # left while steps with its rows were in flight
             assert ex.is_in_flight(seq) and seq.seq_id not in ex.running, \
                 f"{where}: seq {seq.seq_id} kept its slot pinned for no step"

@@ -1,7 +1,8 @@
 """Pipelined steps (Limits.pipeline_depth): the core plans a step before the answers of the steps
 in flight are back, counting the samples they will bring (Sequence.num_known). Against a
 stand-in executor that keeps each sequence's tokens and samples a token that depends on its
-whole history, every request must get exactly the tokens it gets one step at a time, through
+whole history, every request must get exactly the tokens it gets one step at a time (rows of
+steady decode planned by the executor's cohort among them: cohort.py), through
 EOS, stop tokens, length limits, chunked prefill and preemption; no row may ask the executor for
 a token it does not have, or compute past the request's last position (prompt + max_new_tokens
 - 1: at the context's end that would be refused), or read a slot that a load is writing or that
@@ -110,6 +111,7 @@ def drive(depth: int, seed: int, num_blocks: int, cancel_every: int = 0,
     ex, executor = w.executors[0], StandInExecutor(block_size=4)
     in_flight: collections.deque = collections.deque()
     overlapped = steps = 0  # steps planned while another was in flight, all steps
+    cohort_rows = 0  # rows planned as the cohort's (cohort.py)
     arrivals = [(rng.randint(0, 60), rng.choice("abc"), rng.randint(1, 30), rng.randint(1, 12))
                 for _ in range(30)]
     sinks = [Sink() for _ in range(num_sinks)]
@@ -128,6 +130,7 @@ def drive(depth: int, seed: int, num_blocks: int, cancel_every: int = 0,
                 break
             overlapped += bool(in_flight) and bool(plan)
             steps += bool(plan)
+            cohort_rows += len(ex.cohort)
             in_flight.append(plan)
         loads_started(w, executor)
         if in_flight:
@@ -145,6 +148,7 @@ def drive(depth: int, seed: int, num_blocks: int, cancel_every: int = 0,
     assert all(seq.num_known == len(seq.token_ids) for seq in ex.running.values())
     if depth > 1:  # most steps are planned while the one before runs
         assert overlapped > steps / 2, (overlapped, steps)
+    assert cohort_rows > 0, "no steady decode: the cohort went untested"
     if sinks:  # a good share of tokens took the columnar path (short requests: ~half)
         num_tokens = sum(len(t) for sink in sinks for t in sink.tokens.values())
         assert sum(sink.num_sampled for sink in sinks) < num_tokens * 0.75

@@ -1,0 +1,75 @@
+"""One executor's steady decode cohort: its running sequences that get a plain decode row in
+every step (one known token, held by its blocks, nothing to publish), planned with no Python per
+sequence.
+
+A sequence joins once a step has planned it as a decode row and the steps after it would too:
+its known tokens stay below its decode bound (Sequence.decode_below) and its next publish point
+for at least one more step. From then on every plan carries its decode_row, and its counters
+(Sequence.num_computed, num_known, last_step) move with the cohort's step count instead of one by
+one. It leaves, its counters its own again, before the first plan in which it would be anything
+else (a block to grow into or to publish, its length reached), or as soon as anything else
+touches it: it ends, is cancelled or preempted (Placement._release), or the step's budget cannot
+hold the whole cohort. A sequence out of the
+cohort is planned one by one (core.schedule), as every sequence was before.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scheduler.executor_state import ScheduledRow, Sequence
+
+
+class Cohort:
+    def __init__(self) -> None:
+        self.steps = 0  # plans made on its executor: a member's counters move with this
+        self.members: dict[int, Sequence] = {}  # seq_id -> seq
+        self._leaving: dict[int, list[Sequence]] = {}  # plan number -> members to leave before it
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def rows(self) -> list[ScheduledRow]:
+        """The members' rows in a plan: their decode rows (made by map, in C)."""
+        return list(map(_decode_row, self.members.values()))
+
+    def join(self, seq: Sequence) -> None:
+        """`seq` was just planned as a decode row (in plan number `steps`, its counters its own):
+        it joins if the next plan would give it one too, for as many plans as it would."""
+        plans = min(seq.decode_below, seq.publish_at) - seq.own_known
+        if plans < 1:
+            return
+        seq.cohort, seq.joined_at = self, self.steps
+        seq.leaves_at = self.steps + plans + 1
+        self.members[seq.seq_id] = seq
+        self._leaving.setdefault(seq.leaves_at, []).append(seq)
+
+    def leave(self, seq: Sequence) -> None:
+        """Make a member's counters its own again, as of the last plan."""
+        moved = self.steps - seq.joined_at
+        seq.own_computed += moved
+        seq.own_known += moved
+        seq.own_last_step = self.steps
+        seq.cohort = None
+        del self.members[seq.seq_id]
+
+    def due(self, step: int) -> list[Sequence]:
+        """Before plan number `step`: the members whose plain decode rows end here, out."""
+        due = [seq for seq in self._leaving.pop(step, ())
+               if seq.cohort is self and seq.leaves_at == step]
+        for seq in due:
+            self.leave(seq)
+        return due
+
+    def dissolve(self) -> list[Sequence]:
+        """Everyone out (a plan's budget cannot hold the whole cohort)."""
+        members = list(self.members.values())
+        for seq in members:
+            self.leave(seq)
+        self._leaving.clear()
+        return members
+
+
+_decode_row = operator.attrgetter("decode_row")
