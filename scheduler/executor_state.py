@@ -172,7 +172,7 @@ class Sequence:
 
     @property
     def last_step(self) -> int:
-        """The last step (ExecutorState.steps_planned) with a row of it."""
+        """The last step (its number: Cohort.steps) with a row of it."""
         return self.own_last_step if self.cohort is None else self.cohort.steps
 
     def hold(self, capacity: int) -> None:
