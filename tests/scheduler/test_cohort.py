@@ -1,0 +1,67 @@
+"""The decode cohort (scheduler/cohort.py): it changes no plan (the same rows, step after step, as
+planning every sequence one by one), and in steady decode it plans most rows."""
+
+import collections
+
+from scheduler.cohort import Cohort
+from scheduler.core import Limits, Sample, Samples
+from scheduler.sim.invariants import check_invariants
+from tests.scheduler.sched_world import World
+
+
+def pipelined(w: World, steps: int, arrivals: dict[int, list[tuple[str, int, int]]]) -> list:
+    """Run w's one executor with two steps in flight for `steps` steps, requests (tenant, prompt
+    length, max new tokens) arriving at the steps named; every plan as (rows, freed, new)."""
+    ex = w.executors[0]
+    in_flight: collections.deque = collections.deque()
+    plans = []
+    for step in range(steps):
+        for tenant, prompt_len, max_new in arrivals.get(step, ()):
+            w.request(tenant=tenant, prompt_len=prompt_len, max_new=max_new)
+        plan = w.core.schedule(ex)
+        slots = [row.seq.slot_index for row in plan.rows]
+        assert slots == sorted(slots), "rows must be sorted by adapter slot"
+        plans.append((sorted((row.seq.seq_id, row.num_tokens, tuple(row.new_block_ids),
+                              row.samples) for row in plan.rows),
+                      sorted(plan.freed), [seq.seq_id for seq in plan.new]))
+        in_flight.append((plan, len(ex.cohort)))
+        if len(in_flight) == 2:
+            plan, _ = in_flight.popleft()
+            w.core.on_step_done(ex, plan, Samples.of(
+                Sample(row.seq.seq_id, 7, -0.1) for row in plan.rows if row.samples))
+            check_invariants(w.core, w.requests)
+    return plans
+
+
+ARRIVALS = {0: [("a", 3, 40), ("b", 9, 25), ("a", 1, 60), ("c", 14, 7)],
+            5: [("b", 6, 30), ("c", 2, 2)], 11: [("a", 21, 18)], 30: [("c", 5, 50)]}
+
+
+def test_the_cohort_changes_no_plan(monkeypatch):
+    def run() -> list:
+        w = World(num_blocks=400, block_size=4,
+                  limits=Limits(max_num_seqs=16, max_batched_tokens=4096, pipeline_depth=2))
+        return pipelined(w, 120, ARRIVALS)
+
+    with_cohort = run()
+    monkeypatch.setattr(Cohort, "join", lambda self, seq: None)  # everyone planned one by one
+    assert run() == with_cohort
+
+
+def test_the_cohort_plans_most_rows_of_steady_decode():
+    w = World(num_blocks=4096, block_size=16,
+              limits=Limits(max_num_seqs=32, max_batched_tokens=4096, pipeline_depth=2))
+    ex = w.executors[0]
+    for i in range(32):
+        w.request(tenant=f"t{i % 4}", prompt_len=3 + i, max_new=500)
+    pipelined(w, 20, {})  # (prefills, then decode)
+    rows = members = 0
+    for _ in range(100):
+        plan = w.core.schedule(ex)
+        rows += len(plan.rows)
+        members += sum(row.seq.cohort is ex.cohort and row.seq.joined_at < plan.step
+                       for row in plan.rows)  # (planned as members: not joining just now)
+        w.core.on_step_done(ex, plan, Samples.of(
+            Sample(row.seq.seq_id, 7, -0.1) for row in plan.rows if row.samples))
+    assert rows == 32 * 100
+    assert members > 0.75 * rows, (members, rows)
