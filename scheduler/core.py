@@ -66,7 +66,6 @@ class Scheduler(ExecutorEvents):
         if req.adapter:
             self._check_placeable(req.adapter)
         req.work_left = len(req.prompt_ids) + req.output.max_new_tokens
-        self.stop_ids.update(req.output.stop_ids)
         if self.limits.prefix_cache != "off":
             req.cache_key = cache_key(self.limits.prefix_cache, req.tenant, req.adapter,
                                       req.cache_salt)
@@ -226,8 +225,9 @@ class Scheduler(ExecutorEvents):
         # Most samples only add a token (Sequence.quiet_below) and are no request's stop token:
         # those are taken as columns.
         quiet = list(map(operator.lt, map(len, map(_token_ids, seqs)), map(_quiet_below, seqs)))
-        if not self.stop_ids.isdisjoint(token_ids):
-            quiet = list(map(operator.gt, quiet, map(self.stop_ids.__contains__, token_ids)))
+        stop_ids = ex.stop_ids
+        if not stop_ids.keys().isdisjoint(token_ids):
+            quiet = list(map(operator.gt, quiet, map(stop_ids.__contains__, token_ids)))
         if all(quiet):
             return _take_quiet(seqs, token_ids, logprobs)
         if any(quiet):

@@ -200,6 +200,9 @@ class ExecutorState:
     running: dict[int, Sequence] = field(default_factory=dict)  # seq_id -> seq, admission order
     cohort: Cohort = field(default_factory=Cohort)  # those of them planned as one (cohort.py)
     loose: dict[int, Sequence] = field(default_factory=dict)  # the others: planned one by one
+    # The stop token ids of its running requests (id -> how many have it): a sample that is none
+    # of them is no stop token (core.on_step_done).
+    stop_ids: dict[int, int] = field(default_factory=dict)
     pending_frees: list[int] = field(default_factory=list)
     # Sequences that left the running set while steps with their rows were in flight: they keep
     # their slot pinned until those are answered (loads are not ordered with steps: an adapter
@@ -254,6 +257,8 @@ class ExecutorState:
         """`seq` runs here (planned one by one until it joins the cohort)."""
         self.running[seq.seq_id] = seq
         self.loose[seq.seq_id] = seq
+        for token_id in seq.request.output.stop_ids:
+            self.stop_ids[token_id] = self.stop_ids.get(token_id, 0) + 1
 
     def release(self, seq: Sequence) -> None:
         """`seq` runs here no more (its counters its own again)."""
@@ -262,6 +267,11 @@ class ExecutorState:
             del self.loose[seq.seq_id]
         else:
             self.cohort.leave(seq)
+        for token_id in seq.request.output.stop_ids:
+            if self.stop_ids[token_id] == 1:
+                del self.stop_ids[token_id]
+            else:
+                self.stop_ids[token_id] -= 1
 
     def unjoin(self, seqs: Iterable[Sequence]) -> None:
         """Members that left the cohort: planned one by one again."""

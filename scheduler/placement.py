@@ -51,9 +51,6 @@ class Placement:
         self._start_load, self._start_unload, self._wake = start_load, start_unload, wake
         self._warm_host, self._start_stage = warm_host, start_stage
         self._seq_ids = itertools.count(1)
-        # Every stop token id any request was submitted with: a sample that is none of them is
-        # no request's stop token (core.on_step_done). Bounded by the vocabulary.
-        self.stop_ids: set[int] = set()
         for ex in executors:
             self.add_executor(ex)
 

@@ -38,6 +38,8 @@ def check_invariants(core: Scheduler, live: Iterable[Request] = ()) -> None:
                 and seq.num_known <= min(seq.decode_below, seq.publish_at), \
                 f"{where}: seq {seq.seq_id} in the cohort, its next row no plain decode row"
         assert all(seq.cohort is None for seq in ex.loose.values()), f"{where}: loose member"
+        stops = Counter(t for seq in ex.running.values() for t in seq.request.output.stop_ids)
+        assert ex.stop_ids == stops, f"{where}: stop token ids of its running requests miscounted"
         for seq in ex.unpin_later:  # left while steps with its rows were in flight
             assert ex.is_in_flight(seq) and seq.seq_id not in ex.running, \
                 f"{where}: seq {seq.seq_id} kept its slot pinned for no step"
