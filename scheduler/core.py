@@ -214,7 +214,7 @@ class Scheduler(ExecutorEvents):
         now = self.clock()
         self.merges.observe(plan, now)
         seqs = list(map(ex.running.get, samples.seq_ids))
-        token_ids, logprobs = samples.token_ids, samples.logprobs
+        token_ids, logprobs = list(samples.token_ids), samples.logprobs  # (read more than once)
         if None in seqs:  # cancelled, preempted or finished while the step ran
             kept = list(map(operator.is_not, seqs, itertools.repeat(None)))
             seqs = list(itertools.compress(seqs, kept))

@@ -118,6 +118,6 @@ def step_request(plan: StepPlan) -> executor_pb2.StepRequest:
         merge_slot=plan.merge_slot, unmerge=plan.unmerge)
 
 
-_seq_id = operator.attrgetter("seq.seq_id")
+_seq_id = operator.attrgetter("seq_id")
 _num_tokens = operator.attrgetter("num_tokens")
 _new_block_ids = operator.attrgetter("new_block_ids")

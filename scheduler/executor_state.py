@@ -293,6 +293,11 @@ class ScheduledRow:
     num_tokens: int
     new_block_ids: list[int] | tuple[()]  # () for most decode rows (nothing allocated)
     samples: bool = False  # it reaches the sequence's last known token: a sample comes back
+    seq_id: int = field(init=False)  # its sequence's (at hand for the step message's columns)
+    slot_index: int = field(init=False)  # its sequence's slot, -1 on the base model: sorts rows
+
+    def __post_init__(self) -> None:
+        self.seq_id, self.slot_index = self.seq.seq_id, self.seq.slot_index
 
 
 @dataclass
@@ -320,7 +325,7 @@ class StepPlan:
         return len(set(map(row_slot, self.rows)) - {-1})
 
 
-row_slot = operator.attrgetter("seq.slot_index")  # a row's slot index, -1 on the base model (C)
+row_slot = operator.attrgetter("slot_index")  # a row's slot index, -1 on the base model (C)
 
 
 class Sample(NamedTuple):
