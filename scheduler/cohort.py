@@ -8,9 +8,9 @@ for at least one more step. From then on every plan carries its decode_row, and 
 (Sequence.num_computed, num_known, last_step) move with the cohort's step count instead of one by
 one. It leaves, its counters its own again, before the first plan in which it would be anything
 else (a block to grow into or to publish, its length reached), or as soon as anything else
-touches it: it ends, is cancelled or preempted (Placement._release), or the step's budget cannot
-hold the whole cohort. A sequence out of the
-cohort is planned one by one (core.schedule), as every sequence was before.
+touches it: it ends, is cancelled or preempted (Placement._release). A sequence out of the cohort
+is planned one by one (core.schedule), as every sequence was before. Every member joined from a
+row of a plan, within its token budget, so the cohort never outgrows a step's budget.
 """
 
 from __future__ import annotations
@@ -62,14 +62,6 @@ class Cohort:
         for seq in due:
             self.leave(seq)
         return due
-
-    def dissolve(self) -> list[Sequence]:
-        """Everyone out (a plan's budget cannot hold the whole cohort)."""
-        members = list(self.members.values())
-        for seq in members:
-            self.leave(seq)
-        self._leaving.clear()
-        return members
 
 
 _decode_row = operator.attrgetter("decode_row")

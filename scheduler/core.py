@@ -117,9 +117,7 @@ class Scheduler(ExecutorEvents):
         bs = blocks.block_size
         step = cohort.steps + 1
         ex.unjoin(cohort.due(step))
-        if len(cohort) > budget:
-            ex.unjoin(cohort.dissolve())
-        budget -= len(cohort)
+        budget -= len(cohort)  # (never below 0: cohort.py)
         decode: list[Sequence] = []  # rows of one known token, in its blocks, that samples
         rows: list[ScheduledRow] = []  # the others
         preempted = False

@@ -31,6 +31,7 @@ def check_invariants(core: Scheduler, live: Iterable[Request] = ()) -> None:
                     f"{where}: seq {seq.seq_id} on a foreign slot"
                 pins[seq.slot.index] += 1
         members = ex.cohort.members
+        assert len(members) <= core.limits.max_batched_tokens, f"{where}: cohort past the budget"
         assert set(ex.running) == set(ex.loose) | set(members) and not set(ex.loose) & set(
             members), f"{where}: running sequences not either in the cohort or out of it"
         for seq in members.values():

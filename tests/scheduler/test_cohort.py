@@ -65,3 +65,13 @@ def test_the_cohort_plans_most_rows_of_steady_decode():
             Sample(row.seq.seq_id, 7, -0.1) for row in plan.rows if row.samples))
     assert rows == 32 * 100
     assert members > 0.75 * rows, (members, rows)
+
+
+def test_steps_whose_budget_holds_fewer_rows_than_run_complete_every_request():
+    w = World(num_blocks=400, block_size=4,
+              limits=Limits(max_num_seqs=16, max_batched_tokens=8, pipeline_depth=2))
+    plans = pipelined(w, 400, {0: [(f"t{i % 3}", 2, 12 + i) for i in range(12)],
+                               20: [("t0", 3, 9)] * 4})
+    assert all(sum(n for _, n, _, _ in rows) <= 8 for rows, _, _ in plans)
+    assert [len(r.output.token_ids) for r in w.requests] == [12 + i for i in range(12)] + [9] * 4
+    assert not w.executors[0].running and not w.executors[0].cohort.members
