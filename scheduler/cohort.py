@@ -35,16 +35,18 @@ class Cohort:
         """The members' rows in a plan: their decode rows (made by map, in C)."""
         return list(map(_decode_row, self.members.values()))
 
-    def join(self, seq: Sequence) -> None:
+    def join(self, seq: Sequence) -> bool:
         """`seq` was just planned as a decode row (in plan number `steps`, its counters its own):
-        it joins if the next plan would give it one too, for as many plans as it would."""
+        it joins if the next plan would give it one too, for as many plans as it would. Whether
+        it joined."""
         plans = min(seq.decode_below, seq.publish_at) - seq.own_known
         if plans < 1:
-            return
+            return False
         seq.cohort, seq.joined_at = self, self.steps
         seq.leaves_at = self.steps + plans + 1
         self.members[seq.seq_id] = seq
         self._leaving.setdefault(seq.leaves_at, []).append(seq)
+        return True
 
     def leave(self, seq: Sequence) -> None:
         """Make a member's counters its own again, as of the last plan."""

@@ -121,7 +121,7 @@ class Scheduler(ExecutorEvents):
         decode: list[Sequence] = []  # rows of one known token, in its blocks, that samples
         rows: list[ScheduledRow] = []  # the others
         preempted = False
-        for seq in list(ex.loose.values()):
+        for _, seq in sorted(ex.loose.items()):  # (in admission order: the older first)
             if budget == 0:
                 break
             if preempted and seq.seq_id not in running:  # preempted to make room for another
@@ -176,10 +176,8 @@ class Scheduler(ExecutorEvents):
             if computed >= seq.publish_at:  # (publish's cheap half)
                 publish(blocks, seq)
                 seq.requiet()
-            del ex.loose[seq.seq_id]
-            cohort.join(seq)
-            if seq.cohort is None:
-                ex.loose[seq.seq_id] = seq
+            if cohort.join(seq):
+                del ex.loose[seq.seq_id]
         for row in rows:
             seq, n = row.seq, row.num_tokens
             computed = seq.own_computed = seq.own_computed + n

@@ -199,7 +199,7 @@ class ExecutorState:
     queue: ExecutorQueue = field(default_factory=ExecutorQueue)
     running: dict[int, Sequence] = field(default_factory=dict)  # seq_id -> seq, admission order
     cohort: Cohort = field(default_factory=Cohort)  # those of them planned as one (cohort.py)
-    loose: dict[int, Sequence] = field(default_factory=dict)  # the others: planned one by one
+    loose: dict[int, Sequence] = field(default_factory=dict)  # the others (seq_id -> seq)
     # The stop token ids of its running requests (id -> how many have it): a sample that is none
     # of them is no stop token (core.on_step_done).
     stop_ids: dict[int, int] = field(default_factory=dict)

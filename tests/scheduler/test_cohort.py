@@ -44,7 +44,7 @@ def test_the_cohort_changes_no_plan(monkeypatch):
         return pipelined(w, 120, ARRIVALS)
 
     with_cohort = run()
-    monkeypatch.setattr(Cohort, "join", lambda self, seq: None)  # everyone planned one by one
+    monkeypatch.setattr(Cohort, "join", lambda self, seq: False)  # everyone planned one by one
     assert run() == with_cohort
 
 
@@ -75,3 +75,15 @@ def test_steps_whose_budget_holds_fewer_rows_than_run_complete_every_request():
     assert all(sum(n for _, n, _, _ in rows) <= 8 for rows, _, _ in plans)
     assert [len(r.output.token_ids) for r in w.requests] == [12 + i for i in range(12)] + [9] * 4
     assert not w.executors[0].running and not w.executors[0].cohort.members
+
+
+def test_a_sequence_out_of_the_cohort_is_planned_before_a_newer_prompt():
+    """Decoding sequences are older than a prompt that arrives later, and take their one token
+    of a step's budget first, also while out of the cohort (at each block boundary): a long
+    prompt's chunks never hold an older sequence's decode back."""
+    w = World(num_blocks=400, block_size=4,
+              limits=Limits(max_num_seqs=4, max_batched_tokens=8, pipeline_depth=2))
+    plans = pipelined(w, 40, {0: [("a", 2, 60)], 6: [("b", 100, 2)]})
+    long_prompt = [rows for rows, _, _ in plans if any(row[0] == 2 for row in rows)]
+    assert len(long_prompt) >= 14  # (100 tokens, at most 7 a step beside the decode row)
+    assert all(any(row[0] == 1 for row in rows) for rows in long_prompt)
