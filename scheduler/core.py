@@ -175,7 +175,6 @@ class Scheduler(ExecutorEvents):
             seq.own_last_step = step
             if computed >= seq.publish_at:  # (publish's cheap half)
                 publish(blocks, seq)
-                seq.requiet()
             if cohort.join(seq):
                 del ex.loose[seq.seq_id]
         for row in rows:
@@ -187,7 +186,6 @@ class Scheduler(ExecutorEvents):
             num_tokens += n
             if computed >= seq.publish_at:
                 publish(blocks, seq)
-                seq.requiet()
         ex.work_tokens -= num_tokens
         rows += member_rows
         rows += map(_decode_row, decode)

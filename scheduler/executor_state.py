@@ -181,9 +181,9 @@ class Sequence:
         self.decode_below = min(capacity + 1, self.max_tokens)
 
     def requiet(self) -> None:
-        """Set quiet_below after a sample went the long way or a block was published."""
+        """Set quiet_below after a sample went the long way or publish() moved publish_at."""
         req = self.request
-        if req.sink is not None and req.output.is_ids_only and req.first_token_at is not None:
+        if self.sink is not None and req.output.is_ids_only and req.first_token_at is not None:
             self.quiet_below = min(self.publish_at, self.max_tokens) - 1
 
 

@@ -70,12 +70,13 @@ def publish(blocks: BlockManager, seq: Sequence) -> None:
     req, bs = seq.request, blocks.block_size
     if not req.cache_key:
         seq.publish_at = sys.maxsize  # (never again)
-        return
-    full = min(seq.num_computed, len(seq.token_ids)) // bs
-    if full > seq.num_published:
-        hashes = req.block_hashes.setdefault(bs, [])
-        extend_hashes(hashes, req.cache_key, seq.token_ids, bs)
-        for index in range(seq.num_published, full):
-            blocks.publish(seq.seq_id, index, hashes[index])
-        seq.num_published = full
-    seq.publish_at = (seq.num_published + 1) * bs
+    else:
+        full = min(seq.num_computed, len(seq.token_ids)) // bs
+        if full > seq.num_published:
+            hashes = req.block_hashes.setdefault(bs, [])
+            extend_hashes(hashes, req.cache_key, seq.token_ids, bs)
+            for index in range(seq.num_published, full):
+                blocks.publish(seq.seq_id, index, hashes[index])
+            seq.num_published = full
+        seq.publish_at = (seq.num_published + 1) * bs
+    seq.requiet()  # (its quiet samples end at the next publish point)

@@ -66,10 +66,7 @@ class _Outbox:
         message = scheduler_pb2.StreamResponse(
             token_request_ids=self.request_ids, token_ids=self.token_ids, logprobs=self.logprobs,
             starts=self.starts, ends=self.ends)
-        self.request_ids.clear()
-        self.token_ids.clear()
-        self.logprobs.clear()
-        self.starts, self.ends = [], []
+        self.request_ids, self.token_ids, self.logprobs, self.starts, self.ends = [], [], [], [], []
         return message
 
 
