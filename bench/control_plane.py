@@ -13,8 +13,10 @@ stream that ends is replaced at once), from this one client process, measured tw
 - straight into the scheduler's Stream, as a gateway calls it (a message per step for all
   requests): tokens/s delivered and the scheduler's CPU microseconds per token. The client then
   costs little, so this is the scheduler's own figure, and how it changes with E.
-Then, at 2 executors x 256 rows, the gateway path again through 1 and 2 gateway replicas (the
-streams spread evenly). CPU is /proc utime + stime over a window after a warm-up; p99 inter-token
+Then one scheduler's capacity: 8 executors x 256 rows straight into its Stream again, with steps
+of --capacity-step-s (10 ms: the rate a faster GPU step asks of the scheduler). Then, at 2
+executors x 256 rows, the gateway path again through 1 and 2 gateway replicas (the streams spread
+evenly). CPU is /proc utime + stime over a window after a warm-up; p99 inter-token
 latency is the gap between a token's arrival and the previous one's in its stream. Every process
 shares this machine's CPUs (the client included): read ratios of one run. Writes
 bench/results/control-plane-cpu.md unless --quick.
@@ -179,6 +181,19 @@ def bench_fleet(tmp: pathlib.Path, name: str, executors: int, rows: int, keys: F
                                  *scheduler_args])
 
 
+def capacity(tmp: pathlib.Path, keys: FleetKeys, step_s: float, window_s: float,
+             executors: int = 8, rows: int = 256) -> tuple[int, int, dict]:
+    """The scheduler-alone figures of `executors` x `rows` at steps of `step_s`: how many tokens
+    per second one scheduler process sends, and at what CPU."""
+    print(f"capacity: {executors} executors x {rows} rows, {1e3 * step_s:g} ms steps ...",
+          flush=True)
+    with bench_fleet(tmp, "capacity", executors, rows, keys, step_s) as fleet:
+        figures = run(lambda: measure_stream(
+            fleet.scheduler, keys.service, fleet.by_name("scheduler")[0].process.pid,
+            executors * rows, 3.0, window_s))
+    return executors, rows, figures | {"step_s": step_s}
+
+
 def gateway_replicas(tmp: pathlib.Path, keys: FleetKeys, args: argparse.Namespace,
                      executors: int = 2, rows: int = 256) -> list[str]:
     """The same closed loop through 1, then 2 gateways in front of one pool (the streams spread
@@ -225,6 +240,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 and 2 executors, 64 rows")
     parser.add_argument("--step-s", type=float, default=0.02, help="benchmark step time")
     parser.add_argument("--window-s", type=float, default=8.0)
+    parser.add_argument("--capacity-step-s", type=float, default=0.01,
+                        help="step time of the capacity line (8 executors x 256 rows)")
     args = parser.parse_args()
     counts, rows = ([1, 2], [64]) if args.quick else ([1, 2, 4, 8], [64, 256])
     load = os.getloadavg()[0]
@@ -259,6 +276,8 @@ def main() -> None:
                 if m == n:
                     figures["scheduled"] = scheduled_tokens(tmp / f"timings{n}.jsonl",
                                                             figures["window"])
+        if not args.quick:
+            direct.append(capacity(tmp, keys, args.capacity_step_s, args.window_s))
         replicas = [] if args.quick else gateway_replicas(tmp, keys, args)
     header = ["executors", "rows per step", "streams", "tokens/s scheduled", "ideal",
               "tokens/s delivered", "scheduler us/token scheduled",
@@ -271,14 +290,18 @@ def main() -> None:
                      f"| {1e6 * f['cpu']['scheduler'] / max(f['scheduled'], 1):.0f} "
                      f"| {1e6 * f['cpu']['gateway'] / max(f['delivered'], 1):.0f} "
                      f"| {f['ITL p99 ms']:.0f} |")
-    header = ["executors", "rows per step", "streams", "tokens/s", "ideal", "messages/s",
-              "scheduler us/token", "scheduler us/step", "ITL p99 ms"]
+    header = ["executors", "rows per step", "step ms", "streams", "tokens/s", "ideal",
+              "messages/s", "scheduler us/token", "scheduler us/step", "scheduler cores",
+              "ITL p99 ms"]
     direct_lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
     for n, r, f in direct:
+        step_s = f.get("step_s", args.step_s)
         us = 1e6 * f["cpu"]["scheduler"] / max(f["delivered"], 1)
+        cores = f["cpu"]["scheduler"] / (f["window"][1] - f["window"][0])
         direct_lines.append(
-            f"| {n} | {r} | {n * r} | {f['tokens/s']:,.0f} | {n * r / args.step_s:,.0f} "
-            f"| {f['messages/s']:,.0f} | {us:.1f} | {us * r:,.0f} | {f['ITL p99 ms']:.0f} |")
+            f"| {n} | {r} | {1e3 * step_s:g} | {n * r} | {f['tokens/s']:,.0f} "
+            f"| {n * r / step_s:,.0f} | {f['messages/s']:,.0f} | {us:.1f} | {us * r:,.0f} "
+            f"| {cores:.2f} | {f['ITL p99 ms']:.0f} |")
     command = " ".join([".venv/bin/python bench/control_plane.py", *sys.argv[1:]])
     text = "\n".join([
         (f"Benchmark executors (--benchmark-step-s {args.step_s}: no forward pass), closed-loop "
@@ -296,7 +319,9 @@ def main() -> None:
          "so the scheduler's CPU per token shows on its own (its --timings-out log included). "
          "'us/step': per executor step (us/token x rows); the 1-row line is what a step costs "
          "whatever it carries (its step-stream message and answer, the Stream message, the "
-         "event loop's wake-ups), so at R rows a token cannot cost less than that / R."),
+         "event loop's wake-ups), so at R rows a token cannot cost less than that / R. The last "
+         "line is one scheduler's capacity: the same 8 x 256 with shorter steps; 'scheduler "
+         "cores' is its CPU seconds per second."),
         "", *direct_lines, "",
         *replicas,
         (f"- machine: nproc {len(os.sched_getaffinity(0))}, python {sys.version.split()[0]}, "
