@@ -3,6 +3,7 @@ deadline, a tenant's queue cap, an adapter no slot can ever take, and sequences 
 their first step runs (the executor must forget them)."""
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -12,7 +13,7 @@ from loraplex import client
 from loraplex.launch import Fleet
 from protos import executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
-LONG = 400  # tokens of a request that holds the executor's only running sequence
+LONG = 1500  # tokens of a request that holds the executor's only running sequence
 
 
 @pytest.fixture(scope="module")
@@ -44,44 +45,53 @@ async def queued(stub) -> int:
     return ex.queued
 
 
-async def holding(stub) -> asyncio.Task:
-    """A long request that holds the only running sequence (started once it streams)."""
+@contextlib.asynccontextmanager
+async def held(fleet, stub):
+    """The executor's only running sequence held by a long request, the executor frozen from its
+    first token on (SIGSTOP, for a few seconds: well inside its step deadline): however fast this
+    machine, the request cannot end meanwhile, so requests behind it stay queued. Thawed, and
+    the request cancelled, on exit."""
     first = asyncio.Event()
 
     async def run():
         async for response in client.stream(stub, client.generate_request(
                 "", "hold", LONG, ignore_eos=True)):
             first.set()
-    task = asyncio.create_task(run())
-    await asyncio.wait_for(first.wait(), 60)
-    return task
+    holder = asyncio.create_task(run())
+    (executor,) = fleet.by_name("executor")
+    try:
+        await asyncio.wait_for(first.wait(), 60)
+        executor.freeze()
+        yield
+    finally:
+        executor.thaw()
+        holder.cancel()
 
 
-async def test_a_queued_request_is_dropped_at_its_deadline_and_frees_its_place(stub):
-    holder = await holding(stub)
-    err = await status_of(stub.Generate(client.generate_request("", "waits", 4), timeout=1.0))
-    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    for _ in range(50):
-        if await queued(stub) == 0:
-            break
-        await asyncio.sleep(0.05)
-    assert await queued(stub) == 0
-    holder.cancel()
+async def test_a_queued_request_is_dropped_at_its_deadline_and_frees_its_place(fleet, stub):
+    async with held(fleet, stub):
+        err = await status_of(stub.Generate(client.generate_request("", "waits", 4),
+                                            timeout=1.0))
+        assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        for _ in range(50):
+            if await queued(stub) == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert await queued(stub) == 0
 
 
-async def test_a_tenant_over_its_queue_cap_is_shed_with_retry_after(stub):
-    holder = await holding(stub)
-    waiting = [asyncio.create_task(client.generate(stub, client.generate_request("", f"q{i}", 2)))
-               for i in range(2)]
-    for _ in range(100):
-        if await queued(stub) == 2:
-            break
-        await asyncio.sleep(0.05)
-    err = await status_of(stub.Generate(client.generate_request("", "one too many", 2)))
-    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "2 requests waiting" in \
-        err.details()
-    assert float(dict(err.trailing_metadata())["retry-after"]) >= 1
-    holder.cancel()
+async def test_a_tenant_over_its_queue_cap_is_shed_with_retry_after(fleet, stub):
+    async with held(fleet, stub):
+        waiting = [asyncio.create_task(client.generate(stub, client.generate_request(
+            "", f"q{i}", 2))) for i in range(2)]
+        for _ in range(100):
+            if await queued(stub) == 2:
+                break
+            await asyncio.sleep(0.05)
+        err = await status_of(stub.Generate(client.generate_request("", "one too many", 2)))
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "2 requests waiting" in \
+            err.details()
+        assert float(dict(err.trailing_metadata())["retry-after"]) >= 1
     assert all(len(g.token_ids) == 2 for g in await asyncio.gather(*waiting))
 
 
