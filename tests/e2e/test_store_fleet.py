@@ -16,7 +16,7 @@ from tests.conftest import API_KEYS
 KEY = next(key for key, tenant in API_KEYS.items() if tenant == "acme")
 PROMPTS = ["the model serves many adapters", "tokens stream quickly", "a batch of tokens",
            "many adapters serve the batch"]
-NUM_TOKENS = 64  # streams long enough (~0.3 s) that the alias move lands mid-stream
+NUM_TOKENS = 64
 RESOLVE_TTL_S = 0.2  # the scheduler sees a moved alias this long after the move
 
 
@@ -51,6 +51,9 @@ async def test_alias_moved_while_requests_run(fleet, tiny):
                     for ref in (1, 2) for p in PROMPTS}
         assert all(expected[(1, p)] != expected[(2, p)] for p in PROMPTS)
 
+        # From the moment every stream has its first token until the alias has moved, the
+        # executor is frozen: the move lands mid-stream however fast this machine runs them.
+        (executor,) = fleet.by_name("executor")
         started = asyncio.Event()
         num_started = [0]
 
@@ -62,17 +65,21 @@ async def test_alias_moved_while_requests_run(fleet, tiny):
                     if len(out.token_ids) == 1:
                         num_started[0] += 1
                         if num_started[0] == len(PROMPTS):
+                            executor.freeze()
                             started.set()
                 out.usage = response.usage if response.finish_reason else out.usage
             return out
 
         before = [asyncio.create_task(running(p)) for p in PROMPTS]
-        await asyncio.wait_for(started.wait(), 60)
-        # Every stream has its first token; move the alias through the *other* replica.
-        moved = await client.store_call(second, "SetAlias", pb.SetAliasRequest(
-            name="bot", alias="prod", version=2), key=KEY)
-        assert moved.previous_version == 1
-        assert not all(task.done() for task in before)  # the move landed mid-stream
+        try:
+            await asyncio.wait_for(started.wait(), 60)
+            # Every stream has its first token; move the alias through the *other* replica.
+            moved = await client.store_call(second, "SetAlias", pb.SetAliasRequest(
+                name="bot", alias="prod", version=2), key=KEY)
+            assert moved.previous_version == 1
+            assert not all(task.done() for task in before)  # the move landed mid-stream
+        finally:
+            executor.thaw()
         await asyncio.sleep(RESOLVE_TTL_S)  # the scheduler's answer for bot@prod expires
         after = await asyncio.gather(*(client.generate(stub, request("bot@prod", p), KEY)
                                        for p in PROMPTS))

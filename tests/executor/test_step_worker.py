@@ -12,20 +12,23 @@ from executor.step_worker import StepWorker
 
 
 async def test_steps_run_in_order_back_to_back_on_one_thread():
-    ran, threads = [], set()
+    ran, threads, last_ran = [], set(), threading.Event()
 
     def run(n):
         threads.add(threading.get_ident())
-        ran.append((n, time.perf_counter()))
+        ran.append(n)
         time.sleep(0.01)
+        if n == 4:
+            last_ran.set()
         return n * 10
 
     worker = StepWorker(run, asyncio.get_running_loop())
     for n in range(5):
         worker.submit(n)
     worker.finish()
-    time.sleep(0.1)  # the event loop is blocked: the steps must not need it to follow each other
-    assert [n for n, _ in ran] == [0, 1, 2, 3, 4]
+    # The event loop stays blocked while they run: the steps must not need it to follow each other.
+    assert last_ran.wait(30)
+    assert ran == [0, 1, 2, 3, 4]
     assert [await worker.result() for _ in range(6)] == [0, 10, 20, 30, 40, None]
     await worker.done
     assert len(threads) == 1 and threading.get_ident() not in threads

@@ -4,6 +4,7 @@ mid-stream end UNAVAILABLE (retryable) saying how many tokens the client got, in
 in the trailer loraplex-tokens-delivered; nothing hangs."""
 
 import asyncio
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -36,7 +37,7 @@ def cells(tiny, tmp_path_factory, log_dir):
                       store_addresses=doomed.stores,
                       executor_args=["--adapter-slots", "6", "--threads", "1"]).start()
         gateway = start_gateway({MODEL_ID: [doomed.scheduler, other.scheduler]}, doomed.stores,
-                                logs, args=["--refresh-s", "0.5", "--rpc-s", "1"])
+                                logs, args=["--refresh-s", "0.5", "--rpc-s", "3"])
         yield doomed, other, gateway
     finally:
         for part in (gateway, other, doomed):
@@ -44,15 +45,18 @@ def cells(tiny, tmp_path_factory, log_dir):
                 part.stop()
 
 
-async def run(address: str, adapter: str, got: list[int]):
-    """One request through the gateway, its tokens appended to `got` as they come; its error,
-    or None once finished."""
+async def run(address: str, adapter: str, got: list[int],
+              first_token: Callable[[], None] = lambda: None):
+    """One request through the gateway, its tokens appended to `got` as they come (calling
+    `first_token` at its first); its error, or None once finished."""
     async with insecure_channel(address) as channel:
         request = client.generate_request(adapter, "The little cat", NEW_TOKENS, ignore_eos=True)
         try:
             async for m in scheduler_pb2_grpc.SchedulerStub(channel).Generate(request, timeout=120):
                 if m.HasField("token_id"):
                     got.append(m.token_id)
+                    if len(got) == 1:
+                        first_token()
         except grpc.aio.AioRpcError as err:
             return err
     return None
@@ -81,28 +85,38 @@ async def test_a_lost_cell_moves_what_it_had_not_started_and_cuts_the_rest_retry
         assert await run(gateway.address, name, got) is None
         expected[name] = got
 
+    # The fault strikes once two requests are streaming: their cell's executor is frozen at the
+    # second one's first token, so both are still mid-stream when it strikes, however fast this
+    # machine runs them (thawed once it struck).
+    (scheduler,), (executor,) = doomed.by_name("scheduler"), doomed.by_name("executor")
+    streaming = asyncio.Event()
+
+    def first_token() -> None:
+        if not streaming.is_set() and sum(map(bool, tokens)) >= 2:
+            executor.freeze()
+            streaming.set()
+
     adapters = [mine[i % len(mine)] for i in range(REQUESTS)]
     tokens: list[list[int]] = [[] for _ in adapters]
-    tasks = [asyncio.create_task(run(gateway.address, a, t)) for a, t in zip(adapters, tokens)]
-    for _ in range(600):  # kill it once a few requests are streaming
-        if sum(map(bool, tokens)) >= 2:
-            break
-        await asyncio.sleep(0.05)
-    scheduler = doomed.by_name("scheduler")[0]
-    stopping = None
-    if fault == "kill":
-        scheduler.kill()
-    elif fault == "freeze":
-        scheduler.freeze()
-    else:
-        stopping = asyncio.create_task(asyncio.to_thread(scheduler.stop, 60))
+    tasks = [asyncio.create_task(run(gateway.address, a, t, first_token))
+             for a, t in zip(adapters, tokens)]
+    try:
+        await asyncio.wait_for(streaming.wait(), 60)
+        if fault == "kill":
+            scheduler.kill()
+        elif fault == "freeze":
+            scheduler.freeze()
+        else:
+            scheduler.terminate()
+    finally:
+        executor.thaw()
     try:  # frozen: 10 s to the keepalive ping, 5 s for its answer (common/server.py)
         errors = await asyncio.wait_for(asyncio.gather(*tasks), 40 if fault == "freeze" else 180)
     finally:
         if fault == "freeze":
             scheduler.thaw()
-        if stopping is not None:
-            await stopping
+        if fault == "stop":
+            await asyncio.to_thread(scheduler.wait_stopped, 60)
 
     moved = cut = 0
     for adapter, got, error in zip(adapters, tokens, errors):

@@ -28,7 +28,7 @@ def cells(tiny, tmp_path_factory, log_dir):
         second = Fleet(model=tiny["model_dir"], store_url="", log_dir=logs / "b",
                        store_addresses=first.stores, executor_args=EXECUTOR).start()
         gateway = start_gateway({MODEL_ID: [first.scheduler, second.scheduler]}, first.stores,
-                                logs, args=["--refresh-s", "0.5", "--rpc-s", "1"])
+                                logs, args=["--refresh-s", "0.5", "--rpc-s", "3"])
         yield first, second, gateway
     finally:
         for part in (gateway, second, first):

@@ -46,7 +46,7 @@ def world(tiny, tmp_path_factory, log_dir):
                         keys=keys, store_addresses=demo.stores, executor_args=EXECUTOR).start()
         gateway = start_gateway({DEMO_MODEL: [demo.scheduler],
                                  FIXTURE_MODEL: [fixture.scheduler]}, demo.stores, logs, keys,
-                                ["--rate-limit", "limited=1:1000000"])
+                                ["--rate-limit", "limited=0.02:1000000"])
         yield {"demo": demo, "fixture": fixture, "gateway": gateway, "keys": keys}
     finally:
         for part in (gateway, fixture, demo):
@@ -247,7 +247,7 @@ async def test_lorax_client_unchanged(adapters):
     generate_stream with adapter_id give the pool's answer; its errors map to its exceptions."""
     expected = await direct(adapters, "fixture", "tiny-attn", "The little cat", 8)
     url = f"http://{adapters['gateway'].announced['gateway-http']}"
-    lx = lorax.AsyncClient(url, headers={"Authorization": f"Bearer {KEYS['acme']}"}, timeout=2)
+    lx = lorax.AsyncClient(url, headers={"Authorization": f"Bearer {KEYS['acme']}"}, timeout=60)
     answer = await lx.generate("The little cat", adapter_id="tiny-attn", max_new_tokens=8,
                                details=True)
     assert answer.generated_text == expected
