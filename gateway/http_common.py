@@ -30,6 +30,8 @@ async def json_body(request: Request, max_bytes: int) -> dict:
         body = json.loads(b"".join(chunks))
     except ValueError:
         raise InvalidArgument("the request body is not valid JSON") from None
+    except RecursionError:
+        raise InvalidArgument("the request body nests too deeply") from None
     if not isinstance(body, dict):
         raise InvalidArgument("the request body must be a JSON object")
     return body

@@ -196,10 +196,12 @@ def _sampling(params: dict) -> SamplingParams:
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
         raise InvalidArgument(f"seed: must be an integer >= 0, got {seed!r}")
     top_p = params.get("top_p")
+    if top_p is not None and (not isinstance(top_p, (int, float)) or isinstance(top_p, bool)):
+        raise InvalidArgument(f"top_p: must be a number in (0, 1], got {top_p!r}")
     sampling = SamplingParams(
         temperature=float(temperature or 1.0) if sampled else 0.0,
         top_k=_int(params, "top_k", 0, 1) if params.get("top_k") is not None else 0,
-        top_p=float(top_p) if top_p is not None and not isinstance(top_p, bool) else 1.0,
+        top_p=1.0 if top_p is None else float(top_p),
         seed=None if seed is None else seed % MAX_SEED)
     try:
         return sampling.validate()

@@ -50,6 +50,15 @@ class _Outbox:
         self.token_ids.extend(token_ids)
         self.logprobs.extend(logprobs)
 
+    def drop(self, stream_id: int) -> None:
+        """Forget the tokens of a request cancelled before they left."""
+        if stream_id not in self.request_ids:
+            return
+        kept = [i for i, r in enumerate(self.request_ids) if r != stream_id]
+        self.request_ids = [self.request_ids[i] for i in kept]
+        self.token_ids = [self.token_ids[i] for i in kept]
+        self.logprobs = [self.logprobs[i] for i in kept]
+
     def end(self, stream_id: int, finish: Finish | None = None,
             error: BaseException | None = None) -> None:
         end = scheduler_pb2.StreamEnd(id=stream_id)
@@ -106,6 +115,7 @@ class StreamConnection:
             self._core.submit(req)
         except Exception as exc:  # noqa: BLE001 - refused: the caller gets its status
             self._requests.pop(stream_id, None)
+            self._unstarted.discard(stream_id)
             self._refuse(stream_id, exc)
         finally:
             del self._submitting[stream_id]
@@ -119,6 +129,7 @@ class StreamConnection:
         self._unstarted.discard(stream_id)
         if req is not None:
             self._core.cancel(req)
+            self._outbox.drop(stream_id)  # (the id may come back, for a new request)
             self._metrics.on_finish(req, self._core.clock())
 
     def close(self) -> None:

@@ -240,6 +240,12 @@ async def test_lorax_and_tgi_clients_requests(adapters):
     status, body = await asyncio.to_thread(post, adapters, "/generate", {
         "inputs": "hi", "parameters": {"adapter_id": "tiny-attn", "temperature": -1}})
     assert status == 422 and "temperature" in json.loads(body)["error"]
+    for top_p in ([0.5], "0.5", True):  # (a list was a 500, a string was taken)
+        status, body = await asyncio.to_thread(post, adapters, "/generate", {
+            "inputs": "hi", "parameters": {"adapter_id": "tiny-attn", "top_p": top_p}})
+        assert status == 422 and "top_p" in json.loads(body)["error"], (top_p, body)
+    status, body = await asyncio.to_thread(post, adapters, "/generate", b"[" * 100_000)
+    assert status == 422 and "nests too deeply" in json.loads(body)["error"]  # (was a 500)
 
 
 async def test_lorax_client_unchanged(adapters):

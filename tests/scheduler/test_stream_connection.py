@@ -7,6 +7,7 @@ import asyncio
 from common.detokenizer import OutputProcessor
 from common.sampling import SamplingParams
 from protos import scheduler_pb2
+from scheduler.core import Limits
 from scheduler.metrics import SchedulerMetrics
 from scheduler.request import Request
 from scheduler.streams import StreamConnection
@@ -77,3 +78,62 @@ async def test_a_request_cancelled_before_its_first_token_gets_no_start():
         await asyncio.sleep(0)
     writer.cancel()
     assert not any(m.starts or m.token_request_ids for m in sent)
+
+
+def _connection(w: World, sent: list) -> tuple[StreamConnection, asyncio.Task]:
+    async def write(message: scheduler_pb2.StreamResponse) -> None:
+        sent.append(message)
+
+    connection = StreamConnection(w.core, SchedulerMetrics(w.core), write, write_s=10.0)
+    reading = asyncio.get_running_loop().create_future()  # (the caller keeps its side open)
+    return connection, asyncio.create_task(connection.send(reading))
+
+
+def _submit(w: World, connection: StreamConnection, stream_id: int, max_new: int,
+            tenant: str = "t") -> None:
+    async def check() -> Request:
+        req = Request(stream_id, tenant, None, 0, [1, 2, 3], SamplingParams(),
+                      OutputProcessor(None, max_new_tokens=max_new),
+                      connection.emitter(stream_id))
+        w.requests.append(req)
+        return req
+    connection.submit(stream_id, check)
+
+
+async def test_an_id_cancelled_and_reused_before_the_message_left_gets_only_its_own_tokens():
+    """The contract lets a caller reuse the id of a finished request: the cancelled one's token
+    still in the outbox must not be credited to the new one (nor break the stream)."""
+    w = World(num_blocks=64, block_size=4)
+    sent: list[scheduler_pb2.StreamResponse] = []
+    connection, writer = _connection(w, sent)
+    _submit(w, connection, 1, max_new=5)
+    await asyncio.sleep(0)
+    w.step()  # its first token waits in the outbox (the writer has not run)
+    connection.cancel(1)
+    _submit(w, connection, 1, max_new=2)
+    await asyncio.sleep(0)
+    for _ in range(6):
+        w.step()
+        await asyncio.sleep(0)
+        if sent and sent[-1].ends:
+            break
+    assert not writer.done(), writer.exception() if writer.done() else ""
+    writer.cancel()
+    assert sum(list(m.token_request_ids).count(1) for m in sent) == 2
+    assert [s.id for m in sent for s in m.starts] == [1]
+    assert [(e.id, e.finish_reason) for m in sent for e in m.ends] == [
+        (1, scheduler_pb2.FINISH_REASON_LENGTH)]
+
+
+async def test_a_refused_request_leaves_nothing_behind():
+    w = World(limits=Limits(max_num_seqs=1, max_queued_per_tenant=2))
+    sent: list[scheduler_pb2.StreamResponse] = []
+    connection, writer = _connection(w, sent)
+    for stream_id in range(1, 5):  # two wait (no step yet), two are over the queue cap
+        _submit(w, connection, stream_id, max_new=50)
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    writer.cancel()
+    refused = [e.id for m in sent for e in m.ends]
+    assert refused == [3, 4] and all(e.error_code for m in sent for e in m.ends)
+    assert connection._unstarted == {1, 2}  # (only the requests it holds wait for a start)
