@@ -1,5 +1,8 @@
 """What the gateway's HTTP APIs share: the caller's tenant from its Bearer key, a bounded JSON
-body, and server-sent events that end as soon as the client goes away."""
+body, and handlers that end as soon as the client goes away: from the moment its body is read
+(json_body) until the answer is ready, a watcher cancels the handler when the client disconnects
+(its Generate calls cancelled with it, also while no token has come); server-sent events then
+listen for it themselves."""
 
 import asyncio
 import json
@@ -34,7 +37,22 @@ async def json_body(request: Request, max_bytes: int) -> dict:
         raise InvalidArgument("the request body nests too deeply") from None
     if not isinstance(body, dict):
         raise InvalidArgument("the request body must be a JSON object")
+    _watch_for_disconnect(request)
     return body
+
+
+def _watch_for_disconnect(request: Request) -> None:
+    """Cancel the running handler (a task of its own: guarded) when the client disconnects. Once
+    the body is read, the client has nothing more to send: the next ASGI message is its
+    disconnect (or the end of the response)."""
+    handler = asyncio.current_task()
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        request.state.client_left = True
+        handler.cancel()
+    request.state.watcher = asyncio.ensure_future(watch())
 
 
 class SSEResponse(StreamingResponse):
@@ -59,14 +77,26 @@ class SSEResponse(StreamingResponse):
 
 def guarded(frontend: Frontend, handler: Callable[[Request], Awaitable[Response]],
             error_response: Callable[[BaseException], JSONResponse]):
-    """`handler`, with every error answered by `error_response` (the API's error shape) and
-    every outcome counted."""
+    """`handler`, run as a task of its own (what a disconnect cancels), with every error answered
+    by `error_response` (the API's error shape) and every outcome counted."""
     async def handle(request: Request) -> Response:
+        work = asyncio.ensure_future(handler(request))
         try:
-            response = await handler(request)
+            response = await work
+        except asyncio.CancelledError as cancelled:
+            if not getattr(request.state, "client_left", False):
+                raise
+            frontend.metrics.finished("http", cancelled)
+            return Response(status_code=CLIENT_CLOSED)  # (nobody reads it)
         except Exception as exc:  # noqa: BLE001 - every error is an error body of the API's
             frontend.metrics.finished("http", exc)
             return error_response(exc)
+        finally:
+            if (watcher := getattr(request.state, "watcher", None)) is not None:
+                watcher.cancel()
         frontend.metrics.finished("http")
         return response
     return handle
+
+
+CLIENT_CLOSED = 499  # (nginx's status for a client that left before the answer)

@@ -1,5 +1,7 @@
 """The gateway's Prometheus metrics (served on --metrics-port)."""
 
+import asyncio
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from common.errors import LoraplexError
@@ -26,6 +28,8 @@ class GatewayMetrics:
             code = "OK"
         elif isinstance(error, LoraplexError):
             code = error.code.name
+        elif isinstance(error, asyncio.CancelledError):  # the client left
+            code = "CANCELLED"
         else:
             code = "INVALID_ARGUMENT" if isinstance(error, ValueError) else "INTERNAL"
         self._requests.labels(face, code).inc()

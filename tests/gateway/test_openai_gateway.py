@@ -20,7 +20,7 @@ from loraplex import client
 from loraplex.demo import MODEL_DIR as DEMO_MODEL_DIR
 from loraplex.fixtures import MODEL_ID as FIXTURE_MODEL
 from loraplex.launch import Fleet, FleetKeys, start_gateway
-from protos import scheduler_pb2_grpc
+from protos import scheduler_pb2, scheduler_pb2_grpc
 
 DEMO_MODEL = "loraplex-demo-tiny"
 DEMO_ADAPTERS = DEMO_MODEL_DIR.parent / "adapters"
@@ -313,6 +313,53 @@ async def test_no_body_makes_the_gateway_fail_itself(adapters):
         if status != 400:
             wrong.append(f"raw {raw[:20]!r}: {status} {text[:200]}")
     assert not wrong, "\n".join(wrong)
+
+
+async def busy(world, pool: str, tenant: str = "acme") -> int:
+    """The tenant's requests queued or running in the pool."""
+    async with insecure_channel(world[pool].scheduler) as channel:
+        stats = await scheduler_pb2_grpc.SchedulerStub(channel).Stats(
+            scheduler_pb2.StatsRequest(), metadata=client.metadata(world["keys"].admin))
+    return sum(t.queued + t.running for t in stats.tenants if t.tenant == tenant)
+
+
+@pytest.mark.parametrize("path,stream", [("/v1/completions", False), ("/v1/completions", True),
+                                         ("/generate", False), ("/generate_stream", True)])
+async def test_a_client_that_leaves_before_its_answer_cancels_its_request(adapters, path,
+                                                                         stream):
+    """Not streamed, or streamed but before its first token: the pool's executor is frozen, so
+    the request can only leave the pool by being cancelled (it would run its 1000 tokens)."""
+    (executor,) = adapters["fixture"].by_name("executor")
+    host, port = adapters["gateway"].announced["gateway-http"].rsplit(":", 1)
+    body = json.dumps({"model": "tiny-attn", "prompt": "The little cat", "max_tokens": 1000,
+                       "ignore_eos": True, "stream": stream} if path.startswith("/v1") else
+                      {"inputs": "The little cat", "parameters": {
+                          "adapter_id": "tiny-attn", "max_new_tokens": 1000,
+                          "ignore_eos_token": True}}).encode()
+    assert await busy_within(adapters, 0), "earlier requests still run"
+    executor.freeze()
+    try:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json"
+                     f"\r\nAuthorization: Bearer {KEYS['acme']}\r\nContent-Length: {len(body)}"
+                     f"\r\n\r\n".encode() + body)
+        await writer.drain()
+        assert await busy_within(adapters, 1), "the request never reached the pool"
+        writer.close()  # the client leaves
+        assert await busy_within(adapters, 0), "the request outlived its client"
+    finally:
+        executor.thaw()
+
+
+async def busy_within(world, count: int, seconds: float = 30) -> bool:
+    """Whether acme's requests in the fixture pool come to `count` within `seconds`."""
+    try:
+        async with asyncio.timeout(seconds):
+            while await busy(world, "fixture") != count:
+                await asyncio.sleep(0.05)
+    except TimeoutError:
+        return False
+    return True
 
 
 async def test_a_pool_down_is_503_for_its_models_while_the_other_serves(adapters):
