@@ -5,6 +5,7 @@ Core code raises these (or plain ValueError for bad input); servicers wrap every
 a bug and becomes INTERNAL with its type named, never a crash of the server.
 """
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -124,13 +125,35 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 @contextlib.asynccontextmanager
 async def grpc_errors(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
-    """Abort the RPC with the mapped status when the body raises."""
+    """Abort the RPC with the mapped status when the body raises. The status leaves behind the
+    messages the client has not read: waiting for that is bounded (ABORT_S), the handler ends
+    either way and the status follows when the client reads."""
     try:
         yield
     except (grpc.aio.AbortError, KeyboardInterrupt, SystemExit):
         raise
     except Exception as exc:  # noqa: BLE001 - the one place every error becomes a status
         code, message = status_for(exc)
-        await context.abort(code, message, getattr(exc, "trailers", ()))
+        try:
+            async with asyncio.timeout(ABORT_S):
+                await context.abort(code, message, getattr(exc, "trailers", ()))
+        except TimeoutError:
+            # The status is queued behind the unread messages; the handler ends as cancelled,
+            # which grpc.aio takes quietly (another AbortError would not be its own).
+            raise asyncio.CancelledError from None
+
+
+ABORT_S = 5.0
+
+
+async def write_within(context: grpc.aio.ServicerContext, message, seconds: float) -> None:
+    """Write one message of a server stream: UNAVAILABLE when the client takes none within
+    `seconds` (it stopped reading, its flow-control window is full)."""
+    try:
+        async with asyncio.timeout(seconds):
+            await context.write(message)
+    except TimeoutError:
+        raise Unavailable(f"the client took no message within {seconds:g}s: the call ends") \
+            from None
 
 

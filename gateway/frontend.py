@@ -259,6 +259,7 @@ class Frontend:
 
 
 STREAM_WRITE_S = 30.0  # a cell's scheduler that takes no message of its stream this long is down
+CLIENT_WRITE_S = 30.0  # a client that takes no message this long (it stopped reading) is cut off
 
 
 _DEADLINE = object()  # queued in a request's updates when its deadline passes

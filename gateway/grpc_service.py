@@ -3,12 +3,14 @@ from a pool's scheduler to the gateway by changing the address only. `adapter` n
 or a base model id (a pool's), or is empty for the base model of a gateway with one pool. The
 admin and Stats RPCs stay with each pool's scheduler."""
 
+import contextlib
+
 import grpc
 
 from common import wire
 from common.credentials import bearer
-from common.errors import grpc_errors
-from gateway.frontend import DEFAULT_MAX_NEW_TOKENS, Frontend, Route
+from common.errors import grpc_errors, write_within
+from gateway.frontend import CLIENT_WRITE_S, DEFAULT_MAX_NEW_TOKENS, Frontend, Route
 from protos import scheduler_pb2, scheduler_pb2_grpc
 
 
@@ -26,9 +28,11 @@ class GatewayServicer(scheduler_pb2_grpc.SchedulerServicer):
                 upstream = await self._upstream(route, request)
                 self._frontend.admit(tenant, len(upstream.token_ids.ids)
                                      + (request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS))
-                async for message in self._frontend.generate(route, upstream, tenant,
-                                                             context.time_remaining()):
-                    yield message
+                # (closed, its request cancelled at the pool, before the call's status is sent)
+                async with contextlib.aclosing(self._frontend.generate(
+                        route, upstream, tenant, context.time_remaining())) as messages:
+                    async for message in messages:
+                        await write_within(context, message, CLIENT_WRITE_S)
             except Exception as exc:
                 self._frontend.metrics.finished("grpc", exc)
                 raise

@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from common import wire
 from common.errors import InvalidArgument
-from gateway.frontend import Frontend
+from gateway.frontend import CLIENT_WRITE_S, Frontend
 
 
 def tenant_of(request: Request, frontend: Frontend) -> str:
@@ -57,14 +57,19 @@ def _watch_for_disconnect(request: Request) -> None:
 
 class SSEResponse(StreamingResponse):
     """Server-sent events; the stream is cancelled (and its Generate calls with it) as soon as
-    the client disconnects, also while no token is on its way."""
+    the client disconnects, also while no token is on its way, or takes no event within
+    `write_s` (it stopped reading: its connection is closed)."""
 
-    def __init__(self, events):
+    def __init__(self, events, write_s: float = CLIENT_WRITE_S):
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._write_s = write_s
 
     async def __call__(self, scope, receive, send) -> None:
-        stream = asyncio.ensure_future(self.stream_response(send))
+        async def send_within(message) -> None:
+            async with asyncio.timeout(self._write_s):
+                await send(message)
+        stream = asyncio.ensure_future(self.stream_response(send_within))
         listen = asyncio.ensure_future(self.listen_for_disconnect(receive))
         try:
             await asyncio.wait((stream, listen), return_when=asyncio.FIRST_COMPLETED)

@@ -19,7 +19,7 @@ from common.errors import (
     InvalidArgument,
     Unavailable,
     grpc_errors,
-    status_for,
+    write_within,
 )
 from common.metrics import serve_metrics
 from common.prompt_bounds import max_chars_per_token
@@ -65,21 +65,24 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 req.deadline = self._engine.core.clock() + remaining
             self._rate_limiter.admit(req.tenant, len(req.prompt_ids) + req.output.max_new_tokens)
             self._engine.core.submit(req)
-        try:
-            while True:
-                event = await events.get()
-                if isinstance(event, ErrorEvent):
-                    await context.abort(*status_for(event.error), event.error.trailers)
-                if isinstance(event, FinishEvent):
-                    yield scheduler_pb2.GenerateResponse(
-                        finish_reason=FINISH_PB[event.reason], usage=self._usage(req))
-                    return
-                yield scheduler_pb2.GenerateResponse(token_id=event.token_id,
-                                                     logprob=event.logprob, text=event.text)
-        finally:
-            if req.status is not Status.FINISHED:  # the client cancelled or went away
-                self._engine.core.cancel(req)
-            self._engine.metrics.on_finish(req, self._engine.core.clock())
+        write_s = self._config.timeouts.stream_write_s  # (a client that stopped reading)
+        async with grpc_errors(context):
+            try:
+                while True:
+                    event = await events.get()
+                    if isinstance(event, ErrorEvent):
+                        raise event.error
+                    if isinstance(event, FinishEvent):
+                        await write_within(context, scheduler_pb2.GenerateResponse(
+                            finish_reason=FINISH_PB[event.reason], usage=self._usage(req)),
+                            write_s)
+                        return
+                    await write_within(context, scheduler_pb2.GenerateResponse(
+                        token_id=event.token_id, logprob=event.logprob, text=event.text), write_s)
+            finally:  # (before the call's status is sent)
+                if req.status is not Status.FINISHED:  # the client left, or stopped reading
+                    self._engine.core.cancel(req)
+                self._engine.metrics.on_finish(req, self._engine.core.clock())
 
     async def Stream(self, request_iterator, context):
         """A gateway's requests over one stream, their tokens in batches (streams.py)."""
