@@ -9,7 +9,9 @@ every message.
 When the cell is found down (a probe unanswered: stopping, dead or frozen), its requests that have
 had no token yet get UNAVAILABLE at once (the frontend sends them to another cell) and the stream
 retires: it takes no new request, serves those that are streaming, and closes once they end. A
-frozen scheduler cannot hold them: the channel's keepalive breaks the call within 15 s. The
+frozen scheduler cannot hold them: the channel's keepalive breaks the call within 15 s, and a
+retired stream that brings nothing for `write_s` closes (a scheduler whose event loop hangs still
+answers pings: gRPC's own threads do). The
 stream closes, every request on it getting the reason, when the scheduler ends it or the call
 breaks, or when a write is not taken within `write_s`. A closed or retired stream is replaced at
 the cell's next request (frontend.py).
@@ -19,6 +21,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import time
 
 import grpc
 
@@ -54,6 +57,7 @@ class CellStream:
         self._submits: dict[int, scheduler_pb2.StreamSubmit] = {}  # not written yet
         self._cancels: list[int] = []
         self._wake = asyncio.Event()
+        self._read_at = time.monotonic()  # when the last message came
         self.is_retired = False  # takes no new request (its cell was found down)
         self.error: LoraplexError | None = None  # why it closed; None while open
         self._tasks = [asyncio.create_task(coro) for coro in
@@ -111,6 +115,7 @@ class CellStream:
     async def _read(self) -> None:
         try:
             while (response := await self._call.read()) is not grpc.aio.EOF:
+                self._read_at = time.monotonic()
                 self._deliver(response)
             self.close(Unavailable(f"scheduler {self.cell.address} ended its stream"))
         except grpc.aio.AioRpcError as err:
@@ -194,3 +199,10 @@ class CellStream:
             self._open[stream_id].put_nowait(down)
             self.cancel(stream_id)  # (a scheduler that comes back frees it)
         self._close_if_retired_and_done()
+        while self.error is None:  # (streaming ones stay while their tokens come)
+            silent_s = time.monotonic() - self._read_at
+            if silent_s >= self._write_s:
+                self.close(Unavailable(f"scheduler {self.cell.address} is down and sent nothing "
+                                       f"for {self._write_s:.0f}s"))
+                return
+            await asyncio.sleep(self._write_s - silent_s)
