@@ -156,6 +156,8 @@ class Scheduler(ExecutorEvents):
         if preempted:  # drop the rows of sequences preempted after their row was made
             rows = [row for row in rows if row.seq.seq_id in running]
             decode = [seq for seq in decode if seq.seq_id in running]
+            budget = (self.limits.max_batched_tokens - len(cohort) - len(decode)
+                      - sum(row.num_tokens for row in rows))  # (the dropped rows' tokens back)
         if ex.is_admitting:
             admitted = self._admit(ex, budget)
             new = [row.seq for row in admitted]

@@ -93,6 +93,9 @@ class SlotTable:
         staged = self._staged.pop(adapter, None)  # its bytes go into the slot now
         slot.is_from_staged = staged is not None and staged.staged_at is not None
         slot.is_admin_pinned, slot.reserved_for = False, None
+        for other in self.slots:  # a reservation elsewhere for it is moot now
+            if other.reserved_for == adapter:
+                other.reserved_for = None
         self._by_adapter[adapter] = slot
         return slot
 

@@ -48,6 +48,32 @@ def test_the_cohort_changes_no_plan(monkeypatch):
     assert run() == with_cohort
 
 
+def test_the_cohort_changes_no_plan_when_its_members_are_preempted(monkeypatch):
+    """A budget of a few tokens and KV blocks short enough to preempt: a member preempted while
+    its step is planned gives its budget token back, as planning one by one does."""
+    def run() -> list:
+        w = World(num_blocks=7, block_size=4, limits=Limits(
+            max_num_seqs=4, max_batched_tokens=3, fairness_window=0.0, prefix_cache="off"))
+        plans, schedule = [], w.core.schedule
+
+        def traced(ex):
+            plan = schedule(ex)
+            plans.append((sorted((r.seq_id, r.num_tokens) for r in plan.rows), plan.freed))
+            return plan
+        w.core.schedule = traced
+        w.request("a", prompt_len=1, max_new=30)
+        w.request("b", prompt_len=4, max_new=30)
+        for step in range(30):
+            if step == 9:
+                w.request("z", prompt_len=1, max_new=3)
+            w.step()
+        return plans
+
+    with_cohort = run()
+    monkeypatch.setattr(Cohort, "join", lambda self, seq: False)
+    assert run() == with_cohort
+
+
 def test_the_cohort_plans_most_rows_of_steady_decode():
     w = World(num_blocks=4096, block_size=16,
               limits=Limits(max_num_seqs=32, max_batched_tokens=4096, pipeline_depth=2))

@@ -210,3 +210,35 @@ def test_a_reservation_lapses_when_its_adapter_is_no_longer_staged():
     w.executors[0].slots.stage_failed(ref("cold@1"))  # its staged bytes dropped
     assert ex_slots[0].reserved_for is None and hot.status is Status.RUNNING
     assert cold.status is Status.QUEUED
+
+
+def test_a_reservation_ends_when_its_adapter_is_placed_in_another_slot():
+    """A slot reserved for z while z loaded into another slot (one that came free first) must not
+    stay reserved: it would take no admission for the adapter it holds and never be evicted, for
+    as long as requests for z keep coming (a stall the simulator found with no fault at all)."""
+    w = World(num_blocks=200, block_size=4, num_slots=2,
+              limits=Limits(max_num_seqs=4, max_batched_tokens=64, fairness_window=0.0))
+    slots = w.executors[0].slots.slots
+    w.request("t1", "x@1", prompt_len=2, max_new=6)  # two short x: slot 0 pinned twice
+    w.request("t1", "x@1", prompt_len=2, max_new=6)
+    w.request("t2", "y@1", prompt_len=2, max_new=200)  # one long y: slot 1 pinned once
+    w.complete_loads()
+    w.step()
+    for _ in range(6):  # a cold z: staged, it reserves slot 1 (the fewest pins)
+        w.request("t3", "z@1", prompt_len=2, max_new=30)
+    w.step()
+    w.complete_loads()
+    w.step()
+    assert [s.reserved_for for s in slots] == [None, ref("z@1")]
+    for _ in range(8):  # the x's end: slot 0 takes z
+        w.step()
+        w.complete_loads()
+    assert slots[0].adapter == ref("z@1") and slots[1].adapter == ref("y@1")
+    assert slots[1].reserved_for is None
+    y2 = w.request("t4", "y@1", prompt_len=2, max_new=2)  # y is ready in slot 1
+    for i in range(60):
+        if i % 3 == 0:  # z stays wanted
+            w.request("t3", "z@1", prompt_len=2, max_new=30)
+        w.complete_loads()
+        w.step()
+    assert w.finished(y2)
