@@ -176,3 +176,13 @@ def test_the_merge_policy_merges_a_heavy_adapter_in_the_simulator_and_loses_noth
     assert sum(t.requests for t in result.tenants.values()) == 3000
     assert any(merged_steps) and not all(merged_steps), "merged after a window of traffic"
     assert any(ex.dedicated_to == AdapterRef("a0", 1) for ex in sim.executors)
+
+
+@pytest.mark.parametrize("seed", [3, 9, 15, 27])
+def test_two_slots_under_a_tight_fairness_window_never_stall(seed):
+    """Seeds at which a slot kept its reservation for an adapter loaded into the other slot, and
+    an executor ran nothing with hundreds of requests queued, for good (no fault injected)."""
+    spec = {**SMALL, "seed": seed, "num_requests": 1500,
+            "executors": {"count": 2, "slots": 2, "kv_blocks": 96, "block_size": 16},
+            "limits": {"fairness_window": 200.0, "max_num_seqs": 8, "max_batched_tokens": 128}}
+    assert Simulator(SimConfig.from_dict(spec)).run().unfinished == 0
