@@ -47,10 +47,11 @@ async def us_per_token(rows: int, steps: int, idle_s: float = 0.0) -> float:
     connection = StreamConnection(core, SchedulerMetrics(core), write, write_s=10.0)
     reading = asyncio.get_running_loop().create_future()  # (the caller never stops sending)
     writer = asyncio.create_task(connection.send(reading))
+    max_new = WARMUP_STEPS + steps + 10  # (no length limit in reach, yet KV for all of it)
     for stream_id in range(1, rows + 1):
         async def check(stream_id=stream_id) -> Request:
             return Request(stream_id, f"tenant{stream_id % 8}", None, 0, [3, 4, 5],
-                           SamplingParams(), OutputProcessor(None, max_new_tokens=10**9),
+                           SamplingParams(), OutputProcessor(None, max_new_tokens=max_new),
                            connection.emitter(stream_id))
         connection.submit(stream_id, check)
     await asyncio.sleep(0)  # (the submits are checked and queued)

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from common.adapter_ref import AdapterRef
 from common.errors import LoraplexError
-from scheduler.block_manager import BlockManager
+from scheduler.block_manager import BlockManager, blocks_for
 from scheduler.cohort import Cohort
 from scheduler.prefix_cache import SCOPES
 from scheduler.queues import ExecutorQueue
@@ -248,6 +248,12 @@ class ExecutorState:
     def serves(self, adapter: AdapterRef | None) -> bool:
         """Requests for `adapter` may be queued here (a dedicated executor takes only its own)."""
         return self.dedicated_to is None or adapter == self.dedicated_to
+
+    def can_hold(self, req: Request) -> bool:
+        """All of req's KV (prompt and every token it may generate) fits this executor's blocks."""
+        blocks = self.blocks
+        return blocks_for(len(req.prompt_ids) + req.output.max_new_tokens,
+                          blocks.block_size) <= blocks.num_blocks
 
     def is_in_flight(self, seq: Sequence) -> bool:
         """A step sent with a row of `seq` is not answered yet."""

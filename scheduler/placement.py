@@ -85,8 +85,10 @@ class Placement:
 
     def _best_executor(self, req: Request) -> ExecutorState | None:
         """The executor where req would start soonest: its adapter's home (rendezvous hash) wins
-        ties by home_bias_s, an executor it is merged into (merging.py) by MERGED_BIAS_S."""
-        candidates = [ex for ex in self.executors if ex.is_admitting and ex.serves(req.adapter)]
+        ties by home_bias_s, an executor it is merged into (merging.py) by MERGED_BIAS_S. Only
+        executors whose KV can hold it whole (a pool's executors may differ)."""
+        candidates = [ex for ex in self.executors
+                      if ex.is_admitting and ex.serves(req.adapter) and ex.can_hold(req)]
         if not candidates:
             return None
         if any(ex.dedicated_to is not None for ex in candidates):

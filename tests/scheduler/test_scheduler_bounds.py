@@ -13,6 +13,7 @@ from common.errors import (
     Unavailable,
 )
 from scheduler import admin
+from scheduler.block_manager import BlockManager
 from scheduler.core import Limits
 from scheduler.executor_state import NO_SAMPLES
 from scheduler.request import ErrorEvent, Status
@@ -93,7 +94,7 @@ def test_the_queue_bound_applies_while_no_executor_is_up():
 
 
 def test_a_running_request_is_never_failed_by_the_queue_bound():
-    w = World(limits=Limits(max_queue_s=1.0))
+    w = World(num_blocks=128, limits=Limits(max_queue_s=1.0))
     req = w.request(max_new=400)
     w.step()
     w.now += 5.0
@@ -242,3 +243,18 @@ def test_a_reservation_ends_when_its_adapter_is_placed_in_another_slot():
         w.complete_loads()
         w.step()
     assert w.finished(y2)
+
+
+def test_a_request_goes_only_to_an_executor_whose_kv_can_hold_it():
+    """A pool's executors may differ in KV: a request that fits only the big one is never queued
+    on the small one (there it could never start, and the requests behind it would wait too)."""
+    w = World(num_executors=2, num_blocks=16, block_size=4)  # 64 tokens each
+    big, small = w.executors
+    big.blocks = BlockManager(256, 4)
+    big.work_tokens = 10_000  # busy: by load alone the small one would be chosen
+    long = w.request("t", prompt_len=200, max_new=8)
+    short = [w.request("t", prompt_len=3, max_new=8) for _ in range(2)]
+    assert long.executor is big and all(r.executor is small for r in short)
+    for _ in range(20):
+        w.step()
+    assert all(w.finished(r) for r in short)
