@@ -18,6 +18,7 @@ import collections
 import heapq
 import itertools
 import logging
+import math
 import operator
 
 from common.adapter_ref import AdapterRef
@@ -257,7 +258,11 @@ class Scheduler(ExecutorEvents):
         heapq.heapify(heap)
         active = {seq.request.adapter for seq in ex.running.values() if seq.request.adapter}
         is_fairest = True
-        ceiling = self._fairness_ceiling()
+        # An executor that runs nothing and brings nothing in takes anyone: held idle for a
+        # tenant whose adapter waits for slots that the queued requests of tenants ahead keep
+        # wanted, it would wait for good (a load on its way keeps the window).
+        is_stuck = not ex.running and not ex.slots.is_bringing_in()
+        ceiling = math.inf if is_stuck else self._fairness_ceiling()
         while heap and budget > 0 and len(ex.running) < self.limits.max_num_seqs:
             counter, tenant = heapq.heappop(heap)
             if counter != self.fair.counter(tenant):  # charged since it was pushed

@@ -124,6 +124,11 @@ class SlotTable:
     def staged(self, adapter: AdapterRef) -> Staged | None:
         return self._staged.get(adapter)
 
+    def is_bringing_in(self) -> bool:
+        """A load into a slot, or a staging onto the host, is under way."""
+        return (any(s.state is SlotState.LOADING for s in self.slots)
+                or any(s.staged_at is None for s in self._staged.values()))
+
     def begin_stage(self, adapter: AdapterRef, num_bytes: int) -> None:
         self._staged[adapter] = Staged(num_bytes)
 

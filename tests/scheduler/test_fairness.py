@@ -97,3 +97,25 @@ def test_under_sustained_overload_every_light_request_is_admitted_within_a_bound
             light = None
     assert len(waits) >= 14, "every light request got in"
     assert max(waits) <= 2 * heavy_len + 4, waits
+
+
+def test_an_idle_executor_is_not_held_by_the_window_for_an_adapter_that_cannot_get_a_slot():
+    """Tenant a, far ahead, has queued requests for x and y, which sit loaded in both slots;
+    tenant b waits for z, which can take neither (both wanted, neither used yet). The window
+    holds a back and z waits for a slot: with nothing running and nothing loading, the executor
+    must take a's requests (it used to sit idle until the queue bound failed everyone)."""
+    w = World(num_blocks=400, block_size=4, num_slots=2,
+              limits=Limits(max_num_seqs=8, max_batched_tokens=256, fairness_window=50.0))
+    ex = w.executors[0]
+    requests = [w.request("a", "x@1", prompt_len=150, max_new=50),
+                w.request("a", "y@1", prompt_len=2, max_new=50),
+                w.request("b", "z@1", prompt_len=2, max_new=5),
+                w.request("b", "z@1", prompt_len=2, max_new=5)]
+    w.complete_loads()
+    w.step()  # a's two run: a is ~150 ahead of b
+    w.core.on_executor_lost(ex)  # it reconnects: a's requests, routed first, load x and y
+    w.core.add_executor(ex)
+    for _ in range(300):
+        w.complete_loads()
+        w.step()
+    assert all(w.finished(r) for r in requests)
