@@ -14,28 +14,32 @@ from scheduler.streams import StreamConnection
 from tests.scheduler.sched_world import World
 
 
-async def test_each_start_comes_with_its_first_token():
-    w = World(num_blocks=64, block_size=4)
-    sent: list[scheduler_pb2.StreamResponse] = []
-
+def _connection(w: World, sent: list) -> tuple[StreamConnection, asyncio.Task]:
     async def write(message: scheduler_pb2.StreamResponse) -> None:
         sent.append(message)
 
     connection = StreamConnection(w.core, SchedulerMetrics(w.core), write, write_s=10.0)
     reading = asyncio.get_running_loop().create_future()  # (the caller keeps its side open)
-    writer = asyncio.create_task(connection.send(reading))
+    return connection, asyncio.create_task(connection.send(reading))
 
-    def submit(stream_id: int, max_new: int) -> None:
-        async def check() -> Request:
-            req = Request(stream_id, "t", None, 0, [1, 2, 3], SamplingParams(),
-                          OutputProcessor(None, max_new_tokens=max_new),
-                          connection.emitter(stream_id))
-            w.requests.append(req)
-            return req
-        connection.submit(stream_id, check)
 
-    submit(1, max_new=1)  # its only token ends it
-    submit(2, max_new=3)
+def _submit(w: World, connection: StreamConnection, stream_id: int, max_new: int,
+            tenant: str = "t") -> None:
+    async def check() -> Request:
+        req = Request(stream_id, tenant, None, 0, [1, 2, 3], SamplingParams(),
+                      OutputProcessor(None, max_new_tokens=max_new),
+                      connection.emitter(stream_id))
+        w.requests.append(req)
+        return req
+    connection.submit(stream_id, check)
+
+
+async def test_each_start_comes_with_its_first_token():
+    w = World(num_blocks=64, block_size=4)
+    sent: list[scheduler_pb2.StreamResponse] = []
+    connection, writer = _connection(w, sent)
+    _submit(w, connection, 1, max_new=1)  # its only token ends it
+    _submit(w, connection, 2, max_new=3)
     await asyncio.sleep(0)
     for _ in range(6):
         w.step()
@@ -59,18 +63,8 @@ async def test_each_start_comes_with_its_first_token():
 async def test_a_request_cancelled_before_its_first_token_gets_no_start():
     w = World()
     sent: list[scheduler_pb2.StreamResponse] = []
-
-    async def write(message: scheduler_pb2.StreamResponse) -> None:
-        sent.append(message)
-
-    connection = StreamConnection(w.core, SchedulerMetrics(w.core), write, write_s=10.0)
-    reading = asyncio.get_running_loop().create_future()
-    writer = asyncio.create_task(connection.send(reading))
-
-    async def check() -> Request:
-        return Request(1, "t", None, 0, [1, 2, 3], SamplingParams(),
-                       OutputProcessor(None, max_new_tokens=5), connection.emitter(1))
-    connection.submit(1, check)
+    connection, writer = _connection(w, sent)
+    _submit(w, connection, 1, max_new=5)
     await asyncio.sleep(0)
     connection.cancel(1)
     for _ in range(3):
@@ -78,26 +72,6 @@ async def test_a_request_cancelled_before_its_first_token_gets_no_start():
         await asyncio.sleep(0)
     writer.cancel()
     assert not any(m.starts or m.token_request_ids for m in sent)
-
-
-def _connection(w: World, sent: list) -> tuple[StreamConnection, asyncio.Task]:
-    async def write(message: scheduler_pb2.StreamResponse) -> None:
-        sent.append(message)
-
-    connection = StreamConnection(w.core, SchedulerMetrics(w.core), write, write_s=10.0)
-    reading = asyncio.get_running_loop().create_future()  # (the caller keeps its side open)
-    return connection, asyncio.create_task(connection.send(reading))
-
-
-def _submit(w: World, connection: StreamConnection, stream_id: int, max_new: int,
-            tenant: str = "t") -> None:
-    async def check() -> Request:
-        req = Request(stream_id, tenant, None, 0, [1, 2, 3], SamplingParams(),
-                      OutputProcessor(None, max_new_tokens=max_new),
-                      connection.emitter(stream_id))
-        w.requests.append(req)
-        return req
-    connection.submit(stream_id, check)
 
 
 async def test_an_id_cancelled_and_reused_before_the_message_left_gets_only_its_own_tokens():
