@@ -70,12 +70,17 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
 
     Greedy rows (temperature 0) are taken with one batched argmax; sampled rows each draw from
     their own stream (every row advances its stream, so an index is a token's position).
+    A row whose logits are NaN or +inf (an adapter with huge weights overflowed) has no
+    distribution to draw from: it takes its argmax instead, so that one sequence's garbage never
+    fails the step of every other.
     """
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [S, V]
     tokens = torch.argmax(logits, dim=-1)  # [S]
+    broken = ((torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1).tolist()  # [S]
+              if any(p.temperature > 0 for p in params) else ())
     for i, p in enumerate(params):
         generator = streams[i].next()
-        if p.temperature > 0:
+        if p.temperature > 0 and not broken[i]:
             probs = filtered_probs(logits[i], p.temperature, p.top_k, p.top_p)  # [V]
             tokens[i] = torch.multinomial(probs, 1, generator=generator)[0]
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]  # [S]

@@ -20,7 +20,7 @@ from executor.lora_segments import LoraSegments
 from executor.model_config import ModelConfig
 from executor.peft_adapter import parse_peft_adapter
 from executor.runner import MemoryBudget, ModelRunner, Row
-from executor.sampling import filtered_probs
+from executor.sampling import DrawStream, filtered_probs, sample
 from loraplex import fixtures
 from tests.oracle import hf_greedy
 from tests.runner_driver import BLOCK, MAX_RANK, make_runner, prompts, read_adapter, run
@@ -252,3 +252,21 @@ def test_lora_segments_and_memory_budget(fx):
     assert runner.memory_budget() == MemoryBudget.estimate(runner.config, **kw)
     big = MemoryBudget.estimate(ModelConfig.named("llama-3-8b"), **kw, dtype=torch.bfloat16)
     assert 16.0e9 < big.weights_bytes < 16.1e9
+
+
+def test_a_row_without_a_distribution_takes_its_argmax_and_fails_no_other_row():
+    """An adapter with huge (finite) weights overflows its rows' logits to inf or NaN: sampling
+    them raised, which failed the step, and the Step stream, of every sequence on the executor."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    logits[1] = math.nan
+    logits[2, 7] = math.inf
+    params = [SamplingParams(temperature=0.8, seed=3)] * 4
+
+    def streams():
+        return [DrawStream(3, 0, "cpu") for _ in params]
+
+    tokens, logprobs = sample(logits, params, streams())
+    assert tokens[2] == 7 and 0 <= tokens[1] < 50
+    alone, _ = sample(logits[[0, 3]], [params[0], params[3]], streams()[:2])
+    assert [tokens[0], tokens[3]] == alone  # the others drew as they would have
