@@ -14,6 +14,7 @@ from common.errors import InvalidArgument
 
 # A header is a few KB per tensor; 100 MB is the limit the safetensors library itself enforces.
 MAX_HEADER_BYTES = 100_000_000
+MAX_DIMS = 8  # a LoRA tensor has 2; no safetensors dtype needs more than a few
 DTYPE_BYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
     "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
@@ -83,7 +84,12 @@ def _parse_entry(name: str, raw: object, data_len: int) -> TensorEntry:
     if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:  # a list is unhashable
         raise _invalid(f"tensor {name!r} has unknown dtype {dtype!r}")
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-        raise _invalid(f"tensor {name!r} has invalid shape {shape!r}")
+        raise _invalid(f"tensor {name!r} has invalid shape {str(shape)[:100]}")
+    if len(shape) > MAX_DIMS or any(d > data_len for d in shape):
+        # (refused before their product: thousands of huge dimensions multiply for minutes)
+        raise _invalid(f"tensor {name!r} has a shape of {len(shape)} dimensions, up to "
+                       f"{max(shape)}: more than {MAX_DIMS}, or longer than the file's {data_len} "
+                       "data bytes")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
         raise _invalid(f"tensor {name!r} has invalid data_offsets {offsets!r}")
     begin, end = offsets

@@ -2,7 +2,9 @@
 format: NaN and both infinities are found and counted in the tensor that holds them; the largest
 finite value, subnormals and -0 are not; tensors of mixed formats are each read in their own."""
 
+import json
 import math
+import time
 
 import pytest
 import safetensors.torch
@@ -58,3 +60,22 @@ def test_mixed_dtypes_are_read_tensor_by_tensor_each_in_its_own_format():
     data = safetensors.torch.save(tensors)
     with pytest.raises(InvalidArgument, match=rf"'{V_B1}' has 1 NaN or infinite values"):
         check_finite(data, layout_of(data))
+
+
+
+def safetensors_file(entries: dict, data: bytes) -> bytes:
+    header = json.dumps(entries).encode()
+    return len(header).to_bytes(8, "little") + header + data
+
+
+def test_a_header_with_thousands_of_huge_dimensions_is_refused_at_once():
+    """Their product alone took minutes (a 3 MB push froze a store's event loop): refused before
+    it is computed, with a message that names the shape's size, not the shape."""
+    huge = {"w": {"dtype": "F32", "shape": [2**62] * 100_000, "data_offsets": [0, 4]}}
+    start = time.process_time()
+    with pytest.raises(InvalidArgument, match="100000 dimensions"):
+        parse_header(safetensors_file(huge, b"\0" * 4))
+    assert time.process_time() - start < 5
+    long = {"w": {"dtype": "F32", "shape": [9, 1], "data_offsets": [0, 4]}}
+    with pytest.raises(InvalidArgument, match="longer than the file"):
+        parse_header(safetensors_file(long, b"\0" * 4))
