@@ -240,14 +240,9 @@ class AdapterLoader:
                 # Empty while the copy runs. Reported once the load ends (below, or on failure):
                 # a report now would put its RPC and lease write beside the copy, for nothing.
                 self._pool.mark_unloaded(slot)
-                copying = asyncio.ensure_future(asyncio.to_thread(self._copier.copy, slot,
-                                                                  weights))
                 try:
-                    await asyncio.shield(copying)
+                    await _thread_to_its_end(self._copier.copy, slot, weights)
                 except BaseException:
-                    # Cancelled or failed: the staging buffer and the slot lock are released
-                    # only once the copy thread no longer reads or writes them.
-                    await asyncio.wait([copying])
                     self._residency_changed()
                     raise
                 del weights  # views into the staging buffer
@@ -268,7 +263,7 @@ class AdapterLoader:
             if adapter is not None and not self._pool.holds(slot, adapter):
                 return
             self._pool.mark_unloaded(slot)
-            await asyncio.to_thread(self._copier.clear, slot)
+            await _thread_to_its_end(self._copier.clear, slot)
         self._residency_changed()
 
     async def _fetch(self, adapter: AdapterRef,
@@ -386,3 +381,15 @@ class AdapterLoader:
             except grpc.aio.AioRpcError as err:
                 log.warning("residency report to %s failed: %s", address, err.details())
         return False
+
+
+async def _thread_to_its_end(fn, *args) -> None:
+    """fn(*args) on a worker thread. Cancelled or failed, it still waits for the thread: the slot
+    lock and the staging buffer are released only once the thread no longer touches them (a
+    cancelled clear running on beside the next load zeroed the slot it had just filled)."""
+    running = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        await asyncio.shield(running)
+    except BaseException:
+        await asyncio.wait([running])
+        raise

@@ -1,0 +1,57 @@
+"""The adapter loader's slot lock against threads that outlive their call: an UnloadAdapter whose
+caller gives up while the slot is being cleared keeps the slot until the clear ends, so the next
+load into it cannot be zeroed by a clear still running beside it."""
+
+import asyncio
+import threading
+import time
+
+import torch
+
+from common.adapter_ref import AdapterRef
+from executor.adapter_loader import AdapterLoader
+from executor.model_config import ModelConfig
+from executor.runner import ModelRunner
+from executor.staged import Staged
+from tests.random_adapters import random_adapter
+
+CONFIG = ModelConfig.named("tiny")
+
+
+def stage(loader: AdapterLoader, adapter: AdapterRef, seed: int) -> None:
+    """`adapter` as if staged on this host (no store needed)."""
+    weights = random_adapter(CONFIG, 8, seed, same_rank=True)
+    loader._staged.put(adapter, Staged(torch.empty(1, dtype=torch.uint8), 1, weights, 0.0,
+                                       time.monotonic()))
+
+
+async def test_a_cancelled_unload_keeps_the_slot_until_its_clear_has_ended():
+    runner = ModelRunner.random(CONFIG, seed=0, num_kv_blocks=16, block_size=16, num_slots=2,
+                                max_rank=8)
+    loader = AdapterLoader(runner, (), holder="test")
+    loader.report_residency = lambda: asyncio.sleep(0, True)  # (no store to tell)
+    x, y = AdapterRef("x", 1), AdapterRef("y", 1)
+    stage(loader, x, 1)
+    await loader.load(x, 0)
+    clear, started, may_end = loader._copier.clear, threading.Event(), threading.Event()
+
+    def slow_clear(slot: int) -> None:  # (a memset behind a busy stream)
+        started.set()
+        may_end.wait(30)
+        clear(slot)
+    loader._copier.clear = slow_clear
+    try:
+        unload = asyncio.ensure_future(loader.unload(0))
+        assert await asyncio.to_thread(started.wait, 30)
+        unload.cancel()  # the caller's deadline passed
+        await asyncio.sleep(0.05)
+        assert loader._locks[0].locked(), "the slot was let go while its clear still ran"
+    finally:
+        may_end.set()
+    await asyncio.gather(unload, return_exceptions=True)
+    stage(loader, y, 2)
+    await loader.load(y, 0)
+    state = runner.pool.state(0)
+    assert loader.slot_adapters[0] == y and state.is_loaded and state.targets
+    assert int(runner.pool.rank_table[:, 0].sum()) > 0
+    await loader.close()
