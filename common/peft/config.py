@@ -103,7 +103,11 @@ def parse_config(config_json: str) -> LoraConfig:
     if raw.get("peft_type", "LORA") != "LORA":
         raise _invalid(f"peft_type {raw['peft_type']!r} is not supported; only LORA is")
     for flag, what in (("use_dora", "DoRA"), ("lora_bias", "LoRA biases"),
-                       ("fan_in_fan_out", "fan_in_fan_out (Conv1D layouts)")):
+                       ("fan_in_fan_out", "fan_in_fan_out (Conv1D layouts)"),
+                       # (each changes the math: served as plain LoRA they would answer wrong)
+                       ("alora_invocation_tokens", "activated LoRA (aLoRA)"),
+                       ("layer_replication", "layer replication"),
+                       ("use_qalora", "QALoRA"), ("use_bdlora", "block-diagonal LoRA")):
         if raw.get(flag):
             raise _invalid(f"{flag}: {what} is not supported; push a plain LoRA adapter")
     if raw.get("modules_to_save"):
