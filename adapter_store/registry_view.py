@@ -140,6 +140,8 @@ class RegistryView:
             await self.refresh(name)  # versions are immutable: re-read only on a miss
         elif version == 0 and (not known or self._is_stale(name)):
             await self._refresh_or_known(name)
+        elif version > 0 and self._is_stale(name):
+            self._refresh_flight(name)  # (answered now; a deletion elsewhere is seen next time)
         versions = self._versions.get(name)
         if not versions or not versions[min(versions)].is_visible_to(tenant):
             raise not_found(name)
@@ -164,11 +166,7 @@ class RegistryView:
         takes over REFRESH_WAIT_S while this replica knows the name, go on with the versions it
         knows (stale-while-error: a listing of S3 that fails or hangs must not fail, or hold,
         lookups it can answer). The refresh goes on in the background."""
-        flight = self._refreshing.get(name)
-        if flight is None:
-            flight = self._refreshing[name] = asyncio.ensure_future(self.refresh(name))
-            flight.add_done_callback(lambda f: (self._refreshing.pop(name, None),
-                                                f.cancelled() or f.exception()))
+        flight = self._refresh_flight(name)
         is_known = bool(self._versions.get(name))
         try:
             async with asyncio.timeout(REFRESH_WAIT_S if is_known else None):
@@ -178,6 +176,15 @@ class RegistryView:
                 raise
             log.warning("blob store slow or unavailable, %s answered from what this replica "
                         "knows: %s", name, err or "no answer yet")
+
+    def _refresh_flight(self, name: str) -> asyncio.Future:
+        """The refresh of `name` under way, started if none is (one for concurrent lookups)."""
+        flight = self._refreshing.get(name)
+        if flight is None:
+            flight = self._refreshing[name] = asyncio.ensure_future(self.refresh(name))
+            flight.add_done_callback(lambda f: (self._refreshing.pop(name, None),
+                                                f.cancelled() or f.exception()))
+        return flight
 
     async def _index_or_known(self, name: str) -> NameIndex:
         """The name's index read fresh, or (the blob store failing) the last one read."""
