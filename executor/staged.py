@@ -41,14 +41,15 @@ class StagedAdapters:
 
     @property
     def num_bytes(self) -> int:
-        return sum(s.num_bytes for s in self._entries.values())
+        """Host memory held: the staging buffers (a reused one may be larger than its adapter)."""
+        return sum(s.buffer.numel() for s in self._entries.values())
 
     def put(self, adapter: AdapterRef, staged: Staged) -> None:
         """Keep `staged` (replacing an older staging of the same adapter), within the budget."""
         self._expire()
         if adapter in self._entries:
             self._drop(adapter)
-        while self._entries and self.num_bytes + staged.num_bytes > self._max_bytes:
+        while self._entries and self.num_bytes + staged.buffer.numel() > self._max_bytes:
             self._drop(next(iter(self._entries)))
         self._entries[adapter] = staged
 

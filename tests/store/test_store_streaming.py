@@ -327,3 +327,7 @@ def test_staged_adapters_are_bounded_by_bytes_and_age():
     staged.put(a, entry(10))
     taken = staged.take(a)
     assert taken is not None and a not in staged and len(released) == 3, "taken, not released"
+    # A small adapter in a large reused buffer counts what it holds: the buffer.
+    staged.put(b, Staged(torch.empty(80, dtype=torch.uint8), 5, None, 0.0, now[0]))
+    staged.put(c, entry(30))
+    assert b not in staged and c in staged and staged.num_bytes == 30
