@@ -36,6 +36,10 @@ class ExecutorConfig:
     # BENCHMARK MODE (executor/benchmark_runner.py): > 0 skips the forward pass; each step
     # returns deterministic tokens and lasts this long. Only with random weights.
     benchmark_step_s: float = 0.0
+    # A Step stream that sends nothing this long ends (its scheduler probes an idle executor every
+    # 2 s): a scheduler whose event loop hangs (it still answers keepalive pings) cannot hold the
+    # executor, and the scheduler that replaces it can connect.
+    step_idle_s: float = 60.0
     # Where the service key is read (and admin keys, for operators' debugging): files or
     # LORAPLEX_* env. None: the executor runs open (common/credentials.py).
     keys: KeySources = KeySources()
@@ -49,6 +53,8 @@ class ExecutorConfig:
             raise ValueError(f"executor: resolve_base_s must be >= 0, got {self.resolve_base_s}")
         if self.threads < 0:
             raise ValueError(f"executor: threads must be >= 0, got {self.threads}")
+        if not self.step_idle_s > 0:
+            raise ValueError(f"executor: step_idle_s must be > 0, got {self.step_idle_s}")
         for name in ("num_kv_blocks", "block_size", "adapter_slots", "max_rank", "staging_mb"):
             if getattr(self, name) < 1:
                 raise ValueError(f"executor: {name} must be >= 1, got {getattr(self, name)}")
@@ -101,6 +107,8 @@ class ExecutorConfig:
                        help="BENCHMARK MODE, to measure the control plane alone: no forward "
                             "pass, deterministic made-up tokens, each step lasting this long "
                             "(needs --model random:<name>; 0 = off)")
+        p.add_argument("--step-idle-s", type=float, default=60.0,
+                       help="a scheduler's Step stream that sends nothing this long ends")
         add_key_arguments(p)
         a = p.parse_args(argv)
         return cls(model=a.model, stores=tuple(a.store), address=a.address, model_id=a.model_id,
@@ -110,4 +118,5 @@ class ExecutorConfig:
                    adapter_slots=a.adapter_slots, max_rank=a.max_rank,
                    lora_backend=a.lora_backend, dtype=a.dtype, device=a.device, seed=a.seed,
                    threads=a.threads, staging_mb=a.staging_mb,
-                   benchmark_step_s=a.benchmark_step_s, keys=sources_from_args(a))
+                   benchmark_step_s=a.benchmark_step_s, step_idle_s=a.step_idle_s,
+                   keys=sources_from_args(a))

@@ -130,7 +130,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             # this one ends. A step the client stops waiting for runs on, and the next stream
             # starts only after it (same sequence ids, same KV blocks).
             worker = StepWorker(self._step, asyncio.get_running_loop())
-            reading = asyncio.ensure_future(_feed(request_iterator, worker))
+            reading = asyncio.ensure_future(_feed(request_iterator, worker,
+                                                  self._config.step_idle_s))
             while True:
                 async with grpc_errors(context):
                     response = await worker.result()
@@ -227,12 +228,31 @@ def _rows(req: executor_pb2.StepRequest) -> list[Row]:
     return rows
 
 
-async def _feed(request_iterator, worker: StepWorker) -> None:
-    """Hand the stream's requests to the worker as they arrive, then say there are no more."""
+async def _feed(request_iterator, worker: StepWorker, idle_s: float) -> None:
+    """Hand the stream's requests to the worker as they arrive, then say there are no more: at
+    its end, or once it has sent nothing for `idle_s` while owing the next message (every step
+    answered: a step that runs long, a kernel compiling, is no silence of the client's)."""
+    requests = aiter(request_iterator)
+    reading: asyncio.Future | None = None
     try:
-        async for request in request_iterator:
+        while True:
+            reading = reading or asyncio.ensure_future(anext(requests))
+            done, _ = await asyncio.wait([reading], timeout=idle_s)
+            if not done:
+                if worker.is_idle:
+                    log.warning("the Step stream sent nothing for %.0fs: it ends (its scheduler "
+                                "hangs or is gone)", idle_s)
+                    return
+                continue  # (the same read, still waiting)
+            try:
+                request = reading.result()
+            except StopAsyncIteration:
+                return
+            reading = None
             worker.submit(request)
     finally:
+        if reading is not None:
+            reading.cancel()
         worker.finish()
 
 

@@ -29,10 +29,17 @@ class StepWorker:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._results: asyncio.Queue = asyncio.Queue()
         self._stopped = False
+        self._unanswered = 0  # requests submitted whose answers result() has not given yet
         self.done: asyncio.Future = loop.create_future()
         threading.Thread(target=self._work, name="executor-steps", daemon=True).start()
 
+    @property
+    def is_idle(self) -> bool:
+        """Every request submitted has been answered: the client owes the next message."""
+        return not self._unanswered
+
     def submit(self, request: Any) -> None:
+        self._unanswered += 1
         self._requests.put(request)
 
     def finish(self) -> None:
@@ -47,6 +54,8 @@ class StepWorker:
         is_ok, value = await self._results.get()
         if not is_ok:
             raise value
+        if value is not None:
+            self._unanswered -= 1
         return value
 
     def _work(self) -> None:

@@ -121,11 +121,15 @@ async def test_prewarm_caps_num_executors_at_the_pool(fleet, pushed, stub):
 
 # ---- executor: the Step stream ------------------------------------------------------------------
 
+STEP_IDLE_S = 3.0  # (the default is 60 s)
+
+
 @pytest.fixture(scope="module")
 def executor(tiny, log_dir):
     """An executor of its own: the fleet's is driven by its scheduler. No store is reachable."""
     args = ["--model", tiny["model_dir"], "--store", "127.0.0.1:9", "--threads", "1",
-            "--kv-blocks", "512", "--block-size", str(BLOCK), "--adapter-slots", "2"]
+            "--kv-blocks", "512", "--block-size", str(BLOCK), "--adapter-slots", "2",
+            "--step-idle-s", str(STEP_IDLE_S)]
     service = start_service("bad-input-executor", "executor.service", args, log_dir / "bad_input")
     yield service.address
     service.stop()
@@ -208,6 +212,18 @@ async def test_bad_step_is_invalid_argument_and_frees_the_executor(ex_stub, step
     err = await rpc_error(call.read())
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.details(), err.details()
     (await open_step(ex_stub)).cancel()  # the failed stream let go of the executor
+
+
+async def test_a_stream_that_goes_silent_ends_and_frees_the_executor(ex_stub):
+    """A scheduler whose event loop hangs still answers keepalive pings: its Step stream, silent
+    with every step answered, must not hold the executor (and its sequences) for good."""
+    call = await open_step(ex_stub)
+    await call.write(executor_pb2.StepRequest(new_sequences=[new_seq(1, [5, 6, 7])],
+                                              **rows((1, 3, [0]))))
+    await call.read()
+    assert await asyncio.wait_for(call.read(), STEP_IDLE_S + 30) is grpc.aio.EOF
+    (await open_step(ex_stub)).cancel()  # another scheduler may drive it: it forgot the first's
+    assert (await ex_stub.Info(executor_pb2.InfoRequest())).num_sequences == 0
 
 
 async def test_stream_cancelled_mid_step_does_not_touch_the_next_stream(ex_stub):
