@@ -35,9 +35,6 @@ def parse_peft_adapter(config_json: str, safetensors_bytes: bytes | torch.Tensor
     `check_base_model`), or its layers and shapes do not fit the model.
     """
     config = parse_config(config_json)
-    if max_rank is not None and config.max_rank > max_rank:
-        raise InvalidArgument(f"adapter rank {config.max_rank} exceeds the executor's max rank "
-                              f"{max_rank}")
     wanted = config.base_model.rstrip("/")
     if check_base_model and wanted != model.model_id:
         raise FailedPrecondition(f"adapter was trained on base model {wanted!r}, this pool "
@@ -46,6 +43,11 @@ def parse_peft_adapter(config_json: str, safetensors_bytes: bytes | torch.Tensor
     data = raw.numpy()
     check_weights_file(WEIGHTS_FILE, data[:16].tobytes())
     layout = plan_adapter(config, parse_header(data))
+    # The largest rank its tensors use (config.max_rank also counts rank_pattern entries that
+    # match none of its modules: an adapter that fits would be refused).
+    rank = max((m.rank for m in layout.modules.values()), default=0)
+    if max_rank is not None and rank > max_rank:
+        raise InvalidArgument(f"adapter rank {rank} exceeds the executor's max rank {max_rank}")
     check_fits(layout, model_shapes(model))
     check_finite(data, layout)
     views = tensor_views(raw, layout)

@@ -165,6 +165,13 @@ def test_adapter_validation_errors(fx, name, changes, retensor, match):
                            retensor(data) if retensor else data, config, max_rank=MAX_RANK)
 
 
+def test_a_rank_pattern_that_matches_no_module_does_not_count_against_max_rank(fx):
+    cfg, data = read_adapter(fx, "r16_all")
+    config = ModelConfig.from_pretrained(fx["model_dir"])
+    changed = json.dumps({**json.loads(cfg), "rank_pattern": {"no_such_proj": 4 * MAX_RANK}})
+    assert parse_peft_adapter(changed, data, config, max_rank=MAX_RANK).modules
+
+
 def test_adapter_base_mismatch_scales_and_infix(fx):
     config = ModelConfig.from_pretrained(fx["model_dir"])
     with pytest.raises(FailedPrecondition, match="other-org/other-base-model"):
