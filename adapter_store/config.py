@@ -85,6 +85,9 @@ class StoreConfig:
     # A Push whose client sends nothing for this long is dropped (UNAVAILABLE): an accepted
     # push holds a share of the in-flight budget, a stalled client must not hold it for ever.
     push_idle_s: float = 60.0
+    # And one slower than this in all (push_idle_s + its bytes at this rate) is dropped too: a
+    # client trickling a byte now and then would hold its share for ever.
+    push_min_bytes_per_s: float = 1e6
     # Where the keys of tenants, admins and services are read (files; also LORAPLEX_* env).
     keys: KeySources = KeySources()
 
@@ -106,6 +109,8 @@ class StoreConfig:
             raise ValueError("give both the S3 access key id and the secret access key, or neither")
         if not self.push_idle_s > 0:
             raise ValueError(f"push_idle_s must be > 0, got {self.push_idle_s}")
+        if not self.push_min_bytes_per_s > 0:
+            raise ValueError(f"push_min_bytes_per_s must be > 0, got {self.push_min_bytes_per_s}")
         if self.host_cache_bytes < 0:
             raise ValueError(f"host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
         if not 1024 <= self.chunk_bytes <= 32 * MIB:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
@@ -47,14 +48,20 @@ log = logging.getLogger(__name__)
 
 async def receive_push(
     requests: AsyncIterator[pb.PushRequest], accepted: Callable[[pb.PushHeader], Awaitable[None]],
-    max_bytes: int, idle_s: float,
+    max_bytes: int, idle_s: float, min_bytes_per_s: float,
 ) -> tuple[pb.PushHeader, VersionMeta, list[str], bytes]:
     """The header, its checked metadata (and the aliases to set) and the weights of a Push
     stream, checked against the header's num_bytes. `accepted(header)` is awaited once the header
     passed its checks, before any chunk is read (it may still refuse the push by raising).
-    UNAVAILABLE when `idle_s` pass without a message."""
+    UNAVAILABLE when `idle_s` pass without a message, or the upload takes longer than `idle_s`
+    plus its bytes at `min_bytes_per_s`."""
     header, meta, aliases, data = None, VersionMeta(), [], bytearray()
+    deadline = math.inf
     async for request in _with_idle_limit(requests, idle_s):
+        if time.monotonic() > deadline:
+            raise Unavailable(f"the Push stream is slower than {min_bytes_per_s:g} bytes/s "
+                              f"({len(data)} of {header.num_bytes} bytes in the time that "
+                              "allows); the upload was dropped, push again")
         kind = request.WhichOneof("payload")
         if header is None:
             if kind != "header":
@@ -73,6 +80,7 @@ async def receive_push(
             # before any upload (the whole check of config against weights comes after it).
             parse_config(header.config_json)
             await accepted(header)
+            deadline = time.monotonic() + idle_s + header.num_bytes / min_bytes_per_s
         elif kind == "chunk":
             if len(data) + len(request.chunk) > header.num_bytes:
                 raise InvalidArgument(f"the Push stream carries more than the {header.num_bytes} "
@@ -174,7 +182,7 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
             try:
                 header, meta, aliases, data = await receive_push(
                     request_iterator, accept, self._config.max_adapter_bytes,
-                    self._config.push_idle_s)
+                    self._config.push_idle_s, self._config.push_min_bytes_per_s)
                 record = await self._registry.push(header.name, owner, header.config_json,
                                                    header.weights_filename, data, meta,
                                                    header.base_fingerprint)

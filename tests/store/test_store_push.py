@@ -185,6 +185,36 @@ async def test_a_stalled_push_is_dropped_and_frees_its_share(tmp_path):
 
 
 @in_session_loop
+async def test_a_push_that_trickles_is_dropped_and_frees_its_share(tmp_path):
+    """A byte before each idle limit, for ever: bounded in all by the slowest rate allowed."""
+    config = dataclasses.replace(file_config(tmp_path), max_adapter_bytes=len(GOOD),
+                                 push_idle_s=0.5, push_min_bytes_per_s=len(GOOD) / 0.5)
+    store = await Store(config).start()
+    try:
+        header = pb.PushHeader(name="slow", config_json=GOOD_CONFIG, weights_filename=WEIGHTS,
+                               num_bytes=len(GOOD))
+        slow = [store.stub.Push() for _ in range(2)]
+        for call in slow:  # accepted: between them they hold the whole budget
+            await call.write(pb.PushRequest(header=header))
+            assert wire.PUSH_ACCEPTED in tuple(await call.initial_metadata())
+        for sent in range(100):  # 20 s at most
+            try:
+                for call in slow:
+                    await call.write(pb.PushRequest(chunk=GOOD[sent:sent + 1]))
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+                break
+            await asyncio.sleep(0.2)
+        for call in slow:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "slower than" in info.value.details()
+        assert (await client.push(store.stub, header, GOOD)).version == 1
+    finally:
+        await store.stop()
+
+
+@in_session_loop
 async def test_push_stream_must_match_its_header(file_store):
     short = await expect_error(grpc.StatusCode.INVALID_ARGUMENT, file_store.push(
         "a", GOOD_CONFIG, GOOD, num_bytes=len(GOOD) + 10))
