@@ -170,15 +170,8 @@ async def test_a_stalled_push_is_dropped_and_frees_its_share(tmp_path):
     try:
         header = pb.PushHeader(name="stalled", config_json=GOOD_CONFIG, weights_filename=WEIGHTS,
                                num_bytes=len(GOOD))
-        stalled = [store.stub.Push() for _ in range(2)]
-        for call in stalled:  # accepted, then nothing: they hold the whole budget
-            await call.write(pb.PushRequest(header=header))
-            assert wire.PUSH_ACCEPTED in tuple(await call.initial_metadata())
-        for call in stalled:
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await call
-            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "sent nothing for 0.3 s" in info.value.details()
+        stalled = await accepted_pushes(store, header)  # then nothing
+        await dropped(stalled, "sent nothing for 0.3 s")
         assert (await client.push(store.stub, header, GOOD)).version == 1
     finally:
         await store.stop()
@@ -193,10 +186,7 @@ async def test_a_push_that_trickles_is_dropped_and_frees_its_share(tmp_path):
     try:
         header = pb.PushHeader(name="slow", config_json=GOOD_CONFIG, weights_filename=WEIGHTS,
                                num_bytes=len(GOOD))
-        slow = [store.stub.Push() for _ in range(2)]
-        for call in slow:  # accepted: between them they hold the whole budget
-            await call.write(pb.PushRequest(header=header))
-            assert wire.PUSH_ACCEPTED in tuple(await call.initial_metadata())
+        slow = await accepted_pushes(store, header)
         for sent in range(100):  # 20 s at most
             try:
                 for call in slow:
@@ -204,14 +194,27 @@ async def test_a_push_that_trickles_is_dropped_and_frees_its_share(tmp_path):
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
                 break
             await asyncio.sleep(0.2)
-        for call in slow:
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await call
-            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "slower than" in info.value.details()
+        await dropped(slow, "slower than")
         assert (await client.push(store.stub, header, GOOD)).version == 1
     finally:
         await store.stop()
+
+
+async def accepted_pushes(store, header: pb.PushHeader) -> list:
+    """Two pushes of `header`, accepted: between them they hold the store's whole budget."""
+    calls = [store.stub.Push() for _ in range(2)]
+    for call in calls:
+        await call.write(pb.PushRequest(header=header))
+        assert wire.PUSH_ACCEPTED in tuple(await call.initial_metadata())
+    return calls
+
+
+async def dropped(calls: list, words: str) -> None:
+    """Each of `calls` ended UNAVAILABLE saying `words`."""
+    for call in calls:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and words in info.value.details()
 
 
 @in_session_loop
