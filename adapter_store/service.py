@@ -168,6 +168,8 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
             the budget; then tell the client to send them."""
             nonlocal reserved, owner
             owner = self._owner(context, header.owner_tenant)
+            await self._registry.check_push(header.name, owner, header.config_json,
+                                            header.base_fingerprint)
             budget = 2 * self._config.max_adapter_bytes
             if self._push_bytes + header.num_bytes > budget:
                 raise ResourceExhausted(

@@ -15,7 +15,7 @@ import zlib
 
 from adapter_store.base_models import BaseModel
 from common.errors import FailedPrecondition, InvalidArgument
-from common.peft.config import parse_config
+from common.peft.config import LoraConfig, parse_config
 from common.peft.finite import check_finite
 from common.peft.layout import check_fits, plan_adapter
 from common.peft.safetensors_header import check_weights_file, parse_header
@@ -39,6 +39,12 @@ class AdapterSpec:
     base_model_revision: str  # adapter_config.json's "revision", "" when absent
 
 
+def check_rank(config: LoraConfig, max_rank: int | None) -> None:
+    if max_rank is not None and config.max_rank > max_rank:
+        raise InvalidArgument(f"adapter_config.json: rank {config.max_rank} (max of r and "
+                              f"rank_pattern) exceeds this store's maximum {max_rank}")
+
+
 def validate_adapter(config_json: str, weights_filename: str, data: bytes, *,
                      max_rank: int | None = None, base: BaseModel | None = None) -> AdapterSpec:
     """Check a pushed adapter; CPU-bound (hash, finiteness), so call it from a worker thread.
@@ -46,9 +52,7 @@ def validate_adapter(config_json: str, weights_filename: str, data: bytes, *,
     check_weights_file(weights_filename, data[:16])
     entries = parse_header(data)
     config = parse_config(config_json)
-    if max_rank is not None and config.max_rank > max_rank:
-        raise InvalidArgument(f"adapter_config.json: rank {config.max_rank} (max of r and "
-                              f"rank_pattern) exceeds this store's maximum {max_rank}")
+    check_rank(config, max_rank)
     layout = plan_adapter(config, entries)
     if base is not None:
         check_base_model_revision(config.revision, base)

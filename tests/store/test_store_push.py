@@ -118,6 +118,17 @@ async def test_a_refused_header_costs_no_upload_and_keeps_its_status(file_store)
             assert sent == []
         else:
             assert (await pushing).version == 1 and sent[-1] == len(GOOD) and len(sent) > 1
+    # The name's owner and the rank limit are read from the header too: not a byte is sent.
+    too_high = json.dumps({**json.loads(GOOD_CONFIG), "r": 100_000})
+    for owner, config_json, code, words in (
+            ("bob", GOOD_CONFIG, grpc.StatusCode.ALREADY_EXISTS, "taken by another owner"),
+            ("", too_high, grpc.StatusCode.INVALID_ARGUMENT, "exceeds this store's maximum")):
+        sent = []
+        header = pb.PushHeader(name="ok", owner_tenant=owner, config_json=config_json,
+                               weights_filename=WEIGHTS, num_bytes=len(GOOD))
+        pushing = client.push(file_store.stub, header, GOOD, chunk_bytes=1000,
+                              progress=lambda done, total: sent.append(done))
+        assert words in await expect_error(code, pushing) and sent == []
 
 
 @in_session_loop
