@@ -44,6 +44,7 @@ from scheduler.executor_state import (
     row_slot,
 )
 from scheduler.prefix_cache import cache_key, cached_prefix, publish
+from scheduler.quiet_samples import quiet_samples, take_quiet
 from scheduler.request import FinishEvent, Request, Status
 from scheduler.slots import SlotState
 from scheduler.stats import PoolStats, snapshot
@@ -113,12 +114,11 @@ class Scheduler(ExecutorEvents):
     def schedule(self, ex: ExecutorState) -> StepPlan:
         """Rows for the next step of `ex`: its cohort's decode rows, its other running sequences,
         then admissions in fair order. (Runs for every step: its loops stay plain.)"""
-        budget = self.limits.max_batched_tokens
         running, blocks, cohort = ex.running, ex.blocks, ex.cohort
         bs = blocks.block_size
         step = cohort.steps + 1
         ex.unjoin(cohort.due(step))
-        budget -= len(cohort)  # (never below 0: cohort.py)
+        budget = self.limits.max_batched_tokens - len(cohort)  # (never below 0: cohort.py)
         decode: list[Sequence] = []  # rows of one known token, in its blocks, that samples
         rows: list[ScheduledRow] = []  # the others
         preempted = False
@@ -157,8 +157,8 @@ class Scheduler(ExecutorEvents):
         if preempted:  # drop the rows of sequences preempted after their row was made
             rows = [row for row in rows if row.seq.seq_id in running]
             decode = [seq for seq in decode if seq.seq_id in running]
-            budget = (self.limits.max_batched_tokens - len(cohort) - len(decode)
-                      - sum(row.num_tokens for row in rows))  # (the dropped rows' tokens back)
+            budget = (self.limits.max_batched_tokens - len(cohort) - len(decode)  # (theirs
+                      - sum(row.num_tokens for row in rows))  # back, a preempted member's too)
         if ex.is_admitting:
             admitted = self._admit(ex, budget)
             new = [row.seq for row in admitted]
@@ -219,18 +219,13 @@ class Scheduler(ExecutorEvents):
             logprobs = list(itertools.compress(logprobs, kept))
         for tenant, num_tokens in collections.Counter(map(_tenant_of, seqs)).items():
             self.fair.charge_output(tenant, num_tokens)
-        # Most samples only add a token (Sequence.quiet_below) and are no request's stop token:
-        # those are taken as columns.
-        quiet = list(map(operator.lt, map(len, map(_token_ids, seqs)), map(_quiet_below, seqs)))
-        stop_ids = ex.stop_ids
-        if not stop_ids.keys().isdisjoint(token_ids):
-            quiet = list(map(operator.gt, quiet, map(stop_ids.__contains__, token_ids)))
+        quiet = quiet_samples(seqs, token_ids, ex.stop_ids)  # (taken as columns)
         if all(quiet):
-            return _take_quiet(seqs, token_ids, logprobs)
+            return take_quiet(seqs, token_ids, logprobs)
         if any(quiet):
-            _take_quiet(list(itertools.compress(seqs, quiet)),
-                        list(itertools.compress(token_ids, quiet)),
-                        list(itertools.compress(logprobs, quiet)))
+            take_quiet(list(itertools.compress(seqs, quiet)),
+                       list(itertools.compress(token_ids, quiet)),
+                       list(itertools.compress(logprobs, quiet)))
         for i in itertools.compress(range(len(quiet)), map(operator.not_, quiet)):
             self._take_sample(ex, seqs[i], token_ids[i], logprobs[i], now)
 
@@ -377,28 +372,5 @@ class Scheduler(ExecutorEvents):
         return snapshot(self.executors, self.fair, self.totals)
 
 
-def _take_quiet(seqs: list[Sequence], token_ids: list[int], logprobs: list[float]) -> None:
-    """Samples that only add a token: appended to their sequences' and requests' tokens and
-    handed to their requests' sinks as columns (each list operation a map in C)."""
-    if not seqs:
-        return
-    collections.deque(map(list.append, map(_token_ids, seqs), token_ids), maxlen=0)
-    collections.deque(map(list.append, map(_output_ids, seqs), token_ids), maxlen=0)
-    sinks = list(map(_sink, seqs))
-    ids = list(map(_sink_id, seqs))
-    if sinks.count(sinks[0]) == len(sinks):  # (one Stream connection: the usual case)
-        sinks[0].add(ids, token_ids, logprobs)
-        return
-    for sink in set(sinks):
-        mine = list(map(operator.is_, sinks, itertools.repeat(sink)))
-        sink.add(itertools.compress(ids, mine), itertools.compress(token_ids, mine),
-                 itertools.compress(logprobs, mine))
-
-
 _decode_row = operator.attrgetter("decode_row")
 _tenant_of = operator.attrgetter("tenant")
-_token_ids = operator.attrgetter("token_ids")
-_output_ids = operator.attrgetter("output_ids")
-_quiet_below = operator.attrgetter("quiet_below")
-_sink = operator.attrgetter("sink")
-_sink_id = operator.attrgetter("sink_id")
