@@ -160,7 +160,7 @@ class TorchLoraBackend:
     def _apply_module(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor,
                       segments: tuple[tuple[int, int, int], ...]) -> None:
         for start, end, slot in segments:
-            target = self.pool.state(slot).targets.get((layer, module))
+            target = self.pool.contents(slot).targets.get((layer, module))
             if target is None:
                 continue
             rank, scale = target

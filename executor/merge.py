@@ -36,7 +36,7 @@ class Merged:
 @torch.inference_mode()
 def merge(weights: ModelWeights, pool: LoraSlotPool, slot: int) -> Merged:
     """Fold the adapter in `slot` into `weights`, in place; returns what restores them."""
-    targets = pool.state(slot).targets
+    targets = pool.contents(slot).targets
     originals: dict[tuple[int, str], torch.Tensor] = {}
     for layer_index, layer in enumerate(weights.layers):
         for group, modules in LORA_GROUPS.items():

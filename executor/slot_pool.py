@@ -5,8 +5,8 @@ Storage. Projections that share an input form a group (LORA_GROUPS: q/k/v, o, ga
 per group one stacked A and one stacked B^T, laid out for the SGMV kernels (kernels/), which a
 LoRA backend (executor/lora.py) reads.
 
-What a slot holds (SlotState, read with `state(slot)`): its adapter's rank and scale per layer
-and module (`targets`), whether it is loaded (steps may read it), and the AdapterRef it was
+What a slot holds (SlotContents, read with `contents(slot)`): its adapter's rank and scale per
+layer and module (`targets`), whether it is loaded (steps may read it), and the AdapterRef it was
 loaded as. The runner, the backends and the adapter loader all ask the pool; none keeps a copy.
 
     load(slot, weights)         written: targets recorded, weights copied (or being copied)
@@ -77,7 +77,7 @@ class SliceGroup:
 
 
 @dataclass(frozen=True)
-class SlotState:
+class SlotContents:
     """What one slot holds."""
 
     targets: Mapping[tuple[int, str], tuple[int, float]]  # (layer, module) -> (rank, scale)
@@ -85,7 +85,7 @@ class SlotState:
     adapter: AdapterRef | None = None  # the version loaded (None: loaded without a reference)
 
 
-EMPTY_SLOT = SlotState(targets=MappingProxyType({}))
+EMPTY_SLOT = SlotContents(targets=MappingProxyType({}))
 
 
 class LoraSlotPool:
@@ -128,7 +128,7 @@ class LoraSlotPool:
         self.rank_table = torch.zeros(num_layers, num_slots, len(LORA_MODULES), dtype=torch.int32)
         self.scale_table = torch.zeros(num_layers, num_slots, len(LORA_MODULES))
         # Written only by the methods below (each assignment whole: the step thread reads them).
-        self._slots: list[SlotState] = [EMPTY_SLOT] * num_slots
+        self._slots: list[SlotContents] = [EMPTY_SLOT] * num_slots
         # Per slot, how its weights were written: the count moves when a write (a load or a
         # clear) begins and again once it has completed (finish_write). A copy of a slot's weights
         # made at count c is current while the count is still c: one made while a write ran (a
@@ -144,17 +144,17 @@ class LoraSlotPool:
 
     # ----- what each slot holds -----
 
-    def state(self, slot: int) -> SlotState:
+    def contents(self, slot: int) -> SlotContents:
         self._check_slot(slot)
         return self._slots[slot]
 
     def is_loaded(self, slot: int) -> bool:
-        return self.state(slot).is_loaded
+        return self.contents(slot).is_loaded
 
     def holds(self, slot: int, adapter: AdapterRef) -> bool:
         """Whether `slot` is loaded with exactly `adapter`."""
-        state = self.state(slot)
-        return state.is_loaded and state.adapter == adapter
+        held = self.contents(slot)
+        return held.is_loaded and held.adapter == adapter
 
     def write_counts(self, slots: list[int]) -> tuple[int, ...]:
         """How many times each of `slots` was written (see copies of slot weights)."""
@@ -171,12 +171,13 @@ class LoraSlotPool:
 
     def mark_loaded(self, slot: int, adapter: AdapterRef | None = None) -> None:
         """The copy into `slot` completed (as `adapter`): steps may read it."""
-        self._slots[slot] = dataclasses.replace(self.state(slot), is_loaded=True, adapter=adapter)
+        self._slots[slot] = dataclasses.replace(self.contents(slot), is_loaded=True,
+                                                adapter=adapter)
 
     def mark_unloaded(self, slot: int) -> None:
         """`slot` no longer counts as holding its adapter (a copy or clear is about to overwrite
         it); its weights stay, recorded, until then."""
-        self._slots[slot] = dataclasses.replace(self.state(slot), is_loaded=False, adapter=None)
+        self._slots[slot] = dataclasses.replace(self.contents(slot), is_loaded=False, adapter=None)
 
     # ----- writing the tensors -----
 
@@ -206,7 +207,7 @@ class LoraSlotPool:
                                  f"{tuple(w.b.shape)} do not fit [r, {in_f}] / [{out_f}, r]")
         self._zero_written(slot)
         # Recorded before the copy: whatever a failed copy wrote is zeroed by the next clear.
-        self._slots[slot] = SlotState(MappingProxyType(
+        self._slots[slot] = SlotContents(MappingProxyType(
             {key: (w.a.shape[0], w.scale) for key, w in weights.modules.items()}))
         for (layer, module), w in weights.modules.items():
             r = w.a.shape[0]

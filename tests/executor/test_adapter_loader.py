@@ -51,7 +51,7 @@ async def test_a_cancelled_unload_keeps_the_slot_until_its_clear_has_ended():
     await asyncio.gather(unload, return_exceptions=True)
     stage(loader, y, 2)
     await loader.load(y, 0)
-    state = runner.pool.state(0)
-    assert loader.slot_adapters[0] == y and state.is_loaded and state.targets
+    held = runner.pool.contents(0)
+    assert loader.slot_adapters[0] == y and held.is_loaded and held.targets
     assert int(runner.pool.rank_table[:, 0].sum()) > 0
     await loader.close()

@@ -41,8 +41,8 @@ def assert_same_pool(got: LoraSlotPool, want: LoraSlotPool) -> None:
         assert torch.equal(got.scale[module], want.scale[module]), module
     assert torch.equal(got.rank_table, want.rank_table)
     assert torch.equal(got.scale_table, want.scale_table)
-    assert ([got.state(s).targets for s in range(NUM_SLOTS)]
-            == [want.state(s).targets for s in range(NUM_SLOTS)])
+    assert ([got.contents(s).targets for s in range(NUM_SLOTS)]
+            == [want.contents(s).targets for s in range(NUM_SLOTS)])
 
 
 def some_adapter(rng: random.Random, seed: int) -> LoraWeights:
@@ -105,14 +105,14 @@ def test_the_pool_is_the_record_of_what_each_slot_holds():
     assert pool.holds(0, ref) and pool.adapters() == [ref, None, None]
     assert not pool.holds(0, AdapterRef("a", 2)) and not pool.holds(1, ref)
     pool.mark_unloaded(0)
-    assert not pool.is_loaded(0) and not pool.holds(0, ref) and pool.state(0).targets
+    assert not pool.is_loaded(0) and not pool.holds(0, ref) and pool.contents(0).targets
     pool.mark_loaded(0, ref)
     pool.load(0, random_adapter(CONFIG, 2, 1))  # a load over it: written again, not loaded
     assert not pool.is_loaded(0) and pool.adapters() == [None] * NUM_SLOTS
     pool.clear(0)
-    assert pool.state(0) == EMPTY_SLOT
+    assert pool.contents(0) == EMPTY_SLOT
     with pytest.raises(ValueError, match="out of range"):
-        pool.state(NUM_SLOTS)
+        pool.contents(NUM_SLOTS)
 
 
 @pytest.mark.parametrize("backend", ["torch_exact", "torch_batched", "triton"])

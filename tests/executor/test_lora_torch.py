@@ -30,7 +30,7 @@ def pool():
             for slot in range(pool.num_slots):
                 offset = 0
                 for i, (module, out_f) in enumerate(zip(g.modules, g.out_sizes)):
-                    rank = pool.state(slot).targets.get((layer, module), (0, 0.0))[0]
+                    rank = pool.contents(slot).targets.get((layer, module), (0, 0.0))[0]
                     g.a[layer, slot, i, rank:] = 1e3
                     g.bt[layer, slot, rank:, offset:offset + out_f] = -1e3
                     offset += out_f
