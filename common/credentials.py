@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping
 import grpc
 
 from common import wire
-from common.errors import PermissionDenied, Unauthenticated
+from common.errors import InvalidArgument, PermissionDenied, Unauthenticated
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,7 @@ class Caller:
 
 
 OPERATOR = Caller(Role.ADMIN)  # every caller of a service that runs open
+DEFAULT_TENANT = "default"  # the tenant of every request to a service that runs open
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +163,20 @@ class KeyRing:
         """The caller, if it has one of `roles` (anyone, when open); PERMISSION_DENIED
         otherwise."""
         return self.check(self.caller(context), *roles)
+
+
+def request_tenant(caller: Caller, is_open: bool, on_behalf_of: str, unnamed: str) -> str:
+    """The tenant a request is for (its queue, rate limit and adapters): DEFAULT_TENANT when the
+    service runs open, a tenant key's own tenant (whatever the request names), else the tenant
+    a service key names on behalf of (`on_behalf_of`: from metadata or a field); INVALID_ARGUMENT
+    with the message `unnamed` when it names none. Check the caller's role first."""
+    if is_open:
+        return DEFAULT_TENANT
+    if caller.role is Role.TENANT:
+        return caller.tenant
+    if not on_behalf_of:
+        raise InvalidArgument(unnamed)
+    return on_behalf_of
 
 
 def acting_tenant(caller: Caller, requested: str) -> str:

@@ -20,7 +20,7 @@ import grpc
 
 from common import wire
 from common.adapter_ref import AdapterRef
-from common.credentials import KeyRing, Role
+from common.credentials import KeyRing, Role, request_tenant
 from common.detokenizer import FINISH_PB, OutputProcessor, check_stops
 from common.errors import (
     DeadlineExceeded,
@@ -40,7 +40,6 @@ from protos import common_pb2, scheduler_pb2
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TENANT = "default"  # every caller of a gateway that runs open
 DEFAULT_MAX_NEW_TOKENS = 16  # what a pool generates when a request names no bound
 _THREAD_TOKENIZE_CHARS = 20_000  # longer texts are tokenized off the event loop
 
@@ -77,16 +76,10 @@ class Frontend:
 
     def tenant(self, key: str, on_behalf_of: str = "") -> str:
         """The tenant a request is for: a tenant key's own, or the one a service key names (an
-        internal caller); "default" when the gateway runs open."""
+        internal caller); DEFAULT_TENANT when the gateway runs open."""
         caller = self._keys.check(self._keys.authenticate(key), Role.TENANT, Role.SERVICE)
-        if self._keys.is_open:
-            return DEFAULT_TENANT
-        if caller.role is Role.TENANT:
-            return caller.tenant
-        if not on_behalf_of:
-            raise InvalidArgument(f"a service key names the tenant it calls for in "
-                                  f"'{wire.ON_BEHALF_OF}'")
-        return on_behalf_of
+        return request_tenant(caller, self._keys.is_open, on_behalf_of, f"a service key names "
+                              f"the tenant it calls for in '{wire.ON_BEHALF_OF}'")
 
     async def route(self, model: str, tenant: str) -> Route:
         """`model`: a base model id (a pool's), or an adapter reference the tenant may use

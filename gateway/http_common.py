@@ -12,13 +12,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from common import wire
+from common.credentials import bearer
 from common.errors import InvalidArgument
 from gateway.frontend import CLIENT_WRITE_S, Frontend
 
 
 def tenant_of(request: Request, frontend: Frontend) -> str:
-    key = request.headers.get(wire.AUTHORIZATION, "").removeprefix(wire.BEARER).strip()
-    return frontend.tenant(key, request.headers.get(wire.ON_BEHALF_OF, ""))
+    return frontend.tenant(bearer(request.headers.items()),
+                           request.headers.get(wire.ON_BEHALF_OF, ""))
 
 
 async def json_body(request: Request, max_bytes: int) -> dict:

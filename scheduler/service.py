@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 from common import wire
 from common.adapter_ref import AdapterRef
-from common.credentials import KeyRing, Role
+from common.credentials import DEFAULT_TENANT, Caller, KeyRing, Role, request_tenant
 from common.detokenizer import FINISH_PB, OutputProcessor, check_stops
 from common.errors import (
     InvalidArgument,
@@ -33,12 +33,10 @@ from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.request import ErrorEvent, Event, FinishEvent, Request, Status
 from scheduler.stats import ExecutorStats, PoolStats, TenantStats
-from scheduler.streams import StreamConnection, check_no_stops, tenant_of
+from scheduler.streams import StreamConnection, check_no_stops
 from scheduler.timings import TimingLog
 
 log = logging.getLogger(__name__)
-
-DEFAULT_TENANT = "default"
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -87,10 +85,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Stream(self, request_iterator, context):
         """A gateway's requests over one stream, their tokens in batches (streams.py)."""
         async with grpc_errors(context):
-            self._keys.require(context, Role.SERVICE)
+            caller = self._keys.require(context, Role.SERVICE)
         connection = StreamConnection(self._engine.core, self._engine.metrics, context.write,
                                       self._config.timeouts.stream_write_s)
-        reading = asyncio.create_task(self._read_stream(request_iterator, connection))
+        reading = asyncio.create_task(self._read_stream(request_iterator, connection, caller))
         try:
             async with grpc_errors(context):
                 await connection.send(reading)
@@ -99,19 +97,21 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             connection.close()
             await asyncio.gather(reading, return_exceptions=True)
 
-    async def _read_stream(self, request_iterator, connection: StreamConnection) -> None:
+    async def _read_stream(self, request_iterator, connection: StreamConnection,
+                           caller: Caller) -> None:
         async for message in request_iterator:
             for submit in message.submits:  # (before the cancels: a message may cancel its own)
                 connection.submit(submit.id, functools.partial(self._stream_request, submit,
-                                                               connection))
+                                                               connection, caller))
             for stream_id in message.cancels:
                 connection.cancel(stream_id)
 
     async def _stream_request(self, submit: scheduler_pb2.StreamSubmit,
-                              connection: StreamConnection) -> Request:
+                              connection: StreamConnection, caller: Caller) -> Request:
         """A Stream's request, checked as Generate checks one, without detokenization."""
         check_no_stops(submit.request)
-        tenant = tenant_of(submit, self._keys.is_open, DEFAULT_TENANT)
+        tenant = request_tenant(caller, self._keys.is_open, submit.tenant, "a Stream submit "
+                                "names the tenant it is for (StreamSubmit.tenant)")
         req = await self._make_request(submit.request, tenant, connection.emitter(submit.id),
                                        detokenize=False)
         if submit.timeout_seconds > 0:
@@ -121,17 +121,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     def _tenant(self, context) -> str:
         """Who a Generate is for: a tenant key's tenant, or the tenant a service (a gateway)
-        names in metadata; "default" when the scheduler runs open."""
+        names in metadata; DEFAULT_TENANT when the scheduler runs open."""
         caller = self._keys.require(context, Role.TENANT, Role.SERVICE)
-        if self._keys.is_open:
-            return DEFAULT_TENANT
-        if caller.role is Role.TENANT:
-            return caller.tenant
-        tenant = dict(context.invocation_metadata()).get(wire.ON_BEHALF_OF, "")
-        if not tenant:
-            raise InvalidArgument(f"a service calling Generate names the tenant it calls for in "
-                                  f"metadata '{wire.ON_BEHALF_OF}'")
-        return tenant
+        named = dict(context.invocation_metadata() or ()).get(wire.ON_BEHALF_OF, "")
+        return request_tenant(caller, self._keys.is_open, named, f"a service calling Generate "
+                              f"names the tenant it calls for in metadata '{wire.ON_BEHALF_OF}'")
 
     def _check_admin(self, context) -> None:
         self._keys.require(context, Role.ADMIN)

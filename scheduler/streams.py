@@ -203,15 +203,6 @@ class StreamConnection:
             time_to_first_token_seconds=req.first_token_at - req.arrival))
 
 
-def tenant_of(submit: scheduler_pb2.StreamSubmit, is_open: bool, default: str) -> str:
-    """The tenant a submitted request is for (`default` when the scheduler runs open)."""
-    if is_open:
-        return default
-    if not submit.tenant:
-        raise InvalidArgument("a Stream submit names the tenant it is for (StreamSubmit.tenant)")
-    return submit.tenant
-
-
 def check_no_stops(request: scheduler_pb2.GenerateRequest) -> None:
     if request.stop:
         raise InvalidArgument("Stream: stop strings are applied by the caller, which detokenizes; "

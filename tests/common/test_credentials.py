@@ -3,7 +3,15 @@ open access; short keys and a key given two roles are refused."""
 
 import pytest
 
-from common.credentials import KeySources, Role
+from common.credentials import (
+    DEFAULT_TENANT,
+    OPERATOR,
+    Caller,
+    KeySources,
+    Role,
+    request_tenant,
+)
+from common.errors import InvalidArgument
 
 A, B, ADMIN = "tenant-a-key-0000000001", "tenant-b-key-0000000001", "admin-key-00000000000001"
 OLD, NEW = "service-key-old-00000001", "service-key-new-00000001"
@@ -35,3 +43,14 @@ def test_no_source_is_open_but_an_empty_file_is_refused(tmp_path):
 def test_bad_keys_are_refused_at_start(environ, match):
     with pytest.raises(ValueError, match=match):
         KeySources().load(environ)
+
+
+def test_the_tenant_of_a_request_is_defined_once_for_every_service():
+    """Open: DEFAULT_TENANT. A tenant key: its own, whatever the request names. A service key:
+    the tenant it names on behalf of, INVALID_ARGUMENT (the caller's message) when none."""
+    acme, service = Caller(Role.TENANT, "acme"), Caller(Role.SERVICE)
+    assert request_tenant(OPERATOR, True, "globex", "unnamed") == DEFAULT_TENANT
+    assert request_tenant(acme, False, "globex", "unnamed") == "acme"
+    assert request_tenant(service, False, "globex", "unnamed") == "globex"
+    with pytest.raises(InvalidArgument, match="name the tenant"):
+        request_tenant(service, False, "", "name the tenant")
