@@ -1,6 +1,7 @@
-"""The README's gateway examples, run as written (only the ports and the state folder moved, so
-the test needs no fixed free port): `loraplex up`, an adapter push, curl against the OpenAI API,
-the openai client snippet; then `loraplex up` stops every service it started."""
+"""The README's five-minute tour, run as written (only the ports and the state folder moved, so
+the test needs no fixed free port): `loraplex up` on the demo model, an adapter push, the CLI
+against the store and the scheduler, curl against the gateway's OpenAI API, the openai client
+snippet; then `loraplex up` stops every service it started."""
 
 import os
 import pathlib
@@ -20,7 +21,7 @@ BIN = pathlib.Path(sys.executable).parent
 def section_blocks() -> tuple[list[str], str]:
     """(the bash block's commands, continuation lines joined; the python block)."""
     text = (ROOT / "README.md").read_text()
-    section = text[text.index("## The gateway"):]
+    section = text[text.index("## A five-minute tour"):]
     section = section[:section.index("\n## ", 1)]
     bash = re.search(r"```bash\n(.*?)```", section, re.S)[1].replace("\\\n", " ")
     python = re.search(r"```python\n(.*?)```", section, re.S)[1]
@@ -38,7 +39,7 @@ def free_base_port() -> int:
     raise RuntimeError("no free ports")
 
 
-def test_the_readme_gateway_examples_work(tmp_path):
+def test_the_readme_tour_works(tmp_path):
     commands, snippet = section_blocks()
     base, http = free_base_port(), free_base_port() + 1
 
@@ -48,7 +49,7 @@ def test_the_readme_gateway_examples_work(tmp_path):
                 .replace("127.0.0.1:8000", f"127.0.0.1:{http}"))
 
     up, *rest = commands
-    assert up.endswith("loraplex up &")
+    assert " up " in up and up.endswith(" &")
     server = subprocess.Popen(
         [*localize(up.removesuffix(" &")).split(), "--state-dir", str(tmp_path),
          "--base-port", str(base), "--http-port", str(http)],
@@ -63,18 +64,25 @@ def test_the_readme_gateway_examples_work(tmp_path):
         env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"}
         outputs = []
         for command in rest:
-            if "adapters push" in command:
+            if "loraplex adapters" in command:
                 command += f" --store 127.0.0.1:{base + 1}"
+            elif "loraplex generate" in command or "loraplex admin" in command:
+                command += f" --scheduler 127.0.0.1:{base}"
             done = subprocess.run(localize(command), shell=True, capture_output=True, text=True,
                                   timeout=120, cwd=ROOT, env=env)
             assert done.returncode == 0, (command, done.stdout, done.stderr)
-            outputs.append(done.stdout)
-        assert '"text_completion"' in outputs[1] and '"finish_reason"' in outputs[1]
-        assert '"support-bot"' in outputs[2]
+            outputs.append((command, done.stdout))
+        by_adapter = [out for command, out in outputs if "generate --adapter" in command]
+        assert by_adapter and all(out.strip() == "stone river quiet" for out in by_adapter)
+        completions = [out for command, out in outputs if "/v1/completions" in command]
+        assert completions and all('"text_completion"' in out and '"finish_reason"' in out
+                                   for out in completions)
+        models = [out for command, out in outputs if "/v1/models" in command]
+        assert models and all('"reverse-words"' in out for out in models)
         done = subprocess.run([sys.executable, "-c", localize(snippet)], capture_output=True,
                               text=True, timeout=120, cwd=ROOT)
         assert done.returncode == 0, done.stderr
-        assert done.stdout.strip()
+        assert done.stdout.strip() == "stone river quiet"
     finally:
         server.send_signal(signal.SIGTERM)
         server.send_signal(signal.SIGTERM)  # a second one must not leave services behind
