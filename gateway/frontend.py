@@ -40,7 +40,6 @@ from protos import common_pb2, scheduler_pb2
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_NEW_TOKENS = 16  # what a pool generates when a request names no bound
 _THREAD_TOKENIZE_CHARS = 20_000  # longer texts are tokenized off the event loop
 
 
@@ -181,7 +180,7 @@ class Frontend:
         request at the scheduler; tokens past it are never shown). _NothingDelivered when the
         cell fails the request before its first token."""
         check_stops(request.stop)
-        max_new = request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+        max_new = request.max_new_tokens or wire.DEFAULT_MAX_NEW_TOKENS
         eos = () if request.ignore_eos else route.model.answer.eos_token_ids
         output = OutputProcessor(route.model.tokenizer, max_new_tokens=max_new,
                                  stop_token_ids=[*request.stop_token_ids, *eos],

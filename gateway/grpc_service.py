@@ -10,7 +10,7 @@ import grpc
 from common import wire
 from common.credentials import bearer
 from common.errors import grpc_errors, write_within
-from gateway.frontend import CLIENT_WRITE_S, DEFAULT_MAX_NEW_TOKENS, Frontend, Route
+from gateway.frontend import CLIENT_WRITE_S, Frontend, Route
 from protos import scheduler_pb2, scheduler_pb2_grpc
 
 
@@ -27,7 +27,7 @@ class GatewayServicer(scheduler_pb2_grpc.SchedulerServicer):
                 route = await self._frontend.route(self._model(request.adapter), tenant)
                 upstream = await self._upstream(route, request)
                 self._frontend.admit(tenant, len(upstream.token_ids.ids)
-                                     + (request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS))
+                                     + (request.max_new_tokens or wire.DEFAULT_MAX_NEW_TOKENS))
                 # (closed, its request cancelled at the pool, before the call's status is sent)
                 async with contextlib.aclosing(self._frontend.generate(
                         route, upstream, tenant, context.time_remaining())) as messages:
@@ -48,7 +48,7 @@ class GatewayServicer(scheduler_pb2_grpc.SchedulerServicer):
         ids = await self._frontend.prompt_ids(
             route, request.text if kind == "text" else None,
             list(request.token_ids.ids) if kind == "token_ids" else None,
-            request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS)
+            request.max_new_tokens or wire.DEFAULT_MAX_NEW_TOKENS)
         upstream = scheduler_pb2.GenerateRequest()
         upstream.CopyFrom(request)
         upstream.adapter = route.adapter_ref

@@ -20,7 +20,7 @@ from starlette.routing import Route as HttpRoute
 
 from common.errors import NotFound, Unavailable
 from gateway.catalog import Catalog
-from gateway.frontend import DEFAULT_MAX_NEW_TOKENS, Frontend, Route
+from gateway.frontend import Frontend, Route
 from gateway.http_common import SSEResponse, guarded, json_body, tenant_of
 from gateway.http_errors import error_body
 from gateway.openai_requests import ChatRequest, Options, chat_request, completion_request
@@ -29,6 +29,10 @@ from gateway.openai_responses import Response as Identity
 from protos import scheduler_pb2
 
 log = logging.getLogger(__name__)
+
+# OpenAI's documented default for /v1/completions max_tokens: that API's own (equal to loraplex's
+# common.wire.DEFAULT_MAX_NEW_TOKENS today, not by definition). Chat takes the rest of the context.
+OPENAI_DEFAULT_MAX_TOKENS = 16
 
 
 class OpenAIApi:
@@ -52,7 +56,7 @@ class OpenAIApi:
         parsed = completion_request(await json_body(request, self._max_body_bytes))
         options = parsed.options
         route = await self._frontend.route(options.model, tenant)
-        max_new = options.max_tokens or DEFAULT_MAX_NEW_TOKENS
+        max_new = options.max_tokens or OPENAI_DEFAULT_MAX_TOKENS
         prompts = [await self._frontend.prompt_ids(
             route, p if isinstance(p, str) else None, None if isinstance(p, str) else list(p),
             max_new) for p in parsed.prompts]

@@ -31,7 +31,9 @@ from gateway.http_errors import error_body
 from gateway.openai_requests import MAX_STOP
 from protos import scheduler_pb2
 
-DEFAULT_MAX_NEW_TOKENS = 20  # TGI's and LoRAX's default
+# TGI's and LoRAX's documented default for parameters.max_new_tokens: that API's own, not
+# loraplex's (common.wire.DEFAULT_MAX_NEW_TOKENS, what a Generate without a bound gets).
+TGI_DEFAULT_MAX_NEW_TOKENS = 20
 _ERROR_TYPES = {400: "validation", 404: "not_found", 429: "overloaded", 401: "authentication",
                 403: "authorization", 503: "unavailable", 504: "timeout"}
 _UNSUPPORTED = {"typical_p": None, "watermark": False, "merged_adapters": None,
@@ -71,7 +73,7 @@ class TgiApi:
         if not isinstance(params, dict):
             raise InvalidArgument("parameters: must be an object")
         route = await self._frontend.route(self._model(params), tenant)
-        max_new = _int(params, "max_new_tokens", DEFAULT_MAX_NEW_TOKENS, 1)
+        max_new = _int(params, "max_new_tokens", TGI_DEFAULT_MAX_NEW_TOKENS, 1)
         ids = await self._frontend.prompt_ids(route, inputs, None, max_new)
         truncate = params.get("truncate")
         if truncate is not None:

@@ -122,7 +122,8 @@ class Generation:
     total_seconds: float = 0.0
 
 
-def generate_request(adapter: str = "", prompt: str | list[int] = "", max_new_tokens: int = 16,
+def generate_request(adapter: str = "", prompt: str | list[int] = "",
+                     max_new_tokens: int = wire.DEFAULT_MAX_NEW_TOKENS,
                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                      seed: int | None = None, stop: list[str] | None = None,
                      ignore_eos: bool = False,

@@ -38,7 +38,6 @@ class SchedulerConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)
     discovery_interval_s: float = 5.0  # how often executor names are re-resolved
     timings_out: str = ""  # append a JSON line per step and per load here (scheduler/timings.py)
-    default_max_new_tokens: int = 16
     max_stop_strings: int = wire.MAX_STOP_STRINGS
     max_stop_chars: int = wire.MAX_STOP_CHARS
 

@@ -143,7 +143,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             found = await self._registry.resolve(pb.adapter, tenant)
             validation.check_adapter(found, info)
             adapter, adapter_bytes = AdapterRef(found.name, found.version), found.num_bytes
-        max_new = pb.max_new_tokens or self._config.default_max_new_tokens
+        max_new = pb.max_new_tokens or wire.DEFAULT_MAX_NEW_TOKENS
         if pb.WhichOneof("prompt") == "text":
             if self._tokenizer is None:
                 raise InvalidArgument("this model has no tokenizer: send prompt token ids")
