@@ -66,7 +66,7 @@ def count_s3_gets(store: Store, on_get=None) -> list[int]:
 
 
 def slot_is_empty(runner: ModelRunner, slot: int) -> bool:
-    return not runner.pool.state(slot).targets and all(
+    return not runner.pool.contents(slot).targets and all(
         float(t[:, slot].abs().sum()) == 0 for t in runner.pool.a.values())
 
 

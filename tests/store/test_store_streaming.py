@@ -197,7 +197,7 @@ async def test_loader_checks_the_bytes_itself_before_the_parse_counts(tmp_path, 
         await loader.unload(0)
         with pytest.raises(DataLoss, match="do not match the store's size"):
             await loader.load(BIG_REF, 0)
-        assert not runner.pool.state(0).targets and loader.slot_adapters[0] is None
+        assert not runner.pool.contents(0).targets and loader.slot_adapters[0] is None
         entries[BIG_REF] = intact
         assert not (await loader.load(BIG_REF, 0)).was_resident
         assert loader.slot_adapters[0] == BIG_REF
