@@ -24,11 +24,14 @@ import time
 from common.detokenizer import OutputProcessor
 from common.sampling import SamplingParams
 from scheduler.block_manager import BlockManager
-from scheduler.core import ExecutorState, Limits, Samples, Scheduler
+from scheduler.core import Scheduler
 from scheduler.executor_link import step_request
+from scheduler.executor_state import ExecutorState
 from scheduler.fairness import FairnessWeights
+from scheduler.limits import Limits
 from scheduler.metrics import SchedulerMetrics
 from scheduler.request import Request
+from scheduler.sequence import Samples
 from scheduler.slots import SlotTable
 from scheduler.streams import StreamConnection
 

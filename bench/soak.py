@@ -43,7 +43,7 @@ from loraplex import client, demo
 from loraplex.demo_tasks import TASKS, held_out
 from loraplex.launch import Fleet, FleetKeys, start_gateway
 from protos import scheduler_pb2_grpc
-from scheduler.executor_state import Limits
+from scheduler.limits import Limits
 from scheduler.timeouts import Timeouts
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

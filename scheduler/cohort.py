@@ -1,16 +1,17 @@
-"""One executor's steady decode cohort: its running sequences that get a plain decode row in
-every step (one known token, held by its blocks, nothing to publish), planned with no Python per
-sequence.
+"""One executor's steady decode cohort (the fast step builder's, fast_steps.py): its running
+sequences that get a plain decode row in every step (one known token, held by its blocks,
+nothing to publish), planned with no Python per sequence.
 
 A sequence joins once a step has planned it as a decode row and the steps after it would too:
-its known tokens stay below its decode bound (Sequence.decode_below) and its next publish point
-for at least one more step. From then on every plan carries its decode_row, and its counters
-(Sequence.num_computed, num_known, last_step) move with the cohort's step count instead of one by
-one. It leaves, its counters its own again, before the first plan in which it would be anything
-else (a block to grow into or to publish, its length reached), or as soon as anything else
-touches it: it ends, is cancelled or preempted (Placement._release). A sequence out of the cohort
-is planned one by one (core.schedule), as every sequence was before. Every member joined from a
-row of a plan, within its token budget, so the cohort never outgrows a step's budget.
+its known tokens stay below its decode bound (FastSequence.decode_below) and its next publish
+point for at least one more step. From then on every plan carries its decode_row, and its
+counters (Sequence.num_computed, num_known, last_step) move with the cohort's step count instead
+of one by one (FastSteps.counters gives their values meanwhile). It leaves, its counters its own
+again, before the first plan in which it would be anything else (a block to grow into or to
+publish, its length reached), or as soon as anything else touches it: it ends, is cancelled or
+preempted (StepBuilder.release). A sequence out of the cohort is planned one by one
+(FastSteps.plan). Every member joined from a row of a plan, within its token budget, so the
+cohort never outgrows a step's budget.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import operator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from scheduler.executor_state import ScheduledRow, Sequence
+    from scheduler.fast_steps import FastSequence as Sequence
+    from scheduler.sequence import ScheduledRow
 
 
 class Cohort:
@@ -39,7 +41,7 @@ class Cohort:
         """`seq` was just planned as a decode row (in plan number `steps`, its counters its own):
         it joins if the next plan would give it one too, for as many plans as it would. Whether
         it joined."""
-        plans = min(seq.decode_below, seq.publish_at) - seq.own_known
+        plans = min(seq.decode_below, seq.publish_at) - seq.num_known
         if plans < 1:
             return False
         seq.cohort, seq.joined_at = self, self.steps
@@ -51,9 +53,9 @@ class Cohort:
     def leave(self, seq: Sequence) -> None:
         """Make a member's counters its own again, as of the last plan."""
         moved = self.steps - seq.joined_at
-        seq.own_computed += moved
-        seq.own_known += moved
-        seq.own_last_step = self.steps
+        seq.num_computed += moved
+        seq.num_known += moved
+        seq.last_step = self.steps
         seq.cohort = None
         del self.members[seq.seq_id]
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field, fields
 from common import wire
 from common.credentials import KeySources, add_key_arguments, sources_from_args
 from common.ratelimit import RateLimit, add_rate_limit_arguments, rate_limits_from_args
-from scheduler.executor_state import Limits
 from scheduler.fairness import FairnessWeights
+from scheduler.limits import Limits
 from scheduler.timeouts import Timeouts
 
 

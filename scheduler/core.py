@@ -2,94 +2,135 @@
 
 The service (engine.py) and the simulator (sim/simulator.py) drive the very same object:
 `submit`/`cancel` requests; per executor `schedule(ex)` -> StepPlan, then `on_step_done` with the
-sampled tokens; `on_load_done` when an adapter load ends; an executor's life through
-`add_executor`, `on_executor_lost`, `drain`/`resume`, `leave`, `stop` and `remove_executor`; the
-admin actions in admin.py; `stats()` for the Stats RPC. `start_load`, `start_unload`, `warm_host`
-and `wake` are its only ways out.
+sampled tokens; `on_load_done`/`on_stage_done` when an adapter's load or staging ends; an
+executor's life through `add_executor`, `on_executor_lost`, `drain`/`resume`, `leave`, `stop` and
+`remove_executor`; the operators' `prewarm`, `evict`, `merge`, `unmerge`; `stats()`. The
+callbacks it is given (start_load, start_unload, start_stage, warm_host, wake) are its only ways
+out.
 
-A request is routed to one executor when it arrives (routing.py) and waits in that executor's
-queue (queues.py) until admission finds, in fair order (fairness.py), that its KV blocks fit and
-its adapter is READY there (slots.py); its adapter then stays pinned until it finishes. Where
-requests wait and how they move between executors is placement.py; what an executor's loads and
-life do to them is executor_events.py; Scheduler builds on both.
+Scheduler owns small managers, each the only writer of its state (executor_state.py says which
+part is whose), and does what spans them (a request admitted, preempted, finished):
+
+    placement.py   Placement   where requests wait: routing, queues, orphans, work ahead
+    residency.py   Residency   which adapter is in which slot, loads, staging, backoff, pins
+    admission.py   Admission   who starts in a step (fair order, KV fit) and what tenants pay
+    merging.py     Merges      executors dedicated to one adapter, merged into their weights
+    step_builder.py            each executor's running sequences, plans and answers
+                               (ex.steps: FastSteps, or ReferenceSteps, the plain definition)
+    deadlines.py   Deadlines   when a waiting request gives up
 """
 
-import collections
-import heapq
+import functools
 import itertools
 import logging
-import math
 import operator
+import time
+from collections.abc import Callable, Iterable
 
 from common.adapter_ref import AdapterRef
 from common.detokenizer import Finish
 from common.errors import (
     DeadlineExceeded,
+    FailedPrecondition,
     LoraplexError,
+    NotFound,
     ResourceExhausted,
     Unavailable,
     retry_after,
 )
-from scheduler import merging
-from scheduler.deadlines import Due
-from scheduler.executor_events import ExecutorEvents
-from scheduler.executor_state import (
-    ExecutorState,
-    Limits,
-    Sample,
-    Samples,
-    ScheduledRow,
-    Sequence,
-    StepPlan,
-    row_slot,
-)
-from scheduler.prefix_cache import cache_key, cached_prefix, publish
-from scheduler.quiet_samples import quiet_samples, take_quiet
-from scheduler.request import FinishEvent, Request, Status
-from scheduler.slots import SlotState
-from scheduler.stats import PoolStats, snapshot
+from scheduler.admission import Admission
+from scheduler.block_manager import BlockManager
+from scheduler.deadlines import Deadlines, Due
+from scheduler.executor_state import ExecutorState
+from scheduler.fairness import FairnessWeights, FairShare
+from scheduler.limits import Limits
+from scheduler.merging import Merges
+from scheduler.placement import Placement
+from scheduler.prefix_cache import cache_key
+from scheduler.request import ErrorEvent, FinishEvent, Request, Status
+from scheduler.residency import Residency
+from scheduler.sequence import Samples, ScheduledRow, Sequence, StepPlan
+from scheduler.slots import Slot
+from scheduler.stats import PoolStats, TenantTotals, snapshot
 
 log = logging.getLogger(__name__)
-# An adapter staged on an executor and not taken into a slot within this long is staged again
-# when wanted (executors drop staged bytes after EXECUTOR_STAGED_TTL_S, which is longer).
-STAGED_TTL_S = 60.0
-__all__ = ["ExecutorState", "Limits", "Sample", "Samples", "ScheduledRow", "Scheduler",
-           "Sequence", "StepPlan"]
 
 
-class Scheduler(ExecutorEvents):
+class Scheduler:
+    def __init__(self, executors: Iterable[ExecutorState], weights: FairnessWeights,
+                 limits: Limits, start_load: Callable[[ExecutorState, Slot], None],
+                 wake: Callable[[], None],
+                 start_unload: Callable[[ExecutorState, int, AdapterRef], None] = (
+                     lambda ex, slot, adapter: None),
+                 clock: Callable[[], float] = time.monotonic,
+                 warm_host: Callable[[AdapterRef], None] = lambda adapter: None,
+                 start_stage: Callable[[ExecutorState, AdapterRef, int], None] = (
+                     lambda ex, adapter, num_bytes: None)):
+        self.limits, self.clock, self._wake = limits, clock, wake
+        fair = FairShare(weights)
+        self.residency = Residency(limits, clock, start_load, start_unload, start_stage,
+                                   warm_host, charge_load=self._charge_load)
+        self.placement = Placement(limits, fair, self.residency, wake)
+        self.admission = Admission(limits, fair, self.placement, self.residency, clock)
+        self.merges = Merges(limits, self.placement, self.residency, wake)
+        self.deadlines = Deadlines(limits.max_queue_s)
+        self.totals: dict[str, TenantTotals] = {}  # per tenant, of its ended requests
+        self._seq_ids = itertools.count(1)
+        for ex in executors:
+            self.add_executor(ex)
+
+    @property
+    def executors(self) -> list[ExecutorState]:
+        return self.placement.executors
+
+    @property
+    def orphans(self) -> list[Request]:
+        """Requests queued while no executor can take them."""
+        return self.placement.orphans
+
+    @property
+    def fair(self) -> FairShare:
+        return self.admission.fair
+
+    def _charge_load(self, req: Request, ex: ExecutorState) -> None:
+        self.admission.charge_load(req, ex)
+
     # ---- requests in and out ----------------------------------------------------------------
     def submit(self, req: Request) -> None:
         """Queue a request, or refuse it now: its tenant has max_queued_per_tenant waiting
         (RESOURCE_EXHAUSTED), or every slot of every executor is pinned by an operator
         (FAILED_PRECONDITION: its adapter could never load)."""
         req.arrival = req.queued_since = self.clock()
-        self._check_tenant_backlog(req.tenant)
+        self.admission.check_backlog(req.tenant)
         if req.adapter:
-            self._check_placeable(req.adapter)
-        req.work_left = len(req.prompt_ids) + req.output.max_new_tokens
+            self.placement.check_placeable(req.adapter)
         if self.limits.prefix_cache != "off":
             req.cache_key = cache_key(self.limits.prefix_cache, req.tenant, req.adapter,
                                       req.cache_salt)
         self.deadlines.add(req)
-        self._route(req)
+        self.placement.route(req)
+        self._wake()
+
+    def cancel(self, req: Request) -> None:
+        """Forget a request whose client went away; frees whatever it held."""
+        if req.status is Status.QUEUED:
+            self.placement.dequeue(req)
+        elif req.status is Status.RUNNING:
+            ex = req.executor
+            self._release(ex, next(s for s in ex.running.values() if s.request is req))
+        self._end(req)
         self._wake()
 
     def expire(self) -> None:
         """Drop the waiting requests whose time is up (see deadlines.py); wake the executors
         when an adapter's load may be tried again. The engine calls this on a clock tick."""
         now = self.clock()
-        self.merges.tick(self, now)
+        self.merges.tick(now)
         for req, due in self.deadlines.due(now):
             self._fail(req, self._expiry_error(req, due, now))
         for ex in self.executors:
-            ex.slots.drop_staged_before(now - STAGED_TTL_S)  # executors keep them a while only
-            for adapter, failure in list(ex.load_failures.items()):
-                if adapter not in ex.queue.demand:
-                    del ex.load_failures[adapter]  # nobody waits for it here any more
-                elif failure.retry_at <= now and not failure.is_due:
-                    failure.is_due = True  # its backoff just passed: try again
-                    self._wake()
+            if self.residency.expire(ex, now):
+                self._wake()
 
     def _expiry_error(self, req: Request, due: Due, now: float) -> LoraplexError:
         waited = now - req.arrival
@@ -105,109 +146,31 @@ class Scheduler(ExecutorEvents):
             return retry_after(Unavailable(
                 f"adapter {req.adapter} could not be loaded within {waited:.0f}s "
                 f"(last error: {failure.error}); retry later"), self.limits.max_load_backoff_s)
-        wait = self._expected_wait()
+        wait = self.placement.expected_wait()
         return retry_after(ResourceExhausted(
             f"not admitted within {waited:.0f}s (the pool's max_queue_s): the pool is "
             f"overloaded or has no executor up; retry in {wait:.0f}s"), wait)
 
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self, ex: ExecutorState) -> StepPlan:
-        """Rows for the next step of `ex`: its cohort's decode rows, its other running sequences,
-        then admissions in fair order. (Runs for every step: its loops stay plain.)"""
-        running, blocks, cohort = ex.running, ex.blocks, ex.cohort
-        bs = blocks.block_size
-        step = cohort.steps + 1
-        ex.unjoin(cohort.due(step))
-        budget = self.limits.max_batched_tokens - len(cohort)  # (never below 0: cohort.py)
-        decode: list[Sequence] = []  # rows of one known token, in its blocks, that samples
-        rows: list[ScheduledRow] = []  # the others
-        preempted = False
-        for _, seq in sorted(ex.loose.items()):  # (in admission order: the older first)
-            if budget == 0:
-                break
-            if preempted and seq.seq_id not in running:  # preempted to make room for another
-                continue
-            known = seq.own_known  # what the executor will have
-            n = known - seq.own_computed
-            if n == 1 and known < seq.decode_below:
-                decode.append(seq)
-                budget -= 1
-                continue
-            if known >= seq.max_tokens and known > len(seq.token_ids):
-                continue  # its last token is on its way: nothing more to compute
-            if n <= 0:
-                continue
-            if n > budget:
-                n = budget
-            end = seq.own_computed + n
-            if end <= seq.capacity:
-                new_blocks = ()
-            else:
-                new_blocks = blocks.try_grow(seq.seq_id, end)
-                if new_blocks is None:
-                    num_running = len(running)
-                    is_room = self._make_room(ex, seq, end)
-                    preempted = preempted or len(running) != num_running
-                    if not is_room:
-                        continue
-                    new_blocks = blocks.grow(seq.seq_id, end)
-                seq.hold(len(blocks.tables[seq.seq_id]) * bs)
-            rows.append(ScheduledRow(seq, n, new_blocks, end == known))
-            budget -= n
-        if preempted:  # drop the rows of sequences preempted after their row was made
-            rows = [row for row in rows if row.seq.seq_id in running]
-            decode = [seq for seq in decode if seq.seq_id in running]
-            budget = (self.limits.max_batched_tokens - len(cohort) - len(decode)  # (theirs
-                      - sum(row.num_tokens for row in rows))  # back, a preempted member's too)
-        if ex.is_admitting:
-            admitted = self._admit(ex, budget)
-            new = [row.seq for row in admitted]
-            for seq in new:  # sent now: one cancelled while this step runs must be freed after it
-                seq.is_sent = True
-            rows += admitted
-        else:
-            new = []
-        # Counted as computed once sent: the next plan may follow at once. The members move with
-        # the cohort's step count.
-        cohort.steps = step
-        num_tokens = num_samples = len(decode) + len(cohort)
-        member_rows = cohort.rows()
-        for seq in decode:
-            computed = seq.own_computed = seq.own_known
-            seq.own_known = computed + 1
-            seq.own_last_step = step
-            if computed >= seq.publish_at:  # (publish's cheap half)
-                publish(blocks, seq)
-            if cohort.join(seq):
-                del ex.loose[seq.seq_id]
-        for row in rows:
-            seq, n = row.seq, row.num_tokens
-            computed = seq.own_computed = seq.own_computed + n
-            seq.own_known += row.samples
-            num_samples += row.samples
-            seq.own_last_step = step
-            num_tokens += n
-            if computed >= seq.publish_at:
-                publish(blocks, seq)
-        ex.work_tokens -= num_tokens
-        rows += member_rows
-        rows += map(_decode_row, decode)
-        rows.sort(key=row_slot)
-        freed, ex.pending_frees = ex.pending_frees, []
-        unmerge = merging.unmerge_now(ex)
-        return StepPlan(step, freed, new, rows, num_tokens, num_samples,
-                        merging.merge_now(self, ex), unmerge)
+        """The next step of `ex` (step_builder.py: its running sequences' rows, then admissions
+        in fair order), and the merge or unmerge it carries."""
+        admit = functools.partial(self._admit, ex) if ex.is_admitting else _admit_nobody
+        plan = ex.steps.plan(ex.blocks, self.limits.max_batched_tokens, admit,
+                             functools.partial(self._make_room, ex))
+        self.placement.computed(ex, plan.num_tokens)  # (the next plan may follow at once)
+        plan.unmerge = self.merges.unmerge_now(ex)
+        plan.merge_slot = self.merges.merge_now(ex)
+        return plan
 
     def on_step_done(self, ex: ExecutorState, plan: StepPlan, samples: Samples,
                      step_seconds: float = 0.0) -> None:
         """The answer to `plan`, the oldest step in flight on `ex`: its sampled tokens."""
         ex.num_steps += bool(plan.rows)  # (a step that only frees sequences computes nothing)
         ex.rates.observe_step(plan.num_tokens, step_seconds)
-        ex.steps_answered = max(ex.steps_answered, plan.step)
-        merging.on_step_done(ex, plan)
-        for seq in [s for s in ex.unpin_later if not ex.is_in_flight(s)]:
-            ex.unpin_later.remove(seq)  # (the step loop plans next: a freed slot is seen then)
-            ex.slots.unpin(seq.slot)
+        ex.steps.answered(plan.step)
+        self.merges.on_step_done(ex, plan)
+        self.residency.unpin_answered(ex)  # (the step loop plans next: a freed slot is seen then)
         now = self.clock()
         self.merges.observe(plan, now)
         seqs = list(map(ex.running.get, samples.seq_ids))
@@ -217,147 +180,180 @@ class Scheduler(ExecutorEvents):
             seqs = list(itertools.compress(seqs, kept))
             token_ids = list(itertools.compress(token_ids, kept))
             logprobs = list(itertools.compress(logprobs, kept))
-        for tenant, num_tokens in collections.Counter(map(_tenant_of, seqs)).items():
-            self.fair.charge_output(tenant, num_tokens)
-        quiet = quiet_samples(seqs, token_ids, ex.stop_ids)  # (taken as columns)
-        if all(quiet):
-            return take_quiet(seqs, token_ids, logprobs)
-        if any(quiet):
-            take_quiet(list(itertools.compress(seqs, quiet)),
-                       list(itertools.compress(token_ids, quiet)),
-                       list(itertools.compress(logprobs, quiet)))
-        for i in itertools.compress(range(len(quiet)), map(operator.not_, quiet)):
-            self._take_sample(ex, seqs[i], token_ids[i], logprobs[i], now)
+        self.admission.charge_samples(seqs)
+        ex.steps.take(ex.blocks, seqs, token_ids, logprobs, now,
+                      functools.partial(self._finish, ex))
 
-    def _take_sample(self, ex: ExecutorState, seq: Sequence, token_id: int, logprob: float,
-                     now: float) -> None:
-        """A sample the long way: it may publish blocks, be the first token, end the request."""
-        tokens = seq.token_ids
-        tokens.append(token_id)
-        if len(tokens) >= seq.publish_at:  # (publish's cheap half)
-            publish(ex.blocks, seq)
-        finish = seq.request.on_sample(token_id, logprob, now)
-        if finish is not None:
-            self._finish(ex, seq, finish)
-        else:
-            seq.requiet()
+    def has_work(self, ex: ExecutorState) -> bool:
+        return bool(ex.running) or (ex.is_admitting and len(ex.queue) > 0)
 
-    # ---- admission --------------------------------------------------------------------------
     def _admit(self, ex: ExecutorState, budget: int) -> list[ScheduledRow]:
-        rows = []
-        ex.slots.drop_reservations(ex.queue.demand)
-        self._load_into_drained(ex)
-        heap = [(self.fair.counter(t), t) for t in ex.queue.tenants()]
-        if not heap:
-            return rows
-        heapq.heapify(heap)
-        active = {seq.request.adapter for seq in ex.running.values() if seq.request.adapter}
-        is_fairest = True
-        # An executor that runs nothing and brings nothing in takes anyone: held idle for a
-        # tenant whose adapter waits for slots that the queued requests of tenants ahead keep
-        # wanted, it would wait for good (a load on its way keeps the window).
-        is_stuck = not ex.running and not ex.slots.is_bringing_in()
-        ceiling = math.inf if is_stuck else self._fairness_ceiling()
-        while heap and budget > 0 and len(ex.running) < self.limits.max_num_seqs:
-            counter, tenant = heapq.heappop(heap)
-            if counter != self.fair.counter(tenant):  # charged since it was pushed
-                heapq.heappush(heap, (self.fair.counter(tenant), tenant))
-                continue
-            if counter > ceiling:
-                break  # everyone left is too far ahead of a tenant still waiting
-            req = self._pick(ex, tenant, active, is_fairest)
-            is_fairest = False
-            if req is None:
-                continue  # nothing of this tenant can start here yet
-            tokens = req.all_token_ids
-            hits = cached_prefix(ex.blocks, req, tokens)
-            if not ex.blocks.can_start(hits, len(tokens) + 1):
-                break  # the fairest request does not fit: admit nobody behind it
-            seq_id = next(self._seq_ids)
-            table = ex.blocks.start(seq_id, hits, len(tokens))
-            seq = self._start(ex, req, seq_id, tokens, len(hits))
-            seq.hold(len(table) * ex.blocks.block_size)
-            n = min(len(tokens) - seq.num_cached, budget)
-            rows.append(ScheduledRow(seq, n, table, samples=seq.num_cached + n == len(tokens)))
-            budget -= n
-            if req.adapter:
-                active.add(req.adapter)
-            if ex.queue.queued(tenant):
-                heapq.heappush(heap, (self.fair.counter(tenant), tenant))
-        return rows
+        return self.admission.admit(ex, budget, functools.partial(self._start, ex))
 
-    def _load_into_drained(self, ex: ExecutorState) -> None:
-        """A slot reserved for a staged adapter, once drained, takes it at once: its requests
-        may no longer be any tenant's oldest (those could be for the drained slot's adapter,
-        which a reserved slot admits no more), and nothing else would start the load."""
-        for slot in ex.slots.slots:
-            adapter = slot.reserved_for
-            if adapter is None or slot.pins or slot.state is not SlotState.READY:
-                continue
-            staged = ex.slots.staged(adapter)
-            if staged is not None and staged.staged_at is not None:
-                self.start_load_on(ex, adapter, staged.num_bytes)
-
-    def _pick(self, ex: ExecutorState, tenant: str, active: set[AdapterRef],
-              is_fairest: bool) -> Request | None:
-        """The tenant's oldest request that can start on ex now (its adapter READY here, within
-        the distinct-adapter limit, preferring running adapters for up to affinity_max_wait_s).
-        When none can, bring in the adapter of its oldest request: load it if a slot is free, or,
-        for the fairest tenant, reserve a slot to drain for it."""
-        q, max_adapters = ex.queue, self.limits.max_adapters_per_batch
-        heads = [q.head(tenant, None)]
-        heads += [q.head(tenant, s.adapter) for s in ex.slots.admissible()]
-        heads = [r for r in heads if r is not None and (
-            not max_adapters or not r.adapter or r.adapter in active or len(active) < max_adapters)]
-        if heads:
-            heads.sort(key=lambda r: r.arrival)
-            wait = self.limits.affinity_max_wait_s
-            if wait > 0 and self.clock() - heads[0].arrival < wait:
-                heads.sort(key=lambda r: bool(r.adapter) and r.adapter not in active)
-            return heads[0]
-        oldest = q.oldest(tenant)
-        if oldest is not None and oldest.adapter and ex.slots.find(oldest.adapter) is None:
-            staged = ex.slots.staged(oldest.adapter)
-            is_staged = staged is not None and staged.staged_at is not None
-            if not self._place(ex, oldest) and is_staged and is_fairest and \
-                    ex.slots.num_reserved() < self.limits.max_reserved_slots:
-                ex.slots.reserve(oldest.adapter)  # its bytes are here: drain a slot for it
-        return None
-
-    def _start(self, ex: ExecutorState, req: Request, seq_id: int, tokens: list[int],
-               num_hits: int) -> Sequence:
-        """Run req on ex as seq_id, its first `num_hits` blocks found in the prefix cache."""
-        self._dequeue(req)
+    def _start(self, ex: ExecutorState, req: Request, tokens: list[int], hits: list[int],
+               budget: int) -> ScheduledRow:
+        """Run req on ex, its first blocks `hits` found in the prefix cache: its first row."""
+        seq_id = next(self._seq_ids)
+        table = ex.blocks.start(seq_id, hits, len(tokens))
+        self.placement.start(ex, req, len(hits) * ex.blocks.block_size)
         slot = ex.slots.find(req.adapter) if req.adapter else None
-        cached = num_hits * ex.blocks.block_size
-        seq = Sequence(seq_id, req, slot, list(tokens), own_computed=cached, num_cached=cached,
-                       num_published=num_hits)
-        ex.start(seq)
-        req.work_left -= cached
-        ex.work_tokens += req.work_left
-        req.executor = ex
+        row = ex.steps.start(seq_id, req, slot, tokens, table, len(hits), ex.blocks, budget)
         if slot is not None:
-            ex.slots.pin(slot)
-            ex.num_hits += not req.caused_load
-        if not req.is_charged:  # the prompt tokens it computes (fairness.py)
-            req.cached_prompt_tokens = min(cached, len(req.prompt_ids))
-            self.fair.charge_input(req.tenant, len(req.prompt_ids) - req.cached_prompt_tokens)
-            req.is_charged = True
+            self.residency.pin(ex, slot, req)
+        self.admission.charge_admitted(req, row.seq.num_cached)
         req.status = Status.RUNNING
         req.admitted_at = req.admitted_at or self.clock()
-        return seq
+        return row
 
-    # ---- leaving the running set ------------------------------------------------------------
     def _make_room(self, ex: ExecutorState, seq: Sequence, num_tokens: int) -> bool:
         """Preempt the most-served tenants' latest sequences until `seq` can hold `num_tokens`;
         False if `seq` itself had to go."""
         while not ex.blocks.can_grow(seq.seq_id, num_tokens):
-            victim = max(ex.running.values(),
-                         key=lambda s: (self.fair.counter(s.request.tenant), s.seq_id))
+            victim = self.admission.victim(ex)
             self._preempt(ex, victim)
             if victim is seq:
                 return False
         return True
+
+    # ---- adapter loads ----------------------------------------------------------------------
+    def on_load_done(self, ex: ExecutorState, slot: Slot, adapter: AdapterRef,
+                     error: LoraplexError | None, num_bytes: int = 0,
+                     seconds: float = 0.0) -> None:
+        failure = self.residency.on_load_done(ex, slot, adapter, error, num_bytes, seconds)
+        if failure is not None:
+            self._fail_waiting_for(ex, adapter, failure)
+        self._wake()
+
+    def on_stage_done(self, ex: ExecutorState, adapter: AdapterRef, error: LoraplexError | None,
+                      num_bytes: int = 0, seconds: float = 0.0) -> None:
+        """Its bytes are on ex's host (or could not be fetched): it may take a slot now."""
+        failure = self.residency.on_stage_done(ex, adapter, error, num_bytes, seconds)
+        if failure is not None:
+            self._fail_waiting_for(ex, adapter, failure)
+        self._wake()
+
+    def _fail_waiting_for(self, ex: ExecutorState, adapter: AdapterRef,
+                          error: LoraplexError) -> None:
+        """`adapter` can never load on ex: the requests queued there for it fail."""
+        for req in [r for r in ex.queue if r.adapter == adapter]:
+            self._fail(req, error)
+        self.merges.on_fetch_failed(ex, adapter)
+
+    # ---- an executor's life -----------------------------------------------------------------
+    def add_executor(self, ex: ExecutorState) -> None:
+        """A new (or reconnected) executor: up and admitting, it takes its place and the work that
+        had nowhere to go."""
+        ex.is_up, ex.is_draining = True, False
+        self.placement.add(ex)
+        self.placement.place_work()
+
+    def remove_executor(self, ex: ExecutorState) -> None:
+        """Forget an executor for good (it left the pool); its work moves to the others."""
+        if ex.is_up:
+            self.on_executor_lost(ex)
+        self.placement.remove(ex)
+
+    def on_executor_lost(self, ex: ExecutorState, error: LoraplexError | None = None) -> None:
+        """Hand a dead executor's work to the others; its slots and blocks are gone. A running
+        request under its max_executor_failures-th lost executor fails with `error`."""
+        ex.is_up = False
+        for seq in list(ex.running.values()):
+            req = seq.request
+            req.executor_failures += 1
+            if req.executor_failures >= self.limits.max_executor_failures:
+                self._release(ex, seq)
+                self._end(req)
+                req.emit(ErrorEvent(Unavailable(
+                    f"{req.executor_failures} executors failed while running this request, the "
+                    f"last {ex.address}: {error or 'it went away'}")))
+        for seq in list(ex.running.values()):
+            self._preempt(ex, seq)
+        self.placement.evacuate(ex)
+        ex.steps.forget_frees()
+        self.residency.reset(ex)
+        ex.blocks = BlockManager(ex.blocks.num_blocks, ex.blocks.block_size)
+        self.merges.forget(ex)
+        self._wake()
+
+    def drain(self, ex: ExecutorState) -> None:
+        """Admit nothing new on ex; its running sequences finish, its queue moves elsewhere."""
+        ex.is_draining = True
+        self.placement.evacuate(ex)
+        self.merges.keep_one_serving_everyone()
+        self._wake()
+
+    def leave(self, ex: ExecutorState) -> None:
+        """Ex is gone from discovery: drain it (if up); it is forgotten once drained."""
+        ex.is_leaving = True
+        if ex.is_up:
+            self.drain(ex)
+        self._wake()
+
+    def stop(self, ex: ExecutorState) -> None:
+        """Ex is shutting down (its health said NOT_SERVING): drain it, release it once drained."""
+        ex.is_stopping = True
+        self.drain(ex)
+
+    def resume(self, ex: ExecutorState) -> None:
+        """Admit on a drained executor again: requests that had nowhere to go (every executor
+        drained) go to it, queued ones that would start sooner there move. Refused for one that
+        is down, leaving or stopping."""
+        if not ex.can_resume:
+            raise FailedPrecondition(f"executor {ex.address} is shutting down, down or leaving "
+                                     "the pool; it cannot admit work")
+        ex.is_draining = False
+        self.placement.place_work()
+
+    # ---- operators --------------------------------------------------------------------------
+    def find_executor(self, address: str) -> ExecutorState:
+        for ex in self.executors:
+            if ex.address == address:
+                return ex
+        known = ", ".join(ex.address for ex in self.executors) or "none"
+        raise NotFound(f"no executor {address!r} in this pool (known: {known})")
+
+    def prewarm(self, adapter: AdapterRef, adapter_bytes: int, num_executors: int,
+                pin: bool) -> list[ExecutorState]:
+        """Make `adapter` resident on `num_executors` executors (residency.py: prewarm)."""
+        up = [ex for ex in self.placement.admitting() if ex.serves(adapter)]
+        if not up:
+            raise Unavailable(f"no executor is up and admitting work to pre-warm {adapter} on "
+                              f"({len(self.executors)} known, all down or draining)")
+        chosen = self.residency.prewarm(up, adapter, adapter_bytes, num_executors, pin)
+        self._wake()
+        return chosen
+
+    def evict(self, adapter: AdapterRef, address: str = "") -> int:
+        """Free the slots holding `adapter` (on one executor or all); refused while it runs."""
+        targets = [self.find_executor(address)] if address else self.executors
+        return self.residency.evict(targets, adapter)
+
+    def merge(self, adapter: AdapterRef, adapter_bytes: int,
+              num_executors: int) -> list[ExecutorState]:
+        return self.merges.merge(adapter, adapter_bytes, num_executors)
+
+    def unmerge(self, adapter: AdapterRef | None, address: str = "") -> list[str]:
+        return self.merges.unmerge(adapter, address)
+
+    def stats(self) -> PoolStats:
+        return snapshot(self.executors, self.fair, self.totals)
+
+    # ---- leaving the running set or a queue -------------------------------------------------
+    def _preempt(self, ex: ExecutorState, seq: Sequence) -> None:
+        """Give a running sequence's blocks back; its request recomputes later from all its
+        tokens."""
+        self._release(ex, seq)
+        req = seq.request
+        req.status = Status.QUEUED
+        req.queued_since = self.clock()
+        self.deadlines.requeued(req)
+        self.placement.route(req, front=True)
+
+    def _release(self, ex: ExecutorState, seq: Sequence) -> None:
+        ex.steps.release(seq)
+        ex.blocks.free(seq.seq_id)
+        self.placement.released(ex, seq)
+        self.residency.unpin(ex, seq)
 
     def _finish(self, ex: ExecutorState, seq: Sequence, reason: Finish) -> None:
         self._release(ex, seq)
@@ -365,12 +361,15 @@ class Scheduler(ExecutorEvents):
         self._end(seq.request)
         seq.request.emit(FinishEvent(reason))
 
-    def has_work(self, ex: ExecutorState) -> bool:
-        return bool(ex.running) or (ex.is_admitting and len(ex.queue) > 0)
+    def _fail(self, req: Request, error: LoraplexError) -> None:
+        self.placement.dequeue(req)
+        self._end(req)
+        req.emit(ErrorEvent(error))
 
-    def stats(self) -> PoolStats:
-        return snapshot(self.executors, self.fair, self.totals)
+    def _end(self, req: Request) -> None:
+        req.status = Status.FINISHED
+        self.totals.setdefault(req.tenant, TenantTotals()).add(req)
 
 
-_decode_row = operator.attrgetter("decode_row")
-_tenant_of = operator.attrgetter("tenant")
+def _admit_nobody(budget: int) -> list[ScheduledRow]:
+    return []

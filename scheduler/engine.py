@@ -24,11 +24,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.adapter_ref import AdapterRef
 from common.errors import LoraplexError, Unavailable, from_rpc_error
 from protos import executor_pb2
-from scheduler.core import ExecutorState, Limits, Scheduler, StepPlan
+from scheduler.core import Scheduler
 from scheduler.discovery import resolve
 from scheduler.executor_link import ExecutorLink
+from scheduler.executor_state import ExecutorState
 from scheduler.fairness import FairnessWeights
+from scheduler.limits import Limits
 from scheduler.metrics import SchedulerMetrics
+from scheduler.sequence import StepPlan
 from scheduler.slots import Slot
 from scheduler.timeouts import Timeouts
 from scheduler.timings import TimingLog

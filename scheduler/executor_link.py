@@ -14,7 +14,8 @@ from common.errors import Unavailable
 from common.server import insecure_channel
 from protos import executor_pb2, executor_pb2_grpc
 from scheduler.block_manager import BlockManager
-from scheduler.core import ExecutorState, Samples, StepPlan
+from scheduler.executor_state import ExecutorState
+from scheduler.sequence import Samples, StepPlan
 from scheduler.slots import SlotTable
 from scheduler.timeouts import Timeouts
 

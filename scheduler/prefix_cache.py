@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING
 
 from common.adapter_ref import AdapterRef
 
-if TYPE_CHECKING:  # (executor_state imports this module)
+if TYPE_CHECKING:  # (limits.py imports this module)
     from scheduler.block_manager import BlockManager
-    from scheduler.executor_state import Sequence
     from scheduler.request import Request
+    from scheduler.sequence import Sequence
 
 SCOPES = ("tenant", "pool", "off")
 
@@ -79,4 +79,3 @@ def publish(blocks: BlockManager, seq: Sequence) -> None:
                 blocks.publish(seq.seq_id, index, hashes[index])
             seq.num_published = full
         seq.publish_at = (seq.num_published + 1) * bs
-    seq.requiet()  # (its quiet samples end at the next publish point)

@@ -1,7 +1,7 @@
 """The samples of a step that only add a token, taken as columns: most of a step's samples
-(Sequence.quiet_below: the first token already sent, no block to publish, the length bound not
-reached, a token sink to take it) that are no running request's stop token. Each list operation
-is a map in C; the others go the long way, one by one (core.on_step_done)."""
+(FastSequence.quiet_below: the first token already sent, no block to publish, the length bound
+not reached, a token sink to take it) that are no running request's stop token. Each list
+operation is a map in C; the others go the long way, one by one (FastSteps.take)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import operator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from scheduler.executor_state import Sequence
+    from scheduler.fast_steps import FastSequence as Sequence
 
 
 def quiet_samples(seqs: list[Sequence], token_ids: list[int],

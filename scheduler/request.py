@@ -70,9 +70,6 @@ class Request:
     caused_load: bool = False  # it started the load of its adapter
     executor_failures: int = 0  # executors lost while it ran there (their step failed or they left)
     executor: Any = None  # the ExecutorState it is queued or running on
-    # Tokens still to compute for it while queued (prompt + outputs), for routing (running, its
-    # sequence's max_tokens - num_computed).
-    work_left: int = 0
     cache_salt: str = ""  # keeps its cached KV blocks apart from requests with another salt
     cache_key: bytes = b""  # whose cached KV blocks it may reuse (prefix_cache.py); b"": none
     # Prompt tokens whose KV its first admission found in the prefix cache (not computed).
@@ -81,6 +78,11 @@ class Request:
     block_hashes: dict[int, list[bytes]] = field(default_factory=dict)
     sink: TokenSink | None = None
     sink_id: int = 0
+
+    @property
+    def max_tokens(self) -> int:
+        """Its tokens once done: the prompt and max_new_tokens outputs (the work it brings)."""
+        return len(self.prompt_ids) + self.output.max_new_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

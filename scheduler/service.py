@@ -28,7 +28,7 @@ from common.registry_client import RegistryClient
 from common.sampling import SamplingParams
 from common.server import Service, announce, configure_logging, run, run_until_signalled
 from protos import common_pb2, executor_pb2, scheduler_pb2, scheduler_pb2_grpc
-from scheduler import admin, merging, validation
+from scheduler import admin, validation
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.request import ErrorEvent, Event, FinishEvent, Request, Status
@@ -202,8 +202,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         async with grpc_errors(context):
             self._check_admin(context)
             key, num_bytes = await self._servable(request.adapter)
-            chosen = admin.prewarm(self._engine.core, key, num_bytes,
-                                   request.num_executors or 1, request.pin)
+            chosen = self._engine.core.prewarm(key, num_bytes, request.num_executors or 1,
+                                               request.pin)
             if request.wait:
                 failed = await admin.loads_done(chosen, key)
                 if failed:
@@ -216,14 +216,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         async with grpc_errors(context):
             self._check_admin(context)
             found = await self._registry.resolve(request.adapter, "")
-            num = admin.evict(self._engine.core, AdapterRef(found.name, found.version),
-                              request.executor)
+            num = self._engine.core.evict(AdapterRef(found.name, found.version),
+                                          request.executor)
             return scheduler_pb2.EvictResponse(num_evicted=num)
 
     async def Drain(self, request, context):
         async with grpc_errors(context):
             self._check_admin(context)
-            ex = admin.find_executor(self._engine.core, request.executor)
+            ex = self._engine.core.find_executor(request.executor)
             self._engine.core.drain(ex)
             return scheduler_pb2.DrainResponse(running=len(ex.running))
 
@@ -231,8 +231,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         async with grpc_errors(context):
             self._check_admin(context)
             key, num_bytes = await self._servable(request.adapter)
-            chosen = merging.merge(self._engine.core, key, num_bytes,
-                                   request.num_executors or 1)
+            chosen = self._engine.core.merge(key, num_bytes, request.num_executors or 1)
             return scheduler_pb2.MergeResponse(adapter=key.to_pb(),
                                                executors=[ex.address for ex in chosen])
 
@@ -244,14 +243,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 found = await self._registry.resolve(request.adapter, "")
                 key = AdapterRef(found.name, found.version)
             if request.executor:
-                admin.find_executor(self._engine.core, request.executor)
-            released = merging.unmerge(self._engine.core, key, request.executor)
+                self._engine.core.find_executor(request.executor)
+            released = self._engine.core.unmerge(key, request.executor)
             return scheduler_pb2.UnmergeResponse(executors=released)
 
     async def Resume(self, request, context):
         async with grpc_errors(context):
             self._check_admin(context)
-            ex = admin.find_executor(self._engine.core, request.executor)
+            ex = self._engine.core.find_executor(request.executor)
             self._engine.core.resume(ex)
             return scheduler_pb2.ResumeResponse(queued=len(ex.queue))
 

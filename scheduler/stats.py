@@ -91,7 +91,7 @@ def _executor(ex: ExecutorState) -> ExecutorStats:
         address=ex.address, running=len(ex.running), queued=len(ex.queue),
         free_kv_blocks=ex.blocks.num_free, num_kv_blocks=ex.blocks.num_blocks,
         cached_kv_blocks=ex.blocks.num_cached, dedicated_to=ex.dedicated_to,
-        is_merged=ex.merged_slot is not None,
+        is_merged=ex.merge.merged_slot is not None,
         num_steps=ex.num_steps, num_loads=ex.num_loads, num_hits=ex.num_hits, is_up=ex.is_up,
         is_draining=ex.is_draining, is_drained=ex.is_drained,
         slots=tuple(SlotStats(s.adapter, s.state, s.pins, s.is_admin_pinned, s.reserved_for)

@@ -19,7 +19,7 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from scheduler.executor_state import Limits
+from scheduler.limits import Limits
 
 
 @dataclass(frozen=True)

@@ -30,31 +30,22 @@ def check_invariants(core: Scheduler, live: Iterable[Request] = ()) -> None:
                 assert seq.slot.adapter == req.adapter, \
                     f"{where}: seq {seq.seq_id} on a foreign slot"
                 pins[seq.slot.index] += 1
-        members = ex.cohort.members
-        assert len(members) <= core.limits.max_batched_tokens, f"{where}: cohort past the budget"
-        assert set(ex.running) == set(ex.loose) | set(members) and not set(ex.loose) & set(
-            members), f"{where}: running sequences not either in the cohort or out of it"
-        for seq in members.values():
-            assert seq.cohort is ex.cohort and seq.num_known - seq.num_computed == 1 \
-                and seq.num_known <= min(seq.decode_below, seq.publish_at), \
-                f"{where}: seq {seq.seq_id} in the cohort, its next row no plain decode row"
-        assert all(seq.cohort is None for seq in ex.loose.values()), f"{where}: loose member"
-        stops = Counter(t for seq in ex.running.values() for t in seq.request.output.stop_ids)
-        assert ex.stop_ids == stops, f"{where}: stop token ids of its running requests miscounted"
+        ex.steps.check(where, core.limits.max_batched_tokens)  # (its own bookkeeping)
         for seq in ex.unpin_later:  # left while steps with its rows were in flight
-            assert ex.is_in_flight(seq) and seq.seq_id not in ex.running, \
+            assert ex.steps.is_in_flight(seq) and seq.seq_id not in ex.running, \
                 f"{where}: seq {seq.seq_id} kept its slot pinned for no step"
             pins[seq.slot.index] += 1
-        for slot in (ex.merged_slot, ex.unmerging):  # pinned while merged (merging.py)
+        merge = ex.merge
+        for slot in (merge.merged_slot, merge.unmerging):  # pinned while merged (merging.py)
             if slot is not None:
                 pins[slot.index] += 1
-        if ex.merged_slot is not None:
-            adapter = ex.merged_slot.adapter
+        if merge.merged_slot is not None:
+            adapter = merge.merged_slot.adapter
             assert all(s.request.adapter == adapter for s in ex.running.values()), \
                 f"{where}: merged with {adapter}, runs another adapter"
-        if ex.dedicated_to is not None:
-            assert all(r.adapter == ex.dedicated_to for r in ex.queue), \
-                f"{where}: dedicated to {ex.dedicated_to}, queues another adapter"
+        if merge.dedicated_to is not None:
+            assert all(r.adapter == merge.dedicated_to for r in ex.queue), \
+                f"{where}: dedicated to {merge.dedicated_to}, queues another adapter"
         held = Counter(s.adapter for s in ex.slots.slots if s.adapter)
         assert all(n == 1 for n in held.values()), f"{where}: an adapter in two slots: {held}"
         for slot in ex.slots.slots:
@@ -71,7 +62,8 @@ def check_invariants(core: Scheduler, live: Iterable[Request] = ()) -> None:
         holder: dict[int, Request] = {}
         for seq in ex.running.values():
             held = len(ex.blocks.tables[seq.seq_id]) * ex.blocks.block_size
-            assert seq.num_computed <= seq.capacity <= held, \
+            num_computed, _, _ = ex.steps.counters(seq)
+            assert num_computed <= seq.capacity <= held, \
                 f"{where}: seq {seq.seq_id} computes past its blocks, or believes it holds more"
             key = seq.request.cache_key
             for block in ex.blocks.tables[seq.seq_id]:

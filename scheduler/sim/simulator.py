@@ -18,9 +18,10 @@ from common.detokenizer import OutputProcessor
 from common.sampling import SamplingParams
 from scheduler.block_manager import BlockManager
 from scheduler.core import Scheduler
-from scheduler.executor_state import NO_SAMPLES, ExecutorState, Sample, Samples, StepPlan
+from scheduler.executor_state import ExecutorState
 from scheduler.fairness import FairnessWeights, spread_bound
 from scheduler.request import FinishEvent, Request
+from scheduler.sequence import NO_SAMPLES, Sample, Samples, StepPlan
 from scheduler.sim.belady import belady_hits, lru_hits, pinned_belady_hits
 from scheduler.sim.config import SimConfig
 from scheduler.slots import SlotTable
@@ -176,7 +177,7 @@ class Simulator:
     def _step_seconds(self, ex: ExecutorState, plan: StepPlan) -> float:
         """The cost model's time for a step; an adapter merged into ex costs no LoRA work."""
         c = self.cfg.cost
-        merged = ex.merged_slot.adapter if ex.merged_slot else None
+        merged = ex.merge.merged_slot.adapter if ex.merge.merged_slot else None
         lora_rows = [row for row in plan.rows
                      if row.seq.request.adapter and row.seq.request.adapter != merged]
         adapters = {row.seq.request.adapter for row in lora_rows}
@@ -222,7 +223,7 @@ class Simulator:
             elif kind == STAGE_DONE:
                 self.core.on_stage_done(*payload)
             elif kind == MERGE_TICK:
-                self.core.merges.tick(self.core, self.now)
+                self.core.merges.tick(self.now)
                 if self._events:  # (while anything else is to happen)
                     self._push(self.now + MERGE_TICK_S, MERGE_TICK, None)
             else:

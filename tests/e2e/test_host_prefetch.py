@@ -14,9 +14,9 @@ from loraplex import client
 from loraplex.launch import Fleet
 from protos import adapter_store_pb2 as pb
 from protos import scheduler_pb2_grpc
-from scheduler.core import Limits
 from scheduler.engine import MAX_WARMS_IN_FLIGHT, Engine
 from scheduler.fairness import FairnessWeights
+from scheduler.limits import Limits
 
 
 @pytest.fixture(scope="module")

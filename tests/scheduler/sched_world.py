@@ -1,14 +1,19 @@
 """A synchronous harness around the scheduler core: executors answer every plan at once with one
 token per sequence that reached the end of its tokens; loads finish when told to. The invariant
-checker runs after every step."""
+checker runs after every step. Executors plan with the fast step builder unless `steps` says
+otherwise (step_builder.py)."""
 
 from common.adapter_ref import AdapterRef
 from common.detokenizer import OutputProcessor
 from common.sampling import SamplingParams
 from scheduler.block_manager import BlockManager
-from scheduler.core import ExecutorState, Limits, Sample, Samples, Scheduler
+from scheduler.core import Scheduler
+from scheduler.executor_state import ExecutorState
 from scheduler.fairness import FairnessWeights
+from scheduler.fast_steps import FastSteps
+from scheduler.limits import Limits
 from scheduler.request import FinishEvent, Request
+from scheduler.sequence import Sample, Samples
 from scheduler.sim.invariants import check_invariants
 from scheduler.slots import SlotTable
 
@@ -21,12 +26,13 @@ class World:
     """One or more executors driven synchronously; loads complete when `complete_loads` runs."""
 
     def __init__(self, num_executors=1, num_blocks=64, block_size=4, num_slots=2,
-                 limits=Limits(), weights=FairnessWeights()):
+                 limits=Limits(), weights=FairnessWeights(), steps=FastSteps):
         self.loads: list = []
         self.stages: list = []  # adapters being staged (fetched ahead of taking a slot)
         self.warmed: list[AdapterRef] = []  # adapters the core asked a store to bring into RAM
         self.executors = [ExecutorState(f"ex{i}", BlockManager(num_blocks, block_size),
-                                        SlotTable(num_slots)) for i in range(num_executors)]
+                                        SlotTable(num_slots), steps())
+                          for i in range(num_executors)]
         self.now = 0.0
         self.core = Scheduler(
             self.executors, weights, limits,

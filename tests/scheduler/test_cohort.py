@@ -1,10 +1,13 @@
 """The decode cohort (scheduler/cohort.py): it changes no plan (the same rows, step after step, as
-planning every sequence one by one), and in steady decode it plans most rows."""
+the reference builder planning every sequence one by one), and in steady decode it plans most
+rows."""
 
 import collections
 
-from scheduler.cohort import Cohort
-from scheduler.core import Limits, Sample, Samples
+from scheduler.fast_steps import FastSteps
+from scheduler.limits import Limits
+from scheduler.reference_steps import ReferenceSteps
+from scheduler.sequence import Sample, Samples
 from scheduler.sim.invariants import check_invariants
 from tests.scheduler.sched_world import World
 
@@ -24,9 +27,9 @@ def pipelined(w: World, steps: int, arrivals: dict[int, list[tuple[str, int, int
         plans.append((sorted((row.seq.seq_id, row.num_tokens, tuple(row.new_block_ids),
                               row.samples) for row in plan.rows),
                       sorted(plan.freed), [seq.seq_id for seq in plan.new]))
-        in_flight.append((plan, len(ex.cohort)))
+        in_flight.append(plan)
         if len(in_flight) == 2:
-            plan, _ = in_flight.popleft()
+            plan = in_flight.popleft()
             w.core.on_step_done(ex, plan, Samples.of(
                 Sample(row.seq.seq_id, 7, -0.1) for row in plan.rows if row.samples))
             check_invariants(w.core, w.requests)
@@ -37,22 +40,20 @@ ARRIVALS = {0: [("a", 3, 40), ("b", 9, 25), ("a", 1, 60), ("c", 14, 7)],
             5: [("b", 6, 30), ("c", 2, 2)], 11: [("a", 21, 18)], 30: [("c", 5, 50)]}
 
 
-def test_the_cohort_changes_no_plan(monkeypatch):
-    def run() -> list:
-        w = World(num_blocks=400, block_size=4,
+def test_the_cohort_changes_no_plan():
+    def run(steps) -> list:
+        w = World(num_blocks=400, block_size=4, steps=steps,
                   limits=Limits(max_num_seqs=16, max_batched_tokens=4096, pipeline_depth=2))
         return pipelined(w, 120, ARRIVALS)
 
-    with_cohort = run()
-    monkeypatch.setattr(Cohort, "join", lambda self, seq: False)  # everyone planned one by one
-    assert run() == with_cohort
+    assert run(FastSteps) == run(ReferenceSteps)  # (everyone planned one by one)
 
 
-def test_the_cohort_changes_no_plan_when_its_members_are_preempted(monkeypatch):
+def test_the_cohort_changes_no_plan_when_its_members_are_preempted():
     """A budget of a few tokens and KV blocks short enough to preempt: a member preempted while
     its step is planned gives its budget token back, as planning one by one does."""
-    def run() -> list:
-        w = World(num_blocks=7, block_size=4, limits=Limits(
+    def run(steps) -> list:
+        w = World(num_blocks=7, block_size=4, steps=steps, limits=Limits(
             max_num_seqs=4, max_batched_tokens=3, fairness_window=0.0, prefix_cache="off"))
         plans, schedule = [], w.core.schedule
 
@@ -69,9 +70,7 @@ def test_the_cohort_changes_no_plan_when_its_members_are_preempted(monkeypatch):
             w.step()
         return plans
 
-    with_cohort = run()
-    monkeypatch.setattr(Cohort, "join", lambda self, seq: False)
-    assert run() == with_cohort
+    assert run(FastSteps) == run(ReferenceSteps)
 
 
 def test_the_cohort_plans_most_rows_of_steady_decode():
@@ -85,7 +84,7 @@ def test_the_cohort_plans_most_rows_of_steady_decode():
     for _ in range(100):
         plan = w.core.schedule(ex)
         rows += len(plan.rows)
-        members += sum(row.seq.cohort is ex.cohort and row.seq.joined_at < plan.step
+        members += sum(row.seq.cohort is ex.steps.cohort and row.seq.joined_at < plan.step
                        for row in plan.rows)  # (planned as members: not joining just now)
         w.core.on_step_done(ex, plan, Samples.of(
             Sample(row.seq.seq_id, 7, -0.1) for row in plan.rows if row.samples))
@@ -100,7 +99,7 @@ def test_steps_whose_budget_holds_fewer_rows_than_run_complete_every_request():
                                20: [("t0", 3, 9)] * 4})
     assert all(sum(n for _, n, _, _ in rows) <= 8 for rows, _, _ in plans)
     assert [len(r.output.token_ids) for r in w.requests] == [12 + i for i in range(12)] + [9] * 4
-    assert not w.executors[0].running and not w.executors[0].cohort.members
+    assert not w.executors[0].running and not w.executors[0].steps.cohort.members
 
 
 def test_a_sequence_out_of_the_cohort_is_planned_before_a_newer_prompt():

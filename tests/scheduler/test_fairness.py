@@ -2,8 +2,8 @@
 
 import random
 
-from scheduler.core import Limits
 from scheduler.fairness import FairnessWeights, spread_bound
+from scheduler.limits import Limits
 from scheduler.request import Status
 from tests.scheduler.sched_world import World, ref
 

@@ -5,9 +5,9 @@ policy's hysteresis. No request is lost or fails because of a merge."""
 import pytest
 
 from common.errors import FailedPrecondition, InvalidArgument
-from scheduler import merging
-from scheduler.core import Limits, Sample, Samples
+from scheduler.limits import Limits
 from scheduler.request import Status
+from scheduler.sequence import Sample, Samples
 from tests.scheduler.sched_world import World, ref
 
 A, B = ref("a@1"), ref("b@1")
@@ -34,7 +34,7 @@ def b_running(num_slots: int, max_new: int) -> tuple[World, list, object]:
 def test_a_merge_waits_for_other_adapters_to_finish_and_moves_their_queue():
     w, running_b, ex = b_running(num_slots=3, max_new=6)
     queued_b = [w.request(adapter="b@1", max_new=2) for _ in range(3)]
-    merging.dedicate(w.core, ex, A, 2**20)
+    w.core.merges.dedicate(ex, A, 2**20)
     assert ex.dedicated_to == A and all(r.executor is not ex for r in queued_b), \
         "its queue for other adapters moved"
     w.complete_loads()
@@ -50,7 +50,7 @@ def test_a_merge_waits_for_other_adapters_to_finish_and_moves_their_queue():
             assert ex.slots.slots[plan.merge_slot].adapter == A
         plans(w, other)
         w.complete_loads()
-    assert seen_merge and ex.merged_slot is not None
+    assert seen_merge and ex.merge.merged_slot is not None
     a_reqs = [w.request(adapter="a@1", max_new=3) for _ in range(3)]
     assert all(r.executor is ex for r in a_reqs), "its traffic goes to its merged executor"
     b_req = w.request(adapter="b@1", max_new=3)
@@ -61,21 +61,21 @@ def test_a_merge_waits_for_other_adapters_to_finish_and_moves_their_queue():
 
 def test_unmerge_goes_out_in_the_next_step_and_the_slot_stays_pinned_until_answered():
     w = World(num_executors=2, num_slots=2)
-    ex = merging.merge(w.core, A, 2**20, 1)[0]
+    ex = w.core.merge(A, 2**20, 1)[0]
     w.complete_loads()
     plan = plans(w, ex)
     assert plan.merge_slot is not None
-    slot = ex.merged_slot
+    slot = ex.merge.merged_slot
     assert slot.pins == 1
-    merging.unmerge(w.core, A)
+    w.core.unmerge(A)
     assert ex.dedicated_to is None and ex.serves(B)
     req = w.request(adapter="b@1", max_new=2)
     w.complete_loads()
     plan = w.core.schedule(ex)
-    assert plan.unmerge and ex.merged_slot is None and slot.pins >= 1, "pinned until answered"
+    assert plan.unmerge and ex.merge.merged_slot is None and slot.pins >= 1, "pinned until answered"
     w.core.on_step_done(ex, plan, Samples.of(
         Sample(r.seq.seq_id, 7, -0.1) for r in plan.rows if r.samples))
-    assert ex.unmerging is None
+    assert ex.merge.unmerging is None
     w.run()
     assert w.finished(req)
 
@@ -83,25 +83,25 @@ def test_unmerge_goes_out_in_the_next_step_and_the_slot_stays_pinned_until_answe
 def test_the_last_executor_serving_everyone_is_never_merged():
     w = World(num_executors=1)
     with pytest.raises(FailedPrecondition, match="serving every adapter|one of those"):
-        merging.merge(w.core, A, 2**20, 1)
+        w.core.merge(A, 2**20, 1)
     w = World(num_executors=2)
     with pytest.raises(FailedPrecondition, match="one of those must keep"):
-        merging.merge(w.core, A, 2**20, 2)
-    merging.merge(w.core, A, 2**20, 1)
+        w.core.merge(A, 2**20, 2)
+    w.core.merge(A, 2**20, 1)
     with pytest.raises(FailedPrecondition):
-        merging.merge(w.core, B, 2**20, 1)
+        w.core.merge(B, 2**20, 1)
 
 
 def test_losing_the_executor_that_serves_everyone_releases_the_merged_ones():
     w = World(num_executors=2)
-    dedicated = merging.merge(w.core, A, 2**20, 1)[0]
+    dedicated = w.core.merge(A, 2**20, 1)[0]
     other = next(ex for ex in w.executors if ex is not dedicated)
     w.complete_loads()
     w.step()
-    assert dedicated.merged_slot is not None
+    assert dedicated.merge.merged_slot is not None
     b_req = w.request(adapter="b@1", max_new=2)
     w.core.on_executor_lost(other)
-    assert dedicated.dedicated_to is None and dedicated.unmerge_due
+    assert dedicated.dedicated_to is None and dedicated.merge.unmerge_due
     w.complete_loads()
     assert plans(w, dedicated).unmerge
     w.run()
@@ -137,17 +137,17 @@ def test_traffic_merges_a_hot_adapter_after_a_window_and_unmerges_it_when_it_coo
 
 def test_an_adapter_that_cannot_load_releases_its_dedicated_executor():
     w = World(num_executors=2)
-    ex = merging.merge(w.core, A, 2**20, 1)[0]
+    ex = w.core.merge(A, 2**20, 1)[0]
     w.complete_loads(InvalidArgument("bad shapes"))
     assert ex.dedicated_to is None and ex.serves(B)
 
 
 def test_a_merge_with_no_traffic_brings_its_adapter_in_once_a_slot_frees():
     w, busy, ex = b_running(num_slots=1, max_new=5)
-    merging.dedicate(w.core, ex, A, 2**20)  # its only slot is pinned by b's sequences
+    w.core.merges.dedicate(ex, A, 2**20)  # its only slot is pinned by b's sequences
     for _ in range(20):
         w.complete_loads()
         w.step()
     assert all(w.finished(r) for r in busy)
-    assert ex.merged_slot is not None and ex.merged_slot.adapter == A, \
+    assert ex.merge.merged_slot is not None and ex.merge.merged_slot.adapter == A, \
         "staged, loaded and merged with no request of its own waiting"

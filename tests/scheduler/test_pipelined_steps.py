@@ -18,8 +18,9 @@ import pytest
 
 from common.detokenizer import OutputProcessor
 from common.sampling import SamplingParams
-from scheduler.core import Limits, Sample, Samples
+from scheduler.limits import Limits
 from scheduler.request import FinishEvent, Request, TokenEvent
+from scheduler.sequence import Sample, Samples
 from scheduler.sim.invariants import check_invariants
 from tests.scheduler.sched_world import World, ref
 
@@ -130,7 +131,7 @@ def drive(depth: int, seed: int, num_blocks: int, cancel_every: int = 0,
                 break
             overlapped += bool(in_flight) and bool(plan)
             steps += bool(plan)
-            cohort_rows += len(ex.cohort)
+            cohort_rows += len(ex.steps.cohort)
             in_flight.append(plan)
         loads_started(w, executor)
         if in_flight:

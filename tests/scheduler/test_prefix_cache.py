@@ -7,10 +7,11 @@ from hypothesis import strategies as st
 from common.detokenizer import Finish, OutputProcessor
 from common.sampling import SamplingParams
 from scheduler.block_manager import BlockManager
-from scheduler.core import Limits, Sample, Samples
 from scheduler.fairness import FairnessWeights
+from scheduler.limits import Limits
 from scheduler.prefix_cache import cache_key, extend_hashes
 from scheduler.request import Request, Status
+from scheduler.sequence import Sample, Samples
 from tests.scheduler.sched_world import World, ref
 
 SYSTEM = list(range(100, 112))  # a 12-token shared prompt start: 3 blocks of 4

@@ -12,11 +12,10 @@ from common.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from scheduler import admin
 from scheduler.block_manager import BlockManager
-from scheduler.core import Limits
-from scheduler.executor_state import NO_SAMPLES
+from scheduler.limits import Limits
 from scheduler.request import ErrorEvent, Status
+from scheduler.sequence import NO_SAMPLES
 from scheduler.slots import SlotState
 from tests.scheduler.sched_world import World, ref
 
@@ -119,7 +118,7 @@ def test_a_tenant_over_its_queue_cap_is_refused_with_retry_after():
 
 def test_an_adapter_no_slot_can_ever_take_is_refused():
     w = World(num_slots=1)
-    admin.prewarm(w.core, ref("pinned@1"), 1 << 20, 1, pin=True)
+    w.core.prewarm(ref("pinned@1"), 1 << 20, 1, pin=True)
     w.complete_loads()
     with pytest.raises(FailedPrecondition, match="pinned by an operator"):
         w.request(adapter="cold@1")

@@ -9,10 +9,11 @@ from common.detokenizer import Finish
 from common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from scheduler import admin
 from scheduler.block_manager import BlockManager
-from scheduler.core import Limits
-from scheduler.executor_state import NO_SAMPLES, ExecutorState
+from scheduler.executor_state import ExecutorState
 from scheduler.fairness import FairnessWeights
+from scheduler.limits import Limits
 from scheduler.request import ErrorEvent, Status, TokenEvent
+from scheduler.sequence import NO_SAMPLES
 from scheduler.sim.invariants import check_invariants
 from scheduler.slots import SlotState, SlotTable
 from tests.scheduler.sched_world import World, ref
@@ -83,19 +84,19 @@ def test_stage_before_evict_a_ready_adapter_keeps_its_slot_while_the_store_is_do
 
 def test_prewarm_with_no_executor_admitting_is_unavailable_not_a_silent_ok():
     w = World(num_executors=2)
-    chosen = admin.prewarm(w.core, ref("a@1"), 1 << 20, 1, pin=False)
+    chosen = w.core.prewarm(ref("a@1"), 1 << 20, 1, pin=False)
     assert [ex.address for ex in chosen] == ["ex0"]
     for ex in w.executors:
         w.core.drain(ex)
     with pytest.raises(Unavailable, match="no executor is up and admitting"):
-        admin.prewarm(w.core, ref("b@1"), 1 << 20, 1, pin=False)
+        w.core.prewarm(ref("b@1"), 1 << 20, 1, pin=False)
 
 
 async def test_prewarm_waiters_hear_when_each_load_ends():
     """A waiting Prewarm is told by the loads themselves (no polling): ready, failed, or lost
     with its executor."""
     w = World(num_executors=3)
-    chosen = admin.prewarm(w.core, ref("a@1"), 1 << 20, 3, pin=True)
+    chosen = w.core.prewarm(ref("a@1"), 1 << 20, 3, pin=True)
     assert all(ex.slots.find(ref("a@1")).is_admin_pinned for ex in chosen)
     done = admin.loads_done(chosen, ref("a@1"))
     (ok, bad, lost), w.loads = w.loads, []

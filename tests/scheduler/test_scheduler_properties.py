@@ -10,8 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.errors import FailedPrecondition, InvalidArgument, Unavailable
-from scheduler import merging
-from scheduler.core import Limits
+from scheduler.limits import Limits
 from scheduler.request import ErrorEvent, FinishEvent, Status
 from scheduler.sim.invariants import check_invariants
 from tests.scheduler.sched_world import World, ref
@@ -70,11 +69,11 @@ def test_invariants_hold_and_no_request_is_lost(events, slots, blocks, limits):
             w.core.drain(w.executors[args[0]])
         elif kind == "merge":
             try:
-                merging.merge(w.core, ref(args[0]), 2**20, 1)
+                w.core.merge(ref(args[0]), 2**20, 1)
             except (FailedPrecondition, Unavailable):
                 pass  # the last executor serving everyone, or none up
         elif kind == "unmerge":
-            merging.unmerge(w.core, ref(args[0]))
+            w.core.unmerge(ref(args[0]))
         check_invariants(w.core, w.requests)
 
     for ex in w.executors:  # bring every executor back, then everything must finish
@@ -87,4 +86,4 @@ def test_invariants_hold_and_no_request_is_lost(events, slots, blocks, limits):
             "finished once, or cancelled"
     for ex in w.executors:
         assert ex.blocks.num_free == ex.blocks.num_blocks and not ex.running and len(ex.queue) == 0
-        assert all(slot.pins == (slot is ex.merged_slot) for slot in ex.slots.slots)
+        assert all(slot.pins == (slot is ex.merge.merged_slot) for slot in ex.slots.slots)

@@ -167,7 +167,7 @@ def test_the_merge_policy_merges_a_heavy_adapter_in_the_simulator_and_loses_noth
 
     def checked(ex, plan):  # invariants, and which steps ran with an adapter merged
         check_invariants(sim.core)
-        merged_steps.append(ex.merged_slot is not None)
+        merged_steps.append(ex.merge.merged_slot is not None)
         return step_seconds(ex, plan)
 
     sim._step_seconds = checked

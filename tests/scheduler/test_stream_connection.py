@@ -7,7 +7,7 @@ import asyncio
 from common.detokenizer import OutputProcessor
 from common.sampling import SamplingParams
 from protos import scheduler_pb2
-from scheduler.core import Limits
+from scheduler.limits import Limits
 from scheduler.metrics import SchedulerMetrics
 from scheduler.request import Request
 from scheduler.streams import StreamConnection

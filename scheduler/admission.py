@@ -1,0 +1,161 @@
+"""Admission: which queued requests start on an executor in a step, and what each tenant is
+charged. The only writer of the tenants' virtual counters (fairness.py: FairShare, whose backlog
+counts Placement keeps by telling it of queue entries and exits).
+
+A step admits in fair order: the backlogged tenant with the smallest counter first, its oldest
+request that can start here now (its adapter READY here and within max_adapters_per_batch,
+preferring adapters already running for up to affinity_max_wait_s), while the step's budget and
+max_num_seqs last. A request starts only when its KV blocks fit (after the prefix cache's hits);
+the fairest one that does not fit stops admission (nobody overtakes it). A tenant whose oldest
+request cannot start has its adapter brought in (residency.py). No tenant more than
+fairness_window ahead of the least-served one is admitted, unless the executor would otherwise
+sit idle with nothing on its way in.
+
+Charges (VTC, fairness.py): a request's prompt tokens at its first admission (those the prefix
+cache held are free), every sampled token, and the adapter load a request causes.
+"""
+
+import collections
+import heapq
+import math
+import operator
+from collections.abc import Callable
+
+from common.adapter_ref import AdapterRef
+from common.errors import ResourceExhausted, retry_after
+from scheduler.executor_state import ExecutorState
+from scheduler.fairness import FairShare
+from scheduler.limits import Limits
+from scheduler.placement import Placement
+from scheduler.prefix_cache import cached_prefix
+from scheduler.request import Request
+from scheduler.residency import Residency
+from scheduler.sequence import ScheduledRow, Sequence
+
+# The scheduler's side of an admission: start req on the executor with its tokens and prefix
+# cache hits, within the budget left -> its first row.
+Start = Callable[[Request, list[int], list[int], int], ScheduledRow]
+
+
+class Admission:
+    def __init__(self, limits: Limits, fair: FairShare, placement: Placement,
+                 residency: Residency, clock: Callable[[], float]):
+        self.limits, self.fair, self.clock = limits, fair, clock
+        self._placement, self._residency = placement, residency
+
+    # ---- charges ----------------------------------------------------------------------------
+    def charge_load(self, req: Request, ex: ExecutorState) -> None:
+        """req caused its adapter's fetch onto ex: the tokens ex could make meanwhile."""
+        seconds = ex.rates.load_seconds(req.adapter_bytes)
+        self.fair.charge(req.tenant, self.fair.weights.load_weight * seconds
+                         * ex.rates.tokens_per_second)
+
+    def charge_admitted(self, req: Request, num_cached: int) -> None:
+        """req was admitted, `num_cached` of its tokens found in the prefix cache: its prompt
+        tokens computed, at its first admission only."""
+        if not req.is_charged:
+            req.cached_prompt_tokens = min(num_cached, len(req.prompt_ids))
+            self.fair.charge_input(req.tenant, len(req.prompt_ids) - req.cached_prompt_tokens)
+            req.is_charged = True
+
+    def charge_samples(self, seqs: list[Sequence]) -> None:
+        """A token was sampled for each of `seqs`."""
+        for tenant, num_tokens in collections.Counter(map(_tenant_of, seqs)).items():
+            self.fair.charge_output(tenant, num_tokens)
+
+    # ---- who may wait, who goes ---------------------------------------------------------
+    def check_backlog(self, tenant: str) -> None:
+        """RESOURCE_EXHAUSTED (with retry-after) when `tenant` has max_queued_per_tenant
+        requests waiting already."""
+        cap, queued = self.limits.max_queued_per_tenant, self.fair.backlog.get(tenant, 0)
+        if cap and queued >= cap:
+            wait = self._placement.expected_wait()
+            raise retry_after(ResourceExhausted(
+                f"tenant {tenant!r} has {queued} requests waiting, the most this pool queues "
+                f"for one tenant; retry in {wait:.0f}s"), wait)
+
+    def victim(self, ex: ExecutorState) -> Sequence:
+        """The sequence to preempt on ex when KV runs out: the most-served tenant's latest."""
+        return max(ex.running.values(),
+                   key=lambda s: (self.fair.counter(s.request.tenant), s.seq_id))
+
+    # ---- admitting --------------------------------------------------------------------------
+    def admit(self, ex: ExecutorState, budget: int, start: Start) -> list[ScheduledRow]:
+        """Start requests queued on ex in fair order within `budget` tokens: their first rows."""
+        rows: list[ScheduledRow] = []
+        self._residency.prepare_admission(ex)
+        heap = [(self.fair.counter(t), t) for t in ex.queue.tenants()]
+        if not heap:
+            return rows
+        heapq.heapify(heap)
+        active = {seq.request.adapter for seq in ex.running.values() if seq.request.adapter}
+        is_fairest = True
+        # An executor that runs nothing and brings nothing in takes anyone: held idle for a
+        # tenant whose adapter waits for slots that the queued requests of tenants ahead keep
+        # wanted, it would wait for good (a load on its way keeps the window).
+        is_stuck = not ex.running and not ex.slots.is_bringing_in()
+        ceiling = math.inf if is_stuck else self._ceiling()
+        while heap and budget > 0 and len(ex.running) < self.limits.max_num_seqs:
+            counter, tenant = heapq.heappop(heap)
+            if counter != self.fair.counter(tenant):  # charged since it was pushed
+                heapq.heappush(heap, (self.fair.counter(tenant), tenant))
+                continue
+            if counter > ceiling:
+                break  # everyone left is too far ahead of a tenant still waiting
+            req = self._pick(ex, tenant, active, is_fairest)
+            is_fairest = False
+            if req is None:
+                continue  # nothing of this tenant can start here yet
+            tokens = req.all_token_ids
+            hits = cached_prefix(ex.blocks, req, tokens)
+            if not ex.blocks.can_start(hits, len(tokens) + 1):
+                break  # the fairest request does not fit: admit nobody behind it
+            row = start(req, tokens, hits, budget)
+            rows.append(row)
+            budget -= row.num_tokens
+            if req.adapter:
+                active.add(req.adapter)
+            if ex.queue.queued(tenant):
+                heapq.heappush(heap, (self.fair.counter(tenant), tenant))
+        return rows
+
+    def _pick(self, ex: ExecutorState, tenant: str, active: set[AdapterRef],
+              is_fairest: bool) -> Request | None:
+        """The tenant's oldest request that can start on ex now (its adapter READY here, within
+        the distinct-adapter limit, preferring running adapters for up to affinity_max_wait_s).
+        When none can, bring in the adapter of its oldest request."""
+        q, max_adapters = ex.queue, self.limits.max_adapters_per_batch
+        heads = [q.head(tenant, None)]
+        heads += [q.head(tenant, s.adapter) for s in ex.slots.admissible()]
+        heads = [r for r in heads if r is not None and (
+            not max_adapters or not r.adapter or r.adapter in active or len(active) < max_adapters)]
+        if heads:
+            heads.sort(key=lambda r: r.arrival)
+            wait = self.limits.affinity_max_wait_s
+            if wait > 0 and self.clock() - heads[0].arrival < wait:
+                heads.sort(key=lambda r: bool(r.adapter) and r.adapter not in active)
+            return heads[0]
+        oldest = q.oldest(tenant)
+        if oldest is not None:
+            self._residency.bring_in_for_oldest(ex, oldest, is_fairest)
+        return None
+
+    def _ceiling(self) -> float:
+        """No tenant more than fairness_window ahead of the least-served backlogged tenant is
+        admitted, except that a tenant whose oldest request waits for an adapter whose loads are
+        failing (a store or S3 down: its loads back off) holds nobody back: it cannot be served
+        whatever the others do, and the window would stall the pool for as long as the outage."""
+        window = self.limits.fairness_window
+        if not window:
+            return math.inf
+        executors = self._placement.executors
+        if not any(ex.load_failures for ex in executors):
+            return self.fair.min_backlogged() + window
+        waits = self._residency.waits_on_a_failing_load
+        servable = [self.fair.counter(t) for ex in executors for t in ex.queue.tenants()
+                    if not waits(ex, ex.queue.oldest(t))]
+        servable += [self.fair.counter(r.tenant) for r in self._placement.orphans]
+        return min(servable) + window if servable else math.inf
+
+
+_tenant_of = operator.attrgetter("request.tenant")

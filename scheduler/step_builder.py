@@ -1,0 +1,126 @@
+"""Planning one executor's steps: its running sequences, the rows of each plan and the samples of
+each answer. One interface, two builders that make the same plans:
+
+    ReferenceSteps (reference_steps.py)  plain: every sequence planned and every sample taken one
+                                         by one. The definition, and the oracle the tests check
+                                         the fast one against.
+    FastSteps (fast_steps.py)            the same plans with no Python per sequence for steady
+                                         decode (the cohort) and samples taken as columns.
+
+The policy both follow, for plan number `step` with a budget of `budget` tokens:
+  1. Every sequence in steady decode gets its one-token row: its last plan gave it a plain decode
+     row (one known token to compute, held by its blocks, not its last), and so would this one,
+     with no block to publish after it. These rows come first from the budget.
+  2. The other running sequences, oldest admission first, while the budget lasts: each computes
+     what it knows and has not computed (a long prompt in chunks of what is left of the budget),
+     growing its KV blocks first. When blocks run out, sequences are preempted (the scheduler's
+     `make_room`: the most-served tenant's latest first) until the row fits or its own sequence
+     went; a preempted sequence loses its row, and the budget it took comes back only after
+     this pass.
+  3. Admissions, in fair order, with the budget left (the scheduler's `admit`).
+  4. Every row's counters move (its tokens computed, its sample known) and the blocks it filled
+     are published to the prefix cache; the rows are sorted by adapter slot.
+A sample of the answer is appended to its sequence, publishes the blocks it completes, reaches
+its request (which may finish on it: the scheduler's `finish`).
+
+The builder is the only writer of its sequences' fields and of its running set; the scheduler
+(core.py) calls `start`, `release`, `plan`, `answered` and `take`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+from common.detokenizer import Finish
+from scheduler.block_manager import BlockManager
+from scheduler.request import Request
+from scheduler.sequence import ScheduledRow, Sequence, StepPlan
+from scheduler.slots import Slot
+
+# The scheduler's side of a plan: admit with the budget left -> rows of new sequences; preempt
+# until a sequence's blocks can hold `num_tokens` (False if it went itself); finish a sequence.
+Admit = Callable[[int], list[ScheduledRow]]
+MakeRoom = Callable[[Sequence, int], bool]
+OnFinish = Callable[[Sequence, Finish], None]
+
+
+class StepBuilder(ABC):
+    def __init__(self) -> None:
+        self.running: dict[int, Sequence] = {}  # seq_id -> seq, in admission order
+        self.pending_frees: list[int] = []  # sent sequences released since the last plan
+        self.steps_answered = 0  # the last plan answered (plans are answered in order)
+
+    @property
+    @abstractmethod
+    def steps(self) -> int:
+        """Plans made so far (the last one's number)."""
+
+    def __len__(self) -> int:
+        return len(self.running)
+
+    # ---- the running set --------------------------------------------------------------------
+    def start(self, seq_id: int, req: Request, slot: Slot | None, tokens: list[int],
+              table: list[int], num_hits: int, blocks: BlockManager, budget: int
+              ) -> ScheduledRow:
+        """Run `req` as `seq_id` with the block table `table`, its first `num_hits` blocks found
+        in the prefix cache: its first row, of at most `budget` tokens."""
+        cached = num_hits * blocks.block_size
+        seq = self._sequence(seq_id, req, slot, list(tokens), num_computed=cached,
+                             num_cached=cached, num_published=num_hits)
+        seq.hold(len(table) * blocks.block_size)
+        self.running[seq_id] = seq
+        self._joined(seq)
+        n = min(len(tokens) - cached, budget)
+        return ScheduledRow(seq, n, table, samples=cached + n == len(tokens))
+
+    def release(self, seq: Sequence) -> None:
+        """`seq` runs here no more (its counters current from now on)."""
+        del self.running[seq.seq_id]
+        self._left(seq)
+        if seq.is_sent:
+            self.pending_frees.append(seq.seq_id)
+
+    def is_in_flight(self, seq: Sequence) -> bool:
+        """A step sent with a row of `seq` (released, or in no cohort) is not answered yet."""
+        return seq.last_step > self.steps_answered
+
+    def answered(self, step: int) -> None:
+        self.steps_answered = max(self.steps_answered, step)
+
+    def counters(self, seq: Sequence) -> tuple[int, int, int]:
+        """A running sequence's (num_computed, num_known, last_step) now."""
+        return seq.num_computed, seq.num_known, seq.last_step
+
+    def check(self, where: str, max_batched_tokens: int) -> None:
+        """Assert the builder's own bookkeeping (tests, the simulator)."""
+
+    def forget_frees(self) -> None:
+        """The executor was lost: it has forgotten every sequence itself."""
+        self.pending_frees.clear()
+
+    def _take_freed(self) -> list[int]:
+        freed, self.pending_frees = self.pending_frees, []
+        return freed
+
+    # ---- what each builder does its own way -------------------------------------------------
+    @abstractmethod
+    def _sequence(self, *args, **kwargs) -> Sequence:
+        """A new sequence of the builder's kind."""
+
+    def _joined(self, seq: Sequence) -> None:
+        """`seq` was just added to the running set."""
+
+    def _left(self, seq: Sequence) -> None:
+        """`seq` was just taken out of the running set."""
+
+    @abstractmethod
+    def plan(self, blocks: BlockManager, budget: int, admit: Admit,
+             make_room: MakeRoom) -> StepPlan:
+        """The next plan (its merge fields left to the scheduler)."""
+
+    @abstractmethod
+    def take(self, blocks: BlockManager, seqs: list[Sequence], token_ids: list[int],
+             logprobs: list[float], now: float, finish: OnFinish) -> None:
+        """A step's samples, seqs[i]'s being token_ids[i] (all of them running)."""
+
