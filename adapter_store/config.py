@@ -72,7 +72,7 @@ class StoreConfig:
     s3_max_attempts: int = 2
     # Reads of an adapter whose bytes fail the sha256 check before it is declared DATA_LOSS.
     read_attempts: int = 3
-    # Largest LoRA rank (max over r and rank_pattern) a push may register.
+    # Largest LoRA rank (the largest its tensors use) a push may register.
     max_rank: int = 256
     # Refuse pushes for base models without a registered config.json (else: shape checks only
     # when the base model is registered).

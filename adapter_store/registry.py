@@ -45,7 +45,7 @@ from adapter_store.records import (
     version_prefix,
 )
 from adapter_store.registry_view import RegistryView
-from adapter_store.validation import check_rank, validate_adapter
+from adapter_store.validation import check_config_rank, validate_adapter
 from common.adapter_ref import AdapterQuery, AdapterRef, check_alias, check_name, not_found
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from common.peft.config import parse_config
@@ -71,9 +71,10 @@ class Registry(RegistryView):
     async def check_push(self, name: str, owner_tenant: str, config_json: str,
                          base_fingerprint: str = "") -> None:
         """What push() would refuse from its header alone, checked before the bytes are sent:
-        the name's owner, the rank limit, the base model (push() checks them all again)."""
+        the name's owner, the rank limit as far as the config tells (check_config_rank), the base
+        model (push() checks them all again, the rank on the tensors)."""
         check_name(name)
-        check_rank(parse_config(config_json), self._max_rank)
+        check_config_rank(parse_config(config_json), self._max_rank)
         await self.base_models.match(config_json, base_fingerprint)
         await self.refresh(name)
         self._check_owner(name, owner_tenant)

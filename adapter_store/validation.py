@@ -3,10 +3,11 @@
 Checks, in order: the weights file is safetensors (never pickle), its header is well-formed and
 consistent with the file size, adapter_config.json is a LoRA config for LLaMA-family projections,
 tensor names and shapes match the config (both A [r, in] and B [out, r] per module, r from
-r/rank_pattern), the rank is within the store's maximum, shapes fit the base model when it is
-registered (FailedPrecondition when the adapter was made for another revision or shape of it),
-and every value is finite. Each failure is an InvalidArgument (or FailedPrecondition) naming the
-tensor or field at fault. The format's rules live in common.peft, which executors load with.
+r/rank_pattern), the rank (the largest its tensors use) is within the store's maximum, shapes
+fit the base model when it is registered (FailedPrecondition when the adapter was made for
+another revision or shape of it), and every value is finite. Each failure is an InvalidArgument
+(or FailedPrecondition) naming the tensor or field at fault. The format's rules live in
+common.peft, which executors load with.
 """
 
 import dataclasses
@@ -17,7 +18,7 @@ from adapter_store.base_models import BaseModel
 from common.errors import FailedPrecondition, InvalidArgument
 from common.peft.config import LoraConfig, parse_config
 from common.peft.finite import check_finite
-from common.peft.layout import check_fits, plan_adapter
+from common.peft.layout import AdapterLayout, check_fits, plan_adapter
 from common.peft.safetensors_header import check_weights_file, parse_header
 
 
@@ -26,7 +27,7 @@ class AdapterSpec:
     """What the registry records about a valid adapter."""
 
     base_model: str
-    rank: int  # largest rank over r and rank_pattern
+    rank: int  # the largest rank its tensors use (AdapterLayout.rank)
     alpha: float
     use_rslora: bool
     target_modules: tuple[str, ...]  # sorted
@@ -39,10 +40,19 @@ class AdapterSpec:
     base_model_revision: str  # adapter_config.json's "revision", "" when absent
 
 
-def check_rank(config: LoraConfig, max_rank: int | None) -> None:
-    if max_rank is not None and config.max_rank > max_rank:
-        raise InvalidArgument(f"adapter_config.json: rank {config.max_rank} (max of r and "
-                              f"rank_pattern) exceeds this store's maximum {max_rank}")
+def check_config_rank(config: LoraConfig, max_rank: int | None) -> None:
+    """What a push's header can tell of its rank, before its tensors arrive: over `max_rank`
+    only when r and every rank_pattern value are (LoraConfig.lowest_rank). A bigger value may
+    name no module of the adapter; check_rank checks the rank itself once the tensors are here."""
+    if max_rank is not None and config.lowest_rank > max_rank:
+        raise InvalidArgument(f"adapter_config.json: rank {config.lowest_rank} (the smallest of "
+                              f"r and rank_pattern) exceeds this store's maximum {max_rank}")
+
+
+def check_rank(layout: AdapterLayout, max_rank: int | None) -> None:
+    if max_rank is not None and layout.rank > max_rank:
+        raise InvalidArgument(f"adapter rank {layout.rank} (the largest its tensors use) exceeds "
+                              f"this store's maximum {max_rank}")
 
 
 def validate_adapter(config_json: str, weights_filename: str, data: bytes, *,
@@ -52,15 +62,15 @@ def validate_adapter(config_json: str, weights_filename: str, data: bytes, *,
     check_weights_file(weights_filename, data[:16])
     entries = parse_header(data)
     config = parse_config(config_json)
-    check_rank(config, max_rank)
     layout = plan_adapter(config, entries)
+    check_rank(layout, max_rank)
     if base is not None:
         check_base_model_revision(config.revision, base)
         check_fits(layout, base.shapes)
     check_finite(data, layout)
     return AdapterSpec(
         base_model=config.base_model, use_rslora=config.use_rslora, alpha=config.alpha,
-        rank=config.max_rank, target_modules=layout.target_modules, num_bytes=len(data),
+        rank=layout.rank, target_modules=layout.target_modules, num_bytes=len(data),
         sha256=hashlib.sha256(data).hexdigest(), crc32=zlib.crc32(data), dtype=layout.dtype,
         rank_pattern=config.rank_pattern, alpha_pattern=config.alpha_pattern,
         base_model_revision=config.revision or (base.revision if base else ""))

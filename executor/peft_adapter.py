@@ -43,11 +43,9 @@ def parse_peft_adapter(config_json: str, safetensors_bytes: bytes | torch.Tensor
     data = raw.numpy()
     check_weights_file(WEIGHTS_FILE, data[:16].tobytes())
     layout = plan_adapter(config, parse_header(data))
-    # The largest rank its tensors use (config.max_rank also counts rank_pattern entries that
-    # match none of its modules: an adapter that fits would be refused).
-    rank = max((m.rank for m in layout.modules.values()), default=0)
-    if max_rank is not None and rank > max_rank:
-        raise InvalidArgument(f"adapter rank {rank} exceeds the executor's max rank {max_rank}")
+    if max_rank is not None and layout.rank > max_rank:
+        raise InvalidArgument(f"adapter rank {layout.rank} exceeds the executor's max rank "
+                              f"{max_rank}")
     check_fits(layout, model_shapes(model))
     check_finite(data, layout)
     views = tensor_views(raw, layout)

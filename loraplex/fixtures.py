@@ -18,6 +18,10 @@ from typing import Any
 
 import torch
 
+from common.peft.config import parse_config
+from common.peft.layout import plan_adapter
+from common.peft.safetensors_header import WEIGHTS_FILE, parse_header
+
 MODEL_ID = "loraplex-tiny-llama"
 BOS, EOS = "<s>", "</s>"  # token ids 0 and 1
 # Bumped whenever generate() writes something new: ensure() then makes the fixtures again.
@@ -126,6 +130,12 @@ def _save_adapter(base, out_dir: Path, seed: int, lora_args: dict[str, Any]) -> 
     peft_model.save_pretrained(out_dir)
 
 
+def _rank(adapter_dir: Path) -> int:
+    """A saved adapter's rank, by the format's one definition (AdapterLayout.rank)."""
+    config = parse_config((adapter_dir / "adapter_config.json").read_text())
+    return plan_adapter(config, parse_header((adapter_dir / WEIGHTS_FILE).read_bytes())).rank
+
+
 def ensure(out_dir: str | Path) -> dict[str, Any]:
     """The manifest of the fixtures under out_dir, making them first if they are not there."""
     manifest = Path(out_dir) / "manifest.json"
@@ -159,7 +169,7 @@ def generate(out_dir: str | Path) -> dict[str, Any]:
         path = out / "adapters" / name
         _save_adapter(base, path, seed=100 + i, lora_args=args)
         adapters[name] = {"path": str(path),
-                          "rank": max([args["r"], *args.get("rank_pattern", {}).values()]),
+                          "rank": _rank(path),
                           "target_modules": sorted(args["target_modules"])}
     cfg_path = out / "adapters" / "other_base" / "adapter_config.json"
     cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()),

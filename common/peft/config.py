@@ -58,9 +58,12 @@ class LoraConfig:
     revision: str  # of the base model, "" when the config names none
 
     @property
-    def max_rank(self) -> int:
-        """Largest rank of any module: max of r and the rank_pattern values."""
-        return max([self.r, *self.rank_pattern.values()])
+    def lowest_rank(self) -> int:
+        """The least rank an adapter of this config can have: each module's rank is r or a
+        rank_pattern value, so its rank (AdapterLayout.rank, the largest its tensors use) is at
+        least the smallest of them. A check that sees the config alone, before the tensors,
+        may hold this against a rank limit; the largest of them may name no module at all."""
+        return min([self.r, *self.rank_pattern.values()])
 
     def scale(self, rank: int, alpha: float) -> float:
         return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank

@@ -39,6 +39,13 @@ class AdapterLayout:
     modules: Mapping[tuple[int, str], ModuleLayout]  # (layer, module) -> layout, sorted
 
     @property
+    def rank(self) -> int:
+        """The adapter's rank: the largest its tensors use, what a slot must hold and what
+        every rank limit (the store's, an executor's --max-rank) is checked against. Not
+        max(r, rank_pattern): a rank_pattern entry may match none of its modules."""
+        return max((m.rank for m in self.modules.values()), default=0)
+
+    @property
     def target_modules(self) -> tuple[str, ...]:
         """The projections it adapts in some layer, sorted."""
         return tuple(sorted({module for _, module in self.modules}))

@@ -15,6 +15,8 @@ from transformers import AutoModelForCausalLM
 
 from common.errors import FailedPrecondition, InvalidArgument, LoraplexError
 from common.peft.config import parse_config
+from common.peft.layout import plan_adapter
+from common.peft.safetensors_header import parse_header
 from common.sampling import SamplingParams
 from executor.lora_segments import LoraSegments
 from executor.model_config import ModelConfig
@@ -177,7 +179,7 @@ def test_adapter_base_mismatch_scales_and_infix(fx):
     with pytest.raises(FailedPrecondition, match="other-org/other-base-model"):
         parse_peft_adapter(*read_adapter(fx, "other_base"), config)
     cfg, data = read_adapter(fx, "r8_patterns")
-    assert parse_config(cfg).max_rank == 16
+    assert plan_adapter(parse_config(cfg), parse_header(data)).rank == 16
     mods = parse_peft_adapter(cfg, data, config).modules
     assert mods[(0, "q_proj")].scale == 1.0 and mods[(0, "q_proj")].a.shape == (16, 256)
     assert mods[(0, "v_proj")].scale == 0.5 and mods[(2, "o_proj")].scale == 8.0

@@ -1,6 +1,7 @@
 """The adapter store through its real gRPC service, on local files and on SeaweedFS S3."""
 
 import asyncio
+import dataclasses
 import hashlib
 import signal
 import subprocess
@@ -13,7 +14,7 @@ import safetensors.torch
 
 from adapter_store.blob_backends import open_blob_store
 from adapter_store.config import StoreConfig, parse_args
-from common.errors import Unavailable
+from common.errors import InvalidArgument, Unavailable
 from common.server import insecure_channel
 from executor.model_config import ModelConfig
 from executor.peft_adapter import parse_peft_adapter
@@ -22,6 +23,7 @@ from protos import adapter_store_pb2_grpc
 from tests.store.helpers import (
     Store,
     expect_error,
+    file_config,
     in_session_loop,
     lora_config,
     lora_tensors,
@@ -191,6 +193,33 @@ async def test_rank_pattern_takes_the_first_matching_key_as_peft_and_executors_d
     details = await expect_error(grpc.StatusCode.INVALID_ARGUMENT, file_store.push(
         "first-key", config_json, safetensors.torch.save(exact_wins)))
     assert "rank 16 differs from 4" in details
+
+
+@in_session_loop
+async def test_a_rank_pattern_naming_no_module_of_the_adapter_counts_for_neither_store_nor_executor(
+        tmp_path):
+    """An adapter's rank is the largest its tensors use (AdapterLayout.rank), for the store and
+    executors alike: r 8 with rank_pattern {"nonexistent_proj": 64} is rank 8, accepted and
+    recorded as 8 by a store of max rank 8 and loaded by an executor of max rank 8 (the store
+    recorded 64 and refused it before). A module whose tensors do use 16 is over both limits."""
+    store = await Store(dataclasses.replace(file_config(tmp_path), max_rank=8)).start()
+    try:
+        config_json = lora_config(rank=8, rank_pattern={"nonexistent_proj": 64})
+        data = safetensors.torch.save(lora_tensors(rank=8))
+        assert (await store.push("unmatched", config_json, data)).rank == 8
+        assert parse_peft_adapter(config_json, data, ModelConfig.named("tiny"), max_rank=8,
+                                  check_base_model=False).modules
+        over_json = lora_config(rank=8, rank_pattern={"v_proj": 16})
+        over = safetensors.torch.save(lora_tensors(rank=8, ranks={"layers.0.v_proj": 16,
+                                                                  "layers.1.v_proj": 16}))
+        details = await expect_error(grpc.StatusCode.INVALID_ARGUMENT,
+                                     store.push("over", over_json, over))
+        assert "rank 16 (the largest its tensors use) exceeds this store's maximum 8" in details
+        with pytest.raises(InvalidArgument, match="rank 16 exceeds the executor's max rank 8"):
+            parse_peft_adapter(over_json, over, ModelConfig.named("tiny"), max_rank=8,
+                               check_base_model=False)
+    finally:
+        await store.stop()
 
 
 def test_config_validation():

@@ -313,7 +313,7 @@ async def test_bad_rpc_input(replicas, case):
      ["eval_scores has 65 entries"]),
     ("too-many-aliases", meta(aliases=[f"a{i}" for i in range(17)]), CONFIG_JSON,
      ["aliases has 17 entries"]),
-    ("rank-above-store-max", meta(), lora_config(rank=8, rank_pattern={"q_proj": 512}),
+    ("rank-above-store-max", meta(), lora_config(rank=512, rank_pattern={"q_proj": 1024}),
      ["rank 512", "maximum 256"]),
 ])
 @in_session_loop
