@@ -105,11 +105,31 @@ class FastSteps(StepBuilder):
              make_room: MakeRoom) -> StepPlan:
         """Policy steps 1-4 (step_builder.py): the cohort's rows, then the loose sequences', then
         admissions. (Runs for every step: its loops stay plain.)"""
-        running, cohort = self.running, self.cohort
-        bs = blocks.block_size
+        cohort = self.cohort
         step = cohort.steps + 1
         for seq in cohort.due(step):  # members whose plain decode rows end here: loose again
             self.loose[seq.seq_id] = seq
+        decode, rows, budget = self._plan_loose(blocks, budget, make_room)
+        admitted = admit(budget)
+        new = [row.seq for row in admitted]
+        for seq in new:  # sent now: one cancelled while this step runs must be freed after it
+            seq.is_sent = True
+        rows += admitted
+        # Counted as computed once sent: the next plan may follow at once. The members move with
+        # the cohort's step count.
+        cohort.steps = step
+        member_rows = cohort.rows()  # (before the decode rows that stay plain join)
+        num_tokens, num_samples = self._advance(blocks, step, decode, rows)
+        rows += member_rows
+        rows += map(_decode_row, decode)
+        rows.sort(key=row_slot)
+        return StepPlan(step, self._take_freed(), new, rows, num_tokens, num_samples)
+
+    def _plan_loose(self, blocks: BlockManager, budget: int, make_room: MakeRoom
+                    ) -> tuple[list[FastSequence], list[ScheduledRow], int]:
+        """Policy step 2, the cohort's rows counted first: the loose sequences with a plain
+        decode row, the other loose rows, and the budget left for admissions."""
+        running, cohort = self.running, self.cohort
         full_budget = budget
         budget -= len(cohort)  # (never below 0: cohort.py)
         decode: list[FastSequence] = []  # rows of one known token, in its blocks, that samples
@@ -144,7 +164,7 @@ class FastSteps(StepBuilder):
                     if not is_room:
                         continue
                     new_blocks = blocks.grow(seq.seq_id, end)
-                seq.hold(len(blocks.tables[seq.seq_id]) * bs)
+                seq.hold(len(blocks.tables[seq.seq_id]) * blocks.block_size)
             rows.append(ScheduledRow(seq, n, new_blocks, end == known))
             budget -= n
         if preempted:  # drop the rows of sequences preempted after their row was made
@@ -152,16 +172,15 @@ class FastSteps(StepBuilder):
             decode = [seq for seq in decode if seq.seq_id in running]
             budget = (full_budget - len(cohort) - len(decode)  # (theirs back, a preempted
                       - sum(row.num_tokens for row in rows))  # member's too)
-        admitted = admit(budget)
-        new = [row.seq for row in admitted]
-        for seq in new:  # sent now: one cancelled while this step runs must be freed after it
-            seq.is_sent = True
-        rows += admitted
-        # Counted as computed once sent: the next plan may follow at once. The members move with
-        # the cohort's step count.
-        cohort.steps = step
+        return decode, rows, budget
+
+    def _advance(self, blocks: BlockManager, step: int, decode: list[FastSequence],
+                 rows: list[ScheduledRow]) -> tuple[int, int]:
+        """Policy step 4 for the loose and new rows (the members move with the cohort): their
+        counters, the blocks they filled published, decode rows that stay plain joining the
+        cohort. The plan's tokens and samples."""
+        cohort = self.cohort
         num_tokens = num_samples = len(decode) + len(cohort)
-        member_rows = cohort.rows()
         for seq in decode:
             computed = seq.num_computed = seq.num_known
             seq.num_known = computed + 1
@@ -181,10 +200,7 @@ class FastSteps(StepBuilder):
             if computed >= seq.publish_at:
                 publish(blocks, seq)
                 seq.requiet()
-        rows += member_rows
-        rows += map(_decode_row, decode)
-        rows.sort(key=row_slot)
-        return StepPlan(step, self._take_freed(), new, rows, num_tokens, num_samples)
+        return num_tokens, num_samples
 
     def take(self, blocks: BlockManager, seqs: list[FastSequence], token_ids: list[int],
              logprobs: list[float], now: float, finish: OnFinish) -> None:

@@ -42,12 +42,30 @@ class ReferenceSteps(StepBuilder):
 
     def plan(self, blocks: BlockManager, budget: int, admit: Admit,
              make_room: MakeRoom) -> StepPlan:
-        running = self.running
         step = self._steps + 1
-        steady = [seq for seq in running.values() if self._is_steady(seq, step)]
+        steady = [seq for seq in self.running.values() if self._is_steady(seq, step)]
+        decode, rows, left = self._plan_others(blocks, budget, steady, make_room)
+        admitted = admit(left)  # policy step 3
+        for row in admitted:
+            row.seq.is_sent = True
+        rows += admitted
+        self._steps = step
+        self._advance(blocks, step, steady + decode, rows)
+        rows += [ScheduledRow(seq, 1, (), True) for seq in steady + decode]
+        rows.sort(key=row_slot)
+        num_tokens = sum(row.num_tokens for row in rows)
+        num_samples = sum(row.samples for row in rows)
+        return StepPlan(step, self._take_freed(), [row.seq for row in admitted], rows,
+                        num_tokens, num_samples)
+
+    def _plan_others(self, blocks: BlockManager, budget: int, steady: list[Sequence],
+                     make_room: MakeRoom) -> tuple[list[Sequence], list[ScheduledRow], int]:
+        """Policy step 2, the steady rows (step 1) counted first: the others with a plain decode
+        row, the others' other rows, and the budget left (`steady` loses its preempted)."""
+        running = self.running
         left = budget - len(steady)
-        decode: list[Sequence] = []  # the others with a plain decode row
-        rows: list[ScheduledRow] = []  # the others' other rows
+        decode: list[Sequence] = []
+        rows: list[ScheduledRow] = []
         preempted = False
         for seq in list(running.values()):  # (admission order)
             if left == 0:
@@ -78,18 +96,18 @@ class ReferenceSteps(StepBuilder):
             rows.append(ScheduledRow(seq, n, new_blocks, end == known))
             left -= n
         if preempted:  # their rows go, and the budget they took comes back
-            steady = [seq for seq in steady if seq.seq_id in running]
+            steady[:] = [seq for seq in steady if seq.seq_id in running]
             decode = [seq for seq in decode if seq.seq_id in running]
             rows = [row for row in rows if row.seq.seq_id in running]
             left = budget - len(steady) - len(decode) - sum(row.num_tokens for row in rows)
-        admitted = admit(left)
-        for row in admitted:
-            row.seq.is_sent = True
-        rows += admitted
-        self._steps = step
-        # Policy step 4. (Plain decode rows publish first: of two blocks with the same hash in one
-        # plan, the first is cached, as the fast builder does.)
-        for seq in steady + decode:
+        return decode, rows, left
+
+    def _advance(self, blocks: BlockManager, step: int, decode: list[Sequence],
+                 rows: list[ScheduledRow]) -> None:
+        """Policy step 4: every row's counters move and the blocks it filled are published. (Plain
+        decode rows publish first: of two blocks with the same hash in one plan, the first is
+        cached, as the fast builder does.)"""
+        for seq in decode:
             seq.num_computed = seq.num_known
             seq.num_known += 1
             seq.last_step = step
@@ -104,12 +122,6 @@ class ReferenceSteps(StepBuilder):
             self._decoded_in.pop(seq.seq_id, None)
             if seq.num_computed >= seq.publish_at:
                 publish(blocks, seq)
-        rows += [ScheduledRow(seq, 1, (), True) for seq in steady + decode]
-        rows.sort(key=row_slot)
-        num_tokens = sum(row.num_tokens for row in rows)
-        num_samples = sum(row.samples for row in rows)
-        return StepPlan(step, self._take_freed(), [row.seq for row in admitted], rows,
-                        num_tokens, num_samples)
 
     def take(self, blocks: BlockManager, seqs: list[Sequence], token_ids: list[int],
              logprobs: list[float], now: float, finish: OnFinish) -> None:
