@@ -20,6 +20,10 @@ class Limits:
     home_bias_s: float = 2.0  # routing: how much busier a cold adapter's home may be and still win
     popularity_half_life_s: float = 60.0  # eviction: decay of adapters' request counts
     max_reserved_slots: int = 1  # slots per executor that may drain for a waiting adapter
+    # Adapter slots per executor that operators' pins (Prewarm with pin) leave to every other
+    # adapter: a pin beyond is refused (FAILED_PRECONDITION), so unpinned adapters keep a slot
+    # to take turns in and a bounded wait. 0 lets pins take every slot.
+    unpinned_slots: int = 1
     # A tenant more than this many token-equivalents ahead of the least-served backlogged tenant is
     # not admitted (even if that tenant waits for a load): bounds the fairness gap; 0 = no bound.
     fairness_window: float = 8192.0
@@ -74,7 +78,7 @@ class Limits:
         if self.max_load_backoff_s < self.load_backoff_s:
             raise ValueError("max_load_backoff_s must be >= load_backoff_s")
         for name in ("max_adapters_per_batch", "affinity_max_wait_s", "slot_wait_s",
-                     "max_reserved_slots", "fairness_window", "home_bias_s",
+                     "max_reserved_slots", "unpinned_slots", "fairness_window", "home_bias_s",
                      "max_queued_per_tenant"):
             if getattr(self, name) < 0:
                 raise ValueError(f"scheduler limit {name} must be >= 0, got {getattr(self, name)}")

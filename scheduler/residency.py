@@ -259,6 +259,8 @@ class Residency:
                     not self.can_place(ex, adapter):
                 raise FailedPrecondition(f"executor {ex.address}: every adapter slot is pinned; "
                                          f"evict or unpin one before pre-warming {adapter}")
+            if pin:
+                self._check_pin(ex, adapter)
         for ex in chosen:
             slots = ex.slots
             # (staged first when it must evict another: then no slot is claimed yet)
@@ -266,9 +268,20 @@ class Residency:
             if pin and slot is not None:
                 slots.pin_by_admin(slot)
             elif pin:
-                slots.when_loaded(adapter, lambda is_ready, slots=slots: is_ready and
-                                  slots.pin_by_admin(slots.find(adapter)))
+                slots.pin_by_admin_when_loaded(adapter)
         return chosen
+
+    def _check_pin(self, ex: ExecutorState, adapter: AdapterRef) -> None:
+        """FAILED_PRECONDITION when pinning `adapter` on ex would leave fewer than
+        unpinned_slots of its slots to the other adapters."""
+        pinned = ex.slots.admin_pinned()
+        most = len(ex.slots.slots) - self.limits.unpinned_slots
+        if adapter not in pinned and len(pinned) >= most:
+            raise FailedPrecondition(
+                f"executor {ex.address}: {len(pinned)} of its {len(ex.slots.slots)} adapter slots "
+                f"are pinned, the most it allows (--unpinned-slots {self.limits.unpinned_slots} "
+                f"stay for every other adapter); evict a pinned adapter before pinning {adapter}, "
+                "or pre-warm it without pin")
 
     def evict(self, targets: list[ExecutorState], adapter: AdapterRef) -> int:
         """Free the slots holding `adapter` on `targets`; refused while it runs or loads."""

@@ -67,6 +67,7 @@ class SlotTable:
         self._clock = itertools.count(1)
         # adapter -> callbacks told whether its load ended READY
         self._waiters: dict[AdapterRef, list[Callable[[bool], None]]] = {}
+        self._pins_promised: set[AdapterRef] = set()  # pinned by an operator once loaded
 
     def find(self, adapter: AdapterRef) -> Slot | None:
         """The slot holding or loading `adapter`, if any."""
@@ -166,6 +167,21 @@ class SlotTable:
     def pin_by_admin(self, slot: Slot) -> None:
         """An operator pinned it (pre-warm with pin): only an operator's eviction frees it."""
         slot.is_admin_pinned = True
+
+    def pin_by_admin_when_loaded(self, adapter: AdapterRef) -> None:
+        """An operator pinned `adapter`, whose bytes are being staged (no slot is claimed yet):
+        its slot is pinned once its load ends READY."""
+        self._pins_promised.add(adapter)
+
+        def loaded(is_ready: bool) -> None:
+            self._pins_promised.discard(adapter)
+            if is_ready:
+                self.pin_by_admin(self.find(adapter))
+        self.when_loaded(adapter, loaded)
+
+    def admin_pinned(self) -> set[AdapterRef]:
+        """Adapters an operator pinned here, their slots pinned or to be once loaded."""
+        return {s.adapter for s in self.slots if s.is_admin_pinned} | self._pins_promised
 
     def when_loaded(self, adapter: AdapterRef, callback: Callable[[bool], None]) -> None:
         """Call `callback(is_ready)` once `adapter`'s load here ends: at once unless it is

@@ -116,8 +116,44 @@ def test_a_tenant_over_its_queue_cap_is_refused_with_retry_after():
     w.request(tenant="other")  # another tenant is not held back
 
 
-def test_an_adapter_no_slot_can_ever_take_is_refused():
+def test_pins_leave_unpinned_slots_to_the_other_adapters():
+    """Prewarm with pin stops at all slots but unpinned_slots (1): a third pin of three slots is
+    refused, counting a pin whose load is still on its way; pinning a pinned adapter again is
+    fine; and requests for four other adapters all run, taking turns in the slot left."""
+    w = World(num_slots=3)
+    w.core.prewarm(ref("a@1"), 1 << 20, 1, pin=True)
+    w.core.prewarm(ref("b@1"), 1 << 20, 1, pin=True)  # (both still loading)
+    with pytest.raises(FailedPrecondition, match="2 of its 3 adapter slots are pinned"):
+        w.core.prewarm(ref("c@1"), 1 << 20, 1, pin=True)
+    w.core.prewarm(ref("a@1"), 1 << 20, 1, pin=True)
+    w.core.prewarm(ref("c@1"), 1 << 20, 1, pin=False)  # unpinned: fine
+    others = [w.request(adapter=f"x{i}@1") for i in range(4)]
+    w.run()
+    assert all(w.finished(req) for req in others)
+    assert w.executors[0].slots.admin_pinned() == {ref("a@1"), ref("b@1")}
+
+
+def test_a_pin_promised_while_its_bytes_are_staged_counts_against_the_cap():
+    w = World(num_slots=2)
+    for adapter in ("a@1", "b@1"):  # both slots READY, unpinned, used
+        w.request(adapter=adapter)
+    w.run()
+    w.core.prewarm(ref("c@1"), 1 << 20, 1, pin=True)  # must evict: staged first, no slot yet
+    assert w.stages and not w.loads
+    with pytest.raises(FailedPrecondition, match="1 of its 2 adapter slots are pinned"):
+        w.core.prewarm(ref("d@1"), 1 << 20, 1, pin=True)
+    w.complete_loads()
+    assert w.executors[0].slots.find(ref("c@1")).is_admin_pinned
+
+
+def test_a_pin_is_refused_on_an_executor_of_one_slot():
     w = World(num_slots=1)
+    with pytest.raises(FailedPrecondition, match="0 of its 1 adapter slots are pinned"):
+        w.core.prewarm(ref("a@1"), 1 << 20, 1, pin=True)
+
+
+def test_an_adapter_no_slot_can_ever_take_is_refused():
+    w = World(num_slots=1, limits=Limits(unpinned_slots=0))  # (pins may take every slot)
     w.core.prewarm(ref("pinned@1"), 1 << 20, 1, pin=True)
     w.complete_loads()
     with pytest.raises(FailedPrecondition, match="pinned by an operator"):
