@@ -73,7 +73,7 @@ class Scheduler:
         self.placement = Placement(limits, fair, self.residency, wake)
         self.admission = Admission(limits, fair, self.placement, self.residency, clock)
         self.merges = Merges(limits, self.placement, self.residency, wake)
-        self.deadlines = Deadlines(limits.max_queue_s)
+        self.deadlines = Deadlines(limits.max_queue_s, limits.max_load_wait_s)
         self.totals: dict[str, TenantTotals] = {}  # per tenant, of its ended requests
         self._seq_ids = itertools.count(1)
         for ex in executors:
@@ -127,13 +127,37 @@ class Scheduler:
         now = self.clock()
         self.merges.tick(now)
         for req, due in self.deadlines.due(now):
+            if due is Due.LOAD_BOUND and not self._has_waited_for_its_fetch(req, now):
+                continue
             self._fail(req, self._expiry_error(req, due, now))
         for ex in self.executors:
             if self.residency.expire(ex, now):
                 self._wake()
 
+    def _has_waited_for_its_fetch(self, req: Request, now: float) -> bool:
+        """Whether queued req has waited max_load_wait_s for its adapter's fetch onto its
+        executor; if not, it is looked at again when it would have."""
+        bound = self.limits.max_load_wait_s
+        since = (self.residency.fetching_since(req.executor, req.adapter)
+                 if req.executor is not None else None)
+        if since is None:  # nothing on its way for it now (it waits for a slot, say)
+            self.deadlines.recheck(req, now + bound)
+            return False
+        start = max(since, req.queued_since)
+        if now - start < bound:
+            self.deadlines.recheck(req, start + bound)
+            return False
+        return True
+
     def _expiry_error(self, req: Request, due: Due, now: float) -> LoraplexError:
         waited = now - req.arrival
+        if due is Due.LOAD_BOUND:
+            failure = req.executor.load_failures.get(req.adapter)
+            why = (f"its fetches fail (last error: {failure.error})" if failure is not None
+                   else "its fetch is still under way")
+            return retry_after(Unavailable(
+                f"adapter {req.adapter} was not loaded within {self.limits.max_load_wait_s:.0f}s "
+                f"({why}); retry later"), self.limits.max_load_backoff_s)
         if due is Due.DEADLINE:
             return DeadlineExceeded(f"the request's deadline passed after {waited:.1f}s "
                                     "waiting for an executor")

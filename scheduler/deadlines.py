@@ -1,15 +1,19 @@
-"""When a waiting request gives up: its client's deadline, or the pool's longest queue wait.
+"""When a waiting request gives up: its client's deadline, the pool's longest queue wait, or
+the longest wait for its adapter's fetch.
 
 A request is entered when it arrives: at its client's deadline (gRPC's, taken at arrival) it is
 dropped with DEADLINE_EXCEEDED wherever it waits; one never admitted within `max_queue_s` is
 refused with RESOURCE_EXHAUSTED and a retry-after (UNAVAILABLE when the reason is an adapter that
 keeps failing to load). A request that ran and waits again (preempted, or its executor was lost)
 is entered again: not taken back within `max_queue_s` of that (no executor left, say), it ends
-UNAVAILABLE, retryable.
+UNAVAILABLE, retryable. A request for an adapter is also looked at `max_load_wait_s` into each
+wait (LOAD_BOUND): the scheduler fails it (UNAVAILABLE, retryable) if its adapter's fetch has
+been under way that long, or has it looked at again (`recheck`) when that time would come.
 
     deadlines.add(req)                 at submit
     deadlines.requeued(req)            when it waits again (req.queued_since set)
     for req, kind in deadlines.due(now): ...   periodically (the engine's clock tick)
+    deadlines.recheck(req, at)         a LOAD_BOUND not passed yet: look again at `at`
 """
 
 import enum
@@ -23,11 +27,12 @@ from scheduler.request import Request, Status
 class Due(enum.Enum):
     DEADLINE = "deadline"  # the client's own
     QUEUE_BOUND = "queue bound"  # the pool's max_queue_s, for a request never admitted
+    LOAD_BOUND = "load bound"  # the pool's max_load_wait_s, for its adapter's fetch
 
 
 class Deadlines:
-    def __init__(self, max_queue_s: float):
-        self._max_queue_s = max_queue_s
+    def __init__(self, max_queue_s: float, max_load_wait_s: float):
+        self._max_queue_s, self._max_load_wait_s = max_queue_s, max_load_wait_s
         # (when, order, kind, request, its queued_since when entered). Weak: an entry must not
         # keep an ended request alive until its time would have come.
         self._heap: list[tuple[float, int, Due, weakref.ref[Request], float]] = []
@@ -42,6 +47,12 @@ class Deadlines:
     def requeued(self, req: Request) -> None:
         """It waits (again) since req.queued_since."""
         self._push(req.queued_since + self._max_queue_s, Due.QUEUE_BOUND, req)
+        if req.adapter is not None:
+            self.recheck(req, req.queued_since + self._max_load_wait_s)
+
+    def recheck(self, req: Request, at: float) -> None:
+        """Its LOAD_BOUND comes again at `at` (in this wait)."""
+        self._push(at, Due.LOAD_BOUND, req)
 
     def due(self, now: float) -> list[tuple[Request, Due]]:
         """Requests still waiting whose time is up."""
@@ -51,7 +62,7 @@ class Deadlines:
             req = ref()
             if req is None or req.status is not Status.QUEUED:
                 continue  # running or ended: nothing to do (a running one streams on)
-            if kind is Due.QUEUE_BOUND and req.queued_since != since:
+            if kind is not Due.DEADLINE and req.queued_since != since:
                 continue  # it ran since this wait began; a later entry bounds its wait now
             out.append((req, kind))
         return out

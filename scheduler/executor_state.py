@@ -6,6 +6,7 @@ has one writer (tests/scheduler/test_ownership.py holds the rule):
     queue, work_tokens,      the requests waiting for it, the   Placement (placement.py)
       popularity               work ahead, adapters' demand
     slots, load_failures,    adapter residency and pins         Residency (residency.py)
+      fetching_since,
       unpin_later, num_loads,
       num_hits, num_evictions
     merge                    its dedication and merge           Merges (merging.py)
@@ -44,6 +45,8 @@ class ExecutorState:
     work_tokens: float = 0.0  # tokens still to compute for its queued and running requests
     popularity: Popularity = field(default_factory=Popularity)  # of adapters routed here
     load_failures: dict[AdapterRef, LoadFailure] = field(default_factory=dict)
+    # Adapters being fetched onto it (staged or loaded, or failing and backing off): since when.
+    fetching_since: dict[AdapterRef, float] = field(default_factory=dict)
     # Sequences that left the running set while steps with their rows were in flight: they keep
     # their slot pinned until those are answered (loads are not ordered with steps: an adapter
     # loaded into the slot meanwhile would be read by them).

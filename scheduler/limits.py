@@ -32,6 +32,11 @@ class Limits:
     # within their deadlines and max_queue_s. Any other failure fails them at once.
     load_backoff_s: float = 0.5
     max_load_backoff_s: float = 10.0
+    # A request waits at most this long for its adapter's fetch onto its executor (a load or a
+    # staging under way, or failing and backing off): then it ends UNAVAILABLE with retry-after,
+    # so a frozen store or S3 never leaves a cold request silent for longer. A wait for a slot
+    # to free (no fetch under way) is bounded by max_queue_s.
+    max_load_wait_s: float = 30.0
     # A request not admitted within this long is refused (RESOURCE_EXHAUSTED with retry-after;
     # UNAVAILABLE when its adapter keeps failing to load), also while no executor is up.
     max_queue_s: float = 300.0
@@ -72,7 +77,7 @@ class Limits:
         for name in ("max_num_seqs", "max_batched_tokens", "max_executor_failures"):
             if getattr(self, name) < 1:
                 raise ValueError(f"scheduler limit {name} must be >= 1, got {getattr(self, name)}")
-        for name in ("load_backoff_s", "max_queue_s"):
+        for name in ("load_backoff_s", "max_queue_s", "max_load_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"scheduler limit {name} must be > 0, got {getattr(self, name)}")
         if self.max_load_backoff_s < self.load_backoff_s:

@@ -60,6 +60,12 @@ class Residency:
         return ex.slots.can_place(adapter, ex.queue.demand)
 
     @staticmethod
+    def fetching_since(ex: ExecutorState, adapter: AdapterRef) -> float | None:
+        """Since when `adapter` is being fetched onto ex (a staging or a load under way, or
+        failing and backing off), if it is."""
+        return ex.fetching_since.get(adapter)
+
+    @staticmethod
     def waits_on_a_failing_load(ex: ExecutorState, req: Request | None) -> bool:
         """Its adapter's fetches on ex failed and none has succeeded since (a retry may be under
         way: it fails as long as the outage lasts)."""
@@ -99,6 +105,7 @@ class Residency:
             return self._load_on(ex, adapter, num_bytes)
         if staged is None:
             slots.begin_stage(adapter, num_bytes)
+            ex.fetching_since.setdefault(adapter, self.clock())
             self._start_stage(ex, adapter, num_bytes)
         return None
 
@@ -109,6 +116,7 @@ class Residency:
         slot = ex.slots.place(adapter, ex.queue.demand, lambda a: ex.popularity.value(a, now),
                               num_bytes)
         ex.num_evictions += bool(slot.evicted)
+        ex.fetching_since.setdefault(adapter, now)
         self._start_load(ex, slot)
         return slot
 
@@ -185,9 +193,11 @@ class Residency:
             ex.num_loads += 1
             ex.rates.observe_load(num_bytes, seconds)
             ex.load_failures.pop(adapter, None)
+            ex.fetching_since.pop(adapter, None)
             return None
         if isinstance(error, Aborted):  # its staged bytes were gone: the slot is as it was
             ex.slots.give_back(slot)  # (staged again when wanted)
+            ex.fetching_since.pop(adapter, None)
             return None
         ex.slots.clear(slot)
         return self._fetch_failed(ex, adapter, error)
@@ -206,7 +216,9 @@ class Residency:
         ex.rates.observe_load(num_bytes, seconds)
         ex.load_failures.pop(adapter, None)
         if self.can_place(ex, adapter):
-            self._load_on(ex, adapter, staged.num_bytes)
+            self._load_on(ex, adapter, staged.num_bytes)  # (its fetch goes on)
+        else:
+            ex.fetching_since.pop(adapter, None)  # its bytes are here: it waits for a slot
         return None
 
     def _fetch_failed(self, ex: ExecutorState, adapter: AdapterRef,
@@ -223,6 +235,7 @@ class Residency:
                         adapter, ex.address, count, backoff, error)
             return None
         ex.load_failures.pop(adapter, None)
+        ex.fetching_since.pop(adapter, None)
         log.warning("fetching %s onto %s failed: %s", adapter, ex.address, error)
         return error
 
@@ -234,6 +247,7 @@ class Residency:
         for adapter, failure in list(ex.load_failures.items()):
             if adapter not in ex.queue.demand:
                 del ex.load_failures[adapter]  # nobody waits for it here any more
+                ex.fetching_since.pop(adapter, None)
             elif failure.retry_at <= now and not failure.is_due:
                 failure.is_due = is_due = True  # its backoff just passed: try again
         return is_due
@@ -242,6 +256,7 @@ class Residency:
     def reset(ex: ExecutorState) -> None:
         """Ex was lost: its slots, stagings and deferred unpins are gone."""
         ex.unpin_later.clear()
+        ex.fetching_since.clear()
         ex.slots.reset()
 
     # ---- operators --------------------------------------------------------------------------

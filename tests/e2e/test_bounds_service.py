@@ -95,14 +95,16 @@ async def test_a_tenant_over_its_queue_cap_is_shed_with_retry_after(fleet, stub)
     assert all(len(g.token_ids) == 2 for g in await asyncio.gather(*waiting))
 
 
-async def test_an_adapter_no_slot_can_ever_take_is_refused(stub):
-    await stub.Prewarm(scheduler_pb2.PrewarmRequest(adapter="r4_attn", pin=True, wait=True))
-    err = await status_of(stub.Generate(client.generate_request("r8_mlp", "no room", 2)))
-    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "pinned by an operator" in err.details()
-    got = await client.generate(stub, client.generate_request("r4_attn", "pinned one", 2))
+async def test_a_pin_that_would_take_the_last_slot_is_refused(stub):
+    """One adapter slot: a pin would leave none to other adapters (--unpinned-slots 1), so it
+    is refused, and another adapter is still served after an unpinned pre-warm."""
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Prewarm(scheduler_pb2.PrewarmRequest(adapter="r4_attn", pin=True, wait=True))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "0 of its 1 adapter slots are pinned" in info.value.details()
+    await stub.Prewarm(scheduler_pb2.PrewarmRequest(adapter="r4_attn", wait=True))
+    got = await client.generate(stub, client.generate_request("r8_mlp", "room", 2))
     assert len(got.token_ids) == 2
-    await stub.Evict(scheduler_pb2.EvictRequest(adapter="r4_attn"))
 
 
 async def test_sequences_cancelled_during_their_first_step_are_freed_on_the_executor(fleet,

@@ -11,8 +11,8 @@ BUILDERS = {"sequence.py", "step_builder.py", "fast_steps.py", "reference_steps.
 OWNERS = {
     # ExecutorState
     **dict.fromkeys(["work_tokens", "executor"], {"placement.py"}),
-    **dict.fromkeys(["load_failures", "num_loads", "num_hits", "num_evictions", "caused_load"],
-                    {"residency.py"}),
+    **dict.fromkeys(["load_failures", "fetching_since", "num_loads", "num_hits",
+                     "num_evictions", "caused_load"], {"residency.py"}),
     **dict.fromkeys(["merge", "dedicated_to", "dedicated_bytes", "merged_slot", "unmerge_due",
                      "unmerging"], {"merging.py"}),
     **dict.fromkeys(["is_up", "is_draining", "is_leaving", "is_stopping", "num_steps", "blocks"],

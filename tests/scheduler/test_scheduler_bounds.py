@@ -56,6 +56,74 @@ def test_a_failed_load_backs_off_doubling_then_fails_retryably_at_the_queue_boun
     assert all(s.state is SlotState.EMPTY for s in w.executors[0].slots.slots)
 
 
+def test_a_request_waits_at_most_max_load_wait_s_for_a_fetch_that_never_ends():
+    """A frozen store or S3: the load neither succeeds nor fails. Its request ends UNAVAILABLE
+    with retry-after max_load_wait_s after it began waiting (checked on the clock tick), while
+    a request for a resident adapter and one for the base model are served meanwhile."""
+    w = World(limits=Limits(max_load_wait_s=30.0))
+    w.request(adapter="hot@1")
+    w.complete_loads()
+    w.run()
+    cold = w.request(adapter="cold@1")
+    assert w.loads, "its load is on its way (and will hang)"
+    w.loads.clear()  # (it never answers)
+    hot, base = w.request(adapter="hot@1"), w.request()
+    for _ in range(29):
+        w.now += 1.0
+        w.core.expire()
+        w.step()
+    assert w.finished(hot) and w.finished(base) and cold.status is Status.QUEUED
+    w.now = cold.arrival + 30.0
+    w.core.expire()
+    error = error_of(w, cold)
+    assert isinstance(error, Unavailable) and "not loaded within 30s" in str(error)
+    assert "still under way" in str(error) and retry_after(error) > 0
+
+
+def test_failing_fetches_end_their_request_at_max_load_wait_s_not_at_the_queue_bound():
+    w = World(limits=Limits(load_backoff_s=0.5, max_load_backoff_s=2.0, max_load_wait_s=10.0))
+    req = w.request(adapter="a@1")
+    for i in range(1, 19):
+        w.complete_loads(error=Unavailable("S3 frozen"))
+        w.now = req.arrival + 0.5 * i  # (retried as each backoff passes)
+        w.core.expire()
+        w.step()
+    assert req.status is Status.QUEUED
+    w.now = req.arrival + 10.0
+    w.core.expire()
+    error = error_of(w, req)
+    assert isinstance(error, Unavailable) and "S3 frozen" in str(error)
+
+
+def test_the_load_bound_counts_from_when_the_fetch_began_not_while_a_slot_is_awaited():
+    """Both slots pinned by long requests: a request for a third adapter waits for a slot (no
+    fetch under way) past max_load_wait_s and is not failed; once its fetch begins and hangs,
+    it ends max_load_wait_s later."""
+    w = World(num_slots=2, limits=Limits(max_load_wait_s=10.0, fairness_window=0.0))
+    long_a, long_b = w.request(adapter="a@1", max_new=40), w.request(adapter="b@1", max_new=40)
+    w.complete_loads()
+    w.step()
+    cold = w.request(adapter="c@1")
+    for _ in range(15):
+        w.now += 1.0
+        w.core.expire()
+        w.complete_loads()  # (its staging ends: its bytes wait on the host for a slot)
+        w.step()
+    assert cold.status is Status.QUEUED and not w.loads
+    while w.executors[0].slots.find(ref("c@1")) is None:  # the long ones drain
+        w.complete_loads()
+        w.step()
+    began = w.now
+    w.loads.clear()  # (its load hangs)
+    w.now = began + 9.0
+    w.core.expire()
+    assert cold.status is Status.QUEUED
+    w.now = began + 10.5
+    w.core.expire()
+    assert isinstance(error_of(w, cold), Unavailable)
+    assert w.finished(long_a) and w.finished(long_b)
+
+
 def test_a_load_that_succeeds_after_failures_serves_its_requests():
     w = World(limits=Limits(load_backoff_s=0.1))
     req = w.request(adapter="a@1", max_new=3)
