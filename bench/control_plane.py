@@ -2,6 +2,7 @@
 executors (--benchmark-step-s: no forward pass, made-up tokens, fixed step time).
 
     .venv/bin/python bench/control_plane.py [--quick] [--step-s 0.02] [--window-s 8]
+                                            [--only generate]
 
 For E in 1, 2, 4, 8 executors (one pool: a store on local files, E benchmark executors on random
 tiny weights, one scheduler, a gateway in front) and R in 64, 256 rows per executor step: E x R
@@ -16,10 +17,16 @@ stream that ends is replaced at once), from this one client process, measured tw
 Then one scheduler's capacity: 8 executors x 256 rows straight into its Stream again, with steps
 of --capacity-step-s (10 ms: the rate a faster GPU step asks of the scheduler). Then, at 2
 executors x 256 rows, the gateway path again through 1 and 2 gateway replicas (the streams spread
-evenly). CPU is /proc utime + stime over a window after a warm-up; p99 inter-token
-latency is the gap between a token's arrival and the previous one's in its stream. Every process
-shares this machine's CPUs (the client included): read ratios of one run. Writes
-bench/results/control-plane-cpu.md unless --quick.
+evenly). Last, a client's direct path: straight into the scheduler's Generate, one gRPC stream
+per request, as the streaming gRPC client does (loraplex/client.py: a message per token), at 64
+and 192 concurrent streams, with the scheduler's CPU microseconds per delivered token. That line
+runs the demo model (loraplex/demo_assets: one executor, --threads 1, a real forward pass), so
+the scheduler detokenizes every token as it does for a client, and the demo's two adapters
+(greedy held-out prompts, GENERATE_TOKENS new tokens each, EOS ignored); `--only generate` runs
+it alone (about a minute, nothing written). CPU is /proc utime + stime over a window after a
+warm-up; p99 inter-token latency is the gap between a token's arrival and the previous one's in
+its stream. Every process shares this machine's CPUs (the client included): read ratios of one
+run. Writes bench/results/control-plane-cpu.md unless --quick or --only.
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ import grpc
 
 from common import credentials
 from common.server import insecure_channel, run
-from loraplex import client
+from loraplex import client, demo
+from loraplex.demo_tasks import TASKS_BY_NAME, held_out
 from loraplex.launch import Fleet, FleetKeys, start_gateway
 from protos import scheduler_pb2, scheduler_pb2_grpc
 
@@ -48,6 +56,9 @@ RESULTS = REPO / "bench" / "results" / "control-plane-cpu.md"
 KEY = "control-plane-bench-tenant-key-01"
 NEW_TOKENS = 256
 TICKS = os.sysconf("SC_CLK_TCK")
+GENERATE_STREAMS = (64, 192)  # the direct Generate line's concurrent streams
+GENERATE_ADAPTERS = ("reverse-words", "rotate-words")  # demo adapters, alternating per request
+GENERATE_TOKENS = 32  # new tokens per direct Generate request (the demo model's context is 256)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -159,6 +170,91 @@ async def measure_stream(scheduler: str, service_key: str, pid: int, streams: in
             "window": (wall_start, wall_start + window_s), "ITL p99 ms": p99_ms(gaps)}
 
 
+async def measure_generate(scheduler: str, pid: int, streams: int, warmup_s: float,
+                           window_s: float) -> dict[str, float]:
+    """`streams` closed-loop Generate calls straight to the scheduler, a gRPC stream per request
+    (client.stream, as the streaming gRPC client calls it); figures over the window after the
+    warm-up."""
+    prompts = [(a, p) for a in GENERATE_ADAPTERS
+               for p, _ in held_out(TASKS_BY_NAME[a], 8)]
+    arrivals: list[float] = []
+    gaps: list[float] = []
+    stop = time.perf_counter() + warmup_s + window_s
+    async with insecure_channel(scheduler) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+
+        async def loop(i: int) -> None:
+            for n in itertools.count(i):
+                adapter, prompt = prompts[n % len(prompts)]
+                req = client.generate_request(adapter, prompt, GENERATE_TOKENS, ignore_eos=True)
+                last = None
+                async for message in client.stream(stub, req, KEY):
+                    now = time.perf_counter()
+                    if message.HasField("token_id"):
+                        arrivals.append(now)
+                        if last is not None:
+                            gaps.append(now - last)
+                        last = now
+                    if now >= stop:
+                        return
+
+        tasks = [asyncio.create_task(loop(i)) for i in range(streams)]
+        await asyncio.sleep(warmup_s)
+        start, cpu, wall_start = time.perf_counter(), cpu_seconds(pid), time.time()
+        first_gap = len(gaps)
+        await asyncio.sleep(window_s)
+        end, used = time.perf_counter(), cpu_seconds(pid) - cpu
+        window_gaps = gaps[first_gap:]
+        for task in tasks:
+            if task.done():
+                task.result()  # (its error)
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    tokens = sum(1 for t in arrivals if start <= t < end)
+    return {"tokens/s": tokens / (end - start), "cpu": {"scheduler": used}, "delivered": tokens,
+            "window": (wall_start, wall_start + window_s), "ITL p99 ms": p99_ms(window_gaps)}
+
+
+def direct_generate(tmp: pathlib.Path, keys: FleetKeys, window_s: float) -> list[str]:
+    """The direct Generate line at GENERATE_STREAMS, on the demo model: the results file's
+    section, its table included."""
+    rows = max(GENERATE_STREAMS)
+    blocks = rows * (-(-(64 + GENERATE_TOKENS) // 16) + 1)  # (16-token blocks; prompts < 64)
+    fleet = Fleet(model=str(demo.MODEL_DIR), store_url=(tmp / "store-generate").as_uri(),
+                  log_dir=tmp / "logs-generate", keys=keys,
+                  executor_args=["--threads", "1", "--adapter-slots", str(len(GENERATE_ADAPTERS)),
+                                 "--kv-blocks", str(blocks)],
+                  scheduler_args=["--max-num-seqs", str(rows), "--max-queued-per-tenant", "0"])
+    header = ["streams", "tokens/s delivered", "scheduler us/token delivered",
+              "scheduler cores", "ITL p99 ms"]
+    lines = [
+        "## A client's direct path: the scheduler's Generate, a stream per request", "",
+        ("Straight into the scheduler's Generate, one gRPC stream per request, as the streaming "
+         "gRPC client does (loraplex/client.py; a message per token): the demo model "
+         "(one executor, --threads 1, a real forward pass), its two adapters "
+         f"{', '.join(GENERATE_ADAPTERS)} in turn, held-out prompts, {GENERATE_TOKENS} new "
+         "tokens each (EOS ignored), closed loop. The scheduler detokenizes every token (the "
+         "model has a tokenizer) and writes it as its own message; 'scheduler us/token': its "
+         "CPU over the window over the tokens this client received in it."), "",
+        "| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
+    with fleet:
+        pid = fleet.by_name("scheduler")[0].process.pid
+
+        async def push() -> None:
+            for name in GENERATE_ADAPTERS:
+                await client.push_adapter(fleet.stores[0], demo.adapter_dir(name), name, key=KEY)
+
+        run(push)
+        for streams in GENERATE_STREAMS:
+            print(f"direct Generate, demo model, {streams} streams ...", flush=True)
+            f = run(lambda: measure_generate(fleet.scheduler, pid, streams, 3.0, window_s))
+            seconds = f["window"][1] - f["window"][0]
+            lines.append(f"| {streams} | {f['tokens/s']:,.0f} "
+                         f"| {1e6 * f['cpu']['scheduler'] / max(f['delivered'], 1):.1f} "
+                         f"| {f['cpu']['scheduler'] / seconds:.2f} | {f['ITL p99 ms']:.0f} |")
+    return lines + [""]
+
+
 def scheduled_tokens(timings: pathlib.Path, window: tuple[float, float]) -> int:
     """Tokens of the steps the scheduler finished within `window` (its --timings-out lines)."""
     total = 0
@@ -242,13 +338,24 @@ def main() -> None:
     parser.add_argument("--window-s", type=float, default=8.0)
     parser.add_argument("--capacity-step-s", type=float, default=0.01,
                         help="step time of the capacity line (8 executors x 256 rows)")
+    parser.add_argument("--only", choices=["generate"],
+                        help="generate: only the direct Generate line (demo model, 64 and 192 "
+                             "streams); nothing is written")
     args = parser.parse_args()
     counts, rows = ([1, 2], [64]) if args.quick else ([1, 2, 4, 8], [64, 256])
     load = os.getloadavg()[0]
+    command = " ".join([".venv/bin/python bench/control_plane.py", *sys.argv[1:]])
+    machine = (f"- machine: nproc {len(os.sched_getaffinity(0))}, python "
+               f"{sys.version.split()[0]}, 1-min load average at start {load:.1f}; the client, "
+               "the scheduler, the gateway and the executors share these CPUs")
     results, direct = [], []  # through the gateway, straight into the scheduler's Stream
     keys = FleetKeys(tenants={KEY: "bench"})
     with tempfile.TemporaryDirectory(prefix="loraplex-control-") as tmp_name:
         tmp = pathlib.Path(tmp_name)
+        if args.only == "generate":
+            lines = direct_generate(tmp, keys, args.window_s)
+            print("\n" + "\n".join([*lines, machine, f"- command: `{command}`", ""]))
+            return
         for n in counts:
             fleet = bench_fleet(tmp, str(n), n, max(rows), keys, args.step_s,
                                 ["--timings-out", str(tmp / f"timings{n}.jsonl")])
@@ -279,6 +386,7 @@ def main() -> None:
         if not args.quick:
             direct.append(capacity(tmp, keys, args.capacity_step_s, args.window_s))
         replicas = [] if args.quick else gateway_replicas(tmp, keys, args)
+        generate = direct_generate(tmp, keys, args.window_s)
     header = ["executors", "rows per step", "streams", "tokens/s scheduled", "ideal",
               "tokens/s delivered", "scheduler us/token scheduled",
               "gateway us/token delivered", "ITL p99 ms"]
@@ -302,7 +410,6 @@ def main() -> None:
             f"| {n} | {r} | {1e3 * step_s:g} | {n * r} | {f['tokens/s']:,.0f} "
             f"| {n * r / step_s:,.0f} | {f['messages/s']:,.0f} | {us:.1f} | {us * r:,.0f} "
             f"| {cores:.2f} | {f['ITL p99 ms']:.0f} |")
-    command = " ".join([".venv/bin/python bench/control_plane.py", *sys.argv[1:]])
     text = "\n".join([
         (f"Benchmark executors (--benchmark-step-s {args.step_s}: no forward pass), closed-loop "
          f"gRPC streams through the gateway from one client process, {NEW_TOKENS} new tokens "
@@ -323,11 +430,7 @@ def main() -> None:
          "line is one scheduler's capacity: the same 8 x 256 with shorter steps; 'scheduler "
          "cores' is its CPU seconds per second."),
         "", *direct_lines, "",
-        *replicas,
-        (f"- machine: nproc {len(os.sched_getaffinity(0))}, python {sys.version.split()[0]}, "
-         f"1-min load average at start {load:.1f}; the client, the scheduler, the gateway and "
-         "the executors share these CPUs"),
-        f"- command: `{command}`", ""])
+        *replicas, *generate, machine, f"- command: `{command}`", ""])
     print("\n" + text)
     if not args.quick:
         RESULTS.write_text("# The control plane alone: CPU per streamed token\n\n" + text)
