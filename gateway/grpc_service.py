@@ -9,7 +9,7 @@ import grpc
 
 from common import wire
 from common.credentials import bearer
-from common.errors import grpc_errors, write_within
+from common.errors import WriteBound, grpc_errors
 from gateway.frontend import CLIENT_WRITE_S, Frontend, Route
 from protos import scheduler_pb2, scheduler_pb2_grpc
 
@@ -31,8 +31,9 @@ class GatewayServicer(scheduler_pb2_grpc.SchedulerServicer):
                 # (closed, its request cancelled at the pool, before the call's status is sent)
                 async with contextlib.aclosing(self._frontend.generate(
                         route, upstream, tenant, context.time_remaining())) as messages:
-                    async for message in messages:
-                        await write_within(context, message, CLIENT_WRITE_S)
+                    with WriteBound(CLIENT_WRITE_S) as bound:
+                        async for message in messages:
+                            await bound.write(context, message)
             except Exception as exc:
                 self._frontend.metrics.finished("grpc", exc)
                 raise

@@ -2,6 +2,7 @@
 messages and delegate (from_pb -> core or admin.py -> to_pb). Policy lives in scheduler.core."""
 
 import asyncio
+import collections
 import dataclasses
 import functools
 import hashlib
@@ -18,8 +19,8 @@ from common.detokenizer import FINISH_PB, OutputProcessor, check_stops
 from common.errors import (
     InvalidArgument,
     Unavailable,
+    WriteBound,
     grpc_errors,
-    write_within,
 )
 from common.metrics import serve_metrics
 from common.prompt_bounds import max_chars_per_token
@@ -55,32 +56,35 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._model = _model_pb(info)
 
     async def Generate(self, request, context):
-        events: asyncio.Queue[Event] = asyncio.Queue()
+        events = _Events()
         async with grpc_errors(context):
-            req = await self._make_request(request, self._tenant(context), events.put_nowait)
+            req = await self._make_request(request, self._tenant(context), events.put)
             remaining = context.time_remaining()  # the client's deadline (None: none)
             if remaining is not None:
                 req.deadline = self._engine.core.clock() + remaining
             self._rate_limiter.admit(req.tenant, len(req.prompt_ids) + req.output.max_new_tokens)
             self._engine.core.submit(req)
-        write_s = self._config.timeouts.stream_write_s  # (a client that stopped reading)
-        async with grpc_errors(context):
-            try:
-                while True:
-                    event = await events.get()
-                    if isinstance(event, ErrorEvent):
-                        raise event.error
-                    if isinstance(event, FinishEvent):
-                        await write_within(context, scheduler_pb2.GenerateResponse(
-                            finish_reason=FINISH_PB[event.reason], usage=self._usage(req)),
-                            write_s)
-                        return
-                    await write_within(context, scheduler_pb2.GenerateResponse(
-                        token_id=event.token_id, logprob=event.logprob, text=event.text), write_s)
-            finally:  # (before the call's status is sent)
-                if req.status is not Status.FINISHED:  # the client left, or stopped reading
-                    self._engine.core.cancel(req)
-                self._engine.metrics.on_finish(req, self._engine.core.clock())
+        # (a client that stopped reading: one timer for the stream's writes)
+        with WriteBound(self._config.timeouts.stream_write_s) as bound:
+            async with grpc_errors(context):
+                try:
+                    pending = events.pending
+                    while True:
+                        if not pending:
+                            await events.wait()
+                        event = pending.popleft()
+                        if isinstance(event, ErrorEvent):
+                            raise event.error
+                        if isinstance(event, FinishEvent):
+                            await bound.write(context, scheduler_pb2.GenerateResponse(
+                                finish_reason=FINISH_PB[event.reason], usage=self._usage(req)))
+                            return
+                        await bound.write(context, scheduler_pb2.GenerateResponse(
+                            token_id=event.token_id, logprob=event.logprob, text=event.text))
+                finally:  # (before the call's status is sent)
+                    if req.status is not Status.FINISHED:  # the client left, or stopped reading
+                        self._engine.core.cancel(req)
+                    self._engine.metrics.on_finish(req, self._engine.core.clock())
 
     async def Stream(self, request_iterator, context):
         """A gateway's requests over one stream, their tokens in batches (streams.py)."""
@@ -253,6 +257,34 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             ex = self._engine.core.find_executor(request.executor)
             self._engine.core.resume(ex)
             return scheduler_pb2.ResumeResponse(queued=len(ex.queue))
+
+
+class _Events:
+    """A Generate's events as the core emits them (it never blocks): a deque, and a future the
+    handler waits on only when the deque is empty (an asyncio.Queue's get() per event costs a
+    loop look-up and its getter bookkeeping each time)."""
+
+    __slots__ = ("pending", "_waiter")
+
+    def __init__(self) -> None:
+        self.pending: collections.deque[Event] = collections.deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, event: Event) -> None:
+        self.pending.append(event)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def wait(self) -> None:
+        """Until an event is pending."""
+        self._waiter = waiter = asyncio.get_running_loop().create_future()
+        try:
+            await waiter
+        finally:
+            self._waiter = None
 
 
 def _model_pb(info: executor_pb2.InfoResponse) -> scheduler_pb2.ModelResponse:
