@@ -5,8 +5,10 @@ A reference is resolved once, when the request arrives: the request then carries
 AdapterRef for its whole life, so moving an alias never changes a running sequence.
 
     name@version   immutable: its AdapterInfo is kept (LRU, max_entries) and asked again only
-                   once VERSION_TTL_S old (a deleted version stops resolving within that);
-                   who may see it is decided here from its owner, with the store's own words
+                   once VERSION_TTL_S old (a deleted version stops resolving within that); it
+                   answers from the cache only a caller who may see it (its owner, or anyone
+                   when it is public): anyone else is asked of the store, as for a name that
+                   does not exist, so the answer, its words and its time are a missing name's
     name, alias    asked again once resolve_ttl_s old; when every store replica fails
                    (UNAVAILABLE: down, frozen past resolve_s, S3 behind it down) the last answer
                    is used however old (stale-while-error) and kept another resolve_ttl_s, so
@@ -28,7 +30,7 @@ from collections.abc import Callable
 
 import grpc
 
-from common.adapter_ref import AdapterQuery, AdapterRef, not_found
+from common.adapter_ref import AdapterQuery, AdapterRef
 from common.errors import LoraplexError, Unavailable, from_rpc_error
 from common.server import insecure_channel
 from protos import adapter_store_pb2, adapter_store_pb2_grpc, common_pb2
@@ -81,9 +83,11 @@ class RegistryClient:
         if query.version:
             version = AdapterRef(query.name, query.version)
             answer = self._versions.get(version)
+            if answer is not None and not _is_visible(answer.info, tenant):
+                answer = None  # (the store answers it, as it answers a missing name)
             if answer is not None and now - answer.at < VERSION_TTL_S:
                 self._versions.move_to_end(version)
-                return _visible(answer.info, tenant)
+                return answer.info
             key, ttl = (tenant, query), VERSION_TTL_S
         else:
             key, ttl = (tenant, query), self._ttl_s
@@ -102,7 +106,7 @@ class RegistryClient:
             log.warning("adapter registry unavailable (%s); resolving %s from an answer %.0fs "
                         "old", err, ref[:200], now - answer.at)
             answer.at = now - ttl + self._ttl_s  # used again without asking for resolve_ttl_s
-            return answer.info if not query.version else _visible(answer.info, tenant)
+            return answer.info
         self._remember(self._versions, AdapterRef(info.name, info.version),
                        _Answer(info, self._clock()))
         if not query.version:
@@ -130,8 +134,6 @@ class RegistryClient:
             cache.popitem(last=False)
 
 
-def _visible(info: common_pb2.AdapterInfo, tenant: str) -> common_pb2.AdapterInfo:
-    """The store's visibility rule for a cached version: its owner's, or public."""
-    if tenant and not info.is_public and info.owner_tenant != tenant:
-        raise not_found(info.name)
-    return info
+def _is_visible(info: common_pb2.AdapterInfo, tenant: str) -> bool:
+    """The store's visibility rule: its owner's, or public (an operator, tenant "", sees all)."""
+    return not tenant or info.is_public or info.owner_tenant == tenant

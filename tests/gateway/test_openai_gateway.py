@@ -20,7 +20,7 @@ from loraplex import client
 from loraplex.demo import MODEL_DIR as DEMO_MODEL_DIR
 from loraplex.fixtures import MODEL_ID as FIXTURE_MODEL
 from loraplex.launch import Fleet, FleetKeys, start_gateway
-from protos import scheduler_pb2, scheduler_pb2_grpc
+from protos import adapter_store_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 DEMO_MODEL = "loraplex-demo-tiny"
 DEMO_ADAPTERS = DEMO_MODEL_DIR.parent / "adapters"
@@ -162,6 +162,45 @@ async def test_unknown_and_other_tenants_models_are_the_same_404(adapters):
             await api.completions.create(model=model, prompt="hi", max_tokens=2)
         texts.append(err.value.message.replace(model, "NAME"))
     assert texts[0] == texts[1]
+
+
+async def answers(world, model: str, tenant: str = "acme") -> list:
+    """Every surface's answer to a request for `model`, `model`'s name replaced by NAME: the
+    gateway's /v1/completions and TGI /generate (status, body), its gRPC Generate and the pool's
+    own scheduler's (code, details)."""
+    name = model.split("@")[0]
+    out = []
+    for path, body in (("/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 2}),
+                       ("/generate", {"inputs": "hi", "parameters": {
+                           "adapter_id": model, "max_new_tokens": 2}})):
+        status, raw = await asyncio.to_thread(post, world, path, body, tenant)
+        out.append((path, status, raw.decode().replace(name, "NAME")))
+    for address in (world["gateway"].address, world["fixture"].scheduler):
+        async with insecure_channel(address) as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            try:
+                await client.generate(stub, client.generate_request(model, "hi", 2),
+                                      KEYS[tenant])
+                out.append((address, "OK", ""))
+            except grpc.aio.AioRpcError as err:
+                out.append((address, err.code(), err.details().replace(name, "NAME")))
+    return out
+
+
+async def test_another_tenants_adapter_reads_exactly_as_one_that_does_not_exist(adapters):
+    """After globex has used its adapter (so the gateway and the scheduler hold its version in
+    their caches) and given it an alias, acme asking for it by name, version, a version it does
+    not have, or the alias gets, on every surface, the very answer of a name nobody has."""
+    store = adapters["demo"].stores[0]
+    await client.store_call(store, "SetAlias", adapter_store_pb2.SetAliasRequest(
+        name="globex-mlp", alias="prod", version=1), key=KEYS["globex"])
+    for model in ("globex-mlp", "globex-mlp@1", "globex-mlp@prod"):  # (warm every cache)
+        assert {a[1] for a in await answers(adapters, model, "globex")} <= {200, "OK"}
+    for suffix in ("", "@1", "@9", "@prod"):
+        theirs = await answers(adapters, "globex-mlp" + suffix)
+        missing = await answers(adapters, "globex-mlq" + suffix)
+        assert theirs == missing, suffix
+        assert {a[1] for a in theirs} == {404, grpc.StatusCode.NOT_FOUND}
 
 
 async def test_bad_key_bad_field_and_rate_limit(adapters):
