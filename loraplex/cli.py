@@ -53,10 +53,22 @@ async def _generate(args: argparse.Namespace) -> None:
 
 def _call(action: Callable[[argparse.Namespace], Awaitable[None]],
           args: argparse.Namespace) -> None:
-    """Run a command that calls the services. A refused call or an unreadable file (a key file, an
-    adapter folder) ends it with one line on stderr and exit status 1, not a traceback."""
+    """Run a command that calls the services, once the service it calls is serving (waiting up
+    to --wait-s for it: a command right after `loraplex up &`). A service that does not come up,
+    a refused call or an unreadable file (a key file, an adapter folder) ends it with one line on
+    stderr and exit status 1, not a traceback."""
+    address = getattr(args, "store", None) or getattr(args, "scheduler", None)
+
+    async def when_serving() -> None:
+        if address and args.wait_s > 0 and not await client.wait_until_serving(address,
+                                                                              args.wait_s):
+            sys.exit(f"error: UNAVAILABLE: nothing serving at {address} within {args.wait_s:g}s "
+                     "(--wait-s): "
+                     "is `loraplex up` running? (its services log under its state directory)")
+        await action(args)
+
     try:
-        run(lambda: action(args))
+        run(when_serving)
     except grpc.aio.AioRpcError as err:
         details = (err.details() or "").replace("\n", " ")
         sys.exit(f"error: {err.code().name}: {details}")
@@ -106,6 +118,9 @@ def _simulate(args: argparse.Namespace) -> None:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loraplex", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--wait-s", type=float, default=60.0,
+                   help="how long a command waits for the service it calls to come up "
+                        "(default 60; 0: not at all)")
     sub = p.add_subparsers(dest="command", required=True)
 
     up_cli.add_parser(sub)

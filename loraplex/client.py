@@ -8,6 +8,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from common import wire
 from common.adapter_ref import AdapterRef
 from common.base_fingerprint import base_fingerprint
@@ -178,3 +181,23 @@ def token_json(response: scheduler_pb2.GenerateResponse) -> str:
                               time_to_first_token_seconds=round(u.time_to_first_token_seconds, 4),
                               adapter=ref_text(u.adapter)))
     return json.dumps(obj)
+
+
+async def wait_until_serving(address: str, timeout_s: float) -> bool:
+    """Whether the service at `address` reports SERVING (its health check) within `timeout_s`:
+    a command run right after `loraplex up &` waits for the services to come up."""
+    deadline = time.monotonic() + timeout_s
+    async with insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                answer = await stub.Check(health_pb2.HealthCheckRequest(),
+                                          timeout=max(0.1, min(1.0, left)))
+                if answer.status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except grpc.aio.AioRpcError:
+                pass  # not listening yet, or warming up
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))

@@ -87,6 +87,8 @@ def run(args: argparse.Namespace) -> None:
         for s in fleet.services:
             print(f"{s.name:16s} {s.address:22s} log {s.log_path}")
         print(f"state: {state} (model {model_id}, store {store_url})")
+        if not args.model:
+            print(f"fixture adapters to push: {state / 'fixtures' / 'adapters'}/*")
         if not args.no_gateway:
             print(f"OpenAI API: http://127.0.0.1:{args.http_port}/v1 (model: {model_id} or an "
                   "adapter's name)")

@@ -9,12 +9,13 @@ import re
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loraplex.launch import Fleet, FleetKeys
+from loraplex.launch import Fleet, FleetKeys, start_service
 from protos import adapter_store_pb2, scheduler_pb2
 
 TENANT_KEY = "cli-test-tenant-key-0001"
@@ -146,9 +147,11 @@ def test_unreachable_scheduler_and_unreadable_key_file_are_one_line(tmp_path):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    refused(loraplex("admin", "stats", "--scheduler", f"127.0.0.1:{port}", key=TENANT_KEY),
-            "UNAVAILABLE")
-    done = loraplex("admin", "stats", "--api-key-file", str(tmp_path / "missing"))
+    refused(loraplex("--wait-s", "1", "admin", "stats", "--scheduler", f"127.0.0.1:{port}",
+                     key=TENANT_KEY), "UNAVAILABLE")
+    refused(loraplex("--wait-s", "0", "admin", "stats", "--scheduler", f"127.0.0.1:{port}",
+                     key=TENANT_KEY), "UNAVAILABLE")  # (the call itself, not waited for)
+    done = loraplex("--wait-s", "0", "admin", "stats", "--api-key-file", str(tmp_path / "missing"))
     assert done.returncode != 0 and done.stderr.startswith("error: ") and \
         done.stderr.count("\n") == 1 and "missing" in done.stderr, done.stderr
 
@@ -186,3 +189,32 @@ def test_base_add_registers_a_base_model(fleet, tiny, admin_key_file):
     out = ok(loraplex("adapters", "base", "add", tiny["model_dir"], "--id", tiny["model_id"],
                       "--store", fleet.stores[0], "--api-key-file", admin_key_file))
     assert out.startswith(f"registered base model {tiny['model_id']} (4 layers, ")
+
+
+def test_a_command_right_after_up_waits_for_the_service_to_come_up(tiny, tmp_path, log_dir):
+    """`loraplex up &` then at once `loraplex adapters push ...`: the command waits (--wait-s)
+    for the store to report SERVING, then pushes; with nothing coming up it ends UNAVAILABLE
+    once --wait-s has passed."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    waiting = subprocess.Popen(
+        [sys.executable, "-m", "loraplex.cli", "--wait-s", "120", "adapters", "push",
+         tiny["adapters"]["r4_attn"]["path"], "--name", "early", "--store", address],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        store = start_service("adapter_store-early", "adapter_store.service",
+                              ["--url", tmp_path.as_uri(), "--address", address],
+                              log_dir / "cli-wait")
+        try:
+            out, err = waiting.communicate(timeout=120)
+            assert waiting.returncode == 0, err
+            assert "early@1" in out
+        finally:
+            store.stop()
+    finally:
+        waiting.kill()
+    started = time.monotonic()
+    done = loraplex("--wait-s", "1", "adapters", "list", "--store", address)
+    refused(done, "UNAVAILABLE")
+    assert "nothing serving" in done.stderr and time.monotonic() - started < 30
