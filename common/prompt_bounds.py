@@ -1,7 +1,12 @@
-"""A bound on how few tokens a text can be, known before tokenizing it: a text too long for the
-context is refused without spending the time (and the event loop) to tokenize it."""
+"""Whether a prompt fits the context, checked the same way wherever it is checked: the gateway
+refuses what cannot fit before sending it to a pool (each HTTP API in its own error format), and
+the scheduler, which knows its executors' context, is the authority for every caller. A bound on
+how few tokens a text can be, known before tokenizing it, refuses a text too long without
+spending the time (and the event loop) to tokenize it."""
 
 from tokenizers import Tokenizer
+
+from common.errors import InvalidArgument
 
 
 def max_chars_per_token(tokenizer: Tokenizer) -> int:
@@ -15,3 +20,24 @@ def max_chars_per_token(tokenizer: Tokenizer) -> int:
 def min_tokens(text: str, chars_per_token: int) -> int:
     """The fewest tokens `text` can tokenize to."""
     return -(-len(text) // chars_per_token)
+
+
+def check_text_fits(text: str, max_new_tokens: int, chars_per_token: int, limit: int,
+                    field: str = "max_new_tokens") -> None:
+    """INVALID_ARGUMENT when `text` cannot fit `limit` tokens with `max_new_tokens` (named
+    `field`) to generate, whatever it tokenizes to."""
+    fewest = min_tokens(text, chars_per_token)
+    if fewest + max_new_tokens > limit:
+        raise InvalidArgument(f"the prompt of {len(text)} characters is at least {fewest} tokens, "
+                              f"which with {field} ({max_new_tokens}) exceeds the context of "
+                              f"{limit} tokens: shorten the prompt")
+
+
+def check_fits(num_tokens: int, max_new_tokens: int, limit: int,
+               field: str = "max_new_tokens") -> None:
+    """INVALID_ARGUMENT when a prompt of `num_tokens` and `max_new_tokens` (named `field`) to
+    generate exceed `limit` tokens."""
+    if num_tokens + max_new_tokens > limit:
+        raise InvalidArgument(f"the prompt ({num_tokens} tokens) with {field} ({max_new_tokens}) "
+                              f"exceeds the context of {limit} tokens: shorten the prompt or ask "
+                              f"for fewer tokens")

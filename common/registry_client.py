@@ -78,7 +78,15 @@ class RegistryClient:
 
     async def resolve(self, ref: str, tenant: str) -> common_pb2.AdapterInfo:
         """The exact adapter version `ref` names for `tenant` (NOT_FOUND if it may not see it)."""
-        query = AdapterQuery.parse(ref)
+        return await self._resolve(AdapterQuery.parse(ref), tenant, ref)
+
+    async def lookup(self, ref: AdapterRef, tenant: str) -> common_pb2.AdapterInfo:
+        """The record of the exact version `ref` (one a gateway resolved already), as `tenant`
+        may see it: no name or alias is resolved."""
+        return await self._resolve(AdapterQuery(ref.name, version=ref.version), tenant, str(ref))
+
+    async def _resolve(self, query: AdapterQuery, tenant: str, ref: str
+                       ) -> common_pb2.AdapterInfo:
         now = self._clock()
         if query.version:
             version = AdapterRef(query.name, query.version)

@@ -3,6 +3,7 @@
 import asyncio
 import gc
 import logging
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -167,10 +168,25 @@ async def run_until_signalled(service: Service,
         await on_stop()
 
 
+# loraplex's own loggers (not the libraries'), whose level $LORAPLEX_LOG_LEVEL sets: DEBUG adds a
+# line per request in each service, with its id (common/request_ids.py), for following one.
+# ("__main__": a service's own module, run as `python -m scheduler.service`.)
+OWN_LOGGERS = ("__main__", "adapter_store", "common", "executor", "gateway", "kernels",
+               "scheduler")
+
+
 def configure_logging(name: str) -> None:
-    """Log lines on stderr, named for the service (stdout carries only `announce`)."""
+    """Log lines on stderr, named for the service (stdout carries only `announce`), at INFO, or
+    at $LORAPLEX_LOG_LEVEL (DEBUG, INFO, WARNING, ERROR) for loraplex's own loggers."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+    level = os.environ.get("LORAPLEX_LOG_LEVEL", "").upper()
+    if level:
+        if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise SystemExit(f"LORAPLEX_LOG_LEVEL must be DEBUG, INFO, WARNING or ERROR, got "
+                             f"{level!r}")
+        for logger in OWN_LOGGERS:
+            logging.getLogger(logger).setLevel(level)
 
 
 def announce(name: str, address: str) -> None:

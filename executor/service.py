@@ -168,6 +168,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             self._runner.add_sequence(new.seq_id, list(new.token_ids),
                                       SamplingParams.from_pb(new.sampling), new.slot,
                                       new.num_generated, new.num_cached)
+            log.debug("sequence %d of request %s: %d tokens (%d cached), slot %d", new.seq_id,
+                      new.request_id, len(new.token_ids), new.num_cached, new.slot)
         if req.HasField("merge_slot"):
             self._runner.merge(req.merge_slot)
             log.info("merged the adapter of slot %d into the weights", req.merge_slot)

@@ -30,7 +30,7 @@ from common.errors import (
     Unavailable,
     relayed_status,
 )
-from common.prompt_bounds import min_tokens
+from common.prompt_bounds import check_fits, check_text_fits
 from common.ratelimit import RateLimiter
 from common.registry_client import RegistryClient
 from gateway.cell_stream import CellStream
@@ -52,10 +52,13 @@ class Route:
     adapter: common_pb2.AdapterInfo | None  # None: the base model alone
 
     @property
-    def adapter_ref(self) -> str:
-        """What the scheduler is asked for: the exact version, so every cell and every retry
-        serves the version resolved here (an alias moved meanwhile changes nothing)."""
-        return str(AdapterRef(self.adapter.name, self.adapter.version)) if self.adapter else ""
+    def adapter_ref(self) -> common_pb2.AdapterRef | None:
+        """What the scheduler is asked for (GenerateRequest.adapter_ref): the exact version, so
+        every cell and every retry serves the version resolved here (an alias moved meanwhile
+        changes nothing) and no scheduler resolves the name again."""
+        if self.adapter is None:
+            return None
+        return AdapterRef(self.adapter.name, self.adapter.version).to_pb()
 
 
 class Frontend:
@@ -114,18 +117,18 @@ class Frontend:
         return "served: " + (", ".join(self._pools.model_ids()) or "none")
 
     async def prompt_ids(self, route: Route, text: str | None, ids: list[int] | None,
-                         max_new_tokens: int, chat: bool = False) -> list[int]:
-        """The prompt as token ids, refused when it cannot fit the pool's context."""
+                         max_new_tokens: int, chat: bool = False,
+                         field: str = "max_new_tokens") -> list[int]:
+        """The prompt as token ids, refused when it cannot fit the pool's context (the scheduler
+        checks again, the same way: common/prompt_bounds.py); `field` names the request's
+        max_new_tokens in its API."""
         model = route.model
         if text is not None:
             if model.tokenizer is None:
                 raise InvalidArgument(f"model {model.model_id!r} has no tokenizer: send the "
                                       "prompt as token ids")
-            fewest = min_tokens(text, model.chars_per_token)
-            if fewest + max_new_tokens > model.max_model_len:
-                raise InvalidArgument(f"the prompt is at least {fewest} tokens, which with "
-                                      f"{max_new_tokens} to generate exceeds the context of "
-                                      f"{model.max_model_len} tokens")
+            check_text_fits(text, max_new_tokens, model.chars_per_token, model.max_model_len,
+                            field)
             encode = model.tokenizer.encode
             if len(text) > _THREAD_TOKENIZE_CHARS:
                 ids = (await asyncio.to_thread(encode, text, add_special_tokens=not chat)).ids
@@ -133,10 +136,7 @@ class Frontend:
                 ids = encode(text, add_special_tokens=not chat).ids
         if not ids:
             raise InvalidArgument("the prompt is empty")
-        if len(ids) + max_new_tokens > model.max_model_len:
-            raise InvalidArgument(f"the prompt ({len(ids)} tokens) with {max_new_tokens} to "
-                                  f"generate exceeds the context of {model.max_model_len} tokens: "
-                                  "shorten it or ask for fewer tokens")
+        check_fits(len(ids), max_new_tokens, model.max_model_len, field)
         return ids
 
     def admit(self, tenant: str, num_tokens: int) -> None:
@@ -190,6 +190,10 @@ class Frontend:
         del upstream.stop[:]
         upstream.max_new_tokens = max_new
         stream = self._stream_to(cell)
+        log.debug("request %s (tenant %s, %s) to scheduler %s", request.request_id, tenant,
+                  AdapterRef(route.adapter.name, route.adapter.version) if route.adapter
+                  else "base model",
+                  cell.address)
         stream_id, updates = stream.submit(upstream, tenant, deadline - time.monotonic())
         # One timer for the whole request, not one per token: at the deadline it queues
         # _DEADLINE behind the updates already there.

@@ -8,8 +8,10 @@ import contextlib
 import grpc
 
 from common import wire
+from common.adapter_ref import AdapterRef
 from common.credentials import bearer
-from common.errors import WriteBound, grpc_errors
+from common.errors import InvalidArgument, WriteBound, grpc_errors
+from common.request_ids import REQUEST_ID_KEY, checked_request_id
 from gateway.frontend import CLIENT_WRITE_S, Frontend, Route
 from protos import scheduler_pb2, scheduler_pb2_grpc
 
@@ -24,8 +26,9 @@ class GatewayServicer(scheduler_pb2_grpc.SchedulerServicer):
                 metadata = context.invocation_metadata() or ()
                 tenant = self._frontend.tenant(bearer(metadata),
                                                dict(metadata).get(wire.ON_BEHALF_OF, ""))
-                route = await self._frontend.route(self._model(request.adapter), tenant)
-                upstream = await self._upstream(route, request)
+                route = await self._frontend.route(self._model(request), tenant)
+                upstream = await self._upstream(route, request,
+                                                dict(metadata).get(REQUEST_ID_KEY, ""))
                 self._frontend.admit(tenant, len(upstream.token_ids.ids)
                                      + (request.max_new_tokens or wire.DEFAULT_MAX_NEW_TOKENS))
                 # (closed, its request cancelled at the pool, before the call's status is sent)
@@ -39,12 +42,19 @@ class GatewayServicer(scheduler_pb2_grpc.SchedulerServicer):
                 raise
             self._frontend.metrics.finished("grpc")
 
-    def _model(self, adapter: str) -> str:
-        return adapter or self._frontend.only_model("adapter")
+    def _model(self, request: scheduler_pb2.GenerateRequest) -> str:
+        """What the request asks for: its adapter (as a reference, or an exact adapter_ref), a
+        base model id, or the one base model this gateway serves."""
+        if request.HasField("adapter_ref"):
+            if request.adapter:
+                raise InvalidArgument("set adapter or adapter_ref, not both")
+            return str(AdapterRef.from_pb(request.adapter_ref))
+        return request.adapter or self._frontend.only_model("adapter")
 
-    async def _upstream(self, route: Route,
-                        request: scheduler_pb2.GenerateRequest) -> scheduler_pb2.GenerateRequest:
-        """The request as the pool's scheduler gets it: token ids and the exact adapter."""
+    async def _upstream(self, route: Route, request: scheduler_pb2.GenerateRequest,
+                        metadata_id: str) -> scheduler_pb2.GenerateRequest:
+        """The request as the pool's scheduler gets it: token ids, the exact adapter, and its id
+        (the request's own, else its x-request-id metadata, else a new one)."""
         kind = request.WhichOneof("prompt")
         ids = await self._frontend.prompt_ids(
             route, request.text if kind == "text" else None,
@@ -52,8 +62,12 @@ class GatewayServicer(scheduler_pb2_grpc.SchedulerServicer):
             request.max_new_tokens or wire.DEFAULT_MAX_NEW_TOKENS)
         upstream = scheduler_pb2.GenerateRequest()
         upstream.CopyFrom(request)
-        upstream.adapter = route.adapter_ref
+        upstream.ClearField("adapter")
+        upstream.ClearField("adapter_ref")
+        if route.adapter_ref is not None:
+            upstream.adapter_ref.CopyFrom(route.adapter_ref)
         upstream.token_ids.ids[:] = ids
+        upstream.request_id = checked_request_id(request.request_id or metadata_id)
         return upstream
 
     async def Stats(self, request, context):

@@ -14,7 +14,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from common import wire
 from common.credentials import bearer
 from common.errors import InvalidArgument
+from common.request_ids import REQUEST_ID_KEY, checked_request_id
 from gateway.frontend import CLIENT_WRITE_S, Frontend
+
+
+def request_id_of(request: Request) -> str:
+    """The client's x-request-id (checked), or a new id: the request's in every service's logs
+    and in its response."""
+    return checked_request_id(request.headers.get(REQUEST_ID_KEY, ""), REQUEST_ID_KEY)
 
 
 def tenant_of(request: Request, frontend: Frontend) -> str:

@@ -21,7 +21,7 @@ from starlette.routing import Route as HttpRoute
 from common.errors import NotFound, Unavailable
 from gateway.catalog import Catalog
 from gateway.frontend import Frontend, Route
-from gateway.http_common import SSEResponse, guarded, json_body, tenant_of
+from gateway.http_common import SSEResponse, guarded, json_body, request_id_of, tenant_of
 from gateway.http_errors import error_body
 from gateway.openai_requests import ChatRequest, Options, chat_request, completion_request
 from gateway.openai_responses import DONE, Choice, EventWriter
@@ -52,25 +52,28 @@ class OpenAIApi:
     # ----- endpoints -----
 
     async def completions(self, request: Request) -> Response:
-        tenant = tenant_of(request, self._frontend)
+        tenant, request_id = tenant_of(request, self._frontend), request_id_of(request)
         parsed = completion_request(await json_body(request, self._max_body_bytes))
         options = parsed.options
         route = await self._frontend.route(options.model, tenant)
         max_new = options.max_tokens or OPENAI_DEFAULT_MAX_TOKENS
         prompts = [await self._frontend.prompt_ids(
             route, p if isinstance(p, str) else None, None if isinstance(p, str) else list(p),
-            max_new) for p in parsed.prompts]
-        return await self._respond(route, tenant, options, prompts, max_new, chat=False)
+            max_new, field="max_tokens") for p in parsed.prompts]
+        return await self._respond(route, tenant, options, prompts, max_new, request_id,
+                                   chat=False)
 
     async def chat(self, request: Request) -> Response:
-        tenant = tenant_of(request, self._frontend)
+        tenant, request_id = tenant_of(request, self._frontend), request_id_of(request)
         parsed = chat_request(await json_body(request, self._max_body_bytes))
         options = parsed.options
         route = await self._frontend.route(options.model, tenant)
         ids = await self._frontend.prompt_ids(route, _render(route, parsed), None,
-                                              options.max_tokens or 1, chat=True)
+                                              options.max_tokens or 1, chat=True,
+                                              field="max_tokens")
         max_new = options.max_tokens or route.model.max_model_len - len(ids)
-        return await self._respond(route, tenant, options, [ids], max_new, chat=True)
+        return await self._respond(route, tenant, options, [ids], max_new, request_id,
+                                   chat=True)
 
     async def models(self, request: Request) -> Response:
         tenant = tenant_of(request, self._frontend)
@@ -102,16 +105,20 @@ class OpenAIApi:
         return cards
 
     async def _respond(self, route: Route, tenant: str, options: Options,
-                       prompts: list[list[int]], max_new: int, chat: bool) -> Response:
-        upstreams = [(i * options.n + j, scheduler_pb2.GenerateRequest(
-                        adapter=route.adapter_ref, token_ids=scheduler_pb2.TokenIds(ids=ids),
+                       prompts: list[list[int]], max_new: int, request_id: str,
+                       chat: bool) -> Response:
+        many = len(prompts) * options.n > 1  # (each choice a request of its own: id-INDEX)
+        upstreams = [(index, scheduler_pb2.GenerateRequest(
+                        adapter_ref=route.adapter_ref, token_ids=scheduler_pb2.TokenIds(ids=ids),
                         sampling=options.choice_seed(j).to_pb(), max_new_tokens=max_new,
                         stop=options.stop, ignore_eos=options.ignore_eos,
-                        cache_salt=options.cache_salt))
-                     for i, ids in enumerate(prompts) for j in range(options.n)]
+                        cache_salt=options.cache_salt,
+                        request_id=f"{request_id}-{index}" if many else request_id))
+                     for i, ids in enumerate(prompts) for j in range(options.n)
+                     for index in (i * options.n + j,)]
         self._frontend.admit(tenant, sum(len(u.token_ids.ids) + max_new for _, u in upstreams))
         prompt_tokens = sum(map(len, prompts))
-        identity = Identity(chat, options.model)
+        identity = Identity(chat, options.model, request_id)
         decode_one = _decoder(route) if options.logprobs else None
         events = self._merged(route, upstreams, tenant)
         if not options.stream:

@@ -5,7 +5,6 @@ parts (id, created, model, choice prefixes) are encoded once per request.
 """
 
 import json
-import secrets
 import time
 
 from gateway.http_errors import error_body
@@ -72,9 +71,9 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 class Response:
     """The identity of one response: id, created, model, object kinds."""
 
-    def __init__(self, chat: bool, model: str):
+    def __init__(self, chat: bool, model: str, request_id: str):
         self.chat = chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id  # (the id in every log)
         self.created = int(time.time())
         self.model = model
 

@@ -26,7 +26,7 @@ from starlette.routing import Route as HttpRoute
 from common.errors import InvalidArgument, Unavailable
 from common.sampling import MAX_SEED, SamplingParams
 from gateway.frontend import Frontend, Route
-from gateway.http_common import SSEResponse, guarded, json_body, tenant_of
+from gateway.http_common import SSEResponse, guarded, json_body, request_id_of, tenant_of
 from gateway.http_errors import error_body
 from gateway.openai_requests import MAX_STOP
 from protos import scheduler_pb2
@@ -79,7 +79,8 @@ class TgiApi:
         if truncate is not None:
             ids = ids[-_int(params, "truncate", 0, 1):]
         upstream = scheduler_pb2.GenerateRequest(
-            adapter=route.adapter_ref, token_ids=scheduler_pb2.TokenIds(ids=ids),
+            adapter_ref=route.adapter_ref, token_ids=scheduler_pb2.TokenIds(ids=ids),
+            request_id=request_id_of(request),
             sampling=_sampling(params).to_pb(), max_new_tokens=max_new,
             stop=_stops(params), ignore_eos=_flag(params, "ignore_eos_token", False))
         self._frontend.admit(tenant, len(ids) + max_new)

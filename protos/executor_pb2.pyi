@@ -63,20 +63,22 @@ class InfoResponse(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_adapter_slots: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., adapter_pool_bytes: _Optional[int] = ..., lora_backend: _Optional[str] = ..., device: _Optional[str] = ..., slot_adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., num_sequences: _Optional[int] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., base_fingerprint: _Optional[str] = ..., merged_adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "sampling", "slot", "num_generated", "num_cached")
+    __slots__ = ("seq_id", "token_ids", "sampling", "slot", "num_generated", "num_cached", "request_id")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     slot: int
     num_generated: int
     num_cached: int
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., slot: _Optional[int] = ..., num_generated: _Optional[int] = ..., num_cached: _Optional[int] = ...) -> None: ...
+    request_id: str
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., slot: _Optional[int] = ..., num_generated: _Optional[int] = ..., num_cached: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("freed_seq_ids", "new_sequences", "row_seq_ids", "row_num_tokens", "row_num_new_blocks", "new_block_ids", "merge_slot", "unmerge")

@@ -109,6 +109,8 @@ class Scheduler:
                                       req.cache_salt)
         self.deadlines.add(req)
         self.placement.route(req)
+        log.debug("request %s (tenant %s, %s): queued", req.trace_id, req.tenant,
+                  req.adapter or "base model")
         self._wake()
 
     def cancel(self, req: Request) -> None:
@@ -287,9 +289,11 @@ class Scheduler:
             if req.executor_failures >= self.limits.max_executor_failures:
                 self._release(ex, seq)
                 self._end(req)
-                req.emit(ErrorEvent(Unavailable(
+                failure = Unavailable(
                     f"{req.executor_failures} executors failed while running this request, the "
-                    f"last {ex.address}: {error or 'it went away'}")))
+                    f"last {ex.address}: {error or 'it went away'}")
+                log.info("request %s failed: %s", req.trace_id, failure)
+                req.emit(ErrorEvent(failure))
         for seq in list(ex.running.values()):
             self._preempt(ex, seq)
         self.placement.evacuate(ex)
@@ -368,6 +372,7 @@ class Scheduler:
         tokens."""
         self._release(ex, seq)
         req = seq.request
+        log.debug("request %s: preempted on %s", req.trace_id, ex.address)
         req.status = Status.QUEUED
         req.queued_since = self.clock()
         self.deadlines.requeued(req)
@@ -382,10 +387,13 @@ class Scheduler:
     def _finish(self, ex: ExecutorState, seq: Sequence, reason: Finish) -> None:
         self._release(ex, seq)
         seq.request.finish_reason = reason
+        log.debug("request %s: finished (%s) on %s", seq.request.trace_id, reason.value,
+                  ex.address)
         self._end(seq.request)
         seq.request.emit(FinishEvent(reason))
 
     def _fail(self, req: Request, error: LoraplexError) -> None:
+        log.info("request %s failed: %s", req.trace_id, error)
         self.placement.dequeue(req)
         self._end(req)
         req.emit(ErrorEvent(error))

@@ -110,7 +110,8 @@ def step_request(plan: StepPlan) -> executor_pb2.StepRequest:
         new_sequences=[executor_pb2.NewSequence(
             seq_id=seq.seq_id, token_ids=seq.token_ids, slot=seq.slot_index,
             sampling=seq.request.sampling.to_pb(),
-            num_generated=len(seq.request.output_token_ids), num_cached=seq.num_cached)
+            num_generated=len(seq.request.output_token_ids), num_cached=seq.num_cached,
+            request_id=seq.request.trace_id)
             for seq in plan.new],
         row_seq_ids=list(map(_seq_id, rows)),
         row_num_tokens=list(map(_num_tokens, rows)),

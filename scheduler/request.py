@@ -71,6 +71,7 @@ class Request:
     executor_failures: int = 0  # executors lost while it ran there (their step failed or they left)
     executor: Any = None  # the ExecutorState it is queued or running on
     cache_salt: str = ""  # keeps its cached KV blocks apart from requests with another salt
+    trace_id: str = ""  # its id in every service's logs (common/request_ids.py)
     cache_key: bytes = b""  # whose cached KV blocks it may reuse (prefix_cache.py); b"": none
     # Prompt tokens whose KV its first admission found in the prefix cache (not computed).
     cached_prompt_tokens: int = 0

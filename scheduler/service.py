@@ -23,9 +23,10 @@ from common.errors import (
     grpc_errors,
 )
 from common.metrics import serve_metrics
-from common.prompt_bounds import max_chars_per_token
+from common.prompt_bounds import check_fits, check_text_fits, max_chars_per_token
 from common.ratelimit import RateLimiter
 from common.registry_client import RegistryClient
+from common.request_ids import checked_request_id
 from common.sampling import SamplingParams
 from common.server import Service, announce, configure_logging, run, run_until_signalled
 from protos import common_pb2, executor_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -54,14 +55,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._ids = itertools.count(1)
         self._rate_limiter = RateLimiter(config.rate_limits, config.default_rate_limit)
         self._model = _model_pb(info)
+        self._context = validation.context_limit(info)
 
     async def Generate(self, request, context):
         events = _Events()
         async with grpc_errors(context):
-            req = await self._make_request(request, self._tenant(context), events.put)
-            remaining = context.time_remaining()  # the client's deadline (None: none)
-            if remaining is not None:
-                req.deadline = self._engine.core.clock() + remaining
+            req = await self._make_request(request, self._tenant(context), events.put,
+                                           timeout_s=context.time_remaining())
             self._rate_limiter.admit(req.tenant, len(req.prompt_ids) + req.output.max_new_tokens)
             self._engine.core.submit(req)
         # (a client that stopped reading: one timer for the stream's writes)
@@ -117,9 +117,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         tenant = request_tenant(caller, self._keys.is_open, submit.tenant, "a Stream submit "
                                 "names the tenant it is for (StreamSubmit.tenant)")
         req = await self._make_request(submit.request, tenant, connection.emitter(submit.id),
-                                       detokenize=False)
-        if submit.timeout_seconds > 0:
-            req.deadline = self._engine.core.clock() + submit.timeout_seconds
+                                       detokenize=False,
+                                       timeout_s=submit.timeout_seconds
+                                       if submit.timeout_seconds > 0 else None)
         self._rate_limiter.admit(req.tenant, len(req.prompt_ids) + req.output.max_new_tokens)
         return req
 
@@ -135,36 +135,51 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._keys.require(context, Role.ADMIN)
 
     async def _make_request(self, pb: scheduler_pb2.GenerateRequest, tenant: str, emit,
-                            detokenize: bool = True) -> Request:
+                            detokenize: bool = True, timeout_s: float | None = None) -> Request:
+        """`pb` checked and made a Request for `tenant`, due within `timeout_s` (the client's
+        deadline; None: none)."""
         info = self._info
+        request_id = checked_request_id(pb.request_id)
         sampling = SamplingParams.from_pb(pb.sampling).validate(info.vocab_size)
         if sampling.seed is None:  # one of its own, so a recompute draws the same tokens
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(64))
         check_stops(pb.stop, self._config.max_stop_strings, self._config.max_stop_chars)
         validation.check_cache_salt(pb.cache_salt)
-        adapter, adapter_bytes = None, 0
-        if pb.adapter:
-            found = await self._registry.resolve(pb.adapter, tenant)
-            validation.check_adapter(found, info)
-            adapter, adapter_bytes = AdapterRef(found.name, found.version), found.num_bytes
+        adapter, adapter_bytes = await self._adapter(pb, tenant)
         max_new = pb.max_new_tokens or wire.DEFAULT_MAX_NEW_TOKENS
         if pb.WhichOneof("prompt") == "text":
             if self._tokenizer is None:
                 raise InvalidArgument("this model has no tokenizer: send prompt token ids")
             # Tokenizing holds the event loop (and the GIL): a text that cannot fit is refused
             # first.
-            validation.check_text_length(pb.text, max_new, self._chars_per_token, info)
+            check_text_fits(pb.text, max_new, self._chars_per_token, self._context)
             prompt = self._tokenizer.encode(pb.text).ids
         else:
             prompt = pb.token_ids.ids  # copied once checked: it may hold millions of ids
-        validation.check_length(len(prompt), max_new, info)
+        check_fits(len(prompt), max_new, self._context)
         validation.check_prompt(prompt, info.vocab_size)
         prompt = list(prompt)
         stop_ids = list(pb.stop_token_ids) + ([] if pb.ignore_eos else list(info.eos_token_ids))
         output = OutputProcessor(self._tokenizer if detokenize else None, max_new_tokens=max_new,
                                  stop_token_ids=stop_ids, stop=list(pb.stop))
+        deadline = None if timeout_s is None else self._engine.core.clock() + timeout_s
         return Request(next(self._ids), tenant, adapter, adapter_bytes, prompt, sampling, output,
-                       emit, cache_salt=pb.cache_salt)
+                       emit, deadline=deadline, cache_salt=pb.cache_salt, trace_id=request_id)
+
+    async def _adapter(self, pb: scheduler_pb2.GenerateRequest,
+                       tenant: str) -> tuple[AdapterRef | None, int]:
+        """The exact version the request is for, checked to fit the pool, and its size: a
+        reference the registry resolves, or the version a gateway resolved (adapter_ref)."""
+        if pb.HasField("adapter_ref"):
+            if pb.adapter:
+                raise InvalidArgument("set adapter or adapter_ref, not both")
+            found = await self._registry.lookup(AdapterRef.from_pb(pb.adapter_ref), tenant)
+        elif pb.adapter:
+            found = await self._registry.resolve(pb.adapter, tenant)
+        else:
+            return None, 0
+        validation.check_adapter(found, self._info)
+        return AdapterRef(found.name, found.version), found.num_bytes
 
     @staticmethod
     def _usage(req: Request) -> scheduler_pb2.Usage:

@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from common.adapter_ref import AdapterRef
 from common.base_fingerprint import is_same_base
 from common.errors import FailedPrecondition, InvalidArgument
-from common.prompt_bounds import min_tokens
 from common.wire import MAX_CACHE_SALT_CHARS
 from protos import common_pb2, executor_pb2
 
@@ -23,25 +22,6 @@ def check_prompt(ids: Sequence[int], vocab_size: int) -> None:
 def context_limit(info: executor_pb2.InfoResponse) -> int:
     """Most tokens (prompt + output) one sequence may hold."""
     return min(info.max_model_len, info.num_kv_blocks * info.block_size)
-
-
-def check_text_length(text: str, max_new_tokens: int, chars_per_token: int,
-                      info: executor_pb2.InfoResponse) -> None:
-    """Refuse a text too long to fit whatever it tokenizes to, before spending time tokenizing
-    it."""
-    limit, fewest = context_limit(info), min_tokens(text, chars_per_token)
-    if fewest + max_new_tokens > limit:
-        raise InvalidArgument(f"text of {len(text)} characters is at least {fewest} tokens, "
-                              f"which with max_new_tokens ({max_new_tokens}) exceeds the context "
-                              f"of {limit} tokens: shorten the text")
-
-
-def check_length(prompt_len: int, max_new_tokens: int, info: executor_pb2.InfoResponse) -> None:
-    limit = context_limit(info)
-    if prompt_len + max_new_tokens > limit:
-        raise InvalidArgument(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) "
-                              f"exceeds the context of {limit} tokens: shorten the prompt or ask "
-                              "for fewer tokens")
 
 
 def check_cache_salt(salt: str) -> None:

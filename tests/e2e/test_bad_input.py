@@ -62,6 +62,15 @@ async def test_huge_text_prompt_is_refused_without_tokenizing_it(fleet, stub):
     assert time.perf_counter() - start < 5
 
 
+def with_fields(request: scheduler_pb2.GenerateRequest, **fields) -> scheduler_pb2.GenerateRequest:
+    for name, value in fields.items():
+        if isinstance(value, str):
+            setattr(request, name, value)
+        else:
+            getattr(request, name).CopyFrom(value)
+    return request
+
+
 def no_prompt() -> scheduler_pb2.GenerateRequest:
     return scheduler_pb2.GenerateRequest(max_new_tokens=4)
 
@@ -75,6 +84,11 @@ def no_prompt() -> scheduler_pb2.GenerateRequest:
     (client.generate_request("", "hi", 4, stop=["x"] * 17), "at most 16 stop strings"),
     (client.generate_request("", "hi", 4, stop=["x" * 257]), "at most 256 characters"),
     (client.generate_request("", "hi", 4, cache_salt="s" * 257), "cache_salt must be at most"),
+    (with_fields(client.generate_request("", "hi", 4), request_id="a b\nforged"), "request_id"),
+    (with_fields(client.generate_request("", "hi", 4), request_id="x" * 65), "request_id"),
+    (with_fields(client.generate_request("r4_attn", "hi", 4),
+                 adapter_ref=common_pb2.AdapterRef(name="r4_attn", version=1)),
+     "adapter or adapter_ref, not both"),
 ])
 async def test_generate_requests_out_of_range(fleet, stub, request_, words):
     """Cases test_services.py does not already cover."""

@@ -5,6 +5,7 @@ the pool's scheduler answers for the same request."""
 
 import asyncio
 import json
+import os
 import secrets
 import urllib.error
 import urllib.request
@@ -33,7 +34,9 @@ MESSAGES = [{"role": "system", "content": "Be brief."},
 
 @pytest.fixture(scope="module")
 def world(tiny, tmp_path_factory, log_dir):
-    """Pool "demo" (with the store), pool "fixture" (using the same store), and a gateway."""
+    """Pool "demo" (with the store), pool "fixture" (using the same store), and a gateway; their
+    own loggers at DEBUG (a line per request, with its id)."""
+    os.environ["LORAPLEX_LOG_LEVEL"] = "DEBUG"  # (read by the services this fixture starts)
     keys = FleetKeys(tenants={key: tenant for tenant, key in KEYS.items()})
     logs = log_dir / "gateway"
     demo = Fleet(model=str(DEMO_MODEL_DIR), log_dir=logs / "demo", keys=keys,
@@ -49,6 +52,7 @@ def world(tiny, tmp_path_factory, log_dir):
                                 ["--rate-limit", "limited=0.02:1000000"])
         yield {"demo": demo, "fixture": fixture, "gateway": gateway, "keys": keys}
     finally:
+        os.environ.pop("LORAPLEX_LOG_LEVEL", None)
         for part in (gateway, fixture, demo):
             if part is not None:
                 part.stop()
@@ -203,6 +207,30 @@ async def test_another_tenants_adapter_reads_exactly_as_one_that_does_not_exist(
         assert {a[1] for a in theirs} == {404, grpc.StatusCode.NOT_FOUND}
 
 
+async def test_one_request_id_from_the_client_to_the_executors_log(adapters):
+    """A client's x-request-id names its response and is the request's id in the gateway's, the
+    scheduler's and the executor's logs; each of n choices is a request of its own (id-INDEX).
+    An id that could forge a log line is refused (400, naming the header)."""
+    http = adapters["gateway"].announced["gateway-http"]
+    api = openai.AsyncOpenAI(base_url=f"http://{http}/v1", api_key=KEYS["acme"], max_retries=0,
+                             default_headers={"x-request-id": "trace-7f3a.1"})
+    answer = await api.completions.create(model="tiny-attn", prompt="The little cat",
+                                          max_tokens=3, n=2)
+    assert answer.id == "cmpl-trace-7f3a.1"
+    fixture = adapters["fixture"]
+    logs = {"gateway": adapters["gateway"].log_path,
+            "scheduler": fixture.by_name("scheduler")[0].log_path,
+            "executor": fixture.by_name("executor")[0].log_path}
+    for name, path in logs.items():
+        text = path.read_text()
+        for choice in ("trace-7f3a.1-0", "trace-7f3a.1-1"):
+            assert f"request {choice}" in text, f"{choice} not in the {name}'s log"
+    status, body = await asyncio.to_thread(post, adapters, "/v1/completions", {
+        "model": "tiny-attn", "prompt": "hi", "max_tokens": 2}, "acme",
+        {"x-request-id": "bad id=forged"})
+    assert status == 400 and b"x-request-id" in body
+
+
 async def test_bad_key_bad_field_and_rate_limit(adapters):
     http = adapters["gateway"].announced["gateway-http"]
     bad = openai.AsyncOpenAI(base_url=f"http://{http}/v1", api_key="x" * 32, max_retries=0)
@@ -243,12 +271,14 @@ async def test_grpc_generate_through_the_gateway_equals_the_pool(adapters):
         assert base.text == await direct(adapters, "fixture", "", "hi", 4)
 
 
-def post(world, path: str, body: dict | bytes, tenant: str = "acme") -> tuple[int, bytes]:
+def post(world, path: str, body: dict | bytes, tenant: str = "acme",
+         headers: dict | None = None) -> tuple[int, bytes]:
     """A raw HTTP POST to the gateway, as lorax-client and TGI clients make it."""
     url = f"http://{world['gateway'].announced['gateway-http']}{path}"
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     request = urllib.request.Request(url, data, method="POST", headers={
-        "Content-Type": "application/json", "Authorization": f"Bearer {KEYS[tenant]}"})
+        "Content-Type": "application/json", "Authorization": f"Bearer {KEYS[tenant]}",
+        **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, response.read()
