@@ -4,7 +4,9 @@ model in place of executors: `loraplex simulate CONFIG`.
 Events are arrivals, step completions and load completions, in time order. An idle executor with
 work runs `schedule`; its step takes cost.step_base_s + per-token + per-distinct-adapter time;
 every row that reaches the end of its tokens samples one token. Loads take latency + bytes /
-bandwidth, one at a time per executor. The scheduler's clock is the simulated clock.
+bandwidth, one at a time per executor. The scheduler's clock is the simulated clock, and its
+clock tick (`expire`: deadlines, backoffs, staged bytes' lifetime, merges) runs every TICK_S of
+it, as the engine's does.
 """
 
 import heapq
@@ -20,14 +22,14 @@ from scheduler.block_manager import BlockManager
 from scheduler.core import Scheduler
 from scheduler.executor_state import ExecutorState
 from scheduler.fairness import FairnessWeights, spread_bound
-from scheduler.request import FinishEvent, Request
+from scheduler.request import ErrorEvent, FinishEvent, Request
 from scheduler.sequence import NO_SAMPLES, Sample, Samples, StepPlan
 from scheduler.sim.belady import belady_hits, lru_hits, pinned_belady_hits
 from scheduler.sim.config import SimConfig
 from scheduler.slots import SlotTable
 
-ARRIVAL, STEP_DONE, LOAD_DONE, STAGE_DONE, MERGE_TICK = 0, 1, 2, 3, 4
-MERGE_TICK_S = 1.0  # how often the merge policy looks at traffic (the engine's tick is finer)
+ARRIVAL, STEP_DONE, LOAD_DONE, STAGE_DONE, TICK = 0, 1, 2, 3, 4
+TICK_S = 0.1  # the core's clock tick (scheduler/engine.py's TICK_S)
 
 
 @dataclass
@@ -36,6 +38,8 @@ class TenantResult:
     tokens: int = 0
     ttft: list[float] = field(default_factory=list)
     latency: list[float] = field(default_factory=list)
+    wait: list[float] = field(default_factory=list)  # arrival to first admission
+    refused: int = 0  # ended with an error (max_queue_s, say) instead of finishing
 
 
 @dataclass
@@ -126,12 +130,16 @@ class Simulator:
         self.core.submit(req)
 
     def _on_event(self, req: Request, event) -> None:
+        r = self.results[req.tenant]
         if isinstance(event, FinishEvent):
-            r = self.results[req.tenant]
             r.requests += 1
             r.tokens += req.output.num_tokens
             r.ttft.append(req.first_token_at - req.arrival)
             r.latency.append(self.now - req.arrival)
+            r.wait.append(req.admitted_at - req.arrival)
+            self._live -= 1
+        elif isinstance(event, ErrorEvent):
+            r.refused += 1
             self._live -= 1
 
     # ---- executors --------------------------------------------------------------------------
@@ -209,8 +217,7 @@ class Simulator:
     def run(self) -> SimResult:
         n = self.cfg.num_requests
         self._push(self._next_arrival(), ARRIVAL, 0)
-        if self.cfg.limits.merge_share:
-            self._push(MERGE_TICK_S, MERGE_TICK, None)
+        self._push(TICK_S, TICK, None)
         handled = 0
         while self._events:
             self.now, _, kind, payload = heapq.heappop(self._events)
@@ -222,10 +229,10 @@ class Simulator:
                 self._step_done(*payload)
             elif kind == STAGE_DONE:
                 self.core.on_stage_done(*payload)
-            elif kind == MERGE_TICK:
-                self.core.merges.tick(self.now)
+            elif kind == TICK:
+                self.core.expire()
                 if self._events:  # (while anything else is to happen)
-                    self._push(self.now + MERGE_TICK_S, MERGE_TICK, None)
+                    self._push(self.now + TICK_S, TICK, None)
             else:
                 self.core.on_load_done(*payload[:3], None, *payload[3:])
             self._try_steps()
@@ -282,8 +289,12 @@ def format_report(cfg: SimConfig, r: SimResult) -> str:
         lines.append(f"{name:8s}{t.requests:10,d}{t.tokens / r.seconds:10,.0f}"
                      f"{_pct(t.ttft, 50):9.3f}s{_pct(t.ttft, 99):9.3f}s"
                      f"{_pct(t.latency, 50):9.3f}s{_pct(t.latency, 99):9.3f}s")
+    waits = [w for t in r.tenants.values() for w in t.wait]
+    refused = sum(t.refused for t in r.tenants.values())
     lines += [
         "",
+        f"wait for admission: p50 {_pct(waits, 50):.3f}s, p99 {_pct(waits, 99):.3f}s, longest "
+        f"{max(waits, default=float('nan')):.3f}s; {refused:,} requests refused",
         f"GPU adapter hit rate: {hit:.1%} ({r.loads:,} loads for {r.adapter_admissions:,} "
         "adapter admissions)",
         f"Belady (clairvoyant eviction) on the same per-executor traces, with the same pins: "
