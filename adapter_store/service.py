@@ -199,7 +199,13 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
 
     async def Prewarm(self, request, context) -> pb.HostPrewarmResponse:
         async with grpc_errors(context):
-            tenant = self._reader(context, request.tenant)
+            # Services and admins only, as the scheduler's Prewarm is admin-only: the host tier's
+            # RAM is shared by every tenant, and a tenant warming at will could evict the others'
+            # adapters from it and, from was_cached and the time, learn what others use. The
+            # scheduler warms ahead of its loads with its service key (RegistryClient.warm);
+            # it may name the tenant it acts for.
+            caller = self._keys.require(context, Role.SERVICE, Role.ADMIN)
+            tenant = acting_tenant(caller, request.tenant)
             record = await self._registry.get(request.name, request.version, tenant,
                                               request.alias)
             was_cached = record in self._cache

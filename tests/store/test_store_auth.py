@@ -1,7 +1,7 @@
 """The adapter store's authorization matrix: every RPC x {no key, tenant A, tenant B, service,
 admin}. The tenant comes from the key, never from a request field: a tenant sees, pushes, moves
-and deletes its own adapters and reads public ones; services fetch, resolve, warm and report
-residency; admins do everything, across tenants."""
+and deletes its own adapters and reads public ones; services fetch, resolve, warm the host tier
+and report residency; admins do everything, across tenants."""
 
 import json
 
@@ -9,7 +9,9 @@ import grpc
 import pytest
 
 from adapter_store.service import start_store
+from common.adapter_ref import AdapterRef
 from common.credentials import KeyRing
+from common.registry_client import RegistryClient
 from common.server import insecure_channel
 from loraplex import client
 from protos import adapter_store_pb2 as pb
@@ -103,8 +105,14 @@ MATRIX = {
                                                                                 version=99)),
                           (UNAUTH, NOT_FOUND, NOT_FOUND, DENIED, NOT_FOUND)),
     "Fetch": (lambda s, w, src: fetch(s, "a-bot", 1), (UNAUTH, DENIED, DENIED, OK, OK)),
+    # The host tier's RAM is shared by every tenant: services and operators decide what is in it.
     "Prewarm": (lambda s, w, src: s.Prewarm(pb.HostPrewarmRequest(name="a-bot", version=1)),
-                (UNAUTH, OK, NOT_FOUND, OK, OK)),
+                (UNAUTH, DENIED, DENIED, OK, OK)),
+    "Prewarm public": (lambda s, w, src: s.Prewarm(pb.HostPrewarmRequest(name="pub")),
+                       (UNAUTH, DENIED, DENIED, OK, OK)),
+    "Prewarm for acme": (lambda s, w, src: s.Prewarm(pb.HostPrewarmRequest(name="a-bot",
+                                                                          tenant="acme")),
+                         (UNAUTH, DENIED, DENIED, OK, OK)),
     "Stats": (lambda s, w, src: s.Stats(pb.StoreStatsRequest()), (UNAUTH, DENIED, DENIED, OK, OK)),
     "RegisterBaseModel": (lambda s, w, src: s.RegisterBaseModel(pb.RegisterBaseModelRequest(
         model_id="tiny-llama", config_json=json.dumps(TINY_BASE))),
@@ -127,6 +135,24 @@ async def test_every_rpc_for_every_kind_of_caller(world):
             if got != want:
                 wrong.append(f"{rpc} by {who}: {got.name}, expected {want.name}")
     assert not wrong, "\n".join(wrong)
+
+
+async def test_the_schedulers_warm_with_its_service_key_fills_the_host_tier(tmp_path):
+    """The scheduler warms a store's host tier through RegistryClient.warm, with its service key:
+    that keeps working now that tenants may not Prewarm (a tenant's key warms nothing)."""
+    keys = KeyRing({KEYS["a"]: "acme"}, [KEYS["admin"]], [KEYS["service"]])
+    running = await start_store(file_config(tmp_path), keys=keys)
+    try:
+        async with insecure_channel(running.address, KEYS["a"]) as channel:
+            stub = adapter_store_pb2_grpc.AdapterStoreStub(channel)
+            info = await push(stub, "a-bot")
+            assert (await code_of(stub.Prewarm(pb.HostPrewarmRequest(name="a-bot")))) == DENIED
+        await RegistryClient((running.address,), KEYS["a"]).warm(AdapterRef("a-bot", 1))
+        assert len(running.cache) == 0
+        await RegistryClient((running.address,), KEYS["service"]).warm(AdapterRef("a-bot", 1))
+        assert len(running.cache) == 1 and running.cache.num_bytes == info.num_bytes
+    finally:
+        await running.stop(grace=1.0)
 
 
 async def test_tenants_see_their_own_and_public_adapters_only(world):
