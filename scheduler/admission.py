@@ -7,7 +7,9 @@ request that can start here now (its adapter READY here and within max_adapters_
 preferring adapters already running for up to affinity_max_wait_s), while the step's budget and
 max_num_seqs last. A request starts only when its KV blocks fit (after the prefix cache's hits);
 the fairest one that does not fit stops admission (nobody overtakes it). A tenant whose oldest
-request cannot start has its adapter brought in (residency.py). No tenant more than
+request cannot start has its adapter brought in (residency.py), and so does one whose oldest
+request has waited starvation_wait_s even while it has others that can start (the
+anti-starvation rule: a slot drains for it when none is free). No tenant more than
 fairness_window ahead of the least-served one is admitted, unless the executor would otherwise
 sit idle with nothing on its way in.
 
@@ -95,6 +97,8 @@ class Admission:
         # wanted, it would wait for good (a load on its way keeps the window).
         is_stuck = not ex.running and not ex.slots.is_bringing_in()
         ceiling = math.inf if is_stuck else self._ceiling()
+        if self.limits.starvation_wait_s:
+            self._feed_starving(ex, ceiling)
         while heap and budget > 0 and len(ex.running) < self.limits.max_num_seqs:
             counter, tenant = heapq.heappop(heap)
             if counter != self.fair.counter(tenant):  # charged since it was pushed
@@ -140,6 +144,18 @@ class Admission:
             self._residency.bring_in_for_oldest(ex, oldest, is_fairest)
         return None
 
+    def _feed_starving(self, ex: ExecutorState, ceiling: float) -> None:
+        """The anti-starvation rule: a tenant's oldest request on ex that has waited
+        starvation_wait_s has its adapter brought in (a slot reserved to drain for it when none
+        is free), even while its tenant has other requests that can start, the longest waiting
+        first; not for a tenant the fairness window holds back."""
+        q, since = ex.queue, self.clock() - self.limits.starvation_wait_s
+        oldest = [q.oldest(t) for t in q.tenants() if self.fair.counter(t) <= ceiling]
+        starving = [r for r in oldest if r is not None and r.queued_since <= since and r.adapter
+                    and ex.slots.find(r.adapter) is None]
+        for req in sorted(starving, key=_queued_since):
+            self._residency.bring_in_for_oldest(ex, req, may_reserve=True)
+
     def _ceiling(self) -> float:
         """No tenant more than fairness_window ahead of the least-served backlogged tenant is
         admitted, except that a tenant whose oldest request waits for an adapter whose loads are
@@ -159,3 +175,4 @@ class Admission:
 
 
 _tenant_of = operator.attrgetter("request.tenant")
+_queued_since = operator.attrgetter("queued_since")

@@ -16,6 +16,13 @@ class Limits:
     # whose step always fails must not bring executors down forever.
     max_executor_failures: int = 3
     affinity_max_wait_s: float = 0.0  # prefer requests whose adapter runs, for at most this long
+    # Anti-starvation: a tenant's oldest request on an executor that has waited this long for
+    # an adapter in no slot there has it brought in before anyone is admitted, even while its
+    # tenant has other requests that can start: into an empty or evictable slot, else a slot
+    # drains for it (within max_reserved_slots, the longest waiting first). 0 = off, and a
+    # cold adapter gets a slot only when its tenant has nothing else to run or one frees as it
+    # asks. (admission.py; bench/affinity.py measured it.)
+    starvation_wait_s: float = 0.0
     slot_wait_s: float = 2.0  # routing: expected wait when every slot of an executor is pinned
     home_bias_s: float = 2.0  # routing: how much busier a cold adapter's home may be and still win
     popularity_half_life_s: float = 60.0  # eviction: decay of adapters' request counts
@@ -82,8 +89,8 @@ class Limits:
                 raise ValueError(f"scheduler limit {name} must be > 0, got {getattr(self, name)}")
         if self.max_load_backoff_s < self.load_backoff_s:
             raise ValueError("max_load_backoff_s must be >= load_backoff_s")
-        for name in ("max_adapters_per_batch", "affinity_max_wait_s", "slot_wait_s",
-                     "max_reserved_slots", "unpinned_slots", "fairness_window", "home_bias_s",
-                     "max_queued_per_tenant"):
+        for name in ("max_adapters_per_batch", "affinity_max_wait_s", "starvation_wait_s",
+                     "slot_wait_s", "max_reserved_slots", "unpinned_slots", "fairness_window",
+                     "home_bias_s", "max_queued_per_tenant"):
             if getattr(self, name) < 0:
                 raise ValueError(f"scheduler limit {name} must be >= 0, got {getattr(self, name)}")

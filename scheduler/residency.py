@@ -133,15 +133,17 @@ class Residency:
             if staged is not None and staged.staged_at is not None:
                 self._load_on(ex, adapter, staged.num_bytes)
 
-    def bring_in_for_oldest(self, ex: ExecutorState, req: Request, is_fairest: bool) -> None:
-        """Nothing of req's tenant can start on ex, and req is its oldest: prefetch its adapter,
-        or, for the fairest tenant whose adapter's bytes are staged, reserve a slot to drain."""
+    def bring_in_for_oldest(self, ex: ExecutorState, req: Request, may_reserve: bool) -> None:
+        """req is its tenant's oldest request on ex, and nothing of its tenant can start there
+        or req is starving (admission.py): prefetch its adapter, or, when `may_reserve` (the
+        fairest tenant, or a starving request) and its bytes are staged, reserve a slot to
+        drain, within max_reserved_slots."""
         slots = ex.slots
         if not req.adapter or slots.find(req.adapter) is not None:
             return
         staged = slots.staged(req.adapter)
         is_staged = staged is not None and staged.staged_at is not None
-        if not self.prefetch(ex, req) and is_staged and is_fairest and \
+        if not self.prefetch(ex, req) and is_staged and may_reserve and \
                 slots.num_reserved() < self.limits.max_reserved_slots:
             slots.reserve(req.adapter)
 

@@ -11,10 +11,10 @@ adapter only once its bytes are STAGED on the executor's host (fetched from a st
 parsed; the StageAdapter RPC). A READY adapter is never given up for bytes that are not there yet,
 so a frozen store or S3 costs only the requests waiting for the cold adapter.
 
-When every slot is pinned, the fairest waiting request whose adapter is staged may RESERVE one
-(the least pinned, then least recently used): no new sequence is admitted onto a reserved slot,
-so it drains and goes to that request's adapter. This bounds how long a cold adapter can wait
-under sustained load.
+When every slot is pinned, the fairest waiting request whose adapter is staged, or one that has
+waited starvation_wait_s (admission.py), may RESERVE one (the least pinned, then least recently
+used): no new sequence is admitted onto a reserved slot, so it drains and goes to that request's
+adapter. This bounds how long a cold adapter can wait under sustained load.
 
 SlotTable is the only writer of slot fields. Whoever waits for a load (a pre-warm) is told when
 the slot leaves LOADING: READY, or cleared (the load or its staging failed, the executor went
