@@ -22,7 +22,7 @@ class Limits:
     # drains for it (within max_reserved_slots, the longest waiting first). 0 = off, and a
     # cold adapter gets a slot only when its tenant has nothing else to run or one frees as it
     # asks. (admission.py; bench/affinity.py measured it.)
-    starvation_wait_s: float = 0.0
+    starvation_wait_s: float = 5.0
     slot_wait_s: float = 2.0  # routing: expected wait when every slot of an executor is pinned
     home_bias_s: float = 2.0  # routing: how much busier a cold adapter's home may be and still win
     popularity_half_life_s: float = 60.0  # eviction: decay of adapters' request counts

@@ -17,7 +17,7 @@ from tests.scheduler.sched_world import World
 
 TICK_S = 0.1  # each iteration is one step and one clock tick of this long (the engine's tick)
 HOT_LEN, COLD_LEN = 12, 4  # tokens a hot and a cold request generate (a step each)
-LIMITS = Limits(max_num_seqs=4, max_batched_tokens=64, starvation_wait_s=5.0)
+LIMITS = Limits(max_num_seqs=4, max_batched_tokens=64)  # (the default starvation_wait_s)
 
 
 def waits_under_pressure(limits: Limits, num_steps: int) -> tuple[list[float], Request]:
@@ -47,6 +47,7 @@ def waits_under_pressure(limits: Limits, num_steps: int) -> tuple[list[float], R
 
 def test_no_request_waits_past_the_starvation_bound_plus_one_slot_turnaround():
     bound = LIMITS.starvation_wait_s
+    assert bound == 5.0, "the default (bench/affinity.py measured it)"
     waits, last = waits_under_pressure(LIMITS, 800)
     assert len(waits) == 18 and last.status is not Status.QUEUED
     # Past the bound a slot drains for it: its sequences end within HOT_LEN steps (the longest
