@@ -50,8 +50,12 @@ class StoreConfig:
     s3_region: str = "us-east-1"
     # Path-style addressing (http://host/bucket/key): what SeaweedFS and MinIO expect.
     s3_path_style: bool = True
-    # Byte budget of the warm host-RAM tier in front of the blob store.
+    # Byte budget of the warm host-RAM tier in front of the blob store, reads in flight included:
+    # a read to be kept reserves its size when it starts.
     host_cache_bytes: int = 4096 * MIB
+    # A read into the host tier waits at most this long for room while reads in flight reserve
+    # the whole budget; then it is read through (served, not kept).
+    host_fill_wait_s: float = 10.0
     # Size of each chunk a Fetch streams.
     chunk_bytes: int = 1 * MIB
     # host:port the gRPC server binds; port 0 = any free port.
@@ -111,8 +115,9 @@ class StoreConfig:
             raise ValueError(f"push_idle_s must be > 0, got {self.push_idle_s}")
         if not self.push_min_bytes_per_s > 0:
             raise ValueError(f"push_min_bytes_per_s must be > 0, got {self.push_min_bytes_per_s}")
-        if self.host_cache_bytes < 0:
-            raise ValueError(f"host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
+        if self.host_cache_bytes < 0 or self.host_fill_wait_s < 0:
+            raise ValueError("host_cache_bytes and host_fill_wait_s must be >= 0, got "
+                             f"{self.host_cache_bytes} and {self.host_fill_wait_s}")
         if not 1024 <= self.chunk_bytes <= 32 * MIB:
             raise ValueError(f"chunk_bytes must be within 1 KiB..32 MiB, got {self.chunk_bytes}")
         if not (self.s3_connect_timeout_s > 0 and self.s3_read_timeout_s > 0

@@ -14,6 +14,13 @@ is held back until the next one arrives or the check passes, and after a failed 
 get RESTART and the next read from its first byte. Keeping that last piece small lets the
 executor receive and check the rest while this check finishes. (The executor checks size and
 the version's CRC-32 before a byte goes to a GPU.)
+
+The budget counts what reads in flight will hold as well as what is kept: a read that will be
+kept reserves its adapter's size when it starts (evicting least recently used adapters to make
+room), and turns the reservation into an entry when it is checked. When reads in flight reserve
+so much that no eviction makes room, a read waits for them, at most `fill_wait_s`, then reads
+through: it is served and not kept, as an adapter larger than the whole tier is. So entries and
+reservations together never exceed `capacity_bytes`, however many cold adapters are read at once.
 """
 
 import asyncio
@@ -54,6 +61,7 @@ class CacheStats:
     bytes_read: int = 0
     checksum_failures: int = 0  # reads whose size or sha256 did not match the registry
     evictions: int = 0
+    read_through: int = 0  # reads served and not kept: larger than the tier, or no room in time
 
 
 class _Flight:
@@ -110,16 +118,20 @@ class _Flight:
 
 
 class HostCache:
-    """Whole adapters in host RAM, at most `capacity_bytes` in all (an adapter larger than that is
-    served but not kept)."""
+    """Whole adapters in host RAM, at most `capacity_bytes` in all, reads in flight included (an
+    adapter larger than that, or one finding no room within `fill_wait_s`, is served but not
+    kept)."""
 
     def __init__(self, blobs: BlobStore, capacity_bytes: int, read_attempts: int = 3,
-                 piece_bytes: int = 1 << 20):
+                 piece_bytes: int = 1 << 20, fill_wait_s: float = 10.0):
         self._blobs = blobs
         self.capacity_bytes = capacity_bytes
         self.read_attempts = read_attempts
         self.piece_bytes = piece_bytes
-        self.num_bytes = 0
+        self.fill_wait_s = fill_wait_s
+        self.num_bytes = 0  # of the entries
+        self.reserved_bytes = 0  # of the reads in flight that will be kept
+        self._room_freed = asyncio.Event()  # set (and replaced) when a reservation ends
         self.stats = CacheStats()
         # Least recently used first.
         self._entries: collections.OrderedDict[AdapterRef, _Parts] = collections.OrderedDict()
@@ -153,6 +165,11 @@ class HostCache:
         if parts is not None:
             self.num_bytes -= sum(map(len, parts))
 
+    def _evict_oldest(self) -> None:
+        _, evicted = self._entries.popitem(last=False)
+        self.num_bytes -= sum(map(len, evicted))
+        self.stats.evictions += 1
+
     def _hit(self, record: AdapterRecord) -> _Parts | None:
         key = record.ref
         parts = self._entries.get(key)
@@ -183,6 +200,51 @@ class HostCache:
             flight.fail(task.exception())
 
     async def _load(self, record: AdapterRecord, flight: _Flight) -> _Parts:
+        is_kept = await self._reserve(record.num_bytes)
+        try:
+            parts = await self._read_checked(record, flight)
+        finally:
+            if is_kept:
+                self._unreserve(record.num_bytes)
+        if is_kept:
+            self._insert(record.ref, parts, record.num_bytes)  # in the room just unreserved
+        return parts
+
+    async def _reserve(self, num_bytes: int) -> bool:
+        """Room for a read of `num_bytes` to be kept, reserved: made by evicting, or waited for
+        (at most fill_wait_s) while reads in flight hold it. False: read it through."""
+        if num_bytes > self.capacity_bytes:
+            self.stats.read_through += 1
+            return False
+        try:
+            async with asyncio.timeout(self.fill_wait_s):
+                while not self._make_room(num_bytes):
+                    await self._room_freed.wait()
+        except TimeoutError:
+            self.stats.read_through += 1
+            log.warning("host tier: %d of its %d bytes are reserved by reads in flight after "
+                        "%g s; a read of %d bytes goes through it, not kept", self.reserved_bytes,
+                        self.capacity_bytes, self.fill_wait_s, num_bytes)
+            return False
+        self.reserved_bytes += num_bytes
+        return True
+
+    def _make_room(self, num_bytes: int) -> bool:
+        """Evict least recently used entries until `num_bytes` fit beside the entries and the
+        reservations; False (evicting nothing) when the reservations alone leave too little."""
+        if self.reserved_bytes + num_bytes > self.capacity_bytes:
+            return False
+        while self.num_bytes + self.reserved_bytes + num_bytes > self.capacity_bytes:
+            self._evict_oldest()
+        return True
+
+    def _unreserve(self, num_bytes: int) -> None:
+        self.reserved_bytes -= num_bytes
+        self._room_freed.set()
+        self._room_freed = asyncio.Event()
+
+    async def _read_checked(self, record: AdapterRecord, flight: _Flight) -> _Parts:
+        """Read until a read matches the registry's size and sha256, at most read_attempts."""
         for attempt in range(1, self.read_attempts + 1):
             self.stats.blob_reads += 1
             if attempt > 1:
@@ -192,7 +254,6 @@ class HostCache:
             if num_bytes == record.num_bytes and digest == record.sha256:
                 parts = tuple(flight.parts)
                 flight.verified()
-                self._insert(record.ref, parts, num_bytes)
                 return parts
             self.stats.checksum_failures += 1
             log.error("%s (read %d/%d): %d bytes with sha256 %s, registry says %d bytes with %s",
@@ -239,12 +300,9 @@ class HostCache:
         return num_bytes, digest.hexdigest()
 
     def _insert(self, key: AdapterRef, parts: _Parts, num_bytes: int) -> None:
-        if num_bytes > self.capacity_bytes:
-            return
-        while self.num_bytes + num_bytes > self.capacity_bytes:
-            _, evicted = self._entries.popitem(last=False)
-            self.num_bytes -= sum(map(len, evicted))
-            self.stats.evictions += 1
+        while (self.num_bytes + self.reserved_bytes + num_bytes > self.capacity_bytes
+               and self._entries):
+            self._evict_oldest()  # (never, with the room this read reserved)
         self._entries[key] = parts
         self.num_bytes += num_bytes
 

@@ -15,6 +15,8 @@ _COUNTERS = {  # metric -> (help, CacheStats field)
     "loraplex_store_checksum_failures": ("Reads whose size or sha256 did not match.",
                                          "checksum_failures"),
     "loraplex_store_host_tier_evictions": ("Adapters dropped from the host-RAM tier.", "evictions"),
+    "loraplex_store_host_tier_read_through": (
+        "Reads served and not kept: larger than the tier, or no room in time.", "read_through"),
 }
 
 
@@ -31,6 +33,12 @@ class _CacheCollector:
                                   "Share of fetches served from RAM since start.",
                                   value=hits / (hits + misses) if hits + misses else 0.0)
         yield ratio
+        yield GaugeMetricFamily("loraplex_store_host_tier_bytes",
+                                "Bytes of the adapters in the host-RAM tier.",
+                                value=self._cache.num_bytes)
+        yield GaugeMetricFamily("loraplex_store_host_tier_reserved_bytes",
+                                "Bytes the host-RAM tier reserves for reads in flight.",
+                                value=self._cache.reserved_bytes)
 
 
 def store_registry(cache: HostCache) -> CollectorRegistry:

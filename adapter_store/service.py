@@ -299,7 +299,7 @@ async def start_store(config: StoreConfig, blobs: BlobStore | None = None,
                             require_base_model=config.require_base_model)
         await registry.load()
         cache = HostCache(blobs, config.host_cache_bytes, config.read_attempts,
-                          piece_bytes=config.chunk_bytes)
+                          piece_bytes=config.chunk_bytes, fill_wait_s=config.host_fill_wait_s)
         keys = config.keys.load() if keys is None else keys
         if keys.is_open:
             log.warning("adapter store: no keys configured, every caller is an operator (open "
