@@ -12,6 +12,14 @@ Every block is in exactly one state:
   cached      a hash, in no table, in LRU order         (reused by a match, or evicted by `grow`
                                                          when no free block is left)
   referenced  in `refs` tables, hashed or not           (never evicted)
+  page        holding an adapter's weights              (common/adapter_pages.py; taken by
+                                                         `take_pages`, back by `give_back_pages`)
+
+KV and adapters share the blocks (residency.py states the policy). Steps write KV in the order
+they are sent, but an adapter's load writes its pages beside them (its own RPC): a block that
+left a sequence's table stays unsettled until every step that may read it is answered (`free`
+takes the sequence's last step, `settle` the last step answered), and only settled blocks become
+pages.
 
 Running example (block_size 4): seq 1 runs tokens [a b c d e f] with table [7, 2] and publishes
 block 7 under h1 = H(root, abcd, key). Seq 1 ends: block 2 is free, block 7 cached. Seq 2 with
@@ -19,6 +27,7 @@ the same key and tokens [a b c d x] matches [7], takes it (refs 1) plus one free
 computes from position 4.
 """
 
+import heapq
 from collections import OrderedDict, deque
 
 
@@ -45,6 +54,12 @@ class BlockManager:
         self._hash_of: dict[int, bytes] = {}  # block -> hash
         self._refs: dict[int, int] = {}  # block -> tables holding it (absent: 0)
         self.tables: dict[int, list[int]] = {}  # seq_id -> block ids, in position order
+        self._pages: set[int] = set()  # blocks holding adapters' weights
+        self._owner: dict[int, object] = {}  # hashed block -> the adapter whose KV it holds
+        # Blocks that left a table in a step not answered yet: block -> that step (and a heap of
+        # (step, block) to settle them in step order; an entry whose step moved is stale).
+        self._unsettled: dict[int, int] = {}
+        self._to_settle: list[tuple[int, int]] = []
 
     @property
     def num_free(self) -> int:
@@ -52,12 +67,18 @@ class BlockManager:
         return len(self._free) + len(self._cached)
 
     @property
+    def num_pages(self) -> int:
+        """Blocks holding adapters' weights."""
+        return len(self._pages)
+
+    @property
     def num_cached(self) -> int:
         """Blocks holding a published prefix, referenced or not."""
         return len(self._hash_of)
 
     def num_allocated(self) -> int:
-        return self.num_blocks - self.num_free
+        """Blocks in sequences' tables."""
+        return self.num_blocks - self.num_free - len(self._pages)
 
     # ---- the prefix cache -------------------------------------------------------------------
     def match(self, hashes: list[bytes]) -> list[int]:
@@ -70,14 +91,72 @@ class BlockManager:
             hits.append(block)
         return hits
 
-    def publish(self, seq_id: int, index: int, block_hash: bytes) -> None:
-        """Block `index` of seq_id's table is full and computed: cache it under `block_hash`.
-        When another block already holds that hash (two sequences computed the same prefix at
-        once), this one stays unhashed and is freed as usual."""
+    def publish(self, seq_id: int, index: int, block_hash: bytes, owner: object = None) -> None:
+        """Block `index` of seq_id's table is full and computed: cache it under `block_hash`,
+        as KV computed with adapter `owner` (None: the base model). When another block already
+        holds that hash (two sequences computed the same prefix at once), this one stays
+        unhashed and is freed as usual."""
         block = self.tables[seq_id][index]
         if block_hash not in self._block_of and block not in self._hash_of:
             self._block_of[block_hash] = block
             self._hash_of[block] = block_hash
+            if owner is not None:
+                self._owner[block] = owner
+
+    def drop_cached_of(self, owner: object) -> int:
+        """Forget the cached blocks of adapter `owner` (it left the executor: useless without
+        it): they are free now, taken before any other. How many."""
+        dropped = [b for b, o in self._owner.items() if o == owner and b in self._cached]
+        for block in dropped:
+            del self._cached[block]
+            del self._block_of[self._hash_of.pop(block)]
+            del self._owner[block]
+            self._free.appendleft(block)
+        return len(dropped)
+
+    # ---- adapter pages ----------------------------------------------------------------------
+    def num_settled(self) -> int:
+        """Free and cached blocks that may become pages now."""
+        return self.num_free - sum(1 for b in self._unsettled if b not in self._refs)
+
+    def take_pages(self, num_pages: int) -> list[int] | None:
+        """`num_pages` settled blocks for an adapter's weights, free ones first, then the least
+        recently used cached ones (their prefixes forgotten); None (nothing taken) when fewer
+        are settled."""
+        if num_pages > self.num_settled():
+            return None
+        pages: list[int] = []
+        for block in list(self._free):
+            if len(pages) == num_pages:
+                break
+            if block not in self._unsettled:
+                pages.append(block)
+        for block in pages:
+            self._free.remove(block)
+        for block in list(self._cached):
+            if len(pages) == num_pages:
+                break
+            if block not in self._unsettled:
+                del self._cached[block]
+                del self._block_of[self._hash_of.pop(block)]
+                self._owner.pop(block, None)
+                pages.append(block)
+        self._pages.update(pages)
+        return pages
+
+    def give_back_pages(self, pages: list[int] | tuple[int, ...]) -> None:
+        """An adapter's pages are free again (no step or load may touch them any more)."""
+        for block in pages:
+            self._pages.remove(block)
+            self._free.append(block)
+
+    def settle(self, answered: int) -> None:
+        """Every step up to `answered` is answered: blocks that left tables in them may become
+        pages."""
+        while self._to_settle and self._to_settle[0][0] <= answered:
+            step, block = heapq.heappop(self._to_settle)
+            if self._unsettled.get(block) == step:
+                del self._unsettled[block]
 
     # ---- tables -----------------------------------------------------------------------------
     def num_missing(self, seq_id: int, num_tokens: int) -> int:
@@ -128,16 +207,20 @@ class BlockManager:
         self.grow(seq_id, num_tokens)
         return list(self.tables[seq_id])
 
-    def free(self, seq_id: int) -> None:
+    def free(self, seq_id: int, last_step: int = 0) -> None:
         """Drop `seq_id`'s table (idempotent): its blocks in no other table become free, or
-        cached (most recently used) when hashed. Its last block goes first: eviction then takes
-        a chain's tail before its head, which every longer match needs."""
+        cached (most recently used) when hashed, unsettled until step `last_step` (the last with
+        a row of it; 0: none was sent) is answered. Its last block goes first: eviction then
+        takes a chain's tail before its head, which every longer match needs."""
         for block in reversed(self.tables.pop(seq_id, ())):
             refs = self._refs[block] - 1
             if refs:
                 self._refs[block] = refs
                 continue
             del self._refs[block]
+            if last_step:
+                self._unsettled[block] = last_step
+                heapq.heappush(self._to_settle, (last_step, block))
             if block in self._hash_of:
                 self._cached[block] = None
             else:
@@ -150,6 +233,7 @@ class BlockManager:
         else:
             block, _ = self._cached.popitem(last=False)
             del self._block_of[self._hash_of.pop(block)]
+            self._owner.pop(block, None)
         self._refs[block] = 1
         return block
 
@@ -165,5 +249,8 @@ class BlockManager:
         assert len(free) == len(self._free) and not free & cached and not free & set(counts)
         assert not cached & set(counts) and cached <= set(self._hash_of)
         assert not free & set(self._hash_of)
-        assert len(free) + len(cached) + len(counts) == self.num_blocks
+        pages = self._pages
+        assert not pages & (free | cached | set(counts) | set(self._hash_of))
+        assert len(free) + len(cached) + len(counts) + len(pages) == self.num_blocks
+        assert set(self._owner) <= set(self._hash_of)
         assert {b: h for h, b in self._block_of.items()} == self._hash_of

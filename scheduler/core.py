@@ -25,7 +25,7 @@ import itertools
 import logging
 import operator
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from common.adapter_ref import AdapterRef
 from common.detokenizer import Finish
@@ -60,8 +60,8 @@ class Scheduler:
     def __init__(self, executors: Iterable[ExecutorState], weights: FairnessWeights,
                  limits: Limits, start_load: Callable[[ExecutorState, Slot], None],
                  wake: Callable[[], None],
-                 start_unload: Callable[[ExecutorState, int, AdapterRef], None] = (
-                     lambda ex, slot, adapter: None),
+                 start_unload: Callable[..., None] = (
+                     lambda ex, slot, adapter, done=None: done and done(True)),
                  clock: Callable[[], float] = time.monotonic,
                  warm_host: Callable[[AdapterRef], None] = lambda adapter: None,
                  start_stage: Callable[[ExecutorState, AdapterRef, int], None] = (
@@ -195,6 +195,7 @@ class Scheduler:
         ex.num_steps += bool(plan.rows)  # (a step that only frees sequences computes nothing)
         ex.rates.observe_step(plan.num_tokens, step_seconds)
         ex.steps.answered(plan.step)
+        ex.blocks.settle(ex.steps.steps_answered)
         self.merges.on_step_done(ex, plan)
         self.residency.unpin_answered(ex)  # (the step loop plans next: a freed slot is seen then)
         now = self.clock()
@@ -234,6 +235,9 @@ class Scheduler:
     def _make_room(self, ex: ExecutorState, seq: Sequence, num_tokens: int) -> bool:
         """Preempt the most-served tenants' latest sequences until `seq` can hold `num_tokens`;
         False if `seq` itself had to go."""
+        if self.residency.make_kv_room(ex, lambda: ex.blocks.can_grow(seq.seq_id, num_tokens),
+                                       wanted_too=True):
+            return True  # (pages of adapters nothing runs went back to KV)
         while not ex.blocks.can_grow(seq.seq_id, num_tokens):
             victim = self.admission.victim(ex)
             self._preempt(ex, victim)
@@ -341,13 +345,13 @@ class Scheduler:
         raise NotFound(f"no executor {address!r} in this pool (known: {known})")
 
     def prewarm(self, adapter: AdapterRef, adapter_bytes: int, num_executors: int,
-                pin: bool) -> list[ExecutorState]:
+                pin: bool, ranks: Mapping[str, int] | None = None) -> list[ExecutorState]:
         """Make `adapter` resident on `num_executors` executors (residency.py: prewarm)."""
         up = [ex for ex in self.placement.admitting() if ex.serves(adapter)]
         if not up:
             raise Unavailable(f"no executor is up and admitting work to pre-warm {adapter} on "
                               f"({len(self.executors)} known, all down or draining)")
-        chosen = self.residency.prewarm(up, adapter, adapter_bytes, num_executors, pin)
+        chosen = self.residency.prewarm(up, adapter, adapter_bytes, num_executors, pin, ranks)
         self._wake()
         return chosen
 
@@ -356,9 +360,9 @@ class Scheduler:
         targets = [self.find_executor(address)] if address else self.executors
         return self.residency.evict(targets, adapter)
 
-    def merge(self, adapter: AdapterRef, adapter_bytes: int,
-              num_executors: int) -> list[ExecutorState]:
-        return self.merges.merge(adapter, adapter_bytes, num_executors)
+    def merge(self, adapter: AdapterRef, adapter_bytes: int, num_executors: int,
+              ranks: Mapping[str, int] | None = None) -> list[ExecutorState]:
+        return self.merges.merge(adapter, adapter_bytes, num_executors, ranks)
 
     def unmerge(self, adapter: AdapterRef | None, address: str = "") -> list[str]:
         return self.merges.unmerge(adapter, address)
@@ -380,7 +384,7 @@ class Scheduler:
 
     def _release(self, ex: ExecutorState, seq: Sequence) -> None:
         ex.steps.release(seq)
-        ex.blocks.free(seq.seq_id)
+        ex.blocks.free(seq.seq_id, seq.last_step if seq.is_sent else 0)
         self.placement.released(ex, seq)
         self.residency.unpin(ex, seq)
 

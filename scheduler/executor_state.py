@@ -6,7 +6,7 @@ has one writer (tests/scheduler/test_ownership.py holds the rule):
     queue, work_tokens,      the requests waiting for it, the   Placement (placement.py)
       popularity               work ahead, adapters' demand
     slots, load_failures,    adapter residency and pins         Residency (residency.py)
-      fetching_since,
+      fetching_since, page_counts,
       unpin_later, num_loads,
       num_hits, num_evictions
     merge                    its dedication and merge           Merges (merging.py)
@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from common.adapter_pages import PageGeometry
 from common.adapter_ref import AdapterRef
 from scheduler.block_manager import BlockManager, blocks_for
 from scheduler.fast_steps import FastSteps
@@ -47,6 +48,10 @@ class ExecutorState:
     load_failures: dict[AdapterRef, LoadFailure] = field(default_factory=dict)
     # Adapters being fetched onto it (staged or loaded, or failing and backing off): since when.
     fetching_since: dict[AdapterRef, float] = field(default_factory=dict)
+    # How its memory holds adapters (its Info says; None: fixed slots outside the KV blocks, no
+    # pages), and the pages each adapter it met takes.
+    geometry: PageGeometry | None = None
+    page_counts: dict[AdapterRef, int] = field(default_factory=dict)
     # Sequences that left the running set while steps with their rows were in flight: they keep
     # their slot pinned until those are answered (loads are not ordered with steps: an adapter
     # loaded into the slot meanwhile would be read by them).
@@ -94,6 +99,8 @@ class ExecutorState:
         """Requests for `adapter` may be queued here (a dedicated executor takes only its own)."""
         return self.merge.dedicated_to is None or adapter == self.merge.dedicated_to
 
-    def can_hold(self, req: Request) -> bool:
-        """All of req's KV (prompt and every token it may generate) fits this executor's blocks."""
-        return blocks_for(req.max_tokens, self.blocks.block_size) <= self.blocks.num_blocks
+    def can_hold(self, req: Request, adapter_pages: int = 0) -> bool:
+        """All of req's KV (prompt and every token it may generate) fits this executor's blocks,
+        beside its adapter's `adapter_pages` pages."""
+        return (blocks_for(req.max_tokens, self.blocks.block_size) + adapter_pages
+                <= self.blocks.num_blocks)

@@ -27,6 +27,10 @@ class Limits:
     home_bias_s: float = 2.0  # routing: how much busier a cold adapter's home may be and still win
     popularity_half_life_s: float = 60.0  # eviction: decay of adapters' request counts
     max_reserved_slots: int = 1  # slots per executor that may drain for a waiting adapter
+    # Adapters' pages and KV share each executor's blocks (adapter_memory.py): a load may take
+    # free or cached blocks only while this share of the blocks stays free for KV; KV takes
+    # blocks back from adapters nobody uses or waits for whenever it needs them.
+    kv_reserve: float = 0.1
     # Adapter slots per executor that operators' pins (Prewarm with pin) leave to every other
     # adapter: a pin beyond is refused (FAILED_PRECONDITION), so unpinned adapters keep a slot
     # to take turns in and a bounded wait. 0 lets pins take every slot.
@@ -76,6 +80,8 @@ class Limits:
         if self.prefix_cache not in SCOPES:
             raise ValueError(f"prefix_cache must be one of {', '.join(SCOPES)}, got "
                              f"{self.prefix_cache!r}")
+        if not 0 <= self.kv_reserve < 1:
+            raise ValueError(f"kv_reserve must be in [0, 1), got {self.kv_reserve}")
         if self.pipeline_depth < 1:
             raise ValueError(f"pipeline_depth must be >= 1, got {self.pipeline_depth}")
         if self.popularity_half_life_s <= 0:

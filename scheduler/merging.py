@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -60,6 +60,7 @@ class MergeState:
 
     dedicated_to: AdapterRef | None = None
     dedicated_bytes: int = 0  # its adapter's size (to bring it in)
+    dedicated_ranks: Mapping[str, int] | None = None  # and its ranks (its pages)
     merged_slot: Slot | None = None
     unmerge_due: bool = False
     unmerging: Slot | None = None
@@ -74,7 +75,8 @@ class Merges:
     def serving_everyone(self) -> list[ExecutorState]:
         return [ex for ex in self._placement.admitting() if ex.merge.dedicated_to is None]
 
-    def dedicate(self, ex: ExecutorState, adapter: AdapterRef, adapter_bytes: int) -> None:
+    def dedicate(self, ex: ExecutorState, adapter: AdapterRef, adapter_bytes: int,
+                 ranks: Mapping[str, int] | None = None) -> None:
         """Give ex to `adapter` alone; it merges once it runs nothing else (merge_now)."""
         state = ex.merge
         if state.dedicated_to == adapter:
@@ -90,10 +92,12 @@ class Merges:
                                      "executor serving every adapter: the pool needs another "
                                      "one up")
         state.dedicated_to, state.dedicated_bytes = adapter, adapter_bytes
+        state.dedicated_ranks = ranks
         for req in [r for r in ex.queue if r.adapter != adapter]:
             self._placement.move(req)
         if ex.slots.find(adapter) is None:
-            self._residency.bring_in(ex, adapter, adapter_bytes)
+            self._residency.bring_in(ex, adapter, adapter_bytes,
+                                     self._residency.memory.pages_for(ex, adapter, ranks))
         self._placement.place_work()  # its adapter's queued requests elsewhere may start here
         log.info("executor %s dedicated to %s: it merges once it runs nothing else",
                  ex.address, adapter)
@@ -123,7 +127,9 @@ class Merges:
             return None  # (an unmerge on its way: merge again once it is answered)
         slot = ex.slots.find(adapter)
         if slot is None:
-            self._residency.bring_in(ex, adapter, state.dedicated_bytes)
+            self._residency.bring_in(ex, adapter, state.dedicated_bytes,
+                                     self._residency.memory.pages_for(ex, adapter,
+                                                                      state.dedicated_ranks))
             return None
         if slot.state is not SlotState.READY:
             return None
@@ -173,8 +179,8 @@ class Merges:
                     self.release(ex)
 
     # ---- operators --------------------------------------------------------------------------
-    def merge(self, adapter: AdapterRef, adapter_bytes: int,
-              num_executors: int) -> list[ExecutorState]:
+    def merge(self, adapter: AdapterRef, adapter_bytes: int, num_executors: int,
+              ranks: Mapping[str, int] | None = None) -> list[ExecutorState]:
         """Dedicate `num_executors` executors to `adapter` (those dedicated already count),
         choosing where it is resident and the least loaded first; at least one up executor
         keeps serving everyone."""
@@ -189,7 +195,7 @@ class Merges:
         free.sort(key=lambda ex: (ex.slots.find(adapter) is None,
                                   score(ex.work_tokens, ex.rates, True, True, adapter_bytes, 0.0)))
         for ex in free[:max(want, 0)]:
-            self.dedicate(ex, adapter, adapter_bytes)
+            self.dedicate(ex, adapter, adapter_bytes, ranks)
         return [ex for ex in up if ex.merge.dedicated_to == adapter]
 
     def unmerge(self, adapter: AdapterRef | None, address: str = "") -> list[str]:
@@ -218,7 +224,8 @@ class Merges:
             return
         adapter, num_executors = decision
         if num_executors:
-            self.merge(adapter, self.policy.adapter_bytes(adapter), num_executors)
+            self.merge(adapter, self.policy.adapter_bytes(adapter), num_executors,
+                       self.policy.adapter_ranks(adapter))
         else:
             self.unmerge(adapter)
         self.policy.changed(now)
@@ -234,9 +241,13 @@ class MergePolicy:
         self._by_adapter: collections.Counter[AdapterRef | None] = collections.Counter()
         self._quiet_until = 0.0  # no change before (a full window after the last)
         self._bytes: dict[AdapterRef, int] = {}
+        self._ranks: dict[AdapterRef, Mapping[str, int] | None] = {}
 
     def adapter_bytes(self, adapter: AdapterRef) -> int:
         return self._bytes.get(adapter, 0)
+
+    def adapter_ranks(self, adapter: AdapterRef) -> Mapping[str, int] | None:
+        return self._ranks.get(adapter)
 
     def observe(self, plan: StepPlan, now: float) -> None:
         """Count a step's computed tokens per adapter."""
@@ -250,6 +261,7 @@ class MergePolicy:
             per[req.adapter] += row.num_tokens
             if req.adapter:
                 self._bytes[req.adapter] = req.adapter_bytes
+                self._ranks[req.adapter] = req.adapter_ranks
         for adapter, n in per.items():
             self._tokens.append((now, adapter, n))
             self._by_adapter[adapter] += n

@@ -81,8 +81,8 @@ class Placement:
         """The executor where req would start soonest: its adapter's home (rendezvous hash) wins
         ties by home_bias_s, an executor it is merged into (merging.py) by MERGED_BIAS_S. Only
         executors whose KV can hold it whole (a pool's executors may differ)."""
-        candidates = [ex for ex in self.executors
-                      if ex.is_admitting and ex.serves(req.adapter) and ex.can_hold(req)]
+        candidates = [ex for ex in self.executors if ex.is_admitting and ex.serves(req.adapter)
+                      and ex.can_hold(req, self._residency.pages_of(ex, req))]
         if not candidates:
             return None
         if any(ex.dedicated_to is not None for ex in candidates):
@@ -94,7 +94,8 @@ class Placement:
 
     def _score(self, ex: ExecutorState, req: Request, is_away: bool) -> float:
         resident = not req.adapter or ex.slots.find(req.adapter) is not None
-        can_place = resident or self._residency.can_place(ex, req.adapter)
+        can_place = resident or self._residency.can_place(ex, req.adapter,
+                                                           self._residency.pages_of(ex, req))
         return score(ex.work_tokens, ex.rates, resident, can_place, req.adapter_bytes,
                      self.limits.slot_wait_s, self.limits.home_bias_s if is_away else 0.0)
 

@@ -1,7 +1,7 @@
 """A client request as the scheduler sees it, and the events it streams back."""
 
 import enum
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -72,6 +72,9 @@ class Request:
     executor: Any = None  # the ExecutorState it is queued or running on
     cache_salt: str = ""  # keeps its cached KV blocks apart from requests with another salt
     trace_id: str = ""  # its id in every service's logs (common/request_ids.py)
+    # Its adapter's largest rank per module (common/adapter_pages.py: the pages it takes on an
+    # executor); None: unknown, planned as its rank on every module the executor has.
+    adapter_ranks: Mapping[str, int] | None = None
     cache_key: bytes = b""  # whose cached KV blocks it may reuse (prefix_cache.py); b"": none
     # Prompt tokens whose KV its first admission found in the prefix cache (not computed).
     cached_prompt_tokens: int = 0

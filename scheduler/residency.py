@@ -13,11 +13,12 @@ has a row of it.
 """
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from common.adapter_ref import AdapterRef
 from common.errors import Aborted, FailedPrecondition, LoraplexError, Unavailable
+from scheduler.adapter_memory import AdapterMemory
 from scheduler.executor_state import ExecutorState
 from scheduler.limits import Limits
 from scheduler.request import Request
@@ -44,7 +45,7 @@ class LoadFailure:
 class Residency:
     def __init__(self, limits: Limits, clock: Callable[[], float],
                  start_load: Callable[[ExecutorState, Slot], None],
-                 start_unload: Callable[[ExecutorState, int, AdapterRef], None],
+                 start_unload: Callable[..., None],
                  start_stage: Callable[[ExecutorState, AdapterRef, int], None],
                  warm_host: Callable[[AdapterRef], None],
                  charge_load: Callable[[Request, ExecutorState], None]):
@@ -52,12 +53,26 @@ class Residency:
         self._start_load, self._start_unload = start_load, start_unload
         self._start_stage, self._warm_host = start_stage, warm_host
         self._charge_load = charge_load
+        self.memory = AdapterMemory(limits)
 
     # ---- what routing and admission ask ----------------------------------------------------
-    @staticmethod
-    def can_place(ex: ExecutorState, adapter: AdapterRef) -> bool:
-        """A slot of ex could take `adapter` now (an empty one, or one nobody pins or wants)."""
-        return ex.slots.can_place(adapter, ex.queue.demand)
+    def can_place(self, ex: ExecutorState, adapter: AdapterRef, num_pages: int = 0) -> bool:
+        """A slot of ex could take `adapter` now (an empty one, or one nobody pins or wants),
+        and its `num_pages` pages could be found (adapter_memory.py)."""
+        popularity = self._popularity(ex)
+        victim = ex.slots.victim(adapter, ex.queue.demand, popularity)
+        if victim is None:
+            return False
+        need = num_pages - len(victim.pages if victim.state is SlotState.READY else ())
+        return self.memory.evictions_for(ex, need, victim, popularity) is not None
+
+    def pages_of(self, ex: ExecutorState, req: Request) -> int:
+        """The pages req's adapter takes on ex."""
+        return self.memory.pages_for(ex, req.adapter, req.adapter_ranks)
+
+    def _popularity(self, ex: ExecutorState) -> Callable[[AdapterRef], float]:
+        now = self.clock()
+        return lambda adapter: ex.popularity.value(adapter, now)
 
     @staticmethod
     def fetching_since(ex: ExecutorState, adapter: AdapterRef) -> float | None:
@@ -92,33 +107,77 @@ class Residency:
         if is_new and not req.caused_load:  # (once per request, not per retry of a failed fetch)
             req.caused_load = True
             self._charge_load(req, ex)
-        return self.bring_in(ex, req.adapter, req.adapter_bytes) is not None
+        return self.bring_in(ex, req.adapter, req.adapter_bytes,
+                             self.pages_of(ex, req)) is not None
 
-    def bring_in(self, ex: ExecutorState, adapter: AdapterRef, num_bytes: int) -> Slot | None:
-        """Start bringing `adapter` onto ex, stage before evict: into an empty slot at once; into
-        the slot of an adapter that may go only once its bytes are staged on ex's host, starting
-        the staging when it is not. The slot claimed, if any."""
+    def bring_in(self, ex: ExecutorState, adapter: AdapterRef, num_bytes: int,
+                 num_pages: int = 0) -> Slot | None:
+        """Start bringing `adapter` (of `num_bytes`, taking `num_pages` pages) onto ex, stage
+        before evict: at once into an empty slot and free pages; giving up another adapter only
+        once its bytes are staged on ex's host, starting the staging when it is not. The slot
+        claimed, if any."""
         slots = ex.slots
         staged = slots.staged(adapter)
-        if slots.has_empty() or (staged is not None and staged.staged_at is not None
-                                 and self.can_place(ex, adapter)):
-            return self._load_on(ex, adapter, num_bytes)
+        fits = slots.has_empty() and self.memory.free_for_pages(ex) >= num_pages
+        if fits or (staged is not None and staged.staged_at is not None
+                    and self.can_place(ex, adapter, num_pages)):
+            return self._load_on(ex, adapter, num_bytes, num_pages)
         if staged is None:
-            slots.begin_stage(adapter, num_bytes)
+            slots.begin_stage(adapter, num_bytes, num_pages)
             ex.fetching_since.setdefault(adapter, self.clock())
             self._start_stage(ex, adapter, num_bytes)
         return None
 
-    def _load_on(self, ex: ExecutorState, adapter: AdapterRef, num_bytes: int) -> Slot:
-        """Claim a slot of ex for `adapter` and start loading it there (the caller checked there
-        is one: an empty one, or its bytes are staged and can_place)."""
-        now = self.clock()
-        slot = ex.slots.place(adapter, ex.queue.demand, lambda a: ex.popularity.value(a, now),
-                              num_bytes)
+    def _load_on(self, ex: ExecutorState, adapter: AdapterRef, num_bytes: int,
+                 num_pages: int = 0) -> Slot:
+        """Claim a slot of ex for `adapter` and its pages, evicting what must go, and start
+        loading it there (the caller checked it can: an empty slot and free pages, or its bytes
+        are staged and can_place)."""
+        popularity = self._popularity(ex)
+        victim = ex.slots.victim(adapter, ex.queue.demand, popularity)
+        need = num_pages - len(victim.pages if victim.state is SlotState.READY else ())
+        evictions = self.memory.evictions_for(ex, need, victim, popularity)
+        if evictions is None:
+            raise RuntimeError(f"{adapter}'s {num_pages} pages cannot be found on {ex.address}")
+        for slot in evictions:
+            self._evict(ex, slot)
+        slot = ex.slots.place(adapter, ex.queue.demand, popularity, num_bytes)
         ex.num_evictions += bool(slot.evicted)
-        ex.fetching_since.setdefault(adapter, now)
+        if slot.evicted_pages:
+            self._release_pages(ex, slot.evicted, slot.evicted_pages)
+        if num_pages:
+            ex.slots.set_pages(slot, tuple(ex.blocks.take_pages(num_pages)))
+        ex.fetching_since.setdefault(adapter, self.clock())
         self._start_load(ex, slot)
         return slot
+
+    def _evict(self, ex: ExecutorState, slot: Slot, by_operator: bool = False) -> None:
+        """Free an unused adapter's slot and pages (for a load, for KV, or an operator's)."""
+        adapter, pages = slot.adapter, slot.pages
+        ex.slots.clear(slot)
+        self._release_pages(ex, adapter, pages)
+        ex.num_evictions += not by_operator
+        self._start_unload(ex, slot.index, adapter)
+
+    @staticmethod
+    def _release_pages(ex: ExecutorState, adapter: AdapterRef, pages: tuple[int, ...]) -> None:
+        """An adapter that left ex gives its pages back, and its cached prefix blocks with them
+        (its KV: useless without it)."""
+        if pages:
+            ex.blocks.give_back_pages(pages)
+            ex.blocks.drop_cached_of(adapter)
+
+    def make_kv_room(self, ex: ExecutorState, enough: Callable[[], bool],
+                     wanted_too: bool = False) -> bool:
+        """KV needs blocks: evict unused adapters (adapter_memory.py: with `wanted_too`, also
+        those queued requests want) until `enough()`; whether it is."""
+        popularity = self._popularity(ex)
+        while not enough():
+            victims = self.memory.kv_victims(ex, popularity, wanted_too)
+            if not victims:
+                return False
+            self._evict(ex, victims[0])
+        return True
 
     def prepare_admission(self, ex: ExecutorState) -> None:
         """Before admitting on ex: reservations nobody waits for lapse, and a slot reserved for a
@@ -130,8 +189,9 @@ class Residency:
             if adapter is None or slot.pins or slot.state is not SlotState.READY:
                 continue
             staged = ex.slots.staged(adapter)
-            if staged is not None and staged.staged_at is not None:
-                self._load_on(ex, adapter, staged.num_bytes)
+            if staged is not None and staged.staged_at is not None and \
+                    self.can_place(ex, adapter, staged.num_pages):
+                self._load_on(ex, adapter, staged.num_bytes, staged.num_pages)
 
     def bring_in_for_oldest(self, ex: ExecutorState, req: Request, may_reserve: bool) -> None:
         """req is its tenant's oldest request on ex, and nothing of its tenant can start there
@@ -198,11 +258,27 @@ class Residency:
             ex.fetching_since.pop(adapter, None)
             return None
         if isinstance(error, Aborted):  # its staged bytes were gone: the slot is as it was
+            pages = slot.pages  # (nothing was written to them)
             ex.slots.give_back(slot)  # (staged again when wanted)
+            if pages:
+                ex.blocks.give_back_pages(pages)
             ex.fetching_since.pop(adapter, None)
             return None
-        ex.slots.clear(slot)
+        if slot.pages:  # its copy may outlive the RPC: its pages wait for the executor's word
+            ex.slots.begin_cleaning(slot)
+            self._start_unload(ex, slot.index, adapter,
+                               done=lambda is_done: self._cleaned(ex, slot, is_done))
+        else:
+            ex.slots.clear(slot)
         return self._fetch_failed(ex, adapter, error)
+
+    @staticmethod
+    def _cleaned(ex: ExecutorState, slot: Slot, is_done: bool) -> None:
+        """The UnloadAdapter of a failed load's slot answered: its pages are free (unless the
+        executor was lost meanwhile: then everything was reset). Not answered, they stay out of
+        use until the executor is back (a reset)."""
+        if is_done and slot.state is SlotState.CLEANING:
+            ex.blocks.give_back_pages(ex.slots.end_cleaning(slot))
 
     def on_stage_done(self, ex: ExecutorState, adapter: AdapterRef, error: LoraplexError | None,
                       num_bytes: int = 0, seconds: float = 0.0) -> LoraplexError | None:
@@ -217,8 +293,8 @@ class Residency:
         ex.slots.mark_staged(adapter, self.clock())
         ex.rates.observe_load(num_bytes, seconds)
         ex.load_failures.pop(adapter, None)
-        if self.can_place(ex, adapter):
-            self._load_on(ex, adapter, staged.num_bytes)  # (its fetch goes on)
+        if self.can_place(ex, adapter, staged.num_pages):
+            self._load_on(ex, adapter, staged.num_bytes, staged.num_pages)  # (fetch goes on)
         else:
             ex.fetching_since.pop(adapter, None)  # its bytes are here: it waits for a slot
         return None
@@ -263,25 +339,29 @@ class Residency:
 
     # ---- operators --------------------------------------------------------------------------
     def prewarm(self, up: list[ExecutorState], adapter: AdapterRef, adapter_bytes: int,
-                num_executors: int, pin: bool) -> list[ExecutorState]:
-        """Make `adapter` resident on `num_executors` of `up` (those already holding it count),
-        choosing the least loaded others; with `pin`, LRU never takes those slots back."""
+                num_executors: int, pin: bool,
+                ranks: Mapping[str, int] | None = None) -> list[ExecutorState]:
+        """Make `adapter` (with these per-module ranks) resident on `num_executors` of `up`
+        (those already holding it count), choosing the least loaded others; with `pin`, LRU
+        never takes those slots back."""
         holding = [ex for ex in up if ex.slots.find(adapter)]
         others = sorted((ex for ex in up if ex not in holding),
                         key=lambda ex: score(ex.work_tokens, ex.rates, False, True, adapter_bytes,
                                              0.0))
         chosen = holding + others[:max(0, num_executors - len(holding))]
         for ex in chosen:
-            if ex.slots.find(adapter) is None and not ex.slots.has_empty() and \
-                    not self.can_place(ex, adapter):
-                raise FailedPrecondition(f"executor {ex.address}: every adapter slot is pinned; "
-                                         f"evict or unpin one before pre-warming {adapter}")
+            pages = self.memory.pages_for(ex, adapter, ranks)
+            if ex.slots.find(adapter) is None and not self.can_place(ex, adapter, pages):
+                raise FailedPrecondition(f"executor {ex.address}: every adapter slot is pinned "
+                                         f"or no pages can be freed for it; evict or unpin one "
+                                         f"before pre-warming {adapter}")
             if pin:
                 self._check_pin(ex, adapter)
         for ex in chosen:
             slots = ex.slots
             # (staged first when it must evict another: then no slot is claimed yet)
-            slot = slots.find(adapter) or self.bring_in(ex, adapter, adapter_bytes)
+            slot = slots.find(adapter) or self.bring_in(
+                ex, adapter, adapter_bytes, self.memory.pages_for(ex, adapter, ranks))
             if pin and slot is not None:
                 slots.pin_by_admin(slot)
             elif pin:
@@ -310,6 +390,5 @@ class Residency:
                 raise FailedPrecondition(f"cannot evict {adapter} from {ex.address}: {what}; "
                                          "retry later")
         for ex, slot in slots:
-            ex.slots.clear(slot)
-            self._start_unload(ex, slot.index, adapter)
+            self._evict(ex, slot, by_operator=True)
         return len(slots)

@@ -33,6 +33,10 @@ class SlotState(enum.Enum):
     EMPTY = "empty"
     LOADING = "loading"
     READY = "ready"
+    # A load that failed, its pages held until the executor says nothing writes them any more
+    # (an UnloadAdapter answered): they are KV blocks (residency.py), and a load's copy may
+    # still run after its RPC gave up.
+    CLEANING = "cleaning"
 
 
 @dataclass(eq=False)
@@ -48,6 +52,8 @@ class Slot:
     evicted: AdapterRef | None = None  # the adapter its last placement replaced
     num_bytes: int = 0  # size of its adapter's weights (sizes a load's deadline)
     is_from_staged: bool = False  # its load copies bytes already staged on the host
+    pages: tuple[int, ...] = ()  # the KV blocks its adapter's weights are in (no pages: none)
+    evicted_pages: tuple[int, ...] = ()  # the pages of the adapter its last placement replaced
 
 
 @dataclass
@@ -56,6 +62,7 @@ class Staged:
     and parsed) waiting for a slot, which no READY adapter gives up before they are."""
 
     num_bytes: int
+    num_pages: int = 0  # pages its weights will take here (adapter_memory.py)
     staged_at: float | None = None  # scheduler clock; None while the fetch runs
 
 
@@ -77,20 +84,26 @@ class SlotTable:
                   ) -> bool:
         return self._victim(adapter, wanted) is not None
 
+    def victim(self, adapter: AdapterRef, wanted: Collection[AdapterRef | None] = frozenset(),
+               popularity: Callable[[AdapterRef], float] | None = None) -> Slot | None:
+        """The slot `place` would claim for `adapter` (None: none can take it)."""
+        return self._victim(adapter, wanted, popularity)
+
     def place(self, adapter: AdapterRef, wanted: Collection[AdapterRef | None] = frozenset(),
               popularity: Callable[[AdapterRef], float] | None = None,
-              num_bytes: int = 0) -> Slot:
-        """Claim a slot for loading `adapter`: its reserved slot once drained, else an empty one,
-        else the unpinned one whose adapter no queued request wants and is least popular (least
-        recently used among equals; plain LRU without `popularity`)."""
+              num_bytes: int = 0, pages: tuple[int, ...] = ()) -> Slot:
+        """Claim a slot for loading `adapter` into `pages`: its reserved slot once drained, else
+        an empty one, else the unpinned one whose adapter no queued request wants and is least
+        popular (least recently used among equals; plain LRU without `popularity`). The
+        replaced adapter's pages are its `evicted_pages`."""
         slot = self._victim(adapter, wanted, popularity)
         if slot is None:
             raise RuntimeError(f"no slot can take {adapter}: every slot is pinned, loading or "
                                "wanted")
         self._by_adapter.pop(slot.adapter, None)
-        slot.evicted = slot.adapter
+        slot.evicted, slot.evicted_pages = slot.adapter, slot.pages
         slot.state, slot.adapter, slot.pins = SlotState.LOADING, adapter, 0
-        slot.num_bytes = num_bytes
+        slot.num_bytes, slot.pages = num_bytes, pages
         staged = self._staged.pop(adapter, None)  # its bytes go into the slot now
         slot.is_from_staged = staged is not None and staged.staged_at is not None
         slot.is_admin_pinned, slot.reserved_for = False, None
@@ -117,6 +130,14 @@ class SlotTable:
             slot.reserved_for = adapter
         return slot
 
+    def evictable(self, wanted: Collection[AdapterRef | None],
+                  popularity: Callable[[AdapterRef], float]) -> list[Slot]:
+        """READY slots whose adapter may go (nobody runs, pins, reserves or waits for it), the
+        least popular first (least recently used among equals)."""
+        cold = [s for s in self.slots if s.state is SlotState.READY and s.pins == 0
+                and not s.is_admin_pinned and not s.reserved_for and s.adapter not in wanted]
+        return sorted(cold, key=lambda s: (popularity(s.adapter), s.last_used))
+
     def has_empty(self) -> bool:
         """A slot that holds nothing and waits for nobody: a load into it gives up no adapter."""
         return any(s.state is SlotState.EMPTY and not s.reserved_for for s in self.slots)
@@ -130,8 +151,8 @@ class SlotTable:
         return (any(s.state is SlotState.LOADING for s in self.slots)
                 or any(s.staged_at is None for s in self._staged.values()))
 
-    def begin_stage(self, adapter: AdapterRef, num_bytes: int) -> None:
-        self._staged[adapter] = Staged(num_bytes)
+    def begin_stage(self, adapter: AdapterRef, num_bytes: int, num_pages: int = 0) -> None:
+        self._staged[adapter] = Staged(num_bytes, num_pages)
 
     def mark_staged(self, adapter: AdapterRef, now: float) -> None:
         self._staged[adapter].staged_at = now
@@ -202,18 +223,37 @@ class SlotTable:
             raise RuntimeError(f"slot {slot.index} ({slot.adapter}) is pinned {slot.pins} times")
         adapter, was_loading = slot.adapter, slot.state is SlotState.LOADING
         self._by_adapter.pop(adapter, None)
-        slot.state, slot.adapter = SlotState.EMPTY, None
+        slot.state, slot.adapter, slot.pages = SlotState.EMPTY, None, ()
         slot.is_admin_pinned, slot.reserved_for = False, None
         if was_loading:
             self._notify(adapter, False)
+
+    def set_pages(self, slot: Slot, pages: tuple[int, ...]) -> None:
+        """The pages the adapter loading into `slot` is written to."""
+        slot.pages = pages
+
+    def begin_cleaning(self, slot: Slot) -> None:
+        """Its load failed: the slot holds no adapter, its pages stay out of use until
+        `end_cleaning` (SlotState.CLEANING)."""
+        adapter = slot.adapter
+        self._by_adapter.pop(adapter, None)
+        slot.state, slot.is_admin_pinned, slot.reserved_for = SlotState.CLEANING, False, None
+        self._notify(adapter, False)
+
+    def end_cleaning(self, slot: Slot) -> tuple[int, ...]:
+        """Nothing writes its pages any more: the slot is empty; its pages, to give back."""
+        pages = slot.pages
+        slot.state, slot.adapter, slot.pages = SlotState.EMPTY, None, ()
+        return pages
 
     def give_back(self, slot: Slot) -> None:
         """A load from staged bytes that were gone did not happen: the slot still holds the
         adapter it held before (READY again), or is empty."""
         adapter, previous = slot.adapter, slot.evicted
         self._by_adapter.pop(adapter, None)
-        slot.state, slot.adapter = SlotState.EMPTY, None
-        if previous is not None and previous not in self._by_adapter:
+        slot.state, slot.adapter, slot.pages = SlotState.EMPTY, None, ()
+        # (An adapter whose pages went back to the blocks when it was replaced cannot return.)
+        if previous is not None and previous not in self._by_adapter and not slot.evicted_pages:
             slot.state, slot.adapter, slot.uses = SlotState.READY, previous, 0
             self._by_adapter[previous] = slot
         self._notify(adapter, False)
@@ -223,6 +263,7 @@ class SlotTable:
         for slot in self.slots:
             slot.pins = 0
             self.clear(slot)
+            slot.evicted_pages = ()
         for adapter in list(self._staged):
             self.stage_failed(adapter)
 

@@ -46,15 +46,25 @@ def check_invariants(core: Scheduler, live: Iterable[Request] = ()) -> None:
         if merge.dedicated_to is not None:
             assert all(r.adapter == merge.dedicated_to for r in ex.queue), \
                 f"{where}: dedicated to {merge.dedicated_to}, queues another adapter"
-        held = Counter(s.adapter for s in ex.slots.slots if s.adapter)
+        held = Counter(s.adapter for s in ex.slots.slots
+                       if s.adapter and s.state is not SlotState.CLEANING)
         assert all(n == 1 for n in held.values()), f"{where}: an adapter in two slots: {held}"
+        pages: Counter[int] = Counter()
         for slot in ex.slots.slots:
             what = f"{where}: slot {slot.index}"
             assert slot.pins == pins[slot.index], f"{what} pins {slot.pins} != {pins[slot.index]}"
             assert slot.pins == 0 or slot.state is SlotState.READY, f"{what} pinned unready"
             assert (slot.state is SlotState.EMPTY) == (not slot.adapter), f"{what} state"
-            if slot.adapter:
+            if slot.adapter and slot.state is not SlotState.CLEANING:
                 assert ex.slots.find(slot.adapter) is slot, f"{what}: index of {slot.adapter} stale"
+                if ex.geometry is not None:
+                    assert len(slot.pages) == ex.page_counts[slot.adapter], \
+                        f"{what}: {slot.adapter} in {len(slot.pages)} pages, it needs " \
+                        f"{ex.page_counts[slot.adapter]}"
+            pages.update(slot.pages)
+        assert all(n == 1 for n in pages.values()), f"{where}: a page in two slots"
+        assert len(pages) == ex.blocks.num_pages, \
+            f"{where}: {ex.blocks.num_pages} blocks are pages, slots hold {len(pages)}"
         assert set(ex.blocks.tables) == set(ex.running), f"{where}: blocks of unknown sequences"
         ex.blocks.check()  # every block free, cached or referenced, by as many as hold it
         in_tables = {b for t in ex.blocks.tables.values() for b in t}

@@ -17,6 +17,8 @@ from scheduler.sequence import Sample, Samples
 from scheduler.sim.invariants import check_invariants
 from scheduler.slots import SlotTable
 
+DEFAULT_RANKS = {"q_proj": 8, "v_proj": 8}
+
 
 def ref(text: str) -> AdapterRef:
     return AdapterRef.parse(text)
@@ -26,32 +28,43 @@ class World:
     """One or more executors driven synchronously; loads complete when `complete_loads` runs."""
 
     def __init__(self, num_executors=1, num_blocks=64, block_size=4, num_slots=2,
-                 limits=Limits(), weights=FairnessWeights(), steps=FastSteps):
+                 limits=Limits(), weights=FairnessWeights(), steps=FastSteps, geometry=None):
+        """`geometry`: the executors keep adapters in pages of their KV blocks (a
+        common.adapter_pages.PageGeometry); None: in fixed slots beside them."""
         self.loads: list = []
+        self.unloads: list = []  # (executor, slot index, adapter) of every UnloadAdapter
         self.stages: list = []  # adapters being staged (fetched ahead of taking a slot)
         self.warmed: list[AdapterRef] = []  # adapters the core asked a store to bring into RAM
         self.executors = [ExecutorState(f"ex{i}", BlockManager(num_blocks, block_size),
-                                        SlotTable(num_slots), steps())
+                                        SlotTable(num_slots), steps(), geometry=geometry)
                           for i in range(num_executors)]
         self.now = 0.0
         self.core = Scheduler(
             self.executors, weights, limits,
             start_load=lambda ex, slot: self.loads.append((ex, slot, slot.adapter)),
             wake=lambda: None, clock=lambda: self.now, warm_host=self.warmed.append,
+            start_unload=self._unload,
             start_stage=lambda ex, adapter, num_bytes: self.stages.append((ex, adapter)))
         self.events: dict[int, list] = {}
         self.requests: list[Request] = []
         self._ids = iter(range(1, 10**6))
 
+    def _unload(self, ex, slot: int, adapter: AdapterRef, done=None) -> None:
+        self.unloads.append((ex, slot, adapter))
+        if done is not None:
+            done(True)  # (answered at once)
+
     def request(self, tenant="t", adapter: str | AdapterRef = "", prompt_len=5,
-                max_new=4) -> Request:
-        """A request for `adapter` ("name@version", "" = the base model), submitted."""
+                max_new=4, ranks=None) -> Request:
+        """A request for `adapter` ("name@version", "" = the base model), submitted; `ranks`:
+        its adapter's per-module ranks (its pages), by default rank 8 on q_proj and v_proj."""
         rid = next(self._ids)
         if isinstance(adapter, str):
             adapter = ref(adapter) if adapter else None
         self.events[rid] = []
         req = Request(rid, tenant, adapter, 2**20, list(range(1, prompt_len + 1)), SamplingParams(),
-                      OutputProcessor(None, max_new_tokens=max_new), self.events[rid].append)
+                      OutputProcessor(None, max_new_tokens=max_new), self.events[rid].append,
+                      adapter_ranks=ranks or DEFAULT_RANKS)
         self.core.submit(req)
         self.requests.append(req)
         return req

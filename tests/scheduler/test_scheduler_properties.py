@@ -9,6 +9,7 @@ free, cached or referenced."""
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from common.adapter_pages import PageGeometry, plan_pages
 from common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from scheduler.limits import Limits
 from scheduler.request import ErrorEvent, FinishEvent, Status
@@ -16,6 +17,11 @@ from scheduler.sim.invariants import check_invariants
 from tests.scheduler.sched_world import World, ref
 
 ADAPTERS = ["", "a@1", "b@1", "c@1", "d@1", "e@1"]
+RANKS = {"a@1": {"q_proj": 1, "v_proj": 1}, "b@1": {"q_proj": 8}, "c@1": {"v_proj": 4},
+         "d@1": {"q_proj": 2, "down_proj": 2}, "e@1": {"q_proj": 16, "v_proj": 16}}
+GEOMETRY = PageGeometry(num_layers=2, region_elems=1024, module_shapes={
+    "q_proj": (256, 256), "k_proj": (256, 128), "v_proj": (256, 128), "o_proj": (256, 256),
+    "gate_proj": (256, 688), "up_proj": (256, 688), "down_proj": (688, 256)})
 
 arrive = st.tuples(st.just("arrive"), st.sampled_from(["t0", "t1", "t2"]),
                    st.sampled_from(ADAPTERS), st.integers(1, 24), st.integers(1, 8))
@@ -35,19 +41,25 @@ event = st.one_of(
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(events=st.lists(event, min_size=1, max_size=60),
        slots=st.integers(1, 3), blocks=st.integers(8, 40),
+       geometry=st.sampled_from([None, GEOMETRY]),
        limits=st.builds(Limits, max_num_seqs=st.integers(1, 6),
                         max_batched_tokens=st.integers(1, 32),
                         max_adapters_per_batch=st.integers(0, 3),
                         fairness_window=st.sampled_from([0.0, 50.0]),
                         affinity_max_wait_s=st.sampled_from([0.0, 0.05]),
                         prefix_cache=st.sampled_from(["tenant", "pool", "off"])))
-def test_invariants_hold_and_no_request_is_lost(events, slots, blocks, limits):
-    w = World(num_executors=2, num_blocks=blocks, block_size=4, num_slots=slots, limits=limits)
+def test_invariants_hold_and_no_request_is_lost(events, slots, blocks, geometry, limits):
+    """With `geometry`, adapters take pages of the KV blocks (adapter_memory.py), of ranks that
+    differ by adapter."""
+    w = World(num_executors=2, num_blocks=blocks, block_size=4, num_slots=slots, limits=limits,
+              geometry=geometry)
     for kind, *args in events:
         if kind == "arrive":
             tenant, adapter, prompt_len, max_new = args
-            if prompt_len + max_new + 4 <= blocks * 4:  # the service refuses longer requests
-                w.request(tenant, adapter, prompt_len, max_new)
+            ranks = RANKS.get(adapter)
+            pages = plan_pages(ranks, geometry).num_pages if geometry and ranks else 0
+            if -(-(prompt_len + max_new + 4) // 4) + pages <= blocks:  # (the service refuses
+                w.request(tenant, adapter, prompt_len, max_new, ranks)  # longer requests)
         elif kind == "step":
             for _ in range(args[0]):
                 w.step()
@@ -69,7 +81,7 @@ def test_invariants_hold_and_no_request_is_lost(events, slots, blocks, limits):
             w.core.drain(w.executors[args[0]])
         elif kind == "merge":
             try:
-                w.core.merge(ref(args[0]), 2**20, 1)
+                w.core.merge(ref(args[0]), 2**20, 1, RANKS[args[0]])
             except (FailedPrecondition, Unavailable):
                 pass  # the last executor serving everyone, or none up
         elif kind == "unmerge":
@@ -85,5 +97,6 @@ def test_invariants_hold_and_no_request_is_lost(events, slots, blocks, limits):
         assert len(outcome) == 1 or (not outcome and req.finish_reason is None), \
             "finished once, or cancelled"
     for ex in w.executors:
-        assert ex.blocks.num_free == ex.blocks.num_blocks and not ex.running and len(ex.queue) == 0
+        assert ex.blocks.num_free + ex.blocks.num_pages == ex.blocks.num_blocks
+        assert not ex.running and len(ex.queue) == 0
         assert all(slot.pins == (slot is ex.merge.merged_slot) for slot in ex.slots.slots)

@@ -17,6 +17,7 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from common.adapter_pages import plan_pages
 from common.detokenizer import OutputProcessor
 from common.sampling import SamplingParams
 from scheduler.fast_steps import FastSteps
@@ -27,17 +28,21 @@ from scheduler.sequence import Samples
 from scheduler.sim.invariants import check_invariants
 from tests.scheduler.sched_world import World, ref
 from tests.scheduler.test_pipelined_steps import EOS, STOP, Sink, StandInExecutor, outcome
+from tests.scheduler.test_scheduler_properties import GEOMETRY
 
 ADAPTERS = [None, ref("a@1"), ref("b@1"), ref("c@1")]
+RANKS = {ref("a@1"): {"q_proj": 2, "v_proj": 2}, ref("b@1"): {"q_proj": 8},
+         ref("c@1"): {"down_proj": 4}}  # (their pages, where executors keep adapters in pages)
 PREFIXES = [[], [5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 8, 20]]
 
 
 class Twin:
     """One world, its executor's stand-in and the plans in flight."""
 
-    def __init__(self, steps, num_blocks: int, limits: Limits, block_size: int = 4) -> None:
+    def __init__(self, steps, num_blocks: int, limits: Limits, block_size: int = 4,
+                 geometry=None) -> None:
         self.w = World(num_blocks=num_blocks, block_size=block_size, num_slots=2,
-                       limits=limits, steps=steps)
+                       limits=limits, steps=steps, geometry=geometry)
         self.ex = self.w.executors[0]
         self.executor = StandInExecutor(block_size)
         self.in_flight: collections.deque = collections.deque()
@@ -50,7 +55,7 @@ class Twin:
         w.events[rid] = []
         req = Request(rid, tenant, adapter, 2**20, prompt, SamplingParams(),
                       OutputProcessor(None, max_new_tokens=max_new, stop_token_ids=stop_ids),
-                      w.events[rid].append)
+                      w.events[rid].append, adapter_ranks=RANKS.get(adapter))
         if sink >= 0:
             req.sink, req.sink_id = self.sinks[sink], rid
         w.core.submit(req)
@@ -126,19 +131,23 @@ def random_events(rng: random.Random, num_events: int) -> list[tuple]:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32), num_blocks=st.integers(10, 40),
+       geometry=st.sampled_from([None, GEOMETRY]),
        limits=st.builds(Limits, max_num_seqs=st.integers(1, 8),
                         max_batched_tokens=st.integers(1, 24), pipeline_depth=st.integers(1, 2),
                         fairness_window=st.sampled_from([0.0, 50.0]),
                         prefix_cache=st.sampled_from(["tenant", "pool", "off"])))
-def test_the_fast_builder_makes_the_reference_builders_plans(seed, num_blocks, limits):
-    reference = Twin(ReferenceSteps, num_blocks, limits)
-    fast = Twin(FastSteps, num_blocks, limits)
+def test_the_fast_builder_makes_the_reference_builders_plans(seed, num_blocks, geometry,
+                                                             limits):
+    reference = Twin(ReferenceSteps, num_blocks, limits, geometry=geometry)
+    fast = Twin(FastSteps, num_blocks, limits, geometry=geometry)
     twins = (reference, fast)
     for kind, *args in random_events(random.Random(seed), 400):
         if kind == "arrive":
             tenant, adapter, prefix, tail, max_new, sink = args
             prompt = PREFIXES[prefix] + tail
-            if len(prompt) + max_new <= num_blocks * 4:  # the service refuses longer requests
+            ranks = RANKS.get(ADAPTERS[adapter])
+            pages = plan_pages(ranks, geometry).num_pages if geometry and ranks else 0
+            if len(prompt) + max_new <= (num_blocks - pages) * 4:  # (the service refuses more)
                 for twin in twins:
                     twin.arrive(tenant, ADAPTERS[adapter], prompt, max_new, sink)
         elif kind == "plan":

@@ -1,0 +1,96 @@
+"""How an executor's KV blocks are shared between the KV cache and adapters' weights: the policy,
+in one place. (The page layout itself is common/adapter_pages.py; BlockManager keeps the blocks,
+SlotTable which adapter holds which pages; Residency acts on what this decides.)
+
+An executor whose Info gives a page geometry keeps adapters' weights in KV blocks, each adapter
+in the pages its real ranks take. The scheduler decides which block is what:
+
+  - A load takes settled free blocks, then cached prefix blocks (least recently used first),
+    as long as `kv_reserve` of the executor's blocks, and every block the running sequences
+    will still grow into, stays free for KV (a load never preempts anyone); past that, it evicts
+    adapters nobody runs, pins, reserves or waits for (least popular first). Evicting for a
+    load happens only once its bytes are staged (stage before evict, slots.py). When nothing
+    frees enough, the load waits: its requests wait, bounded (max_load_wait_s, max_queue_s).
+  - KV that needs blocks (a sequence growing, an admission) takes free and cached blocks; when
+    there are too few, it evicts those same unwanted adapters; a running sequence that still
+    lacks blocks then evicts adapters that queued requests want but nothing runs, before any
+    sequence is preempted (so a request that fits an executor with its adapter always finishes).
+  - An adapter that runs (a sequence pins it), that an operator pinned, or that queued requests
+    want is never taken. An evicted adapter's cached prefix blocks (its KV, useless without it)
+    are freed with its pages.
+So adapters take the memory KV leaves idle, and give it back under KV pressure.
+
+Blocks and loads are ordered: a block that left a sequence becomes a page only once every step
+that may read it is answered (BlockManager.settle); a load that failed keeps its pages until
+the executor answers an UnloadAdapter of its slot (SlotState.CLEANING), for its copy may outlive
+its RPC. Without a page geometry every adapter takes 0 pages (fixed slots beside the KV cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from common.adapter_pages import plan_pages
+from common.adapter_ref import AdapterRef
+from scheduler.executor_state import ExecutorState
+from scheduler.limits import Limits
+from scheduler.slots import Slot
+
+
+class AdapterMemory:
+    def __init__(self, limits: Limits):
+        self.limits = limits
+
+    @staticmethod
+    def pages_for(ex: ExecutorState, adapter: AdapterRef | None,
+                  ranks: Mapping[str, int] | None) -> int:
+        """Pages `adapter` (with these per-module ranks) takes on ex."""
+        if ex.geometry is None or adapter is None:
+            return 0
+        count = ex.page_counts.get(adapter)
+        if count is None:
+            if ranks is None:
+                raise ValueError(f"the pages of {adapter} are not known: its ranks are missing")
+            count = ex.page_counts[adapter] = plan_pages(ranks, ex.geometry).num_pages
+        return count
+
+    def free_for_pages(self, ex: ExecutorState) -> int:
+        """Blocks a load may take without evicting anyone: settled ones, beyond the reserve and
+        beyond what the running sequences will still grow into (a load never preempts them)."""
+        blocks = ex.blocks
+        bs = blocks.block_size
+        growing = sum(-(-seq.max_tokens // bs) - seq.capacity // bs
+                      for seq in ex.running.values())
+        reserve = max(int(self.limits.kv_reserve * blocks.num_blocks), growing)
+        return max(0, min(blocks.num_settled(), blocks.num_free - reserve))
+
+    def evictions_for(self, ex: ExecutorState, num_pages: int, keep: Slot | None,
+                      popularity: Callable[[AdapterRef], float]) -> list[Slot] | None:
+        """The adapters to evict (least popular first, never `keep`) for `num_pages` to fit; []
+        when they fit already, None when they cannot."""
+        have, out = self.free_for_pages(ex), []
+        if have >= num_pages:
+            return out
+        for slot in ex.slots.evictable(ex.queue.demand, popularity):
+            if slot is keep or not slot.pages:
+                continue
+            out.append(slot)
+            have += len(slot.pages)
+            if have >= num_pages:
+                return out
+        return None
+
+    @staticmethod
+    def kv_victims(ex: ExecutorState, popularity: Callable[[AdapterRef], float],
+                   wanted_too: bool) -> list[Slot]:
+        """Adapters KV may take pages back from, the first to go first: those nobody waits for,
+        then, with `wanted_too`, those queued requests wait for but nothing runs (a running
+        sequence growing: rather a reload later than a sequence recomputed, or one that could
+        never finish)."""
+        if ex.geometry is None:
+            return []
+        unwanted = [s for s in ex.slots.evictable(ex.queue.demand, popularity) if s.pages]
+        if not wanted_too:
+            return unwanted
+        wanted = [s for s in ex.slots.evictable((), popularity) if s.pages and s not in unwanted]
+        return unwanted + wanted

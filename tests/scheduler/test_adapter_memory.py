@@ -1,0 +1,159 @@
+"""Adapters in pages of the KV blocks (scheduler/adapter_memory.py): each takes pages in
+proportion to its ranks, they grow into KV that idles and give it back under KV pressure, and
+no running sequence ever loses its adapter or its blocks to a load."""
+
+import pytest
+
+from common.adapter_pages import PageGeometry, plan_pages
+from common.errors import InvalidArgument
+from scheduler.block_manager import BlockManager
+from scheduler.limits import Limits
+from scheduler.request import Status
+from scheduler.slots import SlotState
+from tests.scheduler.sched_world import World, ref
+
+SHAPES = {"q_proj": (256, 256), "k_proj": (256, 128), "v_proj": (256, 128),
+          "o_proj": (256, 256), "gate_proj": (256, 688), "up_proj": (256, 688),
+          "down_proj": (688, 256)}
+GEOMETRY = PageGeometry(num_layers=2, region_elems=1024, module_shapes=SHAPES)
+
+
+def pages(ranks) -> int:
+    return plan_pages(ranks, GEOMETRY).num_pages
+
+
+def qv(rank: int) -> dict[str, int]:
+    return {"q_proj": rank, "v_proj": rank}
+
+
+def test_adapters_take_pages_in_proportion_to_their_ranks():
+    w = World(num_slots=4, num_blocks=200, geometry=GEOMETRY)
+    for name, rank in (("r1@1", 1), ("r8@1", 8), ("r32@1", 32)):
+        w.request(adapter=name, ranks=qv(rank))
+    w.run()
+    ex = w.executors[0]
+    held = {s.adapter: len(s.pages) for s in ex.slots.slots if s.adapter}
+    assert held == {ref("r1@1"): pages(qv(1)), ref("r8@1"): pages(qv(8)),
+                    ref("r32@1"): pages(qv(32))}
+    assert held[ref("r1@1")] < held[ref("r8@1")] and \
+        3 * held[ref("r8@1")] <= held[ref("r32@1")] <= 4 * held[ref("r8@1")]
+    assert ex.blocks.num_pages == sum(held.values())
+    assert ex.blocks.num_free == 200 - sum(held.values())
+
+
+def test_kv_pressure_takes_back_the_pages_of_adapters_nobody_uses():
+    """Two adapters stay resident after their requests; a long prompt then needs nearly every
+    block: their pages (and the prefix blocks they computed) go back to KV, no sequence is
+    preempted, and the adapters load again when asked for."""
+    w = World(num_slots=4, num_blocks=40, geometry=GEOMETRY, limits=Limits(kv_reserve=0.0))
+    for name in ("a@1", "b@1"):
+        w.request(adapter=name, ranks=qv(16), prompt_len=9)
+    w.run()
+    ex = w.executors[0]
+    assert ex.blocks.num_pages == 2 * pages(qv(16)) and ex.blocks.num_cached > 0
+    long = w.request(prompt_len=4 * 40 - 8, max_new=4)
+    w.run()
+    assert w.finished(long) and long.executor_failures == 0
+    assert ex.blocks.num_pages == 0
+    assert ex.blocks.drop_cached_of(ref("a@1")) == ex.blocks.drop_cached_of(ref("b@1")) == 0
+    assert {a for _, _, a in w.unloads} == {ref("a@1"), ref("b@1")}
+    again = w.request(adapter="a@1", ranks=qv(16))
+    w.run()
+    assert w.finished(again)
+
+
+def test_a_running_adapter_keeps_its_pages_under_kv_pressure():
+    """A sequence of adapter a runs; the base model's requests need more blocks than are free:
+    a's pages are never taken (its sequence would read KV in them); requests wait or are
+    preempted instead, and every one finishes."""
+    w = World(num_slots=2, num_blocks=24, geometry=GEOMETRY, limits=Limits(kv_reserve=0.0))
+    a = w.request(adapter="a@1", ranks=qv(16), prompt_len=3, max_new=60)
+    w.complete_loads()
+    w.step()
+    ex = w.executors[0]
+    slot = ex.slots.find(ref("a@1"))
+    a_pages = slot.pages
+    others = [w.request(prompt_len=20, max_new=10) for _ in range(3)]
+    for _ in range(40):
+        w.step()
+        if a.status is Status.RUNNING:
+            assert ex.slots.find(ref("a@1")).pages == a_pages
+    w.run()
+    assert w.finished(a) and all(w.finished(r) for r in others)
+
+
+def test_adapters_grow_into_idle_kv_up_to_the_reserve():
+    """KV idles: adapters take blocks until kv_reserve of them is left; the next load then
+    evicts the least popular adapter instead of taking the reserve."""
+    w = World(num_slots=16, num_blocks=40, geometry=GEOMETRY, limits=Limits(kv_reserve=0.5))
+    each = pages(qv(8))
+    names = [f"x{i}@1" for i in range(40 // each)]
+    for name in names:
+        w.request(adapter=name, ranks=qv(8), prompt_len=2, max_new=1)
+        w.run()
+    ex = w.executors[0]
+    assert ex.blocks.num_pages <= 20 and ex.blocks.num_free >= 20
+    assert ex.blocks.num_pages > 20 - each  # (as many as fit beside the reserve)
+    assert len(w.unloads) >= len(names) - 20 // each
+
+
+def test_a_load_that_cannot_find_pages_waits_and_takes_no_running_sequences_blocks():
+    w = World(num_slots=2, num_blocks=12, geometry=GEOMETRY, limits=Limits(kv_reserve=0.0))
+    runners = [w.request(prompt_len=10, max_new=10) for _ in range(2)]  # 2 x 5 blocks at the end
+    w.step()
+    cold = w.request(adapter="c@1", ranks=qv(8))  # 4 pages: not free while they run
+    ex = w.executors[0]
+    while any(r.status is Status.RUNNING for r in runners):
+        w.complete_loads()
+        assert ex.slots.find(ref("c@1")) is None, "its pages were taken from the runners' KV"
+        w.step()
+    assert all(r.queued_since == r.arrival for r in runners), "a runner was preempted"
+    w.run()
+    assert all(w.finished(r) for r in runners) and w.finished(cold)
+
+
+def test_a_failed_load_keeps_its_pages_until_the_executor_answers_its_unload():
+    """Its copy may outlive its RPC: the pages must not become KV until the executor says
+    nothing writes them any more."""
+    w = World(num_slots=2, num_blocks=40, geometry=GEOMETRY)
+    answers = []
+    w._unload = lambda ex, slot, adapter, done=None: answers.append(done)
+    w.core.residency._start_unload = w._unload
+    w.request(adapter="a@1", ranks=qv(16))
+    ex = w.executors[0]
+    w.complete_loads(error=InvalidArgument("bad shapes"))
+    (slot,) = [s for s in ex.slots.slots if s.state is SlotState.CLEANING]
+    assert ex.blocks.num_pages == pages(qv(16)) and ex.slots.find(ref("a@1")) is None
+    answers[-1](True)
+    assert slot.state is SlotState.EMPTY and ex.blocks.num_pages == 0
+
+
+def test_blocks_a_sequence_left_become_pages_only_once_its_steps_are_answered():
+    blocks = BlockManager(num_blocks=4, block_size=4)
+    blocks.start(1, [], 16)
+    blocks.free(1, last_step=7)
+    assert blocks.num_free == 4 and blocks.take_pages(1) is None  # (KV may take them at once)
+    blocks.settle(6)
+    assert blocks.take_pages(1) is None
+    blocks.settle(7)
+    assert blocks.take_pages(4) is not None and blocks.num_pages == 4
+    blocks.check()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_paged_executors_drain_random_work_with_every_invariant(seed):
+    import random
+
+    rng = random.Random(seed)
+    w = World(num_executors=2, num_slots=3, num_blocks=30, geometry=GEOMETRY,
+              limits=Limits(max_num_seqs=4, max_batched_tokens=16, kv_reserve=0.2))
+    ranks = {f"a{i}@1": qv(rng.choice([1, 4, 8, 16])) for i in range(6)}
+    for _ in range(60):
+        name = rng.choice([*ranks, ""])
+        w.request(tenant=rng.choice("xyz"), adapter=name, ranks=ranks.get(name),
+                  prompt_len=rng.randint(1, 20), max_new=rng.randint(1, 12))
+        if rng.random() < 0.5:
+            w.complete_loads()
+        w.step()
+    w.run(max_steps=3000)
+    assert all(w.finished(r) for r in w.requests)
