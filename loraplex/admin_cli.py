@@ -157,7 +157,10 @@ def format_stats(stats: pb.StatsResponse) -> str:
             if client.ref_text(ex.dedicated_to):
                 state = "merged" if ex.is_merged else "merging once its other work ends"
                 lines.append(f"  dedicated to {client.ref_text(ex.dedicated_to)} ({state})")
-            lines.append(f"  {len(used)} of {len(ex.slots)} slots in use")
+            pages = (f"; adapters' pages {ex.adapter_pages} blocks "
+                     f"({ex.adapter_pages * ex.page_bytes / 2**20:.1f} MiB)"
+                     if ex.page_bytes else "")
+            lines.append(f"  {len(used)} of {len(ex.slots)} slots in use{pages}")
             lines.extend(f"  slot {i:<3d} {_slot(s)}" for i, s in used)
     else:
         lines.append("EXECUTORS: none shown (a tenant key sees its own counters only)")
@@ -184,6 +187,8 @@ def _state(ex: pb.ExecutorStats) -> str:
 
 def _slot(slot: pb.SlotStats) -> str:
     text = f"{client.ref_text(slot.adapter) or '-':24s} {slot.state:8s} pins {slot.pins}"
+    if slot.num_pages:
+        text += f", {slot.num_pages} pages"
     if slot.is_admin_pinned:
         text += ", pinned by an admin"
     if client.ref_text(slot.reserved_for):

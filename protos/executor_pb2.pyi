@@ -12,7 +12,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "max_model_len", "eos_token_ids", "num_kv_blocks", "block_size", "num_adapter_slots", "max_lora_rank", "tokenizer_json", "weight_bytes", "kv_cache_bytes", "adapter_pool_bytes", "lora_backend", "device", "slot_adapters", "num_sequences", "chat_template", "special_tokens", "base_fingerprint", "merged_adapter")
+    __slots__ = ("model_id", "vocab_size", "max_model_len", "eos_token_ids", "num_kv_blocks", "block_size", "num_adapter_slots", "max_lora_rank", "tokenizer_json", "weight_bytes", "kv_cache_bytes", "adapter_pool_bytes", "lora_backend", "device", "slot_adapters", "num_sequences", "chat_template", "special_tokens", "base_fingerprint", "merged_adapter", "page_geometry")
     class SpecialTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class InfoResponse(_message.Message):
     SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BASE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MERGED_ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    PAGE_GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     max_model_len: int
@@ -60,7 +61,30 @@ class InfoResponse(_message.Message):
     special_tokens: _containers.ScalarMap[str, str]
     base_fingerprint: str
     merged_adapter: _common_pb2.AdapterRef
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_adapter_slots: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., adapter_pool_bytes: _Optional[int] = ..., lora_backend: _Optional[str] = ..., device: _Optional[str] = ..., slot_adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., num_sequences: _Optional[int] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., base_fingerprint: _Optional[str] = ..., merged_adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ...) -> None: ...
+    page_geometry: PageGeometry
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_adapter_slots: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., adapter_pool_bytes: _Optional[int] = ..., lora_backend: _Optional[str] = ..., device: _Optional[str] = ..., slot_adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., num_sequences: _Optional[int] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., base_fingerprint: _Optional[str] = ..., merged_adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., page_geometry: _Optional[_Union[PageGeometry, _Mapping]] = ...) -> None: ...
+
+class PageGeometry(_message.Message):
+    __slots__ = ("num_layers", "region_elements", "modules", "page_bytes")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    REGION_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    MODULES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    region_elements: int
+    modules: _containers.RepeatedCompositeFieldContainer[ModuleShape]
+    page_bytes: int
+    def __init__(self, num_layers: _Optional[int] = ..., region_elements: _Optional[int] = ..., modules: _Optional[_Iterable[_Union[ModuleShape, _Mapping]]] = ..., page_bytes: _Optional[int] = ...) -> None: ...
+
+class ModuleShape(_message.Message):
+    __slots__ = ("module", "in_features", "out_features")
+    MODULE_FIELD_NUMBER: _ClassVar[int]
+    IN_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    OUT_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    module: str
+    in_features: int
+    out_features: int
+    def __init__(self, module: _Optional[str] = ..., in_features: _Optional[int] = ..., out_features: _Optional[int] = ...) -> None: ...
 
 class NewSequence(_message.Message):
     __slots__ = ("seq_id", "token_ids", "sampling", "slot", "num_generated", "num_cached", "request_id")
@@ -129,14 +153,16 @@ class StageAdapterResponse(_message.Message):
     def __init__(self, num_bytes: _Optional[int] = ..., stage_seconds: _Optional[float] = ..., was_staged: _Optional[bool] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
-    __slots__ = ("adapter", "slot", "only_staged")
+    __slots__ = ("adapter", "slot", "only_staged", "pages")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     ONLY_STAGED_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
     adapter: _common_pb2.AdapterRef
     slot: int
     only_staged: bool
-    def __init__(self, adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., slot: _Optional[int] = ..., only_staged: _Optional[bool] = ...) -> None: ...
+    pages: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., slot: _Optional[int] = ..., only_staged: _Optional[bool] = ..., pages: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadAdapterResponse(_message.Message):
     __slots__ = ("num_bytes", "load_seconds", "was_resident")

@@ -263,21 +263,23 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SlotStats(_message.Message):
-    __slots__ = ("adapter", "state", "pins", "is_admin_pinned", "reserved_for")
+    __slots__ = ("adapter", "state", "pins", "is_admin_pinned", "reserved_for", "num_pages")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PINS_FIELD_NUMBER: _ClassVar[int]
     IS_ADMIN_PINNED_FIELD_NUMBER: _ClassVar[int]
     RESERVED_FOR_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     adapter: _common_pb2.AdapterRef
     state: str
     pins: int
     is_admin_pinned: bool
     reserved_for: _common_pb2.AdapterRef
-    def __init__(self, adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., state: _Optional[str] = ..., pins: _Optional[int] = ..., is_admin_pinned: _Optional[bool] = ..., reserved_for: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ...) -> None: ...
+    num_pages: int
+    def __init__(self, adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., state: _Optional[str] = ..., pins: _Optional[int] = ..., is_admin_pinned: _Optional[bool] = ..., reserved_for: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., num_pages: _Optional[int] = ...) -> None: ...
 
 class ExecutorStats(_message.Message):
-    __slots__ = ("address", "running", "free_kv_blocks", "num_kv_blocks", "slots", "steps", "adapter_loads", "adapter_hits", "queued", "is_draining", "is_drained", "is_up", "cached_kv_blocks", "dedicated_to", "is_merged")
+    __slots__ = ("address", "running", "free_kv_blocks", "num_kv_blocks", "slots", "steps", "adapter_loads", "adapter_hits", "queued", "is_draining", "is_drained", "is_up", "cached_kv_blocks", "dedicated_to", "is_merged", "adapter_pages", "page_bytes")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +295,8 @@ class ExecutorStats(_message.Message):
     CACHED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DEDICATED_TO_FIELD_NUMBER: _ClassVar[int]
     IS_MERGED_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     address: str
     running: int
     free_kv_blocks: int
@@ -308,7 +312,9 @@ class ExecutorStats(_message.Message):
     cached_kv_blocks: int
     dedicated_to: _common_pb2.AdapterRef
     is_merged: bool
-    def __init__(self, address: _Optional[str] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotStats, _Mapping]]] = ..., steps: _Optional[int] = ..., adapter_loads: _Optional[int] = ..., adapter_hits: _Optional[int] = ..., queued: _Optional[int] = ..., is_draining: _Optional[bool] = ..., is_drained: _Optional[bool] = ..., is_up: _Optional[bool] = ..., cached_kv_blocks: _Optional[int] = ..., dedicated_to: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., is_merged: _Optional[bool] = ...) -> None: ...
+    adapter_pages: int
+    page_bytes: int
+    def __init__(self, address: _Optional[str] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotStats, _Mapping]]] = ..., steps: _Optional[int] = ..., adapter_loads: _Optional[int] = ..., adapter_hits: _Optional[int] = ..., queued: _Optional[int] = ..., is_draining: _Optional[bool] = ..., is_drained: _Optional[bool] = ..., is_up: _Optional[bool] = ..., cached_kv_blocks: _Optional[int] = ..., dedicated_to: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., is_merged: _Optional[bool] = ..., adapter_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("tenant", "queued", "running", "virtual_counter", "requests", "prompt_tokens", "completion_tokens", "adapter_loads_caused", "cached_prompt_tokens")

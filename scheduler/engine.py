@@ -245,7 +245,8 @@ class Engine:
                     adapter: AdapterRef) -> None:
         try:
             resp = await link.stub.LoadAdapter(executor_pb2.LoadAdapterRequest(
-                adapter=adapter.to_pb(), slot=slot.index, only_staged=slot.is_from_staged),
+                adapter=adapter.to_pb(), slot=slot.index, only_staged=slot.is_from_staged,
+                pages=slot.pages),
                 timeout=self.timeouts.load(slot.num_bytes, ex.rates))
         except grpc.aio.AioRpcError as err:
             error = from_rpc_error(err, f"loading adapter {adapter} on executor {link.address}")
@@ -287,18 +288,33 @@ class Engine:
         self._warming.add(task)
         task.add_done_callback(self._warming.discard)
 
-    def _start_unload(self, ex: ExecutorState, slot: int, adapter: AdapterRef) -> None:
+    def _start_unload(self, ex: ExecutorState, slot: int, adapter: AdapterRef,
+                      done: Callable[[bool], None] | None = None) -> None:
+        """Empty `slot` on ex (only while it holds `adapter`); with `done`, the slot of a failed
+        load whose pages wait (residency.py): unconditionally, and `done(answered)` after."""
         link = self.links[ex.address]
-        request = executor_pb2.UnloadAdapterRequest(slot=slot, adapter=adapter.to_pb())
-        self._spawn(self._unload(link, request))
+        if done is None:
+            request = executor_pb2.UnloadAdapterRequest(slot=slot, adapter=adapter.to_pb())
+            timeout = link.timeouts.rpc_s
+        else:  # (the answer waits for a copy that may still run: a load's time)
+            request = executor_pb2.UnloadAdapterRequest(slot=slot)
+            timeout = self.timeouts.load(0, ex.rates)
+        self._spawn(self._unload(link, request, timeout, done))
 
     @staticmethod
-    async def _unload(link: ExecutorLink, request: executor_pb2.UnloadAdapterRequest) -> None:
+    async def _unload(link: ExecutorLink, request: executor_pb2.UnloadAdapterRequest,
+                      timeout: float, done: Callable[[bool], None] | None) -> None:
         try:
-            await link.stub.UnloadAdapter(request, timeout=link.timeouts.rpc_s)
+            await link.stub.UnloadAdapter(request, timeout=timeout)
         except grpc.aio.AioRpcError as err:  # the scheduler's table is the truth; this only tidies
-            log.warning("unloading slot %d on %s failed: %s", request.slot, link.address,
-                        err.details())
+            log.warning("unloading slot %d on %s failed: %s%s", request.slot, link.address,
+                        err.details(), "; its pages wait for the executor to reconnect"
+                        if done else "")
+            if done is not None:
+                done(False)
+        else:
+            if done is not None:
+                done(True)
 
 
 def _log_failure(task: asyncio.Task) -> None:

@@ -9,6 +9,7 @@ import time
 
 import grpc
 
+from common.adapter_pages import geometry_from_pb
 from common.credentials import metadata
 from common.errors import Unavailable
 from common.server import insecure_channel
@@ -42,7 +43,9 @@ class ExecutorLink:
         # A departing executor stays departing; a stopping one that answers again is not.
         blocks = BlockManager(self.info.num_kv_blocks, self.info.block_size)
         self.state = ExecutorState(self.address, blocks, SlotTable(self.info.num_adapter_slots),
-                                   is_leaving=self.state.is_leaving)
+                                   is_leaving=self.state.is_leaving,
+                                   geometry=geometry_from_pb(self.info),
+                                   page_bytes=self.info.page_geometry.page_bytes)
         self._call = self.stub.Step(metadata=self._auth)
         await self.probe()
 

@@ -51,6 +51,7 @@ class ExecutorState:
     # How its memory holds adapters (its Info says; None: fixed slots outside the KV blocks, no
     # pages), and the pages each adapter it met takes.
     geometry: PageGeometry | None = None
+    page_bytes: int = 0  # bytes of one page (one KV block)
     page_counts: dict[AdapterRef, int] = field(default_factory=dict)
     # Sequences that left the running set while steps with their rows were in flight: they keep
     # their slot pinned until those are answered (loads are not ordered with steps: an adapter

@@ -87,12 +87,23 @@ class _CoreCollector:
                                  "sequence's table included).", labels=["executor"])
         cached = GaugeMetricFamily("loraplex_cached_kv_blocks",
                                    "KV blocks holding a cached prefix.", labels=["executor"])
+        pages = GaugeMetricFamily("loraplex_adapter_pages", "KV blocks holding adapters' weights "
+                                  "(their pages).", labels=["executor"])
+        resident = GaugeMetricFamily("loraplex_resident_adapters", "Adapters loaded or loading.",
+                                     labels=["executor"])
+        page_bytes = GaugeMetricFamily("loraplex_adapter_page_bytes", "Bytes of adapters' pages "
+                                       "(over resident adapters: bytes per adapter).",
+                                       labels=["executor"])
         for ex in self._core.executors:
             running.add_metric([ex.address], len(ex.running))
             queued.add_metric([ex.address], len(ex.queue))
             free.add_metric([ex.address], ex.blocks.num_free)
             cached.add_metric([ex.address], ex.blocks.num_cached)
-        yield from (running, queued, free, cached)
+            pages.add_metric([ex.address], ex.blocks.num_pages)
+            resident.add_metric([ex.address], sum(
+                1 for slot in ex.slots.slots if slot.state.value in ("loading", "ready")))
+            page_bytes.add_metric([ex.address], ex.blocks.num_pages * ex.page_bytes)
+        yield from (running, queued, free, cached, pages, resident, page_bytes)
         hit_rate = GaugeMetricFamily(
             "loraplex_prefix_cache_hit_rate", "Of the prompt tokens of each tenant's ended "
             "requests, the fraction the prefix cache held.", labels=["tenant"])

@@ -56,6 +56,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._rate_limiter = RateLimiter(config.rate_limits, config.default_rate_limit)
         self._model = _model_pb(info)
         self._context = validation.context_limit(info)
+        self._servables = validation.Servables(info)
 
     async def Generate(self, request, context):
         events = _Events()
@@ -145,7 +146,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(64))
         check_stops(pb.stop, self._config.max_stop_strings, self._config.max_stop_chars)
         validation.check_cache_salt(pb.cache_salt)
-        adapter, adapter_bytes = await self._adapter(pb, tenant)
+        adapter = await self._adapter(pb, tenant)
         max_new = pb.max_new_tokens or wire.DEFAULT_MAX_NEW_TOKENS
         if pb.WhichOneof("prompt") == "text":
             if self._tokenizer is None:
@@ -157,19 +158,23 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         else:
             prompt = pb.token_ids.ids  # copied once checked: it may hold millions of ids
         check_fits(len(prompt), max_new, self._context)
+        if adapter is not None:
+            validation.check_pages(len(prompt) + max_new, adapter.ref, adapter.num_pages, info)
         validation.check_prompt(prompt, info.vocab_size)
         prompt = list(prompt)
         stop_ids = list(pb.stop_token_ids) + ([] if pb.ignore_eos else list(info.eos_token_ids))
         output = OutputProcessor(self._tokenizer if detokenize else None, max_new_tokens=max_new,
                                  stop_token_ids=stop_ids, stop=list(pb.stop))
         deadline = None if timeout_s is None else self._engine.core.clock() + timeout_s
-        return Request(next(self._ids), tenant, adapter, adapter_bytes, prompt, sampling, output,
-                       emit, deadline=deadline, cache_salt=pb.cache_salt, trace_id=request_id)
+        return Request(next(self._ids), tenant, adapter and adapter.ref,
+                       adapter.num_bytes if adapter else 0, prompt, sampling, output, emit,
+                       deadline=deadline, cache_salt=pb.cache_salt, trace_id=request_id,
+                       adapter_ranks=adapter and adapter.ranks)
 
     async def _adapter(self, pb: scheduler_pb2.GenerateRequest,
-                       tenant: str) -> tuple[AdapterRef | None, int]:
-        """The exact version the request is for, checked to fit the pool, and its size: a
-        reference the registry resolves, or the version a gateway resolved (adapter_ref)."""
+                       tenant: str) -> validation.Servable | None:
+        """The exact version the request is for, checked to fit the pool: a reference the
+        registry resolves, or the version a gateway resolved (adapter_ref); None: the base."""
         if pb.HasField("adapter_ref"):
             if pb.adapter:
                 raise InvalidArgument("set adapter or adapter_ref, not both")
@@ -177,9 +182,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         elif pb.adapter:
             found = await self._registry.resolve(pb.adapter, tenant)
         else:
-            return None, 0
-        validation.check_adapter(found, self._info)
-        return AdapterRef(found.name, found.version), found.num_bytes
+            return None
+        return self._servables.of(found)
 
     @staticmethod
     def _usage(req: Request) -> scheduler_pb2.Usage:
@@ -210,19 +214,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     eos_token_ids=self._model.eos_token_ids, fingerprint=self._model.fingerprint)
             return self._model
 
-    async def _servable(self, text: str) -> tuple[AdapterRef, int]:
-        """An operator's adapter reference, resolved and checked to fit the pool: (version,
-        bytes)."""
-        found = await self._registry.resolve(text, "")
-        validation.check_adapter(found, self._info)
-        return AdapterRef(found.name, found.version), found.num_bytes
+    async def _servable(self, text: str) -> validation.Servable:
+        """An operator's adapter reference, resolved and checked to fit the pool."""
+        return self._servables.of(await self._registry.resolve(text, ""))
 
     async def Prewarm(self, request, context):
         async with grpc_errors(context):
             self._check_admin(context)
-            key, num_bytes = await self._servable(request.adapter)
-            chosen = self._engine.core.prewarm(key, num_bytes, request.num_executors or 1,
-                                               request.pin)
+            adapter = await self._servable(request.adapter)
+            key = adapter.ref
+            chosen = self._engine.core.prewarm(key, adapter.num_bytes, request.num_executors or 1,
+                                               request.pin, adapter.ranks)
             if request.wait:
                 failed = await admin.loads_done(chosen, key)
                 if failed:
@@ -249,9 +251,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Merge(self, request, context):
         async with grpc_errors(context):
             self._check_admin(context)
-            key, num_bytes = await self._servable(request.adapter)
-            chosen = self._engine.core.merge(key, num_bytes, request.num_executors or 1)
-            return scheduler_pb2.MergeResponse(adapter=key.to_pb(),
+            adapter = await self._servable(request.adapter)
+            chosen = self._engine.core.merge(adapter.ref, adapter.num_bytes,
+                                             request.num_executors or 1, adapter.ranks)
+            return scheduler_pb2.MergeResponse(adapter=adapter.ref.to_pb(),
                                                executors=[ex.address for ex in chosen])
 
     async def Unmerge(self, request, context):
@@ -330,8 +333,9 @@ def _executor_pb(ex: ExecutorStats) -> scheduler_pb2.ExecutorStats:
         dedicated_to=_pb(ex.dedicated_to), is_merged=ex.is_merged,
         slots=[scheduler_pb2.SlotStats(adapter=_pb(s.adapter), state=s.state.value, pins=s.pins,
                                        is_admin_pinned=s.is_admin_pinned,
-                                       reserved_for=_pb(s.reserved_for))
-               for s in ex.slots])
+                                       reserved_for=_pb(s.reserved_for), num_pages=s.num_pages)
+               for s in ex.slots],
+        adapter_pages=ex.adapter_pages, page_bytes=ex.page_bytes)
 
 
 def _tenant_pb(t: TenantStats) -> scheduler_pb2.TenantStats:

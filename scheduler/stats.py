@@ -38,6 +38,7 @@ class SlotStats:
     pins: int
     is_admin_pinned: bool
     reserved_for: AdapterRef | None
+    num_pages: int = 0
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ class ExecutorStats:
     is_draining: bool
     is_drained: bool
     slots: tuple[SlotStats, ...]
+    adapter_pages: int = 0
+    page_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,5 +97,6 @@ def _executor(ex: ExecutorState) -> ExecutorStats:
         is_merged=ex.merge.merged_slot is not None,
         num_steps=ex.num_steps, num_loads=ex.num_loads, num_hits=ex.num_hits, is_up=ex.is_up,
         is_draining=ex.is_draining, is_drained=ex.is_drained,
-        slots=tuple(SlotStats(s.adapter, s.state, s.pins, s.is_admin_pinned, s.reserved_for)
-                    for s in ex.slots.slots))
+        slots=tuple(SlotStats(s.adapter, s.state, s.pins, s.is_admin_pinned, s.reserved_for,
+                              len(s.pages)) for s in ex.slots.slots),
+        adapter_pages=ex.blocks.num_pages, page_bytes=ex.page_bytes)

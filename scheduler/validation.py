@@ -1,11 +1,15 @@
 """Checks on a Generate request before it is queued: every failure is INVALID_ARGUMENT (or
 FAILED_PRECONDITION for a base-model mismatch) with a message that says what to change."""
 
-from collections.abc import Sequence
+import collections
+import dataclasses
+from collections.abc import Mapping, Sequence
 
+from common.adapter_pages import geometry_from_pb, module_ranks, plan_pages
 from common.adapter_ref import AdapterRef
 from common.base_fingerprint import is_same_base
 from common.errors import FailedPrecondition, InvalidArgument
+from common.peft.config import parse_config
 from common.wire import MAX_CACHE_SALT_CHARS
 from protos import common_pb2, executor_pb2
 
@@ -42,3 +46,49 @@ def check_adapter(adapter: common_pb2.AdapterInfo, info: executor_pb2.InfoRespon
     if adapter.rank > info.max_lora_rank:
         raise InvalidArgument(f"adapter {ref} has rank {adapter.rank}, above this pool's maximum "
                               f"{info.max_lora_rank}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Servable:
+    """An exact adapter version checked to fit the pool, with what the scheduler places it by."""
+
+    ref: AdapterRef
+    num_bytes: int
+    ranks: Mapping[str, int] | None  # per module, its largest rank (None: executors keep slots)
+    num_pages: int  # the pages it takes on the pool's executors (0: they keep fixed slots)
+
+
+class Servables:
+    """Adapter versions made Servable, each planned once (versions never change)."""
+
+    def __init__(self, info: executor_pb2.InfoResponse, max_entries: int = 10_000):
+        self._info, self._geometry = info, geometry_from_pb(info)
+        self._known: collections.OrderedDict[AdapterRef, Servable] = collections.OrderedDict()
+        self._max_entries = max_entries
+
+    def of(self, adapter: common_pb2.AdapterInfo) -> Servable:
+        check_adapter(adapter, self._info)
+        ref = AdapterRef(adapter.name, adapter.version)
+        known = self._known.get(ref)
+        if known is None:
+            ranks, pages = None, 0
+            if self._geometry is not None:
+                ranks = module_ranks(parse_config(adapter.config_json), adapter.target_modules,
+                                     self._geometry.num_layers)
+                pages = plan_pages(ranks, self._geometry).num_pages
+            known = self._known[ref] = Servable(ref, adapter.num_bytes, ranks, pages)
+            while len(self._known) > self._max_entries:
+                self._known.popitem(last=False)
+        self._known.move_to_end(ref)
+        return known
+
+
+def check_pages(num_tokens: int, adapter: AdapterRef, num_pages: int,
+                info: executor_pb2.InfoResponse) -> None:
+    """The request's KV and its adapter's pages fit an executor's blocks together."""
+    blocks = -(-num_tokens // info.block_size)
+    if num_pages and blocks + num_pages > info.num_kv_blocks:
+        raise InvalidArgument(
+            f"the prompt with max_new_tokens ({num_tokens} tokens: {blocks} KV blocks) and "
+            f"adapter {adapter}'s weights ({num_pages} blocks) exceed an executor's "
+            f"{info.num_kv_blocks} blocks: shorten the prompt or ask for fewer tokens")
