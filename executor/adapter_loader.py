@@ -1,19 +1,19 @@
 """Brings an adapter version from an adapter store into a slot of the pool.
 
 The path, and why each step sits where it does:
-1. Fetch: chunks stream from the first store that answers into a reused host staging buffer
-   (pinned on CUDA), written as they come; one worker thread checksums them in order while the
-   next chunks are on the wire, so the check costs little after the last byte. Size and checksum
-   must match what the store announced, else DATA_LOSS (and the next store is tried): a bad or
-   partial adapter never reaches the pool. The checksum is the version's CRC-32: the store checked
-   the bytes it read against sha256, and here the check is against errors between store and
+1. Fetch (store_fetch.py): chunks stream from the first store that answers into a reused host
+   staging buffer (pinned on CUDA), written as they come; one worker thread checksums them in order
+   while the next chunks are on the wire, so the check costs little after the last byte. Size and
+   checksum must match what the store announced, else DATA_LOSS (and the next store is tried): a
+   bad or partial adapter never reaches the pool. The checksum is the version's CRC-32: the store
+   checked the bytes it read against sha256, and here the check is against errors between store and
    executor, which CRC-32 catches as well at a quarter of sha256's CPU (64 MiB: ~10 ms instead of
    ~33; sha256 would add nothing, its expected value comes from the same store). Versions
    registered before CRC-32s were recorded are checked against sha256. A `restart` message (the
-   store's own read failed its check and was read again) discards what came before it.
-   A live store answers a Fetch's first message (the version's metadata) from memory: one that
-   sends nothing within `first_answer_s` is frozen or swamped, and the next store is tried. Stores
-   are tried in their configured order, those that failed last tried last.
+   store's own read failed its check and was read again) discards what came before it. A live store
+   answers a Fetch's first message (the version's metadata) from memory: one that sends nothing
+   within `first_answer_s` is frozen or swamped, and the next store is tried. Stores are tried in
+   their configured order, those that failed last tried last.
 2. Parse: PEFT config + safetensors, validated against the base model, in a worker thread; the
    tensors are views into the staging buffer, not copies. It starts once the last chunk is
    written, beside the checksum of the last chunks; its result is used only once the checksum
@@ -31,16 +31,11 @@ adapters it holds to a store (ReportResidency), which pins them against deletion
 """
 
 import asyncio
-import concurrent.futures
 import contextlib
-import hashlib
 import logging
-import math
 import os
 import socket
 import time
-import zlib
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -50,12 +45,9 @@ from common.adapter_ref import AdapterRef
 from common.base_fingerprint import is_same_base
 from common.errors import (
     Aborted,
-    DataLoss,
     FailedPrecondition,
     InvalidArgument,
     LoraplexError,
-    Unavailable,
-    from_rpc_error,
 )
 from common.server import insecure_channel
 from executor.peft_adapter import parse_peft_adapter
@@ -63,73 +55,15 @@ from executor.runner import ModelRunner
 from executor.slot_copy import SlotCopier, StagingBuffers
 from executor.slot_pool import LoraWeights
 from executor.staged import Staged, StagedAdapters
+from executor.store_fetch import FIRST_ANSWER_S, StoreFetcher
 from protos import adapter_store_pb2, adapter_store_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
 
 REPORT_INTERVAL_S = 10.0
 FETCH_TIMEOUT_S = 120.0  # a fetch from the stores, when the caller's RPC gives no deadline
-FIRST_ANSWER_S = 5.0  # a store that sends no first Fetch message within this is passed over
 STAGED_TTL_S = 180.0  # staged bytes no load took are dropped after this long
 LEASE_TTL_S = 30.0
-
-
-class _Crc32:
-    """A running zlib.crc32 with hashlib's update()."""
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def update(self, data: bytes) -> None:
-        self.value = zlib.crc32(data, self.value)
-
-
-class _ChunkWriter:
-    """Writes a Fetch's chunks in order into a staging buffer as they come (a memcpy, in the
-    event loop) and checksums them in one worker thread (zlib and hashlib drop the GIL) while the
-    next ones are on the wire: when the stream ends the bytes are in place, and only the checksum
-    of the last chunks remains. CRC-32 when `info` has one, else sha256."""
-
-    def __init__(self, buffer: torch.Tensor, worker: concurrent.futures.ThreadPoolExecutor,
-                 info: common_pb2.AdapterInfo):
-        self._view = memoryview(buffer.numpy())
-        self._worker = worker
-        self._info = info
-        self._digest = self._new_digest()
-        self._pending: list[asyncio.Future] = []
-        self.num_bytes = 0
-
-    def _new_digest(self) -> "_Crc32 | hashlib._Hash":
-        return _Crc32() if self._info.HasField("crc32") else hashlib.sha256()
-
-    def add(self, chunk: bytes) -> bool:
-        """Write `chunk` after the previous ones; False when it would overflow the buffer."""
-        end = self.num_bytes + len(chunk)
-        if end > len(self._view):
-            return False
-        self._view[self.num_bytes:end] = chunk
-        self._pending.append(asyncio.get_running_loop().run_in_executor(
-            self._worker, self._digest.update, chunk))
-        self.num_bytes = end
-        return True
-
-    def restart(self) -> None:
-        """Discard everything so far: the object follows again from its first byte."""
-        self._digest = self._new_digest()  # updates still queued go to the old one
-        self.num_bytes = 0
-
-    async def matches(self) -> bool:
-        """Whether the bytes written are all the version's bytes: its size and checksum."""
-        await self.wait()
-        if self.num_bytes != self._info.num_bytes:
-            return False
-        if isinstance(self._digest, _Crc32):
-            return self._digest.value == self._info.crc32
-        return self._digest.hexdigest() == self._info.sha256
-
-    async def wait(self) -> None:
-        """Until the worker has hashed everything queued."""
-        await asyncio.gather(*self._pending, return_exceptions=True)
 
 
 @dataclass(frozen=True)
@@ -137,23 +71,6 @@ class LoadResult:
     num_bytes: int
     load_seconds: float
     was_resident: bool
-
-
-async def _first_within(call, seconds: float) -> AsyncIterator:
-    """The messages of a server-streaming `call`, the first within `seconds` (else the call is
-    cancelled: UNAVAILABLE)."""
-    messages = aiter(call)
-    try:
-        async with asyncio.timeout(seconds):
-            first = await anext(messages)
-    except StopAsyncIteration:
-        return
-    except TimeoutError:
-        call.cancel()
-        raise Unavailable(f"sent nothing within {seconds:.1f}s") from None
-    yield first
-    async for msg in messages:
-        yield msg
 
 
 class AdapterLoader:
@@ -166,8 +83,6 @@ class AdapterLoader:
         self._stubs = [adapter_store_pb2_grpc.AdapterStoreStub(insecure_channel(a, service_key))
                        for a in stores]
         self._stores = stores
-        self._first_answer_s = first_answer_s
-        self._failed_at = [-math.inf] * len(stores)  # when each store last failed a fetch
         self._locks = [asyncio.Lock() for _ in range(self._pool.num_slots)]
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}"
         self._report_interval_s = report_interval_s
@@ -177,8 +92,8 @@ class AdapterLoader:
         self._staging = StagingBuffers(pin_memory=runner.device.type == "cuda")
         self._staged = StagedAdapters(self._staging.release, max_staged_bytes, STAGED_TTL_S)
         self._stagings: dict[AdapterRef, asyncio.Future[Staged]] = {}  # fetches under way
-        self._chunk_worker = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="adapter-chunks")
+        self._fetcher = StoreFetcher(list(zip(stores, self._stubs)), self._staging, self._parse,
+                                     first_answer_s)
 
     @property
     def slot_adapters(self) -> list[AdapterRef | None]:
@@ -205,7 +120,7 @@ class AdapterLoader:
 
     async def _stage_now(self, adapter: AdapterRef, timeout_s: float) -> Staged:
         start = time.perf_counter()
-        buffer, num_bytes, weights = await self._fetch(adapter, timeout_s)
+        buffer, num_bytes, weights = await self._fetcher.fetch(adapter, timeout_s)
         staged = Staged(buffer, num_bytes, weights, time.perf_counter() - start, time.monotonic())
         self._staged.put(adapter, staged)
         log.info("staged %s: %d bytes in %.4fs", adapter, num_bytes, staged.seconds)
@@ -232,7 +147,7 @@ class AdapterLoader:
                 raise Aborted(f"adapter {adapter} is not staged here (dropped for its age or the "
                               f"staging budget); slot {slot} is unchanged: stage it again")
             if staged is None:
-                staging, num_bytes, weights = await self._fetch(adapter, timeout_s)
+                staging, num_bytes, weights = await self._fetcher.fetch(adapter, timeout_s)
             else:
                 staging, num_bytes, weights = staged.buffer, staged.num_bytes, staged.weights
             try:
@@ -265,69 +180,6 @@ class AdapterLoader:
             self._pool.mark_unloaded(slot)
             await _thread_to_its_end(self._copier.clear, slot)
         self._residency_changed()
-
-    async def _fetch(self, adapter: AdapterRef,
-                     timeout_s: float) -> tuple[torch.Tensor, int, LoraWeights]:
-        """(staging buffer holding the safetensors bytes, their size, the adapter parsed from
-        them) from the first store that can serve them, all within `timeout_s`. The caller
-        releases the buffer."""
-        last: LoraplexError = Unavailable("no adapter store configured")
-        deadline = time.monotonic() + timeout_s
-        for i in sorted(range(len(self._stores)), key=self._failed_at.__getitem__):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                last = Unavailable(f"adapter {adapter}: no store answered within {timeout_s:.0f}s")
-                break
-            try:
-                return await self._fetch_from(self._stubs[i], adapter, remaining)
-            except grpc.aio.AioRpcError as err:
-                last = from_rpc_error(err, f"adapter store {self._stores[i]}")
-                if not isinstance(last, (Unavailable, DataLoss)):
-                    raise last from None
-            except (Unavailable, DataLoss) as err:
-                last = type(err)(f"adapter store {self._stores[i]}: {err}")
-            self._failed_at[i] = time.monotonic()
-            log.warning("fetch of %s: %s", adapter, last)
-        raise last
-
-    async def _fetch_from(self, stub: adapter_store_pb2_grpc.AdapterStoreStub,
-                          adapter: AdapterRef,
-                          timeout_s: float) -> tuple[torch.Tensor, int, LoraWeights]:
-        """Receive, then parse while the hashing of the last chunks finishes; the parse counts
-        only once size and checksum matched the store's (else DATA_LOSS, whatever it found)."""
-        info, staging, writer, parsing = None, None, None, None
-        key = str(adapter)
-        call = stub.Fetch(adapter_store_pb2.FetchRequest(adapter=adapter.to_pb()),
-                          timeout=timeout_s)
-        try:
-            async for msg in _first_within(call, min(self._first_answer_s, timeout_s)):
-                kind = msg.WhichOneof("payload")
-                if kind == "info" and info is None:
-                    info = msg.info
-                    staging = self._staging.take(info.num_bytes)
-                    writer = _ChunkWriter(staging[:info.num_bytes], self._chunk_worker, info)
-                elif kind == "restart" and writer is not None:
-                    writer.restart()
-                elif kind != "chunk" or writer is None or not writer.add(msg.chunk):
-                    raise DataLoss(f"adapter {key}: the store sent bytes beyond the announced "
-                                   "size, or no metadata first")
-            if info is None:
-                raise DataLoss(f"adapter {key}: the store sent no metadata")
-            if writer.num_bytes == info.num_bytes:
-                parsing = asyncio.ensure_future(asyncio.to_thread(
-                    self._parse, key, info, staging[:info.num_bytes]))
-            if not await writer.matches():
-                raise DataLoss(f"adapter {key}: received {writer.num_bytes} bytes that do not "
-                               f"match the store's size {info.num_bytes} and checksum")
-            return staging, info.num_bytes, await parsing
-        except BaseException:
-            call.cancel()  # (no-op once the stream ended)
-            if parsing is not None:  # (a thread: it runs to its end, cancelled or not)
-                await asyncio.gather(parsing, return_exceptions=True)
-            if staging is not None:
-                await writer.wait()
-                self._staging.release(staging)
-            raise
 
     def _parse(self, key: str, info: common_pb2.AdapterInfo, data: torch.Tensor) -> LoraWeights:
         """Runs in a worker thread: the PEFT adapter in `data`, validated; views into it. Its
