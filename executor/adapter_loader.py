@@ -50,6 +50,7 @@ from common.errors import (
     LoraplexError,
 )
 from common.server import insecure_channel
+from executor.config import FETCH_CHUNK_TIMEOUT_S
 from executor.peft_adapter import parse_peft_adapter
 from executor.runner import ModelRunner
 from executor.slot_copy import SlotCopier, StagingBuffers
@@ -77,7 +78,8 @@ class AdapterLoader:
     def __init__(self, runner: ModelRunner, stores: tuple[str, ...], holder: str = "",
                  service_key: str = "", max_staged_bytes: int = 1 << 30,
                  report_interval_s: float = REPORT_INTERVAL_S,
-                 first_answer_s: float = FIRST_ANSWER_S):
+                 first_answer_s: float = FIRST_ANSWER_S,
+                 chunk_timeout_s: float = FETCH_CHUNK_TIMEOUT_S):
         self._runner = runner
         self._pool = runner.pool
         self._stubs = [adapter_store_pb2_grpc.AdapterStoreStub(insecure_channel(a, service_key))
@@ -93,7 +95,7 @@ class AdapterLoader:
         self._staged = StagedAdapters(self._staging.release, max_staged_bytes, STAGED_TTL_S)
         self._stagings: dict[AdapterRef, asyncio.Future[Staged]] = {}  # fetches under way
         self._fetcher = StoreFetcher(list(zip(stores, self._stubs)), self._staging, self._parse,
-                                     first_answer_s)
+                                     first_answer_s, chunk_timeout_s)
 
     @property
     def slot_adapters(self) -> list[AdapterRef | None]:

@@ -7,6 +7,10 @@ from common.credentials import KeySources, add_key_arguments, sources_from_args
 
 DTYPES = ("float32", "bfloat16", "float16")
 LORA_BACKENDS = ("auto", "triton", "torch")  # auto: triton on CUDA, torch elsewhere
+# A store's Fetch that sends no next message this long after the one before is stalled (a frozen
+# replica): the next replica is tried. Sized as a store chunk (1 MiB by default) at a floor of
+# 256 KiB/s, plus a second for the first byte of a cold read from S3.
+FETCH_CHUNK_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,9 @@ class ExecutorConfig:
     # At start: how long the stores together may take to say which registered base the model's
     # fingerprint is; past it (or while they are down) the folder's own name is kept.
     resolve_base_s: float = 5.0
+    # A fetch from a store that stalls mid-stream this long (no next chunk) fails over to the next
+    # store, from byte 0: a frozen store replica costs a load this, not the load's deadline.
+    fetch_chunk_timeout_s: float = FETCH_CHUNK_TIMEOUT_S
     num_kv_blocks: int = 512
     block_size: int = 16
     adapter_slots: int = 8
@@ -51,6 +58,9 @@ class ExecutorConfig:
             raise ValueError("executor: at least one adapter store address is required (--store)")
         if self.resolve_base_s < 0:
             raise ValueError(f"executor: resolve_base_s must be >= 0, got {self.resolve_base_s}")
+        if not self.fetch_chunk_timeout_s > 0:
+            raise ValueError("executor: fetch_chunk_timeout_s must be > 0, got "
+                             f"{self.fetch_chunk_timeout_s}")
         if self.threads < 0:
             raise ValueError(f"executor: threads must be >= 0, got {self.threads}")
         if not self.step_idle_s > 0:
@@ -86,6 +96,11 @@ class ExecutorConfig:
         p.add_argument("--resolve-base-s", type=float, default=5.0,
                        help="at start, how long to ask the stores for the registered id of this "
                             "model's fingerprint (0 = do not ask)")
+        p.add_argument("--fetch-chunk-timeout-s", type=float, default=FETCH_CHUNK_TIMEOUT_S,
+                       help="a store whose Fetch sends no next chunk this long is passed over "
+                            "and the next store tried, from byte 0 (size it as the stores' chunk "
+                            "bytes over the slowest bandwidth to accept, plus a cold read's "
+                            "first byte)")
         p.add_argument("--metrics-port", type=int, default=0,
                        help="Prometheus /metrics port (0 = off)")
         p.add_argument("--grace-s", type=float, default=30.0,
@@ -112,7 +127,7 @@ class ExecutorConfig:
         add_key_arguments(p)
         a = p.parse_args(argv)
         return cls(model=a.model, stores=tuple(a.store), address=a.address, model_id=a.model_id,
-                   resolve_base_s=a.resolve_base_s,
+                   resolve_base_s=a.resolve_base_s, fetch_chunk_timeout_s=a.fetch_chunk_timeout_s,
                    metrics_port=a.metrics_port, grace_s=a.grace_s,
                    num_kv_blocks=a.num_kv_blocks, block_size=a.block_size,
                    adapter_slots=a.adapter_slots, max_rank=a.max_rank,

@@ -78,7 +78,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self._runner = runner
         self._tokenizer = tokenizer
         self._loader = AdapterLoader(runner, config.stores, service_key=keys.service_key,
-                                     max_staged_bytes=config.staging_mb << 20)
+                                     max_staged_bytes=config.staging_mb << 20,
+                                     chunk_timeout_s=config.fetch_chunk_timeout_s)
         self._driver: object | None = None  # the one Step stream allowed at a time
         # The last stream's end: its final step, then free_all.
         self._closing: asyncio.Future | None = None

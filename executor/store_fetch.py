@@ -1,7 +1,10 @@
 """Fetching an adapter's bytes from the adapter stores into a host staging buffer, checked (step 1
 of adapter_loader.py): stores tried in order, those that failed last tried last; a store that
-sends nothing first within `first_answer_s` is passed over; size and checksum must match what the
-store announced, else DATA_LOSS and the next store."""
+sends nothing first within `first_answer_s`, or stalls mid-stream (no next message within
+`chunk_timeout_s`, the executor's --fetch-chunk-timeout-s), is passed over, so a frozen store
+costs a fetch one such wait, not its deadline. The next store sends the adapter again from byte 0:
+Fetch takes no offset to resume at (FetchRequest). Size and checksum must match what the store
+announced, else DATA_LOSS and the next store."""
 
 import asyncio
 import concurrent.futures
@@ -17,6 +20,7 @@ import torch
 
 from common.adapter_ref import AdapterRef
 from common.errors import DataLoss, LoraplexError, Unavailable, from_rpc_error
+from executor.config import FETCH_CHUNK_TIMEOUT_S
 from executor.slot_copy import StagingBuffers
 from executor.slot_pool import LoraWeights
 from protos import adapter_store_pb2, adapter_store_pb2_grpc, common_pb2
@@ -84,20 +88,24 @@ class _ChunkWriter:
         await asyncio.gather(*self._pending, return_exceptions=True)
 
 
-async def _first_within(call, seconds: float) -> AsyncIterator:
-    """The messages of a server-streaming `call`, the first within `seconds` (else the call is
-    cancelled: UNAVAILABLE)."""
+async def _bounded(call, first_s: float, next_s: float) -> AsyncIterator:
+    """The messages of a server-streaming `call`: the first within `first_s`, each next one within
+    `next_s` of the one before (else the call is cancelled: UNAVAILABLE)."""
     messages = aiter(call)
-    try:
-        async with asyncio.timeout(seconds):
-            first = await anext(messages)
-    except StopAsyncIteration:
-        return
-    except TimeoutError:
-        call.cancel()
-        raise Unavailable(f"sent nothing within {seconds:.1f}s") from None
-    yield first
-    async for msg in messages:
+    num_messages = 0
+    while True:
+        try:
+            async with asyncio.timeout(next_s if num_messages else first_s):
+                msg = await anext(messages)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            call.cancel()
+            if not num_messages:
+                raise Unavailable(f"sent nothing within {first_s:.1f}s") from None
+            raise Unavailable(f"stalled mid-stream: no message for {next_s:.1f}s after "
+                              f"{num_messages} messages") from None
+        num_messages += 1
         yield msg
 
 
@@ -108,9 +116,10 @@ class StoreFetcher:
     def __init__(self, stores: list[tuple[str, adapter_store_pb2_grpc.AdapterStoreStub]],
                  staging: StagingBuffers,
                  parse: Callable[[str, common_pb2.AdapterInfo, torch.Tensor], LoraWeights],
-                 first_answer_s: float = FIRST_ANSWER_S):
+                 first_answer_s: float = FIRST_ANSWER_S,
+                 chunk_timeout_s: float = FETCH_CHUNK_TIMEOUT_S):
         self._stores, self._staging, self._parse = stores, staging, parse
-        self._first_answer_s = first_answer_s
+        self._first_answer_s, self._chunk_timeout_s = first_answer_s, chunk_timeout_s
         self._failed_at = [-math.inf] * len(stores)  # when each store last failed a fetch
         self._chunk_worker = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="adapter-chunks")
@@ -149,7 +158,8 @@ class StoreFetcher:
         call = stub.Fetch(adapter_store_pb2.FetchRequest(adapter=adapter.to_pb()),
                           timeout=timeout_s)
         try:
-            async for msg in _first_within(call, min(self._first_answer_s, timeout_s)):
+            async for msg in _bounded(call, min(self._first_answer_s, timeout_s),
+                                      self._chunk_timeout_s):
                 kind = msg.WhichOneof("payload")
                 if kind == "info" and info is None:
                     info = msg.info
