@@ -3,7 +3,9 @@ the only store killed, and separately S3 frozen, while requests flow. Requests f
 adapters keep completing, by name and by version (resolution is cached, the store is off their
 path); requests for a cold adapter fail with a retryable status within their deadline (or
 complete), never hang, and never cost a resident adapter its slot; after recovery everything
-works again."""
+works again. The load-wait drill: with S3 frozen, resident and cold requests at once; every cold
+one ends UNAVAILABLE with a retry-after within the scheduler's --max-load-wait-s, well before its
+own deadline."""
 
 import asyncio
 import time
@@ -11,6 +13,7 @@ import time
 import grpc
 import pytest
 
+from common import wire
 from common.server import insecure_channel
 from loraplex import client
 from loraplex.launch import Fleet, start_service
@@ -22,10 +25,12 @@ COLD = "r16_all"
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
              grpc.StatusCode.RESOURCE_EXHAUSTED}
 DEADLINE_S = 6.0  # each request's own gRPC deadline
+MAX_LOAD_WAIT_S = 3.0  # the scheduler's bound on a request's wait for its adapter's fetch
 # Fast failure detection for the drill: registry lookups 1 s, loads and stagings 4 s, S3 calls
-# 3 s (the store's own bounds).
+# 3 s (the store's own bounds), a wait for a fetch 3 s.
 SCHEDULER = ["--resolve-s", "1", "--load-floor-s", "4", "--load-backoff-s", "0.5",
-             "--max-load-backoff-s", "2", "--step-warmup-s", "30"]
+             "--max-load-backoff-s", "2", "--step-warmup-s", "30",
+             "--max-load-wait-s", str(MAX_LOAD_WAIT_S)]
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +141,45 @@ async def recovered(stub, expected) -> None:
     assert got.token_ids == expected[COLD]
     for ref in (*HOT, *(f"{h}@1" for h in HOT)):
         assert (await generate(stub, ref, "drill")).token_ids == expected[ref]
+
+
+DRILL_DEADLINE_S = 20.0  # far past the load bound: the bound, not the deadline, must end a wait
+BOUND_SLACK_S = 2.0  # the scheduler's 0.1 s tick, the resolution and a loaded 2-core machine
+
+
+async def timed(stub, adapter: str) -> tuple[str, list[int], str, float]:
+    """(status name or "OK", tokens, retry-after trailer, seconds from the call to its end)."""
+    request = client.generate_request(adapter, "drill", 6, ignore_eos=True)
+    tokens, start = [], time.perf_counter()
+    call = stub.Generate(request, timeout=DRILL_DEADLINE_S)
+    try:
+        async for response in call:
+            if response.HasField("token_id"):
+                tokens.append(response.token_id)
+    except grpc.aio.AioRpcError as err:
+        retry = dict(err.trailing_metadata() or ()).get(wire.RETRY_AFTER, "")
+        return err.code().name, tokens, retry, time.perf_counter() - start
+    return "OK", tokens, "", time.perf_counter() - start
+
+
+async def test_s3_frozen_cold_requests_end_within_the_load_bound(fleet, expected, s3, tiny):
+    cold = [f"drill-cold-{i}" for i in range(3)]  # never fetched: only S3 has their bytes
+    for name in cold:
+        await client.push_adapter(fleet.stores[0], tiny["adapters"][COLD]["path"], name)
+    hot_refs = [*HOT, *(f"{h}@1" for h in HOT)] * 3
+    cold_refs = [f"{name}@1" for name in cold for _ in range(2)]
+    async with insecure_channel(fleet.scheduler) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        for hot in HOT:  # resident in the two slots
+            await generate(stub, hot, "drill")
+        s3.freeze()
+        try:
+            results = await asyncio.gather(*(timed(stub, ref) for ref in hot_refs + cold_refs))
+        finally:
+            s3.thaw()
+    for ref, (status, tokens, _, seconds) in zip(hot_refs, results):
+        assert (status, tokens) == ("OK", expected[ref]), f"{ref} after {seconds:.1f}s"
+    bound = MAX_LOAD_WAIT_S + BOUND_SLACK_S
+    for ref, (status, _, retry, seconds) in zip(cold_refs, results[len(hot_refs):]):
+        assert status == "UNAVAILABLE" and float(retry) > 0, (ref, status, retry, seconds)
+        assert seconds < bound, f"{ref} ended after {seconds:.1f}s, past the {bound:.0f}s bound"
