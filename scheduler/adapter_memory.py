@@ -14,7 +14,9 @@ in the pages its real ranks take. The scheduler decides which block is what:
   - KV that needs blocks (a sequence growing, an admission) takes free and cached blocks; when
     there are too few, it evicts those same unwanted adapters; a running sequence that still
     lacks blocks then evicts adapters that queued requests want but nothing runs, before any
-    sequence is preempted (so a request that fits an executor with its adapter always finishes).
+    sequence is preempted (so a request that fits an executor with its adapter always finishes),
+    and so does the request admission stops at (its adapter excepted): those adapters' requests
+    are behind it in fair order, and kept, their pages could hold it, and so them, for good.
   - An adapter that runs (a sequence pins it), that an operator pinned, or that queued requests
     want is never taken. An evicted adapter's cached prefix blocks (its KV, useless without it)
     are freed with its pages.
@@ -82,15 +84,17 @@ class AdapterMemory:
 
     @staticmethod
     def kv_victims(ex: ExecutorState, popularity: Callable[[AdapterRef], float],
-                   wanted_too: bool) -> list[Slot]:
+                   wanted_too: bool, keep: AdapterRef | None = None) -> list[Slot]:
         """Adapters KV may take pages back from, the first to go first: those nobody waits for,
         then, with `wanted_too`, those queued requests wait for but nothing runs (a running
-        sequence growing: rather a reload later than a sequence recomputed, or one that could
-        never finish)."""
+        sequence growing, or the request admission stops at: rather a reload later than a
+        sequence recomputed, or work that could never start). Never `keep`."""
         if ex.geometry is None:
             return []
-        unwanted = [s for s in ex.slots.evictable(ex.queue.demand, popularity) if s.pages]
+        unwanted = [s for s in ex.slots.evictable(ex.queue.demand, popularity)
+                    if s.pages and s.adapter != keep]
         if not wanted_too:
             return unwanted
-        wanted = [s for s in ex.slots.evictable((), popularity) if s.pages and s not in unwanted]
+        wanted = [s for s in ex.slots.evictable((), popularity)
+                  if s.pages and s not in unwanted and s.adapter != keep]
         return unwanted + wanted

@@ -112,8 +112,9 @@ class Admission:
                 continue  # nothing of this tenant can start here yet
             tokens = req.all_token_ids
             hits = cached_prefix(ex.blocks, req, tokens)
-            if not self._residency.make_kv_room(  # (unused adapters' pages back to KV first)
-                    ex, lambda: ex.blocks.can_start(hits, len(tokens) + 1)):
+            if not self._residency.make_kv_room(  # (adapters' pages back to KV first)
+                    ex, lambda: ex.blocks.can_start(hits, len(tokens) + 1),
+                    wanted_too=True, keep=req.adapter):
                 break  # the fairest request does not fit: admit nobody behind it
             row = start(req, tokens, hits, budget)
             rows.append(row)

@@ -168,12 +168,12 @@ class Residency:
             ex.blocks.drop_cached_of(adapter)
 
     def make_kv_room(self, ex: ExecutorState, enough: Callable[[], bool],
-                     wanted_too: bool = False) -> bool:
+                     wanted_too: bool = False, keep: AdapterRef | None = None) -> bool:
         """KV needs blocks: evict unused adapters (adapter_memory.py: with `wanted_too`, also
-        those queued requests want) until `enough()`; whether it is."""
+        those queued requests want; never `keep`) until `enough()`; whether it is."""
         popularity = self._popularity(ex)
         while not enough():
-            victims = self.memory.kv_victims(ex, popularity, wanted_too)
+            victims = self.memory.kv_victims(ex, popularity, wanted_too, keep)
             if not victims:
                 return False
             self._evict(ex, victims[0])

@@ -62,6 +62,22 @@ def test_kv_pressure_takes_back_the_pages_of_adapters_nobody_uses():
     assert w.finished(again)
 
 
+def test_the_request_admission_stops_at_takes_pages_of_adapters_only_those_behind_it_want():
+    """Adapter c stays resident, wanted by requests queued behind a fairer base-model request
+    that fits the executor only with c's pages: c goes (it reloads for its requests later);
+    kept, nothing could ever start (the fairest waits for c's pages, c's requests for it)."""
+    w = World(num_slots=2, num_blocks=10, geometry=GEOMETRY, limits=Limits(kv_reserve=0.0))
+    warm = w.request(tenant="t2", adapter="c@1", ranks=qv(16), prompt_len=2, max_new=1)
+    w.run()
+    ex = w.executors[0]
+    assert w.finished(warm) and ex.blocks.num_pages == pages(qv(16)) > 0
+    base = w.request(tenant="t1", prompt_len=4 * (10 - pages(qv(16))) + 1, max_new=1)
+    later = w.request(tenant="t2", adapter="c@1", ranks=qv(16), prompt_len=2, max_new=1)
+    w.run()
+    assert w.finished(base) and w.finished(later)
+    assert ref("c@1") in {a for _, _, a in w.unloads}
+
+
 def test_a_running_adapter_keeps_its_pages_under_kv_pressure():
     """A sequence of adapter a runs; the base model's requests need more blocks than are free:
     a's pages are never taken (its sequence would read KV in them); requests wait or are
