@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import time
 
-from gpu_harness import (ADAPTERS, CFG, DEVICE, OPTS, RANKS, REPORT, START, TOKENS,  # first
-                         bench_ms, random_adapter, section, sync, table)
+from gpu_harness import (ADAPTERS, BLOCK_SIZE, CFG, DEVICE, OPTS, RANKS, REPORT,  # first
+                         START, TOKENS, bench_ms, pages_of, random_adapter, section, sync, table)
 
 import torch
 import torch.nn.functional as F
 from common.peft.modules import LORA_MODULES
 from executor.lora_torch import TorchLoraBackend
+from executor.kv_cache import PagedKVCache
 from executor.lora_triton import TritonLoraBackend
 from executor.slot_pool import LORA_GROUPS, LoraSlotPool
 from gpu_attention import paged_attention_check
@@ -39,11 +40,20 @@ from kernels.sgmv_shrink import sgmv_shrink
 
 
 def one_layer_pool(num_slots: int, max_rank: int, dtype, rank_of) -> LoraSlotPool:
-    """A one-layer pool; slot s holds an adapter with ranks rank_of(s) (module -> rank)."""
-    pool = LoraSlotPool(CFG.replace(num_hidden_layers=1), num_slots=num_slots, max_rank=max_rank,
-                        dtype=dtype, device=DEVICE)
-    for s in range(num_slots):
-        pool.load(s, random_adapter(pool.config, rank_of(s), s))
+    """A one-layer pool over a KV cache of just its pages (random elsewhere: a kernel reading
+    outside its rows shows); slot s holds an adapter with ranks rank_of(s) (module -> rank),
+    in consecutive blocks."""
+    config = CFG.replace(num_hidden_layers=1)
+    counts = [pages_of(config, rank_of(s)) for s in range(num_slots)]
+    kv = PagedKVCache(num_layers=1, num_blocks=sum(counts) + 1, block_size=BLOCK_SIZE,
+                      num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
+                      dtype=dtype, device=DEVICE)
+    kv.storage.normal_()
+    pool = LoraSlotPool(config, num_slots=num_slots, max_rank=max_rank, kv=kv)
+    first = 1  # (block 0 stays noise)
+    for s, count in enumerate(counts):
+        pool.load(s, random_adapter(config, rank_of(s), s), range(first, first + count))
+        first += count
     return pool
 
 
@@ -109,10 +119,12 @@ def check_group(pool, backend, meta, torch_backend, torch_meta, group, num_rows,
     got, ref, via_torch = base.clone(), base.clone(), base.clone()
     backend.apply(0, group, x, got, meta)
     torch_backend.apply(0, group, x, via_torch, torch_meta)
-    m = slice(g.first_module, g.first_module + len(g.modules))
+    m = g.modules_slice
     rank_block = work.rank_block(g.first_module, len(g.modules))
-    sgmv_fused_ref(x, g.a[0], g.bt[0], ref, work.items, work.ranks[0, m], work.scales[0, m],
-                   g.out_sizes, block_m=work.block_m, rank_block=rank_block)
+    rows = dict(first_module=g.first_module, layer_base=0, chunk=pool.chunk)
+    store = pool.kv.flat
+    sgmv_fused_ref(x, store, pool.a_offsets, pool.b_offsets, ref, work.items, work.ranks[0, m],
+                   work.scales[0, m], g.out_sizes, rank_block=rank_block, **rows)
     rtol, atol = TOLERANCES[dtype]
     scale = float(ref.float().abs().max())
 
@@ -122,22 +134,39 @@ def check_group(pool, backend, meta, torch_backend, torch_meta, group, num_rows,
 
     e_ref, e_torch = err(got, ref), err(got, via_torch, 4.0)
     if backend.fused_max_rows == 0:  # the shrink's fp32 intermediate too
-        t = sgmv_shrink(x, g.a[0], work.items, work.ranks[0, m], block_m=work.block_m,
-                        rank_block=rank_block)
-        t_ref = sgmv_shrink_ref(x, g.a[0], work.items, work.ranks[0, m], block_m=work.block_m,
-                                rank_block=rank_block)
-        rows = torch.cat([torch.arange(s, e) for s, e in work.items[:2].t().tolist()])
-        e_ref = max(e_ref, err(t[rows], t_ref[rows]))
+        t = sgmv_shrink(x, store, pool.a_offsets, work.items, work.ranks[0, m],
+                        block_m=work.block_m, rank_block=rank_block, **rows)
+        t_ref = sgmv_shrink_ref(x, store, pool.a_offsets, work.items, work.ranks[0, m],
+                                rank_block=rank_block, **rows)
+        done = torch.cat([torch.arange(s, e) for s, e in work.items[:2].t().tolist()])
+        e_ref = max(e_ref, err(t[done], t_ref[done]))
     return [e_ref, e_torch, "yes" if e_ref <= 1 and e_torch <= 1 else "**NO**"]
 
 
 
-def gather_bmm(pool, group: str, x, out, row_slots) -> None:
-    """Baseline: per row, gather its adapter's A and B (padded rank), two batched matmuls."""
-    g, off = pool.groups[group], 0
-    for i, n in enumerate(g.out_sizes):
-        a = g.a[0, :, i][row_slots]  # [T, R, K]
-        bt = g.bt[0, :, :, off: off + n][row_slots]  # [T, R, N]
+def padded_slots(pool, group: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The group's layer-0 weights as a pool padded to max_rank keeps them (vLLM, LoRAX): per
+    slice, A [slots, R, K] and B^T [slots, R, N], zero above each adapter's rank."""
+    g, out = pool.groups[group], []
+    for module, n in zip(g.modules, g.out_sizes):
+        a = torch.zeros(pool.num_slots, pool.max_rank, g.in_features, dtype=pool.dtype,
+                        device=DEVICE)
+        bt = torch.zeros(pool.num_slots, pool.max_rank, n, dtype=pool.dtype, device=DEVICE)
+        for slot in range(pool.num_slots):
+            rows = pool.rows(0, slot, module)
+            if rows is not None:
+                r = rows[0].shape[0]
+                a[slot, :r], bt[slot, :r] = rows[0], rows[1].T
+        out.append((a, bt))
+    return out
+
+
+def gather_bmm(padded, x, out, row_slots) -> None:
+    """Baseline: per row, gather its adapter's padded A and B, two batched matmuls."""
+    off = 0
+    for a_all, bt_all in padded:
+        n = bt_all.shape[2]
+        a, bt = a_all[row_slots], bt_all[row_slots]  # [T, R, K], [T, R, N]
         t = torch.bmm(x[:, None, :], a.transpose(1, 2))  # [T, 1, R]
         out[:, off: off + n] += torch.bmm(t, bt)[:, 0] * 2.0
         off += n
@@ -159,7 +188,7 @@ def host_us(fn, n: int = 2 if OPTS.smoke else 50) -> float:
 def time_group(pool, group, meta, other, other_meta, row_slots, rank, num_adapters,
                copy_gbs, base_cache, auto) -> list:
     """One row of the timing table: a LoRA group of one layer at one (tokens, adapters, rank)."""
-    dtype, e, tokens = pool.groups[group].a.dtype, 2, len(row_slots)
+    dtype, e, tokens = pool.dtype, 2, len(row_slots)
     in_f, n = group_shapes(group)
     x = torch.randn(tokens, in_f, device=DEVICE).to(dtype)
     out = torch.zeros(tokens, n, device=DEVICE, dtype=dtype)
@@ -170,7 +199,8 @@ def time_group(pool, group, meta, other, other_meta, row_slots, rank, num_adapte
     other_ms = (bench_ms(lambda: other.apply(0, group, x, out, other_meta))
                 if tokens <= 256 else float("nan"))
     slots_dev = row_slots.to(DEVICE)
-    baseline_ms = bench_ms(lambda: gather_bmm(pool, group, x, out, slots_dev))
+    padded = padded_slots(pool, group)
+    baseline_ms = bench_ms(lambda: gather_bmm(padded, x, out, slots_dev))
     moved = e * (tokens * in_f + num_adapters * rank * (len(LORA_GROUPS[group]) * in_f + n)
                  + 2 * tokens * n)
     gbs = moved / ms / 1e6
@@ -216,8 +246,9 @@ def kernel_timings(copy_gbs: float) -> None:
         "(do_bench median, L2 flushed); 'other path' = the path not chosen (fused vs shrink + "
         "expand), timed up to 256 tokens; GB/s on the bytes the op must move (x, each adapter's "
         "A and B once, the output read and written); x base = LoRA time / the base matmul "
-        "of the same projection; speed-up vs a torch gather + bmm; host us = launch overhead "
-        "per call.\n\n")
+        "of the same projection; speed-up vs a torch gather + bmm over copies of the weights "
+        "padded to the rank (as vLLM and LoRAX keep them); host us = launch overhead per "
+        "call.\n\n")
     REPORT.append(table(["tokens", "adapters", "rank", "group", "path", "us", "other path us",
                          "GB/s", "of copy", "x base", "speed-up vs gather+bmm", "host us"],
                         rows))

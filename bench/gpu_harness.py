@@ -34,8 +34,9 @@ if "safetensors" not in sys.modules:
     except ImportError:  # random weights never read a checkpoint: a stub lets executor import
         sys.modules["safetensors"] = types.SimpleNamespace(safe_open=None)
 
+from common.adapter_pages import plan_pages  # noqa: E402
 from executor.model_config import ModelConfig  # noqa: E402
-from executor.slot_pool import LoraModuleWeights, LoraWeights  # noqa: E402
+from executor.slot_pool import LoraModuleWeights, LoraWeights, page_geometry  # noqa: E402
 
 DEVICE = "cpu" if OPTS.smoke else "cuda"
 MODEL = "tiny" if OPTS.smoke else "llama-3-8b"
@@ -106,3 +107,11 @@ def random_adapter(config: ModelConfig, ranks: dict[str, int], seed: int,
             b = torch.randn(out_f, r, generator=g, device=DEVICE) * 0.02
             mods[(layer, m)] = LoraModuleWeights(a, b, 2.0)
     return LoraWeights(mods)
+
+
+BLOCK_SIZE = 16  # KV block size of every pool and runner here (its blocks are adapter pages)
+
+
+def pages_of(config: ModelConfig, ranks: dict[str, int]) -> int:
+    """KV blocks (of BLOCK_SIZE) an adapter of `ranks` (module -> rank) takes as pages."""
+    return plan_pages(ranks, page_geometry(config, BLOCK_SIZE)).num_pages

@@ -8,8 +8,8 @@ from __future__ import annotations
 import statistics
 import time
 
-from gpu_harness import (DEVICE, MODEL, OPTS, REPORT, bench_ms, random_adapter, section,  # first
-                         sync, table)
+from gpu_harness import (BLOCK_SIZE, DEVICE, MODEL, OPTS, REPORT, bench_ms,  # first
+                         pages_of, random_adapter, section, sync, table)
 
 import torch
 from common.peft.modules import LORA_MODULES
@@ -20,10 +20,12 @@ from executor.slot_pool import LoraModuleWeights, LoraSlotPool, LoraWeights
 
 
 class Driver:
-    """A stand-in scheduler for the decode-step bench: fresh block ids, rows sorted by slot."""
+    """A stand-in scheduler for the decode-step bench: fresh block ids (none of `keep`, none an
+    adapter's page), rows sorted by slot."""
 
-    def __init__(self, runner) -> None:
-        self.runner, self.free = runner, list(range(runner.kv.num_blocks))
+    def __init__(self, runner, keep: tuple[int, ...] = ()) -> None:
+        self.runner = runner
+        self.free = [b for b in runner.free_blocks() if b not in set(keep)]
         self.state: dict[int, list] = {}  # seq id -> [computed, total, blocks, slot]
 
     def add(self, seq_id: int, prompt: list[int], slot: int) -> None:
@@ -49,11 +51,12 @@ WARMUP = 0 if OPTS.smoke else 3  # decode steps before the timed ones (smoke: no
 PROMPT_LEN = 8 if OPTS.smoke else 32  # tokens per sequence prefilled before the decode steps
 
 
-def time_decode(runner, slots: list[int], steps: int) -> tuple[float, float]:
+def time_decode(runner, slots: list[int], steps: int,
+                keep: tuple[int, ...] = ()) -> tuple[float, float]:
     """(prefill step ms, median decode step ms) for one row per entry of `slots`, each after a
-    PROMPT_LEN-token prompt."""
+    PROMPT_LEN-token prompt (its KV in none of the blocks `keep`)."""
     runner.free_all()
-    driver = Driver(runner)
+    driver = Driver(runner, keep)
     g = torch.Generator().manual_seed(0)
     for sid, slot in enumerate(slots):
         driver.add(sid, torch.randint(2, runner.config.vocab_size, (PROMPT_LEN,),
@@ -78,10 +81,12 @@ def decode_step(copy_gbs: float) -> None:
     num_rows, rank = (4, 8) if OPTS.smoke else (64, 16)
     dtype = torch.float32 if OPTS.smoke else torch.bfloat16
     t0 = time.perf_counter()
-    runner = ModelRunner.random(MODEL, dtype=dtype, device=DEVICE, num_kv_blocks=1024,
-                                block_size=16, num_slots=num_rows + 1, max_rank=rank,
-                                lora_backend="triton")  # the last slot: for section 4
     ranks = dict.fromkeys(LORA_MODULES, rank)
+    pages = pages_of(ModelConfig.named(MODEL), ranks)  # per adapter
+    runner = ModelRunner.random(MODEL, dtype=dtype, device=DEVICE,
+                                num_kv_blocks=(num_rows + 1) * pages + 1024,
+                                block_size=BLOCK_SIZE, num_slots=num_rows + 1, max_rank=rank,
+                                lora_backend="triton")  # the last slot: for section 4
     for s in range(num_rows):
         runner.load_adapter(s, random_adapter(runner.config, ranks, 1000 + s))
     sync()
@@ -144,12 +149,10 @@ def staged_adapter(config: ModelConfig, rank: int, dtype, staging: torch.Tensor,
 
 
 def slot_matches(pool: LoraSlotPool, slot: int, weights: LoraWeights) -> bool:
-    """The slot holds exactly `weights` in the pool's dtype, and zero above each rank."""
+    """The slot's pages hold exactly `weights`, in the pool's dtype."""
     for (layer, m), w in weights.modules.items():
-        r = w.a.shape[0]
-        a, b = pool.a[m][layer, slot].cpu(), pool.b[m][layer, slot].cpu()
-        if not (torch.equal(a[:r], w.a.to(a.dtype)) and torch.equal(b[:, :r], w.b.to(b.dtype))
-                and not a[r:].any() and not b[:, r:].any()):
+        a, b = (t.cpu() for t in pool.rows(layer, slot, m))
+        if not (torch.equal(a, w.a.to(a.dtype)) and torch.equal(b, w.b.to(b.dtype))):
             return False
     return True
 
@@ -168,7 +171,9 @@ def adapter_load(runner, rank: int, steps: int) -> None:
     pool, slot, copier = runner.pool, runner.pool.num_slots - 1, SlotCopier(runner.pool)
     staging = StagingBuffers(pin_memory=DEVICE == "cuda")
     rows, loaded = [], {}
-    for file_dtype in dict.fromkeys((pool.a["q_proj"].dtype, torch.float32)):
+    spare = tuple(runner.free_blocks()[:pages_of(runner.config,
+                                                 dict.fromkeys(LORA_MODULES, rank))])
+    for file_dtype in dict.fromkeys((pool.dtype, torch.float32)):
         per_adapter = runner.config.num_hidden_layers * sum(
             rank * sum(runner.config.module_shape(m)) for m in LORA_MODULES)
         num_bytes = per_adapter * torch.empty((), dtype=file_dtype).element_size()
@@ -178,7 +183,7 @@ def adapter_load(runner, rank: int, steps: int) -> None:
         for _ in range(6):
             copier.clear(slot)
             t0 = time.perf_counter()
-            copier.copy(slot, staged)
+            copier.copy(slot, staged, spare)
             times.append((time.perf_counter() - t0) * 1e3)
         ok = slot_matches(pool, slot, source)
         plain_ms = plain_copy_ms(buffer[:num_bytes])
@@ -191,27 +196,27 @@ def adapter_load(runner, rank: int, steps: int) -> None:
         f"A rank-{rank} adapter on all 7 projections of every layer, as the loader hands it over "
         f"(views into one {'pinned ' if DEVICE == 'cuda' else ''}staging buffer), copied into an "
         f"empty slot (`SlotCopier.copy`: side stream, one wait); the pool is "
-        f"{str(pool.a['q_proj'].dtype).removeprefix('torch.')}. Median of 5 after one warm-up; "
+        f"{str(pool.dtype).removeprefix('torch.')}. Median of 5 after one warm-up; "
         f"'plain copy' = one pinned host-to-device copy of the same bytes (do_bench).\n\n")
     REPORT.append(table(["source", "MB", "load ms", "GB/s", "plain copy ms", "x plain",
                          "slot bit-exact"], rows))
     # Decode steps of every other slot while a thread loads the spare one again and again.
     busy = list(range(slot))
-    _, alone_ms = time_decode(runner, busy, steps)
+    _, alone_ms = time_decode(runner, busy, steps, keep=spare)
     stop, num_loads = threading.Event(), [0]
 
-    staged, source = loaded[pool.a["q_proj"].dtype]
+    staged, source = loaded[pool.dtype]
 
     def keep_loading() -> None:  # as AdapterLoader does: clear and copy on the side stream
         while not stop.is_set():
             copier.clear(slot)
-            copier.copy(slot, staged)
+            copier.copy(slot, staged, spare)
             num_loads[0] += 1
 
     thread = threading.Thread(target=keep_loading, daemon=True)
     thread.start()
     try:
-        _, beside_ms = time_decode(runner, busy, steps)
+        _, beside_ms = time_decode(runner, busy, steps, keep=spare)
     finally:
         stop.set()
         thread.join()

@@ -25,9 +25,12 @@ import time
 import torch
 from serving import machine_line, make_adapters
 
+from common.adapter_pages import padded_pages
 from common.sampling import SamplingParams
+from executor.model_config import ModelConfig
 from executor.peft_adapter import parse_peft_adapter
 from executor.runner import ModelRunner, Row
+from executor.slot_pool import page_geometry
 from loraplex import fixtures
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -70,7 +73,10 @@ def main() -> None:
         config_text = (folder / "adapter_config.json").read_text()
         weights = (folder / "adapter_model.safetensors").read_bytes()
     per_seq = -(-(24 + new_tokens) // BLOCK)
-    runner = ModelRunner.from_pretrained(manifest["model_dir"], num_kv_blocks=batch * per_seq,
+    pages = padded_pages(16, page_geometry(ModelConfig.from_pretrained(manifest["model_dir"]),
+                                           BLOCK))  # (above the sequences' blocks)
+    runner = ModelRunner.from_pretrained(manifest["model_dir"],
+                                         num_kv_blocks=batch * per_seq + pages,
                                          block_size=BLOCK, num_slots=1, max_rank=16)
     runner.load_adapter(0, parse_peft_adapter(config_text, weights, runner.config))
     rng = random.Random(0)

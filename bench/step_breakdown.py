@@ -18,12 +18,15 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
+from common.adapter_pages import padded_pages
 from common.sampling import SamplingParams
 from executor import model as model_module
 from executor.kv_cache import PagedKVCache
 from executor.lora_torch import TorchLoraBackend
+from executor.model_config import ModelConfig
 from executor.peft_adapter import parse_peft_adapter
 from executor.runner import ModelRunner, Row
+from executor.slot_pool import page_geometry
 
 PARTS = ("base matmuls", "LoRA", "attention", "metadata", "rest")
 BLOCK = 16
@@ -58,9 +61,10 @@ def decode_breakdown(model_dir: str, adapters: list[tuple[str, bytes]],
     """Prefill every prompt (request i on adapter slot_of[i]), then time `num_steps` decode
     steps over all of them. `adapters`: (adapter_config.json, safetensors bytes) per slot."""
     blocks_each = -(-(max(map(len, prompts)) + num_steps + 1) // BLOCK)
-    runner = ModelRunner.from_pretrained(
-        model_dir, num_kv_blocks=blocks_each * len(prompts), block_size=BLOCK,
-        num_slots=len(adapters), max_rank=32, lora_backend="torch")
+    pages = padded_pages(32, page_geometry(ModelConfig.from_pretrained(model_dir), BLOCK))
+    runner = ModelRunner.from_pretrained(  # the adapters' pages above the sequences' blocks
+        model_dir, num_kv_blocks=blocks_each * len(prompts) + len(adapters) * pages,
+        block_size=BLOCK, num_slots=len(adapters), max_rank=32, lora_backend="torch")
     for slot, (config_json, data) in enumerate(adapters):
         runner.load_adapter(slot, parse_peft_adapter(config_json, data, runner.config,
                                                      check_base_model=False))

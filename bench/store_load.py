@@ -52,12 +52,14 @@ from aiobotocore.session import get_session
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common.adapter_pages import padded_pages, plan_pages  # noqa: E402
 from common.adapter_ref import AdapterRef  # noqa: E402
 from common.allocator import keep_freed_memory  # noqa: E402
 from common.server import insecure_channel  # noqa: E402
 from executor.adapter_loader import AdapterLoader  # noqa: E402
 from executor.model_config import ModelConfig  # noqa: E402
 from executor.runner import ModelRunner  # noqa: E402
+from executor.slot_pool import page_geometry  # noqa: E402
 from loraplex import client  # noqa: E402
 from loraplex.launch import start_service  # noqa: E402
 from protos import adapter_store_pb2 as pb  # noqa: E402
@@ -129,8 +131,9 @@ class SizeBench:
 
     def __init__(self, s3c, bucket: str, key: str, info, runner: ModelRunner,
                  cold_address: str, warm_address: str,
-                 warm_stub: adapter_store_pb2_grpc.AdapterStoreStub):
+                 warm_stub: adapter_store_pb2_grpc.AdapterStoreStub, num_pages: int):
         self.s3c, self.bucket, self.key = s3c, bucket, key
+        self.runner, self.num_pages = runner, num_pages
         self.name, self.version, self.sha256 = info.name, info.version, info.sha256
         self.warm_stub = warm_stub
         self.loaders = [BenchLoader(runner, (cold_address,), holder="bench-cold"),
@@ -172,7 +175,8 @@ class SizeBench:
             await loader.unload(state["slot"])
 
         async def load() -> None:
-            result = await loader.load(AdapterRef(self.name, self.version), state["slot"])
+            pages = tuple(self.runner.free_blocks()[:self.num_pages])  # (the other slot's kept)
+            result = await loader.load(AdapterRef(self.name, self.version), state["slot"], pages)
             assert not result.was_resident
         return unload_next, load
 
@@ -210,7 +214,8 @@ async def run(quick: bool) -> list[tuple]:
                              [*common, "--host-cache-mb", "0"], work / "logs")
         warm = start_service("store-warm", "adapter_store.service",
                              [*common, "--host-cache-mb", "1024"], work / "logs")
-        runner = ModelRunner.random(MODEL, num_kv_blocks=8, block_size=8, num_slots=2,
+        pages = padded_pages(128, page_geometry(MODEL, 8))  # room for two adapters of any size
+        runner = ModelRunner.random(MODEL, num_kv_blocks=2 * pages, block_size=8, num_slots=2,
                                     max_rank=128)
         try:
             async with s3_client(s3) as s3c, insecure_channel(warm.address) as channel:
@@ -223,8 +228,10 @@ async def run(quick: bool) -> list[tuple]:
                                                                   version=info.version))
                     reps = 5 if quick else (40 if size < 32 << 20 else 20)
                     key = f"{prefix}/adapters/{name}/weights/{info.sha256}.safetensors"
+                    num_pages = plan_pages(dict.fromkeys(targets, rank),
+                                           runner.pool.geometry).num_pages
                     bench = SizeBench(s3c, s3.bucket, key, info, runner, cold.address,
-                                      warm.address, warm_stub)
+                                      warm.address, warm_stub, num_pages)
                     try:
                         times = await bench.run(reps)
                     finally:

@@ -30,7 +30,6 @@ from types import MappingProxyType
 
 from common.peft.config import LoraConfig
 from common.peft.modules import LORA_MODULES, module_path
-from protos import executor_pb2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,20 +159,3 @@ def padded_pages(max_rank: int, geometry: PageGeometry) -> int:
     """Pages a slot sized for `max_rank` on every module would take (what a pool that pads to
     the maximum rank spends on every adapter): for comparison."""
     return plan_pages(dict.fromkeys(geometry.module_shapes, max_rank), geometry).num_pages
-
-
-def geometry_to_pb(geometry: PageGeometry, page_bytes: int) -> executor_pb2.PageGeometry:
-    return executor_pb2.PageGeometry(
-        num_layers=geometry.num_layers, region_elements=geometry.region_elems,
-        page_bytes=page_bytes,
-        modules=[executor_pb2.ModuleShape(module=m, in_features=i, out_features=o)
-                 for m, (i, o) in geometry.module_shapes.items()])
-
-
-def geometry_from_pb(info: executor_pb2.InfoResponse) -> PageGeometry | None:
-    """An executor's page geometry; None when it keeps adapters in fixed slots."""
-    if not info.HasField("page_geometry"):
-        return None
-    pb = info.page_geometry
-    return PageGeometry(pb.num_layers, pb.region_elements, MappingProxyType(
-        {m.module: (m.in_features, m.out_features) for m in pb.modules}))

@@ -135,14 +135,16 @@ class AdapterLoader:
             await asyncio.gather(asyncio.shield(flight), return_exceptions=True)
         return self._staged.take(adapter)
 
-    async def load(self, adapter: AdapterRef, slot: int, timeout_s: float = FETCH_TIMEOUT_S,
-                   only_staged: bool = False) -> LoadResult:
-        """Place `adapter` in `slot`: from its staged bytes, else fetched now (with
-        `only_staged`: else ABORTED, the slot untouched)."""
+    async def load(self, adapter: AdapterRef, slot: int, pages: tuple[int, ...],
+                   timeout_s: float = FETCH_TIMEOUT_S, only_staged: bool = False) -> LoadResult:
+        """Place `adapter` in `slot`, its weights in `pages` (KV blocks the scheduler gave it):
+        from its staged bytes, else fetched now (with `only_staged`: else ABORTED, the slot
+        untouched). FAILED_PRECONDITION when the slot is merged into the weights (checked where
+        the copy starts, under the lock merges take) or the pages do not fit the adapter."""
         self._check_slot(slot)
         async with self._locks[slot]:
-            if self._pool.holds(slot, adapter):
-                return LoadResult(0, 0.0, True)
+            if self._pool.holds(slot, adapter) and self._pool.contents(slot).pages == tuple(pages):
+                return LoadResult(0, 0.0, True)  # (in other pages: copied there again)
             start = time.perf_counter()
             staged = await self._take_staged(adapter)
             if staged is None and only_staged:
@@ -158,7 +160,8 @@ class AdapterLoader:
                 # a report now would put its RPC and lease write beside the copy, for nothing.
                 self._pool.mark_unloaded(slot)
                 try:
-                    await _thread_to_its_end(self._copier.copy, slot, weights)
+                    await _thread_to_its_end(self._write, slot, self._copier.copy, weights,
+                                             tuple(pages))
                 except BaseException:
                     self._residency_changed()
                     raise
@@ -180,8 +183,14 @@ class AdapterLoader:
             if adapter is not None and not self._pool.holds(slot, adapter):
                 return
             self._pool.mark_unloaded(slot)
-            await _thread_to_its_end(self._copier.clear, slot)
+            await _thread_to_its_end(self._write, slot, self._copier.clear)
         self._residency_changed()
+
+    async def unload_all(self) -> None:
+        """Empty every slot: the scheduler whose blocks their pages were has gone (its step
+        stream ended); the next one gives out every block afresh."""
+        for slot in range(self._pool.num_slots):
+            await self.unload(slot)
 
     def _parse(self, key: str, info: common_pb2.AdapterInfo, data: torch.Tensor) -> LoraWeights:
         """Runs in a worker thread: the PEFT adapter in `data`, validated; views into it. Its
@@ -197,6 +206,18 @@ class AdapterLoader:
                                       dtype=None)
         except LoraplexError as err:
             raise type(err)(f"adapter {key}: {err}") from None
+
+    def _write(self, slot: int, write, *args) -> None:
+        """On a worker thread: `write(slot, *args)` unless `slot` is merged into the weights, the
+        check and the write under the lock a merge takes (a merge cannot start between them)."""
+        with self._runner.slot_writes:
+            if slot == self._runner.merged_slot:
+                raise FailedPrecondition(f"adapter slot {slot} is merged into the weights: "
+                                         "unmerge it (a Step with unmerge) before replacing it")
+            try:
+                write(slot, *args)
+            except ValueError as err:  # (the pages do not fit the adapter, or are taken)
+                raise FailedPrecondition(f"slot {slot}: {err}") from None
 
     async def close(self) -> None:
         """Stop the background residency reports."""

@@ -6,6 +6,12 @@ position p of a sequence lives in block `table[p // block_size]` at offset `p % 
 flat slot is `block_id * block_size + offset`.
 
 Running example (block_size 4, table [7, 2]): positions 0..3 -> slots 28..31, 4..5 -> slots 8..9.
+
+K and V are the two halves of one tensor [2, layers, blocks, block_size, kv heads, head_dim]: a
+block's K (or V) in one layer is a region of block_size x kv heads x head_dim elements. A block the
+scheduler gives an adapter holds that adapter's weights instead, in its regions of every layer
+(common/adapter_pages.py, executor/slot_pool.py): the cache only reads and writes the blocks of
+sequences' tables, so adapters' pages and KV never meet.
 """
 
 from __future__ import annotations
@@ -22,12 +28,21 @@ class PagedKVCache:
                              f"got {num_blocks} and {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, blocks, block_size, Hkv, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, blocks, block_size, Hkv, D]
+        self.num_layers = num_layers
+        self.region_elems = block_size * num_kv_heads * head_dim  # one layer's K (or V) of a block
+        # [2, L, blocks, block_size, Hkv, D]: K, then V
+        self.storage = torch.zeros(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim,
+                                   dtype=dtype, device=device)
+        self.k = self.storage[0]  # [L, blocks, block_size, Hkv, D]
+        self.v = self.storage[1]  # [L, blocks, block_size, Hkv, D]
+
+    @property
+    def flat(self) -> torch.Tensor:
+        """The whole storage as one run of elements (what adapters' pages are addressed in)."""
+        return self.storage.view(-1)
 
     def num_bytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return self.storage.numel() * self.storage.element_size()
 
     def check_block_ids(self, block_ids: tuple[int, ...] | list[int], seq_id: int) -> None:
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]

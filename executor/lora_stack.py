@@ -111,9 +111,9 @@ class StackedGroup:
         rank = int(stack.ranks[layer, :len(stack), g.modules_slice].max())
         if rank == 0:
             return None
-        n, cap, in_f = len(g.modules), stack.capacity, g.a.shape[-1]
-        group = cls(rank, torch.empty(cap, in_f, n * rank, device=device, dtype=g.a.dtype),
-                    tuple(torch.empty(cap, rank, out, device=device, dtype=g.bt.dtype)
+        n, cap, in_f, pool = len(g.modules), stack.capacity, g.in_features, stack.pool
+        group = cls(rank, torch.empty(cap, in_f, n * rank, device=device, dtype=pool.dtype),
+                    tuple(torch.empty(cap, rank, out, device=device, dtype=pool.dtype)
                           for out in g.out_sizes),
                     torch.zeros(cap, n, 1, 1, device=device, dtype=dtype), None)
         group.copy(layer, g, stack, list(range(len(stack))))
@@ -121,13 +121,20 @@ class StackedGroup:
 
     def copy(self, layer: int, g: SliceGroup, stack: AdapterStack, positions: list[int]) -> None:
         """Copy the weights of the slots at `positions` from the pool; recompute the mask."""
-        n, rank, device = len(g.modules), self.rank, self.a_t.device
+        n, rank, device, pool = len(g.modules), self.rank, self.a_t.device, stack.pool
         at = torch.tensor(positions, device=device)
-        of = torch.tensor([stack.slots[p] for p in positions], device=g.a.device)
-        a = g.a[layer, :, :, :rank].index_select(0, of)  # [k, n, R, in]
-        self.a_t.index_copy_(0, at, a.reshape(len(positions), n * rank, -1).transpose(1, 2))
-        bt = g.bt[layer, :, :rank].index_select(0, of)  # [k, R, sum(out)]
-        for buf, b in zip(self.bt, bt.split(g.out_sizes, dim=-1)):
+        k = len(positions)
+        a = torch.zeros(k, n, rank, g.in_features, dtype=pool.dtype, device=device)  # [k,n,R,in]
+        bt = [torch.zeros(k, rank, out, dtype=pool.dtype, device=device) for out in g.out_sizes]
+        for j, p in enumerate(positions):  # (each slot's rows from its pages, zero above rank)
+            for i, module in enumerate(g.modules):
+                rows = pool.rows(layer, stack.slots[p], module)
+                if rows is not None:
+                    r = rows[0].shape[0]
+                    a[j, i, :r] = rows[0]
+                    bt[i][j, :r] = rows[1].T
+        self.a_t.index_copy_(0, at, a.reshape(k, n * rank, -1).transpose(1, 2))
+        for buf, b in zip(self.bt, bt):
             buf.index_copy_(0, at, b)
         scales = stack.scales[layer, positions, g.modules_slice]  # [k, n]
         self.scales.index_copy_(0, at, scales[:, :, None, None].to(device, self.scales.dtype))

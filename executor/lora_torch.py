@@ -163,9 +163,8 @@ class TorchLoraBackend:
             target = self.pool.contents(slot).targets.get((layer, module))
             if target is None:
                 continue
-            rank, scale = target
-            a = self.pool.a[module][layer, slot, :rank]  # [r, in]
-            b = self.pool.b[module][layer, slot, :, :rank]  # [out, r]
+            _, scale = target
+            a, b = self.pool.rows(layer, slot, module)  # [r, in], [out, r] (from its pages)
             # Same operation order as PEFT: (B(A(x))) * scale, then added to the base output.
             out[start:end] += (x[start:end] @ a.T) @ b.T * scale
 

@@ -64,13 +64,17 @@ class TritonLoraBackend:
         rank_block = work.rank_block(g.first_module, len(g.modules))
         if work.num_items == 0 or rank_block == 0:
             return  # no segment's adapter targets this group in any layer
+        pool = self.pool
         m = slice(g.first_module, g.first_module + len(g.modules))
         ranks, scales = work.ranks[layer, m], work.scales[layer, m]  # [n, S] each
+        rows = dict(first_module=g.first_module, layer_base=pool.layer_base(layer),
+                    chunk=pool.chunk, block_m=work.block_m, target_ctas=self.target_ctas)
+        store = pool.kv.flat
         if meta.is_fused:
-            self._fused(x, g.a[layer], g.bt[layer], out, work.items, ranks, scales, g.out_sizes,
-                        block_m=work.block_m, rank_block=rank_block, target_ctas=self.target_ctas)
+            self._fused(x, store, pool.a_offsets, pool.b_offsets, out, work.items, ranks, scales,
+                        g.out_sizes, rank_block=rank_block, **rows)
         else:
-            t = self._shrink(x, g.a[layer], work.items, ranks, block_m=work.block_m,
-                             rank_block=rank_block, target_ctas=self.target_ctas)
-            self._expand(t, g.bt[layer], out, work.items, ranks, scales, g.out_sizes,
-                         block_m=work.block_m, target_ctas=self.target_ctas)
+            t = self._shrink(x, store, pool.a_offsets, work.items, ranks, rank_block=rank_block,
+                             **rows)
+            self._expand(t, store, pool.b_offsets, out, work.items, ranks, scales, g.out_sizes,
+                         **rows)

@@ -51,10 +51,9 @@ def merge(weights: ModelWeights, pool: LoraSlotPool, slot: int) -> Merged:
             for module in modules:
                 out_f = pool.config.module_shape(module)[1]
                 if module in targeted:
-                    rank, scale = targets[(layer_index, module)]
-                    a = pool.a[module][layer_index, slot, :rank].float()  # [r, in]
-                    b = pool.b[module][layer_index, slot, :, :rank].float()  # [out, r]
-                    merged[offset: offset + out_f] += scale * (b @ a)
+                    _, scale = targets[(layer_index, module)]
+                    a, b = pool.rows(layer_index, slot, module)  # [r, in], [out, r]
+                    merged[offset: offset + out_f] += scale * (b.float() @ a.float())
                 offset += out_f
             w.copy_(merged.to(w.dtype))
     return Merged(slot, originals)

@@ -6,6 +6,7 @@ executor/slot_pool.py): the runner asks it whether a step's slots are loaded.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,9 +62,15 @@ class MemoryBudget:
         weights = c.num_hidden_layers * per_layer + heads * c.vocab_size * c.hidden_size
         weights += c.hidden_size
         kv = 2 * c.num_hidden_layers * num_kv_blocks * block_size * c.kv_size
-        pool_per_slot = sum(max_rank * (i + o) + 1 for i, o in map(c.module_shape, LORA_MODULES))
-        pool = c.num_hidden_layers * num_slots * pool_per_slot
-        return cls(weights * size, kv * size, pool * size)
+        # The pool's tables (adapters' weights are in pages of the KV blocks): 8-byte offsets of
+        # each chunk of each rank row of A and B^T, 4-byte ranks and scales (slot_pool.py).
+        region = block_size * c.num_key_value_heads * c.head_dim
+        chunk = 1 << (region.bit_length() - 1)
+        chunks = max(-(-n // chunk) for shape in map(c.module_shape, LORA_MODULES) for n in shape)
+        modules = len(LORA_MODULES)
+        pool = (2 * num_slots * modules * max_rank * chunks * 8
+                + 2 * c.num_hidden_layers * num_slots * modules * 4)
+        return cls(weights * size, kv * size, pool)
 
 
 @dataclass
@@ -84,8 +91,10 @@ class ModelRunner:
         self.kv = PagedKVCache(num_layers=config.num_hidden_layers, num_blocks=num_kv_blocks,
                                block_size=block_size, num_kv_heads=config.num_key_value_heads,
                                head_dim=config.head_dim, dtype=dtype, device=device)
-        self.pool = LoraSlotPool(config, num_slots=num_slots, max_rank=max_rank, dtype=dtype,
-                                 device=device)
+        self.pool = LoraSlotPool(config, num_slots=num_slots, max_rank=max_rank, kv=self.kv)
+        # Held while a slot is written (a load's copy, an unload) or merged: a merge and a write
+        # into the merged slot never interleave (the step thread merges, a loader thread copies).
+        self.slot_writes = threading.Lock()
         self.lora = make_lora_backend(lora_backend, self.pool)
         self.model = Transformer(config, weights, self.lora)
         self._seqs: dict[int, _Sequence] = {}
@@ -121,11 +130,26 @@ class ModelRunner:
     def memory_budget(self) -> MemoryBudget:
         return MemoryBudget(self.weights.num_bytes(), self.kv.num_bytes(), self.pool.num_bytes())
 
-    def load_adapter(self, slot: int, weights: LoraWeights) -> None:
-        """Copy an adapter into `slot`, on the current stream (the steps' own): loaded at once.
-        The executor's loads go through AdapterLoader instead (side stream, store reference)."""
-        self.pool.load(slot, weights)
+    def load_adapter(self, slot: int, weights: LoraWeights,
+                     pages: tuple[int, ...] | None = None) -> None:
+        """Copy an adapter into `slot`, its weights into `pages`, on the current stream (the
+        steps' own): loaded at once. Without `pages` (tests and tools that drive a runner
+        without a scheduler), the highest blocks that no sequence or slot uses: those must keep
+        their sequences off them (ModelRunner.free_blocks). The executor's loads go through
+        AdapterLoader instead (side stream, store reference, pages from the scheduler)."""
+        if pages is None:
+            free, needed = self.free_blocks(), self.pool.pages_for(weights).num_pages
+            if needed > len(free):
+                raise ValueError(f"the adapter's weights take {needed} blocks, {len(free)} free")
+            pages = tuple(free[len(free) - needed:])
+        with self.slot_writes:
+            self.pool.load(slot, weights, pages)
         self.pool.mark_loaded(slot)
+
+    def free_blocks(self) -> list[int]:
+        """Blocks in no sequence's table and no slot's pages, in order."""
+        used = self.pool.page_blocks() | {b for s in self._seqs.values() for b in s.block_table}
+        return [b for b in range(self.kv.num_blocks) if b not in used]
 
     @property
     def merged_slot(self) -> int | None:
@@ -144,7 +168,10 @@ class ModelRunner:
         if others:
             raise ValueError(f"cannot merge adapter slot {slot} while sequences of other "
                              f"adapters are registered (e.g. {others[0]})")
-        self._merged = merge(self.weights, self.pool, slot)
+        with self.slot_writes:
+            if not self.pool.is_loaded(slot):  # (a write into it began meanwhile)
+                raise ValueError(f"cannot merge adapter slot {slot}: it is being rewritten")
+            self._merged = merge(self.weights, self.pool, slot)
 
     def unmerge(self) -> None:
         """Restore the base weights bit for bit (no-op when nothing is merged)."""
@@ -245,6 +272,7 @@ class ModelRunner:
     def _validate(self, rows: Sequence[Row]) -> None:
         """Check the whole step before changing anything."""
         seen: set[int] = set()
+        pages: set[int] | None = None  # (the slots' pages, looked up once a row adds blocks)
         for r in rows:
             if r.seq_id not in self._seqs:
                 raise ValueError(f"unknown sequence id {r.seq_id}")
@@ -257,6 +285,12 @@ class ModelRunner:
                 raise ValueError(f"sequence {r.seq_id}: num_tokens {r.num_tokens} out of range "
                                  f"[1, {remaining}] ({remaining} tokens not yet computed)")
             self.kv.check_block_ids(r.new_block_ids, r.seq_id)
+            if r.new_block_ids:
+                pages = pages if pages is not None else self.pool.page_blocks()
+                taken = pages.intersection(r.new_block_ids)
+                if taken:
+                    raise ValueError(f"sequence {r.seq_id}: block {min(taken)} holds an "
+                                     "adapter's weights (a slot's page), not KV")
             end = seq.num_computed + r.num_tokens
             if end > self.config.max_position_embeddings:
                 raise ValueError(f"sequence {r.seq_id}: position {end - 1} is beyond "

@@ -16,6 +16,7 @@ from common.allocator import keep_freed_memory
 from common.credentials import KeyRing, Role
 from common.errors import FailedPrecondition, InvalidArgument, grpc_errors
 from common.metrics import serve_metrics
+from common.page_geometry_pb import geometry_to_pb
 from common.sampling import SamplingParams
 from common.server import Service, announce, configure_logging, run, run_until_signalled
 from executor.adapter_loader import FETCH_TIMEOUT_S, AdapterLoader
@@ -103,7 +104,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                            for a in self._loader.slot_adapters],
             num_sequences=self._runner.num_sequences,
             base_fingerprint=self._runner.base_fingerprint,
-            merged_adapter=self._merged_adapter())
+            merged_adapter=self._merged_adapter(),
+            page_geometry=geometry_to_pb(self._runner.pool.geometry,
+                                         self._runner.pool.page_bytes))
 
     def _check_not_merged(self, slot: int) -> None:
         if slot == self._runner.merged_slot:
@@ -149,14 +152,19 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
     async def _close_stream(self, previous: asyncio.Future | None,
                             worker: StepWorker | None) -> None:
-        """Forget the stream's sequences once its last step (which a cancel does not stop) and the
-        end of the stream before it are over."""
+        """Forget the stream's sequences and adapters once its last step (which a cancel does not
+        stop) and the end of the stream before it are over: the blocks they were in are the next
+        scheduler's to give (adapters' pages among them), so it finds every slot empty."""
         if previous is not None:
             await asyncio.wait([previous])
         if worker is not None:
             await worker.done
         self._runner.free_all()
         self._runner.unmerge()  # the next scheduler finds the base model as loaded
+        try:
+            await self._loader.unload_all()
+        except Exception:  # noqa: BLE001 (logged; the next stream's loads then say which slot)
+            log.exception("executor: emptying the adapter slots at the stream's end failed")
 
     def _step(self, req: executor_pb2.StepRequest) -> executor_pb2.StepResponse:
         start = time.perf_counter()
@@ -195,9 +203,10 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     async def LoadAdapter(self, request, context):
         async with grpc_errors(context):
             self._keys.require(context, Role.SERVICE, Role.ADMIN)
-            self._check_not_merged(request.slot)
+            self._check_not_merged(request.slot)  # (again where the copy starts: the loader)
             result = await self._loader.load(AdapterRef.from_pb(request.adapter), request.slot,
-                                             _fetch_timeout(context), request.only_staged)
+                                             tuple(request.pages), _fetch_timeout(context),
+                                             request.only_staged)
             if not result.was_resident:
                 self.metrics.loads.inc()
                 self.metrics.load.observe(result.load_seconds)

@@ -1,13 +1,14 @@
 """The last hop of an adapter load: host staging buffers, and the copy from one into a pool slot.
 
-On CUDA the staging buffers are pinned and the copy runs on a side stream of its own, its
-transfers queued without a wait each (the staging buffer is not reused before the copy ends)
-and one wait at the end, in the loading thread: the step loop, on its own thread and the default
-stream, never waits on it. Unloads zero the slot on that same stream, so that a load into the
-slot is ordered after them. The weights are copied as the file stores them (views into staging);
-the pool converts to its dtype on the GPU. On CPU it is a plain copy. The copier only writes the
-pool: the slot counts as loaded once the AdapterLoader marks it so (LoraSlotPool.mark_loaded).
-No gRPC here: bench/gpu_check.py runs this path on a GPU machine that has only torch and triton.
+On CUDA the staging buffers are pinned and the copy runs on a side stream of its own, its transfers
+queued without a wait each (the staging buffer is not reused before the copy ends) and one wait at
+the end, in the loading thread: the step loop, on its own thread and the default stream, never
+waits on it. Unloads clear the slot's record after the copies on that stream have passed (its pages
+go back to the scheduler for KV). The weights are copied as the file stores them (views into
+staging); the pool converts to its dtype on the GPU. On CPU it is a plain copy. The copier only
+writes the pool: the slot counts as loaded once the AdapterLoader marks it so
+(LoraSlotPool.mark_loaded). No gRPC here: bench/gpu_check.py runs this path on a GPU machine that
+has only torch and triton.
 """
 
 import torch
@@ -46,14 +47,14 @@ class SlotCopier:
         is_cuda = pool.device.type == "cuda"
         self._stream = torch.cuda.Stream(pool.device) if is_cuda else None
 
-    def copy(self, slot: int, weights: LoraWeights) -> None:
-        """Returns once the slot holds `weights` (their source may be reused after), or once
-        nothing queued reads them any more when the copy failed."""
-        self._on_side_stream(self._pool.load, slot, weights)
+    def copy(self, slot: int, weights: LoraWeights, pages: tuple[int, ...]) -> None:
+        """Returns once the slot holds `weights`, in `pages` (their source may be reused after),
+        or once nothing queued reads them any more when the copy failed."""
+        self._on_side_stream(self._pool.load, slot, weights, pages)
 
     def clear(self, slot: int) -> None:
-        """Empty `slot`, on the same stream as the copies: a load that follows cannot overtake
-        the zeroing (on the default stream nothing would order the two)."""
+        """Empty `slot` once every copy queued on the side stream has passed: its pages, the
+        scheduler's again, are written by nothing of it any more when this returns."""
         self._on_side_stream(self._pool.clear, slot)
 
     def _on_side_stream(self, write, slot: int, *args) -> None:

@@ -1,23 +1,30 @@
-"""The adapter slot pool: fixed GPU-resident storage for `num_slots` LoRA adapters, and the one
-record of what each slot holds.
+"""The adapter slot pool: which adapter each of `num_slots` slots holds, and where its weights are.
 
-Storage. Projections that share an input form a group (LORA_GROUPS: q/k/v, o, gate/up, down);
-per group one stacked A and one stacked B^T, laid out for the SGMV kernels (kernels/), which a
-LoRA backend (executor/lora.py) reads.
+A slot is a handle: its adapter's weights live in pages, KV blocks the scheduler gives it (the
+LoadAdapter's `pages`), laid out by common/adapter_pages.py in the KV cache's storage. So an
+adapter takes memory in proportion to the rank rows it really has, and nothing in the pool is
+sized for `max_rank` but the offset tables (max_rank is the largest rank a slot takes).
 
 What a slot holds (SlotContents, read with `contents(slot)`): its adapter's rank and scale per
-layer and module (`targets`), whether it is loaded (steps may read it), and the AdapterRef it was
-loaded as. The runner, the backends and the adapter loader all ask the pool; none keeps a copy.
+layer and module (`targets`), its pages and their layout, whether it is loaded (steps may read
+it), and the AdapterRef it was loaded as. The runner, the backends and the adapter loader all ask
+the pool; none keeps a copy.
 
-    load(slot, weights)         written: targets recorded, weights copied (or being copied)
+    load(slot, weights, pages)  written: targets recorded, weights copied into the pages
     mark_loaded(slot, adapter)  loaded: the copy completed; steps may read the slot
     mark_unloaded(slot)         written again: about to be overwritten, not to be read or reported
-    clear(slot)                 empty: zeroed, nothing recorded
+    clear(slot)                 empty: nothing recorded (its pages are left as they are: they are
+                                the scheduler's blocks again, and may hold KV by now)
 
-`load` records the targets before it queues its copies, so whatever a failed copy wrote is zeroed
-by the next clear or load. A slot counts as loaded only once whoever waited for the copy says so:
-ModelRunner.load_adapter at once (the copy is on the step's stream), the AdapterLoader once
-SlotCopier waited for its side stream and the load was not cancelled.
+Offsets. Per slot and module, `a_offsets` / `b_offsets` [num_slots, 7, max_rank, chunks] int64,
+on the pool's device, give the element offset in the KV storage (layer 0) of each chunk of each
+row of A, and of B^T (a column of B); layer l adds `layer_base(l)` (executor/page_tables.py defines
+both). The Triton kernels read rows through them; the torch backend and merging gather rows with
+`rows`.
+
+A slot counts as loaded only once whoever waited for the copy says so: ModelRunner.load_adapter at
+once (the copy is on the step's stream), the AdapterLoader once SlotCopier waited for its side
+stream and the load was not cancelled.
 """
 
 from __future__ import annotations
@@ -30,8 +37,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from common.adapter_pages import PageGeometry, PageLayout, plan_pages
 from common.peft.modules import LORA_MODULES
+from executor.kv_cache import PagedKVCache
 from executor.model_config import ModelConfig
+from executor.page_tables import layer_base, slot_tables
+from kernels.page_rows import row_index
 
 if TYPE_CHECKING:  # (only stored and compared: the GPU check imports the pool without protos)
     from common.adapter_ref import AdapterRef
@@ -59,16 +70,22 @@ class LoraWeights:
     def rank(self) -> int:
         return max((m.a.shape[0] for m in self.modules.values()), default=0)
 
+    def module_ranks(self) -> dict[str, int]:
+        """Each targeted module's largest rank over layers (what its pages are laid out by)."""
+        out: dict[str, int] = {}
+        for (_, module), w in self.modules.items():
+            out[module] = max(out.get(module, 0), w.a.shape[0])
+        return out
+
 
 @dataclass(frozen=True)
 class SliceGroup:
-    """Stacked storage of one group's slices (e.g. q, k, v), laid out for the SGMV kernels."""
+    """The projections that share an input (e.g. q, k, v): applied by one backend call."""
 
     modules: tuple[str, ...]
     first_module: int  # index of modules[0] in LORA_MODULES (the slices are consecutive)
+    in_features: int
     out_sizes: tuple[int, ...]  # out_features of each slice (q and kv differ under GQA)
-    a: torch.Tensor  # [L, num_slots, num_slices, max_rank, in]
-    bt: torch.Tensor  # [L, num_slots, max_rank, sum(out_sizes)]: B transposed, rank-major
 
     @property
     def modules_slice(self) -> slice:
@@ -83,48 +100,45 @@ class SlotContents:
     targets: Mapping[tuple[int, str], tuple[int, float]]  # (layer, module) -> (rank, scale)
     is_loaded: bool = False  # its copy completed: steps may read the slot
     adapter: AdapterRef | None = None  # the version loaded (None: loaded without a reference)
+    pages: tuple[int, ...] = ()  # the KV blocks its weights are in
 
 
 EMPTY_SLOT = SlotContents(targets=MappingProxyType({}))
 
 
-class LoraSlotPool:
-    """Fixed GPU-resident storage for `num_slots` adapters of rank <= `max_rank`.
+def page_geometry(config: ModelConfig, block_size: int) -> PageGeometry:
+    """How adapters' pages lie in a KV cache of `block_size`-token blocks of `config`."""
+    return PageGeometry(config.num_hidden_layers,
+                        block_size * config.num_key_value_heads * config.head_dim,
+                        MappingProxyType({m: config.module_shape(m) for m in LORA_MODULES}))
 
-    Per module: A [L, num_slots, max_rank, in], B [L, num_slots, out, max_rank] (zero-padded above
-    the adapter's rank), scale [L, num_slots] (0 where the adapter does not target the module).
-    A and B are views into each group's stacked tensors (`groups`), which the kernels read.
+
+class LoraSlotPool:
+    """`num_slots` adapters of rank <= `max_rank`, their weights in pages of `kv`'s blocks.
+
     Host tables `rank_table`, `scale_table` [L, num_slots, 7] give each slot's rank (0 = not
     targeted) and fp32 scale per layer and module; a step gathers its segments' rows from them.
     """
 
     def __init__(self, config: ModelConfig, *, num_slots: int, max_rank: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+                 kv: PagedKVCache) -> None:
         if num_slots < 0 or max_rank <= 0:
             raise ValueError(f"adapter pool needs num_slots >= 0 and max_rank > 0, "
                              f"got {num_slots} and {max_rank}")
-        self.config, self.num_slots, self.max_rank = config, num_slots, max_rank
-        self.device = torch.device(device)
+        self.config, self.num_slots, self.max_rank, self.kv = config, num_slots, max_rank, kv
+        self.device, self.dtype = kv.storage.device, kv.storage.dtype
         num_layers = config.num_hidden_layers
-        self.groups: dict[str, SliceGroup] = {}
-        self.a: dict[str, torch.Tensor] = {}
-        self.b: dict[str, torch.Tensor] = {}
-        self.scale: dict[str, torch.Tensor] = {}
-        for name, modules in LORA_GROUPS.items():
-            in_f = config.module_shape(modules[0])[0]
-            out_sizes = tuple(config.module_shape(m)[1] for m in modules)
-            a = torch.zeros(num_layers, num_slots, len(modules), max_rank, in_f, dtype=dtype,
-                            device=device)
-            bt = torch.zeros(num_layers, num_slots, max_rank, sum(out_sizes), dtype=dtype,
-                             device=device)
-            self.groups[name] = SliceGroup(modules, LORA_MODULES.index(modules[0]), out_sizes,
-                                           a, bt)
-            offset = 0
-            for i, (m, out_f) in enumerate(zip(modules, out_sizes)):
-                self.a[m] = a[:, :, i]  # [L, num_slots, max_rank, in]
-                self.b[m] = bt[..., offset: offset + out_f].transpose(-1, -2)  # [L, slots, out, R]
-                offset += out_f
-                self.scale[m] = torch.zeros(num_layers, num_slots, dtype=dtype, device=device)
+        self.geometry = page_geometry(config, kv.block_size)
+        shapes = self.geometry.module_shapes
+        self.chunk = self.geometry.chunk_elems
+        self.groups = {name: SliceGroup(modules, LORA_MODULES.index(modules[0]),
+                                        shapes[modules[0]][0],
+                                        tuple(shapes[m][1] for m in modules))
+                       for name, modules in LORA_GROUPS.items()}
+        self.num_chunks = max(-(-n // self.chunk) for shape in shapes.values() for n in shape)
+        table = (num_slots, len(LORA_MODULES), max_rank, self.num_chunks)
+        self.a_offsets = torch.zeros(table, dtype=torch.int64, device=self.device)  # layer 0
+        self.b_offsets = torch.zeros(table, dtype=torch.int64, device=self.device)
         self.rank_table = torch.zeros(num_layers, num_slots, len(LORA_MODULES), dtype=torch.int32)
         self.scale_table = torch.zeros(num_layers, num_slots, len(LORA_MODULES))
         # Written only by the methods below (each assignment whole: the step thread reads them).
@@ -136,11 +150,21 @@ class LoraSlotPool:
         # count the write began with, and is made again.
         self._writes: list[int] = [0] * num_slots
 
+    @property
+    def page_bytes(self) -> int:
+        return self.geometry.page_elems * self.kv.storage.element_size()
+
     def num_bytes(self) -> int:
-        tensors = [*self.scale.values()]
-        for g in self.groups.values():
-            tensors += [g.a, g.bt]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """Bytes the pool adds beside the KV cache: its offset tables (the weights are in pages)."""
+        return sum(t.numel() * t.element_size() for t in (
+            self.a_offsets, self.b_offsets, self.rank_table, self.scale_table))
+
+    def pages_for(self, weights: LoraWeights) -> PageLayout:
+        return plan_pages(weights.module_ranks(), self.geometry)
+
+    def layer_base(self, layer: int) -> int:
+        """Elements from a place in layer 0 to the same place in `layer`."""
+        return layer_base(layer, self.kv.num_blocks, self.geometry)
 
     # ----- what each slot holds -----
 
@@ -155,6 +179,10 @@ class LoraSlotPool:
         """Whether `slot` is loaded with exactly `adapter`."""
         held = self.contents(slot)
         return held.is_loaded and held.adapter == adapter
+
+    def page_blocks(self) -> set[int]:
+        """The blocks every slot's weights are in (loaded or being written)."""
+        return {b for s in self._slots for b in s.pages}
 
     def write_counts(self, slots: list[int]) -> tuple[int, ...]:
         """How many times each of `slots` was written (see copies of slot weights)."""
@@ -176,22 +204,36 @@ class LoraSlotPool:
 
     def mark_unloaded(self, slot: int) -> None:
         """`slot` no longer counts as holding its adapter (a copy or clear is about to overwrite
-        it); its weights stay, recorded, until then."""
+        it); its record stays until then."""
         self._slots[slot] = dataclasses.replace(self.contents(slot), is_loaded=False, adapter=None)
 
-    # ----- writing the tensors -----
+    # ----- reading rows -----
+
+    def rows(self, layer: int, slot: int, module: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The slot's A [r, in] and B [out, r] of `module` at `layer`, gathered from its pages
+        (copies), at that layer's rank; None where it does not target the module there."""
+        rank = int(self.rank_table[layer, slot, LORA_MODULES.index(module)])
+        if rank == 0:
+            return None
+        m = LORA_MODULES.index(module)
+        in_f, out_f = self.geometry.module_shapes[module]
+        base = self.layer_base(layer)
+        a = self.kv.flat[row_index(self.a_offsets[slot, m, :rank], in_f, self.chunk) + base]
+        bt = self.kv.flat[row_index(self.b_offsets[slot, m, :rank], out_f, self.chunk) + base]
+        return a, bt.T  # [r, in], [out, r]
+
+    # ----- writing -----
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"adapter slot {slot} out of range [0, {self.num_slots})")
 
-    def load(self, slot: int, weights: LoraWeights) -> None:
-        """Copy an adapter into `slot`, replacing whatever was there; afterwards the slot holds
-        exactly what it would in a fresh pool (zero above each module's rank), and is not yet
-        loaded (see `mark_loaded`). The weights may be of another dtype or device: converted
-        while copied. On CUDA the copies are queued on the current stream without a wait each: a
-        pinned source must stay untouched until that stream has passed them (SlotCopier waits
-        for it)."""
+    def load(self, slot: int, weights: LoraWeights, pages: tuple[int, ...] | list[int]) -> None:
+        """Copy an adapter into `slot`, its weights into `pages` (blocks no sequence's table
+        holds); the slot is not yet loaded (see `mark_loaded`). The weights may be of another
+        dtype or device: converted while copied. On CUDA the copies are queued on the current
+        stream without a wait each: a pinned source must stay untouched until that stream has
+        passed them (SlotCopier waits for it)."""
         self._check_slot(slot)
         if weights.rank > self.max_rank:
             raise ValueError(f"adapter rank {weights.rank} exceeds the pool's max rank "
@@ -205,38 +247,51 @@ class LoraSlotPool:
             if w.a.shape != (r, in_f) or w.b.shape != (out_f, r):
                 raise ValueError(f"layer {layer} {module}: A {tuple(w.a.shape)} / B "
                                  f"{tuple(w.b.shape)} do not fit [r, {in_f}] / [{out_f}, r]")
-        self._zero_written(slot)
-        # Recorded before the copy: whatever a failed copy wrote is zeroed by the next clear.
+        layout = self.pages_for(weights)
+        pages = tuple(pages)
+        self._check_pages(slot, pages, layout.num_pages)
+        self._forget(slot)
+        # Recorded before the copy: a failed copy leaves a slot that is not loaded.
         self._slots[slot] = SlotContents(MappingProxyType(
-            {key: (w.a.shape[0], w.scale) for key, w in weights.modules.items()}))
+            {key: (w.a.shape[0], w.scale) for key, w in weights.modules.items()}), pages=pages)
+        a, b = slot_tables(layout, pages, self.kv.num_blocks, self.geometry,
+                           max_rank=self.max_rank, num_chunks=self.num_chunks)
+        self.a_offsets[slot], self.b_offsets[slot] = a, b  # (host -> device)
+        flat = self.kv.flat
         for (layer, module), w in weights.modules.items():
-            r = w.a.shape[0]
-            self.a[module][layer, slot, :r].copy_(w.a, non_blocking=True)
-            self.b[module][layer, slot, :, :r].copy_(w.b, non_blocking=True)
-            self.scale[module][layer, slot] = w.scale
-            self.rank_table[layer, slot, LORA_MODULES.index(module)] = r
-            self.scale_table[layer, slot, LORA_MODULES.index(module)] = w.scale
+            m, r = LORA_MODULES.index(module), w.a.shape[0]
+            in_f, out_f = self.config.module_shape(module)
+            base = self.layer_base(layer)
+            a_at = row_index(a[m, :r], in_f, self.chunk).to(self.device) + base
+            b_at = row_index(b[m, :r], out_f, self.chunk).to(self.device) + base
+            flat.index_copy_(0, a_at.flatten(), w.a.to(self.device, self.dtype).flatten())
+            flat.index_copy_(0, b_at.flatten(),
+                             w.b.T.to(self.device, self.dtype).contiguous().flatten())
+            self.rank_table[layer, slot, m] = r
+            self.scale_table[layer, slot, m] = w.scale
+
+    def _check_pages(self, slot: int, pages: tuple[int, ...], needed: int) -> None:
+        if len(pages) != needed:
+            raise ValueError(f"the adapter's weights take {needed} pages, {len(pages)} given")
+        bad = [b for b in pages if not 0 <= b < self.kv.num_blocks]
+        if bad:
+            raise ValueError(f"page {bad[0]} is no KV block (the cache has {self.kv.num_blocks})")
+        if len(set(pages)) != len(pages):
+            raise ValueError("a page is given twice")
+        taken = (self.page_blocks() - set(self._slots[slot].pages)) & set(pages)
+        if taken:
+            raise ValueError(f"page {min(taken)} holds another slot's adapter")
 
     def clear(self, slot: int) -> None:
-        """Empty `slot`: zero what its adapter wrote, and forget the adapter."""
+        """Empty `slot`: forget the adapter (its pages are not touched: they may hold KV now)."""
         self._check_slot(slot)
-        self._zero_written(slot)
+        self._forget(slot)
 
-    def _zero_written(self, slot: int) -> None:
-        """Zero what `slot`'s adapter wrote, and its table entries; the slot is then empty. A slot
-        is zero outside its adapter's ranks (as in a fresh pool), so per group only the ranks
-        below the largest the adapter used there need it: a rank-8 adapter costs a rank-8 memset,
-        not one of the whole slot at max_rank."""
-        targets = self._slots[slot].targets
+    def _forget(self, slot: int) -> None:
         self._slots[slot] = dataclasses.replace(self._slots[slot], is_loaded=False, adapter=None)
         self._writes[slot] += 1
-        for g in self.groups.values():
-            rank = max((r for (_, m), (r, _) in targets.items() if m in g.modules), default=0)
-            if rank:
-                g.a[:, slot, :, :rank].zero_()  # [L, n, rank, in]
-                g.bt[:, slot, :rank].zero_()  # [L, rank, sum(out)]
-        for module in {module for _, module in targets}:
-            self.scale[module][:, slot] = 0.0
         self.rank_table[:, slot] = 0
         self.scale_table[:, slot] = 0.0
+        self.a_offsets[slot] = 0
+        self.b_offsets[slot] = 0
         self._slots[slot] = EMPTY_SLOT

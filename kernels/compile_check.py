@@ -20,13 +20,17 @@ from triton.compiler import ASTSource
 from kernels.paged_attention import _paged_attention_kernel, attention_tiles
 from kernels.sgmv_expand import _sgmv_expand_kernel
 from kernels.sgmv_fused import _sgmv_fused_kernel, fused_block_k
-from kernels.sgmv_shrink import _sgmv_shrink_kernel, shrink_tiles
+from kernels.sgmv_shrink import _sgmv_shrink_kernel, shrink_tiles, slices_per_launch
 
 SHARED_LIMIT = 227 * 1024  # Hopper's opt-in shared memory per block
 DTYPES = {"bf16": (tl.bfloat16, 2), "fp16": (tl.float16, 2), "fp32": (tl.float32, 4)}
 PTR_TYPES = {"items_ptr": "*i32", "rank_ptr": "*i32", "scale_ptr": "*fp32", "t_ptr": "*fp32",
-             "tables_ptr": "*i32", "ctx_ptr": "*i32", "q_start_ptr": "*i32", "q_len_ptr": "*i32"}
-SCALAR_TYPES = {"scale_log2e": "fp32"}  # other scalars are i32
+             "tables_ptr": "*i32", "ctx_ptr": "*i32", "q_start_ptr": "*i32", "q_len_ptr": "*i32",
+             "a_rows_ptr": "*i64", "b_rows_ptr": "*i64"}
+# layer_base passes 2^31 on large models (Llama-3-8B: 31 x blocks x 16384 elements). Other
+# scalars are i32.
+SCALAR_TYPES = {"scale_log2e": "fp32", "layer_base": "i64"}
+CHUNK = 16384  # Llama-3-8B's region (block 16 x 8 KV heads x head_dim 128): its chunk
 
 
 def compile_variant(fn, dtype_name: str, constexprs: dict, num_warps: int, arch: int) -> int:
@@ -51,11 +55,12 @@ def variants(everything: bool):
         dt, size = DTYPES[dtype_name]
         common = {"DT": dt, "UPCAST": False, "EMULATE_RNE": False,
                   "IEEE": dtype_name == "fp32"}
-        for rb in (16, 32, 64) if everything else (16, 64):
-            c = {**common, "RANK_BLOCK": rb}
+        for rb in (16, 32, 64, 128, 256) if everything else (16, 64, 256):
+            c = {**common, "RANK_BLOCK": rb, "CHUNK": CHUNK}
             yield (f"fused {dtype_name} r{rb}", _sgmv_fused_kernel, dtype_name,
                    {**c, "BLOCK_M": 16, "BLOCK_K": fused_block_k(rb, size), "BLOCK_N": 128}, 4)
             for num_slices in (1, 2, 3) if everything else (3,):
+                num_slices = slices_per_launch(num_slices, rb, 64)
                 block_k, warps = shrink_tiles(num_slices, rb, 64, size)
                 yield (f"shrink {dtype_name} r{rb} x{num_slices}", _sgmv_shrink_kernel,
                        dtype_name, {**c, "NUM_SLICES": num_slices,

@@ -54,14 +54,17 @@ def cast_rne(x, DT: tl.constexpr, EMULATE_RNE: tl.constexpr):
 
 
 @triton.jit
-def expand_into(t, bt_ptr, out_ptr, rows, row_mask, rank, scale, n_start, n_end, stride_br,
-                stride_ot, RANK_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
-                UPCAST: tl.constexpr, EMULATE_RNE: tl.constexpr, IEEE: tl.constexpr):
+def expand_into(t, store_ptr, b_rows_ptr, out_ptr, rows, row_mask, rank, scale, n_start, n_end,
+                stride_or, stride_ot, RANK_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                CHUNK: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr,
+                EMULATE_RNE: tl.constexpr, IEEE: tl.constexpr):
     """out[rows, n_start:n_end] += scale * round(t) @ Bt[:rank, n_start:n_end].
 
-    t [BLOCK_M, RANK_BLOCK] fp32 (zero above rank); bt_ptr, out_ptr already at the slice's slot
-    and first column. Rounding t to DT first keeps the reference's order (x@A^T is a DT tensor).
-    """
+    t [BLOCK_M, RANK_BLOCK] fp32 (zero above rank); store_ptr at the layer (layer_base added);
+    b_rows_ptr at the slot's and slice's table of B^T rows ([R, chunks] element offsets, rows
+    stride_or apart); out_ptr at the slice's first column. A column tile never straddles a
+    chunk (BLOCK_N divides CHUNK and n_start). Rounding t to DT first keeps the reference's
+    order (x@A^T is a DT tensor)."""
     t = cast_rne(t, DT, EMULATE_RNE)
     if UPCAST:
         t = t.to(tl.float32)
@@ -70,7 +73,8 @@ def expand_into(t, bt_ptr, out_ptr, rows, row_mask, rank, scale, n_start, n_end,
     for n0 in range(n_start, n_end, BLOCK_N):
         ns = n0 + tl.arange(0, BLOCK_N)
         n_mask = ns < n_end
-        b = tl.load(bt_ptr + r[:, None] * stride_br + ns[None, :],
+        base = tl.load(b_rows_ptr + r * stride_or + n0 // CHUNK, mask=r_mask, other=0)  # [RB]
+        b = tl.load(store_ptr + base[:, None] + (n0 % CHUNK + tl.arange(0, BLOCK_N))[None, :],
                     mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [RANK_BLOCK, BLOCK_N]
         if UPCAST:
             b = b.to(tl.float32)
@@ -142,3 +146,20 @@ def check_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
         raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
     if t.stride(-1) != 1:
         raise ValueError(f"{name} needs a contiguous last dimension, got strides {t.stride()}")
+
+
+def check_rows(store: torch.Tensor, dtype: torch.dtype, tables: tuple[torch.Tensor, ...],
+               first_module: int, num_slices: int, chunk: int, tile: int) -> None:
+    """The paged weights: `store` 1-D contiguous of the activations' dtype; each offset table
+    int64 [slots, 7, R, chunks] on its device, covering the group's modules; `chunk` a power of
+    two that `tile` (BLOCK_K or BLOCK_N) divides."""
+    check_dtype("store", store, dtype)
+    if store.dim() != 1:
+        raise ValueError(f"store must be 1-D (the KV storage, flattened), got {store.dim()}-D")
+    for t in tables:
+        if t.dtype != torch.int64 or t.dim() != 4 or t.device != store.device \
+                or first_module + num_slices > t.shape[1] or not t.is_contiguous():
+            raise ValueError(f"row offsets must be contiguous int64 [slots, 7, R, chunks] on "
+                             f"{store.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    if chunk < tile or chunk & (chunk - 1) or chunk % tile:
+        raise ValueError(f"chunk {chunk} must be a power of two that the tile {tile} divides")

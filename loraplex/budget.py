@@ -1,16 +1,19 @@
 """`loraplex budget`: an executor's GPU memory for a model and a traffic mix, before anything
 starts.
 
-    loraplex budget --model random:llama-3-8b --gpu-gib 80 --adapter-slots 64 --max-rank 16 \
-        --seqs 64 --context 4096
+    loraplex budget --model random:llama-3-8b --gpu-gib 80 --adapter-slots 64 --max-rank 64 \
+        --adapter-ranks 8:0.7,16:0.2,64:0.1 --seqs 64 --context 4096
 
-Base weights and the adapter slot pool are exact (MemoryBudget.estimate: what the executor
+Base weights and the adapter pool's tables are exact (MemoryBudget.estimate: what the executor
 allocates, checked against a real runner by the tests). The step workspace is an estimate of the
 largest live tensors of one step: one layer's activations at --max-batched-tokens, the K/V a
-decode step gathers for attention (every running sequence at --context), and the logits. The KV
-cache takes what is left of --gpu-gib x --utilization, in blocks of --block-size tokens: the
---kv-blocks to start the executor with. Then the traffic mix: whether --seqs sequences of
---context tokens fit in that cache at once, and if not, how many do.
+decode step gathers for attention (every running sequence at --context), and the logits. The
+blocks take what is left of --gpu-gib x --utilization, in blocks of --block-size tokens: the
+--kv-blocks to start the executor with. KV and adapters share them: an adapter's weights are in
+pages, blocks in proportion to its ranks (common/adapter_pages.py). Then the traffic mix: whether
+--seqs sequences of --context tokens fit at once (and if not, how many do), and how many adapters
+of the --adapter-ranks mix (rank:share, on all 7 projections) fit beside that KV, against slots
+padded to the mix's largest rank as vLLM and LoRAX size them.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import math
 
 import torch
 
+from common.adapter_pages import PageGeometry, padded_pages, plan_pages
 from common.peft.modules import LORA_MODULES
 from executor.model_config import NAMED_CONFIGS, ModelConfig
 from executor.runner import MemoryBudget
@@ -34,8 +38,10 @@ class Plan:
     dtype: torch.dtype
     usable_bytes: int  # gpu memory x utilization
     weights_bytes: int
-    pool_bytes: int
-    slot_bytes: int  # one slot: max_rank on all 7 projections of every layer
+    pool_bytes: int  # the pool's tables (its weights are in pages of the blocks)
+    page_bytes: int  # one block: KV of block_size tokens, or one page of an adapter's weights
+    mix_pages: float  # pages an adapter of the rank mix takes, on average
+    padded_pages: int  # pages a slot padded to the mix's largest rank takes
     workspace_bytes: int  # an estimate: step_bytes + attention's gathered K/V
     kv_bytes_per_token: int
     block_size: int
@@ -63,12 +69,16 @@ def step_bytes(c: ModelConfig, size: int, *, max_batched_tokens: int, max_num_se
 
 def plan(config: ModelConfig, *, dtype: torch.dtype, gpu_bytes: float, utilization: float,
          adapter_slots: int, max_rank: int, block_size: int, max_batched_tokens: int,
-         max_num_seqs: int, context: int) -> Plan:
+         max_num_seqs: int, context: int, adapter_ranks: dict[int, float] | None = None) -> Plan:
     size = torch.empty((), dtype=dtype).element_size()
     fixed = MemoryBudget.estimate(config, num_kv_blocks=0, block_size=block_size,
                                   num_slots=adapter_slots, max_rank=max_rank, dtype=dtype)
-    one_slot = MemoryBudget.estimate(config, num_kv_blocks=0, block_size=block_size,
-                                     num_slots=1, max_rank=max_rank, dtype=dtype)
+    mix = adapter_ranks or {max_rank: 1.0}
+    geometry = PageGeometry(config.num_hidden_layers,
+                            block_size * config.num_key_value_heads * config.head_dim,
+                            {m: config.module_shape(m) for m in LORA_MODULES})
+    mix_pages = sum(share * plan_pages(dict.fromkeys(LORA_MODULES, rank), geometry).num_pages
+                    for rank, share in mix.items()) / sum(mix.values())
     kv_per_token = 2 * config.num_hidden_layers * config.kv_size * size  # every layer's K and V
     gather_per_token = 2 * config.kv_size * size  # one layer's, gathered for attention
     usable = int(gpu_bytes * utilization)
@@ -84,22 +94,21 @@ def plan(config: ModelConfig, *, dtype: torch.dtype, gpu_bytes: float, utilizati
     num_blocks = kv_tokens // block_size
     workspace = step + min(wanted, max(num_blocks, 0) * block_size) * gather_per_token
     return Plan(config, dtype, usable, fixed.weights_bytes, fixed.adapter_pool_bytes,
-                one_slot.adapter_pool_bytes, workspace, kv_per_token, block_size, num_blocks)
+                geometry.page_elems * size, mix_pages, padded_pages(max(mix), geometry),
+                workspace, kv_per_token, block_size, num_blocks)
 
 
 def format_plan(p: Plan, *, adapter_slots: int, max_rank: int, seqs: int, context: int) -> str:
     c = p.config
     dtype = str(p.dtype).removeprefix("torch.")
-    rank_bytes = p.slot_bytes // max_rank
     lines = [
         f"model {c.model_id or '(unnamed)'} in {dtype}: {c.num_hidden_layers} layers, hidden "
         f"{c.hidden_size}, {c.num_attention_heads} heads / {c.num_key_value_heads} KV heads, "
         f"vocab {c.vocab_size}",
         f"  usable GPU memory     {p.usable_bytes / GB:8.2f} GB",
         f"  base weights          {p.weights_bytes / GB:8.2f} GB",
-        f"  adapter slot pool     {p.pool_bytes / GB:8.2f} GB   ({adapter_slots} slots of rank "
-        f"<= {max_rank}: {p.slot_bytes / 1e6:.1f} MB each, {rank_bytes / 1e6:.2f} MB per rank "
-        f"on all {len(LORA_MODULES)} projections)",
+        f"  adapter pool tables   {p.pool_bytes / GB:8.2f} GB   ({adapter_slots} slots of rank "
+        f"<= {max_rank}; their weights are in pages of the blocks below)",
         f"  step workspace        {p.workspace_bytes / GB:8.2f} GB   (estimate)",
     ]
     if p.num_kv_blocks < 1:
@@ -112,9 +121,10 @@ def format_plan(p: Plan, *, adapter_slots: int, max_rank: int, seqs: int, contex
                      "GPU")
         return "\n".join(lines)
     lines.append(
-        f"  KV cache              {p.num_kv_blocks * p.block_size * p.kv_bytes_per_token / GB:8.2f}"
+        f"  blocks (KV, adapters) {p.num_kv_blocks * p.block_size * p.kv_bytes_per_token / GB:8.2f}"
         f" GB   ({p.num_kv_blocks:,} blocks of {p.block_size} tokens = {p.kv_tokens:,} tokens, "
-        f"{p.kv_bytes_per_token / 1024:.0f} KiB per token)")
+        f"{p.kv_bytes_per_token / 1024:.0f} KiB per token; a block is {p.page_bytes / 1e6:.2f} MB "
+        "of KV or of an adapter's weights)")
     per_seq = math.ceil(context / p.block_size) * p.block_size
     need = seqs * per_seq
     lines.append(f"start the executor with: --kv-blocks {p.num_kv_blocks} --block-size "
@@ -128,10 +138,28 @@ def format_plan(p: Plan, *, adapter_slots: int, max_rank: int, seqs: int, contex
                    f"{context} tokens {p.kv_tokens // per_seq} sequences fit at once (the "
                    "scheduler queues the rest)")
     lines.append(f"traffic: {seqs} sequences of {context} tokens at once {verdict}")
+    spare = max(0, p.num_kv_blocks - min(need, p.kv_tokens) // p.block_size)
+    paged, padded = int(spare / p.mix_pages), spare // p.padded_pages
+    lines.append(f"adapters beside that KV: {paged:,} of the rank mix ({p.mix_pages:.1f} pages, "
+                 f"{p.mix_pages * p.page_bytes / 1e6:.1f} MB each on average), against "
+                 f"{padded:,} in slots padded to its largest rank ({p.padded_pages} pages each); "
+                 f"--adapter-slots {adapter_slots} bounds how many are resident")
     if context > c.max_position_embeddings:
         lines.append(f"warning: --context {context} exceeds the model's max_position_embeddings "
                      f"{c.max_position_embeddings}")
     return "\n".join(lines)
+
+
+def rank_mix(text: str) -> dict[int, float]:
+    """"8:0.7,16:0.2,64:0.1" -> {8: 0.7, 16: 0.2, 64: 0.1} (shares need not add up to 1)."""
+    try:
+        mix = {int(r): float(s) for r, s in (item.split(":") for item in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: use RANK:SHARE,... e.g. 8:0.7,16:0.3") \
+            from None
+    if not mix or any(r < 1 or s <= 0 for r, s in mix.items()):
+        raise argparse.ArgumentTypeError(f"{text!r}: ranks >= 1, shares > 0")
+    return mix
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -147,6 +175,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "allocator slack)")
     p.add_argument("--adapter-slots", type=int, default=64)
     p.add_argument("--max-rank", type=int, default=16)
+    p.add_argument("--adapter-ranks", type=rank_mix, default=None, metavar="RANK:SHARE,...",
+                   help="the adapters' ranks, e.g. 8:0.7,16:0.2,64:0.1 (default: --max-rank)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-batched-tokens", type=int, default=2048,
                    help="tokens per step (the scheduler's flag of the same name)")
@@ -175,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
                   utilization=args.utilization, adapter_slots=args.adapter_slots,
                   max_rank=args.max_rank, block_size=args.block_size,
                   max_batched_tokens=args.max_batched_tokens, max_num_seqs=args.seqs,
-                  context=args.context)
+                  context=args.context, adapter_ranks=args.adapter_ranks)
     print(format_plan(result, adapter_slots=args.adapter_slots, max_rank=args.max_rank,
                       seqs=args.seqs, context=args.context))
     if result.num_kv_blocks < 1:

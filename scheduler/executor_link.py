@@ -9,9 +9,9 @@ import time
 
 import grpc
 
-from common.adapter_pages import geometry_from_pb
 from common.credentials import metadata
 from common.errors import Unavailable
+from common.page_geometry_pb import geometry_from_pb
 from common.server import insecure_channel
 from protos import executor_pb2, executor_pb2_grpc
 from scheduler.block_manager import BlockManager

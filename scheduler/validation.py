@@ -5,10 +5,11 @@ import collections
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from common.adapter_pages import geometry_from_pb, module_ranks, plan_pages
+from common.adapter_pages import module_ranks, plan_pages
 from common.adapter_ref import AdapterRef
 from common.base_fingerprint import is_same_base
 from common.errors import FailedPrecondition, InvalidArgument
+from common.page_geometry_pb import geometry_from_pb
 from common.peft.config import parse_config
 from common.wire import MAX_CACHE_SALT_CHARS
 from protos import common_pb2, executor_pb2

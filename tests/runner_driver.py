@@ -25,8 +25,8 @@ def read_adapter(fx, name: str) -> tuple[str, bytes]:
 
 
 def make_runner(fx, **kw) -> ModelRunner:
-    args = {"num_kv_blocks": 512, "block_size": BLOCK, "num_slots": len(fx["valid"]),
-            "max_rank": MAX_RANK}
+    args = {"num_kv_blocks": 2048,  # (its adapters' pages among them)
+            "block_size": BLOCK, "num_slots": len(fx["valid"]), "max_rank": MAX_RANK}
     runner = ModelRunner.from_pretrained(fx["model_dir"], **{**args, **kw})
     for slot, name in enumerate(fx["valid"][: runner.pool.num_slots]):
         runner.load_adapter(slot, parse_peft_adapter(*read_adapter(fx, name), runner.config))
@@ -42,7 +42,7 @@ class Driver:
     """A stand-in scheduler: shuffled (reused) block ids, chunked prefill, rows sorted by slot."""
 
     def __init__(self, runner: ModelRunner, seed: int = 0):
-        self.runner, self.free = runner, list(range(runner.kv.num_blocks))
+        self.runner, self.free = runner, runner.free_blocks()  # (not its adapters' pages)
         random.Random(seed).shuffle(self.free)
         self.state: dict[int, dict] = {}
 

@@ -12,6 +12,7 @@ the model, is refused as before."""
 
 import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -19,8 +20,12 @@ import sys
 import grpc
 import pytest
 
+from common.adapter_pages import module_ranks, plan_pages
 from common.base_fingerprint import base_fingerprint
 from common.credentials import metadata
+from common.page_geometry_pb import geometry_from_pb
+from common.peft.config import parse_config
+from common.peft.modules import LORA_MODULES
 from common.server import insecure_channel
 from loraplex import client
 from loraplex.launch import FleetKeys, start_service
@@ -110,7 +115,8 @@ def world(tiny, tmp_path_factory, log_dir):
         scheduler = start("scheduler", "scheduler.service", [
             "--address", "127.0.0.1:0", "--store", store, *flags["scheduler"],
             *(f for e in pool for f in ("--executor", e.address))]).address
-        yield dict(models=models, store=store, registered=registered, pushed=pushed,
+        yield dict(models=models, adapters=adapters, store=store, registered=registered,
+                   pushed=pushed,
                    shown=shown, pool=pool, lone=lone, scheduler=scheduler)
     finally:
         for service in reversed(services):
@@ -180,6 +186,16 @@ async def test_unknown_or_changed_bases_are_refused_as_before(world, adapter, wo
     assert f"this pool serves '{BASE_ID}'" in err.value.details()
 
 
+def pages_for(info: executor_pb2.InfoResponse, folder: str) -> list[int]:
+    """KV blocks for the weights of the adapter in `folder`, as a scheduler would give them (the
+    highest: the executor holds no sequences)."""
+    geometry = geometry_from_pb(info)
+    config = parse_config((pathlib.Path(folder) / "adapter_config.json").read_text())
+    needed = plan_pages(module_ranks(config, LORA_MODULES, geometry.num_layers),
+                        geometry).num_pages
+    return list(range(info.num_kv_blocks - needed, info.num_kv_blocks))
+
+
 async def test_an_executor_that_never_asked_loads_it_by_fingerprint(world):
     lone = world["lone"]
     info = await executor_info(lone.address)
@@ -189,7 +205,8 @@ async def test_an_executor_that_never_asked_loads_it_by_fingerprint(world):
     async with insecure_channel(lone.address, KEYS.service) as channel:
         stub = executor_pb2_grpc.ExecutorStub(channel)
         loaded = await stub.LoadAdapter(executor_pb2.LoadAdapterRequest(
-            adapter=common_pb2.AdapterRef(name="via-copy", version=1), slot=0))
+            adapter=common_pb2.AdapterRef(name="via-copy", version=1), slot=0,
+            pages=pages_for(info, world["adapters"]["via-copy"])))
         assert loaded.num_bytes > 0
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.LoadAdapter(executor_pb2.LoadAdapterRequest(

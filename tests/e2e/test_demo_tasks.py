@@ -8,9 +8,12 @@ import json
 import pytest
 import torch
 
+from common.adapter_pages import padded_pages
 from common.server import insecure_channel
+from executor.model_config import ModelConfig
 from executor.peft_adapter import parse_peft_adapter
 from executor.runner import ModelRunner
+from executor.slot_pool import page_geometry
 from loraplex import client
 from loraplex.demo import MODEL_DIR, adapter_dir
 from loraplex.demo_tasks import TASKS, held_out
@@ -77,8 +80,9 @@ def test_executor_matches_hf_peft_on_trained_weights():
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
-    runner = ModelRunner.from_pretrained(MODEL_DIR, num_kv_blocks=256, block_size=4,
-                                         num_slots=len(TASKS), max_rank=32)
+    pages = padded_pages(32, page_geometry(ModelConfig.from_pretrained(MODEL_DIR), 4))
+    runner = ModelRunner.from_pretrained(MODEL_DIR, num_kv_blocks=256 + len(TASKS) * pages,
+                                         block_size=4, num_slots=len(TASKS), max_rank=32)
     for slot, task in enumerate(TASKS):
         folder = adapter_dir(task.name)
         runner.load_adapter(slot, parse_peft_adapter(

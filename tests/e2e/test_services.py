@@ -81,7 +81,9 @@ async def test_50_concurrent_streams_across_10_adapters_match_hf_peft(fleet, pus
     stats = await stub.Stats(scheduler_pb2.StatsRequest(),
                              metadata=client.metadata(fleet.keys.admin))
     (ex,) = stats.executors
-    assert ex.running == 0 and ex.free_kv_blocks == KV_BLOCKS
+    # Every block is free again but the resident adapters' pages (cached prefixes count free).
+    assert ex.running == 0 and ex.free_kv_blocks + ex.adapter_pages == KV_BLOCKS
+    assert ex.adapter_pages == sum(slot.num_pages for slot in ex.slots) > 0
     assert ex.adapter_loads >= len(OWNERS)  # 10 adapters through 6 slots: loads and evictions
     assert all(slot.pins == 0 for slot in ex.slots)
     assert {t.tenant for t in stats.tenants} >= {"acme", "globex", "initech"}
@@ -213,7 +215,7 @@ async def test_cancel_frees_blocks_and_pins(fleet, pushed, stub):
         if ex.running == 0 and all(slot.pins == 0 for slot in ex.slots):
             break
         await asyncio.sleep(0.05)
-    assert ex.running == 0 and ex.free_kv_blocks == KV_BLOCKS
+    assert ex.running == 0 and ex.free_kv_blocks + ex.adapter_pages == KV_BLOCKS
     assert all(slot.pins == 0 for slot in ex.slots)
 
 

@@ -1,8 +1,42 @@
-"""Two LoRA backends' outputs side by side, on the same random inputs."""
+"""Two LoRA backends' outputs side by side, on the same random inputs; slot pools over a KV
+cache of noise, and a stand-in for the scheduler's choice of their pages."""
+
+import random
 
 import torch
 
-from executor.slot_pool import LORA_GROUPS
+from executor.kv_cache import PagedKVCache
+from executor.slot_pool import LORA_GROUPS, LoraSlotPool, LoraWeights
+
+
+def make_pool(config, *, num_slots: int, max_rank: int, num_blocks: int = 400,
+              block_size: int = 4, noise: bool = True) -> LoraSlotPool:
+    """A pool over a fresh KV cache, its storage random unless not `noise` (KV and old weights:
+    a row read from anywhere but its place shows)."""
+    kv = PagedKVCache(num_layers=config.num_hidden_layers, num_blocks=num_blocks,
+                      block_size=block_size, num_kv_heads=config.num_key_value_heads,
+                      head_dim=config.head_dim)
+    if noise:
+        kv.storage.normal_(generator=torch.Generator().manual_seed(9))
+    return LoraSlotPool(config, num_slots=num_slots, max_rank=max_rank, kv=kv)
+
+
+def free_pages(pool: LoraSlotPool, slot: int, weights: LoraWeights,
+               rng: random.Random | None = None) -> tuple[int, ...]:
+    """Pages for `weights` in `slot`, among blocks no other slot's adapter is in (at random
+    with `rng`, else the lowest)."""
+    others = pool.page_blocks() - set(pool.contents(slot).pages)
+    free = [b for b in range(pool.kv.num_blocks) if b not in others]
+    needed = pool.pages_for(weights).num_pages
+    return tuple(rng.sample(free, needed) if rng else free[:needed])
+
+
+def load(pool: LoraSlotPool, slot: int, weights: LoraWeights,
+         rng: random.Random | None = None) -> tuple[int, ...]:
+    """Load `weights` into `slot`, in free pages; the pages."""
+    pages = free_pages(pool, slot, weights, rng)
+    pool.load(slot, weights, pages)
+    return pages
 
 
 def backend_outputs(config, first, second, row_slots, seed):

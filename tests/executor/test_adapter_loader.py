@@ -18,11 +18,15 @@ from tests.random_adapters import random_adapter
 CONFIG = ModelConfig.named("tiny")
 
 
-def stage(loader: AdapterLoader, adapter: AdapterRef, seed: int) -> None:
-    """`adapter` as if staged on this host (no store needed)."""
+def stage(loader: AdapterLoader, runner: ModelRunner, adapter: AdapterRef,
+          seed: int) -> tuple[int, ...]:
+    """`adapter` as if staged on this host (no store needed); pages for it, as a scheduler
+    would give them (blocks nothing uses)."""
     weights = random_adapter(CONFIG, 8, seed, same_rank=True)
     loader._staged.put(adapter, Staged(torch.empty(1, dtype=torch.uint8), 1, weights, 0.0,
                                        time.monotonic()))
+    free, needed = runner.free_blocks(), runner.pool.pages_for(weights).num_pages
+    return tuple(free[:needed])
 
 
 async def test_a_cancelled_unload_keeps_the_slot_until_its_clear_has_ended():
@@ -31,8 +35,7 @@ async def test_a_cancelled_unload_keeps_the_slot_until_its_clear_has_ended():
     loader = AdapterLoader(runner, (), holder="test")
     loader.report_residency = lambda: asyncio.sleep(0, True)  # (no store to tell)
     x, y = AdapterRef("x", 1), AdapterRef("y", 1)
-    stage(loader, x, 1)
-    await loader.load(x, 0)
+    await loader.load(x, 0, stage(loader, runner, x, 1))
     clear, started, may_end = loader._copier.clear, threading.Event(), threading.Event()
 
     def slow_clear(slot: int) -> None:  # (a memset behind a busy stream)
@@ -49,9 +52,36 @@ async def test_a_cancelled_unload_keeps_the_slot_until_its_clear_has_ended():
     finally:
         may_end.set()
     await asyncio.gather(unload, return_exceptions=True)
-    stage(loader, y, 2)
-    await loader.load(y, 0)
+    await loader.load(y, 0, stage(loader, runner, y, 2))
     held = runner.pool.contents(0)
     assert loader.slot_adapters[0] == y and held.is_loaded and held.targets
     assert int(runner.pool.rank_table[:, 0].sum()) > 0
+    await loader.close()
+
+
+async def test_a_load_into_other_pages_copies_the_adapter_there_and_unload_all_empties_slots():
+    """A scheduler that lost track of the executor (a new step stream) loads an adapter the slot
+    still holds, in other pages: it is copied there (the old pages may hold KV by now), not
+    answered as resident."""
+    runner = ModelRunner.random(CONFIG, seed=0, num_kv_blocks=64, block_size=16, num_slots=2,
+                                max_rank=8)
+    loader = AdapterLoader(runner, (), holder="test")
+    loader.report_residency = lambda: asyncio.sleep(0, True)  # (no store to tell)
+    x = AdapterRef("x", 1)
+    first = stage(loader, runner, x, 1)
+    assert not (await loader.load(x, 0, first)).was_resident
+    weights = {(layer, module): runner.pool.rows(layer, 0, module)
+               for layer, module in runner.pool.contents(0).targets}
+    assert (await loader.load(x, 0, first)).was_resident  # the same pages: nothing to do
+    others = tuple(b for b in runner.free_blocks() if b not in first)[:len(first)]
+    stage(loader, runner, x, 1)
+    runner.kv.flat.zero_()  # the old pages overwritten (by KV, say)
+    result = await loader.load(x, 0, others)
+    assert not result.was_resident and runner.pool.contents(0).pages == others
+    for (layer, module), (a, b) in weights.items():
+        got_a, got_b = runner.pool.rows(layer, 0, module)
+        assert torch.equal(got_a, a) and torch.equal(got_b, b)
+    assert weights
+    await loader.unload_all()
+    assert loader.slot_adapters == [None, None] and not runner.pool.page_blocks()
     await loader.close()

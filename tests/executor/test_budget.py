@@ -11,6 +11,7 @@ import torch
 from executor.model_config import ModelConfig
 from executor.runner import MemoryBudget, ModelRunner
 from loraplex.budget import format_plan, plan
+from tests.random_adapters import random_adapter
 
 GIB = 2**30
 
@@ -42,9 +43,9 @@ def test_plan_is_what_a_runner_with_its_flags_allocates(context):
                                 num_slots=4, max_rank=8)
     kv = p.num_kv_blocks * p.block_size * p.kv_bytes_per_token
     assert runner.memory_budget() == MemoryBudget(p.weights_bytes, kv, p.pool_bytes)
-    one_slot = ModelRunner.random(config, num_kv_blocks=1, block_size=16, num_slots=1,
-                                  max_rank=8).pool.num_bytes()
-    assert p.slot_bytes == one_slot
+    assert p.page_bytes == runner.pool.page_bytes
+    weights = random_adapter(config, 8, 0, same_rank=True)  # (on all 7 projections)
+    assert p.mix_pages == p.padded_pages == runner.pool.pages_for(weights).num_pages
 
 
 def test_a_larger_mix_leaves_less_cache_until_the_cache_bounds_it():
@@ -56,9 +57,23 @@ def test_a_larger_mix_leaves_less_cache_until_the_cache_bounds_it():
     assert small.num_kv_blocks > large.num_kv_blocks > huge.num_kv_blocks >= 1
     for p, context in zip((small, large, huge), contexts):
         check_fits_and_is_maximal(p, 64 * context)
-    # 8B in bf16: 16.06 GB of weights, 83.9 MB per rank-16 slot, 128 KiB of KV per token
-    assert (round(small.weights_bytes / 1e9, 2), round(small.slot_bytes / 1e6, 1),
-            small.kv_bytes_per_token) == (16.06, 83.9, 128 * 1024)
+    # 8B in bf16: 16.06 GB of weights, 128 KiB of KV per token, blocks of 2 MiB: a rank-16
+    # adapter on all 7 projections takes 42 (88 MB, its rows 95% of them)
+    assert (round(small.weights_bytes / 1e9, 2), small.kv_bytes_per_token, small.page_bytes,
+            small.mix_pages) == (16.06, 128 * 1024, 2 * 2**20, 42)
+
+
+def test_a_rank_mix_fits_more_adapters_in_pages_than_in_padded_slots():
+    config = ModelConfig.named("llama-3-8b")
+    kw = dict(dtype=torch.bfloat16, gpu_bytes=80 * GIB, adapter_slots=64, max_rank=64,
+              max_batched_tokens=2048, max_num_seqs=64, context=4096)
+    mixed = make_plan(config, **kw, adapter_ranks={8: 0.7, 16: 0.2, 64: 0.1})
+    assert mixed.padded_pages == 8 * 21
+    assert mixed.mix_pages == pytest.approx(0.7 * 21 + 0.2 * 42 + 0.1 * 168)
+    text = format_plan(mixed, adapter_slots=64, max_rank=64, seqs=64, context=4096)
+    paged, padded = (int(text.split(what)[0].split()[-1].replace(",", ""))
+                     for what in (" of the rank mix", " in slots padded"))
+    assert paged > 4 * padded > 0
 
 
 def budget(*args: str) -> subprocess.CompletedProcess:

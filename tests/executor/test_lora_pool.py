@@ -1,5 +1,7 @@
-"""LoraSlotPool.load/clear zero only what a slot's previous adapter wrote, yet the pool is always
-bit for bit what a fresh pool holds after the same loads, and so are the LoRA outputs."""
+"""LoraSlotPool keeps each adapter's weights in its pages (KV blocks, common/adapter_pages.py):
+what a slot reads back is what was loaded, whatever was loaded, cleared or written around it
+before; a load writes only its own pages and a clear none (they may hold KV by then); pages are
+checked; and LoRA outputs over a reused pool are bit for bit a fresh pool's."""
 
 import random
 
@@ -11,38 +13,38 @@ from common.peft.modules import LORA_MODULES
 from executor.lora_torch import TorchLoraBackend
 from executor.lora_triton import TritonLoraBackend
 from executor.model_config import ModelConfig
-from executor.slot_pool import (
-    EMPTY_SLOT,
-    LORA_GROUPS,
-    LoraModuleWeights,
-    LoraSlotPool,
-    LoraWeights,
-)
-from tests.executor.lora_backends import backend_outputs
+from executor.slot_pool import EMPTY_SLOT, LoraModuleWeights, LoraSlotPool, LoraWeights
+from tests.executor.lora_backends import backend_outputs, load
+from tests.executor.lora_backends import make_pool as make_backend_pool
 from tests.random_adapters import random_adapter
 
 CONFIG = ModelConfig(hidden_size=48, intermediate_size=72, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, vocab_size=32)
-NUM_SLOTS, MAX_RANK = 3, 16
+NUM_SLOTS, MAX_RANK, NUM_BLOCKS = 3, 16, 400
 
 
-def fresh_pool(occupants: dict[int, LoraWeights]) -> LoraSlotPool:
-    pool = LoraSlotPool(CONFIG, num_slots=NUM_SLOTS, max_rank=MAX_RANK)
-    for slot, weights in occupants.items():
-        pool.load(slot, weights)
-    return pool
+class Pages:
+    """Each slot's pages, chosen at random among free blocks on every load."""
+
+    def __init__(self, pool: LoraSlotPool, seed: int = 0):
+        self.pool, self.rng = pool, random.Random(seed)
+
+    def load(self, slot: int, weights: LoraWeights) -> tuple[int, ...]:
+        return load(self.pool, slot, weights, self.rng)
 
 
-def assert_same_pool(got: LoraSlotPool, want: LoraSlotPool) -> None:
-    for name in LORA_GROUPS:
-        assert torch.equal(got.groups[name].a, want.groups[name].a), name
-        assert torch.equal(got.groups[name].bt, want.groups[name].bt), name
-    for module in LORA_MODULES:
-        assert torch.equal(got.scale[module], want.scale[module]), module
-    assert torch.equal(got.rank_table, want.rank_table)
-    assert torch.equal(got.scale_table, want.scale_table)
-    assert ([got.contents(s).targets for s in range(NUM_SLOTS)]
-            == [want.contents(s).targets for s in range(NUM_SLOTS)])
+def make_pool(noise: bool = True) -> LoraSlotPool:
+    return make_backend_pool(CONFIG, num_slots=NUM_SLOTS, max_rank=MAX_RANK,
+                             num_blocks=NUM_BLOCKS, noise=noise)
+
+
+def assert_holds(pool: LoraSlotPool, slot: int, weights: LoraWeights) -> None:
+    for layer in range(CONFIG.num_hidden_layers):
+        for module in LORA_MODULES:
+            w, rows = weights.modules.get((layer, module)), pool.rows(layer, slot, module)
+            assert (w is None) == (rows is None), (layer, module)
+            if w is not None:
+                assert torch.equal(rows[0], w.a) and torch.equal(rows[1], w.b), (layer, module)
 
 
 def some_adapter(rng: random.Random, seed: int) -> LoraWeights:
@@ -51,55 +53,81 @@ def some_adapter(rng: random.Random, seed: int) -> LoraWeights:
     return random_adapter(CONFIG, rng.randint(1, MAX_RANK), seed, modules=modules, layers=layers)
 
 
-def test_reused_slots_hold_what_a_fresh_pool_holds():
-    """Loads over larger and smaller adapters, other modules and layers, and clears, in random
-    order: after every step the pool equals a fresh one loaded with the current occupants."""
+def page_bytes(pool: LoraSlotPool, slot: int) -> list[torch.Tensor]:
+    """Copies of every region of a slot's pages (what its weights are in)."""
+    storage = pool.kv.storage
+    return [storage[:, :, b].clone() for b in pool.contents(slot).pages]
+
+
+def test_each_slot_reads_back_what_was_loaded_through_reloads_and_clears():
     rng = random.Random(0)
-    pool, occupants = fresh_pool({}), {}
+    pool = make_pool()
+    pages, occupants = Pages(pool), {}
     for step in range(60):
         slot = rng.randrange(NUM_SLOTS)
         if rng.random() < 0.25:
             pool.clear(slot)
             occupants.pop(slot, None)
+            assert pool.contents(slot) == EMPTY_SLOT
         else:
+            others = {s: page_bytes(pool, s) for s in occupants if s != slot}
             occupants[slot] = some_adapter(rng, seed=step)
-            pool.load(slot, occupants[slot])
-        assert_same_pool(pool, fresh_pool(occupants))
+            pages.load(slot, occupants[slot])
+            for other, before in others.items():  # (nobody else's pages were written)
+                assert all(torch.equal(a, b) for a, b in zip(before, page_bytes(pool, other)))
+        for s, weights in occupants.items():
+            assert_holds(pool, s, weights)
 
 
-def test_a_small_adapter_zeroes_only_its_ranks():
-    """Clearing a rank-2 adapter touches ranks 0-1 only: a marker planted above them survives
-    (nothing but a load writes there, so in use that region is always zero)."""
-    pool = fresh_pool({0: random_adapter(CONFIG, 2, 1, modules=("q_proj",))})
-    g = pool.groups["qkv"]
-    g.a[:, 0, :, 5] = 7.0
-    pool.clear(0)
-    assert torch.count_nonzero(g.a[:, 0, :, :5]) == 0 and torch.count_nonzero(g.bt[:, 0]) == 0
-    assert bool((g.a[:, 0, :, 5] == 7.0).all())
+def test_an_adapter_takes_pages_by_its_ranks_and_a_clear_writes_nothing():
+    pool = make_pool()
+    small, large = (random_adapter(CONFIG, r, 1, same_rank=True) for r in (2, 16))
+    assert pool.pages_for(large).num_pages >= 6 * pool.pages_for(small).num_pages
+    Pages(pool).load(0, large)
+    before = pool.kv.storage.clone()
+    pool.clear(0)  # (its pages are the scheduler's again: they may hold KV already)
+    assert torch.equal(pool.kv.storage, before) and pool.page_blocks() == set()
 
 
-def test_a_copy_that_fails_midway_is_cleared_in_full():
+def test_pages_are_checked():
+    pool = make_pool()
+    weights = random_adapter(CONFIG, 4, 0)
+    need = pool.pages_for(weights).num_pages
+    with pytest.raises(ValueError, match=f"take {need} pages, {need - 1} given"):
+        pool.load(0, weights, tuple(range(need - 1)))
+    with pytest.raises(ValueError, match="is no KV block"):
+        pool.load(0, weights, (NUM_BLOCKS, *range(need - 1)))
+    pool.load(0, weights, tuple(range(need)))
+    with pytest.raises(ValueError, match="holds another slot's adapter"):
+        pool.load(1, weights, tuple(range(need)))
+    pool.load(0, weights, tuple(range(need, 2 * need)))  # (a slot may move its own)
+
+
+def test_a_copy_that_fails_midway_leaves_the_slot_unloaded_and_its_neighbour_whole():
+    pool = make_pool()
+    pages = Pages(pool)
     neighbour = some_adapter(random.Random(1), seed=1)
-    pool = fresh_pool({1: neighbour})
+    pages.load(1, neighbour)
     good = random_adapter(CONFIG, 12, 2).modules
-    # The last module is alone in its group (down): only the record of it can clear it. Shapes
-    # fit, so the load starts copying; its B, a meta tensor, then fails to copy (after its A).
     modules = {(0, "q_proj"): good[(0, "q_proj")],
                (1, "down_proj"): LoraModuleWeights(
                    a=good[(1, "down_proj")].a, scale=1.0,
                    b=torch.empty_like(good[(1, "down_proj")].b, device="meta"))}
     with pytest.raises((NotImplementedError, RuntimeError)):
-        pool.load(0, LoraWeights(modules))
-    assert torch.count_nonzero(pool.groups["down"].a[1, 0]) > 0  # the copy got that far
-    pool.clear(0)
-    assert_same_pool(pool, fresh_pool({1: neighbour}))
+        pages.load(0, LoraWeights(modules))
+    assert not pool.is_loaded(0)
+    assert_holds(pool, 1, neighbour)
+    replacement = some_adapter(random.Random(3), seed=3)
+    pages.load(0, replacement)
+    assert_holds(pool, 0, replacement)
 
 
 def test_the_pool_is_the_record_of_what_each_slot_holds():
     """Written is not loaded: a slot holds its adapter (and reads as loaded) only once marked,
-    stops at mark_unloaded (its record kept, for the zeroing), and is empty after a clear."""
-    pool, ref = fresh_pool({}), AdapterRef("a", 1)
-    pool.load(0, random_adapter(CONFIG, 4, 0))
+    stops at mark_unloaded (its record kept), and is empty after a clear."""
+    pool, ref = make_pool(), AdapterRef("a", 1)
+    pages = Pages(pool)
+    pages.load(0, random_adapter(CONFIG, 4, 0))
     assert not pool.is_loaded(0) and pool.adapters() == [None] * NUM_SLOTS
     pool.mark_loaded(0, ref)
     assert pool.holds(0, ref) and pool.adapters() == [ref, None, None]
@@ -107,7 +135,7 @@ def test_the_pool_is_the_record_of_what_each_slot_holds():
     pool.mark_unloaded(0)
     assert not pool.is_loaded(0) and not pool.holds(0, ref) and pool.contents(0).targets
     pool.mark_loaded(0, ref)
-    pool.load(0, random_adapter(CONFIG, 2, 1))  # a load over it: written again, not loaded
+    pages.load(0, random_adapter(CONFIG, 2, 1))  # a load over it: written again, not loaded
     assert not pool.is_loaded(0) and pool.adapters() == [None] * NUM_SLOTS
     pool.clear(0)
     assert pool.contents(0) == EMPTY_SLOT
@@ -118,12 +146,15 @@ def test_the_pool_is_the_record_of_what_each_slot_holds():
 @pytest.mark.parametrize("backend", ["torch_exact", "torch_batched", "triton"])
 def test_outputs_of_a_reused_pool_are_bit_identical(backend):
     rng = random.Random(2)
-    reused, occupants = fresh_pool({}), {}
+    reused, occupants = make_pool(), {}
+    pages = Pages(reused)
     for step in range(12):  # every slot replaced several times, by larger and smaller adapters
         slot = step % NUM_SLOTS
         occupants[slot] = some_adapter(rng, seed=100 + step)
-        reused.load(slot, occupants[slot])
-    fresh = fresh_pool(occupants)
+        pages.load(slot, occupants[slot])
+    fresh = make_pool(noise=False)
+    for slot, weights in occupants.items():
+        Pages(fresh, seed=slot).load(slot, weights)
 
     def make(pool):
         if backend == "triton":

@@ -7,8 +7,7 @@ from executor.lora_stack import StackedGroup
 from executor.lora_torch import TorchLoraBackend
 from executor.model_config import ModelConfig
 from executor.slot_copy import SlotCopier
-from executor.slot_pool import LoraSlotPool
-from tests.executor.lora_backends import backend_outputs
+from tests.executor.lora_backends import backend_outputs, free_pages, load, make_pool
 from tests.random_adapters import random_adapter
 
 CONFIG = ModelConfig(hidden_size=48, intermediate_size=72, num_hidden_layers=2,
@@ -17,23 +16,14 @@ CONFIG = ModelConfig(hidden_size=48, intermediate_size=72, num_hidden_layers=2,
 
 @pytest.fixture
 def pool():
-    pool = LoraSlotPool(CONFIG, num_slots=5, max_rank=16)
-    pool.load(0, random_adapter(CONFIG, 16, 0))
-    pool.load(1, random_adapter(CONFIG, 1, 1, modules=("q_proj", "down_proj")))
-    pool.load(2, random_adapter(CONFIG, 16, 2))
+    pool = make_pool(CONFIG, num_slots=5, max_rank=16)  # (its storage noise around the pages)
+    load(pool, 0, random_adapter(CONFIG, 16, 0))
+    load(pool, 1, random_adapter(CONFIG, 1, 1, modules=("q_proj", "down_proj")))
+    load(pool, 2, random_adapter(CONFIG, 16, 2))
     # Slot 2 again, over a larger adapter:
-    pool.load(2, random_adapter(CONFIG, 3, 22, modules=("v_proj", "gate_proj", "o_proj")))
-    pool.load(3, random_adapter(CONFIG, 8, 3, layers=[1]))
-    pool.load(4, random_adapter(CONFIG, 5, 4))
-    for g in pool.groups.values():  # whatever lies above a slot's rank must not matter
-        for layer in range(CONFIG.num_hidden_layers):
-            for slot in range(pool.num_slots):
-                offset = 0
-                for i, (module, out_f) in enumerate(zip(g.modules, g.out_sizes)):
-                    rank = pool.contents(slot).targets.get((layer, module), (0, 0.0))[0]
-                    g.a[layer, slot, i, rank:] = 1e3
-                    g.bt[layer, slot, rank:, offset:offset + out_f] = -1e3
-                    offset += out_f
+    load(pool, 2, random_adapter(CONFIG, 3, 22, modules=("v_proj", "gate_proj", "o_proj")))
+    load(pool, 3, random_adapter(CONFIG, 8, 3, layers=[1]))
+    load(pool, 4, random_adapter(CONFIG, 5, 4))
     return pool
 
 
@@ -105,13 +95,13 @@ def test_decode_steps_keep_one_stack_and_copy_only_what_changed(pool, monkeypatc
     assert fast.prepare(torch.tensor(every)).batches[0].stack is first  # still kept
     copied.clear()
 
-    pool.load(1, random_adapter(CONFIG, 7, 77))  # slot 1 rewritten: copied again, alone
+    load(pool, 1, random_adapter(CONFIG, 7, 77))  # slot 1 rewritten: copied again, alone
     assert fast.prepare(torch.tensor(every)).batches[0].stack is first
     assert set(copied) == {1}
     check_against_exact(fast, pool, every)  # the new weights of slot 1, not the old copy
     copied.clear()
-    pool.load(0, random_adapter(CONFIG, 16, 70))
-    pool.load(3, random_adapter(CONFIG, 8, 73))  # two apart: copied where they sit
+    load(pool, 0, random_adapter(CONFIG, 16, 70))
+    load(pool, 3, random_adapter(CONFIG, 8, 73))  # two apart: copied where they sit
     assert fast.prepare(torch.tensor(every)).batches[0].stack is first
     assert set(copied) == {0, 3}
     check_against_exact(fast, pool, every)
@@ -132,13 +122,14 @@ def test_a_step_while_a_load_runs_does_not_keep_the_half_written_slot(pool, monk
     fast = TorchLoraBackend(pool)
     every = [0, 1, 2, 3, 4]
     fast.prepare(torch.tensor(every))  # the kept stack holds slot 1's adapter
-    zero = pool._zero_written
+    forget = pool._forget
 
-    def step_midway(slot: int) -> None:  # a step lands after the zeroing, before the copy
-        zero(slot)
+    def step_midway(slot: int) -> None:  # a step lands after the slot is forgotten, before
+        forget(slot)                     # the copy
         fast.prepare(torch.tensor(every))
-    monkeypatch.setattr(pool, "_zero_written", step_midway)
-    SlotCopier(pool).copy(1, random_adapter(CONFIG, 7, 77))
+    monkeypatch.setattr(pool, "_forget", step_midway)
+    weights = random_adapter(CONFIG, 7, 77)
+    SlotCopier(pool).copy(1, weights, free_pages(pool, 1, weights))
     pool.mark_loaded(1)
     check_against_exact(fast, pool, every)
 
@@ -149,7 +140,7 @@ def test_a_stack_group_is_rebuilt_when_a_slot_needs_a_larger_rank(pool):
     stack = fast.prepare(torch.tensor(low)).batches[0].stack
     check_against_exact(fast, pool, low)
     ranks = {key: group.rank for key, group in stack.groups.items() if group is not None}
-    pool.load(4, random_adapter(CONFIG, 16, 44))
+    load(pool, 4, random_adapter(CONFIG, 16, 44))
     assert fast.prepare(torch.tensor(low)).batches[0].stack is stack
     check_against_exact(fast, pool, low)
     assert all(stack.groups[key].rank > rank for key, rank in ranks.items())
@@ -158,9 +149,9 @@ def test_a_stack_group_is_rebuilt_when_a_slot_needs_a_larger_rank(pool):
 def test_adapters_of_one_rank_need_no_mask_and_match_the_exact_path():
     """The usual case: every adapter of a batch has the same rank on every projection, so no
     rank is masked off; decode rows and prefill chunks still equal the exact path's."""
-    pool = LoraSlotPool(CONFIG, num_slots=4, max_rank=16)
+    pool = make_pool(CONFIG, num_slots=4, max_rank=16)
     for slot in range(4):
-        pool.load(slot, random_adapter(CONFIG, 8, 30 + slot, same_rank=True))
+        load(pool, slot, random_adapter(CONFIG, 8, 30 + slot, same_rank=True))
     fast = TorchLoraBackend(pool)
     decode = [0, 1, 2, 3]
     meta = fast.prepare(torch.tensor(decode))

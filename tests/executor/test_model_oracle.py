@@ -260,7 +260,7 @@ def test_lora_segments_and_memory_budget(fx):
     meta = LoraSegments.from_row_slots(torch.tensor([3, 3, -1, 0, 0, 0]))
     assert meta.segments == ((0, 2, 3), (3, 6, 0)) and meta.max_seg_len == 3
     runner = make_runner(fx, num_slots=3)
-    kw = {"num_kv_blocks": 512, "block_size": BLOCK, "num_slots": 3, "max_rank": MAX_RANK}
+    kw = {"num_kv_blocks": 2048, "block_size": BLOCK, "num_slots": 3, "max_rank": MAX_RANK}
     assert runner.memory_budget() == MemoryBudget.estimate(runner.config, **kw)
     big = MemoryBudget.estimate(ModelConfig.named("llama-3-8b"), **kw, dtype=torch.bfloat16)
     assert 16.0e9 < big.weights_bytes < 16.1e9

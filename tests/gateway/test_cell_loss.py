@@ -25,11 +25,12 @@ NEW_TOKENS = 40
 @pytest.fixture
 def cells(tiny, tmp_path_factory, log_dir):
     logs = log_dir / "cell-loss"
-    # The cell to be killed runs 3 sequences at a time (8 KV blocks of 16, 3 per request), so
-    # most of the load waits in its queue when it dies.
+    # The cell to be killed runs 3 sequences at a time, so most of the load waits in its queue
+    # when it dies.
     doomed = Fleet(model=tiny["model_dir"], log_dir=logs / "a",
                    store_url=tmp_path_factory.mktemp("cell-loss-store").as_uri(),
-                   executor_args=["--adapter-slots", "6", "--threads", "1", "--kv-blocks", "8"])
+                   executor_args=["--adapter-slots", "6", "--threads", "1"],
+                   scheduler_args=["--max-num-seqs", "3"])
     other = gateway = None
     try:
         doomed.start()

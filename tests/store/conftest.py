@@ -33,5 +33,5 @@ async def file_store(tmp_path):
 
 @pytest.fixture(scope="module")
 def runner(tiny):
-    return ModelRunner.from_pretrained(tiny["model_dir"], num_kv_blocks=8, block_size=8,
+    return ModelRunner.from_pretrained(tiny["model_dir"], num_kv_blocks=128, block_size=8,
                                        num_slots=2, max_rank=64)

@@ -17,6 +17,7 @@ from adapter_store.blobs import BlobStore
 from adapter_store.config import StoreConfig
 from adapter_store.service import start_store
 from common.server import insecure_channel
+from executor.peft_adapter import parse_peft_adapter
 from loraplex import client
 from protos import adapter_store_pb2 as pb
 from protos import adapter_store_pb2_grpc, common_pb2
@@ -59,12 +60,36 @@ def weights_key(name: str, data: bytes) -> str:
     return f"adapters/{name}/weights/{hashlib.sha256(data).hexdigest()}.safetensors"
 
 
+def pages_for(runner, config_json: str, data: bytes) -> tuple[int, ...]:
+    """Blocks for an adapter's weights in `runner`'s KV cache, as a scheduler gives them with a
+    LoadAdapter (free ones, as many as its ranks take)."""
+    weights = parse_peft_adapter(config_json, data, runner.config, max_rank=runner.pool.max_rank)
+    return tuple(runner.free_blocks()[:runner.pool.pages_for(weights).num_pages])
+
+
 def make_adapter(seed=0, **kwargs) -> tuple[str, bytes]:
     return lora_config(), safetensors.torch.save(lora_tensors(seed=seed, **kwargs))
 
 
+class Pause:
+    """Holds one write or delete of a key: `reached` is set when it gets there, and it goes on
+    once released."""
+
+    def __init__(self) -> None:
+        self.reached = asyncio.Event()
+        self._go = asyncio.Event()
+
+    def release(self) -> None:
+        self._go.set()
+
+    async def hold(self) -> None:
+        self.reached.set()
+        await self._go.wait()
+
+
 class CountingBlobStore(BlobStore):
-    """The real blob store, with every get counted per key and optionally slowed down."""
+    """The real blob store, with every get counted per key and optionally slowed down, and a
+    put or delete of a given key held on request (`pause`)."""
 
     def __init__(self, inner: BlobStore):
         self.inner = inner
@@ -72,6 +97,17 @@ class CountingBlobStore(BlobStore):
         self.num_gets: collections.Counter[str] = collections.Counter()
         self.get_delay_s = 0.0
         self.gate: asyncio.Event | None = None  # when set, weight reads wait for it
+        self._pauses: dict[tuple[str, str], Pause] = {}  # (operation, key) -> its next pause
+
+    def pause(self, operation: str, key: str) -> Pause:
+        """Hold the next `operation` ("put" or "delete") of `key` until released."""
+        pause = self._pauses[(operation, key)] = Pause()
+        return pause
+
+    async def _held(self, operation: str, key: str) -> None:
+        pause = self._pauses.pop((operation, key), None)
+        if pause is not None:
+            await pause.hold()
 
     async def get_with_etag(self, key):
         self.num_gets[key] += 1
@@ -88,9 +124,11 @@ class CountingBlobStore(BlobStore):
                 yield part
 
     async def put(self, key, data, **conditions):
+        await self._held("put", key)
         await self.inner.put(key, data, **conditions)
 
     async def delete(self, key):
+        await self._held("delete", key)
         await self.inner.delete(key)
 
     async def list_objects(self, prefix):

@@ -21,7 +21,14 @@ from loraplex.fixtures import MODEL_ID
 from loraplex.launch import ServiceProcess, start_service
 from protos import adapter_store_pb2 as pb
 from protos import adapter_store_pb2_grpc
-from tests.store.helpers import SHAPES, WEIGHTS, lora_config, lora_tensors, make_adapter
+from tests.store.helpers import (
+    SHAPES,
+    WEIGHTS,
+    lora_config,
+    lora_tensors,
+    make_adapter,
+    pages_for,
+)
 
 CONFIG_JSON = lora_config(base_model_name_or_path=MODEL_ID)
 
@@ -57,9 +64,11 @@ async def test_a_frozen_store_is_passed_over_then_tried_last(frozen, file_store,
     loader = AdapterLoader(runner, (frozen_address, file_store.running.address),
                            holder="test-frozen-store", first_answer_s=0.5)
     try:
-        first = await loader.load(AdapterRef("first", 1), slot=0, timeout_s=60)
+        first = await loader.load(AdapterRef("first", 1), 0, pages_for(runner, CONFIG_JSON, data),
+                                  timeout_s=60)
         assert first.num_bytes == len(data) and servicer.fetches == 1
-        second = await loader.load(AdapterRef("second", 1), slot=1, timeout_s=60)
+        second = await loader.load(AdapterRef("second", 1), 1, pages_for(runner, CONFIG_JSON, data),
+                                   timeout_s=60)
         assert second.num_bytes == len(data) and servicer.fetches == 1  # not asked again
         assert loader.slot_adapters == [AdapterRef("first", 1), AdapterRef("second", 1)]
     finally:

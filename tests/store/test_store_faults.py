@@ -9,7 +9,6 @@ import uuid
 import grpc
 import pytest
 import safetensors.torch
-import torch
 
 from adapter_store.config import StoreConfig
 from common.adapter_ref import AdapterRef
@@ -25,6 +24,7 @@ from tests.store.helpers import (
     in_session_loop,
     lora_config,
     lora_tensors,
+    pages_for,
     weights_key,
 )
 
@@ -34,6 +34,10 @@ PART = 64 * 1024
 # Attention-only LoRA fits the tiny fixture model (hidden 256, 2 kv heads of 64): ~0.9 MB, 15 parts.
 CONFIG_JSON = lora_config(rank=64, base_model_name_or_path=MODEL_ID)
 DATA = safetensors.torch.save(lora_tensors(rank=64, num_layers=4, seed=11))
+
+
+def big_pages(runner) -> tuple[int, ...]:
+    return pages_for(runner, CONFIG_JSON, DATA)
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +70,7 @@ def count_s3_gets(store: Store, on_get=None) -> list[int]:
 
 
 def slot_is_empty(runner: ModelRunner, slot: int) -> bool:
-    return not runner.pool.contents(slot).targets and all(
-        float(t[:, slot].abs().sum()) == 0 for t in runner.pool.a.values())
+    return not runner.pool.contents(slot).targets and not runner.pool.contents(slot).pages
 
 
 @in_session_loop
@@ -81,12 +84,12 @@ async def test_corrupted_object_is_data_loss_after_retries_and_never_reaches_a_s
         corrupted[len(DATA) // 2] ^= 0x01  # one flipped bit in a middle part
         own_s3.client().put_object(Bucket=own_s3.bucket, Key=key, Body=bytes(corrupted))
         with pytest.raises(DataLoss, match="sha256"):
-            await loader.load(BIG_REF, slot=0)
+            await loader.load(BIG_REF, 0, big_pages(runner))
         assert loader.slot_adapters == [None, None] and slot_is_empty(runner, 0)
         stats = await store.stub.Stats(pb.StoreStatsRequest())
         assert (stats.checksum_failures, stats.host_entries) == (3, 0)  # re-read, never cached
         own_s3.client().put_object(Bucket=own_s3.bucket, Key=key, Body=DATA)  # repaired
-        result = await loader.load(BIG_REF, slot=0)
+        result = await loader.load(BIG_REF, 0, big_pages(runner))
         assert not result.was_resident and result.num_bytes == len(DATA)
         assert loader.slot_adapters[0] == BIG_REF and not slot_is_empty(runner, 0)
     finally:
@@ -107,12 +110,12 @@ async def test_s3_killed_mid_load_is_unavailable_and_recovers(own_s3, runner):
     calls = count_s3_gets(store, kill_after_first_part)
     try:
         with pytest.raises(Unavailable, match="S3"):
-            await loader.load(BIG_REF, slot=1)
+            await loader.load(BIG_REF, 1, big_pages(runner))
         assert calls[0] >= 2 and loader.slot_adapters[1] is None and slot_is_empty(runner, 1)
         details = await expect_error(grpc.StatusCode.UNAVAILABLE, store.fetch("big", 1))
         assert "S3" in details
         own_s3.restart()
-        result = await loader.load(BIG_REF, slot=1)  # same store process, S3 back
+        result = await loader.load(BIG_REF, 1, big_pages(runner))  # same store process, S3 back
         assert result.num_bytes == len(DATA) and loader.slot_adapters[1] == BIG_REF
         assert (await store.fetch("big", 1))[1] == DATA
     finally:
@@ -164,7 +167,7 @@ async def test_executor_reports_residency_and_pins_against_delete(own_s3, runner
     store = await start_store(own_s3, lease_ttl_s=5)
     loader = AdapterLoader(runner, (store.running.address,), holder="gpu-test")
     try:
-        await loader.load(BIG_REF, slot=0)
+        await loader.load(BIG_REF, 0, big_pages(runner))
         assert await loader.report_residency()
         delete = pb.DeleteAdapterRequest(name="big", version=1)
         details = await expect_error(grpc.StatusCode.FAILED_PRECONDITION,
@@ -175,7 +178,7 @@ async def test_executor_reports_residency_and_pins_against_delete(own_s3, runner
         await loader.unload(0)
         assert await loader.report_residency()
         assert list((await delete_once_certain(store, delete)).versions) == [1]
-        assert torch.count_nonzero(runner.pool.a["q_proj"][:, 0]) == 0
+        assert not runner.pool.contents(0).pages
     finally:
         await loader.close()
         await store.stop()

@@ -35,6 +35,7 @@ from tests.store.helpers import (
     in_session_loop,
     lora_config,
     lora_tensors,
+    pages_for,
 )
 
 BIG_REF = AdapterRef("big", 1)
@@ -46,6 +47,10 @@ SMALL_CONFIG_JSON = lora_config(rank=4, base_model_name_or_path=MODEL_ID)
 SMALL = safetensors.torch.save(lora_tensors(rank=4, num_layers=4, seed=22))
 HALF = safetensors.torch.save({k: v.to(torch.bfloat16)  # the pool (fp32) converts it
                                for k, v in lora_tensors(rank=4, num_layers=4, seed=23).items()})
+
+
+def big_pages(runner) -> tuple[int, ...]:
+    return pages_for(runner, CONFIG_JSON, BIG)
 
 
 class PartedBlobStore(CountingBlobStore):
@@ -147,12 +152,12 @@ async def test_loader_gets_the_right_weights_after_a_restart_and_with_reused_sta
         for name, slot in [("big", 0), ("small", 1), ("small", 0), ("big", 1), ("half", 1),
                            ("big", 0), ("half", 0)]:
             await loader.unload(slot)
-            result = await loader.load(AdapterRef(name, 1), slot)
+            result = await loader.load(AdapterRef(name, 1), slot,
+                                       pages_for(runner, *adapters[name]))
             assert result.num_bytes == len(adapters[name][1])
             for (layer, module), weights in expected[name].modules.items():
-                r = weights.a.shape[0]
-                assert torch.equal(runner.pool.a[module][layer, slot, :r], weights.a)
-                assert torch.equal(runner.pool.b[module][layer, slot, :, :r], weights.b)
+                a, b = runner.pool.rows(layer, slot, module)
+                assert torch.equal(a, weights.a) and torch.equal(b, weights.b)
     finally:
         for slot in (0, 1):
             await loader.unload(slot)
@@ -196,10 +201,10 @@ async def test_loader_checks_the_bytes_itself_before_the_parse_counts(tmp_path, 
         entries[BIG_REF] = (*intact[:index], damage(intact[index], where), *intact[index + 1:])
         await loader.unload(0)
         with pytest.raises(DataLoss, match="do not match the store's size"):
-            await loader.load(BIG_REF, 0)
+            await loader.load(BIG_REF, 0, big_pages(runner))
         assert not runner.pool.contents(0).targets and loader.slot_adapters[0] is None
         entries[BIG_REF] = intact
-        assert not (await loader.load(BIG_REF, 0)).was_resident
+        assert not (await loader.load(BIG_REF, 0, big_pages(runner))).was_resident
         assert loader.slot_adapters[0] == BIG_REF
     finally:
         await loader.unload(0)
@@ -250,15 +255,15 @@ async def test_a_load_cancelled_mid_copy_keeps_its_staging_and_slot_until_the_co
     entered, release = threading.Event(), threading.Event()
     copy = loader._copier.copy
 
-    def slow_copy(slot, weights):
+    def slow_copy(slot, weights, pages):
         entered.set()
         release.wait(10)
-        copy(slot, weights)
+        copy(slot, weights, pages)
 
     loader._copier.copy = slow_copy
     try:
         await loader.unload(0)
-        loading = asyncio.create_task(loader.load(BIG_REF, 0))
+        loading = asyncio.create_task(loader.load(BIG_REF, 0, big_pages(runner)))
         while not entered.is_set():
             await asyncio.sleep(0.01)
         loading.cancel()
@@ -270,7 +275,8 @@ async def test_a_load_cancelled_mid_copy_keeps_its_staging_and_slot_until_the_co
             await loading
         assert loader._staging._free and loader.slot_adapters[0] is None
         loader._copier.copy = copy
-        assert not (await loader.load(BIG_REF, 0)).was_resident  # the slot works as before
+        # the slot works as before
+        assert not (await loader.load(BIG_REF, 0, big_pages(runner))).was_resident
     finally:
         release.set()
         await loader.unload(0)
@@ -294,15 +300,14 @@ async def test_a_staged_adapter_loads_without_a_fetch_and_stagings_share_one(sto
         assert await fetches(store) == before + 1, "two stagings, one fetch"
         assert loader.slot_adapters[0] is None, "staging touches no slot"
         assert (await loader.stage(BIG_REF)).was_resident, "staged already"
-        result = await loader.load(BIG_REF, 0)
+        result = await loader.load(BIG_REF, 0, big_pages(runner))
         assert not result.was_resident and await fetches(store) == before + 1
         expected = parse_peft_adapter(CONFIG_JSON, BIG, runner.config, max_rank=64)
         for (layer, module), weights in expected.modules.items():
-            r = weights.a.shape[0]
-            assert torch.equal(runner.pool.a[module][layer, 0, :r], weights.a)
+            assert torch.equal(runner.pool.rows(layer, 0, module)[0], weights.a)
         assert loader.slot_adapters[0] == BIG_REF
         await loader.unload(0)
-        await loader.load(BIG_REF, 0)  # the staged bytes were used up: fetched again
+        await loader.load(BIG_REF, 0, big_pages(runner))  # the staged bytes were used up: fetched
         assert await fetches(store) == before + 2
     finally:
         await loader.unload(0)
