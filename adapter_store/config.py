@@ -92,6 +92,13 @@ class StoreConfig:
     # And one slower than this in all (push_idle_s + its bytes at this rate) is dropped too: a
     # client trickling a byte now and then would hold its share for ever.
     push_min_bytes_per_s: float = 1e6
+    # A push, its bytes received, writes its weights and registers its version within this
+    # (UNAVAILABLE, push again, if not).
+    push_register_s: float = 120.0
+    # Weights no live version uses (after a delete) are removed by a sweep once unused this long
+    # (adapter_store/orphans.py); a sweep every quarter of it. Outlasts any push's registration:
+    # a push of the same bytes racing the delete keeps them.
+    blob_grace_s: float = 7200.0
     # Where the keys of tenants, admins and services are read (files; also LORAPLEX_* env).
     keys: KeySources = KeySources()
 
@@ -115,6 +122,10 @@ class StoreConfig:
             raise ValueError(f"push_idle_s must be > 0, got {self.push_idle_s}")
         if not self.push_min_bytes_per_s > 0:
             raise ValueError(f"push_min_bytes_per_s must be > 0, got {self.push_min_bytes_per_s}")
+        if not 0 < 2 * self.push_register_s <= self.blob_grace_s:
+            raise ValueError(f"blob_grace_s ({self.blob_grace_s}) must be at least twice "
+                             f"push_register_s ({self.push_register_s}) > 0: a sweep must never "
+                             "remove weights a push is registering")
         if self.host_cache_bytes < 0 or self.host_fill_wait_s < 0:
             raise ValueError("host_cache_bytes and host_fill_wait_s must be >= 0, got "
                              f"{self.host_cache_bytes} and {self.host_fill_wait_s}")
@@ -201,6 +212,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-rank", type=int, help="largest LoRA rank a push may register")
     parser.add_argument("--max-adapter-mb", type=int,
                         help="largest adapter_model.safetensors a push or register takes (MiB)")
+    parser.add_argument("--blob-grace-s", type=float,
+                        help="weights a delete left unused are removed after this (default 7200)")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="Prometheus /metrics port (0 = off)")
     parser.add_argument("--grace-s", type=float, default=30.0,
@@ -216,7 +229,7 @@ def config_from_args(args: argparse.Namespace,
     config = StoreConfig.from_env(
         environ, url=args.url, s3_endpoint_url=args.s3_endpoint_url, address=args.address,
         chunk_bytes=args.chunk_bytes, max_rank=args.max_rank,
-        require_base_model=args.require_base_model,
+        require_base_model=args.require_base_model, blob_grace_s=args.blob_grace_s,
         host_cache_bytes=None if args.host_cache_mb is None else args.host_cache_mb * MIB,
         max_adapter_bytes=None if args.max_adapter_mb is None else args.max_adapter_mb * MIB)
     config = dataclasses.replace(config, metrics_port=args.metrics_port, grace_s=args.grace_s,

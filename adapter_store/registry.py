@@ -21,6 +21,11 @@ a conditional put, which S3 (and SeaweedFS, tested) and the file store make atom
   resolving the alias gets the old version or the new, never neither. Because a delete and an
   alias move go through the same document, "refuse to delete a version an alias points at" holds
   under any interleaving across replicas.
+- A delete only marks versions deleted: weights are content-addressed, and a push of the same
+  bytes in flight (here or on another replica) may be about to register them again. Weights no
+  live version uses are removed by a sweep once unused for a grace period longer than any push
+  (orphans.py); a push claims its weights before writing them, so no sweep removes them while
+  it registers, and registers within `register_s` (UNAVAILABLE, push again, if not).
 - What a replica knows and how lookups are answered (fresh, or from memory while the blob
   store fails) is registry_view.py; this module adds the writes.
 """
@@ -32,9 +37,11 @@ import logging
 import math
 import random
 import time
+from collections.abc import Callable
 
-from adapter_store.base_models import BaseModels
+from adapter_store.base_models import BaseMatch, BaseModels
 from adapter_store.blobs import BlobStore, PreconditionFailed
+from adapter_store.orphans import OrphanSweeper
 from adapter_store.records import (
     INDEX_FILENAME,
     MANIFEST_FILENAME,
@@ -45,7 +52,7 @@ from adapter_store.records import (
     version_prefix,
 )
 from adapter_store.registry_view import RegistryView
-from adapter_store.validation import check_config_rank, validate_adapter
+from adapter_store.validation import AdapterSpec, check_config_rank, validate_adapter
 from common.adapter_ref import AdapterQuery, AdapterRef, check_alias, check_name, not_found
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from common.peft.config import parse_config
@@ -60,11 +67,14 @@ class Registry(RegistryView):
     registrations, aliases and deletions; see the module docstring."""
 
     def __init__(self, blobs: BlobStore, *, max_rank: int = 256, require_base_model: bool = False,
-                 refresh_s: float = 2.0):
+                 refresh_s: float = 2.0, register_s: float = 120.0, blob_grace_s: float = 7200.0,
+                 clock: Callable[[], float] = time.time):
         super().__init__(blobs, refresh_s=refresh_s)
         self._max_rank = max_rank
+        self._register_s = register_s
         self._push_locks: dict[str, asyncio.Lock] = {}
         self.base_models = BaseModels(blobs, require_registered=require_base_model)
+        self.orphans = OrphanSweeper(blobs, self, blob_grace_s, clock)
 
     # ----- pushing versions -----
 
@@ -97,38 +107,55 @@ class Registry(RegistryView):
         async with self._push_locks.setdefault(name, asyncio.Lock()):
             await self.refresh(name)  # versions other replicas pushed
             self._check_owner(name, owner_tenant)
-            await self._blobs.put(weights_key, data)  # same key <=> same bytes: safe to repeat
-            for _ in range(_MAX_CAS_ATTEMPTS):
-                record = AdapterRecord(
-                    name=name, version=max(self._versions.get(name, {}), default=0) + 1,
-                    owner_tenant=owner_tenant, is_public=not owner_tenant,
-                    base_model=match.base_model, rank=spec.rank, alpha=spec.alpha,
-                    use_rslora=spec.use_rslora, target_modules=spec.target_modules,
-                    num_bytes=spec.num_bytes, sha256=spec.sha256, crc32=spec.crc32,
-                    created_unix=time.time(),
-                    config_json=config_json,
-                    base_model_revision=meta.base_model_revision or spec.base_model_revision,
-                    base_config_sha256=base.config_sha256 if base else "", dtype=spec.dtype,
-                    rank_pattern=spec.rank_pattern, alpha_pattern=spec.alpha_pattern,
-                    training_dataset=meta.training_dataset, eval_scores=dict(meta.eval_scores),
-                    source=meta.source or "upload", weights_key=weights_key,
-                    base_model_name_or_path=spec.base_model, base_match=match.kind.value,
-                    base_fingerprint=base.fingerprint if base else "")
-                key = version_prefix(name, record.version) + MANIFEST_FILENAME
-                try:
-                    await self._blobs.put(key, record.to_json().encode(), if_none_match=True)
-                    break
-                except PreconditionFailed:  # another replica claimed this version first
-                    await self.refresh(name)
-                    self._check_owner(name, owner_tenant)
-            else:
-                raise Unavailable(f"could not claim a version of {name!r}: too many concurrent "
-                                  "pushes; retry")
+            registering = asyncio.timeout(self._register_s)
+            try:
+                async with registering:
+                    await self.orphans.claim(weights_key)  # no sweep removes them meanwhile
+                    await self._blobs.put(weights_key, data)  # same key <=> same bytes
+                    record = await self._claim_version(name, owner_tenant, config_json, spec,
+                                                       match, meta, weights_key)
+            except TimeoutError:
+                if not registering.expired():
+                    raise
+                raise Unavailable(f"the push of {name!r} was not registered within "
+                                  f"{self._register_s:g} s (push_register_s); push again") from None
             self._versions.setdefault(name, {})[record.version] = record
         log.info("pushed %s (%d bytes, rank %d, owner %r, from %s, base %s, match %s)", record.ref,
                  record.num_bytes, record.rank, owner_tenant, record.source, record.base_model,
                  record.base_match)
         return record
+
+    async def _claim_version(self, name: str, owner_tenant: str, config_json: str,
+                             spec: AdapterSpec, match: BaseMatch, meta: VersionMeta,
+                             weights_key: str) -> AdapterRecord:
+        """The next version of `name`, its manifest created (If-None-Match) before any other
+        replica's: a version claimed meanwhile elsewhere means the next one."""
+        base = match.base
+        for _ in range(_MAX_CAS_ATTEMPTS):
+            record = AdapterRecord(
+                name=name, version=max(self._versions.get(name, {}), default=0) + 1,
+                owner_tenant=owner_tenant, is_public=not owner_tenant,
+                base_model=match.base_model, rank=spec.rank, alpha=spec.alpha,
+                use_rslora=spec.use_rslora, target_modules=spec.target_modules,
+                num_bytes=spec.num_bytes, sha256=spec.sha256, crc32=spec.crc32,
+                created_unix=time.time(),
+                config_json=config_json,
+                base_model_revision=meta.base_model_revision or spec.base_model_revision,
+                base_config_sha256=base.config_sha256 if base else "", dtype=spec.dtype,
+                rank_pattern=spec.rank_pattern, alpha_pattern=spec.alpha_pattern,
+                training_dataset=meta.training_dataset, eval_scores=dict(meta.eval_scores),
+                source=meta.source or "upload", weights_key=weights_key,
+                base_model_name_or_path=spec.base_model, base_match=match.kind.value,
+                base_fingerprint=base.fingerprint if base else "")
+            key = version_prefix(name, record.version) + MANIFEST_FILENAME
+            try:
+                await self._blobs.put(key, record.to_json().encode(), if_none_match=True)
+                return record
+            except PreconditionFailed:  # another replica claimed this version first
+                await self.refresh(name)
+                self._check_owner(name, owner_tenant)
+        raise Unavailable(f"could not claim a version of {name!r}: too many concurrent pushes; "
+                          "retry")
 
     async def register_from_uri(self, uri: str, name: str, owner_tenant: str,
                                 meta: VersionMeta = VersionMeta()) -> AdapterRecord:
@@ -221,10 +248,9 @@ class Registry(RegistryView):
                         "move or remove them first (loraplex adapters alias)")
             return NameIndex(current.aliases, current.deleted | set(targets))
 
-        after = await self._update_index(name, mark)
-        live_keys = {r.weights_key for v, r in versions.items() if v not in after.deleted}
-        for key in {versions[v].weights_key for v in targets} - live_keys:
-            await self._blobs.delete(key)  # the manifest stays: the version is never reused
+        # Only unreferenced: a push of the same bytes may be registering them (orphans.py sweeps
+        # them later). The manifest stays: the version is never reused.
+        await self._update_index(name, mark)
         log.info("deleted %s versions %s", name, targets)
         return targets
 

@@ -44,6 +44,7 @@ class RegistryView:
         self._index_etags: dict[str, str] = {}  # name -> etag of index.json as last listed
         self._refreshed_at: dict[str | None, float] = {}  # name (None: all) -> monotonic time
         self._refreshing: dict[str, asyncio.Future] = {}  # name -> its refresh under way
+        self._unreadable: set[str] = set()  # manifest keys last read unreadable
 
     # ----- reading the blob store -----
 
@@ -55,8 +56,9 @@ class RegistryView:
                  len(self._versions), num_versions, self._blobs.description)
         return num_versions
 
-    async def refresh(self, name: str | None = None) -> None:
-        """Index new manifests and changed index documents of `name` (None: of every adapter)."""
+    async def refresh(self, name: str | None = None) -> dict[str, str]:
+        """Index new manifests and changed index documents of `name` (None: of every adapter).
+        Returns the listing it indexed from (key -> etag of everything under the name(s))."""
         started = time.monotonic()
         listed = await self._blobs.list_objects(ROOT if name is None else f"{ROOT}{name}/")
         manifests, indexes = [], []
@@ -73,7 +75,10 @@ class RegistryView:
         async def read_manifest(key: str) -> None:
             async with limit:
                 record = self._parse_manifest(key, await self._blobs.get(key))
-            if record is not None:
+            if record is None:
+                self._unreadable.add(key)
+            else:
+                self._unreadable.discard(key)
                 self._versions.setdefault(record.name, {})[record.version] = record
 
         async def read_index(adapter: str, etag: str) -> None:
@@ -85,6 +90,7 @@ class RegistryView:
                              *(read_index(a, e) for a, e in indexes))
         if name is None or name in self._versions:  # not remembered for names asked in vain
             self._refreshed_at[name] = started
+        return listed
 
     async def _read_index(self, name: str) -> tuple[NameIndex, str | None]:
         """The name's index as stored now, and its etag (None when there is none yet)."""
@@ -212,6 +218,15 @@ class RegistryView:
         live = [v for name, versions in self._versions.items() for v in versions
                 if v not in self._indexes.get(name, NameIndex()).deleted]
         return len({n for n, vs in self._versions.items() if vs}), len(live)
+
+    def weights_in_use(self, name: str) -> set[str] | None:
+        """The weights keys of `name`'s live versions, as last refreshed; None when a manifest of
+        it was unreadable (what it uses is unknown)."""
+        if any(_MANIFEST_RE.match(key)[1] == name for key in self._unreadable):
+            return None
+        deleted = self._indexes.get(name, NameIndex()).deleted
+        return {r.weights_key for v, r in self._versions.get(name, {}).items()
+                if v not in deleted}
 
     def aliases_of(self, record: AdapterRecord) -> list[str]:
         return self._indexes.get(record.name, NameIndex()).aliases_of(record.version)

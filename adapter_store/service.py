@@ -6,6 +6,7 @@
 Prints "adapter_store listening on HOST:PORT" on stdout once it serves; stops on SIGTERM/SIGINT.
 """
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -279,13 +280,16 @@ class RunningStore:
     blobs: BlobStore
     registry: Registry
     cache: HostCache
+    sweeps: asyncio.Task  # of unreferenced weights (orphans.py), until stopped
 
     @property
     def address(self) -> str:
         return f"{self.config.address.rsplit(':', 1)[0]}:{self.service.port}"
 
     async def stop(self, grace: float = 5.0) -> None:
+        self.sweeps.cancel()
         await self.service.stop(grace)
+        await asyncio.gather(self.sweeps, return_exceptions=True)
         await self.blobs.close()
 
 
@@ -296,7 +300,8 @@ async def start_store(config: StoreConfig, blobs: BlobStore | None = None,
     blobs = blobs if blobs is not None else await open_blob_store(config)
     try:
         registry = Registry(blobs, max_rank=config.max_rank,
-                            require_base_model=config.require_base_model)
+                            require_base_model=config.require_base_model,
+                            register_s=config.push_register_s, blob_grace_s=config.blob_grace_s)
         await registry.load()
         cache = HostCache(blobs, config.host_cache_bytes, config.read_attempts,
                           piece_bytes=config.chunk_bytes, fill_wait_s=config.host_fill_wait_s)
@@ -314,7 +319,8 @@ async def start_store(config: StoreConfig, blobs: BlobStore | None = None,
         await blobs.close()
         raise
     await service.mark_serving()
-    return RunningStore(config, service, blobs, registry, cache)
+    sweeps = asyncio.create_task(registry.orphans.run(config.blob_grace_s / 4))
+    return RunningStore(config, service, blobs, registry, cache, sweeps)
 
 
 async def serve(config: StoreConfig) -> None:
@@ -325,6 +331,7 @@ async def serve(config: StoreConfig) -> None:
     try:
         await server.run_until_signalled(store.service, grace=config.grace_s)
     finally:
+        store.sweeps.cancel()
         await store.blobs.close()
 
 
