@@ -106,6 +106,10 @@ def _simulate(args: argparse.Namespace) -> None:
     if args.compare_merge:
         off = dataclasses.replace(config, limits=dataclasses.replace(config.limits, merge_share=0))
         variants = [("with merging (its [limits])", config), ("without merging", off)]
+    if args.compare_memory:
+        variants = [(f"adapter memory: {memory}", dataclasses.replace(
+            config, executors=dataclasses.replace(config.executors, memory=memory)))
+            for memory in ("pages", "padded")]
     for title, variant in variants:
         start = time.perf_counter()
         result = Simulator(variant).run()
@@ -151,6 +155,9 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--requests", type=int, default=0, help="override num_requests")
     sim.add_argument("--compare-merge", action="store_true",
                      help="run it twice: as configured, and with merging off")
+    sim.add_argument("--compare-memory", action="store_true",
+                     help="run it twice at the same blocks: adapters in pages by their ranks, "
+                          "and padded to the largest rank")
 
     fit = sub.add_parser("fit-cost",
                          help="fit the simulator's cost model to measured step and load times")

@@ -4,10 +4,14 @@
     num_requests = 1000000
     [arrivals]   process = "poisson" | "bursty", rate_per_s, burst_factor, burst_period_s
     [lengths]    prompt_mean, prompt_max, output_mean, output_max   (geometric-like, capped)
-    [adapters]   count, zipf_s, ranks = [8, 16, 32], bytes_per_rank, heavy_share (the share of
-                 requests for adapter a0 alone, one heavy tenant's; the rest Zipf over all)
+    [adapters]   count, zipf_s, ranks = [8, 16, 32], rank_shares = [0.7, 0.2, 0.1] (default:
+                 equal), bytes_per_rank, heavy_share (the share of requests for adapter a0 alone,
+                 one heavy tenant's; the rest Zipf over all)
     [tenants]    count, weights = [...]  (adapters are split among tenants round-robin)
-    [executors]  count, slots, kv_blocks, block_size
+    [executors]  count, slots, kv_blocks, block_size, memory = "slots" (adapters in slots beside
+                 the blocks) | "pages" (in pages of the blocks, by their ranks) | "padded" (in
+                 pages, every adapter at the largest rank), and the model's shapes for the pages:
+                 num_layers, hidden, intermediate, kv_heads, head_dim (default Llama-3-8B)
     [cost]       step_base_s, step_per_token_s, step_per_adapter_s, load_latency_s,
                  load_bytes_per_s   (`loraplex fit-cost` fits them to a scheduler's --timings-out),
                  step_per_lora_token_s (LoRA work per token of an adapter's row, none where the
@@ -19,6 +23,7 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from common.adapter_pages import PageGeometry
 from scheduler.limits import Limits
 
 
@@ -57,10 +62,14 @@ class Adapters:
     ranks: tuple[int, ...] = (8, 16, 32)
     bytes_per_rank: int = 5_242_880  # an 8B model, 7 projections: ~5.2 MB per unit of rank (bf16)
     heavy_share: float = 0.0  # requests for a0 alone (one heavy tenant), before the Zipf draw
+    rank_shares: tuple[float, ...] = ()  # adapters of each rank (default: as many of each)
 
     def __post_init__(self) -> None:
         if self.count < 1 or self.zipf_s < 0 or not self.ranks:
             raise ValueError("adapters: count >= 1, zipf_s >= 0, at least one rank")
+        if self.rank_shares and (len(self.rank_shares) != len(self.ranks)
+                                 or min(self.rank_shares) < 0 or not sum(self.rank_shares) > 0):
+            raise ValueError("adapters: one rank_share >= 0 per rank, not all 0")
         if not 0 <= self.heavy_share <= 1:
             raise ValueError("adapters: heavy_share in [0, 1]")
 
@@ -81,6 +90,26 @@ class Executors:
     slots: int = 32
     kv_blocks: int = 4096
     block_size: int = 16
+    memory: str = "slots"
+    num_layers: int = 32
+    hidden: int = 4096
+    intermediate: int = 14336
+    kv_heads: int = 8
+    head_dim: int = 128
+
+    def __post_init__(self) -> None:
+        if self.memory not in ("slots", "pages", "padded"):
+            raise ValueError("executors.memory must be 'slots', 'pages' or 'padded', got "
+                             f"{self.memory!r}")
+
+    def geometry(self) -> PageGeometry | None:
+        """Where adapters' pages lie in the blocks (None: fixed slots)."""
+        if self.memory == "slots":
+            return None
+        h, kv, i = self.hidden, self.kv_heads * self.head_dim, self.intermediate
+        shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+                  "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        return PageGeometry(self.num_layers, self.block_size * kv, shapes)
 
 
 @dataclass(frozen=True)

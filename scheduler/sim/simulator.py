@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from common.adapter_ref import AdapterRef
 from common.detokenizer import OutputProcessor
+from common.peft.modules import LORA_MODULES
 from common.sampling import SamplingParams
 from scheduler.block_manager import BlockManager
 from scheduler.core import Scheduler
@@ -64,9 +65,16 @@ class Simulator:
         self._events: list = []
         self._order = itertools.count()
         weights = dict(zip((f"t{i}" for i in range(c.tenants.count)), c.tenants.weights or ()))
+        geometry = c.executors.geometry()
+        page_bytes = geometry.page_elems * 2 if geometry else 0  # (bf16)
         self.executors = [
             ExecutorState(f"ex{i}", BlockManager(c.executors.kv_blocks, c.executors.block_size),
-                          SlotTable(c.executors.slots)) for i in range(c.executors.count)]
+                          SlotTable(c.executors.slots), geometry=geometry, page_bytes=page_bytes)
+            for i in range(c.executors.count)]
+        # Each adapter's rank: drawn once, apart from the arrivals (the same mix in every run).
+        a = c.adapters
+        self._ranks = (random.Random(c.seed + 1).choices(a.ranks, a.rank_shares, k=a.count)
+                       if a.rank_shares else [a.ranks[k % len(a.ranks)] for k in range(a.count)])
         # Simulated prompts are placeholders ([1] * length): a prefix cache would find them all
         # alike. Prefix caching is not modelled.
         limits = replace(c.limits, prefix_cache="off")
@@ -89,8 +97,16 @@ class Simulator:
 
     # ---- workload ---------------------------------------------------------------------------
     def _adapter_bytes(self, k: int) -> int:
-        a = self.cfg.adapters
-        return a.ranks[k % len(a.ranks)] * a.bytes_per_rank
+        return self._ranks[k] * self.cfg.adapters.bytes_per_rank
+
+    def _adapter_ranks(self, k: int) -> dict[str, int] | None:
+        """Its rank per module as its pages are planned: its own ("pages"), the largest of the mix
+        ("padded", as vLLM and LoRAX size slots); None with fixed slots."""
+        memory = self.cfg.executors.memory
+        if memory == "slots":
+            return None
+        rank = self._ranks[k] if memory == "pages" else max(self.cfg.adapters.ranks)
+        return dict.fromkeys(LORA_MODULES, rank)
 
     def _adapter(self) -> tuple[int, AdapterRef, int]:
         if self.rng.random() < self.cfg.adapters.heavy_share:
@@ -124,7 +140,7 @@ class Simulator:
         max_new = self._length(lengths.output_mean, lengths.output_max)
         output = OutputProcessor(None, max_new_tokens=max_new)
         req = Request(request_id, tenant, adapter, num_bytes, prompt, SamplingParams(), output,
-                      lambda e: None)
+                      lambda e: None, adapter_ranks=self._adapter_ranks(k))
         req.emit = lambda event, req=req: self._on_event(req, event)
         self._live += 1
         self.core.submit(req)
@@ -280,6 +296,9 @@ def format_report(cfg: SimConfig, r: SimResult) -> str:
         f"{cfg.adapters.count} adapters (Zipf {cfg.adapters.zipf_s}), {cfg.executors.count} "
         f"executors x {cfg.executors.slots} slots, {cfg.arrivals.process} arrivals at "
         f"{cfg.arrivals.rate_per_s:g}/s",
+        f"adapter memory: {cfg.executors.memory}" + (
+            "" if cfg.executors.memory == "slots" else
+            f", in the {cfg.executors.kv_blocks:,} blocks of each executor with its KV"),
         "",
         f"{'tenant':8s}{'requests':>10s}{'tokens/s':>10s}{'TTFT p50':>10s}{'TTFT p99':>10s}"
         f"{'lat p50':>10s}{'lat p99':>10s}",

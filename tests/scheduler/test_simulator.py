@@ -8,7 +8,9 @@ import random
 
 import pytest
 
+from common.adapter_pages import plan_pages
 from common.adapter_ref import AdapterRef
+from common.peft.modules import LORA_MODULES
 from scheduler.sim.belady import belady_hits, lru_hits, pinned_belady_hits
 from scheduler.sim.config import SimConfig
 from scheduler.sim.invariants import check_invariants
@@ -99,18 +101,23 @@ SMALL = {
 }
 
 
-@pytest.fixture(scope="module")
-def small_run():
-    config = SimConfig.from_dict(SMALL)
-    sim = Simulator(config)
+def checked(sim: Simulator) -> Simulator:
+    """`sim`, its core's invariants checked after every step it plans."""
     core_schedule = sim.core.schedule
 
-    def checked_schedule(ex):  # the invariants after every step the simulator plans
+    def checked_schedule(ex):
         plan = core_schedule(ex)
         check_invariants(sim.core)
         return plan
 
     sim.core.schedule = checked_schedule
+    return sim
+
+
+@pytest.fixture(scope="module")
+def small_run():
+    config = SimConfig.from_dict(SMALL)
+    sim = checked(Simulator(config))
     return config, sim, sim.run()
 
 
@@ -186,3 +193,24 @@ def test_two_slots_under_a_tight_fairness_window_never_stall(seed):
             "executors": {"count": 2, "slots": 2, "kv_blocks": 96, "block_size": 16},
             "limits": {"fairness_window": 200.0, "max_num_seqs": 8, "max_batched_tokens": 128}}
     assert Simulator(SimConfig.from_dict(spec)).run().unfinished == 0
+
+
+@pytest.mark.parametrize("memory", ["pages", "padded"])
+def test_adapters_in_pages_of_the_kv_blocks_keep_every_invariant(memory):
+    """Executors whose adapters take pages of the KV blocks, by their ranks or padded to the
+    largest: every request finishes, the invariants hold at every step, and each adapter's pages
+    are what its ranks (or the largest rank) take."""
+    spec = {**SMALL, "num_requests": 1500,
+            "adapters": {**SMALL["adapters"], "ranks": [8, 16, 64], "rank_shares": [6, 3, 1]},
+            "executors": {**SMALL["executors"], "kv_blocks": 600, "memory": memory}}
+    config = SimConfig.from_dict(spec)
+    sim = checked(Simulator(config))
+    result = sim.run()
+    assert result.unfinished == 0 and result.loads > 0
+    geometry = config.executors.geometry()
+    counts = {a: n for ex in sim.executors for a, n in ex.page_counts.items()}
+    assert len(counts) > 10
+    for adapter, n in counts.items():
+        rank = sim._ranks[int(adapter.name[1:])] if memory == "pages" else 64
+        assert n == plan_pages(dict.fromkeys(LORA_MODULES, rank), geometry).num_pages
+    assert "adapter memory: " + memory in format_report(config, result)
