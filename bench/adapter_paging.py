@@ -130,7 +130,9 @@ def decode_ms(runner: ModelRunner, prompts: list[list[int]], steps: int, blocks_
 
 
 def time_table(num_rows: int, rounds: int, steps: int) -> str:
-    ranks = sorted(mix_ranks(num_rows, seed=1))  # rows sorted by adapter, as the scheduler does
+    # The mix's shares of the rows, each row its own adapter, sorted by adapter (as scheduled).
+    ranks = [r for r, share in MIX.items() for _ in range(round(share * num_rows))]
+    num_rows = len(ranks)
     paged = [random_adapter(r, seed=i) for i, r in enumerate(ranks)]
     padded = [padded_to(w, max(MIX)) for w in paged]
     rng = random.Random(2)
@@ -180,7 +182,7 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--rows", type=int, default=20, help="decode rows (mix shares of them)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     torch.set_num_threads(min(4, os.cpu_count() or 1))

@@ -3,24 +3,29 @@ metadata. For every segment s with slot j, in PEFT's order:
 
     out[rows_s] += (x[rows_s] @ A_j^T) @ B_j^T * scale_j      (shrink to rank r, expand back)
 
-Segments of similar length go all at once: those of at most DECODE_MAX_ROWS rows (decode: a row
-or a few per adapter) form one batch, and prefill chunks up to BATCH_MAX_ROWS one batch per
-quarter octave of length (9-10 rows, 11-12, ..., 17-20, ...), so padding adds under 25% to a
-segment. A batch is padded to its longest segment and runs one batched shrink per group and one
-batched expand per slice, at the group's largest rank among its adapters, ranks above a segment's
-own masked off. That is a handful of ops per group instead of two matmuls per segment and
-projection: what keeps a CPU step over 64 adapters near one over a single adapter (a prefill of
-64 chunks of 8-24 rows was ~1.8k small matmul pairs: its LoRA time fell by a quarter). Longer
-segments, and every segment with `exact=True` (the reference the batches are tested against),
-get one shrink and one expand matmul each at their exact rank.
+Segments of similar length and rank go all at once: those of at most DECODE_MAX_ROWS rows
+(decode: a row or a few per adapter) form one batch per rank tier, and prefill chunks up to
+BATCH_MAX_ROWS one batch per quarter octave of length (9-10 rows, 11-12, ..., 17-20, ...) and
+rank tier, so padding adds under 25% to a segment's rows. A rank tier is the power of two at or
+above an adapter's largest rank, 16 at least (16, 32, 64, ...: below 16 padding costs less than
+another batch would). A batch runs one batched shrink per group and one batched expand per slice
+at the group's largest rank among its adapters, ranks above a segment's own masked off, so a
+rank-8 adapter's rows never pay for a rank-64 one's beside them (at most twice their own rank,
+or 16). That is a handful of ops per group instead of two matmuls per segment and projection:
+what keeps a CPU step over 64 adapters near one over a single adapter (a prefill of 64 chunks of
+8-24 rows was ~1.8k small matmul pairs: its LoRA time fell by a quarter). Longer segments, and
+every segment with `exact=True` (the reference the batches are tested against), get one shrink
+and one expand matmul each at their exact rank.
 
 A batch reads its adapters' A and B stacked side by side ([S, ...]: executor/lora_stack.py).
-Decode steps run nearly the same adapters step after step, so one stack is kept and updated in
-place: a new adapter of the step is appended, a slot rewritten since is copied again, the rest is
-not touched. A batch whose adapters, once appended, are at least STACK_REUSE_FRACTION of the kept
-stack runs over all of it, the absent slots' rows masked off; otherwise it gets a stack of its own
-for the step, and the largest batch's replaces the kept one. The kept stack has room for the
-pool's slots (or a step's segments, if more): at most one more copy of the pool.
+Decode steps run nearly the same adapters step after step, so one stack per rank tier is kept and
+updated in place: a new adapter of the step is appended, a slot rewritten since is copied again,
+the rest is not touched. A batch whose adapters, once appended, are at least STACK_REUSE_FRACTION
+of its tier's kept stack runs over all of it, the absent slots' rows masked off; otherwise it gets
+a stack of its own for the step, and the tier's largest batch's replaces the kept one. A tier's
+kept stack has room for the pool's slots of that tier (or a step's segments, if more; a stack
+that fills is built again, larger): in all about one more copy of the pool's rows, each padded at
+most to twice its rank.
 """
 
 from __future__ import annotations
@@ -95,6 +100,11 @@ class TorchBatchMeta:
     batches: tuple[_SegmentBatch, ...]  # segments of similar length, each batch all at once
 
 
+def _rank_tier(rank: int) -> int:
+    """The power of two at or above `rank`, at least 16 (0 for a slot that holds nothing)."""
+    return max(16, 1 << (rank - 1).bit_length()) if rank > 0 else 0
+
+
 def _length_class(rows: int) -> int:
     """0 for decode segments (<= DECODE_MAX_ROWS); else one class per quarter of an octave (9-10,
     11-12, 13-14, 15-16, 17-20, ...): padding a segment to its class's longest adds < 25%."""
@@ -110,31 +120,39 @@ class TorchLoraBackend:
 
     def __init__(self, pool: LoraSlotPool, *, exact: bool = False) -> None:
         self.pool, self.exact = pool, exact
-        self._stack: AdapterStack | None = None  # kept across steps (lora_stack.py)
+        self._stacks: dict[int, AdapterStack] = {}  # rank tier -> its kept stack (lora_stack.py)
 
     def prepare(self, row_slots: torch.Tensor) -> TorchBatchMeta:
         segments = LoraSegments.from_row_slots(row_slots).segments
         if self.exact:
             return TorchBatchMeta(segments, ())
-        by_length: dict[int, list[tuple[int, int, int]]] = {}
+        tiers = [_rank_tier(r) for r in self.pool.rank_table.amax(dim=(0, 2)).tolist()]
+        by_class: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
         alone = []
         for seg in segments:
             rows = seg[1] - seg[0]
             if rows > BATCH_MAX_ROWS:
                 alone.append(seg)
             else:
-                by_length.setdefault(_length_class(rows), []).append(seg)
-        largest = max(by_length.values(), key=len, default=None)
+                by_class.setdefault((_length_class(rows), tiers[seg[2]]), []).append(seg)
+        largest = {}  # rank tier -> its largest batch (the one that keeps its stack)
+        for (_, tier), segs in by_class.items():
+            if len(segs) > len(largest.get(tier, ())):
+                largest[tier] = segs
+        per_tier = collections.Counter(tiers)
         return TorchBatchMeta(tuple(alone), tuple(
-            _SegmentBatch.build(segs, self._stack_for(segs, keep=segs is largest),
+            _SegmentBatch.build(segs, self._stack_for(segs, tier, per_tier[tier],
+                                                      keep=segs is largest[tier]),
                                 self.pool.device)
-            for _, segs in sorted(by_length.items())))
+            for (_, tier), segs in sorted(by_class.items())))
 
-    def _stack_for(self, segments: list[tuple[int, int, int]], keep: bool) -> AdapterStack:
-        """The kept stack, brought up to date for these segments' slots, if they would be at
-        least STACK_REUSE_FRACTION of it; else a new one (kept from now on if `keep`)."""
+    def _stack_for(self, segments: list[tuple[int, int, int]], tier: int, tier_slots: int,
+                   keep: bool) -> AdapterStack:
+        """The tier's kept stack, brought up to date for these segments' slots, if they would be
+        at least STACK_REUSE_FRACTION of it; else a new one (kept from now on if `keep`, with
+        room for the `tier_slots` slots of the pool in the tier)."""
         slots = [slot for _, _, slot in segments]
-        kept = self._stack
+        kept = self._stacks.get(tier)
         if kept is not None:
             size = len(kept) + len(kept.missing(slots))
             if size <= kept.capacity and len(slots) >= STACK_REUSE_FRACTION * size:
@@ -142,9 +160,9 @@ class TorchLoraBackend:
                 return kept
         if not keep:
             return AdapterStack(self.pool, slots, capacity=len(slots))
-        self._stack = AdapterStack(self.pool, slots,
-                                   capacity=max(self.pool.num_slots, len(slots)))
-        return self._stack
+        self._stacks[tier] = AdapterStack(self.pool, slots,
+                                          capacity=max(tier_slots, len(slots)))
+        return self._stacks[tier]
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor,
               meta: TorchBatchMeta) -> None:

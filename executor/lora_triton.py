@@ -3,8 +3,11 @@ work list (kernels/segments.py), built once per step on the host and copied to t
 transfer. `apply` reads x and writes out in place: nothing is gathered or copied per layer.
 
 Per group and layer, decode-shaped steps (every segment <= `fused_max_rows` rows) get one fused
-shrink+expand launch; others a shrink launch (x read once for all of the group's slices) and an
-expand launch.
+shrink+expand launch, its rank tile the step's largest; others a shrink launch (x read once for
+all of the group's slices) and an expand launch per rank tier (kernels/segments.py), each tier's
+rank tile its adapters' own. Decode is bound by the bytes of A and B, which masked rows do not
+read, and one launch a group costs less than a launch a tier; prefill chunks are bound by the
+multiplies, which a tile larger than the rank wastes.
 """
 
 from __future__ import annotations
@@ -51,9 +54,12 @@ class TritonLoraBackend:
     def prepare(self, row_slots: torch.Tensor) -> TritonBatchMeta:
         segments = LoraSegments.from_row_slots(row_slots)
         is_fused = segments.max_seg_len <= self.fused_max_rows
+        groups = () if is_fused else tuple((g.first_module, len(g.modules))
+                                           for g in self.pool.groups.values())
         work = SegmentWork.build(segments.seg_starts, segments.seg_lens, segments.seg_slots,
                                  self.pool.rank_table, self.pool.scale_table,
-                                 block_m=16 if is_fused else 64, device=self.pool.device)
+                                 block_m=16 if is_fused else 64, device=self.pool.device,
+                                 tiered=groups)
         return TritonBatchMeta(work, is_fused)
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor,
@@ -74,7 +80,7 @@ class TritonLoraBackend:
             self._fused(x, store, pool.a_offsets, pool.b_offsets, out, work.items, ranks, scales,
                         g.out_sizes, rank_block=rank_block, **rows)
         else:
-            t = self._shrink(x, store, pool.a_offsets, work.items, ranks, rank_block=rank_block,
+            for tile, items in work.tiers[(g.first_module, len(g.modules))]:
+                t = self._shrink(x, store, pool.a_offsets, items, ranks, rank_block=tile, **rows)
+                self._expand(t, store, pool.b_offsets, out, items, ranks, scales, g.out_sizes,
                              **rows)
-            self._expand(t, store, pool.b_offsets, out, work.items, ranks, scales, g.out_sizes,
-                         **rows)

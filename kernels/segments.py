@@ -11,13 +11,27 @@ adapter or for the empty tail of a short segment. Running example, block_m 4, ro
 Row 2 (no adapter) appears in no item. ranks / scales [L, 7, S] hold each segment's rank (0 =
 the adapter does not target that module) and scale per layer and module, so kernels loop to
 each adapter's own rank and skip untargeted slices.
+
+Rank tiers (`tiers`, for the groups asked for at build): a group's items split by the rank tile
+their segment's adapter needs (a power of two >= 16 covering its ranks of the group's slices in
+every layer), so a launch per tier computes a rank-8 adapter's rows with a 16-row tile beside a
+rank-64 one's, not with the 64-row tile of the step's largest rank. In the running example, if
+slot 3 has rank 8 and slot 0 rank 64 in a group: tiers (16, items [(0, 2, 3, 0)]) and
+(64, items [(3, 7, 0, 1), (7, 8, 0, 1)]).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+Group = tuple[int, int]  # (first module, number of modules): a group of slices
+
+
+def rank_tile(rank: int) -> int:
+    """The rank tile of a rank: a power of two >= 16 covering it; 0 for rank 0."""
+    return 0 if rank == 0 else max(16, 1 << (rank - 1).bit_length())
 
 
 @dataclass(frozen=True)
@@ -27,6 +41,8 @@ class SegmentWork:
     scales: torch.Tensor  # [L, M, S] fp32 on device
     block_m: int
     max_ranks: tuple[int, ...]  # [M] host: the largest rank of each module over layers, segments
+    # group -> (rank tile, its items [4, w] on device) in increasing tiles: the groups asked for
+    tiers: dict[Group, tuple[tuple[int, torch.Tensor], ...]] = field(default_factory=dict)
 
     @property
     def num_items(self) -> int:
@@ -35,15 +51,15 @@ class SegmentWork:
     def rank_block(self, first_module: int, num_modules: int) -> int:
         """The kernels' rank tile for a group: a power of two >= 16 covering every rank of the
         group in this step, or 0 when no segment's adapter targets the group."""
-        r = max(self.max_ranks[first_module: first_module + num_modules])
-        return 0 if r == 0 else max(16, 1 << (r - 1).bit_length())
+        return rank_tile(max(self.max_ranks[first_module: first_module + num_modules]))
 
     @classmethod
     def build(cls, seg_starts: torch.Tensor, seg_lens: torch.Tensor, seg_slots: torch.Tensor,
               rank_table: torch.Tensor, scale_table: torch.Tensor, *, block_m: int,
-              device: str | torch.device) -> SegmentWork:
+              device: str | torch.device, tiered: tuple[Group, ...] = ()) -> SegmentWork:
         """seg_*: [S] host tensors (segments may be empty); rank_table, scale_table:
-        [L, num_slots, M] host tables of the slot pool."""
+        [L, num_slots, M] host tables of the slot pool; `tiered`: the groups to split in rank
+        tiers."""
         starts, lens = seg_starts.long(), seg_lens.long()
         num_segs = starts.numel()
         tiles = (lens + block_m - 1) // block_m  # [S] items per segment
@@ -57,11 +73,32 @@ class SegmentWork:
         ranks = rank_table[:, slots].transpose(1, 2)  # [L, M, S]
         scales = scale_table[:, slots].transpose(1, 2).float()  # [L, M, S]
         max_ranks = ranks.amax(dim=(0, 2)) if num_segs else torch.zeros(ranks.shape[1])
-        # One host-to-device copy for everything: int32 items | ranks | fp32 scales (as bits).
-        flat = torch.cat([items.int().flatten(), ranks.int().flatten(),
-                          scales.contiguous().view(torch.int32).flatten()]).to(device)
-        n_items, n_ranks = items.numel(), ranks.numel()
-        return cls(items=flat[:n_items].view(4, -1),
-                   ranks=flat[n_items: n_items + n_ranks].view(ranks.shape),
-                   scales=flat[n_items + n_ranks:].view(torch.float32).view(scales.shape),
-                   block_m=block_m, max_ranks=tuple(int(r) for r in max_ranks.tolist()))
+        tier_items = {group: _tier_items(items, seg_of, ranks, group) for group in tiered}
+        # One host-to-device copy for everything: int32 items | ranks | fp32 scales (as bits) |
+        # each tier's items.
+        parts = [items.int(), ranks.int(), scales.contiguous().view(torch.int32),
+                 *(t for tiers in tier_items.values() for _, t in tiers)]
+        flat = torch.cat([part.flatten() for part in parts]).to(device)
+        views, at = [], 0
+        for part in parts:
+            views.append(flat[at: at + part.numel()].view(part.shape))
+            at += part.numel()
+        items_d, ranks_d, scales_d, *tier_views = views
+        tiers, k = {}, 0
+        for group, group_tiers in tier_items.items():
+            tiers[group] = tuple((tile, tier_views[k + i]) for i, (tile, _) in
+                                 enumerate(group_tiers))
+            k += len(group_tiers)
+        return cls(items=items_d, ranks=ranks_d, scales=scales_d.view(torch.float32),
+                   block_m=block_m, max_ranks=tuple(int(r) for r in max_ranks.tolist()),
+                   tiers=tiers)
+
+
+def _tier_items(items: torch.Tensor, seg_of: torch.Tensor, ranks: torch.Tensor,
+                group: Group) -> list[tuple[int, torch.Tensor]]:
+    """(rank tile, its items [4, w] int32) of one group, increasing tiles, host tensors."""
+    first, num = group
+    seg_ranks = ranks[:, first: first + num].amax(dim=(0, 1)).tolist()  # [S]
+    tiles = torch.tensor([rank_tile(r) for r in seg_ranks], dtype=torch.long)[seg_of]  # [W]
+    return [(tile, items[:, tiles == tile].int().contiguous())
+            for tile in sorted(set(tiles.tolist()) - {0})]

@@ -45,7 +45,7 @@ def test_batched_segments_match_per_segment_matmuls(pool, row_slots):
     assert not any(end - start <= 32 for start, end, _ in meta_fast.alone)
     assert bool(meta_fast.batches) == bool((row_slots >= 0).any())
     for batch in meta_fast.batches:  # padding at most doubles a segment past decode length
-        width = len(batch.rows) // len(batch.stack.slots)
+        width = len(batch.rows) // batch.size
         positions = torch.arange(len(batch.rows)) if batch.valid is None else batch.valid
         lens = torch.bincount(positions // width)
         assert width <= max(8, 2 * int(lens[lens > 0].min()) - 1)
@@ -159,3 +159,20 @@ def test_adapters_of_one_rank_need_no_mask_and_match_the_exact_path():
     assert stacked.drop is None
     check_against_exact(fast, pool, decode)
     check_against_exact(fast, pool, [0] * 11 + [1] * 12 + [2, 3])
+
+
+def test_adapters_of_far_apart_ranks_are_batched_at_their_own_ranks():
+    """A decode step over adapters of ranks 8, 16, 40 and 64: the rank-8 and rank-16 rows run at
+    rank 16, the others at 64, not all at 64 (and each tier keeps a stack of its own)."""
+    pool = make_pool(CONFIG, num_slots=4, max_rank=64, num_blocks=1200)
+    for slot, rank in enumerate((8, 64, 16, 40)):
+        load(pool, slot, random_adapter(CONFIG, rank, slot, same_rank=True))
+    fast = TorchLoraBackend(pool)
+    row_slots = [0, 1, 2, 3, 0]
+    meta = fast.prepare(torch.tensor(row_slots))
+    ranks = {tuple(sorted(set(b.stack.slots))):
+             b.stack.group(0, "qkv", pool.device, pool.dtype).rank for b in meta.batches}
+    assert ranks == {(0, 2): 16, (1, 3): 64}
+    check_against_exact(fast, pool, row_slots)
+    again = fast.prepare(torch.tensor(row_slots))
+    assert [b.stack for b in again.batches] == [b.stack for b in meta.batches]  # kept, per tier

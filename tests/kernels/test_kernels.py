@@ -227,6 +227,14 @@ def test_segment_work_running_example():
     empty = SegmentWork.build(*(torch.zeros(0, dtype=torch.long),) * 3, ranks, scales,
                               block_m=16, device="cpu")
     assert empty.num_items == 0 and empty.rank_block(0, 7) == 0
+    # Rank tiers: slot 3 at rank 8 and slot 0 at rank 64 in a group get launches of their own.
+    ranks[:, 3, 6], ranks[0, 0, 6] = 8, 64
+    tiered = SegmentWork.build(torch.tensor([0, 3, 8]), torch.tensor([2, 5, 0]),
+                               torch.tensor([3, 0, 1]), ranks, scales, block_m=4, device="cpu",
+                               tiered=((6, 1), (3, 1)))
+    assert [(tile, items.tolist()) for tile, items in tiered.tiers[(6, 1)]] == [
+        (16, [[0], [2], [3], [0]]), (64, [[3, 7], [7, 8], [0, 0], [1, 1]])]
+    assert tiered.tiers[(3, 1)] == () and torch.equal(tiered.items, work.items)
 
 
 def test_launchers_reject_bad_inputs():
@@ -248,18 +256,23 @@ def test_launchers_reject_bad_inputs():
 
 @pytest.mark.parametrize("fused_max_rows", [64, 0], ids=["fused", "shrink_expand"])
 def test_triton_backend_matches_torch_backend(fused_max_rows):
-    """Adapters in random pages of a KV storage full of noise, ranks 16, 1 and 8 (each module
-    at its own rank, one adapter on one layer only)."""
+    """Adapters in random pages of a KV storage full of noise, ranks 16, 1, 8 and 72 (each
+    module at its own rank, one adapter on one layer only): the shrink + expand path launches
+    per rank tier (16 and 128)."""
     config = ModelConfig(hidden_size=48, intermediate_size=72, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=32)
-    pool = make_pool(config, num_slots=4, max_rank=16)
+    pool = make_pool(config, num_slots=4, max_rank=72, num_blocks=800)
     rng = random.Random(0)
     load(pool, 0, random_adapter(config, 16, 0), rng)
     load(pool, 1, random_adapter(config, 1, 1, modules=("q_proj", "down_proj")), rng)
+    load(pool, 2, random_adapter(config, 72, 2), rng)
     load(pool, 3, random_adapter(config, 8, 3, layers=[1]), rng)
     triton_backend = TritonLoraBackend(pool, fused_max_rows=fused_max_rows, target_ctas=4)
     torch_backend = TorchLoraBackend(pool, exact=True)  # the exact per-segment reference
-    row_slots = torch.tensor([-1, 0, 0, 0, 1, -1, 3, 3, 3, 3, 3, 3])
+    row_slots = torch.tensor([-1, 0, 0, 0, 1, -1, 2, 2, 3, 3, 3, 3, 3, 3])
+    if not fused_max_rows:
+        tiers = triton_backend.prepare(row_slots).work.tiers[(0, 3)]
+        assert [tile for tile, _ in tiers] == [16, 128]
     for *_, got, want in backend_outputs(config, triton_backend, torch_backend, row_slots, 1):
         assert_close(got, want, torch.float32)
 
