@@ -14,8 +14,11 @@ rewritten after each so a cut-off run still leaves one:
   5. the paged-attention kernel vs its torch reference at 8B attention shapes (64 decode rows of
      mixed lengths up to 4k, sliding window on and off, prefill chunks beside decode rows), and
      its time against the old padded gather + SDPA decode path (bench/gpu_attention.py);
-  6. SGMV kernel timings (triton.testing.do_bench, median) over tokens x adapters x ranks: GB/s vs
-     the copy, LoRA time / base matmul time, speed-up over a torch gather+bmm baseline.
+  6. adapters in pages at their ranks (a 70/20/10 mix of ranks 8/16/64) against the same number
+     padded to rank 64 (what vLLM and LoRAX store and multiply), decode and prefill, per group;
+  7. SGMV kernel timings (triton.testing.do_bench, median) over tokens x adapters x ranks: GB/s vs
+     the copy, LoRA time / base matmul time, speed-up over a torch gather+bmm baseline (within
+     --budget-s: the section that is cut short when time runs out).
 `--smoke` runs a tiny version on CPU through the Triton interpreter (checks the script itself).
 """
 
@@ -231,7 +234,7 @@ def time_rank(rank: int, copy_gbs: float, base_cache: dict) -> tuple[list, int]:
     return rows, skipped
 
 
-@section("6. Kernel timings (bf16, Llama-3-8B projections, one layer)")
+@section("7. Kernel timings (bf16, Llama-3-8B projections, one layer)")
 def kernel_timings(copy_gbs: float) -> None:
     rows, base_cache, skipped = [], {}, 0
     for rank in RANKS:
@@ -256,11 +259,47 @@ def kernel_timings(copy_gbs: float) -> None:
         REPORT.append(f"\n{skipped} configs skipped: past the {OPTS.budget_s:.0f} s budget.\n")
 
 
+MIX = (8,) * 7 + (16,) * 2 + (64,)  # adapter i has rank MIX[i % 10]: 70% 8, 20% 16, 10% 64
+
+
+@section("6. Adapters in pages at their ranks vs padded to rank 64 (bf16, one layer)")
+def paged_vs_padded() -> None:
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    num = 4 if OPTS.smoke else 64
+    pools = {"pages": one_layer_pool(num, 64, dtype,
+                                     lambda s: dict.fromkeys(LORA_MODULES, MIX[s % len(MIX)])),
+             "padded": one_layer_pool(num, 64, dtype, lambda s: dict.fromkeys(LORA_MODULES, 64))}
+    shapes = ({"decode": torch.arange(num)} if OPTS.smoke else
+              {f"decode {num} rows": torch.arange(num),
+               "prefill 2048 rows, 16 adapters": torch.arange(2048) * 16 // 2048})
+    rows = []
+    for name, row_slots in shapes.items():
+        for group in LORA_GROUPS:
+            in_f, n = group_shapes(group)
+            x = torch.randn(len(row_slots), in_f, device=DEVICE).to(dtype)
+            out = torch.zeros(len(row_slots), n, device=DEVICE, dtype=dtype)
+            us = {}
+            for memory, pool in pools.items():
+                backend = TritonLoraBackend(pool)
+                meta = backend.prepare(row_slots)
+                us[memory] = bench_ms(lambda: backend.apply(0, group, x, out, meta)) * 1e3
+            rows.append([name, group, us["pages"], us["padded"], us["padded"] / us["pages"]])
+        print(rows[-4:], flush=True)
+    REPORT.append(
+        f"{num} adapters on all 7 projections; in pages at ranks 8/16/64 (70/20/10%), or every "
+        "one at rank 64 (padded: the same bytes and multiplies as zero-padded slots). Decode: "
+        "one row per adapter (fused path, one launch at the step's largest rank tile); prefill: "
+        "2048 rows over 16 adapters (shrink + expand, a launch per rank tier). us = do_bench "
+        "median.\n\n")
+    REPORT.append(table(["rows", "group", "pages us", "padded us", "padded / pages"], rows))
+
+
 def main() -> None:
     copy_gbs = copy_bandwidth() or float("nan")
     correctness()
     decode_step(copy_gbs)
     paged_attention_check(copy_gbs)
+    paged_vs_padded()
     kernel_timings(copy_gbs)
     print(f"\nwrote {OPTS.out} in {time.perf_counter() - START:.0f} s")
 

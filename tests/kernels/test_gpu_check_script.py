@@ -21,7 +21,8 @@ def test_gpu_check_smoke_runs_every_section_and_every_check_passes(tmp_path):
     report = out.read_text()
     for section in ("## 1. Copy bandwidth", "## 2. Kernels vs torch references",
                     "## 3. Executor decode step", "## 4. Adapter load into a slot",
-                    "## 5. Paged attention kernel", "## 6. Kernel timings"):
+                    "## 5. Paged attention kernel", "## 6. Adapters in pages",
+                    "## 7. Kernel timings"):
         assert section in report
     assert "**FAILED**" not in report
     loads = [line for line in report.splitlines() if line.startswith("| float32 file")]
@@ -33,3 +34,4 @@ def test_gpu_check_smoke_runs_every_section_and_every_check_passes(tmp_path):
     attention = [line for line in report.splitlines() if line.startswith("| paged ")]
     assert len(attention) == 6 and all(line.rstrip().endswith("| yes |") for line in attention)
     assert "| short + 1 long | 196 | 100 |" in report  # the timing table
+    assert sum(line.startswith("| decode | ") for line in report.splitlines()) == 4
