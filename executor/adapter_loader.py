@@ -156,9 +156,9 @@ class AdapterLoader:
                 staging, num_bytes, weights = staged.buffer, staged.num_bytes, staged.weights
             try:
                 fetched = time.perf_counter()
-                # Empty while the copy runs. Reported once the load ends (below, or on failure):
-                # a report now would put its RPC and lease write beside the copy, for nothing.
-                self._pool.mark_unloaded(slot)
+                # Empty while the copy runs (marked so by _write, once it is sure the slot is
+                # not merged). Reported once the load ends (below, or on failure): a report now
+                # would put its RPC and lease write beside the copy, for nothing.
                 try:
                     await _thread_to_its_end(self._write, slot, self._copier.copy, weights,
                                              tuple(pages))
@@ -182,7 +182,6 @@ class AdapterLoader:
         async with self._locks[slot]:
             if adapter is not None and not self._pool.holds(slot, adapter):
                 return
-            self._pool.mark_unloaded(slot)
             await _thread_to_its_end(self._write, slot, self._copier.clear)
         self._residency_changed()
 
@@ -208,12 +207,14 @@ class AdapterLoader:
             raise type(err)(f"adapter {key}: {err}") from None
 
     def _write(self, slot: int, write, *args) -> None:
-        """On a worker thread: `write(slot, *args)` unless `slot` is merged into the weights, the
-        check and the write under the lock a merge takes (a merge cannot start between them)."""
+        """On a worker thread: mark `slot` unloaded and `write(slot, *args)`, unless it is merged
+        into the weights: the check and the write under the lock a merge takes (a merge that
+        began during the fetch is seen here; none can start between them)."""
         with self._runner.slot_writes:
             if slot == self._runner.merged_slot:
                 raise FailedPrecondition(f"adapter slot {slot} is merged into the weights: "
                                          "unmerge it (a Step with unmerge) before replacing it")
+            self._pool.mark_unloaded(slot)
             try:
                 write(slot, *args)
             except ValueError as err:  # (the pages do not fit the adapter, or are taken)

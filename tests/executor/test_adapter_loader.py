@@ -6,9 +6,11 @@ import asyncio
 import threading
 import time
 
+import pytest
 import torch
 
 from common.adapter_ref import AdapterRef
+from common.errors import FailedPrecondition
 from executor.adapter_loader import AdapterLoader
 from executor.model_config import ModelConfig
 from executor.runner import ModelRunner
@@ -84,4 +86,30 @@ async def test_a_load_into_other_pages_copies_the_adapter_there_and_unload_all_e
     assert weights
     await loader.unload_all()
     assert loader.slot_adapters == [None, None] and not runner.pool.page_blocks()
+    await loader.close()
+
+
+async def test_a_load_into_a_slot_merged_during_its_fetch_is_refused_and_the_merge_kept():
+    """LoadAdapter checks the slot is not merged as it arrives; a merge can begin while the
+    load fetches. The check that counts is the one under the merge lock, with the write: the load
+    is refused (FAILED_PRECONDITION) and the merged adapter stays loaded, its weights intact."""
+    runner = ModelRunner.random(CONFIG, seed=0, num_kv_blocks=64, block_size=16, num_slots=2,
+                                max_rank=8)
+    loader = AdapterLoader(runner, (), holder="test")
+    loader.report_residency = lambda: asyncio.sleep(0, True)  # (no store to tell)
+    x, y = AdapterRef("x", 1), AdapterRef("y", 1)
+    await loader.load(x, 0, stage(loader, runner, x, 1))
+    pages = stage(loader, runner, y, 2)  # y "fetched"; meanwhile a step merges slot 0
+    runner.merge(0)
+    merged = runner.weights.layers[0].wqkv.clone()
+    with pytest.raises(FailedPrecondition, match="merged into the weights"):
+        await loader.load(y, 0, pages)
+    assert runner.merged_slot == 0 and loader.slot_adapters[0] == x
+    assert runner.pool.holds(0, x) and torch.equal(runner.weights.layers[0].wqkv, merged)
+    with pytest.raises(FailedPrecondition, match="merged into the weights"):
+        await loader.unload(0)
+    assert runner.pool.holds(0, x)
+    runner.unmerge()
+    await loader.load(y, 0, stage(loader, runner, y, 2))  # (the refused load used its staging)
+    assert loader.slot_adapters[0] == y
     await loader.close()
