@@ -85,10 +85,14 @@ async def leaks(fleet: Fleet) -> tuple[list[str], list[str], float]:
                 async with insecure_channel(ex.address, fleet.keys.service) as channel:
                     held = (await executor_pb2_grpc.ExecutorStub(channel).Info(
                         executor_pb2.InfoRequest(), timeout=5)).num_sequences
+                pages = sum(s.num_pages for s in ex.slots)  # (resident adapters' blocks)
                 lines.append(f"{ex.address}: up {ex.is_up}, running {ex.running}, queued "
-                             f"{ex.queued}, free KV blocks {ex.free_kv_blocks}/{ex.num_kv_blocks},"
-                             f" slot pins {pins}; its Info: num_sequences {held}")
-                if ex.running or ex.queued or pins or ex.free_kv_blocks != ex.num_kv_blocks:
+                             f"{ex.queued}, free KV blocks {ex.free_kv_blocks}/{ex.num_kv_blocks}"
+                             f" and {ex.adapter_pages} adapters' pages, slot pins {pins}; its "
+                             f"Info: num_sequences {held}")
+                idle = (ex.free_kv_blocks + ex.adapter_pages == ex.num_kv_blocks
+                        and ex.adapter_pages == pages)
+                if ex.running or ex.queued or pins or not idle:
                     problems.append(f"the scheduler's {ex.address} is not idle")
                 if held != 0:
                     problems.append(f"executor {ex.address} holds {held} sequences")

@@ -6,6 +6,9 @@ AUTHORIZATION = "authorization"
 BEARER = "Bearer "
 # A service calling on behalf of a tenant (a gateway calling Generate) names it here.
 ON_BEHALF_OF = "loraplex-tenant"
+# A scheduler names each Step stream it opens to an executor here (a fresh id per stream), and
+# binds its LoadAdapter and UnloadAdapter calls to it (their stream_id): see executor.proto.
+STEP_STREAM = "loraplex-step-stream"
 # Trailing metadata of a RESOURCE_EXHAUSTED (or retryable UNAVAILABLE) answer: seconds to wait.
 RETRY_AFTER = "retry-after"
 # Trailing metadata of an UNAVAILABLE that ended a request mid-stream (its scheduler was lost):

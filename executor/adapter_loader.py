@@ -96,6 +96,9 @@ class AdapterLoader:
         self._stagings: dict[AdapterRef, asyncio.Future[Staged]] = {}  # fetches under way
         self._fetcher = StoreFetcher(list(zip(stores, self._stubs)), self._staging, self._parse,
                                      first_answer_s, chunk_timeout_s)
+        # The id of the Step stream that drives the executor now (None between streams): loads
+        # and unloads bound to another stream are refused where they write (see _write).
+        self.stream_id: str | None = None
 
     @property
     def slot_adapters(self) -> list[AdapterRef | None]:
@@ -136,13 +139,16 @@ class AdapterLoader:
         return self._staged.take(adapter)
 
     async def load(self, adapter: AdapterRef, slot: int, pages: tuple[int, ...],
-                   timeout_s: float = FETCH_TIMEOUT_S, only_staged: bool = False) -> LoadResult:
+                   timeout_s: float = FETCH_TIMEOUT_S, only_staged: bool = False,
+                   stream_id: str = "") -> LoadResult:
         """Place `adapter` in `slot`, its weights in `pages` (KV blocks the scheduler gave it):
         from its staged bytes, else fetched now (with `only_staged`: else ABORTED, the slot
-        untouched). FAILED_PRECONDITION when the slot is merged into the weights (checked where
-        the copy starts, under the lock merges take) or the pages do not fit the adapter."""
+        untouched). FAILED_PRECONDITION when the slot is merged into the weights, when the
+        pages do not fit the adapter, or when `stream_id` (if given) is no longer the driving
+        step stream (each checked where the copy starts, under the lock merges take)."""
         self._check_slot(slot)
         async with self._locks[slot]:
+            self._check_stream(slot, stream_id)  # (again where it writes: it may end meanwhile)
             if self._pool.holds(slot, adapter) and self._pool.contents(slot).pages == tuple(pages):
                 return LoadResult(0, 0.0, True)  # (in other pages: copied there again)
             start = time.perf_counter()
@@ -160,8 +166,8 @@ class AdapterLoader:
                 # not merged). Reported once the load ends (below, or on failure): a report now
                 # would put its RPC and lease write beside the copy, for nothing.
                 try:
-                    await _thread_to_its_end(self._write, slot, self._copier.copy, weights,
-                                             tuple(pages))
+                    await _thread_to_its_end(self._write, slot, stream_id, self._copier.copy,
+                                             weights, tuple(pages))
                 except BaseException:
                     self._residency_changed()
                     raise
@@ -176,14 +182,21 @@ class AdapterLoader:
                      seconds - (fetched - start))
             return LoadResult(num_bytes, seconds, False)
 
-    async def unload(self, slot: int, adapter: AdapterRef | None = None) -> None:
-        """Empty `slot`; with `adapter`, only while the slot still holds that adapter."""
+    async def unload(self, slot: int, adapter: AdapterRef | None = None,
+                     stream_id: str = "") -> None:
+        """Empty `slot`; with `adapter`, only while the slot still holds that adapter; with
+        `stream_id`, only while that step stream drives the executor (as `load`)."""
         self._check_slot(slot)
         async with self._locks[slot]:
             if adapter is not None and not self._pool.holds(slot, adapter):
                 return
-            await _thread_to_its_end(self._write, slot, self._copier.clear)
+            await _thread_to_its_end(self._write, slot, stream_id, self._copier.clear)
         self._residency_changed()
+
+    def _check_stream(self, slot: int, stream_id: str) -> None:
+        if stream_id and stream_id != self.stream_id:
+            raise FailedPrecondition(f"adapter slot {slot}: the step stream this call belongs "
+                                     "to has ended (its blocks are given out anew)")
 
     async def unload_all(self) -> None:
         """Empty every slot: the scheduler whose blocks their pages were has gone (its step
@@ -206,11 +219,13 @@ class AdapterLoader:
         except LoraplexError as err:
             raise type(err)(f"adapter {key}: {err}") from None
 
-    def _write(self, slot: int, write, *args) -> None:
+    def _write(self, slot: int, stream_id: str, write, *args) -> None:
         """On a worker thread: mark `slot` unloaded and `write(slot, *args)`, unless it is merged
-        into the weights: the check and the write under the lock a merge takes (a merge that
-        began during the fetch is seen here; none can start between them)."""
+        into the weights or `stream_id` (if given) has ended: the checks and the write under the
+        lock a merge takes (a merge that began during the fetch is seen here; none can start
+        between them) and the slot's (a stream's end empties every slot, each under its lock)."""
         with self._runner.slot_writes:
+            self._check_stream(slot, stream_id)
             if slot == self._runner.merged_slot:
                 raise FailedPrecondition(f"adapter slot {slot} is merged into the weights: "
                                          "unmerge it (a Step with unmerge) before replacing it")

@@ -11,6 +11,7 @@ import time
 import torch
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from common import wire
 from common.adapter_ref import AdapterRef
 from common.allocator import keep_freed_memory
 from common.credentials import KeyRing, Role
@@ -129,6 +130,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         try:
             if self._closing is not None:
                 await asyncio.shield(self._closing)
+            self._loader.stream_id = dict(context.invocation_metadata()).get(wire.STEP_STREAM)
             # Steps run on the worker's thread, one after another: the scheduler sends the next
             # step before this one's answer (its steps are pipelined), so it starts as soon as
             # this one ends. A step the client stops waiting for runs on, and the next stream
@@ -147,6 +149,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 reading.cancel()
             if worker is not None:
                 worker.stop()
+            self._loader.stream_id = None  # its loads and unloads are refused from now on
             self._closing = asyncio.ensure_future(self._close_stream(self._closing, worker))
             self._driver = None
 
@@ -206,7 +209,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             self._check_not_merged(request.slot)  # (again where the copy starts: the loader)
             result = await self._loader.load(AdapterRef.from_pb(request.adapter), request.slot,
                                              tuple(request.pages), _fetch_timeout(context),
-                                             request.only_staged)
+                                             request.only_staged, request.stream_id)
             if not result.was_resident:
                 self.metrics.loads.inc()
                 self.metrics.load.observe(result.load_seconds)
@@ -219,7 +222,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         async with grpc_errors(context):
             self._keys.require(context, Role.SERVICE, Role.ADMIN)
             self._check_not_merged(request.slot)
-            await self._loader.unload(request.slot, AdapterRef.from_optional_pb(request.adapter))
+            await self._loader.unload(request.slot, AdapterRef.from_optional_pb(request.adapter),
+                                      request.stream_id)
             return executor_pb2.UnloadAdapterResponse()
 
 

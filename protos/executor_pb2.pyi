@@ -153,16 +153,18 @@ class StageAdapterResponse(_message.Message):
     def __init__(self, num_bytes: _Optional[int] = ..., stage_seconds: _Optional[float] = ..., was_staged: _Optional[bool] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
-    __slots__ = ("adapter", "slot", "only_staged", "pages")
+    __slots__ = ("adapter", "slot", "only_staged", "pages", "stream_id")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     ONLY_STAGED_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     adapter: _common_pb2.AdapterRef
     slot: int
     only_staged: bool
     pages: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., slot: _Optional[int] = ..., only_staged: _Optional[bool] = ..., pages: _Optional[_Iterable[int]] = ...) -> None: ...
+    stream_id: str
+    def __init__(self, adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., slot: _Optional[int] = ..., only_staged: _Optional[bool] = ..., pages: _Optional[_Iterable[int]] = ..., stream_id: _Optional[str] = ...) -> None: ...
 
 class LoadAdapterResponse(_message.Message):
     __slots__ = ("num_bytes", "load_seconds", "was_resident")
@@ -175,12 +177,14 @@ class LoadAdapterResponse(_message.Message):
     def __init__(self, num_bytes: _Optional[int] = ..., load_seconds: _Optional[float] = ..., was_resident: _Optional[bool] = ...) -> None: ...
 
 class UnloadAdapterRequest(_message.Message):
-    __slots__ = ("slot", "adapter")
+    __slots__ = ("slot", "adapter", "stream_id")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     slot: int
     adapter: _common_pb2.AdapterRef
-    def __init__(self, slot: _Optional[int] = ..., adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ...) -> None: ...
+    stream_id: str
+    def __init__(self, slot: _Optional[int] = ..., adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., stream_id: _Optional[str] = ...) -> None: ...
 
 class UnloadAdapterResponse(_message.Message):
     __slots__ = ()

@@ -238,15 +238,15 @@ class Engine:
             merging * self.timeouts.merge_s
 
     def _start_load(self, ex: ExecutorState, slot: Slot) -> None:
-        link = self.links[ex.address]
-        self._spawn(self._load(link, ex, slot, slot.adapter))
+        link = self.links[ex.address]  # (bound to the step stream of this view of it, now)
+        self._spawn(self._load(link, link.stream_id, ex, slot, slot.adapter))
 
-    async def _load(self, link: ExecutorLink, ex: ExecutorState, slot: Slot,
+    async def _load(self, link: ExecutorLink, stream_id: str, ex: ExecutorState, slot: Slot,
                     adapter: AdapterRef) -> None:
         try:
             resp = await link.stub.LoadAdapter(executor_pb2.LoadAdapterRequest(
                 adapter=adapter.to_pb(), slot=slot.index, only_staged=slot.is_from_staged,
-                pages=slot.pages),
+                pages=slot.pages, stream_id=stream_id),
                 timeout=self.timeouts.load(slot.num_bytes, ex.rates))
         except grpc.aio.AioRpcError as err:
             error = from_rpc_error(err, f"loading adapter {adapter} on executor {link.address}")
@@ -294,10 +294,11 @@ class Engine:
         load whose pages wait (residency.py): unconditionally, and `done(answered)` after."""
         link = self.links[ex.address]
         if done is None:
-            request = executor_pb2.UnloadAdapterRequest(slot=slot, adapter=adapter.to_pb())
+            request = executor_pb2.UnloadAdapterRequest(slot=slot, adapter=adapter.to_pb(),
+                                                        stream_id=link.stream_id)
             timeout = link.timeouts.rpc_s
         else:  # (the answer waits for a copy that may still run: a load's time)
-            request = executor_pb2.UnloadAdapterRequest(slot=slot)
+            request = executor_pb2.UnloadAdapterRequest(slot=slot, stream_id=link.stream_id)
             timeout = self.timeouts.load(0, ex.rates)
         self._spawn(self._unload(link, request, timeout, done))
 

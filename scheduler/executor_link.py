@@ -6,9 +6,11 @@ import asyncio
 import itertools
 import operator
 import time
+import uuid
 
 import grpc
 
+from common import wire
 from common.credentials import metadata
 from common.errors import Unavailable
 from common.page_geometry_pb import geometry_from_pb
@@ -33,6 +35,7 @@ class ExecutorLink:
         self.info: executor_pb2.InfoResponse | None = None
         self.state = ExecutorState(address, BlockManager(1, 1), SlotTable(0))  # until connected
         self._call = None
+        self.stream_id = ""  # of the step stream now open (connect)
         self.woken = asyncio.Event()
         self.answered_at = 0.0  # monotonic time of its last answered step (probes included)
 
@@ -46,7 +49,10 @@ class ExecutorLink:
                                    is_leaving=self.state.is_leaving,
                                    geometry=geometry_from_pb(self.info),
                                    page_bytes=self.info.page_geometry.page_bytes)
-        self._call = self.stub.Step(metadata=self._auth)
+        # A fresh id per stream: the loads and unloads of this view of the executor are bound to
+        # it, so none of them lands once the stream has ended (executor.proto).
+        self.stream_id = uuid.uuid4().hex
+        self._call = self.stub.Step(metadata=(*self._auth, (wire.STEP_STREAM, self.stream_id)))
         await self.probe()
 
     async def probe(self) -> None:

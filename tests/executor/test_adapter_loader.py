@@ -113,3 +113,46 @@ async def test_a_load_into_a_slot_merged_during_its_fetch_is_refused_and_the_mer
     await loader.load(y, 0, stage(loader, runner, y, 2))  # (the refused load used its staging)
     assert loader.slot_adapters[0] == y
     await loader.close()
+
+
+async def test_loads_and_unloads_of_an_ended_step_stream_never_land():
+    """A scheduler binds its loads and unloads to its step stream. Once that stream ends, the
+    executor refuses them (the scheduler's next view gives out every block anew): a load still
+    fetching when the stream ended, or sent after, leaves no adapter in pages the next view may
+    give to KV or to another slot; one already copying is emptied by the stream's end."""
+    runner = ModelRunner.random(CONFIG, seed=0, num_kv_blocks=64, block_size=16, num_slots=2,
+                                max_rank=8)
+    loader = AdapterLoader(runner, (), holder="test")
+    loader.report_residency = lambda: asyncio.sleep(0, True)  # (no store to tell)
+    x, y = AdapterRef("x", 1), AdapterRef("y", 1)
+    loader.stream_id = "first"
+    await loader.load(x, 0, stage(loader, runner, x, 1), stream_id="first")
+    copy, copying, may_end = loader._copier.copy, threading.Event(), threading.Event()
+
+    def slow_copy(slot, weights, pages):  # (a copy the stream's end overtakes)
+        copying.set()
+        may_end.wait(30)
+        copy(slot, weights, pages)
+    loader._copier.copy = slow_copy
+    copying_load = asyncio.ensure_future(
+        loader.load(y, 1, stage(loader, runner, y, 2), stream_id="first"))
+    assert await asyncio.to_thread(copying.wait, 30)
+    loader.stream_id = None  # the stream ends (ExecutorServicer.Step), then its slots empty
+    emptied = asyncio.ensure_future(loader.unload_all())
+    may_end.set()
+    await copying_load
+    await emptied
+    assert loader.slot_adapters == [None, None] and not runner.pool.page_blocks()
+    loader._copier.copy = copy
+    late = stage(loader, runner, x, 1)
+    with pytest.raises(FailedPrecondition, match="step stream this call belongs to has ended"):
+        await loader.load(x, 0, late, stream_id="first")
+    loader.stream_id = "second"
+    with pytest.raises(FailedPrecondition, match="has ended"):
+        await loader.load(x, 0, late, stream_id="first")
+    assert not runner.pool.page_blocks()
+    await loader.load(x, 0, stage(loader, runner, x, 1), stream_id="second")
+    with pytest.raises(FailedPrecondition, match="has ended"):
+        await loader.unload(0, stream_id="first")
+    assert loader.slot_adapters[0] == x
+    await loader.close()
