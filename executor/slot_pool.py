@@ -10,7 +10,8 @@ layer and module (`targets`), its pages and their layout, whether it is loaded (
 it), and the AdapterRef it was loaded as. The runner, the backends and the adapter loader all ask
 the pool; none keeps a copy.
 
-    load(slot, weights, pages)  written: targets recorded, weights copied into the pages
+    load(slot, weights, pages)  written: targets recorded, weights copied into the pages (a slot
+                                whose pages these were is emptied: see `load`)
     mark_loaded(slot, adapter)  loaded: the copy completed; steps may read the slot
     mark_unloaded(slot)         written again: about to be overwritten, not to be read or reported
     clear(slot)                 empty: nothing recorded (its pages are left as they are: they are
@@ -230,7 +231,9 @@ class LoraSlotPool:
 
     def load(self, slot: int, weights: LoraWeights, pages: tuple[int, ...] | list[int]) -> None:
         """Copy an adapter into `slot`, its weights into `pages` (blocks no sequence's table
-        holds); the slot is not yet loaded (see `mark_loaded`). The weights may be of another
+        holds; another slot that holds any of them is emptied first: the blocks are the
+        scheduler's to give, and it gave them away); the slot is not yet loaded (see
+        `mark_loaded`). The weights may be of another
         dtype or device: converted while copied. On CUDA the copies are queued on the current
         stream without a wait each: a pinned source must stay untouched until that stream has
         passed them (SlotCopier waits for it)."""
@@ -249,7 +252,11 @@ class LoraSlotPool:
                                  f"{tuple(w.b.shape)} do not fit [r, {in_f}] / [{out_f}, r]")
         layout = self.pages_for(weights)
         pages = tuple(pages)
-        self._check_pages(slot, pages, layout.num_pages)
+        self._check_pages(pages, layout.num_pages)
+        # Slots whose pages these are lost them: the scheduler gave them out, having evicted
+        # their adapters (its UnloadAdapter of them may arrive after this load).
+        for other in self._holders(set(pages) - set(self._slots[slot].pages)):
+            self._forget(other)
         self._forget(slot)
         # Recorded before the copy: a failed copy leaves a slot that is not loaded.
         self._slots[slot] = SlotContents(MappingProxyType(
@@ -270,7 +277,7 @@ class LoraSlotPool:
             self.rank_table[layer, slot, m] = r
             self.scale_table[layer, slot, m] = w.scale
 
-    def _check_pages(self, slot: int, pages: tuple[int, ...], needed: int) -> None:
+    def _check_pages(self, pages: tuple[int, ...], needed: int) -> None:
         if len(pages) != needed:
             raise ValueError(f"the adapter's weights take {needed} pages, {len(pages)} given")
         bad = [b for b in pages if not 0 <= b < self.kv.num_blocks]
@@ -278,9 +285,10 @@ class LoraSlotPool:
             raise ValueError(f"page {bad[0]} is no KV block (the cache has {self.kv.num_blocks})")
         if len(set(pages)) != len(pages):
             raise ValueError("a page is given twice")
-        taken = (self.page_blocks() - set(self._slots[slot].pages)) & set(pages)
-        if taken:
-            raise ValueError(f"page {min(taken)} holds another slot's adapter")
+
+    def _holders(self, pages: set[int]) -> list[int]:
+        """The slots whose weights are in any of `pages`."""
+        return [s for s, held in enumerate(self._slots) if pages.intersection(held.pages)]
 
     def clear(self, slot: int) -> None:
         """Empty `slot`: forget the adapter (its pages are not touched: they may hold KV now)."""
