@@ -1,4 +1,5 @@
-"""A readable LLaMA-family forward over a flattened step batch with a paged KV cache.
+"""A readable LLaMA-family forward (Llama, Mistral, Qwen2, Qwen3) over a flattened step batch
+with a paged KV cache.
 
 A step is T rows: prefill chunks and decode rows of many sequences, each sequence's rows
 contiguous. Running example, block_size 4:
@@ -98,7 +99,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, hidden]; normalised in fp32 like HF, then scaled by weight [hidden]."""
+    """x [..., n]; normalised over its last dim in fp32 like HF, then scaled by weight [n]."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
@@ -132,8 +133,11 @@ class Transformer:
         self.lora.apply(i, "qkv", x, qkv, meta.lora)
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         t = x.shape[0]
-        q = apply_rope(q.reshape(t, c.num_attention_heads, c.head_dim), cos, sin)  # [T, H, D]
-        k = apply_rope(k.reshape(t, c.num_key_value_heads, c.head_dim), cos, sin)  # [T, Hkv, D]
+        q = q.reshape(t, c.num_attention_heads, c.head_dim)  # [T, H, D]
+        k = k.reshape(t, c.num_key_value_heads, c.head_dim)  # [T, Hkv, D]
+        if c.qk_norm:  # (Qwen3: each head normalised over head_dim, before RoPE)
+            q, k = rms_norm(q, w.q_norm, c.rms_norm_eps), rms_norm(k, w.k_norm, c.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kv.write(i, meta.write_slots, k, v.reshape(t, c.num_key_value_heads, c.head_dim))
 
         attn = attend(q, kv, i, meta.attention)  # [T, H, D]

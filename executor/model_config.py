@@ -17,7 +17,7 @@ from typing import Any
 
 from common.peft.modules import projection_shapes
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head of q and of k, before RoPE (Qwen3)
     sliding_window: int | None = None  # Mistral: a query sees only its last `sliding_window` keys
     eos_token_ids: tuple[int, ...] = ()
     model_id: str = ""
@@ -103,14 +104,16 @@ class ModelConfig:
             raise ValueError(f"model config: hidden_act must be 'silu', got {cfg['hidden_act']!r}")
         if cfg.get("mlp_bias"):
             raise ValueError("model config: mlp_bias=true is not supported")
-        if model_type == "qwen2" and cfg.get("use_sliding_window"):
-            raise ValueError("model config: qwen2 use_sliding_window=true is not supported")
+        if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+            raise ValueError(f"model config: {model_type} use_sliding_window=true is not "
+                             "supported")
         for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads", "vocab_size"):
             if key not in cfg:
                 raise ValueError(f"model config: missing required field {key!r}")
         rope = _rope_fields(cfg)
-        sliding = None if model_type == "qwen2" else cfg.get("sliding_window")
+        # (Qwen's sliding_window applies only with use_sliding_window, refused above)
+        sliding = None if model_type in ("qwen2", "qwen3") else cfg.get("sliding_window")
         return cls(
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -125,6 +128,7 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
             sliding_window=sliding,
             eos_token_ids=_eos_ids(cfg, generation_config or {}),
             model_id=model_id or cfg.get("_name_or_path") or "",
@@ -197,4 +201,9 @@ NAMED_CONFIGS: Mapping[str, ModelConfig] = MappingProxyType({
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, vocab_size=32768, rms_norm_eps=1e-5, rope_theta=1000000.0,
         max_position_embeddings=32768, eos_token_ids=(2,), model_id="mistralai/Mistral-7B-v0.3"),
+    "qwen3-8b": ModelConfig(
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=151936, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=40960, qk_norm=True,
+        eos_token_ids=(151645,), model_id="Qwen/Qwen3-8B"),
 })

@@ -58,6 +58,8 @@ class MemoryBudget:
         per_layer = sum(i * o for i, o in map(c.module_shape, LORA_MODULES)) + 2 * c.hidden_size
         if c.attention_bias:
             per_layer += c.q_size + 2 * c.kv_size
+        if c.qk_norm:
+            per_layer += 2 * c.head_dim
         heads = 1 if c.tie_word_embeddings else 2
         weights = c.num_hidden_layers * per_layer + heads * c.vocab_size * c.hidden_size
         weights += c.hidden_size

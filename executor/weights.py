@@ -26,6 +26,8 @@ class LayerWeights:
     post_attention_norm: torch.Tensor  # [hidden]
     w_gate_up: torch.Tensor  # [2 * intermediate, hidden]
     w_down: torch.Tensor  # [hidden, intermediate]
+    q_norm: torch.Tensor | None = None  # [head_dim]: each head of q normalised (Qwen3) or None
+    k_norm: torch.Tensor | None = None  # [head_dim]: each head of k
 
 
 @dataclass
@@ -54,6 +56,8 @@ def _hf_names(config: ModelConfig) -> list[str]:
         names += [f"{p}mlp.{m}_proj.weight" for m in ("gate", "up", "down")]
         if config.attention_bias:
             names += [f"{p}self_attn.{m}_proj.bias" for m in "qkv"]
+        if config.qk_norm:
+            names += [f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"]
     return names
 
 
@@ -62,6 +66,8 @@ def _expected_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return (config.vocab_size, h)
     module, kind = name.split(".")[-2:]
+    if module in ("q_norm", "k_norm"):
+        return (config.head_dim,)
     if module.endswith("norm"):
         return (h,)
     in_features, out_features = config.module_shape(module)
@@ -123,6 +129,8 @@ def _assemble(config: ModelConfig, raw: dict[str, torch.Tensor]) -> ModelWeights
             post_attention_norm=raw.pop(f"model.layers.{i}.post_attention_layernorm.weight"),
             w_gate_up=torch.cat([raw.pop(f"{mlp}{m}_proj.weight") for m in ("gate", "up")]),
             w_down=raw.pop(f"{mlp}down_proj.weight"),
+            q_norm=raw.pop(f"{attn}q_norm.weight") if config.qk_norm else None,
+            k_norm=raw.pop(f"{attn}k_norm.weight") if config.qk_norm else None,
         ))
     embed = raw.pop("model.embed_tokens.weight")
     lm_head = embed if config.tie_word_embeddings else raw.pop("lm_head.weight")

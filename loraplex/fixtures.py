@@ -65,10 +65,11 @@ BROKEN = {  # name -> LoraConfig arguments (the breakage is applied after saving
 
 
 def tiny_config(model_type: str = "llama", **overrides: Any):
-    """An HF config of the tiny model family (llama, mistral or qwen2)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    """An HF config of the tiny model family (llama, mistral, qwen2 or qwen3)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[model_type]
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
+           "qwen3": Qwen3Config}[model_type]
     args = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
                 "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
                 "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "initializer_range": 0.05,

@@ -33,9 +33,13 @@ def check_fits_and_is_maximal(p, wanted_tokens: int) -> None:
     assert p.weights_bytes + p.pool_bytes + p.workspace_bytes + kv + one_more > p.usable_bytes
 
 
+QWEN3_SHAPED = ModelConfig.named("tiny").replace(qk_norm=True, head_dim=48)  # (head_dim != 64)
+
+
 @pytest.mark.parametrize("context", [64, 100_000])  # the mix fits / the cache bounds the gather
-def test_plan_is_what_a_runner_with_its_flags_allocates(context):
-    config = ModelConfig.named("tiny")
+@pytest.mark.parametrize("config", [ModelConfig.named("tiny"), QWEN3_SHAPED],
+                         ids=["llama", "qwen3"])
+def test_plan_is_what_a_runner_with_its_flags_allocates(context, config):
     p = make_plan(config, context=context)
     assert p.num_kv_blocks >= 1 and (8 * context > p.kv_tokens) == (context > 64)
     check_fits_and_is_maximal(p, 8 * context)

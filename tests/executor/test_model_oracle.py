@@ -77,6 +77,7 @@ VARIANTS = {
     "llama3_rope_tied": {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0,
                              "tie_word_embeddings": True},
     "sharded": {"max_shard_size": "500KB"},
+    "qwen3_head_dim": {"model_type": "qwen3", "head_dim": 48},
 }
 
 
@@ -88,7 +89,8 @@ def test_loader_variant_matches_hf(tmp_path, variant):
     c = runner.config
     expect = {"qwen2_bias": c.attention_bias, "mistral_sliding": c.sliding_window == 6,
               "llama3_rope_tied": c.rope_scaling is not None and c.tie_word_embeddings,
-              "sharded": (model_dir / "model.safetensors.index.json").exists()}
+              "sharded": (model_dir / "model.safetensors.index.json").exists(),
+              "qwen3_head_dim": c.qk_norm and c.head_dim == 48}
     assert expect[variant] and c.model_id == variant and c.eos_token_ids == (1,)
     hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     prompt = prompts(1, seed=4)[0] + [5] * 10
