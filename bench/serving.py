@@ -281,10 +281,15 @@ def main() -> None:
         model = make_adapters(manifest["model_dir"], manifest["model_id"], max(counts),
                               tmp / "adapters")
         prompts = make_prompts(num_requests, model.config.vocab_size)
+        # Blocks for KV and adapters' pages alike: the bytes the executor had before pages (1024
+        # KV blocks, and a slot per adapter at max rank 32: 38 blocks' worth each), so every
+        # adapter (rank 16: 19 pages) stays resident beside the requests' KV.
+        kv_blocks = 1024 + 38 * max(counts)
         fleet = Fleet(model=manifest["model_dir"], store_url=(tmp / "store").as_uri(),
                       log_dir=tmp / "logs",
                       executor_args=["--adapter-slots", str(max(counts)), "--max-rank", "32",
-                                     "--kv-blocks", "1024", "--threads", str(args.threads)],
+                                     "--kv-blocks", str(kv_blocks), "--threads",
+                                     str(args.threads)],
                       scheduler_args=["--max-num-seqs", str(num_requests),
                                       "--pipeline-depth", str(args.pipeline_depth),
                                       "--timings-out", str(tmp / "timings.jsonl")])
