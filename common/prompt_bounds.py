@@ -22,22 +22,39 @@ def min_tokens(text: str, chars_per_token: int) -> int:
     return -(-len(text) // chars_per_token)
 
 
+class ContextExceeded(InvalidArgument):
+    """INVALID_ARGUMENT: the prompt and the tokens asked for exceed the context. `param` names
+    the request field to change (an HTTP API's error says it): the tokens asked for when the
+    prompt alone fits, else the prompt."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 def check_text_fits(text: str, max_new_tokens: int, chars_per_token: int, limit: int,
-                    field: str = "max_new_tokens") -> None:
-    """INVALID_ARGUMENT when `text` cannot fit `limit` tokens with `max_new_tokens` (named
-    `field`) to generate, whatever it tokenizes to."""
+                    field: str = "max_new_tokens", prompt_field: str = "prompt") -> None:
+    """ContextExceeded when `text` cannot fit `limit` tokens with `max_new_tokens` (named
+    `field`) to generate, whatever it tokenizes to: for texts too long to be worth tokenizing
+    (a prompt that may fit is tokenized and checked with `check_fits`, real counts and all)."""
     fewest = min_tokens(text, chars_per_token)
     if fewest + max_new_tokens > limit:
-        raise InvalidArgument(f"the prompt of {len(text)} characters is at least {fewest} tokens, "
-                              f"which with {field} ({max_new_tokens}) exceeds the context of "
-                              f"{limit} tokens: shorten the prompt")
+        param = prompt_field if fewest >= limit else field
+        raise ContextExceeded(
+            f"the {prompt_field} of {len(text)} characters is at least {fewest} tokens, which "
+            f"with {field} ({max_new_tokens}) exceeds the context of {limit} tokens: shorten "
+            f"the {prompt_field}", param)
 
 
 def check_fits(num_tokens: int, max_new_tokens: int, limit: int,
-               field: str = "max_new_tokens") -> None:
-    """INVALID_ARGUMENT when a prompt of `num_tokens` and `max_new_tokens` (named `field`) to
+               field: str = "max_new_tokens", prompt_field: str = "prompt") -> None:
+    """ContextExceeded when a prompt of `num_tokens` and `max_new_tokens` (named `field`) to
     generate exceed `limit` tokens."""
     if num_tokens + max_new_tokens > limit:
-        raise InvalidArgument(f"the prompt ({num_tokens} tokens) with {field} ({max_new_tokens}) "
-                              f"exceeds the context of {limit} tokens: shorten the prompt or ask "
-                              f"for fewer tokens")
+        param = prompt_field if num_tokens >= limit else field
+        raise ContextExceeded(
+            f"the {prompt_field} ({num_tokens} tokens) with {field} ({max_new_tokens}) is "
+            f"{num_tokens + max_new_tokens} tokens, over the context of {limit} tokens: "
+            + (f"shorten the {prompt_field}" if param == prompt_field else
+               f"ask for at most {limit - num_tokens} tokens or shorten the {prompt_field}"),
+            param)

@@ -123,12 +123,14 @@ class Frontend:
         checks again, the same way: common/prompt_bounds.py); `field` names the request's
         max_new_tokens in its API."""
         model = route.model
+        prompt_field = "messages" if chat else "prompt"
         if text is not None:
             if model.tokenizer is None:
                 raise InvalidArgument(f"model {model.model_id!r} has no tokenizer: send the "
                                       "prompt as token ids")
-            check_text_fits(text, max_new_tokens, model.chars_per_token, model.max_model_len,
-                            field)
+            if len(text) > _THREAD_TOKENIZE_CHARS:  # (shorter ones: the real count, below)
+                check_text_fits(text, max_new_tokens, model.chars_per_token,
+                                model.max_model_len, field, prompt_field)
             encode = model.tokenizer.encode
             if len(text) > _THREAD_TOKENIZE_CHARS:
                 ids = (await asyncio.to_thread(encode, text, add_special_tokens=not chat)).ids
@@ -136,7 +138,7 @@ class Frontend:
                 ids = encode(text, add_special_tokens=not chat).ids
         if not ids:
             raise InvalidArgument("the prompt is empty")
-        check_fits(len(ids), max_new_tokens, model.max_model_len, field)
+        check_fits(len(ids), max_new_tokens, model.max_model_len, field, prompt_field)
         return ids
 
     def admit(self, tenant: str, num_tokens: int) -> None:

@@ -119,10 +119,9 @@ class OpenAIApi:
         self._frontend.admit(tenant, sum(len(u.token_ids.ids) + max_new for _, u in upstreams))
         prompt_tokens = sum(map(len, prompts))
         identity = Identity(chat, options.model, request_id)
-        decode_one = _decoder(route) if options.logprobs else None
         events = self._merged(route, upstreams, tenant)
         if not options.stream:
-            choices = {index: Choice(index, decode_one) for index, _ in upstreams}
+            choices = {index: Choice(index, options.logprobs) for index, _ in upstreams}
             try:
                 async for index, message in events:
                     choices[index].add(message)
@@ -133,7 +132,7 @@ class OpenAIApi:
         first = await anext(events, None)  # an error before the first token is an HTTP error
         if first is None:
             raise Unavailable("the pool ended the stream without an answer; retry")
-        writer = EventWriter(identity, options.include_usage, decode_one)
+        writer = EventWriter(identity, options.include_usage, options.logprobs)
         return SSEResponse(self._events(writer, first, events, prompt_tokens, options))
 
     async def _events(self, writer: EventWriter, first, events, prompt_tokens: int,
@@ -197,9 +196,3 @@ def _render(route: Route, parsed: ChatRequest) -> str:
     return route.model.chat.render(list(parsed.messages), parsed.add_generation_prompt,
                                    parsed.continue_final_message)
 
-
-def _decoder(route: Route):
-    tokenizer = route.model.tokenizer
-    if tokenizer is None:
-        return str
-    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)

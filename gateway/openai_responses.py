@@ -2,6 +2,13 @@
 
 A streamed token costs one json.dumps of its text and a few string joins: each stream's fixed
 parts (id, created, model, choice prefixes) are encoded once per request.
+
+A token's text in logprobs is the text its message added to the output (the scheduler's
+incremental detokenizer: " river" after "stone", however the tokenizer decodes a token alone),
+so the tokens concatenate to the text and `text_offset` indexes it, for every tokenizer. A token
+whose text comes only with a later one (the rest of a UTF-8 character, or text held back while
+it could begin a stop string) has "" and that text goes with the later token; what the final
+message flushes goes with the last token.
 """
 
 import json
@@ -17,21 +24,24 @@ DONE = b"data: [DONE]\n\n"
 class Choice:
     """One choice's tokens, as they arrive."""
 
-    def __init__(self, index: int, decode_one=None):
+    def __init__(self, index: int, with_logprobs: bool = False):
         self.index = index
         self.texts: list[str] = []
         self.finish_reason: str | None = None
         self.completion_tokens = 0
-        self.logprobs: list[tuple[str, float]] | None = [] if decode_one else None
-        self._decode_one = decode_one  # token id -> its text, when logprobs are asked for
+        # (each token's text, its logprob), when logprobs are asked for
+        self.logprobs: list[tuple[str, float]] | None = [] if with_logprobs else None
 
     def add(self, message: scheduler_pb2.GenerateResponse) -> None:
         if message.HasField("token_id"):
             self.texts.append(message.text)
             if self.logprobs is not None:
-                self.logprobs.append((self._decode_one(message.token_id), message.logprob))
+                self.logprobs.append((message.text, message.logprob))
         elif message.text:
             self.texts.append(message.text)
+            if self.logprobs:  # (flushed at the end: the last token's)
+                token, logprob = self.logprobs[-1]
+                self.logprobs[-1] = (token + message.text, logprob)
         if message.finish_reason:
             self.finish_reason = FINISH[message.finish_reason]
             self.completion_tokens = message.usage.completion_tokens
@@ -95,9 +105,10 @@ class Response:
 class EventWriter:
     """Server-sent events of one streamed response."""
 
-    def __init__(self, response: Response, include_usage: bool, decode_one=None):
+    def __init__(self, response: Response, include_usage: bool, with_logprobs: bool = False):
         self._response = response
-        self._decode_one = decode_one
+        self._with_logprobs = with_logprobs
+        self._offsets: dict[int, int] = {}  # choice -> its text's length so far (text_offset)
         head = {"id": response.id,
                 "object": "chat.completion.chunk" if response.chat else "text_completion",
                 "created": response.created, "model": response.model}
@@ -110,12 +121,14 @@ class EventWriter:
         the last."""
         finish = FINISH.get(message.finish_reason)
         logprobs = "null"
-        if self._decode_one is not None and message.HasField("token_id"):
-            token = self._decode_one(message.token_id)
+        offset = self._offsets.get(index, 0)
+        self._offsets[index] = offset + len(message.text)
+        if self._with_logprobs and message.HasField("token_id"):
+            token = message.text
             logprobs = json.dumps(
                 {"content": [_chat_token(token, message.logprob)]} if self._response.chat else
                 {"tokens": [token], "token_logprobs": [message.logprob], "top_logprobs": None,
-                 "text_offset": [0]})
+                 "text_offset": [offset]})
         if self._response.chat:
             if index not in self._started:
                 self._started.add(index)

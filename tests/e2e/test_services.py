@@ -166,7 +166,7 @@ async def _status(stub, request, api_key=KEY_OF["acme"]) -> tuple[grpc.StatusCod
     ("bad adapter ref", dict(adapter="a b@c"), KEY_OF["acme"], grpc.StatusCode.INVALID_ARGUMENT,
      "name@"),
     ("prompt too long", dict(prompt=[5] * 2040, max_new_tokens=16), KEY_OF["acme"],
-     grpc.StatusCode.INVALID_ARGUMENT, "exceeds the context"),
+     grpc.StatusCode.INVALID_ARGUMENT, "over the context of 2048 tokens"),
     ("token outside vocab", dict(prompt=[5, 5000]), KEY_OF["acme"],
      grpc.StatusCode.INVALID_ARGUMENT, "5000"),
     ("empty prompt", dict(prompt=""), KEY_OF["acme"], grpc.StatusCode.INVALID_ARGUMENT, "empty"),
