@@ -234,6 +234,7 @@ class ModelRunner:
         """Run one step; also return the last-position logits [S, vocab] (fp32) of the sampled
         sequences, row i belonging to the i-th Sampled."""
         self._validate(rows)
+        self._give_up_pages(rows)
         groups, sample_rows, sampled_seqs = [], [], []
         row = 0
         for r in rows:
@@ -271,10 +272,17 @@ class ModelRunner:
         seq = self._seqs[row.seq_id]
         return seq.token_ids[seq.num_computed: seq.num_computed + row.num_tokens]
 
+    def _give_up_pages(self, rows: Sequence[Row]) -> None:
+        """Slots whose pages the step gives to KV lose them (LoraSlotPool.give_up): the scheduler
+        evicted their adapters, and its UnloadAdapter may come after this step."""
+        blocks = {b for r in rows for b in r.new_block_ids}
+        if self.pool.holders(blocks):
+            with self.slot_writes:  # (not beside a load's copy)
+                self.pool.give_up(blocks)
+
     def _validate(self, rows: Sequence[Row]) -> None:
         """Check the whole step before changing anything."""
         seen: set[int] = set()
-        pages: set[int] | None = None  # (the slots' pages, looked up once a row adds blocks)
         for r in rows:
             if r.seq_id not in self._seqs:
                 raise ValueError(f"unknown sequence id {r.seq_id}")
@@ -287,12 +295,9 @@ class ModelRunner:
                 raise ValueError(f"sequence {r.seq_id}: num_tokens {r.num_tokens} out of range "
                                  f"[1, {remaining}] ({remaining} tokens not yet computed)")
             self.kv.check_block_ids(r.new_block_ids, r.seq_id)
-            if r.new_block_ids:
-                pages = pages if pages is not None else self.pool.page_blocks()
-                taken = pages.intersection(r.new_block_ids)
-                if taken:
-                    raise ValueError(f"sequence {r.seq_id}: block {min(taken)} holds an "
-                                     "adapter's weights (a slot's page), not KV")
+            if seq.slot >= 0 and seq.slot in self.pool.holders(r.new_block_ids):
+                raise ValueError(f"sequence {r.seq_id}: a new block of it holds its own "
+                                 f"adapter's weights (a page of slot {seq.slot}), not KV")
             end = seq.num_computed + r.num_tokens
             if end > self.config.max_position_embeddings:
                 raise ValueError(f"sequence {r.seq_id}: position {end - 1} is beyond "

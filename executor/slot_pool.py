@@ -10,8 +10,9 @@ layer and module (`targets`), its pages and their layout, whether it is loaded (
 it), and the AdapterRef it was loaded as. The runner, the backends and the adapter loader all ask
 the pool; none keeps a copy.
 
-    load(slot, weights, pages)  written: targets recorded, weights copied into the pages (a slot
-                                whose pages these were is emptied: see `load`)
+    load(slot, weights, pages)  written: targets recorded, weights copied into the pages
+    give_up(blocks)             the slots whose pages the scheduler gave out (to a load or to KV)
+                                emptied
     mark_loaded(slot, adapter)  loaded: the copy completed; steps may read the slot
     mark_unloaded(slot)         written again: about to be overwritten, not to be read or reported
     clear(slot)                 empty: nothing recorded (its pages are left as they are: they are
@@ -31,7 +32,7 @@ stream and the load was not cancelled.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING
@@ -150,6 +151,7 @@ class LoraSlotPool:
         # step's stack, on the step thread, beside a load's copy on a worker thread) carries the
         # count the write began with, and is made again.
         self._writes: list[int] = [0] * num_slots
+        self._owner: dict[int, int] = {}  # block -> the slot whose weights are in it
 
     @property
     def page_bytes(self) -> int:
@@ -183,7 +185,7 @@ class LoraSlotPool:
 
     def page_blocks(self) -> set[int]:
         """The blocks every slot's weights are in (loaded or being written)."""
-        return {b for s in self._slots for b in s.pages}
+        return set(self._owner)
 
     def write_counts(self, slots: list[int]) -> tuple[int, ...]:
         """How many times each of `slots` was written (see copies of slot weights)."""
@@ -213,10 +215,10 @@ class LoraSlotPool:
     def rows(self, layer: int, slot: int, module: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The slot's A [r, in] and B [out, r] of `module` at `layer`, gathered from its pages
         (copies), at that layer's rank; None where it does not target the module there."""
-        rank = int(self.rank_table[layer, slot, LORA_MODULES.index(module)])
+        m = LORA_MODULES.index(module)
+        rank = int(self.rank_table[layer, slot, m])
         if rank == 0:
             return None
-        m = LORA_MODULES.index(module)
         in_f, out_f = self.geometry.module_shapes[module]
         base = self.layer_base(layer)
         a = self.kv.flat[row_index(self.a_offsets[slot, m, :rank], in_f, self.chunk) + base]
@@ -231,12 +233,11 @@ class LoraSlotPool:
 
     def load(self, slot: int, weights: LoraWeights, pages: tuple[int, ...] | list[int]) -> None:
         """Copy an adapter into `slot`, its weights into `pages` (blocks no sequence's table
-        holds; another slot that holds any of them is emptied first: the blocks are the
-        scheduler's to give, and it gave them away); the slot is not yet loaded (see
-        `mark_loaded`). The weights may be of another
-        dtype or device: converted while copied. On CUDA the copies are queued on the current
-        stream without a wait each: a pinned source must stay untouched until that stream has
-        passed them (SlotCopier waits for it)."""
+        holds; another slot that holds any of them is emptied first: `give_up`); the slot is not
+        yet loaded (see `mark_loaded`). The weights may be of another dtype or device: converted
+        while copied. On CUDA the copies are queued on the current stream without a wait each: a
+        pinned source must stay untouched until that stream has passed them (SlotCopier waits
+        for it)."""
         self._check_slot(slot)
         if weights.rank > self.max_rank:
             raise ValueError(f"adapter rank {weights.rank} exceeds the pool's max rank "
@@ -253,14 +254,12 @@ class LoraSlotPool:
         layout = self.pages_for(weights)
         pages = tuple(pages)
         self._check_pages(pages, layout.num_pages)
-        # Slots whose pages these are lost them: the scheduler gave them out, having evicted
-        # their adapters (its UnloadAdapter of them may arrive after this load).
-        for other in self._holders(set(pages) - set(self._slots[slot].pages)):
-            self._forget(other)
+        self.give_up(set(pages), keep=slot)
         self._forget(slot)
         # Recorded before the copy: a failed copy leaves a slot that is not loaded.
         self._slots[slot] = SlotContents(MappingProxyType(
             {key: (w.a.shape[0], w.scale) for key, w in weights.modules.items()}), pages=pages)
+        self._owner.update(dict.fromkeys(pages, slot))
         a, b = slot_tables(layout, pages, self.kv.num_blocks, self.geometry,
                            max_rank=self.max_rank, num_chunks=self.num_chunks)
         self.a_offsets[slot], self.b_offsets[slot] = a, b  # (host -> device)
@@ -286,9 +285,18 @@ class LoraSlotPool:
         if len(set(pages)) != len(pages):
             raise ValueError("a page is given twice")
 
-    def _holders(self, pages: set[int]) -> list[int]:
-        """The slots whose weights are in any of `pages`."""
-        return [s for s, held in enumerate(self._slots) if pages.intersection(held.pages)]
+    def holders(self, blocks: Iterable[int]) -> set[int]:
+        """The slots whose weights are in any of `blocks`."""
+        return {self._owner[b] for b in blocks if b in self._owner}
+
+    def give_up(self, blocks: set[int], keep: int | None = None) -> list[int]:
+        """Empty every slot but `keep` whose pages are among `blocks`, and return them: the
+        blocks are the scheduler's to give, and it gave them out (to another slot's load, or to
+        KV), having evicted those slots' adapters; its UnloadAdapter of them may come later."""
+        emptied = sorted(self.holders(blocks) - {keep})
+        for slot in emptied:
+            self._forget(slot)
+        return emptied
 
     def clear(self, slot: int) -> None:
         """Empty `slot`: forget the adapter (its pages are not touched: they may hold KV now)."""
@@ -296,6 +304,9 @@ class LoraSlotPool:
         self._forget(slot)
 
     def _forget(self, slot: int) -> None:
+        for block in self._slots[slot].pages:
+            if self._owner.get(block) == slot:
+                del self._owner[block]
         self._slots[slot] = dataclasses.replace(self._slots[slot], is_loaded=False, adapter=None)
         self._writes[slot] += 1
         self.rank_table[:, slot] = 0

@@ -10,9 +10,11 @@ import torch
 
 from common.adapter_ref import AdapterRef
 from common.peft.modules import LORA_MODULES
+from common.sampling import SamplingParams
 from executor.lora_torch import TorchLoraBackend
 from executor.lora_triton import TritonLoraBackend
 from executor.model_config import ModelConfig
+from executor.runner import ModelRunner, Row
 from executor.slot_pool import EMPTY_SLOT, LoraModuleWeights, LoraSlotPool, LoraWeights
 from tests.executor.lora_backends import backend_outputs, load
 from tests.executor.lora_backends import make_pool as make_backend_pool
@@ -105,6 +107,24 @@ def test_pages_are_checked():
     pool.load(1, weights, tuple(range(need - 1, 2 * need - 1)))
     assert not pool.is_loaded(0) and not pool.contents(0).pages
     assert pool.page_blocks() == set(range(need - 1, 2 * need - 1))
+
+
+def test_blocks_a_step_gives_to_kv_empty_the_slot_that_held_them_but_not_its_own_rows():
+    """The scheduler evicts an adapter for KV and gives its pages to a sequence at once; its
+    UnloadAdapter may come after that step. The step's KV takes the blocks and the slot is
+    emptied (it was not failed); a sequence of the slot itself given its pages is refused."""
+    runner = ModelRunner.random(CONFIG, num_kv_blocks=NUM_BLOCKS, block_size=4, num_slots=2,
+                                max_rank=8)
+    runner.load_adapter(0, random_adapter(CONFIG, 4, 0))
+    runner.load_adapter(1, random_adapter(CONFIG, 4, 1))
+    page = runner.pool.contents(0).pages[0]
+    runner.add_sequence(7, [3, 4, 5], SamplingParams(), 1)
+    with pytest.raises(ValueError, match="holds its own adapter's weights"):
+        runner.step([Row(7, 3, (runner.pool.contents(1).pages[0],))])
+    runner.add_sequence(8, [3, 4, 5], SamplingParams(), -1)
+    runner.step([Row(8, 3, (page,))])
+    assert not runner.pool.is_loaded(0) and page not in runner.pool.page_blocks()
+    assert runner.pool.is_loaded(1)
 
 
 def test_a_copy_that_fails_midway_leaves_the_slot_unloaded_and_its_neighbour_whole():
