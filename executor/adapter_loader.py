@@ -232,7 +232,7 @@ class AdapterLoader:
             self._pool.mark_unloaded(slot)
             try:
                 write(slot, *args)
-            except ValueError as err:  # (the pages do not fit the adapter, or are taken)
+            except ValueError as err:  # (the pages do not fit the adapter)
                 raise FailedPrecondition(f"slot {slot}: {err}") from None
 
     async def close(self) -> None:

@@ -3,18 +3,18 @@ metadata. For every segment s with slot j, in PEFT's order:
 
     out[rows_s] += (x[rows_s] @ A_j^T) @ B_j^T * scale_j      (shrink to rank r, expand back)
 
-Segments of similar length and rank go all at once: those of at most DECODE_MAX_ROWS rows
-(decode: a row or a few per adapter) form one batch per rank tier, and prefill chunks up to
-BATCH_MAX_ROWS one batch per quarter octave of length (9-10 rows, 11-12, ..., 17-20, ...) and
-rank tier, so padding adds under 25% to a segment's rows. A rank tier is the power of two at or
-above an adapter's largest rank, 16 at least (16, 32, 64, ...: below 16 padding costs less than
-another batch would). A batch runs one batched shrink per group and one batched expand per slice
-at the group's largest rank among its adapters, ranks above a segment's own masked off, so a
-rank-8 adapter's rows never pay for a rank-64 one's beside them (at most twice their own rank,
-or 16). That is a handful of ops per group instead of two matmuls per segment and projection:
-what keeps a CPU step over 64 adapters near one over a single adapter (a prefill of 64 chunks of
-8-24 rows was ~1.8k small matmul pairs: its LoRA time fell by a quarter). Longer segments, and
-every segment with `exact=True` (the reference the batches are tested against), get one shrink
+Segments of similar length and rank go all at once: those of at most DECODE_MAX_ROWS rows (decode: a
+row or a few per adapter) form one batch per rank tier, and prefill chunks up to BATCH_MAX_ROWS one
+batch per quarter octave of length (9-10 rows, 11-12, ..., 17-20, ...) and rank tier, so padding
+adds under 25% to a segment's rows. A rank tier is the power of two at or above an adapter's largest
+rank, 16 at least (16, 32, 64, ...: below 16 padding costs less than another batch would; the Triton
+path's tiles, kernels/segments.py rank_tile). A batch runs one batched shrink per group and one
+batched expand per slice at the group's largest rank among its adapters, ranks above a segment's own
+masked off, so a rank-8 adapter's rows never pay for a rank-64 one's beside them (at most twice
+their own rank, or 16). That is a handful of ops per group instead of two matmuls per segment and
+projection: what keeps a CPU step over 64 adapters near one over a single adapter (a prefill of 64
+chunks of 8-24 rows was ~1.8k small matmul pairs: its LoRA time fell by a quarter). Longer segments,
+and every segment with `exact=True` (the reference the batches are tested against), get one shrink
 and one expand matmul each at their exact rank.
 
 A batch reads its adapters' A and B stacked side by side ([S, ...]: executor/lora_stack.py).
@@ -38,6 +38,7 @@ import torch
 from executor.lora_segments import LoraSegments
 from executor.lora_stack import AdapterStack
 from executor.slot_pool import LoraSlotPool, SliceGroup
+from kernels.segments import rank_tile
 
 # Segments of at most this many rows share one batch (decode); longer ones are batched by length
 # up to BATCH_MAX_ROWS. Longer still, a segment's own matmuls cost more than their Python (and a
@@ -100,11 +101,6 @@ class TorchBatchMeta:
     batches: tuple[_SegmentBatch, ...]  # segments of similar length, each batch all at once
 
 
-def _rank_tier(rank: int) -> int:
-    """The power of two at or above `rank`, at least 16 (0 for a slot that holds nothing)."""
-    return max(16, 1 << (rank - 1).bit_length()) if rank > 0 else 0
-
-
 def _length_class(rows: int) -> int:
     """0 for decode segments (<= DECODE_MAX_ROWS); else one class per quarter of an octave (9-10,
     11-12, 13-14, 15-16, 17-20, ...): padding a segment to its class's longest adds < 25%."""
@@ -126,7 +122,7 @@ class TorchLoraBackend:
         segments = LoraSegments.from_row_slots(row_slots).segments
         if self.exact:
             return TorchBatchMeta(segments, ())
-        tiers = [_rank_tier(r) for r in self.pool.rank_table.amax(dim=(0, 2)).tolist()]
+        tiers = [rank_tile(r) for r in self.pool.rank_table.amax(dim=(0, 2)).tolist()]
         by_class: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
         alone = []
         for seg in segments:

@@ -1,18 +1,50 @@
 """The numerical oracle: HF transformers + PEFT on the fixture weights."""
 
+from collections.abc import Mapping
+from pathlib import Path
+
 import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
+
+from loraplex import fixtures
+
+
+def with_adapters(base, folders: Mapping[str, str | Path]) -> PeftModel:
+    """`base` with the PEFT adapter of each folder loaded under its name."""
+    first, *rest = folders
+    model = PeftModel.from_pretrained(base, folders[first], adapter_name=first)
+    for name in rest:
+        model.load_adapter(folders[name], adapter_name=name)
+    return model.eval()
 
 
 def load_hf_peft(manifest: dict) -> PeftModel:
     """The tiny base model with every valid fixture adapter loaded under its own name."""
     base = AutoModelForCausalLM.from_pretrained(manifest["model_dir"])
-    first, *rest = manifest["valid"]
-    model = PeftModel.from_pretrained(base, manifest["adapters"][first]["path"], adapter_name=first)
-    for name in rest:
-        model.load_adapter(manifest["adapters"][name]["path"], adapter_name=name)
-    return model.eval()
+    return with_adapters(base, {n: manifest["adapters"][n]["path"] for n in manifest["valid"]})
+
+
+def made_adapters(base, out: Path, specs: Mapping[str, dict], seed: int) -> PeftModel:
+    """PEFT adapters of `specs` (name -> LoraConfig arguments) made on `base` (seeds seed,
+    seed + 1, ...), saved as out/<name>, and `base` with them all loaded."""
+    for i, (name, args) in enumerate(specs.items()):
+        fixtures._save_adapter(base, out / name, seed + i, args)
+    return with_adapters(base, {name: out / name for name in specs})
+
+
+def assert_matches_hf(hf, requests: dict, names: list, got: dict, num_tokens: int, *,
+                      atol: float, adapter_matters: bool = True, what: str = "") -> None:
+    """Each request's greedy tokens and logits (`got`, from tests.runner_driver.run) equal HF's
+    for its adapter (names[sid]; None = the base model); with `adapter_matters`, the first
+    request's adapter moves its logits off the base model's."""
+    for sid, name in enumerate(names):
+        ref_tokens, ref_logits = hf_greedy(hf, requests[sid][0], num_tokens, name)
+        assert got[sid][0] == ref_tokens, f"{what}greedy tokens differ for adapter {name}"
+        torch.testing.assert_close(got[sid][1], ref_logits, atol=atol, rtol=0)
+    if adapter_matters and names[0]:
+        base_logits = hf_greedy(hf, requests[0][0], 1)[1][0]
+        assert (got[0][1][0] - base_logits).abs().max() > 1e-2  # the adapter matters
 
 
 @torch.no_grad()

@@ -18,7 +18,12 @@ BLOCK, MAX_RANK = 4, 32
 
 def read_adapter(fx, name: str) -> tuple[str, bytes]:
     """(adapter_config.json text, weights file bytes) of a fixture adapter."""
-    path = Path(fx["adapters"][name]["path"])
+    return read_folder(fx["adapters"][name]["path"])
+
+
+def read_folder(path: str | Path) -> tuple[str, bytes]:
+    """(adapter_config.json text, weights file bytes) of a PEFT adapter folder."""
+    path = Path(path)
     weights = path / "adapter_model.safetensors"
     weights = weights if weights.exists() else path / "adapter_model.bin"
     return (path / "adapter_config.json").read_text(), weights.read_bytes()
@@ -30,6 +35,15 @@ def make_runner(fx, **kw) -> ModelRunner:
     runner = ModelRunner.from_pretrained(fx["model_dir"], **{**args, **kw})
     for slot, name in enumerate(fx["valid"][: runner.pool.num_slots]):
         runner.load_adapter(slot, parse_peft_adapter(*read_adapter(fx, name), runner.config))
+    return runner
+
+
+def load_folders(runner: ModelRunner, folders: list[Path]) -> ModelRunner:
+    """The PEFT adapters of `folders` in slots 0, 1, ... (the base named by any path)."""
+    for slot, folder in enumerate(folders):
+        runner.load_adapter(slot, parse_peft_adapter(*read_folder(folder), runner.config,
+                                                     max_rank=runner.pool.max_rank,
+                                                     check_base_model=False))
     return runner
 
 

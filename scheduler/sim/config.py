@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from common.adapter_pages import PageGeometry
+from common.peft.modules import projection_shapes
 from scheduler.limits import Limits
 
 
@@ -106,10 +107,10 @@ class Executors:
         """Where adapters' pages lie in the blocks (None: fixed slots)."""
         if self.memory == "slots":
             return None
-        h, kv, i = self.hidden, self.kv_heads * self.head_dim, self.intermediate
-        shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
-                  "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-        return PageGeometry(self.num_layers, self.block_size * kv, shapes)
+        shapes = projection_shapes(self.hidden, self.intermediate, self.hidden // self.head_dim,
+                                   self.kv_heads, self.head_dim)
+        return PageGeometry(self.num_layers, self.block_size * self.kv_heads * self.head_dim,
+                            shapes)
 
 
 @dataclass(frozen=True)

@@ -31,11 +31,17 @@ def stage(loader: AdapterLoader, runner: ModelRunner, adapter: AdapterRef,
     return tuple(free[:needed])
 
 
-async def test_a_cancelled_unload_keeps_the_slot_until_its_clear_has_ended():
-    runner = ModelRunner.random(CONFIG, seed=0, num_kv_blocks=16, block_size=16, num_slots=2,
-                                max_rank=8)
+def storeless_loader(num_kv_blocks: int) -> tuple[ModelRunner, AdapterLoader]:
+    """A runner of two slots and a loader of no store (adapters come from `stage`)."""
+    runner = ModelRunner.random(CONFIG, seed=0, num_kv_blocks=num_kv_blocks, block_size=16,
+                                num_slots=2, max_rank=8)
     loader = AdapterLoader(runner, (), holder="test")
     loader.report_residency = lambda: asyncio.sleep(0, True)  # (no store to tell)
+    return runner, loader
+
+
+async def test_a_cancelled_unload_keeps_the_slot_until_its_clear_has_ended():
+    runner, loader = storeless_loader(num_kv_blocks=16)
     x, y = AdapterRef("x", 1), AdapterRef("y", 1)
     await loader.load(x, 0, stage(loader, runner, x, 1))
     clear, started, may_end = loader._copier.clear, threading.Event(), threading.Event()
@@ -65,10 +71,7 @@ async def test_a_load_into_other_pages_copies_the_adapter_there_and_unload_all_e
     """A scheduler that lost track of the executor (a new step stream) loads an adapter the slot
     still holds, in other pages: it is copied there (the old pages may hold KV by now), not
     answered as resident."""
-    runner = ModelRunner.random(CONFIG, seed=0, num_kv_blocks=64, block_size=16, num_slots=2,
-                                max_rank=8)
-    loader = AdapterLoader(runner, (), holder="test")
-    loader.report_residency = lambda: asyncio.sleep(0, True)  # (no store to tell)
+    runner, loader = storeless_loader(num_kv_blocks=64)
     x = AdapterRef("x", 1)
     first = stage(loader, runner, x, 1)
     assert not (await loader.load(x, 0, first)).was_resident
@@ -93,10 +96,7 @@ async def test_a_load_into_a_slot_merged_during_its_fetch_is_refused_and_the_mer
     """LoadAdapter checks the slot is not merged as it arrives; a merge can begin while the
     load fetches. The check that counts is the one under the merge lock, with the write: the load
     is refused (FAILED_PRECONDITION) and the merged adapter stays loaded, its weights intact."""
-    runner = ModelRunner.random(CONFIG, seed=0, num_kv_blocks=64, block_size=16, num_slots=2,
-                                max_rank=8)
-    loader = AdapterLoader(runner, (), holder="test")
-    loader.report_residency = lambda: asyncio.sleep(0, True)  # (no store to tell)
+    runner, loader = storeless_loader(num_kv_blocks=64)
     x, y = AdapterRef("x", 1), AdapterRef("y", 1)
     await loader.load(x, 0, stage(loader, runner, x, 1))
     pages = stage(loader, runner, y, 2)  # y "fetched"; meanwhile a step merges slot 0
@@ -120,10 +120,7 @@ async def test_loads_and_unloads_of_an_ended_step_stream_never_land():
     executor refuses them (the scheduler's next view gives out every block anew): a load still
     fetching when the stream ended, or sent after, leaves no adapter in pages the next view may
     give to KV or to another slot; one already copying is emptied by the stream's end."""
-    runner = ModelRunner.random(CONFIG, seed=0, num_kv_blocks=64, block_size=16, num_slots=2,
-                                max_rank=8)
-    loader = AdapterLoader(runner, (), holder="test")
-    loader.report_residency = lambda: asyncio.sleep(0, True)  # (no store to tell)
+    runner, loader = storeless_loader(num_kv_blocks=64)
     x, y = AdapterRef("x", 1), AdapterRef("y", 1)
     loader.stream_id = "first"
     await loader.load(x, 0, stage(loader, runner, x, 1), stream_id="first")

@@ -8,13 +8,11 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit is defined
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
-from executor.peft_adapter import parse_peft_adapter  # noqa: E402
 from executor.runner import ModelRunner  # noqa: E402
 from loraplex import fixtures  # noqa: E402
-from tests.oracle import hf_greedy  # noqa: E402
-from tests.runner_driver import BLOCK, prompts, run  # noqa: E402
+from tests.oracle import assert_matches_hf, made_adapters  # noqa: E402
+from tests.runner_driver import BLOCK, load_folders, prompts, run  # noqa: E402
 
 ALL = fixtures.ATTN + fixtures.MLP
 # name -> LoraConfig arguments (alpha keeps each adapter's contribution of one size).
@@ -32,30 +30,18 @@ MAX_RANK = 256
 @pytest.fixture(scope="module")
 def adapters(tiny, tmp_path_factory):
     """The adapters' folders, made with PEFT on the tiny base, and HF + PEFT with all loaded."""
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     out = tmp_path_factory.mktemp("ranks")
     base = AutoModelForCausalLM.from_pretrained(tiny["model_dir"])
-    for seed, (name, args) in enumerate(RANKS.items()):
-        fixtures._save_adapter(base, out / name, 100 + seed, args)
-    first, *rest = RANKS
-    hf = PeftModel.from_pretrained(base, out / first, adapter_name=first)
-    for name in rest:
-        hf.load_adapter(out / name, adapter_name=name)
-    return out, hf.eval()
+    return out, made_adapters(base, out, RANKS, seed=100)
 
 
 def make_runner(tiny, folder, backend: str) -> ModelRunner:
     runner = ModelRunner.from_pretrained(tiny["model_dir"], num_kv_blocks=4096, block_size=BLOCK,
                                          num_slots=len(RANKS), max_rank=MAX_RANK,
                                          lora_backend=backend)
-    for slot, name in enumerate(RANKS):
-        runner.load_adapter(slot, parse_peft_adapter(
-            (folder / name / "adapter_config.json").read_text(),
-            (folder / name / "adapter_model.safetensors").read_bytes(), runner.config,
-            max_rank=MAX_RANK, check_base_model=False))  # (the base is named by its path)
-    return runner
+    return load_folders(runner, [folder / name for name in RANKS])
 
 
 def test_pages_follow_the_ranks_each_module_uses(tiny, adapters):
@@ -77,13 +63,7 @@ def test_mixed_ranks_alone_and_in_one_batch_match_hf_peft(tiny, adapters, backen
     requests = {sid: (p, slot) for sid, (p, slot) in enumerate(zip(prompts(len(names), 7),
                                                                     slots))}
     batched = run(runner, requests, num_tokens, chunk=8, admit=len(names))
-    base_logits = hf_greedy(hf, requests[0][0], 1)[1][0]
-    for sid, name in enumerate(names):
-        ref_tokens, ref_logits = hf_greedy(hf, requests[sid][0], num_tokens, name)
-        assert batched[sid][0] == ref_tokens, f"{backend}: greedy tokens differ for {name}"
-        torch.testing.assert_close(batched[sid][1], ref_logits, atol=2e-4, rtol=0)
-        if name and sid == 0:
-            assert (batched[sid][1][0] - base_logits).abs().max() > 1e-2  # the adapter matters
+    assert_matches_hf(hf, requests, names, batched, num_tokens, atol=2e-4, what=f"{backend}: ")
     for sid in (1, 4):  # alone: the same tokens as in the batch
         alone = run(runner, {sid: requests[sid]}, num_tokens)
         assert alone[sid][0] == batched[sid][0], f"{backend}: {names[sid]} depends on its batch"

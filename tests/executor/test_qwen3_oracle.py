@@ -5,14 +5,12 @@ alone and in one batch beside base rows: greedy tokens and logits equal HF + PEF
 the q/k norms the tokens differ, so the test can fail."""
 
 import pytest
-import torch
 
 from executor.model_config import ModelConfig
-from executor.peft_adapter import parse_peft_adapter
 from executor.runner import ModelRunner
 from loraplex import fixtures
-from tests.oracle import hf_greedy
-from tests.runner_driver import BLOCK, prompts, run
+from tests.oracle import assert_matches_hf, hf_greedy, made_adapters
+from tests.runner_driver import BLOCK, load_folders, prompts, run
 
 ALL = fixtures.ATTN + fixtures.MLP
 ADAPTERS = {
@@ -29,32 +27,20 @@ NUM_TOKENS = 12
 def qwen3(request, tmp_path_factory):
     """A tiny Qwen3 (head_dim 48 against hidden 256 / 4 heads = 64), its adapters, and HF +
     PEFT with all of them loaded."""
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     out = tmp_path_factory.mktemp("qwen3")
     model_dir = fixtures.save_tiny_model(out / "model", "qwen3", seed=3, head_dim=48,
                                          tie_word_embeddings=request.param)
     base = AutoModelForCausalLM.from_pretrained(model_dir)
-    for seed, (name, args) in enumerate(ADAPTERS.items()):
-        fixtures._save_adapter(base, out / name, 50 + seed, args)
-    first, *rest = ADAPTERS
-    hf = PeftModel.from_pretrained(base, out / first, adapter_name=first)
-    for name in rest:
-        hf.load_adapter(out / name, adapter_name=name)
-    return model_dir, out, hf.eval()
+    return model_dir, out, made_adapters(base, out, ADAPTERS, seed=50)
 
 
 def make_runner(model_dir, folder) -> ModelRunner:
     runner = ModelRunner.from_pretrained(model_dir, num_kv_blocks=1024, block_size=BLOCK,
                                          num_slots=len(ADAPTERS), max_rank=16,
                                          lora_backend="torch")
-    for slot, name in enumerate(ADAPTERS):
-        runner.load_adapter(slot, parse_peft_adapter(
-            (folder / name / "adapter_config.json").read_text(),
-            (folder / name / "adapter_model.safetensors").read_bytes(), runner.config,
-            check_base_model=False))  # (the adapters name the base by its path)
-    return runner
+    return load_folders(runner, [folder / name for name in ADAPTERS])
 
 
 def test_the_config_is_read_as_qwen3():
@@ -78,10 +64,7 @@ def test_qwen3_adapters_alone_and_batched_match_hf_peft(qwen3):
     requests = {sid: (p, slot) for sid, (p, slot) in enumerate(zip(prompts(len(names), 3),
                                                                     slots))}
     batched = run(runner, requests, NUM_TOKENS, chunk=6, admit=len(names))
-    for sid, name in enumerate(names):
-        ref_tokens, ref_logits = hf_greedy(hf, requests[sid][0], NUM_TOKENS, name)
-        assert batched[sid][0] == ref_tokens, f"greedy tokens differ for {name}"
-        torch.testing.assert_close(batched[sid][1], ref_logits, atol=1e-4, rtol=0)
+    assert_matches_hf(hf, requests, names, batched, NUM_TOKENS, atol=1e-4, adapter_matters=False)
     for sid in (0, 2):
         assert run(runner, {sid: requests[sid]}, NUM_TOKENS)[sid][0] == batched[sid][0]
 

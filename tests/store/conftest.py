@@ -2,24 +2,15 @@
 tiny-model runner to load fetched adapters into. A module with a `store` of its own (holding its
 adapters, or its own blob store) overrides the one here."""
 
-import uuid
-
 import pytest
 
-from adapter_store.config import StoreConfig
 from executor.runner import ModelRunner
-from tests.store.helpers import Store, file_config
+from tests.store.helpers import Store, backend_config, file_config
 
 
 @pytest.fixture(params=["file", "s3"])
 async def store(request, tmp_path):
-    if request.param == "s3":
-        s3 = request.getfixturevalue("seaweedfs_s3")
-        config = StoreConfig(url=f"s3://{s3.bucket}/{uuid.uuid4().hex}", chunk_bytes=16 * 1024,
-                             s3_endpoint_url=s3.endpoint_url)
-    else:
-        config = file_config(tmp_path)
-    store = await Store(config).start()
+    store = await Store(backend_config(request, tmp_path)).start()
     yield store
     await store.stop()
 

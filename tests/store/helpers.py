@@ -6,6 +6,7 @@ import collections
 import contextlib
 import hashlib
 import json
+import uuid
 
 import grpc
 import pytest
@@ -58,6 +59,16 @@ def lora_config(targets=("q_proj", "v_proj"), rank=8, **extra) -> str:
 def weights_key(name: str, data: bytes) -> str:
     """Where the registry keeps these weights (content-addressed)."""
     return f"adapters/{name}/weights/{hashlib.sha256(data).hexdigest()}.safetensors"
+
+
+def backend_config(request, tmp_path) -> StoreConfig:
+    """A store's config on local files, or on the session's SeaweedFS under a prefix of its own
+    (request.param: "file" or "s3")."""
+    if request.param == "s3":
+        s3 = request.getfixturevalue("seaweedfs_s3")
+        return StoreConfig(url=f"s3://{s3.bucket}/{uuid.uuid4().hex}", chunk_bytes=16 * 1024,
+                           s3_endpoint_url=s3.endpoint_url)
+    return file_config(tmp_path)
 
 
 def pages_for(runner, config_json: str, data: bytes) -> tuple[int, ...]:

@@ -6,14 +6,12 @@ real service on local files and on SeaweedFS S3."""
 import asyncio
 import dataclasses
 import time
-import uuid
 
 import pytest
 
-from adapter_store.config import StoreConfig
 from adapter_store.records import MANIFEST_FILENAME, version_prefix
 from protos import adapter_store_pb2 as pb
-from tests.store.helpers import Store, file_config, in_session_loop, make_adapter, weights_key
+from tests.store.helpers import Store, backend_config, in_session_loop, make_adapter, weights_key
 
 
 @in_session_loop
@@ -36,13 +34,7 @@ async def test_a_delete_racing_a_push_of_the_same_bytes_leaves_the_new_version_i
 async def quick_store(request, tmp_path):
     """A store whose pushes are bounded to ~3 s in all, so its grace can be 4 s (a sweep every
     second)."""
-    if request.param == "s3":
-        s3 = request.getfixturevalue("seaweedfs_s3")
-        config = StoreConfig(url=f"s3://{s3.bucket}/{uuid.uuid4().hex}", chunk_bytes=16 * 1024,
-                             s3_endpoint_url=s3.endpoint_url)
-    else:
-        config = file_config(tmp_path)
-    config = dataclasses.replace(config, **QUICK)
+    config = dataclasses.replace(backend_config(request, tmp_path), **QUICK)
     store = await Store(config).start()
     yield store
     await store.stop()
