@@ -1,11 +1,12 @@
 """The gateway in front of two pools with different base models (the demo model, which has no chat
 template, and the fixture model, which has one), as real processes sharing one adapter store,
 driven by the official `openai` client and by gRPC. What comes back through the gateway is what
-the pool's scheduler answers for the same request (the world: tests/gateway/conftest.py). The
-bodies' logprobs and context errors: test_openai_bodies.py."""
+the pool's scheduler answers for the same request."""
 
 import asyncio
 import json
+import os
+import secrets
 import urllib.error
 import urllib.request
 
@@ -17,15 +18,73 @@ from transformers import AutoTokenizer
 
 from common.server import insecure_channel
 from loraplex import client
+from loraplex.demo import MODEL_DIR as DEMO_MODEL_DIR
 from loraplex.fixtures import MODEL_ID as FIXTURE_MODEL
+from loraplex.launch import Fleet, FleetKeys, start_gateway
 from protos import adapter_store_pb2, scheduler_pb2, scheduler_pb2_grpc
-from tests.gateway.openai_world import (
-    DEMO_MODEL,
-    KEYS,
-    MESSAGES,
-    direct,
-    openai_client,
-)
+
+DEMO_MODEL = "loraplex-demo-tiny"
+DEMO_ADAPTERS = DEMO_MODEL_DIR.parent / "adapters"
+KEYS = {"acme": secrets.token_hex(16), "globex": secrets.token_hex(16),
+        "limited": secrets.token_hex(16)}
+EXECUTOR = ["--adapter-slots", "2", "--threads", "1"]
+MESSAGES = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Name a river."}]
+
+
+@pytest.fixture(scope="module")
+def world(tiny, tmp_path_factory, log_dir):
+    """Pool "demo" (with the store), pool "fixture" (using the same store), and a gateway; their
+    own loggers at DEBUG (a line per request, with its id)."""
+    os.environ["LORAPLEX_LOG_LEVEL"] = "DEBUG"  # (read by the services this fixture starts)
+    keys = FleetKeys(tenants={key: tenant for tenant, key in KEYS.items()})
+    logs = log_dir / "gateway"
+    demo = Fleet(model=str(DEMO_MODEL_DIR), log_dir=logs / "demo", keys=keys,
+                 store_url=tmp_path_factory.mktemp("store").as_uri(), executor_args=EXECUTOR)
+    fixture = None
+    gateway = None
+    try:
+        demo.start()
+        fixture = Fleet(model=tiny["model_dir"], store_url="", log_dir=logs / "fixture",
+                        keys=keys, store_addresses=demo.stores, executor_args=EXECUTOR).start()
+        gateway = start_gateway({DEMO_MODEL: [demo.scheduler],
+                                 FIXTURE_MODEL: [fixture.scheduler]}, demo.stores, logs, keys,
+                                ["--rate-limit", "limited=0.02:1000000"])
+        yield {"demo": demo, "fixture": fixture, "gateway": gateway, "keys": keys}
+    finally:
+        os.environ.pop("LORAPLEX_LOG_LEVEL", None)
+        for part in (gateway, fixture, demo):
+            if part is not None:
+                part.stop()
+
+
+@pytest.fixture(scope="module")
+async def adapters(world, tiny):
+    store = world["demo"].stores[0]
+    await client.push_adapter(store, DEMO_ADAPTERS / "reverse-words", "reverse-words",
+                              key=KEYS["acme"])
+    await client.push_adapter(store, tiny["adapters"]["r4_attn"]["path"], "tiny-attn",
+                              key=KEYS["acme"])
+    await client.push_adapter(store, tiny["adapters"]["r8_mlp"]["path"], "globex-mlp",
+                              key=KEYS["globex"])
+    await client.push_adapter(store, tiny["adapters"]["r2_q"]["path"], "shared-q",
+                              key=world["keys"].admin)  # public
+    return world
+
+
+def openai_client(world, tenant: str = "acme") -> openai.AsyncOpenAI:
+    http = world["gateway"].announced["gateway-http"]
+    return openai.AsyncOpenAI(base_url=f"http://{http}/v1", api_key=KEYS[tenant],
+                              max_retries=0, timeout=120)
+
+
+async def direct(world, pool: str, adapter: str, prompt, max_new: int, tenant="acme") -> str:
+    """What the pool's own scheduler answers (greedy)."""
+    async with insecure_channel(world[pool].scheduler) as channel:
+        out = await client.generate(scheduler_pb2_grpc.SchedulerStub(channel),
+                                    client.generate_request(adapter, prompt, max_new),
+                                    KEYS[tenant])
+    return out.text
 
 
 @pytest.mark.parametrize("pool,model,prompt", [
@@ -47,6 +106,33 @@ async def test_completions_equal_the_pools_answer(adapters, pool, model, prompt)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+async def test_logprob_tokens_concatenate_to_the_text_and_offsets_index_it(adapters):
+    """The demo tokenizer decodes a token alone without its leading space (Metaspace, as
+    Llama-2 and Mistral): the tokens were "stone", "river", "quiet" for "stone river quiet"."""
+    api = openai_client(adapters)
+    whole = await api.completions.create(model="reverse-words", prompt="quiet river stone",
+                                         max_tokens=12, temperature=0, logprobs=0)
+    text, lp = whole.choices[0].text, whole.choices[0].logprobs
+    assert " " in text and "".join(lp.tokens) == text and len(lp.tokens) == len(lp.token_logprobs)
+    assert all(text[at:at + len(token)] == token for token, at in zip(lp.tokens, lp.text_offset))
+    assert any(token.startswith(" ") for token in lp.tokens)
+    chunks = [c async for c in await api.completions.create(
+        model="reverse-words", prompt="quiet river stone", max_tokens=12, temperature=0,
+        logprobs=0, stream=True)]
+    streamed = [(c.choices[0].logprobs.tokens[0], c.choices[0].logprobs.text_offset[0])
+                for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for t, _ in streamed] == lp.tokens and [o for _, o in streamed] == lp.text_offset
+
+
+async def test_chat_logprob_tokens_concatenate_to_the_content(adapters, tiny):
+    api = openai_client(adapters)
+    out = await api.chat.completions.create(model="tiny-attn", messages=MESSAGES, max_tokens=10,
+                                            temperature=0, logprobs=True)
+    content, tokens = out.choices[0].message.content, out.choices[0].logprobs.content
+    assert "".join(t.token for t in tokens) == content
+    assert all(bytes(t.bytes) == t.token.encode() for t in tokens)
 
 
 async def test_chat_uses_the_models_template(adapters, tiny):
@@ -170,6 +256,23 @@ async def test_one_request_id_from_the_client_to_the_executors_log(adapters):
         "model": "tiny-attn", "prompt": "hi", "max_tokens": 2}, "acme",
         {"x-request-id": "bad id=forged"})
     assert status == 400 and b"x-request-id" in body
+
+
+async def test_a_context_overflow_names_the_field_and_the_real_counts(adapters, tiny):
+    """The fixture model's context is 2048 tokens; "The little cat" is a handful of tokens: the
+    error names max_tokens and counts the prompt's real tokens (it estimated "at least 2")."""
+    api = openai_client(adapters)
+    tokens = len(AutoTokenizer.from_pretrained(tiny["model_dir"])("The little cat").input_ids)
+    with pytest.raises(openai.BadRequestError) as err:
+        await api.completions.create(model="tiny-attn", prompt="The little cat", max_tokens=2047)
+    assert err.value.body["param"] == "max_tokens"
+    assert (f"the prompt ({tokens} tokens) with max_tokens (2047) is {tokens + 2047} tokens, "
+            f"over the context of 2048 tokens: ask for at most {2048 - tokens}"
+            ) in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        await api.chat.completions.create(model="tiny-attn", max_tokens=8, messages=[
+            {"role": "user", "content": "cat " * 3000}])
+    assert err.value.body["param"] == "messages" and "shorten the messages" in str(err.value)
 
 
 async def test_bad_key_bad_field_and_rate_limit(adapters):
