@@ -282,11 +282,13 @@ class _Events:
     handler waits on only when the deque is empty (an asyncio.Queue's get() per event costs a
     loop look-up and its getter bookkeeping each time)."""
 
-    __slots__ = ("pending", "_waiter")
+    __slots__ = ("pending", "_waiter", "_loop")
 
     def __init__(self) -> None:
         self.pending: collections.deque[Event] = collections.deque()
         self._waiter: asyncio.Future | None = None
+        # (asyncio.get_running_loop() makes a getpid() system call each time, on Python 3.11)
+        self._loop = asyncio.get_running_loop()
 
     def put(self, event: Event) -> None:
         self.pending.append(event)
@@ -298,7 +300,7 @@ class _Events:
 
     async def wait(self) -> None:
         """Until an event is pending."""
-        self._waiter = waiter = asyncio.get_running_loop().create_future()
+        self._waiter = waiter = self._loop.create_future()
         try:
             await waiter
         finally:

@@ -53,3 +53,36 @@ def test_stop_token_ends_without_text(tokenizer):
     ids = tokenizer.encode(" hello there", add_special_tokens=False).ids
     deltas, finish = stream(tokenizer, ids + [1, 5, 6], stop_token_ids=[1], max_new_tokens=100)
     assert finish is Finish.STOP and "".join(deltas) == tokenizer.decode(ids)
+
+
+def window_deltas(tokenizer, ids) -> list[str]:
+    """The plain definition of the window rule, two decodes per token: what each token adds."""
+    deltas, prefix, read = [], 0, 0
+    for n in range(1, len(ids) + 1):
+        before = tokenizer.decode(ids[prefix:read], skip_special_tokens=True)
+        after = tokenizer.decode(ids[prefix:n], skip_special_tokens=True)
+        final = n == len(ids)
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            deltas.append(after[len(before):])
+            prefix, read = read, n
+        else:
+            deltas.append("")
+    return deltas
+
+
+@pytest.mark.parametrize("which", ["fixture", "demo"])
+def test_each_token_adds_what_the_plain_window_rule_adds(tokenizer, which):
+    """The native stream (DecodeStream) and the final-token decode give, token by token, the
+    text of the plain rule: the fixture's byte-level BPE (split characters) and the demo's
+    Metaspace tokenizer (a leading space that decoding a token alone drops)."""
+    from loraplex import demo
+
+    tok = tokenizer if which == "fixture" else Tokenizer.from_file(
+        str(demo.MODEL_DIR / "tokenizer.json"))
+    rng = random.Random(1)
+    vocab = tok.get_vocab_size()
+    for _ in range(60):
+        ids = [rng.randrange(2, vocab) for _ in range(rng.randint(1, 30))]
+        deltas, _ = stream(tok, ids)
+        assert deltas == window_deltas(tok, ids)
+        assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True)
