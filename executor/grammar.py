@@ -41,8 +41,12 @@ class GrammarRows:
         if not tokenizer_json:
             raise ValueError("a grammar needs the model's tokenizer (tokenizer.json), and this "
                              "executor has none")
-        import llguidance
-        import llguidance.torch
+        try:
+            import llguidance
+            import llguidance.torch
+        except ImportError as err:
+            raise ValueError("the grammar engine (llguidance) is not installed on this "
+                             "executor") from err
 
         self._llg, self._llg_torch = llguidance, llguidance.torch
         self.vocab_size, self.device = vocab_size, torch.device(device)

@@ -220,6 +220,18 @@ class ModelRunner:
         self._seqs[seq_id] = _Sequence(list(token_ids), num_cached, [], sampling, slot,
                                        DrawStream(sampling.seed, num_generated, self.device))
 
+    def prepare_grammars(self) -> bool:
+        """Build the grammar engine's tokenizer now (seconds for a vocabulary of 100k+ tokens)
+        rather than on the step thread at the first constrained sequence; False when the model
+        has no tokenizer or the engine is not installed."""
+        if not self.tokenizer_json:
+            return False
+        try:
+            self._grammar_rows()
+        except ValueError:  # (the engine is not installed)
+            return False
+        return True
+
     def _grammar_rows(self) -> GrammarRows:
         if self._grammars is None:
             self._grammars = GrammarRows(self.tokenizer_json, self.config.vocab_size,

@@ -6,6 +6,8 @@ grammar where it stopped."""
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -176,3 +178,27 @@ def test_a_row_that_samples_outside_its_mask_may_only_end(tiny):
     logits = torch.zeros(1, 1024)
     rows.constrain(logits, [1])
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [EOS]
+
+
+def test_the_executor_runs_without_the_engine_until_a_grammar_comes():
+    """Where llguidance is not installed (the GPU check's machine), unconstrained steps run and
+    a grammar is refused by name."""
+    script = (
+        "import sys; sys.modules['llguidance'] = None\n"
+        "from common.grammar import Grammar, GrammarKind\n"
+        "from common.sampling import SamplingParams\n"
+        "from executor.runner import ModelRunner, Row\n"
+        "runner = ModelRunner.random('tiny', num_kv_blocks=64, block_size=4, num_slots=1, "
+        "max_rank=8)\n"
+        "runner.tokenizer_json = '{}'\n"
+        "assert not runner.prepare_grammars()\n"
+        "runner.add_sequence(1, [5, 6], SamplingParams(), -1)\n"
+        "assert runner.step([Row(1, 2, (0,))])\n"
+        "try:\n"
+        "    runner._grammar_rows()\n"
+        "except ValueError as err:\n"
+        "    print(err)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr
+    assert "llguidance" in out.stdout and "not installed" in out.stdout
