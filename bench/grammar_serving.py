@@ -8,8 +8,9 @@ its byte-level BPE of 1,024 tokens) and the same shape with a 128,000-token voca
 weights, the synthetic byte-level BPE of bench/grammar_engines.py), where a mask is 125x longer.
 64 sequences (seeded, temperature 1.0) decode NEW_TOKENS steps after their prefill, each round
 the three ways in turn (median of the rounds' decode tokens/s): no grammar, every other row under
-the schema, every row under it. The schema is an array of nested objects (enums, numbers, bounded
-strings, required fields), so a row stays inside it for the whole run.
+the schema, every row under it; and the time per step in the grammar's own work (masks filled
+and applied to the logits, sampled tokens advanced). The schema is an array of nested objects
+(enums, numbers, bounded strings, required fields), so a row stays inside it for the whole run.
 
 Compile: the first constrained sequence of a runner builds the engine's tokenizer (once per
 executor), then its grammar (cold: parse and lexer, up to its first mask); another sequence of
@@ -65,9 +66,27 @@ def runner_for(model: str, tokens: int, batch: int) -> ModelRunner:
     return runner
 
 
+class GrammarClock:
+    """Seconds spent in the runner's grammar work (masks filled and applied, tokens advanced)."""
+
+    def __init__(self, runner: ModelRunner):
+        self.seconds = 0.0
+        rows = runner.prepare_grammars() and runner._grammars
+        for name in ("constrain", "advance"):
+            setattr(rows, name, self._timed(getattr(rows, name)))
+
+    def _timed(self, fn):
+        def timed(*args):
+            start = time.perf_counter()
+            fn(*args)
+            self.seconds += time.perf_counter() - start
+        return timed
+
+
 def decode_round(runner: ModelRunner, prompts: list[list[int]], constrained: int,
-                 new_tokens: int) -> float:
-    """Decode tokens/s of the prompts, rows i with i % constrained == 0 under GRAMMAR."""
+                 new_tokens: int, clock: GrammarClock) -> tuple[float, float]:
+    """(decode tokens/s, grammar ms per decode step) of the prompts, rows i with
+    i % constrained == 0 under GRAMMAR."""
     per_seq = -(-(max(map(len, prompts)) + new_tokens) // BLOCK)
     rows = []
     for i, prompt in enumerate(prompts):
@@ -76,12 +95,12 @@ def decode_round(runner: ModelRunner, prompts: list[list[int]], constrained: int
                             -1)
         rows.append(Row(i, len(prompt), tuple(range(i * per_seq, (i + 1) * per_seq))))
     runner.step(rows)
-    start = time.perf_counter()
+    start, clock.seconds = time.perf_counter(), 0.0
     for _ in range(new_tokens - 1):
         runner.step([Row(i, 1) for i in range(len(prompts))])
     seconds = time.perf_counter() - start
     runner.free_all()
-    return len(prompts) * (new_tokens - 1) / seconds
+    return len(prompts) * (new_tokens - 1) / seconds, clock.seconds / (new_tokens - 1) * 1e3
 
 
 def compile_times(model: str) -> tuple[float, float]:
@@ -110,8 +129,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     batch, new_tokens, rounds = (64, 8, 1) if args.quick else (64, 24, 3)
     load = os.getloadavg()[0]
-    lines = ["| model (vocabulary) | rows under the schema | decode tok/s | vs none |",
-             "|---|---|---:|---:|"]
+    lines = ["| model (vocabulary) | rows under the schema | decode tok/s | vs none "
+             "| grammar ms/step |", "|---|---|---:|---:|---:|"]
     compiles = []
     for model in ("fixture", "128k"):
         runner = runner_for(model, 32 + new_tokens, batch)
@@ -120,12 +139,17 @@ def main() -> None:
                    for _ in range(batch)]
         ways = {"none": 0, "half": 2, "all": 1}
         rates: dict[str, list[float]] = {way: [] for way in ways}
+        grammar_ms: dict[str, list[float]] = {way: [] for way in ways}
+        clock = GrammarClock(runner)
         for _ in range(rounds):
             for way, every in ways.items():
-                rates[way].append(decode_round(runner, prompts, every, new_tokens))
+                rate, ms = decode_round(runner, prompts, every, new_tokens, clock)
+                rates[way].append(rate)
+                grammar_ms[way].append(ms)
         median = {way: statistics.median(r) for way, r in rates.items()}
         vocab = runner.config.vocab_size
-        lines += [f"| {model} ({vocab}) | {way} | {rate:.0f} | {rate / median['none']:.3f} |"
+        lines += [f"| {model} ({vocab}) | {way} | {rate:.0f} | {rate / median['none']:.3f} "
+                  f"| {statistics.median(grammar_ms[way]):.2f} |"
                   for way, rate in median.items()]
         cold, cached = compile_times(model)
         compiles.append(f"| {model} ({vocab}) | {cold:.1f} | {cached:.2f} |")

@@ -89,8 +89,11 @@ class GrammarRows:
         self._llg_torch.fill_next_token_bitmask_par(
             self._executor, [(self._matchers[seq_ids[i]], k) for k, i in enumerate(rows)],
             packed)  # [R, V/32]
-        index = torch.tensor(rows, device=logits.device)  # [R]
         allowed = unpack_masks(packed.to(self.device), logits.shape[1], self._bits)  # [R, V]
+        if len(rows) == len(seq_ids):  # every row constrained: in place, no gather
+            logits.masked_fill_(~allowed, float("-inf"))
+            return
+        index = torch.tensor(rows, device=logits.device)  # [R]
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
     def advance(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> None:
