@@ -115,3 +115,44 @@ def test_bad_tool_fields_name_the_field(body, param):
     with pytest.raises(BadField) as err:
         chat_tools(body)
     assert err.value.param == param
+
+
+def streamed_deltas(fmt, pieces: list[str]) -> tuple[list[dict], str]:
+    """The chat deltas an EventWriter streams for an output arriving in `pieces`, and the last
+    finish reason."""
+    from gateway.openai_responses import EventWriter, Response
+    from protos import scheduler_pb2
+
+    writer = EventWriter(Response(True, "m", "r"), False, tools=fmt)
+    deltas, reason = [], None
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        message = scheduler_pb2.GenerateResponse(
+            text=piece, finish_reason=scheduler_pb2.FINISH_REASON_STOP if last else 0)
+        if not last:
+            message.token_id = 5
+        event = json.loads(writer.token(0, message).decode().removeprefix("data: "))
+        deltas.append(event["choices"][0]["delta"])
+        reason = event["choices"][0]["finish_reason"]
+    return deltas, reason
+
+
+def test_auto_streams_content_and_then_calls():
+    text = OUTPUTS[HERMES]
+    deltas, reason = streamed_deltas(HERMES, [text[i:i + 4] for i in range(0, len(text), 4)])
+    assert deltas[0]["role"] == "assistant"
+    assert "".join(d.get("content") or "" for d in deltas) == "Let me look. "
+    calls = {}
+    for delta in deltas:
+        for part in delta.get("tool_calls", ()):
+            if part["index"] not in calls:
+                assert part["id"].startswith("call_") and part["type"] == "function"
+                calls[part["index"]] = [part["function"]["name"], ""]
+            calls[part["index"]][1] += part["function"]["arguments"]
+    assert [(n, json.loads(a)) for n, a in calls.values()] == [("get_weather", WEATHER),
+                                                               ("add", {"n": 2})]
+    assert reason == "tool_calls"
+    plain = "Paris is <b>sunny</b> today."
+    deltas, reason = streamed_deltas(HERMES, list(plain) + [""])
+    assert "".join(d.get("content") or "" for d in deltas) == plain and reason == "stop"
+    assert not any("tool_calls" in d for d in deltas)
