@@ -9,6 +9,7 @@ import dataclasses
 import math
 
 from common.errors import InvalidArgument
+from common.grammar import Grammar, GrammarError
 from protos import common_pb2
 
 MAX_SEED = 2**64  # seeds are uint64 on the wire
@@ -20,6 +21,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     seed: int | None = None  # None = a random stream of its own
+    grammar: Grammar | None = None  # constrained decoding (common/grammar.py); None = free
 
     @property
     def is_greedy(self) -> bool:
@@ -40,17 +42,27 @@ class SamplingParams:
         if seed is not None and (not _is_int(seed) or not 0 <= seed < MAX_SEED):
             raise InvalidArgument(f"sampling.seed must be an integer in [0, 2**64) or unset, "
                                   f"got {seed!r}")
+        if self.grammar is not None:
+            try:
+                self.grammar.validate()
+            except GrammarError as err:
+                raise InvalidArgument(f"sampling.grammar: {err.detail}") from None
         return self
 
     @classmethod
     def from_pb(cls, pb: common_pb2.SamplingParams) -> "SamplingParams":
         """The parameters a message carries (not yet validated)."""
+        try:
+            grammar = Grammar.from_pb(pb.grammar) if pb.HasField("grammar") else None
+        except GrammarError as err:
+            raise InvalidArgument(f"sampling.grammar: {err.detail}") from None
         return cls(temperature=pb.temperature, top_k=pb.top_k, top_p=pb.top_p or 1.0,
-                   seed=pb.seed if pb.HasField("seed") else None)
+                   seed=pb.seed if pb.HasField("seed") else None, grammar=grammar)
 
     def to_pb(self) -> common_pb2.SamplingParams:
-        return common_pb2.SamplingParams(temperature=self.temperature, top_k=self.top_k,
-                                         top_p=self.top_p, seed=self.seed)
+        return common_pb2.SamplingParams(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
+            grammar=self.grammar.to_pb() if self.grammar else None)
 
 
 def _is_int(value: object) -> bool:

@@ -16,6 +16,7 @@ import torch
 
 from common.peft.modules import LORA_MODULES
 from common.sampling import SamplingParams
+from executor.grammar import GrammarRows
 from executor.kv_cache import PagedKVCache
 from executor.lora import make_lora_backend
 from executor.merge import Merged, merge, unmerge
@@ -102,6 +103,8 @@ class ModelRunner:
         self._seqs: dict[int, _Sequence] = {}
         self._merged: Merged | None = None  # the adapter folded into the weights (merge.py)
         self.base_fingerprint = ""  # of the model folder (common/base_fingerprint.py); "": none
+        self.tokenizer_json = ""  # the model's tokenizer.json: what grammars compile against
+        self._grammars: GrammarRows | None = None  # made at the first constrained sequence
 
     def set_identity(self, model_id: str, base_fingerprint: str) -> None:
         """Who the served model is: `model_id`, what adapters' base_model must say (the id the
@@ -117,7 +120,10 @@ class ModelRunner:
         config = ModelConfig.from_pretrained(model_dir, model_id=model_id)
         weights = load_weights(model_dir, config, dtype=kw.get("dtype", torch.float32),
                                device=kw.get("device", "cpu"))
-        return cls(config, weights, **kw)
+        runner = cls(config, weights, **kw)
+        tokenizer = Path(model_dir) / "tokenizer.json"
+        runner.tokenizer_json = tokenizer.read_text() if tokenizer.exists() else ""
+        return runner
 
     @classmethod
     def random(cls, config_name_or_config: str | ModelConfig, seed: int = 0,
@@ -208,11 +214,34 @@ class ModelRunner:
             raise ValueError(f"sequence {seq_id}: num_cached {num_cached} must be below its "
                              f"{len(token_ids)} tokens (the last one is computed for a sample)")
         sampling.validate()
+        if sampling.grammar is not None:  # (its state: the tokens it generated so far)
+            self._grammar_rows().add(seq_id, sampling.grammar,
+                                     token_ids[len(token_ids) - num_generated:])
         self._seqs[seq_id] = _Sequence(list(token_ids), num_cached, [], sampling, slot,
                                        DrawStream(sampling.seed, num_generated, self.device))
 
+    def prepare_grammars(self) -> bool:
+        """Build the grammar engine's tokenizer now (seconds for a vocabulary of 100k+ tokens)
+        rather than on the step thread at the first constrained sequence; False when the model
+        has no tokenizer or the engine is not installed."""
+        if not self.tokenizer_json:
+            return False
+        try:
+            self._grammar_rows()
+        except ValueError:  # (the engine is not installed)
+            return False
+        return True
+
+    def _grammar_rows(self) -> GrammarRows:
+        if self._grammars is None:
+            self._grammars = GrammarRows(self.tokenizer_json, self.config.vocab_size,
+                                         self.config.eos_token_ids, self.device)
+        return self._grammars
+
     def free_sequence(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)
+        if self._grammars is not None:
+            self._grammars.free(seq_id)
 
     @property
     def num_sequences(self) -> int:
@@ -221,6 +250,8 @@ class ModelRunner:
     def free_all(self) -> None:
         """Forget every sequence (the scheduler's stream ended); adapters stay loaded."""
         self._seqs.clear()
+        if self._grammars is not None:
+            self._grammars.clear()
 
     def tokens(self, seq_id: int) -> list[int]:
         """Prompt + sampled tokens of a sequence (a copy)."""
@@ -261,8 +292,13 @@ class ModelRunner:
         for r in rows:
             self._seqs[r.seq_id].num_computed += r.num_tokens
         seqs = [self._seqs[s] for s in sampled_seqs]
+        grammars = self._grammars if self._grammars else None  # (None: no row has one)
+        if grammars is not None:  # masks of the constrained rows, before any draw
+            grammars.constrain(logits, sampled_seqs)
         token_ids, logprobs = sample(logits, [s.sampling for s in seqs],
                                      [s.draws for s in seqs])
+        if grammars is not None:
+            grammars.advance(sampled_seqs, token_ids)
         for seq, token in zip(seqs, token_ids):
             seq.token_ids.append(token)
         return ([Sampled(s, t, lp) for s, t, lp in zip(sampled_seqs, token_ids, logprobs)],

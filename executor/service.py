@@ -51,6 +51,9 @@ def build_runner(config: ExecutorConfig) -> tuple[ModelRunner, TokenizerFiles]:
         runner = ModelRunner.random(config.random_config, seed=config.seed, **kw)
         return runner, TokenizerFiles()
     runner = ModelRunner.from_pretrained(config.model, model_id=config.model_id, **kw)
+    if runner.tokenizer_json and not runner.prepare_grammars():
+        log.warning("executor: the grammar engine (llguidance) is not installed: requests with "
+                    "a grammar (structured outputs, tools) will fail here")
     return runner, TokenizerFiles.read(config.model)
 
 

@@ -58,6 +58,7 @@ class ChatTemplate:
     """A model's chat template, compiled once."""
 
     def __init__(self, source: str, special_tokens: dict[str, str]):
+        self.source = source  # the template's text (what tool-call format it uses)
         self._template, self._missing = None, "this model has no chat template"
         if source:
             try:
@@ -67,14 +68,16 @@ class ChatTemplate:
         self._special_tokens = dict(special_tokens)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
-               continue_final_message: bool = False) -> str:
-        """The prompt text for `messages` ([{"role", "content"}], content a string);
+               continue_final_message: bool = False, tools: list[dict] | None = None) -> str:
+        """The prompt text for `messages` ([{"role", "content"}], content a string) and the
+        `tools` the model may call ([{"type": "function", "function": {...}}], the template's
+        `tools` variable, as transformers passes it);
         INVALID_ARGUMENT when the template refuses them (its raise_exception), and
         FAILED_PRECONDITION when the model has no chat template."""
         if self._template is None:
             raise FailedPrecondition(f"{self._missing}: use /v1/completions with a prompt")
         try:
-            text = self._template.render(messages=messages,
+            text = self._template.render(messages=messages, tools=tools,
                                          add_generation_prompt=add_generation_prompt,
                                          **self._special_tokens)
         except Exception as err:  # noqa: BLE001 - whatever the template made of these messages

@@ -8,7 +8,7 @@ import math
 import grpc
 
 from common import wire
-from common.errors import status_for
+from common.errors import InvalidArgument, status_for
 
 # gRPC status -> (HTTP status, OpenAI error type)
 _HTTP = {
@@ -26,6 +26,16 @@ _HTTP = {
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
+
+
+class BadField(InvalidArgument):
+    """INVALID_ARGUMENT about one field of the body (`param` in OpenAI's error)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
 _CODES = {401: "invalid_api_key", 404: "model_not_found", 429: "rate_limit_exceeded"}
 
 

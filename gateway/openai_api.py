@@ -12,6 +12,7 @@ own status, one after it an `error` event. A client that goes away cancels its G
 """
 
 import asyncio
+import dataclasses
 import logging
 
 from starlette.requests import Request
@@ -21,11 +22,13 @@ from starlette.routing import Route as HttpRoute
 from common.errors import NotFound, Unavailable
 from gateway.catalog import Catalog
 from gateway.frontend import Frontend, Route
+from gateway.guided import checked
 from gateway.http_common import SSEResponse, guarded, json_body, request_id_of, tenant_of
 from gateway.http_errors import error_body
 from gateway.openai_requests import ChatRequest, Options, chat_request, completion_request
 from gateway.openai_responses import DONE, Choice, EventWriter
 from gateway.openai_responses import Response as Identity
+from gateway.tool_calls import ToolFormat
 from protos import scheduler_pb2
 
 log = logging.getLogger(__name__)
@@ -66,14 +69,21 @@ class OpenAIApi:
     async def chat(self, request: Request) -> Response:
         tenant, request_id = tenant_of(request, self._frontend), request_id_of(request)
         parsed = chat_request(await json_body(request, self._max_body_bytes))
-        options = parsed.options
+        options, tools = parsed.options, parsed.tools
         route = await self._frontend.route(options.model, tenant)
+        tool_format = None
+        if tools is not None and tools.are_parsed:  # (its format is the model's)
+            tool_format = ToolFormat.for_template(route.model.chat.source)
+            grammar = tools.grammar(tool_format)
+            if grammar is not None:
+                options = dataclasses.replace(options, sampling=dataclasses.replace(
+                    options.sampling, grammar=checked(grammar, "tools")))
         ids = await self._frontend.prompt_ids(route, _render(route, parsed), None,
                                               options.max_tokens or 1, chat=True,
                                               field="max_tokens")
         max_new = options.max_tokens or route.model.max_model_len - len(ids)
         return await self._respond(route, tenant, options, [ids], max_new, request_id,
-                                   chat=True)
+                                   chat=True, tool_format=tool_format)
 
     async def models(self, request: Request) -> Response:
         tenant = tenant_of(request, self._frontend)
@@ -106,7 +116,7 @@ class OpenAIApi:
 
     async def _respond(self, route: Route, tenant: str, options: Options,
                        prompts: list[list[int]], max_new: int, request_id: str,
-                       chat: bool) -> Response:
+                       chat: bool, tool_format: ToolFormat | None = None) -> Response:
         many = len(prompts) * options.n > 1  # (each choice a request of its own: id-INDEX)
         upstreams = [(index, scheduler_pb2.GenerateRequest(
                         adapter_ref=route.adapter_ref, token_ids=scheduler_pb2.TokenIds(ids=ids),
@@ -121,7 +131,8 @@ class OpenAIApi:
         identity = Identity(chat, options.model, request_id)
         events = self._merged(route, upstreams, tenant)
         if not options.stream:
-            choices = {index: Choice(index, options.logprobs) for index, _ in upstreams}
+            choices = {index: Choice(index, options.logprobs, tool_format)
+                       for index, _ in upstreams}
             try:
                 async for index, message in events:
                     choices[index].add(message)
@@ -132,7 +143,7 @@ class OpenAIApi:
         first = await anext(events, None)  # an error before the first token is an HTTP error
         if first is None:
             raise Unavailable("the pool ended the stream without an answer; retry")
-        writer = EventWriter(identity, options.include_usage, options.logprobs)
+        writer = EventWriter(identity, options.include_usage, options.logprobs, tool_format)
         return SSEResponse(self._events(writer, first, events, prompt_tokens, options))
 
     async def _events(self, writer: EventWriter, first, events, prompt_tokens: int,
@@ -193,6 +204,7 @@ def error_response(exc: BaseException) -> JSONResponse:
 
 
 def _render(route: Route, parsed: ChatRequest) -> str:
+    tools = list(parsed.tools.specs) if parsed.tools else None
     return route.model.chat.render(list(parsed.messages), parsed.add_generation_prompt,
-                                   parsed.continue_final_message)
+                                   parsed.continue_final_message, tools)
 

@@ -6,21 +6,15 @@ do (clients send extensions)."""
 import dataclasses
 import math
 
-from common.errors import InvalidArgument
 from common.sampling import MAX_SEED, SamplingParams
 from common.wire import MAX_CACHE_SALT_CHARS, MAX_STOP_STRINGS
 from gateway.chat import ROLES
+from gateway.guided import request_grammar
+from gateway.http_errors import BadField
+from gateway.tools import Tools, chat_tools, message_tool_calls
 
 MAX_N = 16  # choices per request (n x prompts)
 MAX_STOP = MAX_STOP_STRINGS
-
-
-class BadField(InvalidArgument):
-    """INVALID_ARGUMENT about one field of the body (`param` in OpenAI's error)."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(f"{param}: {message}")
-        self.param = param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +53,7 @@ class ChatRequest:
     messages: tuple[dict, ...]  # {"role", "content": str, ...} as the template takes them
     add_generation_prompt: bool
     continue_final_message: bool
+    tools: Tools | None = None  # gateway/tools.py; None: the request names none
 
 
 def completion_request(body: dict) -> CompletionRequest:
@@ -75,11 +70,7 @@ def completion_request(body: dict) -> CompletionRequest:
 
 
 def chat_request(body: dict) -> ChatRequest:
-    for field in ("tools", "functions"):
-        if body.get(field):
-            raise BadField(field, "tools are not supported")
-    if body.get("tool_choice") not in (None, "none"):
-        raise BadField("tool_choice", "tools are not supported")
+    tools = chat_tools(body)
     if body.get("max_completion_tokens") is not None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
     logprobs = _boolean(body, "logprobs", False)
@@ -88,12 +79,15 @@ def chat_request(body: dict) -> ChatRequest:
         raise BadField("top_logprobs", "only the sampled token's logprob is available: "
                                        "top_logprobs must be 0 or unset")
     options = _options(body, logprobs=logprobs)
+    if tools is not None and tools.choice in ("required", "function") and options.sampling.grammar:
+        raise BadField("tool_choice", "required or a named function constrains the output: it "
+                                      "cannot be combined with response_format or guided_*")
     add_generation_prompt = _boolean(body, "add_generation_prompt", True)
     continue_final = _boolean(body, "continue_final_message", False)
     if add_generation_prompt and continue_final:
         raise BadField("continue_final_message", "needs add_generation_prompt: false")
     return ChatRequest(options, _messages(body.get("messages")), add_generation_prompt,
-                       continue_final)
+                       continue_final, tools)
 
 
 def _options(body: dict, logprobs: bool) -> Options:
@@ -112,9 +106,7 @@ def _options(body: dict, logprobs: bool) -> Options:
         raise BadField("repetition_penalty", "penalties are not supported: 1 or unset")
     if body.get("logit_bias"):
         raise BadField("logit_bias", "is not supported")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise BadField("response_format", "only {\"type\": \"text\"} is supported")
+    guided = request_grammar(body)
     max_tokens = body.get("max_tokens")
     if max_tokens is not None:
         max_tokens = _integer(body, "max_tokens", None, 1, 2**31)
@@ -126,7 +118,7 @@ def _options(body: dict, logprobs: bool) -> Options:
         seed %= MAX_SEED
     sampling = SamplingParams(temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                               top_p=_number(body, "top_p", 1.0, 0.0, 1.0), top_k=max(top_k, 0),
-                              seed=seed)
+                              seed=seed, grammar=guided[0] if guided else None)
     if sampling.top_p == 0:
         raise BadField("top_p", "must be in (0, 1]")
     stream = _boolean(body, "stream", False)
@@ -189,10 +181,11 @@ def _messages(messages) -> tuple[dict, ...]:
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise BadField(f"messages[{i}]", f"must be an object whose role is one of "
                                              f"{', '.join(ROLES)}")
-        if message.get("tool_calls"):
-            raise BadField(f"messages[{i}].tool_calls", "tools are not supported")
         checked.append({**message, "content": _content(message.get("content"),
                                                        f"messages[{i}].content")})
+        if message.get("tool_calls"):
+            checked[-1]["tool_calls"] = message_tool_calls(message["tool_calls"],
+                                                           f"messages[{i}].tool_calls")
     return tuple(checked)
 
 

@@ -11,10 +11,13 @@ it could begin a stop string) has "" and that text goes with the later token; wh
 message flushes goes with the last token.
 """
 
+import dataclasses
 import json
+import secrets
 import time
 
 from gateway.http_errors import error_body
+from gateway.tool_calls import ToolCall, ToolCallParser, ToolFormat
 from protos import scheduler_pb2
 
 FINISH = {scheduler_pb2.FINISH_REASON_LENGTH: "length", scheduler_pb2.FINISH_REASON_STOP: "stop"}
@@ -24,9 +27,11 @@ DONE = b"data: [DONE]\n\n"
 class Choice:
     """One choice's tokens, as they arrive."""
 
-    def __init__(self, index: int, with_logprobs: bool = False):
+    def __init__(self, index: int, with_logprobs: bool = False, tools: ToolFormat | None = None):
         self.index = index
         self.texts: list[str] = []
+        # The output read for tool calls (a chat with tools), or None.
+        self.tool_calls = ToolCallParser(tools) if tools else None
         self.finish_reason: str | None = None
         self.completion_tokens = 0
         # (each token's text, its logprob), when logprobs are asked for
@@ -42,9 +47,25 @@ class Choice:
             if self.logprobs:  # (flushed at the end: the last token's)
                 token, logprob = self.logprobs[-1]
                 self.logprobs[-1] = (token + message.text, logprob)
+        if self.tool_calls is not None:
+            self.tool_calls.feed(message.text)
         if message.finish_reason:
             self.finish_reason = FINISH[message.finish_reason]
             self.completion_tokens = message.usage.completion_tokens
+            if self.tool_calls is not None:
+                self.tool_calls.finish()
+
+    def chat_message(self) -> tuple[dict, str | None]:
+        """(the assistant's message, the finish reason): with the tool calls it made, if any
+        ("tool_calls" then, when it ended by itself)."""
+        calls = self.tool_calls.calls if self.tool_calls is not None else []
+        if not calls:
+            return {"role": "assistant", "content": self.text}, self.finish_reason
+        message = {"role": "assistant", "content": self.tool_calls.content or None,
+                   "tool_calls": [{"id": _call_id(), "type": "function",
+                                   "function": {"name": c.name, "arguments": c.arguments}}
+                                  for c in calls]}
+        return message, _with_calls(self.finish_reason)
 
     @property
     def text(self) -> str:
@@ -91,9 +112,9 @@ class Response:
         """The whole (not streamed) response."""
         completion = sum(c.completion_tokens for c in choices)
         if self.chat:
-            out = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": c.chat_logprobs(), "finish_reason": c.finish_reason}
-                   for c in choices]
+            out = [{"index": c.index, "message": message, "logprobs": c.chat_logprobs(),
+                    "finish_reason": reason}
+                   for c in choices for message, reason in (c.chat_message(),)]
         else:
             out = [{"index": c.index, "text": c.text, "logprobs": c.completion_logprobs(),
                     "finish_reason": c.finish_reason} for c in choices]
@@ -105,8 +126,11 @@ class Response:
 class EventWriter:
     """Server-sent events of one streamed response."""
 
-    def __init__(self, response: Response, include_usage: bool, with_logprobs: bool = False):
+    def __init__(self, response: Response, include_usage: bool, with_logprobs: bool = False,
+                 tools: ToolFormat | None = None):
         self._response = response
+        self._tools = tools  # chat deltas carry the tool calls read in this format
+        self._calls: dict[int, _StreamedCalls] = {}  # choice -> its calls so far
         self._with_logprobs = with_logprobs
         self._offsets: dict[int, int] = {}  # choice -> its text's length so far (text_offset)
         head = {"id": response.id,
@@ -129,7 +153,9 @@ class EventWriter:
                 {"content": [_chat_token(token, message.logprob)]} if self._response.chat else
                 {"tokens": [token], "token_logprobs": [message.logprob], "top_logprobs": None,
                  "text_offset": [offset]})
-        if self._response.chat:
+        if self._response.chat and self._tools is not None:
+            delta, finish = self._tool_delta(index, message, finish)
+        elif self._response.chat:
             if index not in self._started:
                 self._started.add(index)
                 delta = '{"role": "assistant", "content": ' + json.dumps(message.text) + "}"
@@ -137,6 +163,7 @@ class EventWriter:
                 delta = "{}"
             else:
                 delta = '{"content": ' + json.dumps(message.text) + "}"
+        if self._response.chat:
             choice = f'{{"index": {index}, "delta": {delta}, "logprobs": {logprobs}'
         else:
             choice = f'{{"index": {index}, "text": {json.dumps(message.text)}, ' \
@@ -144,6 +171,26 @@ class EventWriter:
         reason = f'"{finish}"' if finish else "null"
         return (f'data: {self._head}, "choices": [{choice}, "finish_reason": {reason}}}]'
                 f"{self._tail}").encode()
+
+    def _tool_delta(self, index: int, message: scheduler_pb2.GenerateResponse,
+                    finish: str | None) -> tuple[str, str | None]:
+        """A chat delta of a choice read for tool calls, as OpenAI streams them: content as it
+        comes; a call once its name is known (index, id, type, function name, the arguments
+        so far), then its arguments' text in fragments; (delta, finish reason)."""
+        streamed = self._calls.setdefault(index, _StreamedCalls(ToolCallParser(self._tools)))
+        parser = streamed.parser
+        parser.feed(message.text)
+        if finish:
+            parser.finish()
+        delta: dict = {} if streamed.started else {"role": "assistant"}
+        streamed.started = True
+        if len(parser.content) > streamed.content_sent or "role" in delta:
+            delta["content"] = parser.content[streamed.content_sent:]
+            streamed.content_sent = len(parser.content)
+        calls = [d for i, call in enumerate(parser.calls) if (d := streamed.delta(i, call))]
+        if calls:
+            delta["tool_calls"] = calls
+        return json.dumps(delta), (_with_calls(finish) if parser.calls else finish)
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         """The last event when stream_options.include_usage: no choices, the usage."""
@@ -155,3 +202,33 @@ class EventWriter:
         """An error after the stream began: an `error` event (clients raise it), then [DONE]."""
         _, body, _ = error_body(exc)
         return f"data: {json.dumps(body)}\n\n".encode() + DONE
+
+
+@dataclasses.dataclass
+class _StreamedCalls:
+    """What a streamed choice has sent of its content and tool calls."""
+
+    parser: ToolCallParser
+    started: bool = False
+    content_sent: int = 0
+    sent: list[int] = dataclasses.field(default_factory=list)  # per call: arguments' chars sent
+
+    def delta(self, i: int, call: ToolCall) -> dict | None:
+        """Call i's part of the next delta, if it moved (it starts once its name is known)."""
+        if i == len(self.sent) and call.name is not None:
+            self.sent.append(len(call.arguments))
+            return {"index": i, "id": _call_id(), "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments}}
+        if i < len(self.sent) and len(call.arguments) > self.sent[i]:
+            fragment, self.sent[i] = call.arguments[self.sent[i]:], len(call.arguments)
+            return {"index": i, "function": {"arguments": fragment}}
+        return None
+
+
+def _call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def _with_calls(finish: str | None) -> str | None:
+    """A choice that called tools and ended by itself finished for "tool_calls"."""
+    return "tool_calls" if finish == "stop" else finish

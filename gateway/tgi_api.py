@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as HttpRoute
 
 from common.errors import InvalidArgument, Unavailable
+from common.grammar import Grammar, GrammarKind
 from common.sampling import MAX_SEED, SamplingParams
 from gateway.frontend import Frontend, Route
 from gateway.http_common import SSEResponse, guarded, json_body, request_id_of, tenant_of
@@ -205,11 +206,27 @@ def _sampling(params: dict) -> SamplingParams:
         temperature=float(temperature or 1.0) if sampled else 0.0,
         top_k=_int(params, "top_k", 0, 1) if params.get("top_k") is not None else 0,
         top_p=1.0 if top_p is None else float(top_p),
-        seed=None if seed is None else seed % MAX_SEED)
+        seed=None if seed is None else seed % MAX_SEED, grammar=_grammar(params.get("grammar")))
     try:
         return sampling.validate()
     except InvalidArgument as err:
         raise InvalidArgument(str(err).removeprefix("sampling.")) from None
+
+
+def _grammar(spec) -> Grammar | None:
+    """TGI's `grammar`: {"type": "json", "value": a JSON Schema (object or text)} or {"type":
+    "regex", "value": a regular expression}."""
+    if spec is None:
+        return None
+    kind = spec.get("type") if isinstance(spec, dict) else None
+    value = spec.get("value") if isinstance(spec, dict) else None
+    if kind == "json" and isinstance(value, (dict, str)):
+        return Grammar(GrammarKind.JSON_SCHEMA,
+                       value if isinstance(value, str) else json.dumps(value))
+    if kind == "regex" and isinstance(value, str):
+        return Grammar(GrammarKind.REGEX, value)
+    raise InvalidArgument("grammar: must be {\"type\": \"json\", \"value\": a JSON Schema} or "
+                          "{\"type\": \"regex\", \"value\": a regular expression}")
 
 
 def _stops(params: dict) -> list[str]:

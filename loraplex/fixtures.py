@@ -25,16 +25,31 @@ from common.peft.safetensors_header import WEIGHTS_FILE, parse_header
 MODEL_ID = "loraplex-tiny-llama"
 BOS, EOS = "<s>", "</s>"  # token ids 0 and 1
 # Bumped whenever generate() writes something new: ensure() then makes the fixtures again.
-VERSION = 2
+VERSION = 3
 # A chat template in the style of HF models' (roles checked with raise_exception, whitespace
 # trimmed by trim_blocks/lstrip_blocks), so chat requests can be checked against transformers.
+# With `tools` it lists them and asks for calls in the Hermes / Qwen format (<tool_call> JSON
+# </tool_call>, what gateway/tool_calls.py reads), and renders earlier calls and tool results.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}"
+    "<|system|>\nYou may call these functions. For each call, reply with <tool_call>\n"
+    "{\"name\": <function name>, \"arguments\": <arguments object>}\n</tool_call>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}{{ eos_token }}\n"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
     "{{ raise_exception('Unknown role: ' + message['role']) }}"
     "{% endif %}"
+    "{% if message['role'] == 'assistant' and message['tool_calls'] %}"
+    "<|assistant|>\n{% for call in message['tool_calls'] %}<tool_call>\n"
+    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
+    "\n</tool_call>\n{% endfor %}{{ eos_token }}\n"
+    "{% elif message['role'] == 'tool' %}"
+    "<|tool|>\n<tool_response>\n{{ message['content'] | trim }}\n</tool_response>{{ eos_token }}\n"
+    "{% else %}"
     "<|{{ message['role'] }}|>\n{{ message['content'] | trim }}{{ eos_token }}\n"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]

@@ -2,10 +2,19 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class GrammarKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GRAMMAR_KIND_UNSPECIFIED: _ClassVar[GrammarKind]
+    GRAMMAR_KIND_JSON_OBJECT: _ClassVar[GrammarKind]
+    GRAMMAR_KIND_JSON_SCHEMA: _ClassVar[GrammarKind]
+    GRAMMAR_KIND_REGEX: _ClassVar[GrammarKind]
+    GRAMMAR_KIND_CHOICE: _ClassVar[GrammarKind]
+    GRAMMAR_KIND_LARK: _ClassVar[GrammarKind]
 
 class BaseMatch(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -14,6 +23,12 @@ class BaseMatch(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BASE_MATCH_ID: _ClassVar[BaseMatch]
     BASE_MATCH_NAME: _ClassVar[BaseMatch]
     BASE_MATCH_FINGERPRINT: _ClassVar[BaseMatch]
+GRAMMAR_KIND_UNSPECIFIED: GrammarKind
+GRAMMAR_KIND_JSON_OBJECT: GrammarKind
+GRAMMAR_KIND_JSON_SCHEMA: GrammarKind
+GRAMMAR_KIND_REGEX: GrammarKind
+GRAMMAR_KIND_CHOICE: GrammarKind
+GRAMMAR_KIND_LARK: GrammarKind
 BASE_MATCH_UNSPECIFIED: BaseMatch
 BASE_MATCH_UNREGISTERED: BaseMatch
 BASE_MATCH_ID: BaseMatch
@@ -21,16 +36,28 @@ BASE_MATCH_NAME: BaseMatch
 BASE_MATCH_FINGERPRINT: BaseMatch
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "grammar")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    grammar: Grammar
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
+
+class Grammar(_message.Message):
+    __slots__ = ("kind", "value", "choices")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    kind: GrammarKind
+    value: str
+    choices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, kind: _Optional[_Union[GrammarKind, str]] = ..., value: _Optional[str] = ..., choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AdapterRef(_message.Message):
     __slots__ = ("name", "version")

@@ -142,6 +142,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         info = self._info
         request_id = checked_request_id(pb.request_id)
         sampling = SamplingParams.from_pb(pb.sampling).validate(info.vocab_size)
+        if sampling.grammar is not None and not info.tokenizer_json:
+            raise InvalidArgument("sampling.grammar: this model has no tokenizer, which "
+                                  "constrained decoding needs")
         if sampling.seed is None:  # one of its own, so a recompute draws the same tokens
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(64))
         check_stops(pb.stop, self._config.max_stop_strings, self._config.max_stop_chars)

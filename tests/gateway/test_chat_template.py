@@ -109,3 +109,28 @@ def test_tokenizer_files_read_named_templates_and_added_tokens(tmp_path):
     assert files.special_tokens == {"bos_token": "<bos>", "eos_token": "<eos>"}
     (tmp_path / "chat_template.jinja").write_text("J")  # the newer file wins, as in HF
     assert TokenizerFiles.read(tmp_path).chat_template == "J"
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+TOOL_CONVERSATION = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [{
+        "id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "content": "20 C, sunny", "tool_call_id": "call_1"},
+]
+
+
+def test_tools_render_as_transformers_renders_them(hf_tokenizer, files):
+    """The tools reach the template as apply_chat_template(tools=...) gives them, with earlier
+    calls and tool results (the fixture's template, in the Hermes / Qwen style)."""
+    template = ChatTemplate(files.chat_template, files.special_tokens)
+    text = template.render(TOOL_CONVERSATION, tools=TOOLS)
+    assert text == hf_tokenizer.apply_chat_template(TOOL_CONVERSATION, tools=TOOLS,  # (own)
+                                                    chat_template=files.chat_template,
+                                                    tokenize=False, add_generation_prompt=True)
+    assert '"name": "get_weather", "description"' in text and "<tool_response>" in text
+    assert template.render(CONVERSATION) == template.render(CONVERSATION, tools=None)

@@ -395,11 +395,13 @@ WEIRD = [None, True, -1, 0, 2**70, 1e309, "x", "", [], [None], {}, {"a": 1}, [[1
 FIELDS = {
     "/v1/completions": ("model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n",
                         "seed", "stop", "logprobs", "stream", "stream_options", "best_of",
-                        "echo", "suffix", "presence_penalty", "logit_bias", "user"),
+                        "echo", "suffix", "presence_penalty", "logit_bias", "user",
+                        "guided_json", "guided_regex", "guided_choice", "guided_grammar"),
     "/v1/chat/completions": ("model", "messages", "max_tokens", "max_completion_tokens",
                              "temperature", "n", "seed", "stop", "logprobs", "top_logprobs",
                              "tools", "tool_choice", "response_format", "stream",
-                             "add_generation_prompt", "continue_final_message"),
+                             "add_generation_prompt", "continue_final_message",
+                             "parallel_tool_calls", "guided_json", "guided_choice"),
     "/generate": ("inputs", "parameters"),
 }
 BASES = {

@@ -1,0 +1,120 @@
+"""What constrained decoding holds an output to (structured outputs): one type, its bounds and
+compile check, its conversion from and to the proto (common.proto Grammar), and its text for the
+grammar engine.
+
+The engine is llguidance (bench/results/grammar-cpu.md says why). It is imported only when a
+grammar is checked or compiled, so a service that never sees one runs without the package.
+Clients' fields map onto the kinds here: OpenAI's response_format json_object / json_schema,
+vLLM's guided_regex / guided_choice / guided_grammar, TGI's grammar, the gateway's tool calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+
+from common.errors import InvalidArgument
+from protos import common_pb2
+
+MAX_GRAMMAR_CHARS = 256 * 1024  # a schema, regex or grammar text
+MAX_CHOICES = 1024
+MAX_CHOICE_CHARS = 4096
+# How JSON is written unless a schema's own "x-guidance" says otherwise: compact, with OpenAI's
+# separators and no free whitespace (a sampled model cannot pad an object with blanks forever).
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarKind(enum.IntEnum):
+    JSON_OBJECT = common_pb2.GRAMMAR_KIND_JSON_OBJECT
+    JSON_SCHEMA = common_pb2.GRAMMAR_KIND_JSON_SCHEMA
+    REGEX = common_pb2.GRAMMAR_KIND_REGEX
+    CHOICE = common_pb2.GRAMMAR_KIND_CHOICE
+    LARK = common_pb2.GRAMMAR_KIND_LARK
+
+
+class GrammarError(InvalidArgument):
+    """A grammar that is out of bounds or does not compile; `detail` says why, without naming a
+    field (each API names its own: response_format, guided_regex, sampling.grammar, ...)."""
+
+    def __init__(self, detail: str):
+        super().__init__(detail)
+        self.detail = detail
+
+
+@dataclasses.dataclass(frozen=True)
+class Grammar:
+    kind: GrammarKind
+    value: str = ""  # JSON Schema text, regex, or Lark / GBNF text, by kind
+    choices: tuple[str, ...] = ()  # CHOICE only
+
+    def validate(self) -> Grammar:
+        """Itself, or GrammarError: out of bounds, or refused by the engine's compiler."""
+        if not isinstance(self.kind, GrammarKind):
+            raise GrammarError(f"unknown grammar kind {self.kind!r}")
+        if len(self.value) > MAX_GRAMMAR_CHARS:
+            raise GrammarError(f"at most {MAX_GRAMMAR_CHARS} characters, got {len(self.value)}")
+        takes_value = self.kind not in (GrammarKind.JSON_OBJECT, GrammarKind.CHOICE)
+        if takes_value != bool(self.value):
+            raise GrammarError(f"a {self.kind.name.lower()} grammar "
+                               f"{'needs' if takes_value else 'takes no'} text")
+        if (self.kind == GrammarKind.CHOICE) != bool(self.choices):
+            raise GrammarError("choices go with a choice grammar, and it needs at least one")
+        if len(self.choices) > MAX_CHOICES:
+            raise GrammarError(f"at most {MAX_CHOICES} choices, got {len(self.choices)}")
+        bad = next((c for c in self.choices if not isinstance(c, str) or not c
+                    or len(c) > MAX_CHOICE_CHARS), None)
+        if bad is not None:
+            raise GrammarError(f"choices must be non-empty strings of at most "
+                               f"{MAX_CHOICE_CHARS} characters, got {bad!r:.80}")
+        import llguidance
+
+        error = llguidance.LLMatcher.validate_grammar(self.engine_text(), None)
+        if error:
+            raise GrammarError(f"does not compile: {error.strip()}")
+        return self
+
+    def engine_text(self) -> str:
+        """The grammar as llguidance takes it (LLMatcher); GrammarError for a JSON Schema that is
+        not a JSON object, or a grammar text that is neither Lark nor GBNF."""
+        import llguidance
+
+        if self.kind == GrammarKind.JSON_OBJECT:
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                json.dumps({"type": "object", "x-guidance": JSON_LAYOUT}))
+        if self.kind == GrammarKind.JSON_SCHEMA:
+            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(json_schema(
+                self.value)))
+        if self.kind == GrammarKind.REGEX:
+            return llguidance.LLMatcher.grammar_from_regex(self.value)
+        if self.kind == GrammarKind.CHOICE:
+            return llguidance.LLMatcher.grammar_from_lark(
+                "start: " + " | ".join(map(json.dumps, self.choices)))
+        try:
+            return llguidance.grammar_from("grammar", self.value)
+        except ValueError as err:
+            raise GrammarError(str(err)) from None
+
+    @classmethod
+    def from_pb(cls, pb: common_pb2.Grammar) -> Grammar:
+        """The grammar a message carries (not yet validated)."""
+        try:
+            kind = GrammarKind(pb.kind)
+        except ValueError:
+            raise GrammarError(f"unknown grammar kind {pb.kind}") from None
+        return cls(kind, pb.value, tuple(pb.choices))
+
+    def to_pb(self) -> common_pb2.Grammar:
+        return common_pb2.Grammar(kind=self.kind.value, value=self.value, choices=self.choices)
+
+
+def json_schema(text: str) -> dict:
+    """A JSON Schema's text as the engine takes it: a JSON object, written compactly unless it
+    says how itself (JSON_LAYOUT)."""
+    try:
+        schema = json.loads(text)
+    except ValueError as err:
+        raise GrammarError(f"the schema is not JSON: {err}") from None
+    if not isinstance(schema, dict):
+        raise GrammarError("the schema must be a JSON object")
+    return schema if "x-guidance" in schema else {**schema, "x-guidance": JSON_LAYOUT}

@@ -1,0 +1,80 @@
+"""The structured-output fields of an OpenAI request, made the request's grammar
+(common/grammar.py): OpenAI's `response_format` ({"type": "json_object"}, {"type": "json_schema",
+"json_schema": {"name", "schema", "strict"}}) and vLLM's extras, sent in the body (the `openai`
+client's extra_body): `guided_json` (a schema), `guided_regex`, `guided_choice` (a list of
+strings), `guided_grammar` (Lark or GBNF). At most one of them; a grammar that does not compile is
+a 400 naming its field."""
+
+import json
+
+from common.grammar import Grammar, GrammarError, GrammarKind
+from gateway.http_errors import BadField
+
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def request_grammar(body: dict) -> tuple[Grammar, str] | None:
+    """(the grammar the body asks for, the field that asked), or None: free output."""
+    found = [g for g in (_response_format(body.get("response_format")),
+                         *(_guided(field, body.get(field)) for field in GUIDED)) if g]
+    if len(found) > 1:
+        raise BadField(found[1][1], f"only one of response_format, {', '.join(GUIDED)} may "
+                                    f"constrain the output (and {found[0][1]} does)")
+    if not found:
+        return None
+    grammar, field = found[0]
+    checked(grammar, field)
+    return grammar, field
+
+
+def checked(grammar: Grammar, field: str) -> Grammar:
+    """`grammar` validated; BadField naming `field` when it is out of bounds or does not
+    compile."""
+    try:
+        return grammar.validate()
+    except GrammarError as err:
+        raise BadField(field, err.detail) from None
+
+
+def _response_format(fmt) -> tuple[Grammar, str] | None:
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise BadField("response_format", "must be an object with a type")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Grammar(GrammarKind.JSON_OBJECT), "response_format"
+    if kind != "json_schema":
+        raise BadField("response_format.type", f"must be text, json_object or json_schema, got "
+                                               f"{kind!r}")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise BadField("response_format.json_schema", "must be an object with a schema")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise BadField("response_format.json_schema.schema", "must be a JSON Schema (an object)")
+    if not isinstance(spec.get("strict", False), bool):
+        raise BadField("response_format.json_schema.strict", "must be true or false")
+    return (Grammar(GrammarKind.JSON_SCHEMA, json.dumps(schema)),
+            "response_format.json_schema.schema")
+
+
+def _guided(field: str, value) -> tuple[Grammar, str] | None:
+    if value is None:
+        return None
+    if field == "guided_json":
+        if isinstance(value, str):
+            return Grammar(GrammarKind.JSON_SCHEMA, value), field
+        if isinstance(value, dict):
+            return Grammar(GrammarKind.JSON_SCHEMA, json.dumps(value)), field
+        raise BadField(field, "must be a JSON Schema (an object, or its text)")
+    if field == "guided_choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise BadField(field, "must be a list of strings")
+        return Grammar(GrammarKind.CHOICE, choices=tuple(value)), field
+    if not isinstance(value, str):
+        raise BadField(field, "must be a string")
+    return Grammar(GrammarKind.REGEX if field == "guided_regex" else GrammarKind.LARK,
+                   value), field

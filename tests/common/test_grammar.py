@@ -1,0 +1,67 @@
+"""The grammar of a constrained request (common/grammar.py): bounds, compile errors that say what
+is wrong, and the round trip through the proto inside SamplingParams."""
+
+import json
+
+import pytest
+
+from common.errors import InvalidArgument
+from common.grammar import MAX_CHOICES, MAX_GRAMMAR_CHARS, Grammar, GrammarError, GrammarKind
+from common.sampling import SamplingParams
+from protos import common_pb2
+
+SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
+                     "required": ["a"]})
+
+
+@pytest.mark.parametrize("grammar", [
+    Grammar(GrammarKind.JSON_OBJECT),
+    Grammar(GrammarKind.JSON_SCHEMA, SCHEMA),
+    Grammar(GrammarKind.REGEX, r"\d{3}-[a-z]+"),
+    Grammar(GrammarKind.CHOICE, choices=("yes", "no", "it \"depends\"")),
+    Grammar(GrammarKind.LARK, 'start: "a" b\nb: /[0-9]+/'),
+    Grammar(GrammarKind.LARK, 'root ::= "yes" | "no"'),  # GBNF
+])
+def test_valid_grammars_pass_and_round_trip(grammar):
+    assert grammar.validate() is grammar
+    params = SamplingParams(temperature=1.0, grammar=grammar)
+    assert SamplingParams.from_pb(params.to_pb()) == params
+    assert SamplingParams.from_pb(SamplingParams().to_pb()).grammar is None
+
+
+@pytest.mark.parametrize("grammar,words", [
+    (Grammar(GrammarKind.JSON_SCHEMA, "{not json"), "not JSON"),
+    (Grammar(GrammarKind.JSON_SCHEMA, "[1, 2]"), "JSON object"),
+    (Grammar(GrammarKind.JSON_SCHEMA, json.dumps({"type": "objectx"})), "objectx"),
+    (Grammar(GrammarKind.JSON_SCHEMA, json.dumps({"$ref": "#/defs/missing"})), "missing"),
+    (Grammar(GrammarKind.REGEX, "a(b"), "unclosed group"),
+    (Grammar(GrammarKind.LARK, "start: foo"), "unknown name"),
+    (Grammar(GrammarKind.REGEX, ""), "needs text"),
+    (Grammar(GrammarKind.JSON_OBJECT, "{}"), "takes no text"),
+    (Grammar(GrammarKind.CHOICE), "at least one"),
+    (Grammar(GrammarKind.CHOICE, choices=("a", "")), "non-empty"),
+    (Grammar(GrammarKind.CHOICE, choices=tuple(map(str, range(MAX_CHOICES + 1)))),
+     "at most 1024 choices"),
+    (Grammar(GrammarKind.REGEX, "a" * (MAX_GRAMMAR_CHARS + 1)), "at most"),
+])
+def test_bad_grammars_say_why(grammar, words):
+    with pytest.raises(GrammarError, match=words):
+        grammar.validate()
+    with pytest.raises(InvalidArgument, match=f"(?s)^sampling.grammar: .*{words}"):
+        SamplingParams(grammar=grammar).validate()
+
+
+def test_an_unknown_kind_on_the_wire_names_the_field():
+    pb = common_pb2.SamplingParams(grammar=common_pb2.Grammar(kind=99, value="x"))
+    with pytest.raises(InvalidArgument, match="^sampling.grammar: unknown grammar kind 99"):
+        SamplingParams.from_pb(pb)
+    pb = common_pb2.SamplingParams(grammar=common_pb2.Grammar())
+    with pytest.raises(InvalidArgument, match="sampling.grammar: unknown grammar kind 0"):
+        SamplingParams.from_pb(pb)
+
+
+def test_json_is_compact_unless_the_schema_says_otherwise():
+    text = Grammar(GrammarKind.JSON_SCHEMA, SCHEMA).engine_text()
+    assert '"whitespace_flexible": false' in text and '"item_separator": ", "' in text
+    own = json.dumps({"type": "object", "x-guidance": {"whitespace_flexible": True}})
+    assert '"item_separator"' not in Grammar(GrammarKind.JSON_SCHEMA, own).engine_text()
