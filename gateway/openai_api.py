@@ -56,6 +56,7 @@ class OpenAIApi:
         parsed = completion_request(await json_body(request, self._max_body_bytes))
         options = parsed.options
         route = await self._frontend.route(options.model, tenant)
+        options.check_vocab(route.model.vocab_size)
         max_new = options.max_tokens or OPENAI_DEFAULT_MAX_TOKENS
         prompts = [await self._frontend.prompt_ids(
             route, p if isinstance(p, str) else None, None if isinstance(p, str) else list(p),
@@ -68,6 +69,7 @@ class OpenAIApi:
         parsed = chat_request(await json_body(request, self._max_body_bytes))
         options = parsed.options
         route = await self._frontend.route(options.model, tenant)
+        options.check_vocab(route.model.vocab_size)
         ids = await self._frontend.prompt_ids(route, _render(route, parsed), None,
                                               options.max_tokens or 1, chat=True,
                                               field="max_tokens")
@@ -119,9 +121,13 @@ class OpenAIApi:
         self._frontend.admit(tenant, sum(len(u.token_ids.ids) + max_new for _, u in upstreams))
         prompt_tokens = sum(map(len, prompts))
         identity = Identity(chat, options.model, request_id)
+        echoes = {index: _decoded(route, u.token_ids.ids) for index, u in upstreams
+                  } if options.echo else {}
+        top = bool(options.sampling.top_logprobs)
         events = self._merged(route, upstreams, tenant)
         if not options.stream:
-            choices = {index: Choice(index, options.logprobs) for index, _ in upstreams}
+            choices = {index: Choice(index, options.logprobs, top, echoes.get(index))
+                       for index, _ in upstreams}
             try:
                 async for index, message in events:
                     choices[index].add(message)
@@ -132,7 +138,7 @@ class OpenAIApi:
         first = await anext(events, None)  # an error before the first token is an HTTP error
         if first is None:
             raise Unavailable("the pool ended the stream without an answer; retry")
-        writer = EventWriter(identity, options.include_usage, options.logprobs)
+        writer = EventWriter(identity, options.include_usage, options.logprobs, top, echoes)
         return SSEResponse(self._events(writer, first, events, prompt_tokens, options))
 
     async def _events(self, writer: EventWriter, first, events, prompt_tokens: int,
@@ -190,6 +196,12 @@ class OpenAIApi:
 def error_response(exc: BaseException) -> JSONResponse:
     status, body, headers = error_body(exc)
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _decoded(route: Route, ids) -> str:
+    """A prompt's text as its tokens decode (what `echo` shows without prompt logprobs)."""
+    tokenizer = route.model.tokenizer
+    return tokenizer.decode(list(ids), skip_special_tokens=True) if tokenizer else ""
 
 
 def _render(route: Route, parsed: ChatRequest) -> str:
