@@ -83,8 +83,10 @@ class OutputProcessor:
 
     def peek(self, token_ids: Sequence[int]) -> list[str]:
         """The text each of `token_ids` would add as the next token, decoded as the continuation
-        of the tokens so far, the way `append` decodes ("" where it would end inside a
-        character); stop strings are not applied. Nothing is recorded."""
+        of the tokens so far the way `append` decodes, with what it adds at once: where it would
+        end inside a character, the decoded text (U+FFFD for the incomplete bytes), which
+        `append` would hold back for the next token. Stop strings are not applied. Nothing is
+        recorded."""
         if self._tokenizer is None:
             return [""] * len(token_ids)
         window = self.token_ids[self._prefix:]
@@ -93,8 +95,7 @@ class OutputProcessor:
         texts = []
         for token_id in token_ids:
             after = self._tokenizer.decode([*window, token_id], skip_special_tokens=True)
-            texts.append(after[len(before):] if len(after) > len(before)
-                         and not after.endswith("\ufffd") else "")
+            texts.append(after[len(before):])
         return texts
 
     def close(self) -> str:

@@ -46,7 +46,9 @@ class Entry:
         """Its top alternatives and itself, text -> logprob (None for a prompt's first)."""
         if self.logprob is None:
             return None
-        top = {alt.text: alt.logprob for alt in self.top}
+        top: dict[str, float] = {}
+        for alt in self.top:  # (two texts alike: the likelier one's)
+            top.setdefault(alt.text, alt.logprob)
         if all(alt.token_id != self.token_id for alt in self.top):
             top.setdefault(self.text, self.logprob)
         return top
