@@ -3,15 +3,19 @@ repetition, frequency and presence penalties (protos/common.proto SamplingParams
 over the rows that have it. A step whose sequences ask for none of them is not touched.
 
 Penalties need to know which tokens a sequence holds. `PenaltyTable` keeps, for each sequence
-that has a penalty (and only those), a row of per-token counts on the device, updated in place
+that has a penalty (and only those), a row of per-token state on the device, updated in place
 with each step's samples (one scatter for the batch, no Python per token):
 
     output_counts [capacity, V] int32: how often each token is in the sequence's output
-    seen          [capacity, V] bool:  the token is in its prompt or output
+    subtracted    [capacity, V] fp32:  frequency x count + presence x (count > 0), what the
+                                       frequency and presence penalties take off each logit
+    seen          [capacity, V] bool:  the token is in its prompt or output (repetition)
 
 A sequence's row is built from its tokens when it is added, so a sequence recomputed after a
 preemption or a failover (prompt + the tokens sampled so far, NewSequence.num_generated of them
-being output) gets the same counts it had, and so the same penalties and the same draws.
+being output) gets the same counts it had, and so the same penalties and the same draws. Each
+penalty works on the rows that have it: a row with only a repetition penalty costs one pass over
+its logits less than one with all three.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class PenaltyTable:
     def __init__(self, vocab_size: int, device: torch.device, capacity: int = 8):
         self.vocab_size, self.device = vocab_size, device
         self.output_counts = torch.zeros(capacity, vocab_size, dtype=torch.int32, device=device)
+        self.subtracted = torch.zeros(capacity, vocab_size, device=device)
         self.seen = torch.zeros(capacity, vocab_size, dtype=torch.bool, device=device)
         # Per row: repetition, frequency and presence penalty. [capacity, 3] fp32
         self.params = torch.zeros(capacity, 3, device=device)
@@ -50,7 +55,10 @@ class PenaltyTable:
         row = self._free.pop()
         tokens = torch.tensor(token_ids, dtype=torch.long, device=self.device)  # [N]
         output = tokens[len(token_ids) - num_output:]  # [num_output]
-        self.output_counts[row] = torch.bincount(output, minlength=self.vocab_size)
+        counts = torch.bincount(output, minlength=self.vocab_size)  # [V]
+        self.output_counts[row] = counts
+        self.subtracted[row] = (sampling.frequency_penalty * counts
+                                + sampling.presence_penalty * (counts > 0))
         self.seen[row] = False
         self.seen[row, tokens] = True
         self.params[row] = torch.tensor([sampling.repetition_penalty, sampling.frequency_penalty,
@@ -63,27 +71,31 @@ class PenaltyTable:
     def clear(self) -> None:
         self._free = list(range(self.capacity - 1, -1, -1))
 
-    def apply(self, scores: torch.Tensor, score_rows: torch.Tensor,
-              table_rows: torch.Tensor) -> None:
-        """Penalise scores[score_rows[i]] by the counts of table row table_rows[i], in place.
-
-        Repetition (HF transformers): a held token's logit is divided by the penalty when
-        positive, multiplied when negative. Then frequency and presence (OpenAI): minus
-        frequency x its output count, minus presence if the output holds it. A penalty of 1 (or
-        0) leaves a logit exactly as it was, so one row may have any subset of them."""
+    def repeat(self, scores: torch.Tensor, score_rows: torch.Tensor,
+               table_rows: torch.Tensor) -> None:
+        """HF transformers' repetition penalty on scores[score_rows[i]] by table row
+        table_rows[i], in place: a held token's logit divided by the penalty when positive,
+        multiplied when negative."""
         sub = scores.index_select(0, score_rows)  # [P, V]
-        counts = self.output_counts.index_select(0, table_rows)  # [P, V]
         seen = self.seen.index_select(0, table_rows)  # [P, V]
-        params = self.params.index_select(0, table_rows)  # [P, 3]
-        repetition, frequency, presence = params[:, 0:1], params[:, 1:2], params[:, 2:3]
-        penalised = torch.where(sub > 0, sub / repetition, sub * repetition)
-        sub = torch.where(seen, penalised, sub)
-        sub = sub - frequency * counts - presence * (counts > 0)
-        scores.index_copy_(0, score_rows, sub)
+        penalty = self.params.index_select(0, table_rows)[:, 0:1].contiguous()  # [P, 1]
+        # x / p where x > 0, x * p where x < 0, with each as HF computes it (the other term is
+        # 0): no select on the sign, whose random mask is several times slower on CPU.
+        held = sub.clamp(min=0).div_(penalty).add_(sub.clamp(max=0).mul_(penalty))  # [P, V]
+        scores.index_copy_(0, score_rows, torch.where(seen, held, sub))
+
+    def subtract(self, scores: torch.Tensor, score_rows: torch.Tensor,
+                 table_rows: torch.Tensor) -> None:
+        """OpenAI's frequency and presence penalties on scores[score_rows[i]] by table row
+        table_rows[i], in place."""
+        scores.index_add_(0, score_rows, self.subtracted.index_select(0, table_rows), alpha=-1)
 
     def record(self, table_rows: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Row table_rows[i] sampled token_ids[i] (rows distinct)."""
         self.output_counts[table_rows, token_ids] += 1
+        params = self.params.index_select(0, table_rows)  # [P, 3]
+        self.subtracted[table_rows, token_ids] = (
+            params[:, 1] * self.output_counts[table_rows, token_ids] + params[:, 2])
         self.seen[table_rows, token_ids] = True
 
     def _grow(self) -> None:
@@ -91,6 +103,7 @@ class PenaltyTable:
         grows the table a few times over a stream's life."""
         old = self.capacity
         self.output_counts = torch.cat([self.output_counts, torch.zeros_like(self.output_counts)])
+        self.subtracted = torch.cat([self.subtracted, torch.zeros_like(self.subtracted)])
         self.seen = torch.cat([self.seen, torch.zeros_like(self.seen)])
         self.params = torch.cat([self.params, torch.zeros_like(self.params)])
         self._free = list(range(2 * old - 1, old - 1, -1)) + self._free
@@ -131,13 +144,14 @@ class LogitBias:
         scores.index_put_((row_of, ids), values, accumulate=True)
 
 
-def process_logits(logits: torch.Tensor, seq_ids: list[int],
+def process_logits(logits: torch.Tensor, seq_ids: list[int], params: Sequence[SamplingParams],
                    penalty_rows: Sequence[int | None], table: PenaltyTable,
                    bias: LogitBias) -> torch.Tensor:
     """logits [S, V] fp32 of sequences seq_ids -> the scores to draw from: logit_bias added, then
-    the penalties, on the rows that have them (penalty_rows[i]: row i's row of the table, None
-    for none; empty when no row has one). `logits` itself when no row has any (no copy); else a
-    copy (the logits stay the model's: logprobs are of them)."""
+    the repetition, frequency and presence penalties, each on the rows that have it
+    (penalty_rows[i]: row i's row of the table, None for none; empty when no row has one).
+    `logits` itself when no row has any (no copy); else a copy (the logits stay the model's:
+    logprobs are of them)."""
     biased = [i for i, s in enumerate(seq_ids) if s in bias] if bias else []
     penalised = [i for i, r in enumerate(penalty_rows) if r is not None]
     if not biased and not penalised:
@@ -145,8 +159,12 @@ def process_logits(logits: torch.Tensor, seq_ids: list[int],
     scores = logits.clone()
     if biased:
         bias.apply(scores, biased, [seq_ids[i] for i in biased])
-    if penalised:
-        device = logits.device
-        table.apply(scores, torch.tensor(penalised, device=device),
-                    torch.tensor([penalty_rows[i] for i in penalised], device=device))
+    device = logits.device
+    for rows, penalise in (
+            ([i for i in penalised if params[i].repetition_penalty != 1], table.repeat),
+            ([i for i in penalised if params[i].frequency_penalty or params[i].presence_penalty],
+             table.subtract)):
+        if rows:
+            penalise(scores, torch.tensor(rows, device=device),
+                     torch.tensor([penalty_rows[i] for i in rows], device=device))
     return scores

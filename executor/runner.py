@@ -107,6 +107,7 @@ class ModelRunner:
         self.model = Transformer(config, weights, self.lora)
         self.sampler = Sampler(config.vocab_size, self.device)
         self._seqs: dict[int, _Sequence] = {}
+        self._num_prompt_logprobs = 0  # sequences whose prompt logprobs are being made
         self._merged: Merged | None = None  # the adapter folded into the weights (merge.py)
         self.base_fingerprint = ""  # of the model folder (common/base_fingerprint.py); "": none
 
@@ -222,14 +223,17 @@ class ModelRunner:
                 raise ValueError(f"sequence {seq_id}: its prompt logprobs need its whole prompt "
                                  f"computed, but {num_cached} tokens are cached")
             prompt_logprobs = PromptLogprobs(sampling.prompt_logprobs)
+            self._num_prompt_logprobs += 1
         self._seqs[seq_id] = _Sequence(list(token_ids), num_cached, [], sampling, slot,
                                        DrawStream(sampling.seed, num_generated, self.device),
                                        prompt_logprobs)
         self.sampler.add(seq_id, list(token_ids), num_generated, sampling)
 
     def free_sequence(self, seq_id: int) -> None:
-        if self._seqs.pop(seq_id, None) is not None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is not None:
             self.sampler.free(seq_id)
+            self._num_prompt_logprobs -= seq.prompt_logprobs is not None
 
     @property
     def num_sequences(self) -> int:
@@ -239,6 +243,7 @@ class ModelRunner:
         """Forget every sequence (the scheduler's stream ended); adapters stay loaded."""
         self._seqs.clear()
         self.sampler.clear()
+        self._num_prompt_logprobs = 0
 
     def tokens(self, seq_id: int) -> list[int]:
         """Prompt + sampled tokens of a sequence (a copy)."""
@@ -277,7 +282,8 @@ class ModelRunner:
                                   lora=lora_meta, sample_rows=sample_rows, device=self.device)
         hidden = self.model.hidden_states(tokens, meta, self.kv)  # [T, hidden]
         logits = self.model.logits(hidden.index_select(0, meta.sample_rows))  # [S, vocab]
-        self._prompt_logprobs(rows, hidden)
+        if self._num_prompt_logprobs:
+            self._prompt_logprobs(rows, hidden)
         for r in rows:
             self._seqs[r.seq_id].num_computed += r.num_tokens
         seqs = [self._seqs[s] for s in sampled_seqs]
@@ -287,8 +293,12 @@ class ModelRunner:
         for seq_id, seq, token, logprob, top in zip(sampled_seqs, seqs, token_ids, logprobs,
                                                      tops):
             seq.token_ids.append(token)
-            sampled.append(Sampled(seq_id, token, logprob, top, seq.prompt_logprobs))
-            seq.prompt_logprobs = None
+            if seq.prompt_logprobs is not None:
+                sampled.append(Sampled(seq_id, token, logprob, top, seq.prompt_logprobs))
+                seq.prompt_logprobs = None
+                self._num_prompt_logprobs -= 1
+            else:
+                sampled.append(Sampled(seq_id, token, logprob, top))
         return sampled, logits
 
     def _prompt_logprobs(self, rows: Sequence[Row], hidden: torch.Tensor) -> None:

@@ -127,7 +127,8 @@ class Sampler:
         """logits [S, V] fp32 of sequences seq_ids -> (token ids, their logprobs, their
         alternatives where asked for), one per row."""
         rows = [self._penalty_rows.get(s) for s in seq_ids] if self._penalty_rows else ()
-        scores = process_logits(logits, seq_ids, rows, self.penalties, self.bias)  # [S, V]
+        scores = process_logits(logits, seq_ids, params, rows, self.penalties,
+                                self.bias)  # [S, V]
         tokens = sample(scores, params, draws)  # [S]
         logprobs = torch.log_softmax(logits, dim=-1)  # [S, V] (the model's distribution)
         chosen = logprobs.gather(1, tokens[:, None])[:, 0]  # [S]

@@ -44,7 +44,7 @@ class OpenAIPenalties(LogitsProcessor):
         output = input_ids[:, self.prompt_len:]
         counts = torch.zeros_like(scores).scatter_add_(1, output, torch.ones_like(
             output, dtype=scores.dtype))
-        return scores - self.frequency * counts - self.presence * (counts > 0)
+        return scores - (self.frequency * counts + self.presence * (counts > 0))
 
 
 def processors(prompt_len: int, p: SamplingParams) -> LogitsProcessorList:
@@ -246,10 +246,12 @@ def test_defaults_take_the_plain_path():
     table row); rows without it beside processed rows are left exactly as they were."""
     table, bias = PenaltyTable(50, torch.device("cpu")), LogitBias(torch.device("cpu"))
     logits = torch.randn(4, 50)
-    assert process_logits(logits, [1, 2, 3, 4], (), table, bias) is logits
+    params = [SamplingParams()] * 4
+    assert process_logits(logits, [1, 2, 3, 4], params, (), table, bias) is logits
     bias.add(2, SamplingParams(logit_bias=((3, 5.0),)))
-    row = table.add([1, 2, 3, 3], 2, SamplingParams(frequency_penalty=1.0))
-    scores = process_logits(logits, [1, 2, 3, 4], [None, None, row, None], table, bias)
+    params[2] = SamplingParams(frequency_penalty=1.0)
+    row = table.add([1, 2, 3, 3], 2, params[2])
+    scores = process_logits(logits, [1, 2, 3, 4], params, [None, None, row, None], table, bias)
     assert torch.equal(scores[[0, 3]], logits[[0, 3]])
     assert scores[1, 3] == logits[1, 3] + 5 and scores[2, 3] == logits[2, 3] - 2.0
     runner = ModelRunner.random("tiny", num_kv_blocks=16, block_size=BLOCK, num_slots=1,
@@ -260,6 +262,12 @@ def test_defaults_take_the_plain_path():
     runner.free_sequence(2)
     runner.free_sequence(2)
     assert runner.sampler.penalties.num_rows == 0
+    # Prompt logprobs: the step looks at its rows for them only while a sequence makes them.
+    runner.add_sequence(3, [5, 6, 7], SamplingParams(prompt_logprobs=0), -1)
+    runner.add_sequence(4, [5, 6, 7], SamplingParams(prompt_logprobs=0), -1)
+    runner.free_sequence(3)
+    sampled = runner.step([Row(1, 3, (0,)), Row(4, 3, (1,))])
+    assert sampled[1].prompt.logprobs and runner._num_prompt_logprobs == 0
 
 
 def test_penalty_table_grows_and_reuses_rows():
@@ -267,6 +275,7 @@ def test_penalty_table_grows_and_reuses_rows():
     rows = [table.add([i, i + 1], 1, SamplingParams(presence_penalty=1.0)) for i in range(5)]
     assert len(set(rows)) == 5 and table.capacity == 8
     assert table.output_counts[rows[3]].tolist() == [0] * 4 + [1] + [0] * 5
+    assert table.subtracted[rows[3]].tolist() == [0] * 4 + [1] + [0] * 5
     assert table.seen[rows[3]].nonzero().flatten().tolist() == [3, 4]
     table.release(rows[1])
     again = table.add([7], 0, SamplingParams(presence_penalty=1.0))
