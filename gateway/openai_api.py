@@ -57,7 +57,8 @@ class OpenAIApi:
         options = parsed.options
         route = await self._frontend.route(options.model, tenant)
         options.check_vocab(route.model.vocab_size)
-        max_new = options.max_tokens or OPENAI_DEFAULT_MAX_TOKENS
+        max_new = OPENAI_DEFAULT_MAX_TOKENS if options.max_tokens is None else max(
+            options.max_tokens, 1)  # (max_tokens 0 with echo: one token, not shown)
         prompts = [await self._frontend.prompt_ids(
             route, p if isinstance(p, str) else None, None if isinstance(p, str) else list(p),
             max_new, field="max_tokens") for p in parsed.prompts]
@@ -125,6 +126,8 @@ class OpenAIApi:
                   } if options.echo else {}
         top = bool(options.sampling.top_logprobs)
         events = self._merged(route, upstreams, tenant)
+        if options.max_tokens == 0:
+            events = _prompt_only(events)
         if not options.stream:
             choices = {index: Choice(index, options.logprobs, top, echoes.get(index))
                        for index, _ in upstreams}
@@ -196,6 +199,23 @@ class OpenAIApi:
 def error_response(exc: BaseException) -> JSONResponse:
     status, body, headers = error_body(exc)
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def _prompt_only(events):
+    """An echo with max_tokens 0 (scoring a prompt): each choice's one token left out, its
+    prompt tokens kept, its end a `length` with no completion tokens."""
+    try:
+        async for index, message in events:
+            if message.prompt_tokens:
+                yield index, scheduler_pb2.GenerateResponse(prompt_tokens=message.prompt_tokens)
+            if message.finish_reason:
+                usage = scheduler_pb2.Usage()
+                usage.CopyFrom(message.usage)
+                usage.completion_tokens = 0
+                yield index, scheduler_pb2.GenerateResponse(
+                    finish_reason=scheduler_pb2.FINISH_REASON_LENGTH, usage=usage)
+    finally:
+        await events.aclose()
 
 
 def _decoded(route: Route, ids) -> str:

@@ -118,8 +118,8 @@ def _options(body: dict, logprobs: bool, top_logprobs: int = 0,
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise BadField("response_format", "only {\"type\": \"text\"} is supported")
     max_tokens = body.get("max_tokens")
-    if max_tokens is not None:
-        max_tokens = _integer(body, "max_tokens", None, 1, 2**31)
+    if max_tokens is not None:  # (0: score the prompt alone, with echo)
+        max_tokens = _integer(body, "max_tokens", None, 0 if echo else 1, 2**31)
     top_k = _integer(body, "top_k", 0, -1, 2**31)
     seed = body.get("seed")
     if seed is not None:

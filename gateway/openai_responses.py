@@ -181,6 +181,9 @@ class EventWriter:
         if index in self._echoes and index not in self._started:
             echo = self._echo(index, message)
         finish = FINISH.get(message.finish_reason)
+        if not (message.HasField("token_id") or message.text or finish):
+            self._started.add(index)
+            return echo  # (a message of the prompt alone: max_tokens 0)
         logprobs = "null"
         offset = self._offsets.get(index, 0)
         self._offsets[index] = offset + len(message.text)

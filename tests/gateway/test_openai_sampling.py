@@ -137,6 +137,25 @@ async def test_echo_returns_the_prompt_and_its_logprobs(served, tiny, hf_peft):
     assert echoed.choices[0].text == choice.text and echoed.choices[0].logprobs is None
 
 
+async def test_echo_with_max_tokens_0_scores_the_prompt_alone(served, tiny):
+    """What evaluation harnesses send to score a text: its logprobs, no completion."""
+    ids = prompt_ids(tiny)
+    whole = await api(served).completions.create(model="tiny-attn", prompt=PROMPT, max_tokens=0,
+                                                 logprobs=1, echo=True)
+    echoed = await api(served).completions.create(model="tiny-attn", prompt=PROMPT, max_tokens=1,
+                                                  temperature=0, logprobs=1, echo=True)
+    choice, lp = whole.choices[0], whole.choices[0].logprobs
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None
+    assert lp.token_logprobs == echoed.choices[0].logprobs.token_logprobs[:len(ids)]
+    assert whole.usage.completion_tokens == 0 and whole.usage.prompt_tokens == len(ids)
+    chunks = [c async for c in await api(served).completions.create(
+        model="tiny-attn", prompt=PROMPT, max_tokens=0, logprobs=1, echo=True, stream=True)]
+    assert "".join(c.choices[0].text for c in chunks) == PROMPT
+    assert chunks[0].choices[0].logprobs.token_logprobs == lp.token_logprobs
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 async def test_chat_top_logprobs_streamed_and_not(served):
     messages = [{"role": "user", "content": "Name a river."}]
     out = await api(served).chat.completions.create(
@@ -198,6 +217,7 @@ async def test_logit_bias_and_penalties_give_the_pools_answer(served, tiny):
     ("/v1/completions", {"logprobs": 21}, "logprobs"),
     ("/v1/completions", {"logprobs": -1, "echo": True}, "logprobs"),
     ("/v1/completions", {"echo": "yes"}, "echo"),
+    ("/v1/completions", {"max_tokens": 0}, "max_tokens"),  # (0 only with echo)
     ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
 ])
