@@ -30,7 +30,9 @@ from common.sampling import SamplingParams
 class PenaltyTable:
     """Token counts of the sequences that have a penalty, a row each."""
 
-    def __init__(self, vocab_size: int, device: torch.device, capacity: int = 8):
+    def __init__(self, vocab_size: int, device: torch.device, capacity: int = 0):
+        """Its tables hold `capacity` rows at first (none: an executor whose sequences never ask
+        for a penalty holds no memory for them) and grow by doubling."""
         self.vocab_size, self.device = vocab_size, device
         self.output_counts = torch.zeros(capacity, vocab_size, dtype=torch.int32, device=device)
         self.subtracted = torch.zeros(capacity, vocab_size, device=device)
@@ -99,14 +101,14 @@ class PenaltyTable:
         self.seen[table_rows, token_ids] = True
 
     def _grow(self) -> None:
-        """Twice the rows (the old ones copied): a step's batch of penalised sequences only
-        grows the table a few times over a stream's life."""
+        """Twice the rows, at least 8 (the old ones copied): a step's batch of penalised
+        sequences only grows the table a few times over a stream's life."""
         old = self.capacity
-        self.output_counts = torch.cat([self.output_counts, torch.zeros_like(self.output_counts)])
-        self.subtracted = torch.cat([self.subtracted, torch.zeros_like(self.subtracted)])
-        self.seen = torch.cat([self.seen, torch.zeros_like(self.seen)])
-        self.params = torch.cat([self.params, torch.zeros_like(self.params)])
-        self._free = list(range(2 * old - 1, old - 1, -1)) + self._free
+        more = max(old, 8)
+        grown = [torch.cat([t, t.new_zeros(more, *t.shape[1:])])
+                 for t in (self.output_counts, self.subtracted, self.seen, self.params)]
+        self.output_counts, self.subtracted, self.seen, self.params = grown
+        self._free = list(range(old + more - 1, old - 1, -1)) + self._free
 
 
 class LogitBias:

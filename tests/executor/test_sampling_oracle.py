@@ -257,8 +257,9 @@ def test_defaults_take_the_plain_path():
     runner = ModelRunner.random("tiny", num_kv_blocks=16, block_size=BLOCK, num_slots=1,
                                 max_rank=8)
     runner.add_sequence(1, [5, 6, 7], SamplingParams(temperature=1.0, seed=1), -1)
+    assert runner.sampler.penalties.capacity == 0  # (no memory until a sequence has a penalty)
     runner.add_sequence(2, [5, 6, 7], SamplingParams(repetition_penalty=1.2), -1)
-    assert runner.sampler.penalties.num_rows == 1
+    assert runner.sampler.penalties.num_rows == 1 and runner.sampler.penalties.capacity == 8
     runner.free_sequence(2)
     runner.free_sequence(2)
     assert runner.sampler.penalties.num_rows == 0
@@ -273,7 +274,7 @@ def test_defaults_take_the_plain_path():
 def test_penalty_table_grows_and_reuses_rows():
     table = PenaltyTable(10, torch.device("cpu"), capacity=2)
     rows = [table.add([i, i + 1], 1, SamplingParams(presence_penalty=1.0)) for i in range(5)]
-    assert len(set(rows)) == 5 and table.capacity == 8
+    assert len(set(rows)) == 5 and table.capacity == 2 + 8
     assert table.output_counts[rows[3]].tolist() == [0] * 4 + [1] + [0] * 5
     assert table.subtracted[rows[3]].tolist() == [0] * 4 + [1] + [0] * 5
     assert table.seen[rows[3]].nonzero().flatten().tolist() == [3, 4]
