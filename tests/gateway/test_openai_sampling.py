@@ -10,6 +10,7 @@ import secrets
 import urllib.error
 import urllib.request
 
+import grpc
 import openai
 import pytest
 import torch
@@ -287,3 +288,21 @@ async def test_grpc_generate_through_the_gateway_carries_alternatives_and_prompt
     assert not tokens[0].prompt_tokens[0].HasField("logprob")
     assert all(len(t.top_logprobs) == 1 for t in tokens[0].prompt_tokens[1:])
     assert not any(m.prompt_tokens for m in tokens[1:])
+
+
+@pytest.mark.parametrize("sampling,field", [
+    (SamplingParams(logit_bias=((5000, 1.0),)), "logit_bias"),
+    (SamplingParams(top_logprobs=21), "top_logprobs"),
+    (SamplingParams(presence_penalty=-2.5), "presence_penalty"),
+    (SamplingParams(prompt_logprobs=30), "prompt_logprobs"),
+])
+async def test_grpc_bad_sampling_is_invalid_argument_naming_the_field(served, sampling, field):
+    request = client.generate_request("tiny-attn", PROMPT, 2)
+    request.sampling.CopyFrom(sampling.to_pb())
+    for address in (served["gateway"].address, served["fleet"].scheduler):
+        async with insecure_channel(address) as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [m async for m in client.stream(stub, request, KEY)]
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"sampling.{field}" in err.value.details()
