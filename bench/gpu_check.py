@@ -18,7 +18,9 @@ rewritten after each so a cut-off run still leaves one:
      padded to rank 64 (what vLLM and LoRAX store and multiply), decode and prefill, per group;
   7. SGMV kernel timings (triton.testing.do_bench, median) over tokens x adapters x ranks: GB/s vs
      the copy, LoRA time / base matmul time, speed-up over a torch gather+bmm baseline (within
-     --budget-s: the section that is cut short when time runs out).
+     --budget-s: the section that is cut short when time runs out);
+  8. a step's sampling with penalties, logit_bias and alternatives on every row against none
+     (bench/gpu_sampling.py; run before 7, whose budget takes what is left).
 `--smoke` runs a tiny version on CPU through the Triton interpreter (checks the script itself).
 """
 
@@ -37,6 +39,7 @@ from executor.kv_cache import PagedKVCache
 from executor.lora_triton import TritonLoraBackend
 from executor.slot_pool import LORA_GROUPS, LoraSlotPool
 from gpu_attention import paged_attention_check
+from gpu_sampling import sampling_check
 from gpu_step import decode_step
 from kernels.reference import TOLERANCES, sgmv_fused_ref, sgmv_shrink_ref
 from kernels.sgmv_shrink import sgmv_shrink
@@ -300,6 +303,7 @@ def main() -> None:
     decode_step(copy_gbs)
     paged_attention_check(copy_gbs)
     paged_vs_padded()
+    sampling_check()
     kernel_timings(copy_gbs)
     print(f"\nwrote {OPTS.out} in {time.perf_counter() - START:.0f} s")
 

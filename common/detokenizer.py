@@ -87,6 +87,23 @@ class OutputProcessor:
             return self._flush(len(self.text)), Finish.LENGTH
         return self._flush(len(self.text) - self._holdback), None
 
+    def peek(self, token_ids: Sequence[int]) -> list[str]:
+        """The text each of `token_ids` would add as the next token, decoded as the continuation
+        of the tokens so far the way `append` decodes, with what it adds at once: where it would
+        end inside a character, the decoded text (U+FFFD for the incomplete bytes), which
+        `append` would hold back for the next token. Stop strings are not applied. Nothing is
+        recorded."""
+        if self._tokenizer is None:
+            return [""] * len(token_ids)
+        window = self.token_ids[self._prefix:]
+        before = self._tokenizer.decode(self.token_ids[self._prefix:self._read],
+                                        skip_special_tokens=True)
+        texts = []
+        for token_id in token_ids:
+            after = self._tokenizer.decode([*window, token_id], skip_special_tokens=True)
+            texts.append(after[len(before):])
+        return texts
+
     def close(self) -> str:
         """The text not streamed yet, for a request that ended without its last token saying so
         (ended by the side that counts its tokens)."""

@@ -112,6 +112,17 @@ class Transformer:
 
     def forward(self, tokens: torch.Tensor, meta: StepMetadata, kv: PagedKVCache) -> torch.Tensor:
         """tokens [T] -> logits [S, vocab] of meta.sample_rows (fp32)."""
+        return self.logits(self.hidden_states(tokens, meta, kv).index_select(0, meta.sample_rows))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [N, hidden] (hidden_states' rows) -> logits [N, vocab] (fp32)."""
+        return F.linear(rms_norm(h, self.weights.norm, self.config.rms_norm_eps),
+                        self.weights.lm_head).float()
+
+    def hidden_states(self, tokens: torch.Tensor, meta: StepMetadata,
+                      kv: PagedKVCache) -> torch.Tensor:
+        """tokens [T] -> the last layer's output [T, hidden], before the final norm; writes the
+        rows' K/V to the cache."""
         freqs = meta.positions[:, None].float() * self.inv_freq[None, :]  # [T, D / 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
         dtype = self.weights.embed.dtype
@@ -122,9 +133,7 @@ class Transformer:
             h = h + self._attention(i, x, cos, sin, meta, kv)
             x = rms_norm(h, layer.post_attention_norm, self.config.rms_norm_eps)
             h = h + self._mlp(i, x, meta.lora)
-        last = rms_norm(h.index_select(0, meta.sample_rows), self.weights.norm,
-                        self.config.rms_norm_eps)
-        return F.linear(last, self.weights.lm_head).float()  # [S, vocab]
+        return h
 
     def _attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    meta: StepMetadata, kv: PagedKVCache) -> torch.Tensor:

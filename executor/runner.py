@@ -18,11 +18,12 @@ from common.peft.modules import LORA_MODULES
 from common.sampling import SamplingParams
 from executor.grammar import GrammarRows
 from executor.kv_cache import PagedKVCache
+from executor.logprobs import PromptLogprobs, TopLogprobs
 from executor.lora import make_lora_backend
 from executor.merge import Merged, merge, unmerge
 from executor.model import RowSpec, StepMetadata, Transformer
 from executor.model_config import ModelConfig
-from executor.sampling import DrawStream, sample
+from executor.sampling import DrawStream, Sampler
 from executor.slot_pool import LoraSlotPool, LoraWeights
 from executor.weights import ModelWeights, load_weights, random_weights
 
@@ -39,6 +40,8 @@ class Sampled:
     seq_id: int
     token_id: int
     logprob: float
+    top: TopLogprobs | None = None  # its alternatives, when its sampling asks for them
+    prompt: PromptLogprobs | None = None  # with a sequence's first sample, when asked for
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,9 @@ class _Sequence:
     sampling: SamplingParams
     slot: int
     draws: DrawStream
+    # Its prompt's logprobs as its prefill makes them, until its first sample takes them (None:
+    # not asked for, or taken).
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ModelRunner:
@@ -100,7 +106,9 @@ class ModelRunner:
         self.slot_writes = threading.Lock()
         self.lora = make_lora_backend(lora_backend, self.pool)
         self.model = Transformer(config, weights, self.lora)
+        self.sampler = Sampler(config.vocab_size, self.device)
         self._seqs: dict[int, _Sequence] = {}
+        self._num_prompt_logprobs = 0  # sequences whose prompt logprobs are being made
         self._merged: Merged | None = None  # the adapter folded into the weights (merge.py)
         self.base_fingerprint = ""  # of the model folder (common/base_fingerprint.py); "": none
         self.tokenizer_json = ""  # the model's tokenizer.json: what grammars compile against
@@ -192,7 +200,8 @@ class ModelRunner:
         """Register a sequence (prompt token ids; after a preemption or failover, prompt and the
         `num_generated` tokens sampled so far); slot -1 = base model only. The KV of its first
         `num_cached` tokens is in the blocks its first rows bring (a prefix cache hit): its
-        first row computes from there."""
+        first row computes from there. Its prompt's logprobs, when its sampling asks for them,
+        come with its first sample (not again for a recompute after it: num_generated > 0)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already exists")
         if not token_ids:
@@ -213,12 +222,21 @@ class ModelRunner:
         if not 0 <= num_cached < len(token_ids):
             raise ValueError(f"sequence {seq_id}: num_cached {num_cached} must be below its "
                              f"{len(token_ids)} tokens (the last one is computed for a sample)")
-        sampling.validate()
+        sampling.validate(self.config.vocab_size)
+        prompt_logprobs = None
+        if sampling.prompt_logprobs is not None and num_generated == 0:
+            if num_cached:
+                raise ValueError(f"sequence {seq_id}: its prompt logprobs need its whole prompt "
+                                 f"computed, but {num_cached} tokens are cached")
+            prompt_logprobs = PromptLogprobs(sampling.prompt_logprobs)
+            self._num_prompt_logprobs += 1
         if sampling.grammar is not None:  # (its state: the tokens it generated so far)
             self._grammar_rows().add(seq_id, sampling.grammar,
                                      token_ids[len(token_ids) - num_generated:])
         self._seqs[seq_id] = _Sequence(list(token_ids), num_cached, [], sampling, slot,
-                                       DrawStream(sampling.seed, num_generated, self.device))
+                                       DrawStream(sampling.seed, num_generated, self.device),
+                                       prompt_logprobs)
+        self.sampler.add(seq_id, list(token_ids), num_generated, sampling)
 
     def prepare_grammars(self) -> bool:
         """Build the grammar engine's tokenizer now (seconds for a vocabulary of 100k+ tokens)
@@ -239,7 +257,10 @@ class ModelRunner:
         return self._grammars
 
     def free_sequence(self, seq_id: int) -> None:
-        self._seqs.pop(seq_id, None)
+        seq = self._seqs.pop(seq_id, None)
+        if seq is not None:
+            self.sampler.free(seq_id)
+            self._num_prompt_logprobs -= seq.prompt_logprobs is not None
         if self._grammars is not None:
             self._grammars.free(seq_id)
 
@@ -250,6 +271,8 @@ class ModelRunner:
     def free_all(self) -> None:
         """Forget every sequence (the scheduler's stream ended); adapters stay loaded."""
         self._seqs.clear()
+        self.sampler.clear()
+        self._num_prompt_logprobs = 0
         if self._grammars is not None:
             self._grammars.clear()
 
@@ -288,21 +311,45 @@ class ModelRunner:
         lora_meta = self.lora.prepare(row_slots)
         meta = StepMetadata.build(groups, kv=self.kv, sliding_window=self.config.sliding_window,
                                   lora=lora_meta, sample_rows=sample_rows, device=self.device)
-        logits = self.model.forward(tokens, meta, self.kv)  # [S, vocab]
+        hidden = self.model.hidden_states(tokens, meta, self.kv)  # [T, hidden]
+        logits = self.model.logits(hidden.index_select(0, meta.sample_rows))  # [S, vocab]
+        if self._num_prompt_logprobs:
+            self._prompt_logprobs(rows, hidden)
         for r in rows:
             self._seqs[r.seq_id].num_computed += r.num_tokens
         seqs = [self._seqs[s] for s in sampled_seqs]
         grammars = self._grammars if self._grammars else None  # (None: no row has one)
-        if grammars is not None:  # masks of the constrained rows, before any draw
-            grammars.constrain(logits, sampled_seqs)
-        token_ids, logprobs = sample(logits, [s.sampling for s in seqs],
-                                     [s.draws for s in seqs])
+        token_ids, logprobs, tops = self.sampler.sample(
+            logits, sampled_seqs, [s.sampling for s in seqs], [s.draws for s in seqs], grammars)
         if grammars is not None:
             grammars.advance(sampled_seqs, token_ids)
-        for seq, token in zip(seqs, token_ids):
+        sampled = []
+        for seq_id, seq, token, logprob, top in zip(sampled_seqs, seqs, token_ids, logprobs,
+                                                     tops):
             seq.token_ids.append(token)
-        return ([Sampled(s, t, lp) for s, t, lp in zip(sampled_seqs, token_ids, logprobs)],
-                logits)
+            if seq.prompt_logprobs is not None:
+                sampled.append(Sampled(seq_id, token, logprob, top, seq.prompt_logprobs))
+                seq.prompt_logprobs = None
+                self._num_prompt_logprobs -= 1
+            else:
+                sampled.append(Sampled(seq_id, token, logprob, top))
+        return sampled, logits
+
+    def _prompt_logprobs(self, rows: Sequence[Row], hidden: torch.Tensor) -> None:
+        """The prompt logprobs this step's rows make, for the sequences that ask for them: row
+        positions [start, end) predict tokens start + 1 .. end of the prompt (the last
+        position's logits are the first sample's, not a prompt token's)."""
+        at = 0
+        for r in rows:
+            seq = self._seqs[r.seq_id]
+            start, at = seq.num_computed, at + r.num_tokens
+            if seq.prompt_logprobs is not None:
+                end = min(start + r.num_tokens, len(seq.token_ids) - 1)
+                if end > start:
+                    first = at - r.num_tokens
+                    seq.prompt_logprobs.extend(self.model.logits,
+                                               hidden[first:first + end - start],
+                                               seq.token_ids[start + 1:end + 1])
 
     def _pending(self, row: Row) -> list[int]:
         seq = self._seqs[row.seq_id]

@@ -25,7 +25,7 @@ from executor.benchmark_runner import BenchmarkRunner
 from executor.config import ExecutorConfig
 from executor.lora import resolve_lora_backend
 from executor.model_identity import log_identity, resolve_identity
-from executor.runner import ModelRunner, Row
+from executor.runner import ModelRunner, Row, Sampled
 from executor.step_worker import StepWorker
 from executor.tokenizer_files import TokenizerFiles
 from protos import common_pb2, executor_pb2, executor_pb2_grpc
@@ -191,11 +191,14 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         samples = self._runner.step(rows) if rows else []
         self.metrics.step.observe(time.perf_counter() - start)
         self.metrics.rows.inc(sum(req.row_num_tokens))
-        return executor_pb2.StepResponse(
+        response = executor_pb2.StepResponse(
             sample_seq_ids=[s.seq_id for s in samples],
             sample_token_ids=[s.token_id for s in samples],
-            sample_logprobs=[s.logprob for s in samples],
-            step_seconds=time.perf_counter() - start)
+            sample_logprobs=[s.logprob for s in samples])
+        if any(s.top or s.prompt for s in samples):
+            _add_logprobs(response, samples)
+        response.step_seconds = time.perf_counter() - start
+        return response
 
     async def StageAdapter(self, request, context):
         async with grpc_errors(context):
@@ -228,6 +231,21 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             await self._loader.unload(request.slot, AdapterRef.from_optional_pb(request.adapter),
                                       request.stream_id)
             return executor_pb2.UnloadAdapterResponse()
+
+
+def _add_logprobs(response: executor_pb2.StepResponse, samples: list[Sampled]) -> None:
+    """The samples' alternatives and prompt logprobs, where their sequences asked for them."""
+    for s in samples:
+        response.sample_num_top.append(len(s.top.token_ids) if s.top else 0)
+        if s.top:
+            response.top_token_ids.extend(s.top.token_ids)
+            response.top_logprobs.extend(s.top.logprobs)
+        if s.prompt is not None:
+            p = s.prompt
+            response.prompt_logprobs.add(seq_id=s.seq_id, tokens=common_pb2.TokenLogprobs(
+                token_ids=p.token_ids, logprobs=p.logprobs,
+                num_top=[p.num_top] * len(p.token_ids), top_token_ids=p.top_token_ids,
+                top_logprobs=p.top_logprobs))
 
 
 def _rows(req: executor_pb2.StepRequest) -> list[Row]:

@@ -27,7 +27,7 @@ import grpc
 
 from common.errors import LoraplexError, Unavailable, relayed, relayed_status
 from gateway.pools import Cell
-from protos import scheduler_pb2
+from protos import common_pb2, scheduler_pb2
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,11 @@ class Update:
 
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    # Each token's alternatives (ids, logprobs), when its request asks for them; else empty.
+    tops: list[tuple[list[int], list[float]]] = dataclasses.field(default_factory=list)
     timing: tuple[float, float] | None = None  # (queue, first token) seconds, with its first token
+    # The prompt's logprobs, with its first token, when its request asks for them.
+    prompt_logprobs: common_pb2.TokenLogprobs | None = None
     end: scheduler_pb2.StreamEnd | None = None  # how it ended (after these tokens), if it did
 
 
@@ -136,9 +140,13 @@ class CellStream:
                 update = updates[stream_id] = Update()
             update.token_ids.append(token_id)
             update.logprobs.append(logprob)
+        if response.token_num_top:
+            _deliver_tops(response, updates)
         for start in response.starts:
-            updates.setdefault(start.id, Update()).timing = (
-                start.queue_seconds, start.time_to_first_token_seconds)
+            update = updates.setdefault(start.id, Update())
+            update.timing = (start.queue_seconds, start.time_to_first_token_seconds)
+            if start.HasField("prompt_logprobs"):
+                update.prompt_logprobs = start.prompt_logprobs
         for end in response.ends:
             updates.setdefault(end.id, Update()).end = end
         for stream_id, update in updates.items():
@@ -206,3 +214,20 @@ class CellStream:
                                        f"for {self._write_s:.0f}s"))
                 return
             await asyncio.sleep(self._write_s - silent_s)
+
+
+def _deliver_tops(response: scheduler_pb2.StreamResponse, updates: dict[int, Update]) -> None:
+    """Each token's alternatives to its request's update (the updates hold the message's tokens
+    in its order)."""
+    counts = response.token_num_top
+    if not len(counts) == len(response.token_ids) or not sum(counts) == len(
+            response.top_token_ids) == len(response.top_logprobs):
+        raise ValueError(f"a stream message's alternatives do not add up: {len(counts)} counts "
+                         f"(sum {sum(counts)}) for {len(response.token_ids)} tokens, "
+                         f"{len(response.top_token_ids)} ids, {len(response.top_logprobs)} "
+                         "logprobs")
+    at = 0
+    for stream_id, n in zip(response.token_request_ids, counts):
+        updates[stream_id].tops.append((response.top_token_ids[at:at + n],
+                                        response.top_logprobs[at:at + n]))
+        at += n

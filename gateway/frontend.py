@@ -33,6 +33,7 @@ from common.errors import (
 from common.prompt_bounds import check_fits, check_text_fits
 from common.ratelimit import RateLimiter
 from common.registry_client import RegistryClient
+from common.token_logprobs import prompt_tokens_pb, top_logprobs_pb
 from gateway.cell_stream import CellStream
 from gateway.metrics import GatewayMetrics
 from gateway.pools import Cell, Pool, PoolModel, Pools
@@ -215,10 +216,17 @@ class Frontend:
                 if update.timing is not None:
                     timing = update.timing
                     self.metrics.first_token.observe(time.monotonic() - start)
-                for token_id, logprob in zip(update.token_ids, update.logprobs, strict=True):
+                for i, (token_id, logprob) in enumerate(zip(update.token_ids, update.logprobs,
+                                                            strict=True)):
+                    tops = (top_logprobs_pb(output, *update.tops[i])  # (before the token)
+                            if update.tops and update.tops[i][0] else ())
                     text, finish = output.append(token_id)
-                    yield scheduler_pb2.GenerateResponse(token_id=token_id, logprob=logprob,
-                                                         text=text)
+                    message = scheduler_pb2.GenerateResponse(
+                        token_id=token_id, logprob=logprob, text=text, top_logprobs=tops)
+                    if update.prompt_logprobs is not None and not i:  # (with the first token)
+                        message.prompt_tokens.extend(prompt_tokens_pb(
+                            route.model.tokenizer, request.token_ids.ids, update.prompt_logprobs))
+                    yield message
                     if finish is not None:
                         yield self._last(FINISH_PB[finish], output, route, timing,
                                          prompt_tokens)

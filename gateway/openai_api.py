@@ -59,7 +59,9 @@ class OpenAIApi:
         parsed = completion_request(await json_body(request, self._max_body_bytes))
         options = parsed.options
         route = await self._frontend.route(options.model, tenant)
-        max_new = options.max_tokens or OPENAI_DEFAULT_MAX_TOKENS
+        options.check_vocab(route.model.vocab_size)
+        max_new = OPENAI_DEFAULT_MAX_TOKENS if options.max_tokens is None else max(
+            options.max_tokens, 1)  # (max_tokens 0 with echo: one token, not shown)
         prompts = [await self._frontend.prompt_ids(
             route, p if isinstance(p, str) else None, None if isinstance(p, str) else list(p),
             max_new, field="max_tokens") for p in parsed.prompts]
@@ -71,6 +73,7 @@ class OpenAIApi:
         parsed = chat_request(await json_body(request, self._max_body_bytes))
         options, tools = parsed.options, parsed.tools
         route = await self._frontend.route(options.model, tenant)
+        options.check_vocab(route.model.vocab_size)
         tool_format = None
         if tools is not None and tools.are_parsed:  # (its format is the model's)
             tool_format = ToolFormat.for_template(route.model.chat.source)
@@ -129,9 +132,14 @@ class OpenAIApi:
         self._frontend.admit(tenant, sum(len(u.token_ids.ids) + max_new for _, u in upstreams))
         prompt_tokens = sum(map(len, prompts))
         identity = Identity(chat, options.model, request_id)
+        echoes = {index: _decoded(route, u.token_ids.ids) for index, u in upstreams
+                  } if options.echo else {}
+        top = bool(options.sampling.top_logprobs)
         events = self._merged(route, upstreams, tenant)
+        if options.max_tokens == 0:
+            events = _prompt_only(events)
         if not options.stream:
-            choices = {index: Choice(index, options.logprobs, tool_format)
+            choices = {index: Choice(index, options.logprobs, top, echoes.get(index), tool_format)
                        for index, _ in upstreams}
             try:
                 async for index, message in events:
@@ -143,7 +151,8 @@ class OpenAIApi:
         first = await anext(events, None)  # an error before the first token is an HTTP error
         if first is None:
             raise Unavailable("the pool ended the stream without an answer; retry")
-        writer = EventWriter(identity, options.include_usage, options.logprobs, tool_format)
+        writer = EventWriter(identity, options.include_usage, options.logprobs, top, echoes,
+                             tool_format)
         return SSEResponse(self._events(writer, first, events, prompt_tokens, options))
 
     async def _events(self, writer: EventWriter, first, events, prompt_tokens: int,
@@ -201,6 +210,29 @@ class OpenAIApi:
 def error_response(exc: BaseException) -> JSONResponse:
     status, body, headers = error_body(exc)
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def _prompt_only(events):
+    """An echo with max_tokens 0 (scoring a prompt): each choice's one token left out, its
+    prompt tokens kept, its end a `length` with no completion tokens."""
+    try:
+        async for index, message in events:
+            if message.prompt_tokens:
+                yield index, scheduler_pb2.GenerateResponse(prompt_tokens=message.prompt_tokens)
+            if message.finish_reason:
+                usage = scheduler_pb2.Usage()
+                usage.CopyFrom(message.usage)
+                usage.completion_tokens = 0
+                yield index, scheduler_pb2.GenerateResponse(
+                    finish_reason=scheduler_pb2.FINISH_REASON_LENGTH, usage=usage)
+    finally:
+        await events.aclose()
+
+
+def _decoded(route: Route, ids) -> str:
+    """A prompt's text as its tokens decode (what `echo` shows without prompt logprobs)."""
+    tokenizer = route.model.tokenizer
+    return tokenizer.decode(list(ids), skip_special_tokens=True) if tokenizer else ""
 
 
 def _render(route: Route, parsed: ChatRequest) -> str:

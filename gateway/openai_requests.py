@@ -4,9 +4,8 @@ that says so, never silently ignored. Unknown fields are ignored, as OpenAI-comp
 do (clients send extensions)."""
 
 import dataclasses
-import math
 
-from common.sampling import MAX_SEED, SamplingParams
+from common.sampling import MAX_SEED, BadSampling, SamplingParams
 from common.wire import MAX_CACHE_SALT_CHARS, MAX_STOP_STRINGS
 from gateway.chat import ROLES
 from gateway.guided import request_grammar
@@ -31,6 +30,13 @@ class Options:
     logprobs: bool
     ignore_eos: bool
     cache_salt: str = ""  # vLLM's extension: prefix-cached KV is reused only with the same salt
+    echo: bool = False  # completions: the prompt comes first in each choice
+    # The endpoint's name for each SamplingParams field it sets differently (an error names it).
+    params: tuple[tuple[str, str], ...] = ()
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """The sampling fits the model's vocabulary (logit_bias token ids, top_k)."""
+        _checked(self.sampling, dict(self.params), vocab_size)
 
     def choice_seed(self, choice: int) -> SamplingParams:
         """The sampling of choice `choice` of n: a seeded request gives each choice its own
@@ -57,9 +63,11 @@ class ChatRequest:
 
 
 def completion_request(body: dict) -> CompletionRequest:
-    options = _options(body, logprobs=_completion_logprobs(body))
-    if body.get("echo"):
-        raise BadField("echo", "is not supported")
+    top = _completion_logprobs(body)
+    echo = _boolean(body, "echo", False)
+    params = (("top_logprobs", "logprobs"), ("prompt_logprobs", "logprobs"))
+    options = _options(body, logprobs=top is not None, top_logprobs=top or 0,
+                       prompt_logprobs=top if echo else None, echo=echo, params=params)
     if body.get("suffix"):
         raise BadField("suffix", "is not supported")
     prompts = _prompts(body.get("prompt"))
@@ -75,10 +83,9 @@ def chat_request(body: dict) -> ChatRequest:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
     logprobs = _boolean(body, "logprobs", False)
     top = body.get("top_logprobs")
-    if top not in (None, 0):
-        raise BadField("top_logprobs", "only the sampled token's logprob is available: "
-                                       "top_logprobs must be 0 or unset")
-    options = _options(body, logprobs=logprobs)
+    if top not in (None, 0) and not logprobs:
+        raise BadField("top_logprobs", "needs logprobs: true")
+    options = _options(body, logprobs=logprobs, top_logprobs=0 if top is None else top)
     if tools is not None and tools.choice in ("required", "function") and options.sampling.grammar:
         raise BadField("tool_choice", "required or a named function constrains the output: it "
                                       "cannot be combined with response_format or guided_*")
@@ -90,7 +97,9 @@ def chat_request(body: dict) -> ChatRequest:
                        continue_final, tools)
 
 
-def _options(body: dict, logprobs: bool) -> Options:
+def _options(body: dict, logprobs: bool, top_logprobs: int = 0,
+             prompt_logprobs: int | None = None, echo: bool = False,
+             params: tuple[tuple[str, str], ...] = ()) -> Options:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadField("model", "required: a base model or an adapter (name, name@VERSION, "
@@ -99,28 +108,27 @@ def _options(body: dict, logprobs: bool) -> Options:
     best_of = body.get("best_of")
     if best_of not in (None, n):
         raise BadField("best_of", "is not supported (unset it, or set it to n)")
-    for field in ("presence_penalty", "frequency_penalty"):
-        if _number(body, field, 0.0, -2.0, 2.0) != 0:
-            raise BadField(field, "penalties are not supported: 0 or unset")
-    if _number(body, "repetition_penalty", 1.0, 0.0, math.inf) != 1:
-        raise BadField("repetition_penalty", "penalties are not supported: 1 or unset")
-    if body.get("logit_bias"):
-        raise BadField("logit_bias", "is not supported")
     guided = request_grammar(body)
     max_tokens = body.get("max_tokens")
-    if max_tokens is not None:
-        max_tokens = _integer(body, "max_tokens", None, 1, 2**31)
+    if max_tokens is not None:  # (0: score the prompt alone, with echo)
+        max_tokens = _integer(body, "max_tokens", None, 0 if echo else 1, 2**31)
     top_k = _integer(body, "top_k", 0, -1, 2**31)
     seed = body.get("seed")
     if seed is not None:
         if not _is_int(seed) or not -2**63 <= seed < 2**64:
             raise BadField("seed", f"must be a 64-bit integer, got {seed!r}")
         seed %= MAX_SEED
-    sampling = SamplingParams(temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-                              top_p=_number(body, "top_p", 1.0, 0.0, 1.0), top_k=max(top_k, 0),
-                              seed=seed, grammar=guided[0] if guided else None)
+    sampling = SamplingParams(
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0), top_k=max(top_k, 0), seed=seed,
+        min_p=_real(body, "min_p", 0.0), presence_penalty=_real(body, "presence_penalty", 0.0),
+        frequency_penalty=_real(body, "frequency_penalty", 0.0),
+        repetition_penalty=_real(body, "repetition_penalty", 1.0),
+        logit_bias=_logit_bias(body.get("logit_bias")), top_logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprobs, grammar=guided[0] if guided else None)
     if sampling.top_p == 0:
         raise BadField("top_p", "must be in (0, 1]")
+    _checked(sampling, dict(params))
     stream = _boolean(body, "stream", False)
     stream_options = body.get("stream_options")
     if stream_options is not None and not stream:
@@ -138,18 +146,45 @@ def _options(body: dict, logprobs: bool) -> Options:
     return Options(model=model, n=n, max_tokens=max_tokens, sampling=sampling,
                    stop=_stop(body.get("stop")), stream=stream, include_usage=include_usage,
                    logprobs=logprobs, ignore_eos=_boolean(body, "ignore_eos", False),
-                   cache_salt=cache_salt)
+                   cache_salt=cache_salt, echo=echo, params=params)
 
 
-def _completion_logprobs(body: dict) -> bool:
-    """Completions' `logprobs` is how many alternatives to return per token: only 0 (the
-    sampled token's own logprob) can be honoured."""
+def _checked(sampling: SamplingParams, names: dict[str, str],
+             vocab_size: int | None = None) -> SamplingParams:
+    """SamplingParams.validate, its error naming the endpoint's field."""
+    try:
+        return sampling.validate(vocab_size)
+    except BadSampling as err:
+        raise BadField(names.get(err.field, err.field), err.detail) from None
+
+
+def _completion_logprobs(body: dict) -> int | None:
+    """Completions' `logprobs`: how many alternatives to return per token beside the sampled
+    one (None: no logprobs; true is taken as 0)."""
     value = body.get("logprobs")
     if value is None or value is False:
-        return False
-    if value is True or value == 0:
-        return True
-    raise BadField("logprobs", "only the sampled token's logprob is available: 0 or unset")
+        return None
+    if value is True:
+        return 0
+    if not _is_int(value):
+        raise BadField("logprobs", f"must be an integer in [0, 20], got {value!r}")
+    return value
+
+
+def _logit_bias(bias) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: {"token id": bias}, the ids as strings (JSON keys)."""
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise BadField("logit_bias", "must be an object of token id -> bias")
+    pairs = []
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 10):
+            raise BadField("logit_bias", f"keys must be token ids, got {key[:20]!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise BadField("logit_bias", f"of token {key} must be a number, got {value!r}")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
 
 
 def _prompts(prompt) -> tuple[str | tuple[int, ...], ...]:
@@ -225,6 +260,16 @@ def _number(body: dict, field: str, default: float, low: float, high: float) -> 
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
             low <= value <= high):
         raise BadField(field, f"must be a number in [{low:g}, {high:g}], got {value!r}")
+    return float(value)
+
+
+def _real(body: dict, field: str, default: float) -> float:
+    """A number (its range is SamplingParams.validate's to check)."""
+    value = body.get(field)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadField(field, f"must be a number, got {value!r}")
     return float(value)
 
 

@@ -8,7 +8,11 @@ incremental detokenizer: " river" after "stone", however the tokenizer decodes a
 so the tokens concatenate to the text and `text_offset` indexes it, for every tokenizer. A token
 whose text comes only with a later one (the rest of a UTF-8 character, or text held back while
 it could begin a stop string) has "" and that text goes with the later token; what the final
-message flushes goes with the last token.
+message flushes goes with the last token. An alternative's text is what it would have added in
+the sampled token's place (common/token_logprobs.py). Completions' top_logprobs hold the top n
+and the sampled token (OpenAI: up to n + 1 entries); chat's the top n. With `echo`, a
+completion's text and logprobs begin with the prompt's tokens (the first without a logprob), and
+a stream's first event of each choice is the prompt.
 """
 
 import dataclasses
@@ -24,29 +28,81 @@ FINISH = {scheduler_pb2.FINISH_REASON_LENGTH: "length", scheduler_pb2.FINISH_REA
 DONE = b"data: [DONE]\n\n"
 
 
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """A token as logprobs show it."""
+
+    text: str
+    logprob: float | None  # None: a prompt's first token
+    token_id: int
+    top: tuple[scheduler_pb2.TopLogprob, ...] = ()
+
+    @classmethod
+    def of(cls, token: scheduler_pb2.GenerateResponse | scheduler_pb2.PromptToken) -> "Entry":
+        logprob = token.logprob
+        if isinstance(token, scheduler_pb2.PromptToken) and not token.HasField("logprob"):
+            logprob = None
+        return cls(token.text, logprob, token.token_id, tuple(token.top_logprobs))
+
+    def completion_top(self) -> dict | None:
+        """Its top alternatives and itself, text -> logprob (None for a prompt's first)."""
+        if self.logprob is None:
+            return None
+        top: dict[str, float] = {}
+        for alt in self.top:  # (two texts alike: the likelier one's)
+            top.setdefault(alt.text, alt.logprob)
+        if all(alt.token_id != self.token_id for alt in self.top):
+            top.setdefault(self.text, self.logprob)
+        return top
+
+    def chat(self) -> dict:
+        return {**_chat_token(self.text, self.logprob),
+                "top_logprobs": [_chat_token(alt.text, alt.logprob) for alt in self.top]}
+
+
+def _chat_token(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
+def completion_logprobs(entries: list[Entry], top: bool, offset: int = 0) -> dict:
+    """Completions' logprobs of `entries`, their text offsets from `offset`."""
+    offsets = []
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry.text)
+    return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [e.completion_top() for e in entries] if top else None,
+            "text_offset": offsets}
+
+
 class Choice:
     """One choice's tokens, as they arrive."""
 
-    def __init__(self, index: int, with_logprobs: bool = False, tools: ToolFormat | None = None):
+    def __init__(self, index: int, with_logprobs: bool = False, top: bool = False,
+                 echo: str | None = None, tools: ToolFormat | None = None):
         self.index = index
         self.texts: list[str] = []
         # The output read for tool calls (a chat with tools), or None.
         self.tool_calls = ToolCallParser(tools) if tools else None
         self.finish_reason: str | None = None
         self.completion_tokens = 0
-        # (each token's text, its logprob), when logprobs are asked for
-        self.logprobs: list[tuple[str, float]] | None = [] if with_logprobs else None
+        self.top = top  # alternatives were asked for
+        self.echo = echo  # the prompt's text, when it is echoed (None: not)
+        self.prompt: list[Entry] = []  # the prompt's tokens, when echoed with logprobs
+        self.logprobs: list[Entry] | None = [] if with_logprobs else None
 
     def add(self, message: scheduler_pb2.GenerateResponse) -> None:
+        if message.prompt_tokens:
+            self.prompt = [Entry.of(t) for t in message.prompt_tokens]
         if message.HasField("token_id"):
             self.texts.append(message.text)
             if self.logprobs is not None:
-                self.logprobs.append((message.text, message.logprob))
+                self.logprobs.append(Entry.of(message))
         elif message.text:
             self.texts.append(message.text)
             if self.logprobs:  # (flushed at the end: the last token's)
-                token, logprob = self.logprobs[-1]
-                self.logprobs[-1] = (token + message.text, logprob)
+                last = self.logprobs[-1]
+                self.logprobs[-1] = dataclasses.replace(last, text=last.text + message.text)
         if self.tool_calls is not None:
             self.tool_calls.feed(message.text)
         if message.finish_reason:
@@ -68,30 +124,28 @@ class Choice:
         return message, _with_calls(self.finish_reason)
 
     @property
+    def prompt_text(self) -> str:
+        """What comes before the completion: the prompt when echoed, else nothing."""
+        if self.echo is None:
+            return ""
+        return "".join(e.text for e in self.prompt) if self.prompt else self.echo
+
+    @property
     def text(self) -> str:
-        return "".join(self.texts)
+        return self.prompt_text + "".join(self.texts)
 
     def completion_logprobs(self) -> dict | None:
-        """Completions' logprobs: per token its text, logprob and offset (no alternatives)."""
+        """Completions' logprobs: per token its text, logprob and offset (the prompt's first
+        when echoed), and with `top` its alternatives."""
         if self.logprobs is None:
             return None
-        offsets, at = [], 0
-        for token, _ in self.logprobs:
-            offsets.append(at)
-            at += len(token)
-        return {"tokens": [t for t, _ in self.logprobs],
-                "token_logprobs": [lp for _, lp in self.logprobs],
-                "top_logprobs": None, "text_offset": offsets}
+        prompt = self.prompt if self.echo is not None else []
+        return completion_logprobs(prompt + self.logprobs, self.top)
 
     def chat_logprobs(self) -> dict | None:
         if self.logprobs is None:
             return None
-        return {"content": [_chat_token(t, lp) for t, lp in self.logprobs]}
-
-
-def _chat_token(token: str, logprob: float) -> dict:
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode()),
-            "top_logprobs": []}
+        return {"content": [e.chat() for e in self.logprobs]}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -127,11 +181,14 @@ class EventWriter:
     """Server-sent events of one streamed response."""
 
     def __init__(self, response: Response, include_usage: bool, with_logprobs: bool = False,
+                 top: bool = False, echoes: dict[int, str] | None = None,
                  tools: ToolFormat | None = None):
         self._response = response
         self._tools = tools  # chat deltas carry the tool calls read in this format
         self._calls: dict[int, _StreamedCalls] = {}  # choice -> its calls so far
         self._with_logprobs = with_logprobs
+        self._top = top
+        self._echoes = echoes or {}  # choice -> its prompt's text, when echoed
         self._offsets: dict[int, int] = {}  # choice -> its text's length so far (text_offset)
         head = {"id": response.id,
                 "object": "chat.completion.chunk" if response.chat else "text_completion",
@@ -142,17 +199,22 @@ class EventWriter:
 
     def token(self, index: int, message: scheduler_pb2.GenerateResponse) -> bytes:
         """The event of one message of choice `index`: its text, and its finish reason if it is
-        the last."""
+        the last (after the prompt's event, for the first message of an echoed choice)."""
+        echo = b""
+        if index in self._echoes and index not in self._started:
+            echo = self._echo(index, message)
         finish = FINISH.get(message.finish_reason)
+        if not (message.HasField("token_id") or message.text or finish):
+            self._started.add(index)
+            return echo  # (a message of the prompt alone: max_tokens 0)
         logprobs = "null"
         offset = self._offsets.get(index, 0)
         self._offsets[index] = offset + len(message.text)
         if self._with_logprobs and message.HasField("token_id"):
-            token = message.text
+            entry = Entry.of(message)
             logprobs = json.dumps(
-                {"content": [_chat_token(token, message.logprob)]} if self._response.chat else
-                {"tokens": [token], "token_logprobs": [message.logprob], "top_logprobs": None,
-                 "text_offset": [offset]})
+                {"content": [entry.chat()]} if self._response.chat else
+                completion_logprobs([entry], self._top, offset))
         if self._response.chat and self._tools is not None:
             delta, finish = self._tool_delta(index, message, finish)
         elif self._response.chat:
@@ -166,8 +228,22 @@ class EventWriter:
         if self._response.chat:
             choice = f'{{"index": {index}, "delta": {delta}, "logprobs": {logprobs}'
         else:
+            self._started.add(index)
             choice = f'{{"index": {index}, "text": {json.dumps(message.text)}, ' \
                      f'"logprobs": {logprobs}'
+        return echo + self._event(choice, finish)
+
+    def _echo(self, index: int, message: scheduler_pb2.GenerateResponse) -> bytes:
+        """The prompt's event of an echoed choice (with its first message's prompt tokens)."""
+        entries = [Entry.of(t) for t in message.prompt_tokens]
+        text = "".join(e.text for e in entries) if entries else self._echoes[index]
+        self._offsets[index] = len(text)
+        logprobs = (json.dumps(completion_logprobs(entries, self._top))
+                    if self._with_logprobs and entries else "null")
+        return self._event(f'{{"index": {index}, "text": {json.dumps(text)}, '
+                           f'"logprobs": {logprobs}', None)
+
+    def _event(self, choice: str, finish: str | None) -> bytes:
         reason = f'"{finish}"' if finish else "null"
         return (f'data: {self._head}, "choices": [{choice}, "finish_reason": {reason}}}]'
                 f"{self._tail}").encode()

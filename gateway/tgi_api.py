@@ -15,6 +15,12 @@ The last streamed event carries generated_text and details on a special token wi
 (the pool's final message holds no token), so clients that join non-special tokens' text get
 exactly the generated text. Errors: {"error", "error_type"} (422 validation, 404, 429
 overloaded, 503, ...).
+
+Sampling beyond TGI's basics: `repetition_penalty` and `frequency_penalty`; `top_n_tokens`
+(TGI: each token's most likely alternatives in details.top_tokens, and in each streamed event's
+top_tokens) or `return_k_alternatives` (LoRAX: in each token's alternative_tokens);
+`decoder_input_details` (details.prefill: the prompt's tokens with their logprobs, the first
+without). Token texts are what each adds to the text before it (common/token_logprobs.py).
 """
 
 import json
@@ -25,7 +31,7 @@ from starlette.routing import Route as HttpRoute
 
 from common.errors import InvalidArgument, Unavailable
 from common.grammar import Grammar, GrammarKind
-from common.sampling import MAX_SEED, SamplingParams
+from common.sampling import MAX_SEED, BadSampling, SamplingParams
 from gateway.frontend import Frontend, Route
 from gateway.http_common import SSEResponse, guarded, json_body, request_id_of, tenant_of
 from gateway.http_errors import error_body
@@ -38,8 +44,7 @@ TGI_DEFAULT_MAX_NEW_TOKENS = 20
 _ERROR_TYPES = {400: "validation", 404: "not_found", 429: "overloaded", 401: "authentication",
                 403: "authorization", 503: "unavailable", 504: "timeout"}
 _UNSUPPORTED = {"typical_p": None, "watermark": False, "merged_adapters": None,
-                "response_format": None, "decoder_input_details": False,
-                "return_k_alternatives": None}
+                "response_format": None}
 
 
 class TgiApi:
@@ -87,22 +92,24 @@ class TgiApi:
         self._frontend.admit(tenant, len(ids) + max_new)
         prefix = inputs if _flag(params, "return_full_text", False) else ""
         details = _flag(params, "details", False)
+        shape = _Alternatives(params)
         events = self._frontend.generate(route, upstream, tenant)
         if not stream:
-            tokens, final = [], None
+            tokens, final, prefill = [], None, []
             async for message in events:
+                prefill = prefill or list(message.prompt_tokens)
                 if message.HasField("token_id"):
                     tokens.append(message)
                 if message.finish_reason:
                     final = message
             text = prefix + "".join(t.text for t in tokens) + (final.text if final else "")
-            answer = {"generated_text": text,
-                      "details": _details(route, tokens, final, upstream) if details else None}
+            answer = {"generated_text": text, "details": _details(
+                route, tokens, final, upstream, prefill, shape) if details else None}
             return JSONResponse([answer] if as_list else answer)
         first = await anext(events, None)  # an error before the first token is an HTTP error
         if first is None:
             raise Unavailable("the pool ended the stream without an answer; retry")
-        return SSEResponse(self._events(route, upstream, first, events, prefix))
+        return SSEResponse(self._events(route, upstream, first, events, prefix, shape))
 
     def _model(self, params: dict) -> str:
         source = params.get("adapter_source")
@@ -114,8 +121,6 @@ class TgiApi:
                 raise InvalidArgument(f"{field}: not supported")
         if params.get("best_of") not in (None, 1):
             raise InvalidArgument("best_of: not supported (unset, or 1)")
-        if params.get("repetition_penalty") not in (None, 1, 1.0):
-            raise InvalidArgument("repetition_penalty: not supported (unset, or 1)")
         adapter = params.get("adapter_id")
         if adapter:
             if not isinstance(adapter, str):
@@ -123,7 +128,8 @@ class TgiApi:
             return adapter
         return self._frontend.only_model("adapter_id")
 
-    async def _events(self, route: Route, upstream, first, events, prefix: str):
+    async def _events(self, route: Route, upstream, first, events, prefix: str,
+                      shape: "_Alternatives"):
         texts: list[str] = []
         tokens = 0
         try:
@@ -132,8 +138,11 @@ class TgiApi:
                 if message.HasField("token_id"):
                     tokens += 1
                     texts.append(message.text)
-                    yield _event({"token": _token(message), "generated_text": None,
-                                  "details": None})
+                    event = {"token": shape.token(message), "generated_text": None,
+                             "details": None}
+                    if shape.top_tokens:
+                        event["top_tokens"] = shape.top(message)
+                    yield _event(event)
                 if message.finish_reason:
                     texts.append(message.text)
                     yield _event({"token": {"id": _last_id(route), "text": message.text,
@@ -156,9 +165,27 @@ def _event(payload: dict) -> bytes:
     return f"data:{json.dumps(payload)}\n\n".encode()
 
 
-def _token(message: scheduler_pb2.GenerateResponse) -> dict:
-    return {"id": message.token_id, "text": message.text, "logprob": message.logprob,
-            "special": False}
+class _Alternatives:
+    """Where a request wants each token's alternatives: TGI's top_tokens (top_n_tokens) or
+    LoRAX's alternative_tokens (return_k_alternatives)."""
+
+    def __init__(self, params: dict):
+        self.top_tokens = params.get("top_n_tokens") is not None
+        self.alternative_tokens = params.get("return_k_alternatives") is not None
+
+    def token(self, message: scheduler_pb2.GenerateResponse) -> dict:
+        token = {"id": message.token_id, "text": message.text, "logprob": message.logprob,
+                 "special": False}
+        if self.alternative_tokens:
+            token["alternative_tokens"] = [
+                {"id": t.token_id, "text": t.text, "logprob": t.logprob}
+                for t in message.top_logprobs]
+        return token
+
+    @staticmethod
+    def top(message: scheduler_pb2.GenerateResponse) -> list[dict]:
+        return [{"id": t.token_id, "text": t.text, "logprob": t.logprob, "special": False}
+                for t in message.top_logprobs]
 
 
 def _last_id(route: Route) -> int:
@@ -166,11 +193,16 @@ def _last_id(route: Route) -> int:
     return eos[0] if eos else 0
 
 
-def _details(route: Route, tokens, final, upstream) -> dict:
-    return {"finish_reason": _finish(route, final, upstream, tokens[-1] if tokens else None),
-            "prompt_tokens": len(upstream.token_ids.ids), "generated_tokens": len(tokens),
-            "seed": _seed(upstream), "prefill": [], "tokens": [_token(t) for t in tokens],
-            "best_of_sequences": None}
+def _details(route: Route, tokens, final, upstream, prefill, shape: _Alternatives) -> dict:
+    details = {"finish_reason": _finish(route, final, upstream, tokens[-1] if tokens else None),
+               "prompt_tokens": len(upstream.token_ids.ids), "generated_tokens": len(tokens),
+               "seed": _seed(upstream), "prefill": [
+                   {"id": t.token_id, "text": t.text,
+                    "logprob": t.logprob if t.HasField("logprob") else None} for t in prefill],
+               "tokens": [shape.token(t) for t in tokens], "best_of_sequences": None}
+    if shape.top_tokens:
+        details["top_tokens"] = [shape.top(t) for t in tokens]
+    return details
 
 
 def _finish(route: Route, final, upstream, last) -> str:
@@ -202,14 +234,26 @@ def _sampling(params: dict) -> SamplingParams:
     top_p = params.get("top_p")
     if top_p is not None and (not isinstance(top_p, (int, float)) or isinstance(top_p, bool)):
         raise InvalidArgument(f"top_p: must be a number in (0, 1], got {top_p!r}")
+    top_n, k_alternatives = params.get("top_n_tokens"), params.get("return_k_alternatives")
+    if top_n is not None and k_alternatives is not None:
+        raise InvalidArgument("top_n_tokens: set it or return_k_alternatives, not both")
     sampling = SamplingParams(
         temperature=float(temperature or 1.0) if sampled else 0.0,
         top_k=_int(params, "top_k", 0, 1) if params.get("top_k") is not None else 0,
         top_p=1.0 if top_p is None else float(top_p),
-        seed=None if seed is None else seed % MAX_SEED, grammar=_grammar(params.get("grammar")))
+        seed=None if seed is None else seed % MAX_SEED,
+        repetition_penalty=_real(params, "repetition_penalty", 1.0),
+        frequency_penalty=_real(params, "frequency_penalty", 0.0),
+        top_logprobs=(top_n if k_alternatives is None else k_alternatives) or 0,
+        prompt_logprobs=0 if _flag(params, "decoder_input_details", False) else None,
+        grammar=_grammar(params.get("grammar")))
     try:
         return sampling.validate()
-    except InvalidArgument as err:
+    except BadSampling as err:
+        field = {"top_logprobs": "top_n_tokens" if k_alternatives is None
+                 else "return_k_alternatives"}.get(err.field, err.field)
+        raise InvalidArgument(f"{field}: {err.detail}") from None
+    except InvalidArgument as err:  # (the grammar's: "sampling.grammar: ...")
         raise InvalidArgument(str(err).removeprefix("sampling.")) from None
 
 
@@ -236,6 +280,15 @@ def _stops(params: dict) -> list[str]:
     if len(stop) > MAX_STOP:
         raise InvalidArgument(f"stop: at most {MAX_STOP} strings")
     return stop
+
+
+def _real(params: dict, field: str, default: float) -> float:
+    value = params.get(field)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgument(f"{field}: must be a number, got {value!r}")
+    return float(value)
 
 
 def _int(params: dict, field: str, default: int, low: int) -> int:

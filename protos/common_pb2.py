@@ -24,23 +24,29 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\x0bloraplex.v1\"\x86\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12%\n\x07grammar\x18\x14 \x01(\x0b\x32\x14.loraplex.v1.GrammarB\x07\n\x05_seed\"Q\n\x07Grammar\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.loraplex.v1.GrammarKind\x12\r\n\x05value\x18\x02 \x01(\t\x12\x0f\n\x07\x63hoices\x18\x03 \x03(\t\"+\n\nAdapterRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\"\x85\x03\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\x12\x14\n\x0cowner_tenant\x18\x03 \x01(\t\x12\x11\n\tis_public\x18\x04 \x01(\x08\x12\x12\n\nbase_model\x18\x05 \x01(\t\x12\x0c\n\x04rank\x18\x06 \x01(\r\x12\r\n\x05\x61lpha\x18\x07 \x01(\x02\x12\x12\n\nuse_rslora\x18\x08 \x01(\x08\x12\x16\n\x0etarget_modules\x18\t \x03(\t\x12\x11\n\tnum_bytes\x18\n \x01(\x04\x12\x0e\n\x06sha256\x18\x0b \x01(\t\x12\x14\n\x0c\x63reated_unix\x18\x0c \x01(\x01\x12\x13\n\x0b\x63onfig_json\x18\r \x01(\t\x12\x12\n\x05\x63rc32\x18\x0e \x01(\rH\x00\x88\x01\x01\x12\x1f\n\x17\x62\x61se_model_name_or_path\x18\x0f \x01(\t\x12*\n\nbase_match\x18\x10 \x01(\x0e\x32\x16.loraplex.v1.BaseMatch\x12\x18\n\x10\x62\x61se_fingerprint\x18\x11 \x01(\tB\x08\n\x06_crc32*\xaf\x01\n\x0bGrammarKind\x12\x1c\n\x18GRAMMAR_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18GRAMMAR_KIND_JSON_OBJECT\x10\x01\x12\x1c\n\x18GRAMMAR_KIND_JSON_SCHEMA\x10\x02\x12\x16\n\x12GRAMMAR_KIND_REGEX\x10\x03\x12\x17\n\x13GRAMMAR_KIND_CHOICE\x10\x04\x12\x15\n\x11GRAMMAR_KIND_LARK\x10\x05*\x88\x01\n\tBaseMatch\x12\x1a\n\x16\x42\x41SE_MATCH_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x42\x41SE_MATCH_UNREGISTERED\x10\x01\x12\x11\n\rBASE_MATCH_ID\x10\x02\x12\x13\n\x0f\x42\x41SE_MATCH_NAME\x10\x03\x12\x1a\n\x16\x42\x41SE_MATCH_FINGERPRINT\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\x0bloraplex.v1\"\xa0\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12>\n\nlogit_bias\x18\t \x03(\x0b\x32*.loraplex.v1.SamplingParams.LogitBiasEntry\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\rH\x01\x88\x01\x01\x12%\n\x07grammar\x18\x14 \x01(\x0b\x32\x14.loraplex.v1.Grammar\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x12\n\x10_prompt_logprobs\"Q\n\x07Grammar\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.loraplex.v1.GrammarKind\x12\r\n\x05value\x18\x02 \x01(\t\x12\x0f\n\x07\x63hoices\x18\x03 \x03(\t\"r\n\rTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0f\n\x07num_top\x18\x03 \x03(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"+\n\nAdapterRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\"\x85\x03\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\x12\x14\n\x0cowner_tenant\x18\x03 \x01(\t\x12\x11\n\tis_public\x18\x04 \x01(\x08\x12\x12\n\nbase_model\x18\x05 \x01(\t\x12\x0c\n\x04rank\x18\x06 \x01(\r\x12\r\n\x05\x61lpha\x18\x07 \x01(\x02\x12\x12\n\nuse_rslora\x18\x08 \x01(\x08\x12\x16\n\x0etarget_modules\x18\t \x03(\t\x12\x11\n\tnum_bytes\x18\n \x01(\x04\x12\x0e\n\x06sha256\x18\x0b \x01(\t\x12\x14\n\x0c\x63reated_unix\x18\x0c \x01(\x01\x12\x13\n\x0b\x63onfig_json\x18\r \x01(\t\x12\x12\n\x05\x63rc32\x18\x0e \x01(\rH\x00\x88\x01\x01\x12\x1f\n\x17\x62\x61se_model_name_or_path\x18\x0f \x01(\t\x12*\n\nbase_match\x18\x10 \x01(\x0e\x32\x16.loraplex.v1.BaseMatch\x12\x18\n\x10\x62\x61se_fingerprint\x18\x11 \x01(\tB\x08\n\x06_crc32*\xaf\x01\n\x0bGrammarKind\x12\x1c\n\x18GRAMMAR_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18GRAMMAR_KIND_JSON_OBJECT\x10\x01\x12\x1c\n\x18GRAMMAR_KIND_JSON_SCHEMA\x10\x02\x12\x16\n\x12GRAMMAR_KIND_REGEX\x10\x03\x12\x17\n\x13GRAMMAR_KIND_CHOICE\x10\x04\x12\x15\n\x11GRAMMAR_KIND_LARK\x10\x05*\x88\x01\n\tBaseMatch\x12\x1a\n\x16\x42\x41SE_MATCH_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x42\x41SE_MATCH_UNREGISTERED\x10\x01\x12\x11\n\rBASE_MATCH_ID\x10\x02\x12\x13\n\x0f\x42\x41SE_MATCH_NAME\x10\x03\x12\x1a\n\x16\x42\x41SE_MATCH_FINGERPRINT\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GRAMMARKIND']._serialized_start=694
-  _globals['_GRAMMARKIND']._serialized_end=869
-  _globals['_BASEMATCH']._serialized_start=872
-  _globals['_BASEMATCH']._serialized_end=1008
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_GRAMMARKIND']._serialized_start=1092
+  _globals['_GRAMMARKIND']._serialized_end=1267
+  _globals['_BASEMATCH']._serialized_start=1270
+  _globals['_BASEMATCH']._serialized_end=1406
   _globals['_SAMPLINGPARAMS']._serialized_start=37
-  _globals['_SAMPLINGPARAMS']._serialized_end=171
-  _globals['_GRAMMAR']._serialized_start=173
-  _globals['_GRAMMAR']._serialized_end=254
-  _globals['_ADAPTERREF']._serialized_start=256
-  _globals['_ADAPTERREF']._serialized_end=299
-  _globals['_ADAPTERINFO']._serialized_start=302
-  _globals['_ADAPTERINFO']._serialized_end=691
+  _globals['_SAMPLINGPARAMS']._serialized_end=453
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=376
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=424
+  _globals['_GRAMMAR']._serialized_start=455
+  _globals['_GRAMMAR']._serialized_end=536
+  _globals['_TOKENLOGPROBS']._serialized_start=538
+  _globals['_TOKENLOGPROBS']._serialized_end=652
+  _globals['_ADAPTERREF']._serialized_start=654
+  _globals['_ADAPTERREF']._serialized_end=697
+  _globals['_ADAPTERINFO']._serialized_start=700
+  _globals['_ADAPTERINFO']._serialized_end=1089
 # @@protoc_insertion_point(module_scope)

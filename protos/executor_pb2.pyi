@@ -125,16 +125,32 @@ class StepRequest(_message.Message):
     def __init__(self, freed_seq_ids: _Optional[_Iterable[int]] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., row_seq_ids: _Optional[_Iterable[int]] = ..., row_num_tokens: _Optional[_Iterable[int]] = ..., row_num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., merge_slot: _Optional[int] = ..., unmerge: _Optional[bool] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("sample_seq_ids", "sample_token_ids", "sample_logprobs", "step_seconds")
+    __slots__ = ("sample_seq_ids", "sample_token_ids", "sample_logprobs", "step_seconds", "sample_num_top", "top_token_ids", "top_logprobs", "prompt_logprobs")
     SAMPLE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_NUM_TOP_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     sample_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     sample_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sample_logprobs: _containers.RepeatedScalarFieldContainer[float]
     step_seconds: float
-    def __init__(self, sample_seq_ids: _Optional[_Iterable[int]] = ..., sample_token_ids: _Optional[_Iterable[int]] = ..., sample_logprobs: _Optional[_Iterable[float]] = ..., step_seconds: _Optional[float] = ...) -> None: ...
+    sample_num_top: _containers.RepeatedScalarFieldContainer[int]
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
+    def __init__(self, sample_seq_ids: _Optional[_Iterable[int]] = ..., sample_token_ids: _Optional[_Iterable[int]] = ..., sample_logprobs: _Optional[_Iterable[float]] = ..., step_seconds: _Optional[float] = ..., sample_num_top: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
+
+class PromptLogprobs(_message.Message):
+    __slots__ = ("seq_id", "tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    tokens: _common_pb2.TokenLogprobs
+    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class StageAdapterRequest(_message.Message):
     __slots__ = ("adapter",)

@@ -187,28 +187,36 @@ class StreamSubmit(_message.Message):
     def __init__(self, id: _Optional[int] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., tenant: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class StreamResponse(_message.Message):
-    __slots__ = ("token_request_ids", "token_ids", "logprobs", "starts", "ends")
+    __slots__ = ("token_request_ids", "token_ids", "logprobs", "starts", "ends", "token_num_top", "top_token_ids", "top_logprobs")
     TOKEN_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STARTS_FIELD_NUMBER: _ClassVar[int]
     ENDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_NUM_TOP_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_request_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     starts: _containers.RepeatedCompositeFieldContainer[StreamStart]
     ends: _containers.RepeatedCompositeFieldContainer[StreamEnd]
-    def __init__(self, token_request_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., starts: _Optional[_Iterable[_Union[StreamStart, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[StreamEnd, _Mapping]]] = ...) -> None: ...
+    token_num_top: _containers.RepeatedScalarFieldContainer[int]
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_request_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., starts: _Optional[_Iterable[_Union[StreamStart, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[StreamEnd, _Mapping]]] = ..., token_num_top: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StreamStart(_message.Message):
-    __slots__ = ("id", "queue_seconds", "time_to_first_token_seconds")
+    __slots__ = ("id", "queue_seconds", "time_to_first_token_seconds", "prompt_logprobs")
     ID_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     id: int
     queue_seconds: float
     time_to_first_token_seconds: float
-    def __init__(self, id: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ...) -> None: ...
+    prompt_logprobs: _common_pb2.TokenLogprobs
+    def __init__(self, id: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class StreamEnd(_message.Message):
     __slots__ = ("id", "finish_reason", "error_code", "error_message", "retry_after")
@@ -231,18 +239,44 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_id", "logprob", "text", "finish_reason", "usage")
+    __slots__ = ("token_id", "logprob", "text", "finish_reason", "usage", "top_logprobs", "prompt_tokens")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
     text: str
     finish_reason: FinishReason
     usage: Usage
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    prompt_tokens: _containers.RepeatedCompositeFieldContainer[PromptToken]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., prompt_tokens: _Optional[_Iterable[_Union[PromptToken, _Mapping]]] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "text")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    text: str
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., text: _Optional[str] = ...) -> None: ...
+
+class PromptToken(_message.Message):
+    __slots__ = ("token_id", "logprob", "text", "top_logprobs")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    text: str
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., text: _Optional[str] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "queue_seconds", "time_to_first_token_seconds", "adapter")

@@ -209,7 +209,7 @@ class Scheduler:
             logprobs = list(itertools.compress(logprobs, kept))
         self.admission.charge_samples(seqs)
         ex.steps.take(ex.blocks, seqs, token_ids, logprobs, now,
-                      functools.partial(self._finish, ex))
+                      functools.partial(self._finish, ex), samples.extras)
 
     def has_work(self, ex: ExecutorState) -> bool:
         return bool(ex.running) or (ex.is_admitting and len(ex.queue) > 0)

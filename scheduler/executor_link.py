@@ -18,7 +18,7 @@ from common.server import insecure_channel
 from protos import executor_pb2, executor_pb2_grpc
 from scheduler.block_manager import BlockManager
 from scheduler.executor_state import ExecutorState
-from scheduler.sequence import Samples, StepPlan
+from scheduler.sequence import NO_EXTRAS, SampleExtras, Samples, StepPlan
 from scheduler.slots import SlotTable
 from scheduler.timeouts import Timeouts
 
@@ -74,8 +74,10 @@ class ExecutorLink:
             raise Unavailable(f"executor {self.address} answered a step due {due} samples with "
                               f"{len(resp.sample_seq_ids)} seq ids, {len(resp.sample_token_ids)} "
                               f"tokens and {len(resp.sample_logprobs)} logprobs")
-        return Samples(resp.sample_seq_ids, resp.sample_token_ids, resp.sample_logprobs), \
-            resp.step_seconds
+        extras = (sample_extras(resp, self.address)
+                  if resp.sample_num_top or resp.prompt_logprobs else NO_EXTRAS)
+        return Samples(resp.sample_seq_ids, resp.sample_token_ids, resp.sample_logprobs,
+                       extras), resp.step_seconds
 
     async def _round_trip(self, req: executor_pb2.StepRequest,
                           seconds: float) -> executor_pb2.StepResponse:
@@ -127,6 +129,27 @@ def step_request(plan: StepPlan) -> executor_pb2.StepRequest:
         row_num_new_blocks=list(map(len, new_blocks)),
         new_block_ids=list(itertools.chain.from_iterable(new_blocks)),
         merge_slot=plan.merge_slot, unmerge=plan.unmerge)
+
+
+def sample_extras(resp: executor_pb2.StepResponse, address: str) -> dict[int, SampleExtras]:
+    """The alternatives and prompt logprobs an answer brings, by sequence id (UNAVAILABLE
+    when its columns do not add up)."""
+    counts = resp.sample_num_top
+    if counts and (len(counts) != len(resp.sample_seq_ids) or not sum(counts) == len(
+            resp.top_token_ids) == len(resp.top_logprobs)):
+        raise Unavailable(f"executor {address} answered a step with {len(counts)} "
+                          f"alternative counts (sum {sum(counts)}) for "
+                          f"{len(resp.sample_seq_ids)} samples, "
+                          f"{len(resp.top_token_ids)} alternatives and "
+                          f"{len(resp.top_logprobs)} of their logprobs")
+    prompts = {p.seq_id: p.tokens for p in resp.prompt_logprobs}
+    extras, at = {}, 0
+    for seq_id, n in zip(resp.sample_seq_ids, counts or itertools.repeat(0)):
+        if n or seq_id in prompts:
+            extras[seq_id] = SampleExtras(resp.top_token_ids[at:at + n],
+                                          resp.top_logprobs[at:at + n], prompts.get(seq_id))
+        at += n
+    return extras
 
 
 _seq_id = operator.attrgetter("seq_id")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from scheduler.block_manager import BlockManager
@@ -19,7 +20,14 @@ from scheduler.cohort import Cohort
 from scheduler.prefix_cache import publish
 from scheduler.quiet_samples import quiet_samples, take_quiet
 from scheduler.request import TokenSink
-from scheduler.sequence import ScheduledRow, Sequence, StepPlan, row_slot
+from scheduler.sequence import (
+    NO_EXTRAS,
+    SampleExtras,
+    ScheduledRow,
+    Sequence,
+    StepPlan,
+    row_slot,
+)
 from scheduler.step_builder import Admit, MakeRoom, OnFinish, StepBuilder
 
 
@@ -55,7 +63,8 @@ class FastSequence(Sequence):
     def requiet(self) -> None:
         """Set quiet_below after a sample went the long way or publish() moved publish_at."""
         req = self.request
-        if self.sink is not None and req.output.is_ids_only and req.first_token_at is not None:
+        if self.sink is not None and req.output.is_ids_only and req.first_token_at is not None \
+                and not req.sampling.top_logprobs:  # (alternatives go the long way)
             self.quiet_below = min(self.publish_at, self.max_tokens) - 1
 
 
@@ -203,7 +212,10 @@ class FastSteps(StepBuilder):
         return num_tokens, num_samples
 
     def take(self, blocks: BlockManager, seqs: list[FastSequence], token_ids: list[int],
-             logprobs: list[float], now: float, finish: OnFinish) -> None:
+             logprobs: list[float], now: float, finish: OnFinish,
+             extras: Mapping[int, SampleExtras] = NO_EXTRAS) -> None:
+        # (A sample with extras is never quiet: its request asks for alternatives, or it is a
+        # first token.)
         quiet = quiet_samples(seqs, token_ids, self.stop_ids)  # (taken as columns)
         if all(quiet):
             return take_quiet(seqs, token_ids, logprobs)
@@ -212,17 +224,18 @@ class FastSteps(StepBuilder):
                        list(itertools.compress(token_ids, quiet)),
                        list(itertools.compress(logprobs, quiet)))
         for i in itertools.compress(range(len(quiet)), map(operator.not_, quiet)):
-            self._take_sample(blocks, seqs[i], token_ids[i], logprobs[i], now, finish)
+            self._take_sample(blocks, seqs[i], token_ids[i], logprobs[i], now, finish,
+                              extras.get(seqs[i].seq_id))
 
     @staticmethod
     def _take_sample(blocks: BlockManager, seq: FastSequence, token_id: int, logprob: float,
-                     now: float, finish: OnFinish) -> None:
+                     now: float, finish: OnFinish, extras: SampleExtras | None) -> None:
         """A sample the long way: it may publish blocks, be the first token, end the request."""
         tokens = seq.token_ids
         tokens.append(token_id)
         if len(tokens) >= seq.publish_at:  # (publish's cheap half)
             publish(blocks, seq)
-        reason = seq.request.on_sample(token_id, logprob, now)
+        reason = seq.request.on_sample(token_id, logprob, now, extras)
         if reason is not None:
             finish(seq, reason)
         else:

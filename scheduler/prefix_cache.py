@@ -55,8 +55,9 @@ def extend_hashes(hashes: list[bytes], key: bytes, token_ids: list[int], block_s
 def cached_prefix(blocks: BlockManager, req: Request, tokens: list[int]) -> list[int]:
     """The cached blocks that hold the longest prefix of `tokens` (req's tokens), none when
     caching is off; the chain of hashes is kept on the request. The last token is always left to
-    compute: its logits make the next sample."""
-    if not req.cache_key:
+    compute: its logits make the next sample. A request that needs its prompt's logprobs takes
+    none: they come from computing the whole prompt."""
+    if not req.cache_key or req.needs_prompt_logprobs:
         return []
     bs = blocks.block_size
     hashes = req.block_hashes.setdefault(bs, [])

@@ -5,9 +5,11 @@ random arrivals, finishes, cancels, preemptions and two steps in flight."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from scheduler.block_manager import BlockManager
 from scheduler.prefix_cache import publish
-from scheduler.sequence import ScheduledRow, Sequence, StepPlan, row_slot
+from scheduler.sequence import NO_EXTRAS, SampleExtras, ScheduledRow, Sequence, StepPlan, row_slot
 from scheduler.step_builder import Admit, MakeRoom, OnFinish, StepBuilder
 
 
@@ -124,11 +126,12 @@ class ReferenceSteps(StepBuilder):
                 publish(blocks, seq)
 
     def take(self, blocks: BlockManager, seqs: list[Sequence], token_ids: list[int],
-             logprobs: list[float], now: float, finish: OnFinish) -> None:
+             logprobs: list[float], now: float, finish: OnFinish,
+             extras: Mapping[int, SampleExtras] = NO_EXTRAS) -> None:
         for seq, token_id, logprob in zip(seqs, token_ids, logprobs):
             seq.token_ids.append(token_id)
             if len(seq.token_ids) >= seq.publish_at:
                 publish(blocks, seq)
-            reason = seq.request.on_sample(token_id, logprob, now)
+            reason = seq.request.on_sample(token_id, logprob, now, extras.get(seq.seq_id))
             if reason is not None:
                 finish(seq, reason)

@@ -1,14 +1,16 @@
 """A client request as the scheduler sees it, and the events it streams back."""
 
 import enum
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from common.adapter_ref import AdapterRef
 from common.detokenizer import Finish, OutputProcessor
 from common.errors import LoraplexError
 from common.sampling import SamplingParams
+from common.token_logprobs import top_logprobs_pb
+from protos import common_pb2, scheduler_pb2
 
 
 @dataclass(slots=True)  # (one per token: slots make it twice as fast to build as a NamedTuple)
@@ -16,6 +18,17 @@ class TokenEvent:
     token_id: int
     logprob: float
     text: str
+    # Its alternatives, with their texts, when its request asks for them.
+    top_logprobs: Sequence[scheduler_pb2.TopLogprob] = ()
+
+
+class SampleExtras(NamedTuple):
+    """What a sample brings beside its token, for a request that asks for it: its alternatives
+    (SamplingParams.top_logprobs), and with a first sample the prompt's logprobs."""
+
+    top_token_ids: Sequence[int] = ()
+    top_logprobs: Sequence[float] = ()
+    prompt: common_pb2.TokenLogprobs | None = None
 
 
 class TokenSink(Protocol):
@@ -24,6 +37,10 @@ class TokenSink(Protocol):
 
     def add(self, ids: Iterable[int], token_ids: Iterable[int],
             logprobs: Iterable[float]) -> None: ...
+
+    def add_with_top(self, request_id: int, token_id: int, logprob: float,
+                     top_token_ids: Sequence[int], top_logprobs: Sequence[float]) -> None:
+        """One token with its alternatives."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +99,14 @@ class Request:
     block_hashes: dict[int, list[bytes]] = field(default_factory=dict)
     sink: TokenSink | None = None
     sink_id: int = 0
+    # Its prompt's logprobs, once its first sample brought them (SamplingParams.prompt_logprobs).
+    prompt_logprobs: common_pb2.TokenLogprobs | None = None
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Its next run must compute its whole prompt: it asks for the prompt's logprobs and has
+        no token yet (they come with the first)."""
+        return self.sampling.prompt_logprobs is not None and not self.output.num_tokens
 
     @property
     def max_tokens(self) -> int:
@@ -98,13 +123,23 @@ class Request:
         """Its tokens so far, but a final stop token (a request that has one is not run again)."""
         return self.output.token_ids
 
-    def on_sample(self, token_id: int, logprob: float, now: float) -> Finish | None:
-        """Record a sampled token, stream what it adds; returns the finish reason, if any."""
+    def on_sample(self, token_id: int, logprob: float, now: float,
+                  extras: SampleExtras | None = None) -> Finish | None:
+        """Record a sampled token, stream what it adds (with its alternatives, and the prompt's
+        logprobs, where `extras` brings them); returns the finish reason, if any."""
         if self.first_token_at is None:
             self.first_token_at = now
-        text, finish = self.output.append(token_id)
+        if extras is not None and extras.prompt is not None:
+            self.prompt_logprobs = extras.prompt
+        top = extras.top_token_ids if extras is not None else ()
         if self.sink is None:
-            self.emit(TokenEvent(token_id, logprob, text))
+            tops = top_logprobs_pb(self.output, top, extras.top_logprobs) if top else ()
+            text, finish = self.output.append(token_id)  # (after the alternatives' texts)
+            self.emit(TokenEvent(token_id, logprob, text, tops))
+            return finish
+        text, finish = self.output.append(token_id)
+        if top:
+            self.sink.add_with_top(self.sink_id, token_id, logprob, top, extras.top_logprobs)
         else:
             self.sink.add((self.sink_id,), (token_id,), (logprob,))
         return finish

@@ -4,12 +4,13 @@
 
 import functools
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import NamedTuple
 
-from scheduler.request import Request
+from scheduler.request import Request, SampleExtras
 from scheduler.slots import Slot
 
 
@@ -102,12 +103,17 @@ class Sample(NamedTuple):
     logprob: float
 
 
+NO_EXTRAS: Mapping[int, SampleExtras] = MappingProxyType({})
+
+
 class Samples(NamedTuple):
-    """A step's answer as the step stream brings it: its samples as columns."""
+    """A step's answer as the step stream brings it: its samples as columns, and the extras of
+    the few that have them (by sequence id)."""
 
     seq_ids: SequenceOf[int]
     token_ids: SequenceOf[int]
     logprobs: SequenceOf[float]
+    extras: Mapping[int, SampleExtras] = NO_EXTRAS
 
     @classmethod
     def of(cls, samples: Iterable[Sample]) -> "Samples":

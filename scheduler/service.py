@@ -29,6 +29,7 @@ from common.registry_client import RegistryClient
 from common.request_ids import checked_request_id
 from common.sampling import SamplingParams
 from common.server import Service, announce, configure_logging, run, run_until_signalled
+from common.token_logprobs import prompt_tokens_pb
 from protos import common_pb2, executor_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler import admin, validation
 from scheduler.config import SchedulerConfig
@@ -80,8 +81,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                             await bound.write(context, scheduler_pb2.GenerateResponse(
                                 finish_reason=FINISH_PB[event.reason], usage=self._usage(req)))
                             return
-                        await bound.write(context, scheduler_pb2.GenerateResponse(
-                            token_id=event.token_id, logprob=event.logprob, text=event.text))
+                        message = scheduler_pb2.GenerateResponse(
+                            token_id=event.token_id, logprob=event.logprob, text=event.text,
+                            top_logprobs=event.top_logprobs)
+                        if req.prompt_logprobs is not None:  # (with its first token)
+                            message.prompt_tokens.extend(prompt_tokens_pb(
+                                self._tokenizer, req.prompt_ids, req.prompt_logprobs))
+                            req.prompt_logprobs = None
+                        await bound.write(context, message)
                 finally:  # (before the call's status is sent)
                     if req.status is not Status.FINISHED:  # the client left, or stopped reading
                         self._engine.core.cancel(req)

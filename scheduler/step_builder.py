@@ -30,12 +30,12 @@ The builder is the only writer of its sequences' fields and of its running set; 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from common.detokenizer import Finish
 from scheduler.block_manager import BlockManager
 from scheduler.request import Request
-from scheduler.sequence import ScheduledRow, Sequence, StepPlan
+from scheduler.sequence import NO_EXTRAS, SampleExtras, ScheduledRow, Sequence, StepPlan
 from scheduler.slots import Slot
 
 # The scheduler's side of a plan: admit with the budget left -> rows of new sequences; preempt
@@ -121,6 +121,8 @@ class StepBuilder(ABC):
 
     @abstractmethod
     def take(self, blocks: BlockManager, seqs: list[Sequence], token_ids: list[int],
-             logprobs: list[float], now: float, finish: OnFinish) -> None:
-        """A step's samples, seqs[i]'s being token_ids[i] (all of them running)."""
+             logprobs: list[float], now: float, finish: OnFinish,
+             extras: Mapping[int, SampleExtras] = NO_EXTRAS) -> None:
+        """A step's samples, seqs[i]'s being token_ids[i] (all of them running); `extras`: the
+        alternatives and prompt logprobs of those that have them, by sequence id."""
 

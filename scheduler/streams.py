@@ -16,7 +16,7 @@ executor sequences are freed, as for a Generate whose client went away.
 
 import asyncio
 import functools
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 from common import wire
 from common.detokenizer import FINISH_PB, Finish
@@ -36,6 +36,9 @@ class _Outbox:
         self.request_ids: list[int] = []
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
+        # Each token's alternatives (ids, logprobs), None for none; empty while no token of the
+        # message has any.
+        self.tops: list[tuple[Sequence[int], Sequence[float]] | None] = []
         self.starts: list[scheduler_pb2.StreamStart] = []
         self.ends: list[scheduler_pb2.StreamEnd] = []
 
@@ -49,6 +52,15 @@ class _Outbox:
         self.request_ids.extend(ids)
         self.token_ids.extend(token_ids)
         self.logprobs.extend(logprobs)
+        if self.tops:
+            self.tops.extend([None] * (len(self.token_ids) - len(self.tops)))
+
+    def add_with_top(self, request_id: int, token_id: int, logprob: float,
+                     top_token_ids: Sequence[int], top_logprobs: Sequence[float]) -> None:
+        self.add((request_id,), (token_id,), (logprob,))
+        if not self.tops:
+            self.tops = [None] * len(self.token_ids)
+        self.tops[-1] = (top_token_ids, top_logprobs)
 
     def drop(self, stream_id: int) -> None:
         """Forget the tokens of a request cancelled before they left."""
@@ -58,6 +70,8 @@ class _Outbox:
         self.request_ids = [self.request_ids[i] for i in kept]
         self.token_ids = [self.token_ids[i] for i in kept]
         self.logprobs = [self.logprobs[i] for i in kept]
+        if self.tops:
+            self.tops = [self.tops[i] for i in kept]
 
     def end(self, stream_id: int, finish: Finish | None = None,
             error: BaseException | None = None) -> None:
@@ -75,6 +89,13 @@ class _Outbox:
         message = scheduler_pb2.StreamResponse(
             token_request_ids=self.request_ids, token_ids=self.token_ids, logprobs=self.logprobs,
             starts=self.starts, ends=self.ends)
+        if self.tops:
+            for top in self.tops:
+                message.token_num_top.append(len(top[0]) if top else 0)
+                if top:
+                    message.top_token_ids.extend(top[0])
+                    message.top_logprobs.extend(top[1])
+            self.tops = []
         self.request_ids, self.token_ids, self.logprobs, self.starts, self.ends = [], [], [], [], []
         return message
 
@@ -200,7 +221,8 @@ class StreamConnection:
     def _start(self, stream_id: int, req: Request) -> None:
         self._outbox.starts.append(scheduler_pb2.StreamStart(
             id=stream_id, queue_seconds=(req.admitted_at or req.arrival) - req.arrival,
-            time_to_first_token_seconds=req.first_token_at - req.arrival))
+            time_to_first_token_seconds=req.first_token_at - req.arrival,
+            prompt_logprobs=req.prompt_logprobs))
 
 
 def check_no_stops(request: scheduler_pb2.GenerateRequest) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from common.sampling import SamplingParams
 from executor.peft_adapter import parse_peft_adapter
-from executor.runner import ModelRunner, Row
+from executor.runner import ModelRunner, Row, Sampled
 
 BLOCK, MAX_RANK = 4, 32
 
@@ -59,6 +59,7 @@ class Driver:
         self.runner, self.free = runner, runner.free_blocks()  # (not its adapters' pages)
         random.Random(seed).shuffle(self.free)
         self.state: dict[int, dict] = {}
+        self.samples: dict[int, list[Sampled]] = {}  # every sample of each sequence, in order
 
     def add(self, seq_id, prompt, slot, sampling: SamplingParams | None = None):
         self.runner.add_sequence(seq_id, prompt, sampling or SamplingParams(), slot)
@@ -77,6 +78,7 @@ class Driver:
             self.state[r.seq_id]["computed"] += r.num_tokens
         for s in sampled:
             self.state[s.seq_id]["total"] += 1
+            self.samples.setdefault(s.seq_id, []).append(s)
         return {s.seq_id: (s.token_id, logits[i]) for i, s in enumerate(sampled)}
 
     def finish(self, seq_id: int) -> None:
@@ -84,9 +86,12 @@ class Driver:
         self.free += self.state.pop(seq_id)["blocks"]
 
 
-def run(runner, requests: dict, num_tokens: int, chunk: int = 8, admit: int = 100, seed: int = 0):
-    """requests: seq_id -> (prompt, slot[, sampling]) -> seq_id -> (tokens, logits [n, vocab])."""
+def run(runner, requests: dict, num_tokens: int, chunk: int = 8, admit: int = 100, seed: int = 0,
+        samples: dict | None = None):
+    """requests: seq_id -> (prompt, slot[, sampling]) -> seq_id -> (tokens, logits [n, vocab]);
+    `samples`, when given, gets each sequence's Sampled records (logprobs, alternatives)."""
     driver, pending = Driver(runner, seed), list(requests.items())
+    driver.samples = driver.samples if samples is None else samples
     out = {sid: ([], []) for sid in requests}
     while pending or driver.state:
         for sid, req in pending[:admit]:

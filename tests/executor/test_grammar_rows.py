@@ -202,3 +202,25 @@ def test_the_executor_runs_without_the_engine_until_a_grammar_comes():
                          timeout=120, cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr
     assert "llguidance" in out.stdout and "not installed" in out.stdout
+
+
+def test_the_grammar_holds_over_logit_bias_and_logprobs_stay_the_models(runner, tokenizer):
+    """The mask comes after logit_bias: a row biased +100 toward a token its grammar never
+    allows still writes one of its choices, and its logprobs are the model's own (before the
+    bias and the mask), as every row's are."""
+    words = ("river", "stone")
+    banned = next(t for t in range(2, runner.config.vocab_size)
+                  if "q" in tokenizer.decode([t]))  # (no choice holds a q)
+    sampling = SamplingParams(grammar=Grammar(GrammarKind.CHOICE, choices=words),
+                              logit_bias=((banned, 100.0),))
+    driver, tokens = Driver(runner), []
+    driver.add(1, prompts(1, seed=3)[0], 0, sampling)  # (an adapter: slot 0)
+    while driver.state:
+        for sid, (token, logits) in driver.step(chunk=16).items():
+            model = torch.log_softmax(logits.float(), dim=-1)[token].item()
+            assert driver.samples[sid][-1].logprob == pytest.approx(model, abs=1e-5)
+            tokens.append(token)
+            if token == EOS or len(tokens) >= 16:
+                driver.finish(sid)
+    assert banned not in tokens and tokens[-1] == EOS
+    assert tokenizer.decode(tokens[:-1]) in words

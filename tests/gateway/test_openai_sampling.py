@@ -1,0 +1,308 @@
+"""Sampling and logprobs through the gateway, as clients use them (issue 33): the official
+`openai` client's logprobs as an integer / top_logprobs, echo with the prompt's logprobs,
+logit_bias, presence/frequency/repetition penalties and min_p; TGI's and LoRAX's fields; the
+gRPC Generate fields. One pool of the fixture model and a gateway, as real processes. Values are
+checked against HF transformers + PEFT (the executor's own oracle tests check the sampler)."""
+
+import asyncio
+import json
+import secrets
+import urllib.error
+import urllib.request
+
+import grpc
+import openai
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from common.sampling import SamplingParams
+from common.server import insecure_channel
+from loraplex import client
+from loraplex.launch import Fleet, FleetKeys, start_gateway
+from protos import scheduler_pb2, scheduler_pb2_grpc
+
+KEY = secrets.token_hex(16)
+PROMPT = "The little cat"
+
+
+@pytest.fixture(scope="module")
+def world(tiny, tmp_path_factory, log_dir):
+    keys = FleetKeys(tenants={KEY: "acme"})
+    logs = log_dir / "gateway-sampling"
+    fleet = Fleet(model=tiny["model_dir"], store_url=tmp_path_factory.mktemp("store").as_uri(),
+                  log_dir=logs / "pool", keys=keys, executor_args=["--adapter-slots", "2",
+                                                                   "--threads", "1"])
+    gateway = None
+    try:
+        fleet.start()
+        gateway = start_gateway({tiny["model_id"]: [fleet.scheduler]}, fleet.stores, logs, keys)
+        yield {"fleet": fleet, "gateway": gateway, "keys": keys, "acme": KEY}
+    finally:
+        for part in (gateway, fleet):
+            if part is not None:
+                part.stop()
+
+
+@pytest.fixture(scope="module")
+async def served(world, tiny):
+    await client.push_adapter(world["fleet"].stores[0], tiny["adapters"]["r4_attn"]["path"],
+                              "tiny-attn", key=KEY)
+    return world
+
+
+def api(world) -> openai.AsyncOpenAI:
+    http = world["gateway"].announced["gateway-http"]
+    return openai.AsyncOpenAI(base_url=f"http://{http}/v1", api_key=KEY, max_retries=0,
+                              timeout=120)
+
+
+async def direct(world, sampling: SamplingParams, max_new: int = 8,
+                 prompt: str = PROMPT) -> list[scheduler_pb2.GenerateResponse]:
+    """The pool's own scheduler's Generate messages for tiny-attn (its own detokenizer)."""
+    request = client.generate_request("tiny-attn", prompt, max_new)
+    request.sampling.CopyFrom(sampling.to_pb())
+    async with insecure_channel(world["fleet"].scheduler) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        return [m async for m in client.stream(stub, request, KEY)]
+
+
+def post(world, path: str, body: dict) -> tuple[int, bytes]:
+    """A raw HTTP POST to the gateway (TGI's endpoints; bodies the openai client would not
+    send)."""
+    url = f"http://{world['gateway'].announced['gateway-http']}{path}"
+    request = urllib.request.Request(url, json.dumps(body).encode(), method="POST", headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def prompt_ids(tiny) -> list[int]:
+    return AutoTokenizer.from_pretrained(tiny["model_dir"])(PROMPT)["input_ids"]
+
+
+async def test_completions_top_logprobs_streamed_and_not_equal_the_pools(served):
+    whole = await api(served).completions.create(model="tiny-attn", prompt=PROMPT,
+                                                 max_tokens=8, temperature=0, logprobs=3)
+    lp = whole.choices[0].logprobs
+    pool = [m for m in await direct(served, SamplingParams(top_logprobs=3)) if m.HasField(
+        "token_id")]
+    assert len(lp.top_logprobs) == len(lp.tokens) == len(pool) == 8
+    for token, logprob, top, message in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, pool):
+        expected: dict[str, float] = {}
+        for t in message.top_logprobs:
+            expected.setdefault(t.text, t.logprob)
+        if message.token_id not in [t.token_id for t in message.top_logprobs]:
+            expected.setdefault(message.text, message.logprob)
+        assert top == pytest.approx(expected) and 1 <= len(top) <= 4  # (texts may coincide)
+        assert logprob == pytest.approx(message.logprob) == pytest.approx(max(top.values()))
+        assert top[token] == pytest.approx(logprob)  # (greedy: the sampled token is the top)
+    chunks = [c async for c in await api(served).completions.create(
+        model="tiny-attn", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3, stream=True)]
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [s.top_logprobs[0] for s in streamed] == lp.top_logprobs
+    assert [s.tokens[0] for s in streamed] == lp.tokens
+
+
+async def test_echo_returns_the_prompt_and_its_logprobs(served, tiny, hf_peft):
+    ids = prompt_ids(tiny)
+    whole = await api(served).completions.create(model="tiny-attn", prompt=PROMPT,
+                                                 max_tokens=4, temperature=0, logprobs=2,
+                                                 echo=True)
+    choice, lp = whole.choices[0], whole.choices[0].logprobs
+    plain = await api(served).completions.create(model="tiny-attn", prompt=PROMPT,
+                                                 max_tokens=4, temperature=0)
+    assert choice.text == PROMPT + plain.choices[0].text
+    assert "".join(lp.tokens) == choice.text and len(lp.tokens) == len(ids) + 4
+    assert all(choice.text[at:at + len(t)] == t for t, at in zip(lp.tokens, lp.text_offset))
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    with torch.no_grad():
+        logits = hf_peft(input_ids=torch.tensor([ids]), adapter_names=["r4_attn"]).logits[0]
+    hf = torch.log_softmax(logits.float(), -1)[:-1]  # [L - 1, V]: of prompt tokens 1..L-1
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx(
+        hf.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist(), abs=2e-4)
+    assert [max(top.values()) for top in lp.top_logprobs[1:len(ids)]] == pytest.approx(
+        hf.max(-1).values.tolist(), abs=2e-4)
+    assert all(1 <= len(top) <= 3 for top in lp.top_logprobs[1:])  # (texts may coincide)
+    chunks = [c async for c in await api(served).completions.create(
+        model="tiny-attn", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2, echo=True,
+        stream=True)]
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert texts[0] == PROMPT and "".join(texts) == choice.text
+    assert chunks[0].choices[0].logprobs.token_logprobs == lp.token_logprobs[:len(ids)]
+    echoed = await api(served).completions.create(model="tiny-attn", prompt=PROMPT,
+                                                  max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == choice.text and echoed.choices[0].logprobs is None
+
+
+async def test_echo_with_max_tokens_0_scores_the_prompt_alone(served, tiny):
+    """What evaluation harnesses send to score a text: its logprobs, no completion."""
+    ids = prompt_ids(tiny)
+    whole = await api(served).completions.create(model="tiny-attn", prompt=PROMPT, max_tokens=0,
+                                                 logprobs=1, echo=True)
+    echoed = await api(served).completions.create(model="tiny-attn", prompt=PROMPT, max_tokens=1,
+                                                  temperature=0, logprobs=1, echo=True)
+    choice, lp = whole.choices[0], whole.choices[0].logprobs
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None
+    assert lp.token_logprobs == echoed.choices[0].logprobs.token_logprobs[:len(ids)]
+    assert whole.usage.completion_tokens == 0 and whole.usage.prompt_tokens == len(ids)
+    chunks = [c async for c in await api(served).completions.create(
+        model="tiny-attn", prompt=PROMPT, max_tokens=0, logprobs=1, echo=True, stream=True)]
+    assert "".join(c.choices[0].text for c in chunks) == PROMPT
+    assert chunks[0].choices[0].logprobs.token_logprobs == lp.token_logprobs
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+async def test_chat_top_logprobs_streamed_and_not(served):
+    messages = [{"role": "user", "content": "Name a river."}]
+    out = await api(served).chat.completions.create(
+        model="tiny-attn", messages=messages, max_tokens=6, temperature=0, logprobs=True,
+        top_logprobs=4)
+    content = out.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == out.choices[0].message.content
+    for token in content:
+        tops = token.top_logprobs
+        assert len(tops) == 4 and [t.logprob for t in tops] == sorted(
+            (t.logprob for t in tops), reverse=True)
+        assert tops[0].logprob == pytest.approx(token.logprob)  # (greedy)
+        assert all(bytes(t.bytes) == t.token.encode() for t in tops)
+    chunks = [c async for c in await api(served).chat.completions.create(
+        model="tiny-attn", messages=messages, max_tokens=6, temperature=0, logprobs=True,
+        top_logprobs=4, stream=True)]
+    streamed = [c.choices[0].logprobs.content[0] for c in chunks
+                if c.choices and c.choices[0].logprobs]
+    assert [[t.token for t in s.top_logprobs] for s in streamed] == [
+        [t.token for t in c.top_logprobs] for c in content]
+
+
+async def test_logit_bias_and_penalties_give_the_pools_answer(served, tiny):
+    plain = await api(served).completions.create(model="tiny-attn", prompt=PROMPT, max_tokens=8,
+                                                 temperature=0)
+    first = [m for m in await direct(served, SamplingParams()) if m.HasField("token_id")][0]
+    cases = [  # (OpenAI fields, the same as SamplingParams)
+        ({"logit_bias": {str(first.token_id): -100}},
+         SamplingParams(logit_bias=((first.token_id, -100.0),))),
+        ({"presence_penalty": 1.5, "frequency_penalty": 2.0},
+         SamplingParams(presence_penalty=1.5, frequency_penalty=2.0)),
+        ({"extra_body": {"repetition_penalty": 1.8}}, SamplingParams(repetition_penalty=1.8)),
+    ]
+    for fields, sampling in cases:
+        out = await api(served).completions.create(model="tiny-attn", prompt=PROMPT,
+                                                   max_tokens=8, temperature=0, **fields)
+        pool = "".join(m.text for m in await direct(served, sampling))
+        assert out.choices[0].text == pool, fields
+        assert out.choices[0].text != plain.choices[0].text, f"{fields} changed nothing"
+    forced = await api(served).completions.create(model="tiny-attn", prompt=PROMPT, max_tokens=3,
+                                                  temperature=1.0, seed=3,
+                                                  logit_bias={"300": 100},
+                                                  extra_body={"min_p": 0.5})
+    pool = await direct(served, SamplingParams(temperature=1.0, seed=3, min_p=0.5,
+                                               logit_bias=((300, 100.0),)), 3)
+    assert [m.token_id for m in pool if m.HasField("token_id")] == [300] * 3
+    assert forced.choices[0].text == "".join(m.text for m in pool)
+
+
+@pytest.mark.parametrize("path,fields,param", [
+    ("/v1/completions", {"logit_bias": {"5000": 1}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"5": 150}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"x": 1}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": [1]}, "logit_bias"),
+    ("/v1/completions", {"presence_penalty": 3}, "presence_penalty"),
+    ("/v1/completions", {"frequency_penalty": "1"}, "frequency_penalty"),
+    ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"min_p": 2}, "min_p"),
+    ("/v1/completions", {"logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"logprobs": -1, "echo": True}, "logprobs"),
+    ("/v1/completions", {"echo": "yes"}, "echo"),
+    ("/v1/completions", {"max_tokens": 0}, "max_tokens"),  # (0 only with echo)
+    ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
+])
+async def test_bad_sampling_fields_are_400_naming_them(served, path, fields, param):
+    body = {"model": "tiny-attn", "max_tokens": 2, **fields,
+            **({"prompt": PROMPT} if path == "/v1/completions" else
+               {"messages": [{"role": "user", "content": "hi"}]})}
+    status, text = await asyncio.to_thread(post, served, path, body)
+    assert status == 400 and json.loads(text)["error"]["param"] == param, text
+
+
+async def test_tgi_and_lorax_fields(served, tiny):
+    ids = prompt_ids(tiny)
+    params = {"adapter_id": "tiny-attn", "max_new_tokens": 4, "details": True,
+              "decoder_input_details": True, "top_n_tokens": 3, "repetition_penalty": 1.8}
+    status, body = await asyncio.to_thread(post, served, "/generate", {
+        "inputs": PROMPT, "parameters": params})
+    assert status == 200, body
+    details = json.loads(body)["details"]
+    pool = [m for m in await direct(served, SamplingParams(repetition_penalty=1.8,
+                                                           top_logprobs=3), 4)
+            if m.HasField("token_id")]
+    assert [t["id"] for t in details["tokens"]] == [m.token_id for m in pool]
+    assert [[t["id"] for t in top] for top in details["top_tokens"]] == [
+        [t.token_id for t in m.top_logprobs] for m in pool]
+    prefill = details["prefill"]
+    assert [t["id"] for t in prefill] == ids and prefill[0]["logprob"] is None
+    assert "".join(t["text"] for t in prefill) == PROMPT
+    assert all(isinstance(t["logprob"], float) for t in prefill[1:])
+    status, body = await asyncio.to_thread(post, served, "/generate_stream", {
+        "inputs": PROMPT, "parameters": params})
+    events = [json.loads(line[5:]) for line in body.decode().splitlines()
+              if line.startswith("data:")]
+    assert [[t["id"] for t in e["top_tokens"]] for e in events if "top_tokens" in e] == [
+        [t["id"] for t in top] for top in details["top_tokens"]]
+    status, body = await asyncio.to_thread(post, served, "/generate", {
+        "inputs": PROMPT, "parameters": {**params, "repetition_penalty": 0}})
+    assert status == 422 and "repetition_penalty" in json.loads(body)["error"]
+
+
+async def test_lorax_client_alternatives_and_prefill(served, tiny):
+    import lorax
+
+    url = f"http://{served['gateway'].announced['gateway-http']}"
+    lx = lorax.AsyncClient(url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    answer = await lx.generate(PROMPT, adapter_id="tiny-attn", max_new_tokens=4, details=True,
+                               decoder_input_details=True, return_k_alternatives=2)
+    assert [t.id for t in answer.details.prefill] == prompt_ids(tiny)
+    assert all(len(t.alternative_tokens) == 2 for t in answer.details.tokens)
+    assert all(t.alternative_tokens[0].logprob == pytest.approx(t.logprob)
+               for t in answer.details.tokens)  # (greedy)
+
+
+async def test_grpc_generate_through_the_gateway_carries_alternatives_and_prompt(served, tiny):
+    sampling = SamplingParams(top_logprobs=2, prompt_logprobs=1)
+    request = client.generate_request("tiny-attn", PROMPT, 3)
+    request.sampling.CopyFrom(sampling.to_pb())
+    async with insecure_channel(served["gateway"].address) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        messages = [m async for m in client.stream(stub, request, KEY)]
+    pool = await direct(served, sampling, 3)
+    tokens = [m for m in messages if m.HasField("token_id")]
+    assert [list(m.top_logprobs) for m in tokens] == [
+        list(m.top_logprobs) for m in pool if m.HasField("token_id")]  # (texts made alike)
+    assert list(tokens[0].prompt_tokens) == list(pool[0].prompt_tokens)
+    assert [t.token_id for t in tokens[0].prompt_tokens] == prompt_ids(tiny)
+    assert not tokens[0].prompt_tokens[0].HasField("logprob")
+    assert all(len(t.top_logprobs) == 1 for t in tokens[0].prompt_tokens[1:])
+    assert not any(m.prompt_tokens for m in tokens[1:])
+
+
+@pytest.mark.parametrize("sampling,field", [
+    (SamplingParams(logit_bias=((5000, 1.0),)), "logit_bias"),
+    (SamplingParams(top_logprobs=21), "top_logprobs"),
+    (SamplingParams(presence_penalty=-2.5), "presence_penalty"),
+    (SamplingParams(prompt_logprobs=30), "prompt_logprobs"),
+])
+async def test_grpc_bad_sampling_is_invalid_argument_naming_the_field(served, sampling, field):
+    request = client.generate_request("tiny-attn", PROMPT, 2)
+    request.sampling.CopyFrom(sampling.to_pb())
+    for address in (served["gateway"].address, served["fleet"].scheduler):
+        async with insecure_channel(address) as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [m async for m in client.stream(stub, request, KEY)]
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"sampling.{field}" in err.value.details()
