@@ -65,17 +65,22 @@ BROKEN = {  # name -> LoraConfig arguments (the breakage is applied after saving
 
 
 def tiny_config(model_type: str = "llama", **overrides: Any):
-    """An HF config of the tiny model family (llama, mistral, qwen2 or qwen3)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    """An HF config of the tiny model family (llama, mistral, qwen2, qwen3, gemma2, gemma3_text
+    or phi3)."""
+    import transformers
 
-    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
-           "qwen3": Qwen3Config}[model_type]
+    cls = getattr(transformers, {
+        "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
+        "qwen3": "Qwen3Config", "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig",
+        "phi3": "Phi3Config"}[model_type])
     args = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
                 "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
                 "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "initializer_range": 0.05,
                 "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False}
-    if model_type == "llama":
-        args["head_dim"] = 64
+    if model_type in ("llama", "gemma2", "gemma3_text"):
+        args["head_dim"] = 64  # (Gemma's default is 256 whatever the hidden size)
+    if model_type == "phi3":
+        args["pad_token_id"] = 1  # (Phi3Config's 32000 lies outside the tiny vocabulary)
     args.update(overrides)
     return cls(**args)
 

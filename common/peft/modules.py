@@ -14,6 +14,9 @@ from common.errors import InvalidArgument
 
 # In the order the executor stacks them (q/k/v, o, gate/up, down).
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# A model whose q/k/v and gate/up projections are single weights (Phi-3) has these instead: an
+# adapter's B of qkv_proj spans q, k and v's outputs side by side (gate_up_proj: gate, then up).
+FUSED_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 BLOCK_OF = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
             "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 TENSOR_KEY_FORMAT = "base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight"
@@ -40,9 +43,14 @@ def parse_tensor_key(name: str) -> tuple[int, str, str]:
 
 
 def projection_shapes(hidden_size: int, intermediate_size: int, num_attention_heads: int,
-                      num_key_value_heads: int, head_dim: int) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each of the 7 projections."""
+                      num_key_value_heads: int, head_dim: int, *,
+                      fused: bool = False) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each projection, in LORA_MODULES order (FUSED_MODULES order
+    for a model whose q/k/v and gate/up are single weights)."""
     h, i = hidden_size, intermediate_size
     q, kv = num_attention_heads * head_dim, num_key_value_heads * head_dim
+    if fused:
+        return {"qkv_proj": (h, q + 2 * kv), "o_proj": (q, h), "gate_up_proj": (h, 2 * i),
+                "down_proj": (i, h)}
     return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
