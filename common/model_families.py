@@ -14,7 +14,7 @@ from typing import Any
 
 from common.peft.modules import projection_shapes
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
 # q/k/v and gate/up are single weights (qkv_proj, gate_up_proj), and adapters target them so
 FUSED_MODEL_TYPES = ("phi3",)
 

@@ -227,4 +227,9 @@ NAMED_CONFIGS: Mapping[str, ModelConfig] = MappingProxyType({
         hidden_act="gelu_pytorch_tanh", norm_unit_offset=True, sandwich_norms=True,
         scale_embeddings=True, query_pre_attn_scalar=256, layer_types=_alternating(48, 6),
         local_rope_theta=10000.0),
+    "phi-3-mini": ModelConfig(
+        hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, vocab_size=32064, rms_norm_eps=1e-5,
+        max_position_embeddings=4096, sliding_window=2047, eos_token_ids=(32000, 32001, 32007),
+        model_id="microsoft/Phi-3-mini-4k-instruct", fused_projections=True),
 })

@@ -138,8 +138,9 @@ def parse_rope(params: dict[str, Any], *, theta: float, head_dim: int,
                 low_freq_factor=float(params["low_freq_factor"]),
                 high_freq_factor=float(params["high_freq_factor"]),
                 original_max_position_embeddings=int(params["original_max_position_embeddings"])))
-        original = params.get("original_max_position_embeddings",
-                              original_max_position_embeddings)
+        # (transformers takes the config's top-level value over the rope dict's)
+        original = original_max_position_embeddings or params.get(
+            "original_max_position_embeddings")
         if original is None:
             raise KeyError("original_max_position_embeddings")
         return Rope(theta, _longrope(params, head_dim, max_position_embeddings, int(original)))

@@ -104,7 +104,7 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
 
 def load_weights(model_dir: str | Path, config: ModelConfig, *, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu") -> ModelWeights:
-    """Load and check every tensor of an HF LLaMA-family safetensors checkpoint."""
+    """Load and check every tensor of an HF safetensors checkpoint of a served family."""
     model_dir = Path(model_dir)
     expected = set(_hf_names(config))
     optional = {"lm_head.weight"} if config.tie_word_embeddings else set()

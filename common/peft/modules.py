@@ -1,7 +1,10 @@
-"""The projections a LoRA adapter may target in a LLaMA-family decoder layer (Llama, Mistral,
-Qwen2), their shapes, and how PEFT names their tensors.
+"""The projections a LoRA adapter may target in a decoder layer, their shapes, and how PEFT names
+their tensors. Two layouts: the LLaMA one (Llama, Mistral, Qwen, Gemma) and the fused one of
+models whose q/k/v and gate/up are single weights (Phi-3), where adapters target the fused
+modules and a B spans the fused output (q | k | v; gate | up).
 
-    model.layers.{i}.self_attn.{q,k,v,o}_proj      model.layers.{i}.mlp.{gate,up,down}_proj
+    LLaMA: model.layers.{i}.self_attn.{q,k,v,o}_proj      model.layers.{i}.mlp.{gate,up,down}_proj
+    fused: model.layers.{i}.self_attn.{qkv,o}_proj        model.layers.{i}.mlp.{gate_up,down}_proj
 
 A PEFT adapter_model.safetensors holds, per targeted projection, A [r, in] and B [out, r] under
     base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight
@@ -12,13 +15,16 @@ import re
 
 from common.errors import InvalidArgument
 
-# In the order the executor stacks them (q/k/v, o, gate/up, down).
+# The LLaMA layout's, in the order the executor stacks them (q/k/v, o, gate/up, down).
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# A model whose q/k/v and gate/up projections are single weights (Phi-3) has these instead: an
-# adapter's B of qkv_proj spans q, k and v's outputs side by side (gate_up_proj: gate, then up).
+# The fused layout's, likewise: an adapter's B of qkv_proj is [q + 2 kv, r], of gate_up_proj
+# [2 intermediate, r] (gate's rows, then up's).
 FUSED_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# Every name an adapter may target; which a model has is its layout's (projection_shapes).
+ADAPTABLE_MODULES = (*LORA_MODULES, "qkv_proj", "gate_up_proj")
 BLOCK_OF = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
-            "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+            "qkv_proj": "self_attn", "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp",
+            "gate_up_proj": "mlp", "down_proj": "mlp"}
 TENSOR_KEY_FORMAT = "base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight"
 _TENSOR_KEY = re.compile(
     r"base_model\.model\.model\.layers\.(\d{1,9})\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight")
@@ -33,12 +39,12 @@ def parse_tensor_key(name: str) -> tuple[int, str, str]:
     """(layer, module, "A" or "B") of a LoRA tensor; INVALID_ARGUMENT for any other name."""
     match = _TENSOR_KEY.fullmatch(name)  # fullmatch: "$" would accept a trailing newline
     if match is None:
-        raise InvalidArgument(f"tensor {name!r} is not a LoRA weight of a LLaMA-family model; "
+        raise InvalidArgument(f"tensor {name!r} is not a LoRA weight of a decoder projection; "
                               f"expected {TENSOR_KEY_FORMAT}")
     layer, block, module, which = int(match[1]), match[2], match[3], match[4]
     if BLOCK_OF.get(module) != block:
-        raise InvalidArgument(f"tensor {name!r}: {block}.{module} is not a LLaMA projection "
-                              f"(supported: {', '.join(LORA_MODULES)})")
+        raise InvalidArgument(f"tensor {name!r}: {block}.{module} is not a projection loraplex "
+                              f"serves (supported: {', '.join(ADAPTABLE_MODULES)})")
     return layer, module, which
 
 

@@ -72,11 +72,13 @@ def test_a_larger_mix_leaves_less_cache_until_the_cache_bounds_it():
 
 def test_named_families_weigh_what_their_parameter_counts_say():
     """bf16 weights of the named shapes (random:NAME): Gemma 2 9B has 9.24B parameters, Gemma 3
-    12B's text model 11.77B (embeddings tied, four norms a layer, Gemma 3's q/k norms)."""
+    12B's text model 11.77B (embeddings tied, four norms a layer, Gemma 3's q/k norms), Phi-3
+    mini 3.82B (fused qkv_proj and gate_up_proj)."""
+    names = ("gemma-2-9b", "gemma-3-12b", "phi-3-mini")
     weights = {name: make_plan(ModelConfig.named(name), dtype=torch.bfloat16, gpu_bytes=80 * GIB)
-               .weights_bytes / 1e9 for name in ("gemma-2-9b", "gemma-3-12b")}
-    assert {n: round(w, 2) for n, w in weights.items()} == {"gemma-2-9b": 18.48,
-                                                            "gemma-3-12b": 23.53}
+               .weights_bytes / 1e9 for name in names}
+    assert {n: round(w, 2) for n, w in weights.items()} == {
+        "gemma-2-9b": 18.48, "gemma-3-12b": 23.53, "phi-3-mini": 7.64}
 
 
 def test_a_rank_mix_fits_more_adapters_in_pages_than_in_padded_slots():
