@@ -112,19 +112,26 @@ def _training_text(seed: int = 0, num_sentences: int = 300) -> list[str]:
             for _ in range(num_sentences)]
 
 
-def save_tokenizer(out_dir: Path) -> None:
+def save_tokenizer(out_dir: Path, special_tokens: tuple[str, ...] = (BOS, EOS),
+                   chat_template: str = CHAT_TEMPLATE, tokenizer_class: str = "") -> None:
+    """A byte-level BPE of 1024 tokens; `special_tokens` take ids 0, 1, ... (bos, eos, then any
+    a family's chat template uses, e.g. Gemma's turn markers). `tokenizer_class` names the class
+    transformers loads it as (PreTrainedTokenizerFast: not the family's own, which expects the
+    family's vocabulary)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=[BOS, EOS],
+    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=list(special_tokens),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_training_text(), trainer=trainer)
     tok.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": BOS, "eos_token": EOS, "model_max_length": 2048,
-         "chat_template": CHAT_TEMPLATE}, indent=2))
+    config = {"bos_token": special_tokens[0], "eos_token": special_tokens[1],
+              "model_max_length": 2048, "chat_template": chat_template}
+    if tokenizer_class:
+        config["tokenizer_class"] = tokenizer_class
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
 def _save_adapter(base, out_dir: Path, seed: int, lora_args: dict[str, Any]) -> None:
