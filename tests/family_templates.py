@@ -10,7 +10,9 @@ transformers' apply_chat_template (tests/gateway/test_chat_template.py, tests/e2
             without a generation prompt
 """
 
+# A tiny tokenizer's special tokens for each (bos, eos, then the template's markers)
 GEMMA_TOKENS = ("<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>")
+PHI3_TOKENS = ("<s>", "<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>", "<|system|>")
 
 GEMMA2 = (
     "{{ bos_token }}"
