@@ -107,10 +107,13 @@ def _rope(cfg: dict[str, Any], head_dim: int) -> Rope:
     """One rope for every layer: `rope_scaling` + `rope_theta` (tf4) or `rope_parameters` (tf5)."""
     params = cfg.get("rope_parameters") or {}
     theta = float(params.get("rope_theta") or cfg["rope_theta"])
+    scaling = cfg.get("rope_scaling") or params
+    if cfg["model_type"] == "phi3" and (scaling.get("rope_type") or scaling.get("type")) == "yarn":
+        scaling = {**scaling, "rope_type": "longrope"}  # (transformers reads Phi-3's so)
     if float(cfg.get("partial_rotary_factor") or 1.0) != 1.0:
         raise ValueError(f"model config: partial_rotary_factor {cfg['partial_rotary_factor']} is "
                          "not supported (only 1.0)")
-    return parse_rope(cfg.get("rope_scaling") or params, theta=theta, head_dim=head_dim,
+    return parse_rope(scaling, theta=theta, head_dim=head_dim,
                       max_position_embeddings=cfg["max_position_embeddings"],
                       original_max_position_embeddings=cfg.get("original_max_position_embeddings"))
 

@@ -19,6 +19,7 @@ import torch  # noqa: E402
 from common.errors import FailedPrecondition  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
 from executor.model import Transformer  # noqa: E402
+from executor.model_config import ModelConfig  # noqa: E402
 from executor.peft_adapter import parse_peft_adapter  # noqa: E402
 from executor.rope import LongRopeScaling  # noqa: E402
 from executor.runner import ModelRunner  # noqa: E402
@@ -149,6 +150,24 @@ def test_the_fused_slices_matter(phi3, module, change):
 
 LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(32)],
             "long_factor": [2.0 + 0.5 * i for i in range(32)]}
+
+
+def test_phi3_rope_names_as_transformers_reads_them():
+    """Phi-3-mini-128k's tf4 layout: "su" (and Phi-3's "yarn") are longrope; the attention
+    factor from the context's growth (131072 / 4096); served up to 4096 tokens."""
+    shape = {"model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192,
+             "num_hidden_layers": 2, "num_attention_heads": 32, "vocab_size": 32064,
+             "max_position_embeddings": 131072, "original_max_position_embeddings": 4096}
+    factors = {"short_factor": [1.0] * 48, "long_factor": [4.0] * 48}
+    for name in ("su", "yarn", "longrope"):
+        c = ModelConfig.from_hf_dict({**shape, "rope_scaling": {"type": name, **factors}})
+        assert c.max_position_embeddings == 4096 and c.rope.attention_factor == pytest.approx(
+            math.sqrt(1 + math.log(32) / math.log(4096)))
+    for bad, match in [({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "'dynamic'"),
+                       ({"rope_scaling": {"type": "su", "short_factor": [1.0]}}, "48 positive"),
+                       ({"partial_rotary_factor": 0.75}, "partial_rotary_factor")]:
+        with pytest.raises(ValueError, match=match):
+            ModelConfig.from_hf_dict({**shape, **bad})
 
 
 def test_longrope_is_served_within_its_original_context(tmp_path):
