@@ -184,8 +184,9 @@ class ModelConfig:
         return NAMED_CONFIGS[name]
 
 
-def _alternating(num_layers: int, every: int) -> tuple[str, ...]:
-    """Layer types of `num_layers` with every `every`-th layer global, the others sliding."""
+def alternating_layers(num_layers: int, every: int) -> tuple[str, ...]:
+    """Layer types of `num_layers` with every `every`-th layer global, the others sliding
+    (transformers' default for Gemma 2, every 2nd, and Gemma 3, its sliding_window_pattern)."""
     return tuple(SLIDING if (i + 1) % every else FULL for i in range(num_layers))
 
 
@@ -217,7 +218,7 @@ NAMED_CONFIGS: Mapping[str, ModelConfig] = MappingProxyType({
         eos_token_ids=(1, 107), model_id="google/gemma-2-9b", hidden_act="gelu_pytorch_tanh",
         norm_unit_offset=True, sandwich_norms=True, scale_embeddings=True,
         query_pre_attn_scalar=256, attn_logit_softcap=50.0, final_logit_softcap=30.0,
-        layer_types=_alternating(42, 2)),
+        layer_types=alternating_layers(42, 2)),
     "gemma-3-12b": ModelConfig(
         hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
         num_key_value_heads=8, vocab_size=262208, head_dim=256, rms_norm_eps=1e-6,
@@ -225,7 +226,7 @@ NAMED_CONFIGS: Mapping[str, ModelConfig] = MappingProxyType({
         max_position_embeddings=131072, tie_word_embeddings=True, qk_norm=True,
         sliding_window=1024, eos_token_ids=(1, 106), model_id="google/gemma-3-12b-pt",
         hidden_act="gelu_pytorch_tanh", norm_unit_offset=True, sandwich_norms=True,
-        scale_embeddings=True, query_pre_attn_scalar=256, layer_types=_alternating(48, 6),
+        scale_embeddings=True, query_pre_attn_scalar=256, layer_types=alternating_layers(48, 6),
         local_rope_theta=10000.0),
     "phi-3-mini": ModelConfig(
         hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from common.model_families import FUSED_MODEL_TYPES, read_config
-from executor.model_config import FULL, SLIDING
+from executor.model_config import FULL, SLIDING, alternating_layers
 from executor.rope import LongRopeScaling, Rope, parse_rope
 
 
@@ -87,7 +87,7 @@ def _gemma(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
         if not isinstance(every, int) or isinstance(every, bool) or every <= 0:
             raise ValueError(f"model config: sliding_window_pattern must be a positive integer, "
                              f"got {every!r}")
-        layer_types = [SLIDING if (i + 1) % every else FULL for i in range(num_layers)]
+        layer_types = alternating_layers(num_layers, every)
     return dict(
         norm_unit_offset=True, sandwich_norms=True, scale_embeddings=True,
         query_pre_attn_scalar=float(cfg["query_pre_attn_scalar"]),
