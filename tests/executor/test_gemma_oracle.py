@@ -5,8 +5,8 @@ HF + PEFT's. Each distinguishing feature, turned off in our runner, moves the to
 final soft cap, which keeps the argmax, the logits) off HF's: the tests can fail.
 
 The tiny models make every feature bite: a window of 6 keys, a score cap of 1 (Gemma 2), a
-query_pre_attn_scalar of 32 against head_dim 64, Gemma 3's sliding layers on a RoPE base of 100
-and its global ones on linear scaling.
+query_pre_attn_scalar of 32 against head_dim 96 / 48, Gemma 3's sliding layers on a RoPE base of
+100 and its global ones on linear scaling.
 """
 
 import functools
@@ -32,10 +32,10 @@ ADAPTERS = {
 }
 NUM_TOKENS = 12
 WINDOW = 6
-FAMILIES = {
-    "gemma2": {"sliding_window": WINDOW, "query_pre_attn_scalar": 32,
+FAMILIES = {  # (head_dim x heads above and below hidden 256, as Gemma 2 9B's and 3 1B's are)
+    "gemma2": {"sliding_window": WINDOW, "query_pre_attn_scalar": 32, "head_dim": 96,
                "attn_logit_softcapping": 1.0, "final_logit_softcapping": 3.0},
-    "gemma3_text": {"sliding_window": WINDOW, "query_pre_attn_scalar": 32,
+    "gemma3_text": {"sliding_window": WINDOW, "query_pre_attn_scalar": 32, "head_dim": 48,
                     "sliding_window_pattern": 2, "rope_local_base_freq": 100.0,
                     "rope_theta": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 4.0},
                     "final_logit_softcapping": 3.0},
