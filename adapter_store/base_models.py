@@ -24,9 +24,9 @@ from collections.abc import Sequence
 from adapter_store.blobs import BlobStore
 from common.base_fingerprint import check_fingerprint
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from common.model_families import base_shapes
 from common.peft.config import load_json_object
 from common.peft.layout import BaseShapes
-from common.peft.modules import projection_shapes
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,6 @@ RECORD_FILENAME = "base.json"  # {"model_id", "revision", "config_json", "finger
 # HF model ids: "org/name" or "name", plus local-path-like ids made of the same characters.
 _PART = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
 _MODEL_ID_RE = re.compile(rf"{_PART}(/{_PART}){{0,3}}")  # fullmatch: no trailing newline
-_FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}
 MAX_NAMES = 64  # other names of one base
 MAX_NAME_CHARS = 1024  # a local path may be long
 
@@ -64,27 +63,13 @@ class BaseModel:
             return InvalidArgument(f"base model {model_id!r} config.json: {message}")
 
         raw = load_json_object(config_json, f"base model {model_id!r} config.json")
-        if raw.get("model_type") not in _FAMILIES:
-            raise invalid(f"model_type {raw.get('model_type')!r} is not a LLaMA-family model "
-                          f"({', '.join(sorted(_FAMILIES))})")
-        values = {}
-        for field in ("hidden_size", "intermediate_size", "num_attention_heads",
-                      "num_hidden_layers"):
-            value = raw.get(field)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise invalid(f"{field} must be a positive integer, got {value!r}")
-            values[field] = value
-        hidden, heads = values["hidden_size"], values["num_attention_heads"]
-        kv_heads = raw.get("num_key_value_heads") or heads
-        head_dim = raw.get("head_dim") or hidden // heads
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0
-                   for v in (kv_heads, head_dim)):
-            raise invalid("num_key_value_heads and head_dim must be positive integers")
-        shapes = projection_shapes(hidden, values["intermediate_size"], heads, kv_heads,
-                                   head_dim)
+        try:
+            num_layers, shapes = base_shapes(raw)
+        except ValueError as err:
+            raise invalid(str(err).removeprefix("model config: ")) from None
         return cls(model_id=model_id, revision=revision,
                    config_sha256=hashlib.sha256(config_json.encode()).hexdigest(),
-                   num_layers=values["num_hidden_layers"], module_shapes=shapes,
+                   num_layers=num_layers, module_shapes=shapes,
                    config_json=config_json, fingerprint=fingerprint, names=names)
 
     @property

@@ -1,7 +1,7 @@
 """Validation of a pushed PEFT LoRA adapter, before a single byte of it is stored.
 
 Checks, in order: the weights file is safetensors (never pickle), its header is well-formed and
-consistent with the file size, adapter_config.json is a LoRA config for LLaMA-family projections,
+consistent with the file size, adapter_config.json is a LoRA config for a decoder's projections,
 tensor names and shapes match the config (both A [r, in] and B [out, r] per module, r from
 r/rank_pattern), the rank (the largest its tensors use) is within the store's maximum, shapes
 fit the base model when it is registered (FailedPrecondition when the adapter was made for

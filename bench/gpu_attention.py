@@ -1,7 +1,8 @@
 """Section 5 of the GPU check: the paged-attention kernel (kernels/paged_attention.py) at the
 model's attention shapes (Llama-3-8B: 32 query heads, 8 KV heads, head_dim 128; block size 16).
 Checked against its torch reference on decode batches of 64 mixed context lengths up to 4k
-(sliding window off and on) and on a step of prefill chunks beside decode rows, bf16 and fp16;
+(sliding window off and on) and on a step of prefill chunks beside decode rows (also with a
+score scale and soft cap, as Gemma 2 computes them), bf16 and fp16;
 then timed, bf16, against the executor's old decode path: every row's keys gathered and padded
 to the longest context, one masked SDPA (its slots and mask prebuilt, as the old step metadata
 did once per step).
@@ -70,16 +71,18 @@ def correctness_rows() -> list[list]:
     prefill = [(0, 37), (200, 64)] if OPTS.smoke else [(0, 300), (700, 200), (3000, 96)]
     rows = []
     for dtype in (torch.bfloat16, torch.float16):
-        cases = [(f"paged decode {len(lengths)} mixed <= {max(lengths)}", None),
-                 (f"paged decode {len(lengths)} mixed <= {max(lengths)}", WINDOW),
-                 ("paged prefill chunks + decode rows", WINDOW)]
-        for name, window in cases:
+        cases = [(f"paged decode {len(lengths)} mixed <= {max(lengths)}", None, {}),
+                 (f"paged decode {len(lengths)} mixed <= {max(lengths)}", WINDOW, {}),
+                 ("paged prefill chunks + decode rows", WINDOW, {}),
+                 ("paged prefill chunks + decode rows, scale 1/16, soft cap 2 (Gemma 2's "
+                  "kind)", WINDOW, {"scale": 1 / 16, "softcap": 2.0})]
+        for name, window, scores in cases:
             decode = [(n - 1, 1) for n in lengths]
             is_prefill = name.startswith("paged prefill")
             q, k, v, work = make_step(prefill + decode if is_prefill else decode, dtype,
                                       len(rows))
-            got = paged_attention(q, k, v, work, sliding_window=window)
-            ref = paged_attention_ref(q, k, v, work, sliding_window=window)
+            got = paged_attention(q, k, v, work, sliding_window=window, **scores)
+            ref = paged_attention_ref(q, k, v, work, sliding_window=window, **scores)
             e_old = (float("nan") if is_prefill else
                      err(padded_decode_attention(q, k, v, work, sliding_window=window), ref,
                          dtype))

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from common.peft.config import LoraConfig
-from common.peft.modules import LORA_MODULES, module_path
+from common.peft.modules import module_path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +38,9 @@ class PageGeometry:
 
     num_layers: int
     region_elems: int  # elements of one layer's K (or V) region of one block
-    module_shapes: Mapping[str, tuple[int, int]]  # module -> (in_features, out_features)
+    # module -> (in_features, out_features), in the model's order (common.peft.modules: the
+    # LLaMA layout's LORA_MODULES or the fused layout's FUSED_MODULES)
+    module_shapes: Mapping[str, tuple[int, int]]
 
     def __post_init__(self) -> None:
         if self.num_layers < 1 or self.region_elems < 1:
@@ -94,13 +96,15 @@ def plan_pages(module_ranks: Mapping[str, int], geometry: PageGeometry) -> PageL
     """The layout of an adapter whose largest rank over layers is module_ranks[m] for each
     module it targets (0 or absent: not targeted)."""
     chunk, region = geometry.chunk_elems, geometry.region_elems
+    missing = [m for m, r in module_ranks.items() if r > 0 and m not in geometry.module_shapes]
+    if missing:
+        raise ValueError(f"the model has no {missing[0]} to adapt (its projections: "
+                         f"{', '.join(geometry.module_shapes)})")
     items = []  # (size, order, module, kind, rank row, chunk index)
-    for m in LORA_MODULES:
+    for m in geometry.module_shapes:  # (the model's order: executor and scheduler agree)
         rank = module_ranks.get(m, 0)
         if rank <= 0:
             continue
-        if m not in geometry.module_shapes:
-            raise ValueError(f"the model has no {m} to adapt")
         in_f, out_f = geometry.module_shapes[m]
         for kind, length in (("a", in_f), ("b", out_f)):
             for r in range(rank):
@@ -127,7 +131,7 @@ def plan_pages(module_ranks: Mapping[str, int], geometry: PageGeometry) -> PageL
                 item = next(pending, None)
             at += 1
     modules = {}
-    for m in LORA_MODULES:
+    for m in geometry.module_shapes:
         rank = module_ranks.get(m, 0)
         if rank <= 0:
             continue

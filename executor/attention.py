@@ -3,7 +3,9 @@ each path reads (built once per step from plain ints, read by every layer).
 
 Each row group of a step is one sequence: n queries at positions start_pos..start_pos+n-1 (rows
 of the step), attending to its keys at positions 0..start_pos+n-1 (the last `sliding_window` of
-them, when set) through its block table.
+them, on a layer with a window) through its block table. A step builds one metadata per window
+among the model's layers (Gemma: the sliding layers' and the global layers' whole context); every
+path takes the model's score scale and soft cap (Gemma 2: scores -> cap * tanh(scores / cap)).
 
   triton (CUDA): kernels/paged_attention.py, one launch per layer over every group, K/V read
       in place through the block tables (kernels/attention_work.py: the tables, one transfer);
@@ -16,6 +18,7 @@ them, when set) through its block table.
       handful of calls; a bucket whose rows all have the same length needs no mask. (Measured
       on 64-row batches: a flat per-key segment softmax, exact too, was 2-9x slower.)
     - prefill chunks (many queries) get one SDPA each over their gathered context.
+    With a soft cap the SDPA is written out as HF's eager attention computes it (SDPA has no cap).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from executor.kv_cache import PagedKVCache
+from executor.layer_ops import soft_cap
 from kernels.attention_work import PagedAttentionWork, visible_keys
 
 ATTENTION_BACKENDS = ("torch", "triton")
@@ -148,35 +152,63 @@ AttentionMeta = TorchAttentionMeta | TritonAttentionMeta
 
 def build_attention_meta(tables: list[list[int]], context_lens: list[int],
                          query_starts: list[int], query_lens: list[int], *, block_size: int,
-                         sliding_window: int | None, backend: str,
-                         device: str | torch.device) -> AttentionMeta:
-    """One entry per row group: its block table, keys (start_pos + n), first row, n queries."""
+                         windows: set[int | None], backend: str,
+                         device: str | torch.device) -> dict[int | None, AttentionMeta]:
+    """One entry per row group: its block table, keys (start_pos + n), first row, n queries.
+    Returns the metadata of each window (None: the whole context); a window no context of the
+    step exceeds shares the whole context's."""
     device = torch.device(device)
     if resolve_attention_backend(backend, device) == "triton":
         work = PagedAttentionWork.build(tables, context_lens, query_starts, query_lens,
                                         block_size=block_size, device=device)
-        return TritonAttentionMeta.build(work, sliding_window=sliding_window, device=device)
-    return TorchAttentionMeta.build(tables, context_lens, query_starts, query_lens,
-                                    block_size=block_size, sliding_window=sliding_window,
-                                    device=device)
+        return {w: TritonAttentionMeta.build(work, sliding_window=w, device=device)
+                for w in windows}
+    out: dict[int | None, AttentionMeta] = {}
+    longest = max(context_lens, default=0)
+    for w in sorted(windows, key=lambda w: (w is not None, w)):  # None first
+        if w is not None and w >= longest and None in out:
+            out[w] = out[None]
+        else:
+            out[w] = TorchAttentionMeta.build(tables, context_lens, query_starts, query_lens,
+                                              block_size=block_size, sliding_window=w,
+                                              device=device)
+    return out
 
 
-def attend(q: torch.Tensor, kv: PagedKVCache, layer: int, meta: AttentionMeta) -> torch.Tensor:
-    """q [T, H, D] (after RoPE; this step's k/v already written) -> attention output [T, H, D]."""
+def attend(q: torch.Tensor, kv: PagedKVCache, layer: int, meta: AttentionMeta, *,
+           scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+    """q [T, H, D] (after RoPE; this step's k/v already written) -> attention output [T, H, D]
+    of softmax(cap(q k^T * scale)) v; scale None: 1 / sqrt(D); softcap None: no cap."""
     if isinstance(meta, TritonAttentionMeta):
         return meta.kernel(q, kv.k[layer], kv.v[layer], meta.work,
-                           sliding_window=meta.sliding_window)
+                           sliding_window=meta.sliding_window, scale=scale, softcap=softcap)
     attn = torch.empty_like(q)  # [T, H, D]
     for b in meta.decode:
         k, v = kv.gather(layer, b.slots)  # [Sb, Cb, Hkv, D]
-        o = F.scaled_dot_product_attention(
-            q.index_select(0, b.rows)[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=b.mask, enable_gqa=True)  # [Sb, H, 1, D]
+        o = sdpa(q.index_select(0, b.rows)[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
+                 b.mask, scale, softcap)  # [Sb, H, 1, D]
         attn.index_copy_(0, b.rows, o[:, :, 0, :])
     for p in meta.prefills:
         k, v = kv.gather(layer, p.ctx_slots)  # [C, Hkv, D]
-        o = F.scaled_dot_product_attention(
-            q[p.start:p.end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            attn_mask=p.mask, enable_gqa=True)  # [H, n, D]
+        o = sdpa(q[p.start:p.end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                 p.mask, scale, softcap)  # [H, n, D]
         attn[p.start:p.end] = o.transpose(0, 1)
     return attn
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+         scale: float | None, softcap: float | None) -> torch.Tensor:
+    """q [..., H, n, D], k and v [..., Hkv, C, D], mask broadcast to [..., H, n, C] (True: may
+    attend) -> [..., H, n, D]. With a soft cap, HF's eager attention step by step: scores in
+    q's dtype, capped, masked, softmax in fp32 cast back, times v."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=True)
+    group = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    scores = soft_cap(scores, softcap)  # [..., H, n, C]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return probs @ v

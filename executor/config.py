@@ -85,7 +85,9 @@ class ExecutorConfig:
     def from_args(cls, argv: list[str] | None = None) -> "ExecutorConfig":
         p = argparse.ArgumentParser(prog="loraplex serve executor")
         p.add_argument("--model", required=True,
-                       help="HF model dir, or random:<name> (tiny, llama-3-8b)")
+                       help="HF model dir (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3: the family "
+                            "is read from its config.json), or random:<name> (tiny, "
+                            "llama-3-8b, qwen3-8b, gemma-2-9b, phi-3-mini, ...)")
         p.add_argument("--store", action="append", default=[],
                        help="adapter store host:port (repeatable)")
         p.add_argument("--address", default="127.0.0.1:0",

@@ -2,14 +2,15 @@
 a step to the base model's projections; the adapters sit in the slot pool.
 
 Rows of a step come sorted by slot, so each adapter's rows form a segment (executor/
-lora_segments.py). For every one of the 7 projections the dense base matmul runs over all rows
-first; then, per segment s with slot j:
+lora_segments.py). For every projection (the model's 7, or 4 fused) the dense base matmul runs
+over all rows first; then, per segment s with slot j:
 
     out[rows_s] += scale_j * (x[rows_s] @ A_j^T) @ B_j^T      (shrink to rank r, expand back)
 
 Rows with slot -1 ("base model only") cost nothing. Projections that share an input form a group
 (LORA_GROUPS: q/k/v, gate/up) and are applied by one backend call on the group's fused base
-output, so a kernel reads x once for all of the group's slices.
+output, so a kernel reads x once for all of the group's slices. In a fused layout (FUSED_GROUPS:
+Phi-3's qkv_proj, gate_up_proj) the fused module is the group's one slice.
 
 Where each part lives:
     executor/slot_pool.py      the pool (adapter storage) and what each slot holds

@@ -9,7 +9,8 @@ its magnitude), where unmerged serving instead rounds the LoRA output once per t
 
 Unmerging never subtracts (that would not give W back at bf16): the tensors merging overwrote are
 copied to host memory first and copied back. Only the fused weights the adapter targets are saved
-(per layer: qkv, o, gate_up, down).
+(per layer: qkv, o, gate_up, down). An adapter of a fused layout (Phi-3's qkv_proj) adds its
+B @ A over the whole fused weight, as it was trained.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executor.slot_pool import LORA_GROUPS, LoraSlotPool
+from executor.slot_pool import LoraSlotPool
 from executor.weights import ModelWeights
 
 # Group -> the attribute of LayerWeights holding its fused base weight [out, in].
@@ -39,7 +40,8 @@ def merge(weights: ModelWeights, pool: LoraSlotPool, slot: int) -> Merged:
     targets = pool.contents(slot).targets
     originals: dict[tuple[int, str], torch.Tensor] = {}
     for layer_index, layer in enumerate(weights.layers):
-        for group, modules in LORA_GROUPS.items():
+        for group, g in pool.groups.items():
+            modules = g.modules  # (a fused layout's group is its one fused module)
             targeted = [m for m in modules if (layer_index, m) in targets]
             if not targeted:
                 continue

@@ -1,5 +1,7 @@
-"""A readable LLaMA-family forward (Llama, Mistral, Qwen2, Qwen3) over a flattened step batch
-with a paged KV cache.
+"""A readable decoder forward over a flattened step batch with a paged KV cache: the LLaMA layout
+(Llama, Mistral, Qwen2, Qwen3) and its relatives, each family's quirks read from ModelConfig
+(executor/model_families.py reads them from config.json; executor/layer_ops.py holds the pieces:
+the RMSNorm variants, the activation, soft-capping; executor/rope.py the rotary variants).
 
 A step is T rows: prefill chunks and decode rows of many sequences, each sequence's rows
 contiguous. Running example, block_size 4:
@@ -12,12 +14,17 @@ Every projection is one dense matmul over all T rows (q/k/v fused, gate/up fused
 backend adds the adapters of its segments with one call per fused output. Attention reads each
 sequence's context back through its block table (executor/attention.py): on CUDA one Triton
 kernel reads K/V in place for every row group; on CPU decode rows are batched in a few SDPA
-calls by context length and prefill chunks get one SDPA call each.
+calls by context length and prefill chunks get one SDPA call each. A layer with a sliding window
+reads the step's metadata for its window; global layers read the whole context.
+
+Per layer (Gemma's extra norms in brackets):
+
+    h += [norm](attention(norm(h)))          h += [norm](down(act(gate(x)) * up(x))), x = norm(h)
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +32,10 @@ import torch.nn.functional as F
 
 from executor.attention import AttentionMeta, attend, build_attention_meta
 from executor.kv_cache import PagedKVCache
+from executor.layer_ops import activation, rms_norm, soft_cap
 from executor.lora import LoraBackend, LoraBatchMeta
 from executor.model_config import ModelConfig
+from executor.rope import apply_rope, rope_cos_sin
 from executor.weights import ModelWeights
 
 
@@ -45,15 +54,18 @@ class StepMetadata:
 
     positions: torch.Tensor  # [T]
     write_slots: torch.Tensor  # [T] where each row's k/v goes
-    attention: AttentionMeta  # the attention path's own metadata (executor/attention.py)
+    # the attention path's own metadata (executor/attention.py), per sliding window (None: the
+    # whole context) among the model's layers
+    attention: Mapping[int | None, AttentionMeta]
     lora: LoraBatchMeta
     sample_rows: torch.Tensor  # [S] rows whose logits are returned
 
     @classmethod
-    def build(cls, groups: list[RowSpec], *, kv: PagedKVCache, sliding_window: int | None,
+    def build(cls, groups: list[RowSpec], *, kv: PagedKVCache, windows: set[int | None],
               lora: LoraBatchMeta, sample_rows: list[int], device: str | torch.device,
               attention: str = "auto") -> StepMetadata:
-        """attention: the attention backend (executor/attention.py), 'auto' by device."""
+        """windows: the layers' sliding windows (Transformer.windows); attention: the attention
+        backend (executor/attention.py), 'auto' by device."""
         positions, write_slots, starts = [], [], []
         row = 0
         for g in groups:  # plain ints: no small tensors per row (a decode step is many rows)
@@ -65,7 +77,7 @@ class StepMetadata:
         attention_meta = build_attention_meta(
             [g.block_table for g in groups], [g.start_pos + g.num_tokens for g in groups], starts,
             [g.num_tokens for g in groups], block_size=kv.block_size,
-            sliding_window=sliding_window, backend=attention, device=device)
+            windows=windows, backend=attention, device=device)
         return cls(
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             write_slots=torch.tensor(write_slots, dtype=torch.long, device=device),
@@ -73,42 +85,21 @@ class StepMetadata:
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device))
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """[head_dim // 2] fp32 inverse frequencies, with Llama 3.1 scaling when configured."""
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
-    s = config.rope_scaling
-    if s is None:
-        return inv_freq
-    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
-    smooth = ((s.original_max_position_embeddings / wavelen - s.low_freq_factor)
-              / (s.high_freq_factor - s.low_freq_factor))
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos, sin [T, D] (HF rotate-half layout)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., n]; normalised over its last dim in fp32 like HF, then scaled by weight [n]."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
 class Transformer:
     def __init__(self, config: ModelConfig, weights: ModelWeights, lora: LoraBackend) -> None:
         self.config, self.weights, self.lora = config, weights, lora
-        self.inv_freq = rope_inv_freq(config).to(weights.embed.device)  # [D / 2] fp32
+        device = weights.embed.device
+        # [D / 2] fp32 inverse frequencies of each rope the layers use (Gemma 3: local, global)
+        self.inv_freqs = {rope: rope.inv_freq(config.head_dim).to(device)
+                          for rope in map(config.layer_rope, range(config.num_hidden_layers))}
+
+    @property
+    def windows(self) -> set[int | None]:
+        """The sliding windows of the layers (None: a global layer)."""
+        return set(map(self.config.layer_window, range(self.config.num_hidden_layers)))
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, weight, self.config.rms_norm_eps, self.config.norm_unit_offset)
 
     def forward(self, tokens: torch.Tensor, meta: StepMetadata, kv: PagedKVCache) -> torch.Tensor:
         """tokens [T] -> logits [S, vocab] of meta.sample_rows (fp32)."""
@@ -116,23 +107,26 @@ class Transformer:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states [N, hidden] (hidden_states' rows) -> logits [N, vocab] (fp32)."""
-        return F.linear(rms_norm(h, self.weights.norm, self.config.rms_norm_eps),
-                        self.weights.lm_head).float()
+        logits = F.linear(self._norm(h, self.weights.norm), self.weights.lm_head)  # [N, vocab]
+        return soft_cap(logits, self.config.final_logit_softcap).float()
 
     def hidden_states(self, tokens: torch.Tensor, meta: StepMetadata,
                       kv: PagedKVCache) -> torch.Tensor:
         """tokens [T] -> the last layer's output [T, hidden], before the final norm; writes the
         rows' K/V to the cache."""
-        freqs = meta.positions[:, None].float() * self.inv_freq[None, :]  # [T, D / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        dtype = self.weights.embed.dtype
-        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        c, dtype = self.config, self.weights.embed.dtype
+        rotary = {rope: rope_cos_sin(rope, inv_freq, meta.positions, dtype)  # cos, sin [T, D]
+                  for rope, inv_freq in self.inv_freqs.items()}
         h = self.weights.embed[tokens]  # [T, hidden]
+        if c.scale_embeddings:  # (Gemma: sqrt(hidden) rounded to the weights' dtype first)
+            h = h * torch.tensor(c.hidden_size ** 0.5).to(dtype)
         for i, layer in enumerate(self.weights.layers):
-            x = rms_norm(h, layer.input_norm, self.config.rms_norm_eps)
-            h = h + self._attention(i, x, cos, sin, meta, kv)
-            x = rms_norm(h, layer.post_attention_norm, self.config.rms_norm_eps)
-            h = h + self._mlp(i, x, meta.lora)
+            x = self._norm(h, layer.input_norm)
+            out = self._attention(i, x, *rotary[c.layer_rope(i)], meta, kv)
+            h = h + (self._norm(out, layer.attn_out_norm) if c.sandwich_norms else out)
+            x = self._norm(h, layer.post_attention_norm)
+            out = self._mlp(i, x, meta.lora)
+            h = h + (self._norm(out, layer.mlp_out_norm) if c.sandwich_norms else out)
         return h
 
     def _attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -144,12 +138,13 @@ class Transformer:
         t = x.shape[0]
         q = q.reshape(t, c.num_attention_heads, c.head_dim)  # [T, H, D]
         k = k.reshape(t, c.num_key_value_heads, c.head_dim)  # [T, Hkv, D]
-        if c.qk_norm:  # (Qwen3: each head normalised over head_dim, before RoPE)
-            q, k = rms_norm(q, w.q_norm, c.rms_norm_eps), rms_norm(k, w.k_norm, c.rms_norm_eps)
+        if c.qk_norm:  # (Qwen3, Gemma 3: each head normalised over head_dim, before RoPE)
+            q, k = self._norm(q, w.q_norm), self._norm(k, w.k_norm)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kv.write(i, meta.write_slots, k, v.reshape(t, c.num_key_value_heads, c.head_dim))
 
-        attn = attend(q, kv, i, meta.attention)  # [T, H, D]
+        attn = attend(q, kv, i, meta.attention[c.layer_window(i)], scale=c.attention_scale,
+                      softcap=c.attn_logit_softcap)  # [T, H, D]
         attn = attn.reshape(t, c.q_size)  # [T, H * D]
         out = F.linear(attn, w.wo)  # [T, hidden]
         self.lora.apply(i, "o", attn, out, meta.lora)
@@ -160,7 +155,7 @@ class Transformer:
         gate_up = F.linear(x, w.w_gate_up)  # [T, 2 * intermediate]
         self.lora.apply(i, "gate_up", x, gate_up, lora)
         gate, up = gate_up.chunk(2, dim=-1)  # [T, intermediate] each
-        hidden = F.silu(gate) * up  # [T, intermediate]
+        hidden = activation(self.config.hidden_act)(gate) * up  # [T, intermediate]
         out = F.linear(hidden, w.w_down)  # [T, hidden]
         self.lora.apply(i, "down", hidden, out, lora)
         return out

@@ -1,7 +1,9 @@
-"""ModelConfig: the shape and numerics of a LLaMA-family base model (Llama, Mistral, Qwen2).
+"""ModelConfig: the shape and numerics of a served base model, every family quirk a field.
 
-Parsed from a Hugging Face `config.json` (+ `generation_config.json` for extra eos ids), or taken
-from `NAMED_CONFIGS` for random-weight benchmarks.
+Built from a Hugging Face `config.json` by executor/model_families.py (which reads each family's
+fields, tf4 or tf5 layout, and refuses a model_type it does not serve), or taken from
+`NAMED_CONFIGS` for random-weight benchmarks. The forward (executor/model.py) reads only these
+fields: nothing is assumed from a family's name.
 """
 
 from __future__ import annotations
@@ -16,18 +18,10 @@ from types import MappingProxyType
 from typing import Any
 
 from common.peft.modules import projection_shapes
+from executor.rope import LinearRopeScaling, Llama3RopeScaling, Rope, RopeScaling
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-@dataclass(frozen=True)
-class Llama3RopeScaling:
-    """Llama 3.1 frequency-dependent RoPE scaling (rope_type "llama3")."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")  # the MLP's act(gate) * up
+SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types
 
 
 @dataclass(frozen=True)
@@ -41,14 +35,25 @@ class ModelConfig:
     head_dim: int = 0  # 0 = hidden_size // num_attention_heads
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: Llama3RopeScaling | None = None
+    rope_scaling: RopeScaling | None = None  # (on the global layers, when they differ)
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
-    qk_norm: bool = False  # RMSNorm over each head of q and of k, before RoPE (Qwen3)
-    sliding_window: int | None = None  # Mistral: a query sees only its last `sliding_window` keys
+    qk_norm: bool = False  # RMSNorm over each head of q and of k, before RoPE (Qwen3, Gemma 3)
+    sliding_window: int | None = None  # a sliding layer's query sees only its last this many keys
     eos_token_ids: tuple[int, ...] = ()
     model_id: str = ""
+    hidden_act: str = "silu"  # one of ACTIVATIONS (Gemma: gelu_pytorch_tanh)
+    norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), in fp32 (Gemma)
+    sandwich_norms: bool = False  # also a norm on attention's and the MLP's outputs (Gemma)
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size) in the weights' dtype
+    query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this), not 1/sqrt(D)
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    layer_types: tuple[str, ...] = ()  # SLIDING or FULL per layer; (): every layer slides when
+    # sliding_window is set (Mistral, Phi-3)
+    local_rope_theta: float | None = None  # sliding layers' RoPE base, default RoPE (Gemma 3)
+    fused_projections: bool = False  # qkv_proj and gate_up_proj are single weights (Phi-3)
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -59,21 +64,40 @@ class ModelConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"model config: {name} must be a positive integer, got {value!r}")
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"model config: num_attention_heads ({self.num_attention_heads}) must be a "
                 f"multiple of num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise ValueError(f"model config: head_dim must be even for RoPE, got {self.head_dim}")
-        if not (self.rms_norm_eps > 0 and math.isfinite(self.rms_norm_eps)):
-            raise ValueError(f"model config: rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
-        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
-            raise ValueError(f"model config: rope_theta must be > 0, got {self.rope_theta!r}")
+        for name in ("rms_norm_eps", "rope_theta", "local_rope_theta", "query_pre_attn_scalar",
+                     "attn_logit_softcap", "final_logit_softcap"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"model config: {name} must be > 0, got {value!r}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"model config: sliding_window must be > 0, got {self.sliding_window}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"model config: hidden_act {self.hidden_act!r} is not supported "
+                             f"(supported: {', '.join(ACTIVATIONS)})")
+        self._check_layer_types()
         if any(not 0 <= t < self.vocab_size for t in self.eos_token_ids):
             raise ValueError(f"model config: eos_token_ids {list(self.eos_token_ids)} must lie in "
                              f"[0, vocab_size={self.vocab_size})")
+
+    def _check_layer_types(self) -> None:
+        if not self.layer_types:
+            return
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"model config: layer_types has {len(self.layer_types)} entries for "
+                             f"{self.num_hidden_layers} layers")
+        unknown = set(self.layer_types) - {SLIDING, FULL}
+        if unknown:
+            raise ValueError(f"model config: layer type {sorted(unknown)[0]!r} is not supported "
+                             f"({SLIDING}, {FULL})")
+        if SLIDING in self.layer_types and self.sliding_window is None:
+            raise ValueError("model config: sliding_attention layers need a sliding_window")
 
     @property
     def q_size(self) -> int:
@@ -83,11 +107,48 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
-    def module_shape(self, module: str) -> tuple[int, int]:
-        """(in_features, out_features) of one of the 7 LoRA-targetable projections."""
+    @property
+    def attention_scale(self) -> float | None:
+        """What q k^T is multiplied by before the softmax; None: 1 / sqrt(head_dim)."""
+        return None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5
+
+    def is_sliding(self, layer: int) -> bool:
+        if self.sliding_window is None:
+            return False
+        return not self.layer_types or self.layer_types[layer] == SLIDING
+
+    def layer_window(self, layer: int) -> int | None:
+        """The keys a query of `layer` sees: its last sliding_window, or all (None)."""
+        return self.sliding_window if self.is_sliding(layer) else None
+
+    @property
+    def rope(self) -> Rope:
+        """The rotary embedding of global layers (of every layer, but with local_rope_theta)."""
+        return Rope(self.rope_theta, self.rope_scaling)
+
+    def layer_rope(self, layer: int) -> Rope:
+        if self.local_rope_theta is not None and self.is_sliding(layer):
+            return Rope(self.local_rope_theta)
+        return self.rope
+
+    @property
+    def lora_modules(self) -> tuple[str, ...]:
+        """The projections an adapter of this model may target, in the pool's order."""
+        return tuple(self.projection_shapes())
+
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of each LoRA-targetable projection."""
         return projection_shapes(self.hidden_size, self.intermediate_size,
                                  self.num_attention_heads, self.num_key_value_heads,
-                                 self.head_dim)[module]
+                                 self.head_dim, fused=self.fused_projections)
+
+    def module_shape(self, module: str) -> tuple[int, int]:
+        """(in_features, out_features) of one of the LoRA-targetable projections."""
+        shapes = self.projection_shapes()
+        if module not in shapes:
+            raise ValueError(f"the model has no {module} (its projections: "
+                             f"{', '.join(shapes)})")
+        return shapes[module]
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -95,44 +156,12 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], *, generation_config: dict[str, Any] | None = None,
                      model_id: str = "") -> ModelConfig:
-        """Build from the dict of an HF config.json (transformers 4 or 5 layout)."""
-        model_type = cfg.get("model_type", "llama")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model config: model_type {model_type!r} is not supported "
-                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"model config: hidden_act must be 'silu', got {cfg['hidden_act']!r}")
-        if cfg.get("mlp_bias"):
-            raise ValueError("model config: mlp_bias=true is not supported")
-        if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
-            raise ValueError(f"model config: {model_type} use_sliding_window=true is not "
-                             "supported")
-        for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads", "vocab_size"):
-            if key not in cfg:
-                raise ValueError(f"model config: missing required field {key!r}")
-        rope = _rope_fields(cfg)
-        # (Qwen's sliding_window applies only with use_sliding_window, refused above)
-        sliding = None if model_type in ("qwen2", "qwen3") else cfg.get("sliding_window")
-        return cls(
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=cfg["num_attention_heads"],
-            num_key_value_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-            vocab_size=cfg["vocab_size"],
-            head_dim=cfg.get("head_dim") or 0,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope[0],
-            rope_scaling=rope[1],
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
-            sliding_window=sliding,
-            eos_token_ids=_eos_ids(cfg, generation_config or {}),
-            model_id=model_id or cfg.get("_name_or_path") or "",
-        )
+        """Build from the dict of an HF config.json (transformers 4 or 5 layout); ValueError
+        naming the model_type when its family is not served (executor/model_families.py)."""
+        from executor.model_families import config_fields
+
+        return cls(**config_fields(cfg, generation_config or {}),
+                   model_id=model_id or cfg.get("_name_or_path") or "")
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, model_id: str = "") -> ModelConfig:
@@ -155,34 +184,10 @@ class ModelConfig:
         return NAMED_CONFIGS[name]
 
 
-def _rope_fields(cfg: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
-    """(rope_theta, llama3 scaling or None) from `rope_scaling` (tf4) or `rope_parameters` (tf5)."""
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or params
-    theta = float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
-    rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type == "default":
-        return theta, None
-    if rope_type != "llama3":
-        raise ValueError(f"model config: rope type {rope_type!r} is not supported "
-                         "(supported: default, llama3)")
-    try:
-        return theta, Llama3RopeScaling(
-            factor=float(scaling["factor"]),
-            low_freq_factor=float(scaling["low_freq_factor"]),
-            high_freq_factor=float(scaling["high_freq_factor"]),
-            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
-    except KeyError as err:
-        raise ValueError(f"model config: llama3 rope scaling is missing {err.args[0]!r}") from None
-
-
-def _eos_ids(cfg: dict[str, Any], gen: dict[str, Any]) -> tuple[int, ...]:
-    ids: list[int] = []
-    for source in (cfg.get("eos_token_id"), gen.get("eos_token_id")):
-        for token in source if isinstance(source, list) else [source]:
-            if token is not None and token not in ids:
-                ids.append(int(token))
-    return tuple(ids)
+def alternating_layers(num_layers: int, every: int) -> tuple[str, ...]:
+    """Layer types of `num_layers` with every `every`-th layer global, the others sliding
+    (transformers' default for Gemma 2, every 2nd, and Gemma 3, its sliding_window_pattern)."""
+    return tuple(SLIDING if (i + 1) % every else FULL for i in range(num_layers))
 
 
 NAMED_CONFIGS: Mapping[str, ModelConfig] = MappingProxyType({
@@ -206,4 +211,26 @@ NAMED_CONFIGS: Mapping[str, ModelConfig] = MappingProxyType({
         num_key_value_heads=8, vocab_size=151936, head_dim=128, rms_norm_eps=1e-6,
         rope_theta=1000000.0, max_position_embeddings=40960, qk_norm=True,
         eos_token_ids=(151645,), model_id="Qwen/Qwen3-8B"),
+    "gemma-2-9b": ModelConfig(
+        hidden_size=3584, intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16,
+        num_key_value_heads=8, vocab_size=256000, head_dim=256, rms_norm_eps=1e-6,
+        max_position_embeddings=8192, tie_word_embeddings=True, sliding_window=4096,
+        eos_token_ids=(1, 107), model_id="google/gemma-2-9b", hidden_act="gelu_pytorch_tanh",
+        norm_unit_offset=True, sandwich_norms=True, scale_embeddings=True,
+        query_pre_attn_scalar=256, attn_logit_softcap=50.0, final_logit_softcap=30.0,
+        layer_types=alternating_layers(42, 2)),
+    "gemma-3-12b": ModelConfig(
+        hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
+        num_key_value_heads=8, vocab_size=262208, head_dim=256, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, rope_scaling=LinearRopeScaling(8.0),
+        max_position_embeddings=131072, tie_word_embeddings=True, qk_norm=True,
+        sliding_window=1024, eos_token_ids=(1, 106), model_id="google/gemma-3-12b-pt",
+        hidden_act="gelu_pytorch_tanh", norm_unit_offset=True, sandwich_norms=True,
+        scale_embeddings=True, query_pre_attn_scalar=256, layer_types=alternating_layers(48, 6),
+        local_rope_theta=10000.0),
+    "phi-3-mini": ModelConfig(
+        hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, vocab_size=32064, rms_norm_eps=1e-5,
+        max_position_embeddings=4096, sliding_window=2047, eos_token_ids=(32000, 32001, 32007),
+        model_id="microsoft/Phi-3-mini-4k-instruct", fused_projections=True),
 })

@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 
 from common.adapter_pages import PageGeometry, PageLayout, Place
-from common.peft.modules import LORA_MODULES
 
 
 def layer_base(layer: int, num_blocks: int, geometry: PageGeometry) -> int:
@@ -40,15 +39,16 @@ def slot_tables(layout: PageLayout, pages: tuple[int, ...], num_blocks: int,
                 geometry: PageGeometry, *, max_rank: int,
                 num_chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One slot's rows of the offset tables the kernels read (executor/slot_pool.py keeps them
-    for every slot): a, b int64 [7 (LORA_MODULES), max_rank, num_chunks], the layer-0 offset of
-    chunk c of row r of A, and of B^T (B's column r), of each module; 0 where the adapter has
-    no such row or chunk."""
+    for every slot): a, b int64 [the model's modules (geometry.module_shapes), max_rank,
+    num_chunks], the layer-0 offset of chunk c of row r of A, and of B^T (B's column r), of each
+    module; 0 where the adapter has no such row or chunk."""
     if len(pages) != layout.num_pages:
         raise ValueError(f"the layout takes {layout.num_pages} pages, {len(pages)} given")
-    shape = (len(LORA_MODULES), max_rank, num_chunks)
+    order = list(geometry.module_shapes)
+    shape = (len(order), max_rank, num_chunks)
     a, b = torch.zeros(shape, dtype=torch.int64), torch.zeros(shape, dtype=torch.int64)
     for module, places in layout.modules.items():
-        m = LORA_MODULES.index(module)
+        m = order.index(module)
         if places.rank > max_rank:
             raise ValueError(f"{module} has rank {places.rank} > max_rank {max_rank}")
         for table, rows in ((a, places.a), (b, places.b)):

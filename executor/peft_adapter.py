@@ -10,7 +10,6 @@ from common.errors import FailedPrecondition, InvalidArgument
 from common.peft.config import parse_config
 from common.peft.finite import check_finite
 from common.peft.layout import BaseShapes, check_fits, plan_adapter
-from common.peft.modules import LORA_MODULES
 from common.peft.safetensors_header import WEIGHTS_FILE, check_weights_file, parse_header
 from common.peft.tensors import as_uint8, tensor_views
 from executor.model_config import ModelConfig
@@ -18,8 +17,7 @@ from executor.slot_pool import LoraModuleWeights, LoraWeights
 
 
 def model_shapes(model: ModelConfig) -> BaseShapes:
-    return BaseShapes(model.model_id, model.num_hidden_layers,
-                      {m: model.module_shape(m) for m in LORA_MODULES})
+    return BaseShapes(model.model_id, model.num_hidden_layers, model.projection_shapes())
 
 
 def parse_peft_adapter(config_json: str, safetensors_bytes: bytes | torch.Tensor,

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from common.peft.modules import LORA_MODULES
 from common.sampling import SamplingParams
 from executor.grammar import GrammarRows
 from executor.kv_cache import PagedKVCache
@@ -59,7 +58,8 @@ class MemoryBudget:
                  max_rank: int, dtype: torch.dtype = torch.float32) -> MemoryBudget:
         """What a runner with these settings will hold, computed without allocating anything."""
         c, size = config, torch.empty((), dtype=dtype).element_size()
-        per_layer = sum(i * o for i, o in map(c.module_shape, LORA_MODULES)) + 2 * c.hidden_size
+        per_layer = sum(i * o for i, o in c.projection_shapes().values())
+        per_layer += (4 if c.sandwich_norms else 2) * c.hidden_size
         if c.attention_bias:
             per_layer += c.q_size + 2 * c.kv_size
         if c.qk_norm:
@@ -72,8 +72,9 @@ class MemoryBudget:
         # each chunk of each rank row of A and B^T, 4-byte ranks and scales (slot_pool.py).
         region = block_size * c.num_key_value_heads * c.head_dim
         chunk = 1 << (region.bit_length() - 1)
-        chunks = max(-(-n // chunk) for shape in map(c.module_shape, LORA_MODULES) for n in shape)
-        modules = len(LORA_MODULES)
+        shapes = c.projection_shapes()
+        chunks = max(-(-n // chunk) for shape in shapes.values() for n in shape)
+        modules = len(shapes)
         pool = (2 * num_slots * modules * max_rank * chunks * 8
                 + 2 * c.num_hidden_layers * num_slots * modules * 4)
         return cls(weights * size, kv * size, pool)
@@ -309,7 +310,7 @@ class ModelRunner:
             torch.tensor(slots),
             torch.tensor([r.num_tokens for r in rows]))
         lora_meta = self.lora.prepare(row_slots)
-        meta = StepMetadata.build(groups, kv=self.kv, sliding_window=self.config.sliding_window,
+        meta = StepMetadata.build(groups, kv=self.kv, windows=self.model.windows,
                                   lora=lora_meta, sample_rows=sample_rows, device=self.device)
         hidden = self.model.hidden_states(tokens, meta, self.kv)  # [T, hidden]
         logits = self.model.logits(hidden.index_select(0, meta.sample_rows))  # [S, vocab]

@@ -24,6 +24,7 @@ from executor.adapter_loader import FETCH_TIMEOUT_S, AdapterLoader
 from executor.benchmark_runner import BenchmarkRunner
 from executor.config import ExecutorConfig
 from executor.lora import resolve_lora_backend
+from executor.model_config import ModelConfig
 from executor.model_identity import log_identity, resolve_identity
 from executor.runner import ModelRunner, Row, Sampled
 from executor.step_worker import StepWorker
@@ -327,8 +328,14 @@ async def serve(config: ExecutorConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     configure_logging("executor")
+    config = ExecutorConfig.from_args(argv)
+    if config.random_config is None:  # a family it does not serve: refused before anything starts
+        try:
+            ModelConfig.from_pretrained(config.model)
+        except ValueError as err:
+            raise SystemExit(f"executor: cannot serve --model {config.model}: {err}") from None
     keep_freed_memory()  # received adapter chunks reuse freed blocks instead of faulting in pages
-    run(lambda: serve(ExecutorConfig.from_args(argv)))
+    run(lambda: serve(config))
 
 
 if __name__ == "__main__":

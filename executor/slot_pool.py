@@ -18,7 +18,8 @@ the pool; none keeps a copy.
     clear(slot)                 empty: nothing recorded (its pages are left as they are: they are
                                 the scheduler's blocks again, and may hold KV by now)
 
-Offsets. Per slot and module, `a_offsets` / `b_offsets` [num_slots, 7, max_rank, chunks] int64,
+Offsets. Per slot and module, `a_offsets` / `b_offsets` [num_slots, modules, max_rank, chunks]
+int64 (the model's modules: the LLaMA layout's 7, or the fused layout's 4, config.lora_modules),
 on the pool's device, give the element offset in the KV storage (layer 0) of each chunk of each
 row of A, and of B^T (a column of B); layer l adds `layer_base(l)` (executor/page_tables.py defines
 both). The Triton kernels read rows through them; the torch backend and merging gather rows with
@@ -40,7 +41,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.adapter_pages import PageGeometry, PageLayout, plan_pages
-from common.peft.modules import LORA_MODULES
 from executor.kv_cache import PagedKVCache
 from executor.model_config import ModelConfig
 from executor.page_tables import layer_base, slot_tables
@@ -49,10 +49,18 @@ from kernels.page_rows import row_index
 if TYPE_CHECKING:  # (only stored and compared: the GPU check imports the pool without protos)
     from common.adapter_ref import AdapterRef
 
-# Group name -> its projections, in the column order of the model's fused base output.
+# Group name -> its projections, in the column order of the model's fused base output: the
+# LLaMA layout's, and the fused layout's (a fused module is its group's one slice: an adapter's
+# B of qkv_proj spans q | k | v as the base weight does).
 LORA_GROUPS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
     "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)})
+FUSED_GROUPS: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "qkv": ("qkv_proj",), "o": ("o_proj",), "gate_up": ("gate_up_proj",), "down": ("down_proj",)})
+
+
+def lora_groups(config: ModelConfig) -> Mapping[str, tuple[str, ...]]:
+    return FUSED_GROUPS if config.fused_projections else LORA_GROUPS
 
 
 @dataclass(frozen=True)
@@ -85,7 +93,7 @@ class SliceGroup:
     """The projections that share an input (e.g. q, k, v): applied by one backend call."""
 
     modules: tuple[str, ...]
-    first_module: int  # index of modules[0] in LORA_MODULES (the slices are consecutive)
+    first_module: int  # index of modules[0] in the model's modules (slices are consecutive)
     in_features: int
     out_sizes: tuple[int, ...]  # out_features of each slice (q and kv differ under GQA)
 
@@ -112,14 +120,15 @@ def page_geometry(config: ModelConfig, block_size: int) -> PageGeometry:
     """How adapters' pages lie in a KV cache of `block_size`-token blocks of `config`."""
     return PageGeometry(config.num_hidden_layers,
                         block_size * config.num_key_value_heads * config.head_dim,
-                        MappingProxyType({m: config.module_shape(m) for m in LORA_MODULES}))
+                        MappingProxyType(config.projection_shapes()))
 
 
 class LoraSlotPool:
     """`num_slots` adapters of rank <= `max_rank`, their weights in pages of `kv`'s blocks.
 
-    Host tables `rank_table`, `scale_table` [L, num_slots, 7] give each slot's rank (0 = not
-    targeted) and fp32 scale per layer and module; a step gathers its segments' rows from them.
+    Host tables `rank_table`, `scale_table` [L, num_slots, modules] give each slot's rank (0 =
+    not targeted) and fp32 scale per layer and module (`modules`, the model's, in order); a step
+    gathers its segments' rows from them.
     """
 
     def __init__(self, config: ModelConfig, *, num_slots: int, max_rank: int,
@@ -133,16 +142,18 @@ class LoraSlotPool:
         self.geometry = page_geometry(config, kv.block_size)
         shapes = self.geometry.module_shapes
         self.chunk = self.geometry.chunk_elems
-        self.groups = {name: SliceGroup(modules, LORA_MODULES.index(modules[0]),
+        self.modules = tuple(shapes)  # the model's, in the tables' order
+        self._index = {m: i for i, m in enumerate(self.modules)}
+        self.groups = {name: SliceGroup(modules, self._index[modules[0]],
                                         shapes[modules[0]][0],
                                         tuple(shapes[m][1] for m in modules))
-                       for name, modules in LORA_GROUPS.items()}
+                       for name, modules in lora_groups(config).items()}
         self.num_chunks = max(-(-n // self.chunk) for shape in shapes.values() for n in shape)
-        table = (num_slots, len(LORA_MODULES), max_rank, self.num_chunks)
+        table = (num_slots, len(self.modules), max_rank, self.num_chunks)
         self.a_offsets = torch.zeros(table, dtype=torch.int64, device=self.device)  # layer 0
         self.b_offsets = torch.zeros(table, dtype=torch.int64, device=self.device)
-        self.rank_table = torch.zeros(num_layers, num_slots, len(LORA_MODULES), dtype=torch.int32)
-        self.scale_table = torch.zeros(num_layers, num_slots, len(LORA_MODULES))
+        self.rank_table = torch.zeros(num_layers, num_slots, len(self.modules), dtype=torch.int32)
+        self.scale_table = torch.zeros(num_layers, num_slots, len(self.modules))
         # Written only by the methods below (each assignment whole: the step thread reads them).
         self._slots: list[SlotContents] = [EMPTY_SLOT] * num_slots
         # Per slot, how its weights were written: the count moves when a write (a load or a
@@ -215,7 +226,7 @@ class LoraSlotPool:
     def rows(self, layer: int, slot: int, module: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The slot's A [r, in] and B [out, r] of `module` at `layer`, gathered from its pages
         (copies), at that layer's rank; None where it does not target the module there."""
-        m = LORA_MODULES.index(module)
+        m = self._index[module]
         rank = int(self.rank_table[layer, slot, m])
         if rank == 0:
             return None
@@ -243,6 +254,9 @@ class LoraSlotPool:
             raise ValueError(f"adapter rank {weights.rank} exceeds the pool's max rank "
                              f"{self.max_rank}")
         for (layer, module), w in weights.modules.items():
+            if module not in self._index:
+                raise ValueError(f"adapter targets {module}; the model's projections are "
+                                 f"{', '.join(self.modules)}")
             in_f, out_f = self.config.module_shape(module)
             r = w.a.shape[0]
             if not 0 <= layer < self.config.num_hidden_layers:
@@ -265,7 +279,7 @@ class LoraSlotPool:
         self.a_offsets[slot], self.b_offsets[slot] = a, b  # (host -> device)
         flat = self.kv.flat
         for (layer, module), w in weights.modules.items():
-            m, r = LORA_MODULES.index(module), w.a.shape[0]
+            m, r = self._index[module], w.a.shape[0]
             in_f, out_f = self.config.module_shape(module)
             base = self.layer_base(layer)
             a_at = row_index(a[m, :r], in_f, self.chunk).to(self.device) + base

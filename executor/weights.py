@@ -2,7 +2,14 @@
 
 q/k/v are stored fused as one `wqkv` and gate/up as one `w_gate_up` (gpt-fast style): one dense
 matmul each over all rows of a step; the LoRA backend then adds to the q/k/v (gate/up) column
-slices of that output.
+slices of that output (Phi-3's checkpoints hold them fused already: qkv_proj, gate_up_proj).
+
+The norms by the checkpoint's names (Gemma's sandwich in brackets):
+
+    input_norm            input_layernorm                          before attention
+    [attn_out_norm]       post_attention_layernorm                 on attention's output
+    post_attention_norm   post_attention_layernorm [pre_feedforward_layernorm]   before the MLP
+    [mlp_out_norm]        post_feedforward_layernorm               on the MLP's output
 """
 
 from __future__ import annotations
@@ -23,11 +30,13 @@ class LayerWeights:
     wqkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
     bqkv: torch.Tensor | None  # [q_size + 2 * kv_size] (Qwen2) or None
     wo: torch.Tensor  # [hidden, q_size]
-    post_attention_norm: torch.Tensor  # [hidden]
+    post_attention_norm: torch.Tensor  # [hidden]: the norm before the MLP
     w_gate_up: torch.Tensor  # [2 * intermediate, hidden]
     w_down: torch.Tensor  # [hidden, intermediate]
     q_norm: torch.Tensor | None = None  # [head_dim]: each head of q normalised (Qwen3) or None
     k_norm: torch.Tensor | None = None  # [head_dim]: each head of k
+    attn_out_norm: torch.Tensor | None = None  # [hidden]: on attention's output (Gemma) or None
+    mlp_out_norm: torch.Tensor | None = None  # [hidden]: on the MLP's output (Gemma) or None
 
 
 @dataclass
@@ -52,8 +61,15 @@ def _hf_names(config: ModelConfig) -> list[str]:
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        names += [f"{p}self_attn.{m}_proj.weight" for m in "qkvo"]
-        names += [f"{p}mlp.{m}_proj.weight" for m in ("gate", "up", "down")]
+        if config.sandwich_norms:
+            names += [p + "pre_feedforward_layernorm.weight",
+                      p + "post_feedforward_layernorm.weight"]
+        if config.fused_projections:
+            names += [f"{p}self_attn.{m}.weight" for m in ("qkv_proj", "o_proj")]
+            names += [f"{p}mlp.{m}.weight" for m in ("gate_up_proj", "down_proj")]
+        else:
+            names += [f"{p}self_attn.{m}_proj.weight" for m in "qkvo"]
+            names += [f"{p}mlp.{m}_proj.weight" for m in ("gate", "up", "down")]
         if config.attention_bias:
             names += [f"{p}self_attn.{m}_proj.bias" for m in "qkv"]
         if config.qk_norm:
@@ -88,7 +104,7 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
 
 def load_weights(model_dir: str | Path, config: ModelConfig, *, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu") -> ModelWeights:
-    """Load and check every tensor of an HF LLaMA-family safetensors checkpoint."""
+    """Load and check every tensor of an HF safetensors checkpoint of a served family."""
     model_dir = Path(model_dir)
     expected = set(_hf_names(config))
     optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
@@ -118,19 +134,29 @@ def _assemble(config: ModelConfig, raw: dict[str, torch.Tensor]) -> ModelWeights
     layers = []
     for i in range(config.num_hidden_layers):
         attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        norm = f"model.layers.{i}.{{}}_layernorm.weight".format
         bqkv = None
         if config.attention_bias:
             bqkv = torch.cat([raw.pop(f"{attn}{m}_proj.bias") for m in "qkv"])
+        if config.fused_projections:
+            wqkv = raw.pop(f"{attn}qkv_proj.weight")
+            w_gate_up = raw.pop(f"{mlp}gate_up_proj.weight")
+        else:
+            wqkv = torch.cat([raw.pop(f"{attn}{m}_proj.weight") for m in "qkv"])
+            w_gate_up = torch.cat([raw.pop(f"{mlp}{m}_proj.weight") for m in ("gate", "up")])
+        sandwich = config.sandwich_norms
         layers.append(LayerWeights(
-            input_norm=raw.pop(f"model.layers.{i}.input_layernorm.weight"),
-            wqkv=torch.cat([raw.pop(f"{attn}{m}_proj.weight") for m in "qkv"]),
+            input_norm=raw.pop(norm("input")),
+            wqkv=wqkv,
             bqkv=bqkv,
             wo=raw.pop(f"{attn}o_proj.weight"),
-            post_attention_norm=raw.pop(f"model.layers.{i}.post_attention_layernorm.weight"),
-            w_gate_up=torch.cat([raw.pop(f"{mlp}{m}_proj.weight") for m in ("gate", "up")]),
+            post_attention_norm=raw.pop(norm("pre_feedforward" if sandwich else "post_attention")),
+            w_gate_up=w_gate_up,
             w_down=raw.pop(f"{mlp}down_proj.weight"),
             q_norm=raw.pop(f"{attn}q_norm.weight") if config.qk_norm else None,
             k_norm=raw.pop(f"{attn}k_norm.weight") if config.qk_norm else None,
+            attn_out_norm=raw.pop(norm("post_attention")) if sandwich else None,
+            mlp_out_norm=raw.pop(norm("post_feedforward")) if sandwich else None,
         ))
     embed = raw.pop("model.embed_tokens.weight")
     lm_head = embed if config.tie_word_embeddings else raw.pop("lm_head.weight")
@@ -140,13 +166,15 @@ def _assemble(config: ModelConfig, raw: dict[str, torch.Tensor]) -> ModelWeights
 
 def random_weights(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
                    device: str | torch.device = "cpu") -> ModelWeights:
-    """A model at real shapes without a checkpoint (normal * 0.02, norms 1), for benchmarks."""
+    """A model at real shapes without a checkpoint (normal * 0.02, norms 1; (1 + w) norms 0),
+    for benchmarks."""
     gen = torch.Generator(device=device).manual_seed(seed)
     raw = {}
     for name in _hf_names(config):
         shape = _expected_shape(config, name)
         if name.endswith("norm.weight"):
-            raw[name] = torch.ones(shape, dtype=dtype, device=device)
+            raw[name] = torch.full(shape, 0.0 if config.norm_unit_offset else 1.0, dtype=dtype,
+                                   device=device)
         else:
             t = torch.empty(shape, dtype=dtype, device=device)
             raw[name] = t.normal_(0.0, 0.02, generator=gen)

@@ -29,7 +29,7 @@ PTR_TYPES = {"items_ptr": "*i32", "rank_ptr": "*i32", "scale_ptr": "*fp32", "t_p
              "a_rows_ptr": "*i64", "b_rows_ptr": "*i64"}
 # layer_base passes 2^31 on large models (Llama-3-8B: 31 x blocks x 16384 elements). Other
 # scalars are i32.
-SCALAR_TYPES = {"scale_log2e": "fp32", "layer_base": "i64"}
+SCALAR_TYPES = {"scale_log2e": "fp32", "scale": "fp32", "softcap": "fp32", "layer_base": "i64"}
 CHUNK = 16384  # Llama-3-8B's region (block 16 x 8 KV heads x head_dim 128): its chunk
 
 
@@ -73,7 +73,13 @@ def variants(everything: bool):
             yield (f"paged attention {dtype_name} BLOCK_M {block_m}"
                    f"{' window' if has_window else ''}", _paged_attention_kernel, dtype_name,
                    {**common, "GROUP": 4, "PAGE": 16, "BLOCK_M": block_m, "BLOCK_N": 64,
-                    "BLOCK_D": 128, "HAS_WINDOW": has_window}, 4)
+                    "BLOCK_D": 128, "HAS_WINDOW": has_window, "HAS_SOFTCAP": False}, 4)
+        for max_query_len in (1, 512):  # Gemma 2 9B: 16 / 8 heads, D 256, a window, a cap
+            block_m = attention_tiles(max_query_len, 2)
+            yield (f"paged attention {dtype_name} BLOCK_M {block_m} D 256 window softcap",
+                   _paged_attention_kernel, dtype_name,
+                   {**common, "GROUP": 2, "PAGE": 16, "BLOCK_M": block_m, "BLOCK_N": 64,
+                    "BLOCK_D": 256, "HAS_WINDOW": True, "HAS_SOFTCAP": True}, 4)
 
 
 def main(argv: list[str] | None = None) -> None:

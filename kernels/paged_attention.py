@@ -12,7 +12,9 @@ BLOCK_M 16, a decode row (1 query) and a prefill chunk of 6 queries:
 The program walks the keys its tile's queries can see in tiles of BLOCK_N positions: key p comes
 from block table[p // PAGE] at offset p % PAGE; the causal (and sliding-window) mask is applied
 per (row, key); softmax is online (running max and sum in fp32, base-2 exponentials with the
-1/sqrt(D) scale folded in), so the keys are read once. A sequence costs its own context only.
+score scale, 1/sqrt(D) unless the model gives its own, folded in), so the keys are read once. A
+sequence costs its own context only. With a soft cap (Gemma 2) a score s becomes
+cap * tanh(s / cap) before the mask, tanh from exp2 in fp32 (no libdevice: the interpreter runs it).
 Numerics: q k^T in the cache dtype with fp32 accumulation; p v with p kept in fp32 (tf32 on the
 GPU for bf16/fp16, IEEE for fp32); the output rounded once. Not done: splitting one long
 sequence's keys over several programs (flash-decoding); its KV heads' programs walk it alone.
@@ -29,15 +31,17 @@ import triton.language as tl
 from kernels.attention_work import PagedAttentionWork
 from kernels.sgmv_tiles import cast_rne, numerics
 
+LOG2E: tl.constexpr = tl.constexpr(math.log2(math.e))
+
 
 @triton.jit
 def _paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, ctx_ptr, q_start_ptr, q_len_ptr,
-        scale_log2e, window, head_dim,
+        scale_log2e, scale, softcap, window, head_dim,
         stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
         stride_ot, stride_oh, stride_tables,
         GROUP: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
         DT: tl.constexpr, UPCAST: tl.constexpr, EMULATE_RNE: tl.constexpr, IEEE: tl.constexpr):
     seq, kv_head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_len = tl.load(q_len_ptr + seq)
@@ -82,10 +86,15 @@ def _paged_attention_kernel(
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32
+            if HAS_SOFTCAP:  # cap * tanh(s / cap), tanh(y) = 1 - 2 / (exp(2y) + 1)
+                s = s * scale
+                s = (softcap - 2.0 * softcap / (tl.exp2(s * (2.0 * LOG2E / softcap)) + 1.0)) * LOG2E
+            else:
+                s = s * scale_log2e
             seen = k_pos[None, :] <= q_pos[:, None]
             if HAS_WINDOW:
                 seen &= k_pos[None, :] > q_pos[:, None] - window
-            s = tl.where(seen, s * scale_log2e, float("-inf"))
+            s = tl.where(seen, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)  # [BLOCK_M] rescales what was summed so far
             p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_N]
@@ -110,7 +119,8 @@ def attention_tiles(max_query_len: int, group: int) -> int:
 
 def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  work: PagedAttentionWork, out: torch.Tensor | None,
-                 sliding_window: int | None) -> None:
+                 sliding_window: int | None, scale: float | None = None,
+                 softcap: float | None = None) -> None:
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache "
                          f"{tuple(v_cache.shape)} do not fit [T, H, D] and "
@@ -133,17 +143,23 @@ def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              f"{t.dtype} on {t.device}")
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be > 0 or None, got {sliding_window}")
+    for name, value in (("scale", scale), ("softcap", softcap)):
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{name} must be > 0 and finite, or None, got {value}")
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     work: PagedAttentionWork, *, sliding_window: int | None = None,
+                    scale: float | None = None, softcap: float | None = None,
                     out: torch.Tensor | None = None, block_m: int | None = None,
                     block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
     """q [T, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (one layer of the paged
     cache); work: the step's sequences (kernels/attention_work.py) -> out [T, H, D] holding
-    softmax(q k^T / sqrt(D)) v of every sequence's query rows; other rows are left as they are."""
-    check_inputs(q, k_cache, v_cache, work, out, sliding_window)
+    softmax(cap(q k^T * scale)) v of every sequence's query rows (scale None: 1 / sqrt(D);
+    softcap None: no cap); other rows are left as they are."""
+    check_inputs(q, k_cache, v_cache, work, out, sliding_window, scale, softcap)
     out = torch.empty_like(q) if out is None else out
+    scale = 1 / math.sqrt(q.shape[2]) if scale is None else scale
     num_heads, num_kv_heads, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
     group = num_heads // num_kv_heads
     block_m = block_m or attention_tiles(work.max_query_len, group)
@@ -155,11 +171,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     _paged_attention_kernel[(work.num_seqs, num_kv_heads, num_tiles)](
         q, k_cache, v_cache, out, work.block_tables, work.context_lens, work.query_starts,
-        work.query_lens, math.log2(math.e) / math.sqrt(head_dim), sliding_window or 0, head_dim,
+        work.query_lens, math.log2(math.e) * scale, scale, softcap or 1.0, sliding_window or 0,
+        head_dim,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         work.block_tables.stride(0),
         GROUP=group, PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None,
         num_warps=num_warps, **numerics(q))
     return out

@@ -21,8 +21,10 @@ from kernels.attention_work import PagedAttentionWork, visible_keys
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         work: PagedAttentionWork, *, sliding_window: int | None = None,
+                        scale: float | None = None, softcap: float | None = None,
                         out: torch.Tensor | None = None, **_tuning) -> torch.Tensor:
     out = torch.empty_like(q) if out is None else out
+    scale = 1 / math.sqrt(q.shape[2]) if scale is None else scale
     page, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
     per_seq = torch.stack([work.context_lens, work.query_starts, work.query_lens]).tolist()
     for s, (ctx, start, n) in enumerate(zip(*per_seq)):
@@ -31,7 +33,9 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         k = k_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)  # [C, H, D]
         v = v_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)  # [C, H, D]
         qs = q[start: start + n].float()  # [n, H, D]
-        scores = torch.einsum("nhd,chd->hnc", qs, k) / math.sqrt(q.shape[2])  # [H, n, C]
+        scores = torch.einsum("nhd,chd->hnc", qs, k) * scale  # [H, n, C]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(ctx - n, ctx, device=q.device)  # [n]
         seen = visible_keys(q_pos[:, None], k_pos[None, :], sliding_window)  # [n, C]
         probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)  # [H, n, C]

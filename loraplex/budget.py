@@ -12,7 +12,7 @@ blocks take what is left of --gpu-gib x --utilization, in blocks of --block-size
 --kv-blocks to start the executor with. KV and adapters share them: an adapter's weights are in
 pages, blocks in proportion to its ranks (common/adapter_pages.py). Then the traffic mix: whether
 --seqs sequences of --context tokens fit at once (and if not, how many do), and how many adapters
-of the --adapter-ranks mix (rank:share, on all 7 projections) fit beside that KV, against slots
+of the --adapter-ranks mix (rank:share, on every projection) fit beside that KV, against slots
 padded to the mix's largest rank as vLLM and LoRAX size them.
 """
 
@@ -25,7 +25,6 @@ import math
 import torch
 
 from common.adapter_pages import PageGeometry, padded_pages, plan_pages
-from common.peft.modules import LORA_MODULES
 from executor.model_config import NAMED_CONFIGS, ModelConfig
 from executor.runner import MemoryBudget
 
@@ -76,8 +75,9 @@ def plan(config: ModelConfig, *, dtype: torch.dtype, gpu_bytes: float, utilizati
     mix = adapter_ranks or {max_rank: 1.0}
     geometry = PageGeometry(config.num_hidden_layers,
                             block_size * config.num_key_value_heads * config.head_dim,
-                            {m: config.module_shape(m) for m in LORA_MODULES})
-    mix_pages = sum(share * plan_pages(dict.fromkeys(LORA_MODULES, rank), geometry).num_pages
+                            config.projection_shapes())
+    mix_pages = sum(share * plan_pages(dict.fromkeys(geometry.module_shapes, rank),
+                                       geometry).num_pages
                     for rank, share in mix.items()) / sum(mix.values())
     kv_per_token = 2 * config.num_hidden_layers * config.kv_size * size  # every layer's K and V
     gather_per_token = 2 * config.kv_size * size  # one layer's, gathered for attention

@@ -80,17 +80,22 @@ BROKEN = {  # name -> LoraConfig arguments (the breakage is applied after saving
 
 
 def tiny_config(model_type: str = "llama", **overrides: Any):
-    """An HF config of the tiny model family (llama, mistral, qwen2 or qwen3)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    """An HF config of the tiny model family (llama, mistral, qwen2, qwen3, gemma2, gemma3_text
+    or phi3)."""
+    import transformers
 
-    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
-           "qwen3": Qwen3Config}[model_type]
+    cls = getattr(transformers, {
+        "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
+        "qwen3": "Qwen3Config", "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig",
+        "phi3": "Phi3Config"}[model_type])
     args = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
                 "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
                 "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "initializer_range": 0.05,
                 "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False}
-    if model_type == "llama":
-        args["head_dim"] = 64
+    if model_type in ("llama", "gemma2", "gemma3_text"):
+        args["head_dim"] = 64  # (Gemma's default is 256 whatever the hidden size)
+    if model_type == "phi3":
+        args["pad_token_id"] = 1  # (Phi3Config's 32000 lies outside the tiny vocabulary)
     args.update(overrides)
     return cls(**args)
 
@@ -122,19 +127,26 @@ def _training_text(seed: int = 0, num_sentences: int = 300) -> list[str]:
             for _ in range(num_sentences)]
 
 
-def save_tokenizer(out_dir: Path) -> None:
+def save_tokenizer(out_dir: Path, special_tokens: tuple[str, ...] = (BOS, EOS),
+                   chat_template: str = CHAT_TEMPLATE, tokenizer_class: str = "") -> None:
+    """A byte-level BPE of 1024 tokens; `special_tokens` take ids 0, 1, ... (bos, eos, then any
+    a family's chat template uses, e.g. Gemma's turn markers). `tokenizer_class` names the class
+    transformers loads it as (PreTrainedTokenizerFast: not the family's own, which expects the
+    family's vocabulary)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=[BOS, EOS],
+    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=list(special_tokens),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_training_text(), trainer=trainer)
     tok.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": BOS, "eos_token": EOS, "model_max_length": 2048,
-         "chat_template": CHAT_TEMPLATE}, indent=2))
+    config = {"bos_token": special_tokens[0], "eos_token": special_tokens[1],
+              "model_max_length": 2048, "chat_template": chat_template}
+    if tokenizer_class:
+        config["tokenizer_class"] = tokenizer_class
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
 def _save_adapter(base, out_dir: Path, seed: int, lora_args: dict[str, Any]) -> None:

@@ -76,7 +76,11 @@ class Servables:
             if self._geometry is not None:
                 ranks = module_ranks(parse_config(adapter.config_json), adapter.target_modules,
                                      self._geometry.num_layers)
-                pages = plan_pages(ranks, self._geometry).num_pages
+                try:
+                    pages = plan_pages(ranks, self._geometry).num_pages
+                except ValueError as err:  # (its modules are not this model's: Phi-3's qkv_proj)
+                    raise FailedPrecondition(f"adapter {ref} does not fit this pool's model "
+                                             f"{self._info.model_id!r}: {err}") from None
             known = self._known[ref] = Servable(ref, adapter.num_bytes, ranks, pages)
             while len(self._known) > self._max_entries:
                 self._known.popitem(last=False)

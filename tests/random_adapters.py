@@ -2,11 +2,12 @@
 
 import torch
 
-from common.peft.modules import LORA_MODULES
 from executor.slot_pool import LoraModuleWeights, LoraWeights
 
 
-def random_adapter(config, rank, seed, modules=LORA_MODULES, layers=None, same_rank=False):
+def random_adapter(config, rank, seed, modules=None, layers=None, same_rank=False):
+    """On `modules` (default: every projection the model has)."""
+    modules = config.lora_modules if modules is None else modules
     g = torch.Generator().manual_seed(seed)
     mods = {}
     for layer in layers if layers is not None else range(config.num_hidden_layers):

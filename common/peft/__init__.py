@@ -1,7 +1,7 @@
 """The PEFT LoRA format, defined once: the adapter store validates every push with it and
 executors read every load with it.
 
-    modules             the 7 projections, their shapes, PEFT's tensor names
+    modules             the projections (the LLaMA and fused layouts), shapes, tensor names
     config              adapter_config.json (bounded, plain LoRA only)
     patterns            target_modules / rank_pattern / alpha_pattern regexes, matched with a bound
     safetensors_header  the safetensors header, bounds-checked before anything is allocated;

@@ -1,6 +1,7 @@
-"""adapter_config.json as PEFT writes it, limited to what loraplex serves: plain LoRA on the 7
-projections of a LLaMA-family model. The adapter store checks it at a push's header (before any
-upload) and executors read the same fields at every load.
+"""adapter_config.json as PEFT writes it, limited to what loraplex serves: plain LoRA on the
+projections of a decoder layer (common.peft.modules: the LLaMA layout's 7, or a fused layout's).
+The adapter store checks it at a push's header (before any upload) and executors read the same
+fields at every load.
 
     {"peft_type": "LORA", "r": 16, "lora_alpha": 32, "use_rslora": false,
      "target_modules": ["q_proj", "v_proj"],            or a PEFT regex, or "all-linear"
@@ -17,7 +18,7 @@ import math
 from collections.abc import Sequence
 
 from common.errors import InvalidArgument
-from common.peft.modules import LORA_MODULES, module_path
+from common.peft.modules import ADAPTABLE_MODULES, module_path
 from common.peft.patterns import compile_pattern, fullmatches
 
 # A PEFT config is well under 4 KiB; one of this size still lists thousands of patterns. Bigger
@@ -25,6 +26,9 @@ from common.peft.patterns import compile_pattern, fullmatches
 MAX_CONFIG_BYTES = 64 * 1024
 # Modules PEFT may adapt that loraplex never serves: the vocabulary-sized ones.
 _VOCAB_MODULES = ("lm_head", "embed_tokens")
+# PEFT's "every linear layer but the output head": the model's projections, whatever its layout
+# (PEFT writes the names it found in a saved config; a hand-written one may say this).
+ALL_LINEAR = "all-linear"
 
 
 def _invalid(message: str) -> InvalidArgument:
@@ -51,7 +55,7 @@ class LoraConfig:
     alpha: float
     use_rslora: bool
     # A list of projection names or dotted suffixes of module paths ("self_attn.q_proj"), or one
-    # regex matched against whole module paths (PEFT's two forms); "all-linear" is expanded.
+    # regex matched against whole module paths (PEFT's two forms), or ALL_LINEAR.
     target_modules: tuple[str, ...] | str
     rank_pattern: dict[str, int]
     alpha_pattern: dict[str, float]
@@ -70,6 +74,8 @@ class LoraConfig:
 
     def targets(self, paths: Sequence[str]) -> list[bool]:
         """Whether each module path ("model.layers.3.mlp.up_proj") is one the adapter targets."""
+        if self.target_modules == ALL_LINEAR:
+            return [p.rsplit(".", 1)[-1] in ADAPTABLE_MODULES for p in paths]
         if isinstance(self.target_modules, str):
             (hits,) = fullmatches([self.target_modules], list(paths),
                                   "adapter_config.json: target_modules regex")
@@ -115,7 +121,7 @@ def parse_config(config_json: str) -> LoraConfig:
             raise _invalid(f"{flag}: {what} is not supported; push a plain LoRA adapter")
     if raw.get("modules_to_save"):
         raise _invalid(f"modules_to_save {raw['modules_to_save']!r} is not supported: loraplex "
-                       "serves LoRA on the 7 projections only, with the base model's own heads")
+                       "serves LoRA on the projections only, with the base model's own heads")
     r = raw.get("r")
     if not _is_int(r) or r <= 0:
         raise _invalid(f"r must be a positive integer, got {r!r}")
@@ -153,14 +159,14 @@ def parse_config(config_json: str) -> LoraConfig:
 
 
 def _target_modules(value: object) -> tuple[str, ...] | str:
-    supported = ", ".join(LORA_MODULES)
-    if value == "all-linear":
-        return LORA_MODULES
+    supported = ", ".join(ADAPTABLE_MODULES)
+    if value == ALL_LINEAR:
+        return ALL_LINEAR
     if isinstance(value, str):
-        if value in LORA_MODULES:
+        if value in ADAPTABLE_MODULES:
             return (value,)
         compile_pattern(value, "adapter_config.json: target_modules regex")
-        paths = [module_path(0, m) for m in LORA_MODULES]
+        paths = [module_path(0, m) for m in ADAPTABLE_MODULES]
         vocab = ["lm_head", "model.embed_tokens"]
         (hits,) = fullmatches([value], paths + vocab, "adapter_config.json: target_modules regex")
         if any(hits[len(paths):]):
@@ -175,7 +181,7 @@ def _target_modules(value: object) -> tuple[str, ...] | str:
         if last in _VOCAB_MODULES:
             raise _invalid(f"target module {target!r} is not supported: adapters on lm_head or "
                            f"embed_tokens are not served (only {supported})")
-        if last not in LORA_MODULES or not all(part.isidentifier() or part.isdigit()
+        if last not in ADAPTABLE_MODULES or not all(part.isidentifier() or part.isdigit()
                                                 for part in target.split(".")):
             raise _invalid(f"target module {target!r} is not supported; use a subset of "
                            f"{supported}")

@@ -120,6 +120,10 @@ def check_fits(layout: AdapterLayout, base: BaseShapes) -> None:
         if m.layer >= base.num_layers:
             raise FailedPrecondition(f"tensor {m.a.name!r}: layer {m.layer} does not exist in "
                                      f"{base.model_id!r} ({base.num_layers} layers)")
+        if m.module not in base.projection_shapes:
+            raise FailedPrecondition(
+                f"tensor {m.a.name!r}: {base.model_id!r} has no {m.module} (its projections: "
+                f"{', '.join(base.projection_shapes)}); was it trained on another model?")
         in_f, out_f = base.projection_shapes[m.module]
         for entry, got, want, what in ((m.a, m.a.shape[1], in_f, "input"),
                                        (m.b, m.b.shape[0], out_f, "output")):

@@ -6,7 +6,7 @@ import random
 import torch
 
 from executor.kv_cache import PagedKVCache
-from executor.slot_pool import LORA_GROUPS, LoraSlotPool, LoraWeights
+from executor.slot_pool import LoraSlotPool, LoraWeights, lora_groups
 
 
 def make_pool(config, *, num_slots: int, max_rank: int, num_blocks: int = 400,
@@ -45,7 +45,7 @@ def backend_outputs(config, first, second, row_slots, seed):
     first_meta, second_meta = first.prepare(row_slots), second.prepare(row_slots)
     g = torch.Generator().manual_seed(seed)
     for layer in range(config.num_hidden_layers):
-        for group, modules in LORA_GROUPS.items():
+        for group, modules in lora_groups(config).items():
             in_f = config.module_shape(modules[0])[0]
             width = sum(config.module_shape(m)[1] for m in modules)
             x = torch.randn(len(row_slots), in_f, generator=g)

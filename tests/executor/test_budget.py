@@ -34,11 +34,14 @@ def check_fits_and_is_maximal(p, wanted_tokens: int) -> None:
 
 
 QWEN3_SHAPED = ModelConfig.named("tiny").replace(qk_norm=True, head_dim=48)  # (head_dim != 64)
+GEMMA3_SHAPED = QWEN3_SHAPED.replace(  # four norms a layer, tied embeddings
+    sandwich_norms=True, norm_unit_offset=True, tie_word_embeddings=True, sliding_window=8,
+    layer_types=("sliding_attention", "full_attention") * 2)
 
 
 @pytest.mark.parametrize("context", [64, 100_000])  # the mix fits / the cache bounds the gather
-@pytest.mark.parametrize("config", [ModelConfig.named("tiny"), QWEN3_SHAPED],
-                         ids=["llama", "qwen3"])
+@pytest.mark.parametrize("config", [ModelConfig.named("tiny"), QWEN3_SHAPED, GEMMA3_SHAPED],
+                         ids=["llama", "qwen3", "gemma3"])
 def test_plan_is_what_a_runner_with_its_flags_allocates(context, config):
     p = make_plan(config, context=context)
     assert p.num_kv_blocks >= 1 and (8 * context > p.kv_tokens) == (context > 64)
@@ -65,6 +68,17 @@ def test_a_larger_mix_leaves_less_cache_until_the_cache_bounds_it():
     # adapter on all 7 projections takes 42 (88 MB, its rows 95% of them)
     assert (round(small.weights_bytes / 1e9, 2), small.kv_bytes_per_token, small.page_bytes,
             small.mix_pages) == (16.06, 128 * 1024, 2 * 2**20, 42)
+
+
+def test_named_families_weigh_what_their_parameter_counts_say():
+    """bf16 weights of the named shapes (random:NAME): Gemma 2 9B has 9.24B parameters, Gemma 3
+    12B's text model 11.77B (embeddings tied, four norms a layer, Gemma 3's q/k norms), Phi-3
+    mini 3.82B (fused qkv_proj and gate_up_proj)."""
+    names = ("gemma-2-9b", "gemma-3-12b", "phi-3-mini")
+    weights = {name: make_plan(ModelConfig.named(name), dtype=torch.bfloat16, gpu_bytes=80 * GIB)
+               .weights_bytes / 1e9 for name in names}
+    assert {n: round(w, 2) for n, w in weights.items()} == {
+        "gemma-2-9b": 18.48, "gemma-3-12b": 23.53, "phi-3-mini": 7.64}
 
 
 def test_a_rank_mix_fits_more_adapters_in_pages_than_in_padded_slots():

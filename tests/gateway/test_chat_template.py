@@ -8,6 +8,7 @@ from transformers import AutoTokenizer
 from common.errors import FailedPrecondition, InvalidArgument
 from executor.tokenizer_files import TokenizerFiles
 from gateway.chat import ChatTemplate
+from tests.family_templates import FAMILY_TEMPLATES
 
 CONVERSATION = [
     {"role": "system", "content": "You are terse. Réponds en français si besoin."},
@@ -80,6 +81,27 @@ def test_templates_in_popular_styles_match_transformers(hf_tokenizer, files, sty
                                                     add_generation_prompt=True)
         text = ChatTemplate(STYLES[style], files.special_tokens).render(conversation)
         assert text == expected
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_TEMPLATES))
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_the_served_families_templates_match_transformers(hf_tokenizer, files, family,
+                                                          add_generation_prompt):
+    """Gemma 2's, Gemma 3's and Phi-3's styles, with and without a system message (Gemma 2
+    refuses one, as transformers does), and Gemma 3's content parts."""
+    hf_tokenizer.chat_template = FAMILY_TEMPLATES[family]
+    template = ChatTemplate(FAMILY_TEMPLATES[family], files.special_tokens)
+    parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in CONVERSATION]
+    for conversation in (CONVERSATION, CONVERSATION[1:], parts):
+        if family == "gemma2" and conversation[0]["role"] == "system":
+            with pytest.raises(InvalidArgument, match="System role not supported"):
+                template.render(conversation)
+            continue
+        if conversation is parts and family != "gemma3_text":
+            continue
+        expected = hf_tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+        assert template.render(conversation, add_generation_prompt) == expected
 
 
 def test_a_template_that_refuses_the_messages_is_invalid_argument(files):

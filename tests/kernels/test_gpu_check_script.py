@@ -32,6 +32,6 @@ def test_gpu_check_smoke_runs_every_section_and_every_check_passes(tmp_path):
     assert len(checks) == 16 and all(line.rstrip().endswith("| yes |") for line in checks)
     assert "4 distinct adapters | torch" in report and "4 distinct adapters | triton" in report
     attention = [line for line in report.splitlines() if line.startswith("| paged ")]
-    assert len(attention) == 6 and all(line.rstrip().endswith("| yes |") for line in attention)
+    assert len(attention) == 8 and all(line.rstrip().endswith("| yes |") for line in attention)
     assert "| short + 1 long | 196 | 100 |" in report  # the timing table
     assert sum(line.startswith("| decode | ") for line in report.splitlines()) == 4

@@ -70,8 +70,9 @@ def make_case(seed, *, num_adapters, rank, num_slices, dtype, block_m=4, max_row
     rng = random.Random(seed)
     first, in_features, out_sizes = GROUPS[num_slices]
     modules = LORA_MODULES[first: first + num_slices]
-    geometry = PageGeometry(LAYERS, REGION, {m: (in_features, n)
-                                             for m, n in zip(modules, out_sizes)})
+    shapes = {m: (in_features, n) for m, n in zip(modules, out_sizes)}
+    geometry = PageGeometry(LAYERS, REGION, {m: shapes.get(m, (1, 1))  # (the tables' order)
+                                             for m in LORA_MODULES})
     num_slots = num_adapters + 2
     module_ranks = [ranks_of(slot) if ranks_of else
                     [rng.choice([rank, rng.randint(0, rank)]) for _ in modules]

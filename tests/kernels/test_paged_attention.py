@@ -75,11 +75,11 @@ def step_work(groups, tables, starts):
                                     [n for _, n in groups], block_size=PAGE)
 
 
-def executor_attention(q, kv, groups, tables, starts, window, backend):
+def executor_attention(q, kv, groups, tables, starts, window, backend, **scores):
     meta = build_attention_meta(tables, [s + n for s, n in groups], starts,
-                                [n for _, n in groups], block_size=PAGE, sliding_window=window,
-                                backend=backend, device="cpu")
-    return attend(q, kv, 0, meta)
+                                [n for _, n in groups], block_size=PAGE,
+                                windows={None, window}, backend=backend, device="cpu")
+    return attend(q, kv, 0, meta[window], **scores)
 
 
 @pytest.mark.parametrize("window", [None, 7], ids=["causal", "window7"])
@@ -116,6 +116,27 @@ def test_mixed_prefill_and_decode_step(dtype, group, window):
     for backend in ("torch", "triton"):
         assert_close(executor_attention(q, kv, MIXED_GROUPS, tables, starts, window, backend),
                      expected, dtype, k=2)
+
+
+@pytest.mark.parametrize("window", [None, 7], ids=["causal", "window7"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_score_scale_and_soft_cap(dtype, window):
+    """Gemma's scores: q k^T times the model's scale (query_pre_attn_scalar), capped to
+    cap * tanh(s / cap), in the kernel and both executor paths, mixed prefill and decode; the
+    cap changes the output (so the test sees it applied)."""
+    kv, q, tables, starts = random_cache(11, MIXED_GROUPS, group=4, head_dim=24, dtype=dtype)
+    work = step_work(MIXED_GROUPS, tables, starts)
+    scores = {"scale": 0.4, "softcap": 1.5}
+    expected = paged_attention_ref(q, kv.k[0], kv.v[0], work, sliding_window=window, **scores)
+    got = paged_attention(q, kv.k[0], kv.v[0], work, sliding_window=window, block_n=16, **scores)
+    assert_close(got, expected, dtype)
+    for backend in ("torch", "triton"):
+        assert_close(executor_attention(q, kv, MIXED_GROUPS, tables, starts, window, backend,
+                                        **scores), expected, dtype, k=2)
+    uncapped = paged_attention_ref(q, kv.k[0], kv.v[0], work, sliding_window=window, scale=0.4)
+    assert (uncapped.float() - expected.float()).abs().max() > 0.05
+    with pytest.raises(ValueError, match="softcap must be > 0"):
+        paged_attention(q, kv.k[0], kv.v[0], work, softcap=0.0)
 
 
 def test_rows_of_no_sequence_are_untouched_and_tiles_split_long_chunks():
@@ -174,11 +195,12 @@ def test_decode_buckets_pad_each_row_to_at_most_twice_its_keys():
         assert sorted(r for b in buckets for r in b.rows.tolist()) == list(range(64))
         for b in buckets:
             assert b.slots.shape[1] <= 2 * max(int(keys[b.rows].min()), MIN_BUCKET_KEYS)
-    meta = build_attention_meta([[0, 1]] * 2, [5, 2], [0, 5], [5, 1], block_size=4,
-                                sliding_window=None, backend="auto", device="cpu")
-    assert isinstance(meta, TorchAttentionMeta) and len(meta.prefills) == 1
+    metas = build_attention_meta([[0, 1]] * 2, [5, 2], [0, 5], [5, 1], block_size=4,
+                                 windows={None, 5, 3}, backend="auto", device="cpu")
+    assert isinstance(metas[None], TorchAttentionMeta) and len(metas[None].prefills) == 1
+    assert metas[5] is metas[None] and metas[3] is not metas[None]  # no context exceeds 5
     with pytest.raises(ValueError, match="unknown attention backend"):
-        build_attention_meta([], [], [], [], block_size=4, sliding_window=None, backend="flash",
+        build_attention_meta([], [], [], [], block_size=4, windows={None}, backend="flash",
                              device="cpu")
 
 

@@ -31,7 +31,10 @@ HIDDEN, KV, FFN = 256, 128, 512  # tiny LLaMA: 4 heads, 2 kv heads, head_dim 64
 SHAPES = {"q_proj": ("self_attn", HIDDEN, HIDDEN), "k_proj": ("self_attn", HIDDEN, KV),
           "v_proj": ("self_attn", HIDDEN, KV), "o_proj": ("self_attn", HIDDEN, HIDDEN),
           "gate_proj": ("mlp", HIDDEN, FFN), "up_proj": ("mlp", HIDDEN, FFN),
-          "down_proj": ("mlp", FFN, HIDDEN)}
+          "down_proj": ("mlp", FFN, HIDDEN),
+          # a fused layout's (Phi-3): B spans q | k | v, gate | up
+          "qkv_proj": ("self_attn", HIDDEN, HIDDEN + 2 * KV),
+          "gate_up_proj": ("mlp", HIDDEN, 2 * FFN)}
 WEIGHTS = "adapter_model.safetensors"
 
 

@@ -1,0 +1,165 @@
+"""Rotary position embeddings as HF transformers computes them: the variants a served model's
+config.json may state (rope_type default, llama3, linear, longrope), parsed once and turned into
+inverse frequencies and a cos/sin scale.
+
+    default   inv_freq[i] = 1 / theta^(2i / D)
+    llama3    Llama 3.1: low frequencies divided by `factor`, a smooth band between
+    linear    every frequency divided by `factor` (Gemma 3's global layers)
+    longrope  Phi-3 (config "su"/"longrope"): inv_freq[i] = 1 / (short_factor[i] theta^(2i / D)),
+              cos and sin times attention_factor. HF switches every position to the long factors
+              once a sequence passes original_max_position_embeddings, recomputing nothing already
+              cached: an answer that depends on how the sequence was stepped. So a longrope model
+              is served up to original_max_position_embeddings (ModelConfig caps its context),
+              where HF uses the short factors throughout.
+
+A model with sliding-window layers may give them their own base (Gemma 3's rope_local_base_freq):
+its local rope is default RoPE at that base.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1 frequency-dependent RoPE scaling (rope_type "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class LinearRopeScaling:
+    """Every inverse frequency divided by `factor` (rope_type "linear")."""
+
+    factor: float
+
+
+@dataclass(frozen=True)
+class LongRopeScaling:
+    """Phi-3's LongRoPE (rope_type "longrope", formerly "su"), served with its short factors."""
+
+    short_factor: tuple[float, ...]  # [D / 2]
+    attention_factor: float  # cos and sin are multiplied by it
+    original_max_position_embeddings: int  # the context a longrope model is served up to
+
+
+RopeScaling = Llama3RopeScaling | LinearRopeScaling | LongRopeScaling
+ROPE_TYPES = ("default", "llama3", "linear", "longrope")
+
+
+@dataclass(frozen=True)
+class Rope:
+    """One rotary embedding: its base and scaling."""
+
+    theta: float
+    scaling: RopeScaling | None = None
+
+    @property
+    def attention_factor(self) -> float:
+        """cos and sin are multiplied by this (1 but for longrope)."""
+        return self.scaling.attention_factor if isinstance(self.scaling, LongRopeScaling) else 1.0
+
+    def inv_freq(self, head_dim: int) -> torch.Tensor:
+        """[head_dim // 2] fp32 inverse frequencies."""
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim  # [D / 2]
+        s = self.scaling
+        if isinstance(s, LongRopeScaling):
+            return 1.0 / (torch.tensor(s.short_factor, dtype=torch.float32)
+                          * self.theta ** exponents)
+        inv_freq = 1.0 / (self.theta ** exponents)
+        if isinstance(s, LinearRopeScaling):
+            return inv_freq / s.factor
+        if isinstance(s, Llama3RopeScaling):
+            return _llama3(inv_freq, s)
+        return inv_freq
+
+
+def _llama3(inv_freq: torch.Tensor, s: Llama3RopeScaling) -> torch.Tensor:
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = ((s.original_max_position_embeddings / wavelen - s.low_freq_factor)
+              / (s.high_freq_factor - s.low_freq_factor))
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(rope: Rope, inv_freq: torch.Tensor, positions: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, D] of positions [T] (HF's order: in fp32, scaled, then cast to `dtype`)."""
+    freqs = positions[:, None].float() * inv_freq[None, :]  # [T, D / 2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+    factor = rope.attention_factor
+    cos, sin = emb.cos(), emb.sin()
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    return cos.to(dtype), sin.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos, sin [T, D] (HF rotate-half layout)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def parse_rope(params: dict[str, Any], *, theta: float, head_dim: int,
+               max_position_embeddings: int,
+               original_max_position_embeddings: int | None = None) -> Rope:
+    """The rope of an HF `rope_scaling` / `rope_parameters` dict (tf4 or tf5 keys; {} = default)
+    at base `theta`; ValueError naming what is not supported."""
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type == "su":  # (Phi-3's first name for longrope, as transformers reads it)
+        rope_type = "longrope"
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"model config: rope type {rope_type!r} is not supported "
+                         f"(supported: {', '.join(ROPE_TYPES)})")
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(f"model config: partial_rotary_factor "
+                         f"{params['partial_rotary_factor']} is not supported (only 1.0)")
+    try:
+        if rope_type == "default":
+            return Rope(theta)
+        if rope_type == "linear":
+            return Rope(theta, LinearRopeScaling(float(params["factor"])))
+        if rope_type == "llama3":
+            return Rope(theta, Llama3RopeScaling(
+                factor=float(params["factor"]),
+                low_freq_factor=float(params["low_freq_factor"]),
+                high_freq_factor=float(params["high_freq_factor"]),
+                original_max_position_embeddings=int(params["original_max_position_embeddings"])))
+        # (transformers takes the config's top-level value over the rope dict's)
+        original = original_max_position_embeddings or params.get(
+            "original_max_position_embeddings")
+        if original is None:
+            raise KeyError("original_max_position_embeddings")
+        return Rope(theta, _longrope(params, head_dim, max_position_embeddings, int(original)))
+    except KeyError as err:
+        raise ValueError(f"model config: {rope_type} rope scaling is missing "
+                         f"{err.args[0]!r}") from None
+
+
+def _longrope(params: dict[str, Any], head_dim: int, max_position_embeddings: int,
+              original: int) -> LongRopeScaling:
+    short = params["short_factor"]
+    if not (isinstance(short, list) and len(short) == head_dim // 2
+            and all(isinstance(f, (int, float)) and f > 0 for f in short)):
+        raise ValueError(f"model config: longrope short_factor must be {head_dim // 2} positive "
+                         "numbers (head_dim / 2)")
+    # HF's attention factor: given, else from factor (given, else the context's growth)
+    attention = params.get("attention_factor")
+    if attention is None:
+        factor = params.get("factor") or max_position_embeddings / original
+        attention = (1.0 if factor <= 1.0
+                     else math.sqrt(1 + math.log(factor) / math.log(original)))
+    return LongRopeScaling(tuple(float(f) for f in short), float(attention), original)

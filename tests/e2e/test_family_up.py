@@ -1,0 +1,115 @@
+"""`loraplex up --model DIR` on a Gemma 2 folder and on a Phi-3 one (issue 32), every service its
+own process: a tiny random model of the family (Gemma 2: a sliding window of 6, soft caps,
+query_pre_attn_scalar; Phi-3: fused projections, its adapter on qkv_proj and gate_up_proj) with a
+tokenizer and a chat template in the family's style, a PEFT adapter pushed with the CLI (the
+store checks it, the scheduler plans its pages, the executor loads it), then the OpenAI API: a
+chat's prompt is transformers' apply_chat_template of the messages, its greedy reply and a
+base-model completion are HF + PEFT's; Gemma's template refuses a system message: 400."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+import torch
+
+from loraplex import fixtures
+from tests.e2e.test_readme_gateway import free_base_port
+from tests.family_templates import GEMMA2, GEMMA_TOKENS, PHI3, PHI3_TOKENS
+from tests.oracle import hf_greedy, made_adapters
+
+FAMILIES = {  # model_type -> (model's quirks, special tokens, template, eos ids, adapter targets)
+    "gemma2": ({"sliding_window": 6, "query_pre_attn_scalar": 32, "attn_logit_softcapping": 1.0,
+                "final_logit_softcapping": 3.0}, GEMMA_TOKENS, GEMMA2, (1, 3),
+               fixtures.ATTN + fixtures.MLP),
+    "phi3": ({"sliding_window": 10}, PHI3_TOKENS, PHI3, (1, 4),
+             ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+}
+MESSAGES = [{"role": "user", "content": "The river serves many small tunes"},
+            {"role": "assistant", "content": "Seven quiet blocks."},
+            {"role": "user", "content": "Every request names its own adapter"}]
+NUM_TOKENS = 8
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """(model_type, model id, its folder (tokenizer, template, generation config beside it),
+    the adapter's folder, HF + PEFT with the adapter loaded, the tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quirks, tokens, template, eos, targets = FAMILIES[request.param]
+    model_id = f"tiny-{request.param}"
+    out = tmp_path_factory.mktemp(model_id)
+    model_dir = fixtures.save_tiny_model(out / model_id, request.param, seed=5, **quirks)
+    fixtures.save_tokenizer(model_dir, tokens, template, "PreTrainedTokenizerFast")
+    (model_dir / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 0, "eos_token_id": list(eos)}))
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    base.name_or_path = model_id  # the adapter's base_model_name_or_path: what `up` serves
+    hf = made_adapters(base, out, {"chat": {"r": 8, "lora_alpha": 16, "target_modules": targets}},
+                       seed=21)
+    return (request.param, model_id, model_dir, out / "chat", hf,
+            AutoTokenizer.from_pretrained(model_dir))
+
+
+@pytest.fixture(scope="module")
+def up(family, tmp_path_factory):
+    """`loraplex up --model DIR` running; (store address, OpenAI client)."""
+    state = tmp_path_factory.mktemp("family-up-state")
+    base, http = free_base_port(), free_base_port() + 1
+    server = subprocess.Popen(
+        [sys.executable, "-m", "loraplex.cli", "up", "--model", str(family[2]), "--state-dir",
+         str(state), "--base-port", str(base), "--http-port", str(http),
+         "--executor-args", "--threads 1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        for line in server.stdout:
+            if line.startswith("serving") or time.monotonic() > deadline:
+                break
+        assert server.poll() is None, "loraplex up exited"
+        yield f"127.0.0.1:{base + 1}", openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1",
+                                                     api_key="sk-local", timeout=120)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(60)
+
+
+def greedy_text(hf, tokenizer, ids, eos, adapter=None) -> str:
+    tokens, _ = hf_greedy(hf, ids, NUM_TOKENS, adapter)
+    ended = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
+    return tokenizer.decode(tokens[:ended])
+
+
+def test_a_family_folder_serves_its_template_and_adapter_as_transformers_would(family, up):
+    model_type, model_id, _, adapter_dir, hf, tokenizer = family
+    eos = FAMILIES[model_type][3]
+    store, api = up
+    pushed = subprocess.run(
+        [sys.executable, "-m", "loraplex.cli", "adapters", "push", str(adapter_dir), "--name",
+         f"{model_type}-chat", "--store", store], capture_output=True, text=True, timeout=120)
+    assert pushed.returncode == 0, pushed.stderr
+    messages = MESSAGES if model_type == "gemma2" else [
+        {"role": "system", "content": "Be brief."}, *MESSAGES]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        chat = api.chat.completions.create(model=f"{model_type}-chat", messages=messages,
+                                           max_tokens=NUM_TOKENS, temperature=0)
+        assert chat.usage.prompt_tokens == len(ids)
+        reply = chat.choices[0].message.content
+        assert reply and reply == greedy_text(hf, tokenizer, ids, eos, "chat")
+        assert reply != greedy_text(hf, tokenizer, ids, eos)  # (the adapter's, not the base's)
+        prompt = "The scheduler shares"
+        plain = api.completions.create(model=model_id, prompt=prompt, max_tokens=NUM_TOKENS,
+                                       temperature=0)
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        assert plain.choices[0].text and plain.choices[0].text == greedy_text(
+            hf, tokenizer, prompt_ids, eos)
+    if model_type == "gemma2":
+        with pytest.raises(openai.BadRequestError, match="System role not supported"):
+            api.chat.completions.create(model=f"{model_type}-chat", max_tokens=2, messages=[
+                {"role": "system", "content": "Be brief."}, *MESSAGES])

@@ -1,0 +1,68 @@
+"""A model's family from its config.json (executor/model_families.py): for every served
+model_type, what ModelConfig reads is what transformers' own model of that config does, layer by
+layer (its attention's window and scale, its rotary frequencies, its tied head); a model_type
+loraplex does not serve is refused when the executor starts, naming it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from common.model_families import MODEL_TYPES
+from executor.model_config import ModelConfig
+from loraplex import fixtures
+
+# Per family, a config with every quirk away from its default (tf5 layout, as transformers
+# writes it), so a field read wrongly, or assumed, shows.
+QUIRKS = {
+    "llama": {"tie_word_embeddings": True, "head_dim": 48},
+    "mistral": {"sliding_window": 7},
+    "qwen2": {"tie_word_embeddings": True},
+    "qwen3": {"head_dim": 48},
+    "gemma2": {"sliding_window": 5, "query_pre_attn_scalar": 40, "head_dim": 32,
+               "layer_types": ["full_attention", "sliding_attention"] * 2},
+    "gemma3_text": {"sliding_window": 9, "sliding_window_pattern": 3, "rope_local_base_freq": 77.0,
+                    "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+                    "tie_word_embeddings": True},
+    "phi3": {"sliding_window": 11},
+}
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_each_family_is_read_as_transformers_builds_it(model_type):
+    from transformers import AutoModelForCausalLM
+
+    hf_config = fixtures.tiny_config(model_type, **QUIRKS[model_type])
+    ours = ModelConfig.from_hf_dict(json.loads(hf_config.to_json_string()))
+    model = AutoModelForCausalLM.from_config(hf_config)
+    assert ours.tie_word_embeddings == (model.lm_head.weight is model.model.embed_tokens.weight)
+    rotary = model.model.rotary_emb
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        # (Mistral's and Phi-3's attention passes the config's window to every layer)
+        window = (attn.sliding_window if hasattr(attn, "sliding_window")
+                  else getattr(hf_config, "sliding_window", None))
+        assert ours.layer_window(i) == window
+        assert (ours.attention_scale or ours.head_dim ** -0.5) == attn.scaling
+        assert attn.head_dim == ours.head_dim
+        kind = hf_config.layer_types[i] if model_type == "gemma3_text" else ""
+        inv_freq = getattr(rotary, f"{kind}_inv_freq" if kind else "inv_freq")
+        assert torch.equal(ours.layer_rope(i).inv_freq(ours.head_dim), inv_freq)
+    assert ours.fused_projections == hasattr(model.model.layers[0].self_attn, "qkv_proj")
+    assert ours.qk_norm == hasattr(model.model.layers[0].self_attn, "q_norm")
+    assert ours.sandwich_norms == hasattr(model.model.layers[0], "post_feedforward_layernorm")
+
+
+@pytest.mark.parametrize("config, name", [({"model_type": "gpt2"}, "'gpt2'"),
+                                          ({"model_type": "gemma3"}, "'gemma3'")])
+def test_an_unserved_model_type_is_refused_at_executor_start(tmp_path, config, name):
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_size": 64}))
+    run = subprocess.run(
+        [sys.executable, "-m", "loraplex.cli", "serve", "executor", "--model", str(tmp_path),
+         "--store", "127.0.0.1:1", "--address", "127.0.0.1:0"],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 1
+    assert f"model_type {name}" in run.stderr and "is not supported" in run.stderr
+    assert "Traceback" not in run.stderr
