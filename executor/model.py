@@ -13,6 +13,11 @@ backend adds the adapters of its segments with one call per fused output. Attent
 sequence's context back through its block table (executor/attention.py): on CUDA one Triton
 kernel reads K/V in place for every row group; on CPU decode rows are batched in a few SDPA
 calls by context length and prefill chunks get one SDPA call each.
+
+On a rank of a tensor-parallel executor, `config` is the rank's part (executor/shards.py: its
+heads, KV heads and intermediate size) and `tp` its group: the embedding and lm_head hold its
+vocabulary rows, and the outputs of o and down (row-parallel: partial sums, each with its LoRA
+delta) are all-reduced: the model's only collectives (executor/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from executor.attention import AttentionMeta, attend, build_attention_meta
 from executor.kv_cache import PagedKVCache
 from executor.lora import LoraBackend, LoraBatchMeta
 from executor.model_config import ModelConfig
+from executor.tensor_parallel import SINGLE, TensorParallel
 from executor.weights import ModelWeights
 
 
@@ -106,17 +112,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Transformer:
-    def __init__(self, config: ModelConfig, weights: ModelWeights, lora: LoraBackend) -> None:
-        self.config, self.weights, self.lora = config, weights, lora
+    def __init__(self, config: ModelConfig, weights: ModelWeights, lora: LoraBackend,
+                 tp: TensorParallel = SINGLE) -> None:
+        self.config, self.weights, self.lora, self.tp = config, weights, lora, tp
         self.inv_freq = rope_inv_freq(config).to(weights.embed.device)  # [D / 2] fp32
 
-    def forward(self, tokens: torch.Tensor, meta: StepMetadata, kv: PagedKVCache) -> torch.Tensor:
-        """tokens [T] -> logits [S, vocab] of meta.sample_rows (fp32)."""
+    def forward(self, tokens: torch.Tensor, meta: StepMetadata,
+                kv: PagedKVCache) -> torch.Tensor | None:
+        """tokens [T] -> logits [S, vocab] of meta.sample_rows (fp32); None on a rank but the
+        first of a tensor-parallel group (rank 0 gathers them)."""
         freqs = meta.positions[:, None].float() * self.inv_freq[None, :]  # [T, D / 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
         dtype = self.weights.embed.dtype
         cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
-        h = self.weights.embed[tokens]  # [T, hidden]
+        h = self.tp.embed(self.weights.embed, tokens, self.weights.vocab_start)  # [T, hidden]
         for i, layer in enumerate(self.weights.layers):
             x = rms_norm(h, layer.input_norm, self.config.rms_norm_eps)
             h = h + self._attention(i, x, cos, sin, meta, kv)
@@ -124,7 +133,8 @@ class Transformer:
             h = h + self._mlp(i, x, meta.lora)
         last = rms_norm(h.index_select(0, meta.sample_rows), self.weights.norm,
                         self.config.rms_norm_eps)
-        return F.linear(last, self.weights.lm_head).float()  # [S, vocab]
+        logits = F.linear(last, self.weights.lm_head).float()  # [S, the rank's vocab rows]
+        return self.tp.gather_vocab(logits, self.config.vocab_size)  # [S, vocab]
 
     def _attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    meta: StepMetadata, kv: PagedKVCache) -> torch.Tensor:
@@ -144,7 +154,7 @@ class Transformer:
         attn = attn.reshape(t, c.q_size)  # [T, H * D]
         out = F.linear(attn, w.wo)  # [T, hidden]
         self.lora.apply(i, "o", attn, out, meta.lora)
-        return out
+        return self.tp.all_reduce(out)  # (row-parallel: the ranks' partial sums)
 
     def _mlp(self, i: int, x: torch.Tensor, lora: LoraBatchMeta) -> torch.Tensor:
         w = self.weights.layers[i]
@@ -154,4 +164,4 @@ class Transformer:
         hidden = F.silu(gate) * up  # [T, intermediate]
         out = F.linear(hidden, w.w_down)  # [T, hidden]
         self.lora.apply(i, "down", hidden, out, lora)
-        return out
+        return self.tp.all_reduce(out)  # (row-parallel: the ranks' partial sums)

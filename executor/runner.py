@@ -2,6 +2,11 @@
 keeps no policy: the scheduler owns block tables (the runner mirrors them), slot placement and
 batching; no gRPC here. What each adapter slot holds is the slot pool's record (`pool`,
 executor/slot_pool.py): the runner asks it whether a step's slots are loaded.
+
+On a rank of a tensor-parallel executor (`tp`, executor/tensor_parallel.py) the runner holds the
+rank's part (`shard`, executor/shards.py): weights, KV heads, and adapters cut to it as they are
+loaded; `config` stays the whole model's. Every rank runs the same steps; rank 0 alone samples
+(it gathers the logits), and the others take its tokens.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ from executor.merge import Merged, merge, unmerge
 from executor.model import RowSpec, StepMetadata, Transformer
 from executor.model_config import ModelConfig
 from executor.sampling import DrawStream, sample
+from executor.shards import Shard
 from executor.slot_pool import LoraSlotPool, LoraWeights
+from executor.tensor_parallel import SINGLE, TensorParallel
 from executor.weights import ModelWeights, load_weights, random_weights
 
 
@@ -52,16 +59,19 @@ class MemoryBudget:
 
     @classmethod
     def estimate(cls, config: ModelConfig, *, num_kv_blocks: int, block_size: int, num_slots: int,
-                 max_rank: int, dtype: torch.dtype = torch.float32) -> MemoryBudget:
-        """What a runner with these settings will hold, computed without allocating anything."""
-        c, size = config, torch.empty((), dtype=dtype).element_size()
+                 max_rank: int, dtype: torch.dtype = torch.float32,
+                 tensor_parallel: int = 1) -> MemoryBudget:
+        """What a runner with these settings will hold, computed without allocating anything
+        (with `tensor_parallel` N: what each rank's holds, on each of the N GPUs)."""
+        shard = Shard(config, 0, tensor_parallel)
+        c, size = shard.config, torch.empty((), dtype=dtype).element_size()
         per_layer = sum(i * o for i, o in map(c.module_shape, LORA_MODULES)) + 2 * c.hidden_size
         if c.attention_bias:
             per_layer += c.q_size + 2 * c.kv_size
         if c.qk_norm:
             per_layer += 2 * c.head_dim
         heads = 1 if c.tie_word_embeddings else 2
-        weights = c.num_hidden_layers * per_layer + heads * c.vocab_size * c.hidden_size
+        weights = c.num_hidden_layers * per_layer + heads * shard.vocab_rows * c.hidden_size
         weights += c.hidden_size
         kv = 2 * c.num_hidden_layers * num_kv_blocks * block_size * c.kv_size
         # The pool's tables (adapters' weights are in pages of the KV blocks): 8-byte offsets of
@@ -88,17 +98,21 @@ class _Sequence:
 class ModelRunner:
     def __init__(self, config: ModelConfig, weights: ModelWeights, *, num_kv_blocks: int,
                  block_size: int, num_slots: int, max_rank: int, lora_backend: str = "auto",
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 tp: TensorParallel = SINGLE) -> None:
+        """`weights`: the rank's part (load_weights / random_weights with its shard)."""
         self.config, self.weights, self.device = config, weights, torch.device(device)
-        self.kv = PagedKVCache(num_layers=config.num_hidden_layers, num_blocks=num_kv_blocks,
-                               block_size=block_size, num_kv_heads=config.num_key_value_heads,
-                               head_dim=config.head_dim, dtype=dtype, device=device)
-        self.pool = LoraSlotPool(config, num_slots=num_slots, max_rank=max_rank, kv=self.kv)
+        self.tp, self.shard = tp, Shard(config, tp.rank, tp.world)
+        local = self.shard.config  # (config itself on one rank)
+        self.kv = PagedKVCache(num_layers=local.num_hidden_layers, num_blocks=num_kv_blocks,
+                               block_size=block_size, num_kv_heads=local.num_key_value_heads,
+                               head_dim=local.head_dim, dtype=dtype, device=device)
+        self.pool = LoraSlotPool(local, num_slots=num_slots, max_rank=max_rank, kv=self.kv)
         # Held while a slot is written (a load's copy, an unload) or merged: a merge and a write
         # into the merged slot never interleave (the step thread merges, a loader thread copies).
         self.slot_writes = threading.Lock()
         self.lora = make_lora_backend(lora_backend, self.pool)
-        self.model = Transformer(config, weights, self.lora)
+        self.model = Transformer(local, weights, self.lora, tp)
         self._seqs: dict[int, _Sequence] = {}
         self._merged: Merged | None = None  # the adapter folded into the weights (merge.py)
         self.base_fingerprint = ""  # of the model folder (common/base_fingerprint.py); "": none
@@ -115,8 +129,10 @@ class ModelRunner:
     def from_pretrained(cls, model_dir: str | Path, *, model_id: str = "",
                         **kw: Any) -> ModelRunner:
         config = ModelConfig.from_pretrained(model_dir, model_id=model_id)
+        tp = kw.get("tp", SINGLE)
         weights = load_weights(model_dir, config, dtype=kw.get("dtype", torch.float32),
-                               device=kw.get("device", "cpu"))
+                               device=kw.get("device", "cpu"),
+                               shard=Shard(config, tp.rank, tp.world))
         return cls(config, weights, **kw)
 
     @classmethod
@@ -125,8 +141,10 @@ class ModelRunner:
         config = config_name_or_config
         if isinstance(config, str):
             config = ModelConfig.named(config)
+        tp = kw.get("tp", SINGLE)
         weights = random_weights(config, seed, dtype=kw.get("dtype", torch.float32),
-                                 device=kw.get("device", "cpu"))
+                                 device=kw.get("device", "cpu"),
+                                 shard=Shard(config, tp.rank, tp.world))
         return cls(config, weights, **kw)
 
     def memory_budget(self) -> MemoryBudget:
@@ -138,7 +156,9 @@ class ModelRunner:
         steps' own): loaded at once. Without `pages` (tests and tools that drive a runner
         without a scheduler), the highest blocks that no sequence or slot uses: those must keep
         their sequences off them (ModelRunner.free_blocks). The executor's loads go through
-        AdapterLoader instead (side stream, store reference, pages from the scheduler)."""
+        AdapterLoader instead (side stream, store reference, pages from the scheduler).
+        `weights`: the whole adapter (the runner keeps its rank's part)."""
+        weights = self.shard.lora(weights)
         if pages is None:
             free, needed = self.free_blocks(), self.pool.pages_for(weights).num_pages
             if needed > len(free):
@@ -232,7 +252,8 @@ class ModelRunner:
     @torch.inference_mode()
     def step_with_logits(self, rows: Sequence[Row]) -> tuple[list[Sampled], torch.Tensor]:
         """Run one step; also return the last-position logits [S, vocab] (fp32) of the sampled
-        sequences, row i belonging to the i-th Sampled."""
+        sequences, row i belonging to the i-th Sampled (on a rank but the first of a
+        tensor-parallel group: none, [0, vocab])."""
         self._validate(rows)
         self._give_up_pages(rows)
         groups, sample_rows, sampled_seqs = [], [], []
@@ -257,12 +278,17 @@ class ModelRunner:
         lora_meta = self.lora.prepare(row_slots)
         meta = StepMetadata.build(groups, kv=self.kv, sliding_window=self.config.sliding_window,
                                   lora=lora_meta, sample_rows=sample_rows, device=self.device)
-        logits = self.model.forward(tokens, meta, self.kv)  # [S, vocab]
+        logits = self.model.forward(tokens, meta, self.kv)  # [S, vocab]; None: not rank 0
         for r in rows:
             self._seqs[r.seq_id].num_computed += r.num_tokens
         seqs = [self._seqs[s] for s in sampled_seqs]
-        token_ids, logprobs = sample(logits, [s.sampling for s in seqs],
-                                     [s.draws for s in seqs])
+        token_ids, logprobs = [], [0.0] * len(seqs)
+        if logits is not None:
+            token_ids, logprobs = sample(logits, [s.sampling for s in seqs],
+                                         [s.draws for s in seqs])
+        else:
+            logits = torch.empty(0, self.config.vocab_size)
+        token_ids = self.tp.share_tokens(token_ids, len(seqs))  # (rank 0's, on every rank)
         for seq, token in zip(seqs, token_ids):
             seq.token_ids.append(token)
         return ([Sampled(s, t, lp) for s, t, lp in zip(sampled_seqs, token_ids, logprobs)],
