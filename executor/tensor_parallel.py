@@ -37,6 +37,11 @@ class GroupBroken(RuntimeError):
     """A collective of the rank group failed or timed out: a rank died or froze."""
 
 
+def rank_device(device: str, rank: int, world: int) -> torch.device:
+    """The device of rank `rank`: cuda -> cuda:rank in a group of more than one, else `device`."""
+    return torch.device("cuda", rank) if world > 1 and device == "cuda" else torch.device(device)
+
+
 def _raise(err: Exception) -> NoReturn:
     raise GroupBroken(f"the tensor-parallel group broke: {err}") from err
 
