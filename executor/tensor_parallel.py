@@ -65,7 +65,8 @@ class TensorParallel:
 
     @classmethod
     def join(cls, rank: int, world: int, store_file: str, *, device: torch.device,
-             timeout_s: float, on_broken: Callable[[Exception], NoReturn]) -> TensorParallel:
+             timeout_s: float,
+             on_broken: Callable[[Exception], NoReturn] = _raise) -> TensorParallel:
         """Join the group of `world` ranks meeting at `store_file` (a FileStore: no port to pick),
         NCCL on CUDA and gloo elsewhere, each collective bounded by `timeout_s`."""
         backend = "nccl" if device.type == "cuda" else "gloo"
