@@ -1,15 +1,17 @@
 """Rank 0 telling the other ranks of a tensor-parallel executor what to do (executor/followers.py,
 executor/follower.py, protos/rank_group.proto), over real sockets: a follower given the steps,
 loads and clears rank 0 did holds what rank 0 holds and the pair samples TP=1's tokens; only a
-rank's part of an adapter travels to it; a follower that is gone, silent or fails a copy breaks
-the group, within the timeout."""
+rank's part of an adapter travels to it; a follower that is gone, silent or fails a copy, and a
+collective a rank never meets (it froze), break the group within the timeout."""
 
+import datetime
 import socket
 import threading
 import time
 from multiprocessing.connection import Connection
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from executor.follower import follow
@@ -150,3 +152,24 @@ def test_a_follower_gone_silent_or_failing_breaks_the_group():
     with pytest.raises(GroupBroken, match="rank 1 is gone"):
         for _ in range(3):  # (the first write may still land in the socket's buffer)
             followers.clear(0)
+
+
+def test_a_collective_a_rank_never_meets_breaks_the_group_within_its_timeout():
+    """A frozen rank: the other's all-reduce waits no longer than the group's timeout."""
+    store = dist.HashStore()
+    groups = {}
+
+    def join(rank: int) -> None:
+        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("frozen", store), rank, 2,
+                                             datetime.timedelta(seconds=1))
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    tp = TensorParallel(0, 2, groups[0], on_broken=broken)
+    start = time.monotonic()
+    with pytest.raises(GroupBroken):
+        tp.all_reduce(torch.ones(4))  # rank 1 never joins it
+    assert time.monotonic() - start < 5
