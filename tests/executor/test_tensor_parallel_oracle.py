@@ -3,6 +3,7 @@
 part, give HF + PEFT's greedy tokens and TP=1's logits within TP_ATOL, for every fixture adapter
 (all projections, MLP only, rank patterns, rsLoRA, layers_to_transform) mixed in one batch beside
 base-model rows; with a cached prefix; merged; and with the Triton LoRA backend (interpreter).
+A Qwen-shaped model (biases, head norms) with tied embeddings and an uneven vocabulary too.
 
 TP_ATOL: a rank's row-parallel outputs are partial sums added by the all-reduce, so the float32
 sums run in another order than TP=1's one matmul: the logits differ by ~5e-6 (measured), against
@@ -17,12 +18,14 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from common.sampling import SamplingParams  # noqa: E402
+from executor.model_config import ModelConfig  # noqa: E402
 from executor.peft_adapter import parse_peft_adapter  # noqa: E402
 from executor.runner import ModelRunner, Row  # noqa: E402
 from executor.tensor_parallel import TensorParallel  # noqa: E402
 from tests.executor.test_merge import weights_digest  # noqa: E402
 from tests.executor.test_prefix_reuse import decode  # noqa: E402
 from tests.oracle import assert_matches_hf  # noqa: E402
+from tests.random_adapters import random_adapter  # noqa: E402
 from tests.rank_threads import RankThreads  # noqa: E402
 from tests.runner_driver import BLOCK, MAX_RANK, make_runner, prompts, read_adapter, run  # noqa: E402
 
@@ -163,3 +166,25 @@ def test_without_the_row_parallel_all_reduce_the_logits_are_wrong(tiny, one, mon
     ranks.close()
     want = run(one, requests, 1)
     assert (got[0][1] - want[0][1]).abs().max() > 1e-2
+
+
+def test_biases_head_norms_tied_embeddings_and_an_uneven_vocabulary():
+    """Qwen-shaped (q/k/v biases split with their rows, q/k norms per head whole on each rank),
+    tied embeddings, a vocabulary of 1001 split 501 + 500 (the last part padded): random weights,
+    the same model whole and cut in two, with an adapter of ranks 8..2 on every projection."""
+    config = ModelConfig.named("tiny").replace(attention_bias=True, qk_norm=True,
+                                               tie_word_embeddings=True, vocab_size=1001)
+    kw = dict(num_kv_blocks=1024, block_size=BLOCK, num_slots=1, max_rank=8, seed=3)
+    one = ModelRunner.random(config, **kw)
+    ranks = RankThreads(2, lambda tp: ModelRunner.random(config, tp=tp, **kw))
+    adapter = random_adapter(config, 8, seed=5)
+    one.load_adapter(0, adapter)
+    ranks.load_adapter(0, adapter)
+    requests = {sid: ([t % 1001 for t in p], sid % 2 - 1)
+                for sid, p in enumerate(prompts(4, seed=6))}
+    got, want = run(ranks, requests, 4, admit=4), run(one, requests, 4, admit=4)
+    ranks.close()
+    for sid in requests:
+        assert got[sid][0] == want[sid][0]
+        torch.testing.assert_close(got[sid][1], want[sid][1], atol=TP_ATOL, rtol=0)
+    assert got[0][1].shape[-1] == 1001  # (the padding row cut)
