@@ -21,6 +21,9 @@ The path, and why each step sits where it does:
 3. Copy: on CUDA, from the pinned staging buffer into the slot on a side CUDA stream, in a worker
    thread; the step loop (its own thread, default stream) never waits on a load. On CPU it is a
    plain copy. The slot reads as empty until the copy is complete.
+On rank 0 of a tensor-parallel executor, once its own copy (or clear) is done, the other ranks are
+told (`followers`, executor/followers.py: each gets its part of the adapter) before the slot counts
+as loaded.
 What each slot holds is the pool's record (executor/slot_pool.py): the loader marks a slot
 unloaded before its copy and loaded, as the AdapterRef, once the copy completed; `slot_adapters`
 reads it back.
@@ -51,6 +54,7 @@ from common.errors import (
 )
 from common.server import insecure_channel
 from executor.config import FETCH_CHUNK_TIMEOUT_S
+from executor.followers import Followers
 from executor.peft_adapter import parse_peft_adapter
 from executor.runner import ModelRunner
 from executor.slot_copy import SlotCopier, StagingBuffers
@@ -79,8 +83,10 @@ class AdapterLoader:
                  service_key: str = "", max_staged_bytes: int = 1 << 30,
                  report_interval_s: float = REPORT_INTERVAL_S,
                  first_answer_s: float = FIRST_ANSWER_S,
-                 chunk_timeout_s: float = FETCH_CHUNK_TIMEOUT_S):
+                 chunk_timeout_s: float = FETCH_CHUNK_TIMEOUT_S,
+                 followers: Followers | None = None):
         self._runner = runner
+        self._followers = followers
         self._pool = runner.pool
         self._stubs = [adapter_store_pb2_grpc.AdapterStoreStub(insecure_channel(a, service_key))
                        for a in stores]
@@ -167,7 +173,10 @@ class AdapterLoader:
                 # would put its RPC and lease write beside the copy, for nothing.
                 try:
                     await _thread_to_its_end(self._write, slot, stream_id, self._copier.copy,
-                                             weights, tuple(pages))
+                                             self._runner.shard.lora(weights), tuple(pages))
+                    if self._followers is not None:  # (outside slot_writes: see followers.py)
+                        await _thread_to_its_end(self._followers.load, slot, weights,
+                                                 tuple(pages))
                 except BaseException:
                     self._residency_changed()
                     raise
@@ -191,6 +200,8 @@ class AdapterLoader:
             if adapter is not None and not self._pool.holds(slot, adapter):
                 return
             await _thread_to_its_end(self._write, slot, stream_id, self._copier.clear)
+            if self._followers is not None:
+                await _thread_to_its_end(self._followers.clear, slot)
         self._residency_changed()
 
     def _check_stream(self, slot: int, stream_id: str) -> None:

@@ -47,6 +47,13 @@ class ExecutorConfig:
     # 2 s): a scheduler whose event loop hangs (it still answers keepalive pings) cannot hold the
     # executor, and the scheduler that replaces it can connect.
     step_idle_s: float = 60.0
+    # Ranks (GPUs) the executor spans, with tensor parallelism (executor/rank_group.py); 1: one
+    # process on one device.
+    tensor_parallel: int = 1
+    # A rank of the group that does not meet a collective, or answer rank 0, this long is taken
+    # as dead or frozen: the group restarts as one (its Step stream ends; the scheduler fails
+    # over). Long enough for a rank's kernels to compile while the others wait.
+    rank_timeout_s: float = 60.0
     # Where the service key is read (and admin keys, for operators' debugging): files or
     # LORAPLEX_* env. None: the executor runs open (common/credentials.py).
     keys: KeySources = KeySources()
@@ -74,6 +81,15 @@ class ExecutorConfig:
         if self.benchmark_step_s < 0 or (self.benchmark_step_s and not self.random_config):
             raise ValueError("executor: --benchmark-step-s (benchmark mode: no forward pass, "
                              "made-up tokens) needs --model random:<name>")
+        if self.tensor_parallel < 1 or not self.rank_timeout_s > 0:
+            raise ValueError(f"executor: tensor_parallel must be >= 1 and rank_timeout_s > 0, "
+                             f"got {self.tensor_parallel} and {self.rank_timeout_s}")
+        if self.tensor_parallel > 1 and self.benchmark_step_s:
+            raise ValueError("executor: --benchmark-step-s runs one process; not with "
+                             "--tensor-parallel")
+        if self.tensor_parallel > 1 and self.device not in ("cpu", "cuda"):
+            raise ValueError(f"executor: with --tensor-parallel, --device is cpu or cuda (rank r "
+                             f"takes cuda:r), got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"executor: dtype must be one of {DTYPES}, got {self.dtype!r}")
 
@@ -126,6 +142,12 @@ class ExecutorConfig:
                             "(needs --model random:<name>; 0 = off)")
         p.add_argument("--step-idle-s", type=float, default=60.0,
                        help="a scheduler's Step stream that sends nothing this long ends")
+        p.add_argument("--tensor-parallel", type=int, default=1,
+                       help="ranks (GPUs: rank r on cuda:r) the executor spans, serving as one "
+                            "(on cpu: gloo ranks); 1 = one process")
+        p.add_argument("--rank-timeout-s", type=float, default=60.0,
+                       help="a rank that does not meet a collective or answer this long is taken "
+                            "as dead: the group restarts as one")
         add_key_arguments(p)
         a = p.parse_args(argv)
         return cls(model=a.model, stores=tuple(a.store), address=a.address, model_id=a.model_id,
@@ -136,4 +158,5 @@ class ExecutorConfig:
                    lora_backend=a.lora_backend, dtype=a.dtype, device=a.device, seed=a.seed,
                    threads=a.threads, staging_mb=a.staging_mb,
                    benchmark_step_s=a.benchmark_step_s, step_idle_s=a.step_idle_s,
+                   tensor_parallel=a.tensor_parallel, rank_timeout_s=a.rank_timeout_s,
                    keys=sources_from_args(a))

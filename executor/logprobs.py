@@ -57,7 +57,10 @@ class PromptLogprobs:
         target = torch.tensor(targets, device=hidden.device)  # [N]
         for start in range(0, len(targets), PROMPT_SLICE):
             end = start + PROMPT_SLICE
-            logprobs = torch.log_softmax(logits_of(hidden[start:end]), dim=-1)  # [n, V]
+            logits = logits_of(hidden[start:end])  # [n, V]
+            if logits is None:  # (a rank but the first of a tensor-parallel group: it met the
+                continue        # gather; rank 0 keeps the logprobs)
+            logprobs = torch.log_softmax(logits, dim=-1)  # [n, V]
             self.logprobs += logprobs.gather(1, target[start:end, None])[:, 0].tolist()
             if self.num_top:
                 values, ids = torch.topk(logprobs, self.num_top, dim=-1)  # [n, num_top]

@@ -20,6 +20,12 @@ reads the step's metadata for its window; global layers read the whole context.
 Per layer (Gemma's extra norms in brackets):
 
     h += [norm](attention(norm(h)))          h += [norm](down(act(gate(x)) * up(x))), x = norm(h)
+
+On a rank of a tensor-parallel executor, `config` is the rank's part (executor/shards.py: its
+heads, KV heads and intermediate size) and `tp` its group: the embedding and lm_head hold its
+vocabulary rows, and the outputs of o and down (row-parallel: partial sums, each with its LoRA
+delta) are all-reduced, before Gemma's norms on them: the model's only collectives
+(executor/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from executor.layer_ops import activation, rms_norm, soft_cap
 from executor.lora import LoraBackend, LoraBatchMeta
 from executor.model_config import ModelConfig
 from executor.rope import apply_rope, rope_cos_sin
+from executor.tensor_parallel import SINGLE, TensorParallel
 from executor.weights import ModelWeights
 
 
@@ -86,8 +93,9 @@ class StepMetadata:
 
 
 class Transformer:
-    def __init__(self, config: ModelConfig, weights: ModelWeights, lora: LoraBackend) -> None:
-        self.config, self.weights, self.lora = config, weights, lora
+    def __init__(self, config: ModelConfig, weights: ModelWeights, lora: LoraBackend,
+                 tp: TensorParallel = SINGLE) -> None:
+        self.config, self.weights, self.lora, self.tp = config, weights, lora, tp
         device = weights.embed.device
         # [D / 2] fp32 inverse frequencies of each rope the layers use (Gemma 3: local, global)
         self.inv_freqs = {rope: rope.inv_freq(config.head_dim).to(device)
@@ -101,14 +109,19 @@ class Transformer:
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, weight, self.config.rms_norm_eps, self.config.norm_unit_offset)
 
-    def forward(self, tokens: torch.Tensor, meta: StepMetadata, kv: PagedKVCache) -> torch.Tensor:
-        """tokens [T] -> logits [S, vocab] of meta.sample_rows (fp32)."""
+    def forward(self, tokens: torch.Tensor, meta: StepMetadata,
+                kv: PagedKVCache) -> torch.Tensor | None:
+        """tokens [T] -> logits [S, vocab] of meta.sample_rows (fp32); None on a rank but the
+        first of a tensor-parallel group (rank 0 gathers them)."""
         return self.logits(self.hidden_states(tokens, meta, kv).index_select(0, meta.sample_rows))
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [N, hidden] (hidden_states' rows) -> logits [N, vocab] (fp32)."""
-        logits = F.linear(self._norm(h, self.weights.norm), self.weights.lm_head)  # [N, vocab]
-        return soft_cap(logits, self.config.final_logit_softcap).float()
+    def logits(self, h: torch.Tensor) -> torch.Tensor | None:
+        """Final hidden states [N, hidden] (hidden_states' rows) -> logits [N, vocab] (fp32);
+        None on a rank but the first of a tensor-parallel group (a collective: every rank of
+        the group calls it alike)."""
+        logits = F.linear(self._norm(h, self.weights.norm), self.weights.lm_head)  # [N, rows]
+        logits = soft_cap(logits, self.config.final_logit_softcap).float()  # (elementwise)
+        return self.tp.gather_vocab(logits, self.config.vocab_size)  # [N, vocab]
 
     def hidden_states(self, tokens: torch.Tensor, meta: StepMetadata,
                       kv: PagedKVCache) -> torch.Tensor:
@@ -117,7 +130,7 @@ class Transformer:
         c, dtype = self.config, self.weights.embed.dtype
         rotary = {rope: rope_cos_sin(rope, inv_freq, meta.positions, dtype)  # cos, sin [T, D]
                   for rope, inv_freq in self.inv_freqs.items()}
-        h = self.weights.embed[tokens]  # [T, hidden]
+        h = self.tp.embed(self.weights.embed, tokens, self.weights.vocab_start)  # [T, hidden]
         if c.scale_embeddings:  # (Gemma: sqrt(hidden) rounded to the weights' dtype first)
             h = h * torch.tensor(c.hidden_size ** 0.5).to(dtype)
         for i, layer in enumerate(self.weights.layers):
@@ -148,7 +161,7 @@ class Transformer:
         attn = attn.reshape(t, c.q_size)  # [T, H * D]
         out = F.linear(attn, w.wo)  # [T, hidden]
         self.lora.apply(i, "o", attn, out, meta.lora)
-        return out
+        return self.tp.all_reduce(out)  # (row-parallel: the ranks' partial sums)
 
     def _mlp(self, i: int, x: torch.Tensor, lora: LoraBatchMeta) -> torch.Tensor:
         w = self.weights.layers[i]
@@ -158,4 +171,4 @@ class Transformer:
         hidden = activation(self.config.hidden_act)(gate) * up  # [T, intermediate]
         out = F.linear(hidden, w.w_down)  # [T, hidden]
         self.lora.apply(i, "down", hidden, out, lora)
-        return out
+        return self.tp.all_reduce(out)  # (row-parallel: the ranks' partial sums)

@@ -202,6 +202,13 @@ NAMED_CONFIGS: Mapping[str, ModelConfig] = MappingProxyType({
                                        original_max_position_embeddings=8192),
         max_position_embeddings=131072, eos_token_ids=(128001, 128008, 128009),
         model_id="meta-llama/Llama-3.1-8B"),
+    "llama-3-70b": ModelConfig(  # (140 GB in bf16: served with --tensor-parallel)
+        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+        num_key_value_heads=8, vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                       original_max_position_embeddings=8192),
+        max_position_embeddings=131072, eos_token_ids=(128001, 128008, 128009),
+        model_id="meta-llama/Llama-3.1-70B"),
     "mistral-7b": ModelConfig(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, vocab_size=32768, rms_norm_eps=1e-5, rope_theta=1000000.0,

@@ -2,6 +2,11 @@
 keeps no policy: the scheduler owns block tables (the runner mirrors them), slot placement and
 batching; no gRPC here. What each adapter slot holds is the slot pool's record (`pool`,
 executor/slot_pool.py): the runner asks it whether a step's slots are loaded.
+
+On a rank of a tensor-parallel executor (`tp`, executor/tensor_parallel.py) the runner holds the
+rank's part (`shard`, executor/shards.py): weights, KV heads, and adapters cut to it as they are
+loaded; `config` stays the whole model's. Every rank runs the same steps; rank 0 alone samples
+(it gathers the logits), and the others take its tokens.
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ from executor.merge import Merged, merge, unmerge
 from executor.model import RowSpec, StepMetadata, Transformer
 from executor.model_config import ModelConfig
 from executor.sampling import DrawStream, Sampler
+from executor.shards import Shard
 from executor.slot_pool import LoraSlotPool, LoraWeights
+from executor.tensor_parallel import SINGLE, TensorParallel
 from executor.weights import ModelWeights, load_weights, random_weights
 
 
@@ -55,9 +62,12 @@ class MemoryBudget:
 
     @classmethod
     def estimate(cls, config: ModelConfig, *, num_kv_blocks: int, block_size: int, num_slots: int,
-                 max_rank: int, dtype: torch.dtype = torch.float32) -> MemoryBudget:
-        """What a runner with these settings will hold, computed without allocating anything."""
-        c, size = config, torch.empty((), dtype=dtype).element_size()
+                 max_rank: int, dtype: torch.dtype = torch.float32,
+                 tensor_parallel: int = 1) -> MemoryBudget:
+        """What a runner with these settings will hold, computed without allocating anything
+        (with `tensor_parallel` N: what each rank's holds, on each of the N GPUs)."""
+        shard = Shard(config, 0, tensor_parallel)
+        c, size = shard.config, torch.empty((), dtype=dtype).element_size()
         per_layer = sum(i * o for i, o in c.projection_shapes().values())
         per_layer += (4 if c.sandwich_norms else 2) * c.hidden_size
         if c.attention_bias:
@@ -65,7 +75,7 @@ class MemoryBudget:
         if c.qk_norm:
             per_layer += 2 * c.head_dim
         heads = 1 if c.tie_word_embeddings else 2
-        weights = c.num_hidden_layers * per_layer + heads * c.vocab_size * c.hidden_size
+        weights = c.num_hidden_layers * per_layer + heads * shard.vocab_rows * c.hidden_size
         weights += c.hidden_size
         kv = 2 * c.num_hidden_layers * num_kv_blocks * block_size * c.kv_size
         # The pool's tables (adapters' weights are in pages of the KV blocks): 8-byte offsets of
@@ -96,18 +106,22 @@ class _Sequence:
 class ModelRunner:
     def __init__(self, config: ModelConfig, weights: ModelWeights, *, num_kv_blocks: int,
                  block_size: int, num_slots: int, max_rank: int, lora_backend: str = "auto",
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 tp: TensorParallel = SINGLE) -> None:
+        """`weights`: the rank's part (load_weights / random_weights with its shard)."""
         self.config, self.weights, self.device = config, weights, torch.device(device)
-        self.kv = PagedKVCache(num_layers=config.num_hidden_layers, num_blocks=num_kv_blocks,
-                               block_size=block_size, num_kv_heads=config.num_key_value_heads,
-                               head_dim=config.head_dim, dtype=dtype, device=device)
-        self.pool = LoraSlotPool(config, num_slots=num_slots, max_rank=max_rank, kv=self.kv)
+        self.tp, self.shard = tp, Shard(config, tp.rank, tp.world)
+        local = self.shard.config  # (config itself on one rank)
+        self.kv = PagedKVCache(num_layers=local.num_hidden_layers, num_blocks=num_kv_blocks,
+                               block_size=block_size, num_kv_heads=local.num_key_value_heads,
+                               head_dim=local.head_dim, dtype=dtype, device=device)
+        self.pool = LoraSlotPool(local, num_slots=num_slots, max_rank=max_rank, kv=self.kv)
         # Held while a slot is written (a load's copy, an unload) or merged: a merge and a write
         # into the merged slot never interleave (the step thread merges, a loader thread copies).
         self.slot_writes = threading.Lock()
         self.lora = make_lora_backend(lora_backend, self.pool)
-        self.model = Transformer(config, weights, self.lora)
-        self.sampler = Sampler(config.vocab_size, self.device)
+        self.model = Transformer(local, weights, self.lora, tp)
+        self.sampler = Sampler(config.vocab_size, self.device)  # (rank 0's alone samples)
         self._seqs: dict[int, _Sequence] = {}
         self._num_prompt_logprobs = 0  # sequences whose prompt logprobs are being made
         self._merged: Merged | None = None  # the adapter folded into the weights (merge.py)
@@ -127,8 +141,10 @@ class ModelRunner:
     def from_pretrained(cls, model_dir: str | Path, *, model_id: str = "",
                         **kw: Any) -> ModelRunner:
         config = ModelConfig.from_pretrained(model_dir, model_id=model_id)
+        tp = kw.get("tp", SINGLE)
         weights = load_weights(model_dir, config, dtype=kw.get("dtype", torch.float32),
-                               device=kw.get("device", "cpu"))
+                               device=kw.get("device", "cpu"),
+                               shard=Shard(config, tp.rank, tp.world))
         runner = cls(config, weights, **kw)
         tokenizer = Path(model_dir) / "tokenizer.json"
         runner.tokenizer_json = tokenizer.read_text() if tokenizer.exists() else ""
@@ -140,8 +156,10 @@ class ModelRunner:
         config = config_name_or_config
         if isinstance(config, str):
             config = ModelConfig.named(config)
+        tp = kw.get("tp", SINGLE)
         weights = random_weights(config, seed, dtype=kw.get("dtype", torch.float32),
-                                 device=kw.get("device", "cpu"))
+                                 device=kw.get("device", "cpu"),
+                                 shard=Shard(config, tp.rank, tp.world))
         return cls(config, weights, **kw)
 
     def memory_budget(self) -> MemoryBudget:
@@ -153,7 +171,9 @@ class ModelRunner:
         steps' own): loaded at once. Without `pages` (tests and tools that drive a runner
         without a scheduler), the highest blocks that no sequence or slot uses: those must keep
         their sequences off them (ModelRunner.free_blocks). The executor's loads go through
-        AdapterLoader instead (side stream, store reference, pages from the scheduler)."""
+        AdapterLoader instead (side stream, store reference, pages from the scheduler).
+        `weights`: the whole adapter (the runner keeps its rank's part)."""
+        weights = self.shard.lora(weights)
         if pages is None:
             free, needed = self.free_blocks(), self.pool.pages_for(weights).num_pages
             if needed > len(free):
@@ -231,13 +251,14 @@ class ModelRunner:
                                  f"computed, but {num_cached} tokens are cached")
             prompt_logprobs = PromptLogprobs(sampling.prompt_logprobs)
             self._num_prompt_logprobs += 1
-        if sampling.grammar is not None:  # (its state: the tokens it generated so far)
+        if sampling.grammar is not None and self.tp.is_first:  # (its state: what it generated)
             self._grammar_rows().add(seq_id, sampling.grammar,
                                      token_ids[len(token_ids) - num_generated:])
         self._seqs[seq_id] = _Sequence(list(token_ids), num_cached, [], sampling, slot,
                                        DrawStream(sampling.seed, num_generated, self.device),
                                        prompt_logprobs)
-        self.sampler.add(seq_id, list(token_ids), num_generated, sampling)
+        if self.tp.is_first:
+            self.sampler.add(seq_id, list(token_ids), num_generated, sampling)
 
     def prepare_grammars(self) -> bool:
         """Build the grammar engine's tokenizer now (seconds for a vocabulary of 100k+ tokens)
@@ -287,7 +308,8 @@ class ModelRunner:
     @torch.inference_mode()
     def step_with_logits(self, rows: Sequence[Row]) -> tuple[list[Sampled], torch.Tensor]:
         """Run one step; also return the last-position logits [S, vocab] (fp32) of the sampled
-        sequences, row i belonging to the i-th Sampled."""
+        sequences, row i belonging to the i-th Sampled (on a rank but the first of a
+        tensor-parallel group: none, [0, vocab])."""
         self._validate(rows)
         self._give_up_pages(rows)
         groups, sample_rows, sampled_seqs = [], [], []
@@ -313,17 +335,24 @@ class ModelRunner:
         meta = StepMetadata.build(groups, kv=self.kv, windows=self.model.windows,
                                   lora=lora_meta, sample_rows=sample_rows, device=self.device)
         hidden = self.model.hidden_states(tokens, meta, self.kv)  # [T, hidden]
-        logits = self.model.logits(hidden.index_select(0, meta.sample_rows))  # [S, vocab]
-        if self._num_prompt_logprobs:
+        # [S, vocab]; None on a rank but the first (rank 0 gathers the vocabulary and samples)
+        logits = self.model.logits(hidden.index_select(0, meta.sample_rows))
+        if self._num_prompt_logprobs:  # (gathers too: every rank makes them, alike)
             self._prompt_logprobs(rows, hidden)
         for r in rows:
             self._seqs[r.seq_id].num_computed += r.num_tokens
         seqs = [self._seqs[s] for s in sampled_seqs]
-        grammars = self._grammars if self._grammars else None  # (None: no row has one)
-        token_ids, logprobs, tops = self.sampler.sample(
-            logits, sampled_seqs, [s.sampling for s in seqs], [s.draws for s in seqs], grammars)
-        if grammars is not None:
-            grammars.advance(sampled_seqs, token_ids)
+        token_ids, logprobs, tops = [], [0.0] * len(seqs), [None] * len(seqs)
+        if logits is not None:
+            grammars = self._grammars if self._grammars else None  # (None: no row has one)
+            token_ids, logprobs, tops = self.sampler.sample(
+                logits, sampled_seqs, [s.sampling for s in seqs], [s.draws for s in seqs],
+                grammars)
+            if grammars is not None:
+                grammars.advance(sampled_seqs, token_ids)
+        else:
+            logits = torch.empty(0, self.config.vocab_size)
+        token_ids = self.tp.share_tokens(token_ids, len(seqs))  # (rank 0's, on every rank)
         sampled = []
         for seq_id, seq, token, logprob, top in zip(sampled_seqs, seqs, token_ids, logprobs,
                                                      tops):

@@ -2,11 +2,17 @@
 
 Forward passes and adapter parsing run in worker threads, so adapter loads, Info and health stay
 responsive while a step computes, and a load never stalls the step loop.
+
+With --tensor-parallel N, `main` supervises N rank processes (executor/rank_group.py); rank 0 is
+this service, on its part of the model, and tells the other ranks each step, load and unload
+(executor/followers.py): the scheduler sees one executor.
 """
 
 import asyncio
 import logging
+import sys
 import time
+from multiprocessing.connection import Connection
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -15,33 +21,39 @@ from common import wire
 from common.adapter_ref import AdapterRef
 from common.allocator import keep_freed_memory
 from common.credentials import KeyRing, Role
-from common.errors import FailedPrecondition, InvalidArgument, grpc_errors
+from common.errors import FailedPrecondition, grpc_errors
 from common.metrics import serve_metrics
 from common.page_geometry_pb import geometry_to_pb
-from common.sampling import SamplingParams
 from common.server import Service, announce, configure_logging, run, run_until_signalled
 from executor.adapter_loader import FETCH_TIMEOUT_S, AdapterLoader
 from executor.benchmark_runner import BenchmarkRunner
 from executor.config import ExecutorConfig
+from executor.followers import Followers
 from executor.lora import resolve_lora_backend
 from executor.model_config import ModelConfig
 from executor.model_identity import log_identity, resolve_identity
-from executor.runner import ModelRunner, Row, Sampled
+from executor.rank_group import supervise
+from executor.runner import ModelRunner, Sampled
+from executor.shards import Shard
+from executor.step_request import run_step, step_rows
 from executor.step_worker import StepWorker
+from executor.tensor_parallel import SINGLE, TensorParallel, rank_device
 from executor.tokenizer_files import TokenizerFiles
 from protos import common_pb2, executor_pb2, executor_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 
-def build_runner(config: ExecutorConfig) -> tuple[ModelRunner, TokenizerFiles]:
-    """The model runner and the model's tokenizer files (none for random weights)."""
+def build_runner(config: ExecutorConfig,
+                 tp: TensorParallel = SINGLE) -> tuple[ModelRunner, TokenizerFiles]:
+    """The model runner (of rank `tp`'s part) and the model's tokenizer files (none for random
+    weights)."""
     if config.threads:
         torch.set_num_threads(config.threads)
     kw = dict(num_kv_blocks=config.num_kv_blocks, block_size=config.block_size,
               num_slots=config.adapter_slots, max_rank=config.max_rank,
               lora_backend=config.lora_backend, dtype=getattr(torch, config.dtype),
-              device=config.device)
+              device=rank_device(config.device, tp.rank, tp.world), tp=tp)
     if config.benchmark_step_s:
         log.warning("executor: BENCHMARK MODE: no forward pass, made-up tokens, %.3fs steps",
                     config.benchmark_step_s)
@@ -52,7 +64,7 @@ def build_runner(config: ExecutorConfig) -> tuple[ModelRunner, TokenizerFiles]:
         runner = ModelRunner.random(config.random_config, seed=config.seed, **kw)
         return runner, TokenizerFiles()
     runner = ModelRunner.from_pretrained(config.model, model_id=config.model_id, **kw)
-    if runner.tokenizer_json and not runner.prepare_grammars():
+    if tp.is_first and runner.tokenizer_json and not runner.prepare_grammars():  # (rank 0 samples)
         log.warning("executor: the grammar engine (llguidance) is not installed: requests with "
                     "a grammar (structured outputs, tools) will fail here")
     return runner, TokenizerFiles.read(config.model)
@@ -77,15 +89,17 @@ class ExecutorMetrics:
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     def __init__(self, config: ExecutorConfig, runner: ModelRunner, tokenizer: TokenizerFiles,
-                 keys: KeyRing):
+                 keys: KeyRing, followers: Followers | None = None):
         self.metrics = ExecutorMetrics()
         self._config = config
         self._keys = keys  # every RPC: the scheduler's service key (or an admin's)
         self._runner = runner
         self._tokenizer = tokenizer
+        self._followers = followers  # the other ranks of a tensor-parallel executor
         self._loader = AdapterLoader(runner, config.stores, service_key=keys.service_key,
                                      max_staged_bytes=config.staging_mb << 20,
-                                     chunk_timeout_s=config.fetch_chunk_timeout_s)
+                                     chunk_timeout_s=config.fetch_chunk_timeout_s,
+                                     followers=followers)
         self._driver: object | None = None  # the one Step stream allowed at a time
         # The last stream's end: its final step, then free_all.
         self._closing: asyncio.Future | None = None
@@ -111,7 +125,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             base_fingerprint=self._runner.base_fingerprint,
             merged_adapter=self._merged_adapter(),
             page_geometry=geometry_to_pb(self._runner.pool.geometry,
-                                         self._runner.pool.page_bytes))
+                                         self._runner.pool.page_bytes),
+            tensor_parallel_size=self._runner.tp.world)
 
     def _check_not_merged(self, slot: int) -> None:
         if slot == self._runner.merged_slot:
@@ -168,6 +183,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             await worker.done
         self._runner.free_all()
         self._runner.unmerge()  # the next scheduler finds the base model as loaded
+        if self._followers is not None:
+            await asyncio.to_thread(self._followers.end_stream)
         try:
             await self._loader.unload_all()
         except Exception:  # noqa: BLE001 (logged; the next stream's loads then say which slot)
@@ -175,21 +192,10 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
     def _step(self, req: executor_pb2.StepRequest) -> executor_pb2.StepResponse:
         start = time.perf_counter()
-        rows = _rows(req)  # (checked before anything changes)
-        for seq_id in req.freed_seq_ids:
-            self._runner.free_sequence(seq_id)
-        if req.unmerge:
-            self._runner.unmerge()
-        for new in req.new_sequences:
-            self._runner.add_sequence(new.seq_id, list(new.token_ids),
-                                      SamplingParams.from_pb(new.sampling), new.slot,
-                                      new.num_generated, new.num_cached)
-            log.debug("sequence %d of request %s: %d tokens (%d cached), slot %d", new.seq_id,
-                      new.request_id, len(new.token_ids), new.num_cached, new.slot)
-        if req.HasField("merge_slot"):
-            self._runner.merge(req.merge_slot)
-            log.info("merged the adapter of slot %d into the weights", req.merge_slot)
-        samples = self._runner.step(rows) if rows else []
+        rows = step_rows(req)  # (checked before anything changes)
+        if self._followers is not None:
+            self._followers.step(req)  # (they run it beside this rank)
+        samples = run_step(self._runner, req, rows)
         self.metrics.step.observe(time.perf_counter() - start)
         self.metrics.rows.inc(sum(req.row_num_tokens))
         response = executor_pb2.StepResponse(
@@ -249,23 +255,6 @@ def _add_logprobs(response: executor_pb2.StepResponse, samples: list[Sampled]) -
                 top_logprobs=p.top_logprobs))
 
 
-def _rows(req: executor_pb2.StepRequest) -> list[Row]:
-    """A step's rows, from their columns (executor.proto)."""
-    seq_ids, counts, num_blocks = req.row_seq_ids, req.row_num_tokens, req.row_num_new_blocks
-    if not len(seq_ids) == len(counts) == len(num_blocks):
-        raise InvalidArgument(f"a step's row columns differ in length: {len(seq_ids)} seq ids, "
-                              f"{len(counts)} token counts, {len(num_blocks)} block counts")
-    blocks = list(req.new_block_ids)
-    if sum(num_blocks) != len(blocks):
-        raise InvalidArgument(f"the rows add {sum(num_blocks)} KV blocks but new_block_ids has "
-                              f"{len(blocks)}")
-    rows, at = [], 0
-    for seq_id, num_tokens, k in zip(seq_ids, counts, num_blocks):
-        rows.append(Row(seq_id, num_tokens, tuple(blocks[at:at + k])))
-        at += k
-    return rows
-
-
 async def _feed(request_iterator, worker: StepWorker, idle_s: float) -> None:
     """Hand the stream's requests to the worker as they arrive, then say there are no more: at
     its end, or once it has sent nothing for `idle_s` while owing the next message (every step
@@ -300,17 +289,25 @@ def _fetch_timeout(context) -> float:
     return FETCH_TIMEOUT_S if remaining is None else max(0.1, min(remaining, FETCH_TIMEOUT_S))
 
 
-async def serve(config: ExecutorConfig) -> None:
+async def serve(config: ExecutorConfig, tp: TensorParallel = SINGLE,
+                channels: list[Connection] = ()) -> None:
+    """Serve the executor; as rank 0 of a tensor-parallel group (`tp`), with `channels` to
+    ranks 1, 2, ... (executor/rank.py)."""
     keys = config.keys.load()
     # Which base it serves is asked of the stores while the weights load.
     identity, (runner, tokenizer) = await asyncio.gather(
-        resolve_identity(config, keys.service_key), asyncio.to_thread(build_runner, config))
+        resolve_identity(config, keys.service_key), asyncio.to_thread(build_runner, config, tp))
+    followers = None
+    if channels:
+        followers = Followers(channels, [Shard(runner.config, r, tp.world)
+                                         for r in range(1, tp.world)],
+                              config.rank_timeout_s, tp.on_broken)
     runner.set_identity(identity.model_id or runner.config.model_id, identity.fingerprint)
     log_identity(identity, runner.config.model_id)
     if keys.is_open:
         log.warning("executor: no service key configured, open access; configure "
                     "--service-key-file (or LORAPLEX_SERVICE_KEY)")
-    servicer = ExecutorServicer(config, runner, tokenizer, keys)
+    servicer = ExecutorServicer(config, runner, tokenizer, keys, followers)
     service = Service(
         "executor", config.address,
         lambda server: executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server),
@@ -319,21 +316,25 @@ async def serve(config: ExecutorConfig) -> None:
     serve_metrics(config.metrics_port, servicer.metrics.registry)
     await service.mark_serving()
     budget = runner.memory_budget()
-    log.info("executor: model %s, weights %.1f MiB, KV %.1f MiB, adapter pool %.1f MiB",
+    log.info("executor: model %s, weights %.1f MiB, KV %.1f MiB, adapter pool %.1f MiB%s",
              runner.config.model_id, budget.weights_bytes / 2**20, budget.kv_cache_bytes / 2**20,
-             budget.adapter_pool_bytes / 2**20)
+             budget.adapter_pool_bytes / 2**20,
+             f" on each of {tp.world} ranks" if tp.world > 1 else "")
     announce("executor", f"{config.address.rsplit(':', 1)[0]}:{port}")
     await run_until_signalled(service, grace=config.grace_s)
 
 
 def main(argv: list[str] | None = None) -> None:
     configure_logging("executor")
+    argv = sys.argv[1:] if argv is None else argv
     config = ExecutorConfig.from_args(argv)
     if config.random_config is None:  # a family it does not serve: refused before anything starts
         try:
             ModelConfig.from_pretrained(config.model)
         except ValueError as err:
             raise SystemExit(f"executor: cannot serve --model {config.model}: {err}") from None
+    if config.tensor_parallel > 1:
+        sys.exit(supervise(config, argv))
     keep_freed_memory()  # received adapter chunks reuse freed blocks instead of faulting in pages
     run(lambda: serve(config))
 

@@ -10,6 +10,10 @@ The norms by the checkpoint's names (Gemma's sandwich in brackets):
     [attn_out_norm]       post_attention_layernorm                 on attention's output
     post_attention_norm   post_attention_layernorm [pre_feedforward_layernorm]   before the MLP
     [mlp_out_norm]        post_feedforward_layernorm               on the MLP's output
+
+A rank of a tensor-parallel executor loads its part only (`shard`, executor/shards.py): each
+tensor's rows or columns read from the safetensors files, nothing else; its LayerWeights then have
+its part's shapes, and embed / lm_head its vocabulary rows (from `vocab_start`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from safetensors import safe_open
 
 from executor.model_config import ModelConfig
+from executor.shards import Shard
 
 
 @dataclass
@@ -45,6 +50,7 @@ class ModelWeights:
     layers: list[LayerWeights]
     norm: torch.Tensor  # [hidden]
     lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as `embed` when tied
+    vocab_start: int = 0  # the token id of embed's and lm_head's first row (a rank's part)
 
     def num_bytes(self) -> int:
         tensors = {id(t): t for t in (self.embed, self.norm, self.lm_head)}  # tied: counted once
@@ -103,8 +109,9 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def load_weights(model_dir: str | Path, config: ModelConfig, *, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> ModelWeights:
-    """Load and check every tensor of an HF safetensors checkpoint of a served family."""
+                 device: str | torch.device = "cpu", shard: Shard | None = None) -> ModelWeights:
+    """Load and check every tensor of an HF safetensors checkpoint of a served family (with
+    `shard`: read only that rank's part of each)."""
     model_dir = Path(model_dir)
     expected = set(_hf_names(config))
     optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
@@ -118,19 +125,30 @@ def load_weights(model_dir: str | Path, config: ModelConfig, *, dtype: torch.dty
                     continue  # a buffer some old checkpoints saved; recomputed from the config
                 if name not in expected | optional:
                     raise ValueError(f"unexpected tensor {name!r} in {path.name}")
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != _expected_shape(config, name):
-                    raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected "
+                part = f.get_slice(name)
+                shape = tuple(part.get_shape())
+                if shape != _expected_shape(config, name):
+                    raise ValueError(f"tensor {name!r} has shape {shape}, expected "
                                      f"{_expected_shape(config, name)} from the model config")
+                tensor = _read(part, name, shard)
                 raw[name] = tensor.to(device=device, dtype=dtype)
     missing = sorted(expected - raw.keys())
     if missing:
         raise ValueError(f"checkpoint is missing tensor {missing[0]!r} "
                          f"({len(missing)} missing in all)")
-    return _assemble(config, raw)
+    return _assemble(config, raw, shard.vocab_start if shard else 0)
 
 
-def _assemble(config: ModelConfig, raw: dict[str, torch.Tensor]) -> ModelWeights:
+def _read(part, name: str, shard: Shard | None) -> torch.Tensor:
+    """Tensor `name` of a safetensors file (`part`: its slice handle), or only the shard's part."""
+    if shard is None:
+        return part[:]
+    return shard.take(name, lambda dim, a, b: part[a:b] if dim == 0 else part[:, a:b],
+                      lambda: part[:])
+
+
+def _assemble(config: ModelConfig, raw: dict[str, torch.Tensor],
+              vocab_start: int = 0) -> ModelWeights:
     layers = []
     for i in range(config.num_hidden_layers):
         attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
@@ -161,13 +179,14 @@ def _assemble(config: ModelConfig, raw: dict[str, torch.Tensor]) -> ModelWeights
     embed = raw.pop("model.embed_tokens.weight")
     lm_head = embed if config.tie_word_embeddings else raw.pop("lm_head.weight")
     return ModelWeights(embed=embed, layers=layers, norm=raw.pop("model.norm.weight"),
-                        lm_head=lm_head)
+                        lm_head=lm_head, vocab_start=vocab_start)
 
 
 def random_weights(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
-                   device: str | torch.device = "cpu") -> ModelWeights:
+                   device: str | torch.device = "cpu", shard: Shard | None = None) -> ModelWeights:
     """A model at real shapes without a checkpoint (normal * 0.02, norms 1; (1 + w) norms 0),
-    for benchmarks."""
+    for benchmarks (with `shard`: that rank's part of the same model, each tensor made whole
+    and cut)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     raw = {}
     for name in _hf_names(config):
@@ -176,6 +195,7 @@ def random_weights(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torc
             raw[name] = torch.full(shape, 0.0 if config.norm_unit_offset else 1.0, dtype=dtype,
                                    device=device)
         else:
-            t = torch.empty(shape, dtype=dtype, device=device)
-            raw[name] = t.normal_(0.0, 0.02, generator=gen)
-    return _assemble(config, raw)
+            t = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+            raw[name] = t if shard is None else shard.take(
+                name, lambda dim, a, b, t=t: t.narrow(dim, a, b - a).clone(), lambda t=t: t)
+    return _assemble(config, raw, shard.vocab_start if shard else 0)

@@ -14,6 +14,13 @@ pages, blocks in proportion to its ranks (common/adapter_pages.py). Then the tra
 --seqs sequences of --context tokens fit at once (and if not, how many do), and how many adapters
 of the --adapter-ranks mix (rank:share, on every projection) fit beside that KV, against slots
 padded to the mix's largest rank as vLLM and LoRAX size them.
+
+With --tensor-parallel N the plan is per GPU: each of the N ranks holds its part of the weights
+(executor/shards.py: 1/N of every projection, of the vocabulary, and of the KV heads, which are
+whole per rank, so KV heads below N are replicated), its part of every block, and the pool's
+tables; the step workspace is rank 0's (it gathers the whole logits).
+
+    loraplex budget --model random:llama-3-70b --gpu-gib 80 --tensor-parallel 4
 """
 
 from __future__ import annotations
@@ -24,9 +31,11 @@ import math
 
 import torch
 
-from common.adapter_pages import PageGeometry, padded_pages, plan_pages
+from common.adapter_pages import padded_pages, plan_pages
 from executor.model_config import NAMED_CONFIGS, ModelConfig
 from executor.runner import MemoryBudget
+from executor.shards import Shard
+from executor.slot_pool import page_geometry
 
 GB = 1e9
 
@@ -34,6 +43,7 @@ GB = 1e9
 @dataclasses.dataclass(frozen=True)
 class Plan:
     config: ModelConfig
+    tensor_parallel: int  # GPUs the executor spans; every figure below is one GPU's
     dtype: torch.dtype
     usable_bytes: int  # gpu memory x utilization
     weights_bytes: int
@@ -68,21 +78,23 @@ def step_bytes(c: ModelConfig, size: int, *, max_batched_tokens: int, max_num_se
 
 def plan(config: ModelConfig, *, dtype: torch.dtype, gpu_bytes: float, utilization: float,
          adapter_slots: int, max_rank: int, block_size: int, max_batched_tokens: int,
-         max_num_seqs: int, context: int, adapter_ranks: dict[int, float] | None = None) -> Plan:
+         max_num_seqs: int, context: int, adapter_ranks: dict[int, float] | None = None,
+         tensor_parallel: int = 1) -> Plan:
+    """The plan of one GPU (of `tensor_parallel`: rank 0's, the others' the same or less)."""
     size = torch.empty((), dtype=dtype).element_size()
     fixed = MemoryBudget.estimate(config, num_kv_blocks=0, block_size=block_size,
-                                  num_slots=adapter_slots, max_rank=max_rank, dtype=dtype)
+                                  num_slots=adapter_slots, max_rank=max_rank, dtype=dtype,
+                                  tensor_parallel=tensor_parallel)
+    local = Shard(config, 0, tensor_parallel).config  # a rank's part; all of it at 1
     mix = adapter_ranks or {max_rank: 1.0}
-    geometry = PageGeometry(config.num_hidden_layers,
-                            block_size * config.num_key_value_heads * config.head_dim,
-                            config.projection_shapes())
+    geometry = page_geometry(local, block_size)  # (a rank's part of each page)
     mix_pages = sum(share * plan_pages(dict.fromkeys(geometry.module_shapes, rank),
                                        geometry).num_pages
                     for rank, share in mix.items()) / sum(mix.values())
-    kv_per_token = 2 * config.num_hidden_layers * config.kv_size * size  # every layer's K and V
-    gather_per_token = 2 * config.kv_size * size  # one layer's, gathered for attention
+    kv_per_token = 2 * local.num_hidden_layers * local.kv_size * size  # every layer's K and V
+    gather_per_token = 2 * local.kv_size * size  # one layer's, gathered for attention
     usable = int(gpu_bytes * utilization)
-    step = step_bytes(config, size, max_batched_tokens=max_batched_tokens,
+    step = step_bytes(local, size, max_batched_tokens=max_batched_tokens,
                       max_num_seqs=max_num_seqs)
     rest = usable - fixed.weights_bytes - fixed.adapter_pool_bytes - step
     # A decode step gathers the K/V of every running sequence: of all the mix wants, or of all
@@ -93,9 +105,9 @@ def plan(config: ModelConfig, *, dtype: torch.dtype, gpu_bytes: float, utilizati
         kv_tokens = rest // (kv_per_token + gather_per_token)
     num_blocks = kv_tokens // block_size
     workspace = step + min(wanted, max(num_blocks, 0) * block_size) * gather_per_token
-    return Plan(config, dtype, usable, fixed.weights_bytes, fixed.adapter_pool_bytes,
-                geometry.page_elems * size, mix_pages, padded_pages(max(mix), geometry),
-                workspace, kv_per_token, block_size, num_blocks)
+    return Plan(config, tensor_parallel, dtype, usable, fixed.weights_bytes,
+                fixed.adapter_pool_bytes, geometry.page_elems * size, mix_pages,
+                padded_pages(max(mix), geometry), workspace, kv_per_token, block_size, num_blocks)
 
 
 def format_plan(p: Plan, *, adapter_slots: int, max_rank: int, seqs: int, context: int) -> str:
@@ -105,6 +117,10 @@ def format_plan(p: Plan, *, adapter_slots: int, max_rank: int, seqs: int, contex
         f"model {c.model_id or '(unnamed)'} in {dtype}: {c.num_hidden_layers} layers, hidden "
         f"{c.hidden_size}, {c.num_attention_heads} heads / {c.num_key_value_heads} KV heads, "
         f"vocab {c.vocab_size}",
+        *([f"tensor parallel {p.tensor_parallel}: per GPU, each rank holding 1/"
+           f"{p.tensor_parallel} of the weights and its KV heads "
+           f"({max(1, c.num_key_value_heads // p.tensor_parallel)} of "
+           f"{c.num_key_value_heads})"] if p.tensor_parallel > 1 else []),
         f"  usable GPU memory     {p.usable_bytes / GB:8.2f} GB",
         f"  base weights          {p.weights_bytes / GB:8.2f} GB",
         f"  adapter pool tables   {p.pool_bytes / GB:8.2f} GB   ({adapter_slots} slots of rank "
@@ -117,8 +133,8 @@ def format_plan(p: Plan, *, adapter_slots: int, max_rank: int, seqs: int, contex
         short = (one_block - rest) / GB
         lines.append(f"  KV cache              does not fit: {short:.2f} GB short "
                      "of a single block (and the K/V a step gathers of it); use fewer or smaller "
-                     "adapter slots, a smaller step (--max-batched-tokens, --seqs) or a larger "
-                     "GPU")
+                     "adapter slots, a smaller step (--max-batched-tokens, --seqs), a larger "
+                     "GPU or more of them (--tensor-parallel)")
         return "\n".join(lines)
     lines.append(
         f"  blocks (KV, adapters) {p.num_kv_blocks * p.block_size * p.kv_bytes_per_token / GB:8.2f}"
@@ -129,7 +145,8 @@ def format_plan(p: Plan, *, adapter_slots: int, max_rank: int, seqs: int, contex
     need = seqs * per_seq
     lines.append(f"start the executor with: --kv-blocks {p.num_kv_blocks} --block-size "
                  f"{p.block_size} --adapter-slots {adapter_slots} --max-rank {max_rank} "
-                 f"--dtype {dtype}")
+                 f"--dtype {dtype}"
+                 + (f" --tensor-parallel {p.tensor_parallel}" if p.tensor_parallel > 1 else ""))
     if need <= p.kv_tokens:
         verdict = (f"fits: {need:,} of {p.kv_tokens:,} KV tokens "
                    f"({100 * need / p.kv_tokens:.0f}%)")
@@ -184,13 +201,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="sequences running at once (the scheduler's --max-num-seqs)")
     p.add_argument("--context", type=int, default=4096,
                    help="tokens per sequence (prompt + output)")
+    p.add_argument("--tensor-parallel", type=int, default=1,
+                   help="GPUs one executor spans (the executor's flag of the same name): the "
+                        "plan is per GPU")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     for name in ("adapter_slots", "max_rank", "block_size", "max_batched_tokens", "seqs",
-                 "context"):
+                 "context", "tensor_parallel"):
         if getattr(args, name) < 1:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1, "
                              f"got {getattr(args, name)}")
@@ -201,11 +221,16 @@ def main(argv: list[str] | None = None) -> None:
         config = model_config(args.model)
     except (ValueError, OSError) as err:
         raise SystemExit(f"error: --model {args.model}: {err}") from None
+    try:
+        Shard(config, 0, args.tensor_parallel)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
     result = plan(config, dtype=getattr(torch, args.dtype), gpu_bytes=args.gpu_gib * 2**30,
                   utilization=args.utilization, adapter_slots=args.adapter_slots,
                   max_rank=args.max_rank, block_size=args.block_size,
                   max_batched_tokens=args.max_batched_tokens, max_num_seqs=args.seqs,
-                  context=args.context, adapter_ranks=args.adapter_ranks)
+                  context=args.context, adapter_ranks=args.adapter_ranks,
+                  tensor_parallel=args.tensor_parallel)
     print(format_plan(result, adapter_slots=args.adapter_slots, max_rank=args.max_rank,
                       seqs=args.seqs, context=args.context))
     if result.num_kv_blocks < 1:

@@ -5,7 +5,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 # Every kustomization the tests render, relative to DEPLOY.
-RENDERINGS = ["base", "overlays/production", "overlays/cpu-smoke"]
+RENDERINGS = ["base", "overlays/production", "overlays/cpu-smoke", "overlays/tensor-parallel"]
 # component label -> (gRPC port, termination grace the service's drain needs, in seconds)
 COMPONENTS = {"gateway": (50050, 60), "scheduler": (50051, 60), "adapter-store": (50052, 30),
               "executor": (50053, 60)}

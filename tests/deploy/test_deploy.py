@@ -33,7 +33,7 @@ from tests.deploy.contract import (
 from tests.deploy.kustomize import render
 from tests.deploy.manifests import by_kind, container, deployments, service_config
 
-GPU_RENDERINGS = ["base", "overlays/production"]
+GPU_RENDERINGS = ["base", "overlays/production", "overlays/tensor-parallel"]
 # Native gRPC probes are GA from 1.27 (the oldest version we support); 1.37 is the newest
 # schema set the pinned kubernetes-validate ships.
 K8S_VERSIONS = ["1.27.0", "1.37.0"]
@@ -138,10 +138,14 @@ def test_termination_grace_covers_the_drain(rendering):
 
 
 @pytest.mark.parametrize("name", GPU_RENDERINGS)
-def test_each_executor_requests_one_gpu(name):
-    resources = container(deployments(render(DEPLOY / name))["executor"])["resources"]
-    assert resources["limits"]["nvidia.com/gpu"] == "1"
-    assert resources["requests"]["nvidia.com/gpu"] == "1"
+def test_each_executor_requests_a_gpu_per_rank(name):
+    """One GPU, or with --tensor-parallel N as many as its ranks (each takes cuda:r)."""
+    objects = render(DEPLOY / name)
+    executor = deployments(objects)["executor"]
+    resources = container(executor)["resources"]
+    gpus = str(service_config(objects, executor).tensor_parallel)
+    assert resources["limits"]["nvidia.com/gpu"] == gpus
+    assert resources["requests"]["nvidia.com/gpu"] == gpus
     config = by_kind(render(DEPLOY / name), "ConfigMap")["loraplex-executor-config"]["data"]
     assert (config["EXECUTOR_DEVICE"], config["EXECUTOR_DTYPE"]) == ("cuda", "bfloat16")
 

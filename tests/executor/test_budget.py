@@ -12,6 +12,7 @@ from executor.model_config import ModelConfig
 from executor.runner import MemoryBudget, ModelRunner
 from loraplex.budget import format_plan, plan
 from tests.random_adapters import random_adapter
+from tests.rank_threads import RankThreads
 
 GIB = 2**30
 
@@ -129,6 +130,37 @@ def test_a_gpu_short_of_one_block_says_by_how_much():
     assert short == pytest.approx((4096 * k * (1 + 1 / 32) - 2048 * k) / 1e9, abs=0.01)
     for bad, message in [(("--seqs", "0"), "--seqs must be >= 1"),
                          (("--utilization", "1.5"), "--utilization in (0, 1]"),
-                         (("--model", "/nonexistent"), "config.json not found")]:
+                         (("--model", "/nonexistent"), "config.json not found"),
+                         (("--tensor-parallel", "3"), "tensor parallel 3: does not divide the "
+                                                      "model's num_attention_heads 32")]:
         run = budget(*bad)
         assert run.returncode == 1 and message in run.stderr, run.stderr
+
+
+def test_a_tensor_parallel_plan_is_what_each_rank_allocates():
+    config = ModelConfig.named("tiny")
+    p = make_plan(config, context=64, tensor_parallel=2)
+    whole = make_plan(config, context=64)
+    assert p.kv_bytes_per_token == whole.kv_bytes_per_token // 2  # its KV head of 2
+    ranks = RankThreads(2, lambda tp: ModelRunner.random(
+        config, num_kv_blocks=p.num_kv_blocks, block_size=p.block_size, num_slots=4,
+        max_rank=8, tp=tp))
+    kv = p.num_kv_blocks * p.block_size * p.kv_bytes_per_token
+    assert ranks.each(ModelRunner.memory_budget) == [MemoryBudget(p.weights_bytes, kv,
+                                                                  p.pool_bytes)] * 2
+    assert p.page_bytes == ranks.ranks[1].pool.page_bytes
+    weights = ranks.ranks[0].shard.lora(random_adapter(config, 8, 0, same_rank=True))
+    assert p.mix_pages == ranks.ranks[0].pool.pages_for(weights).num_pages
+    ranks.close()
+
+
+def test_a_70b_base_fits_four_80gb_gpus_and_not_one():
+    config = ModelConfig.named("llama-3-70b")
+    kw = dict(dtype=torch.bfloat16, gpu_bytes=80 * GIB, adapter_slots=64, max_rank=16,
+              max_batched_tokens=2048, max_num_seqs=64, context=4096)
+    one, four = make_plan(config, **kw), make_plan(config, **kw, tensor_parallel=4)
+    assert one.num_kv_blocks < 1 and four.num_kv_blocks >= 1
+    check_fits_and_is_maximal(four, 64 * 4096)
+    assert one.weights_bytes / 4 < four.weights_bytes < one.weights_bytes / 4 * 1.001
+    assert "--tensor-parallel 4" in format_plan(four, adapter_slots=64, max_rank=16, seqs=64,
+                                                 context=4096)
