@@ -3,9 +3,10 @@
 scheduler. With 2 and 4 ranks (the fixture model's 2 KV heads split, then replicated), mixed
 adapters in one batch (all projections, MLP only, rank patterns, one projection) beside the base
 model, with cached prefixes, give HF + PEFT's greedy tokens (so TP=1's: tests/executor/
-test_tensor_parallel_oracle.py compares logits). A rank SIGKILLed mid-generation ends the
-executor's Step stream: every stream completes on the TP=1 executor beside it with exactly its
-fault-free tokens, and the group restarts as one and gets work again."""
+test_tensor_parallel_oracle.py compares logits). A rank SIGKILLed or frozen (SIGSTOP) mid-
+generation ends the executor's Step stream: every stream completes on the TP=1 executor beside it
+with exactly its fault-free tokens, and the group restarts as one and gets work again (after a
+freeze, once rank 0's collective has waited --rank-timeout-s for the frozen rank)."""
 
 import asyncio
 import os
@@ -127,7 +128,8 @@ def rank_pid(supervisor: ServiceProcess, rank: int) -> int:
     raise LookupError(f"no rank {rank} under pid {pid}")
 
 
-async def test_a_rank_killed_mid_generation_loses_and_repeats_no_token(world, pushed, hf_peft):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
+async def test_a_rank_lost_mid_generation_loses_and_repeats_no_token(world, pushed, hf_peft, sig):
     tp2 = world["executors"][2]
     requests = jobs(4, with_prefix=False)
     expected = [hf_greedy(hf_peft, p, 40, a or None)[0] for a, p in requests]
@@ -152,7 +154,7 @@ async def test_a_rank_killed_mid_generation_loses_and_repeats_no_token(world, pu
         await asyncio.wait_for(started.wait(), 60)
         assert (await stats(stub))[tp2.address].running > 0, "the TP=2 executor has work"
         victim = rank_pid(tp2, 1)
-        os.kill(victim, signal.SIGKILL)
+        os.kill(victim, sig)
         got = await asyncio.wait_for(asyncio.gather(*calls), 120)
         assert got == expected, "every stream completed with exactly its fault-free tokens"
         assert tp2.process.poll() is None, "the supervisor lives on"
@@ -170,3 +172,4 @@ async def test_a_rank_killed_mid_generation_loses_and_repeats_no_token(world, pu
         alone = await asyncio.gather(*(run(a, p) for a, p in requests[4:6]))
         assert alone == expected[4:6]
         assert (await stats(stub))[tp2.address].steps > steps, "it gets work again"
+        await stub.Resume(scheduler_pb2.ResumeRequest(executor=world["executors"][1].address))
