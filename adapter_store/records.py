@@ -56,6 +56,9 @@ class AdapterRecord:
     base_model_name_or_path: str = ""  # as adapter_config.json states it
     base_match: str = ""  # adapter_store.base_models.MatchKind's value
     base_fingerprint: str = ""  # of the registered base matched to
+    # Where its tensors put the decoder layers (common.peft.modules.LAYERS_PATHS); "" in
+    # manifests written before multimodal bases: "model.layers"
+    layers_path: str = ""
 
     def __post_init__(self) -> None:
         if not self.weights_key:

@@ -12,6 +12,7 @@ common.peft, which executors load with.
 
 import dataclasses
 import hashlib
+import logging
 import zlib
 
 from adapter_store.base_models import BaseModel
@@ -20,6 +21,8 @@ from common.peft.config import LoraConfig, parse_config
 from common.peft.finite import check_finite
 from common.peft.layout import AdapterLayout, check_fits, plan_adapter
 from common.peft.safetensors_header import check_weights_file, parse_header
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +41,7 @@ class AdapterSpec:
     rank_pattern: dict[str, int]
     alpha_pattern: dict[str, float]
     base_model_revision: str  # adapter_config.json's "revision", "" when absent
+    layers_path: str  # where its tensors put the decoder layers (AdapterLayout.layers)
 
 
 def check_config_rank(config: LoraConfig, max_rank: int | None) -> None:
@@ -68,12 +72,17 @@ def validate_adapter(config_json: str, weights_filename: str, data: bytes, *,
         check_base_model_revision(config.revision, base)
         check_fits(layout, base.shapes)
     check_finite(data, layout)
+    if layout.unserved:  # (once per push; executors load them silently)
+        log.info("adapter for %s: LoRA on %d vision-tower / projector modules (%s, ...) is "
+                 "stored but never served: text-only input does not run them",
+                 config.base_model, len(layout.unserved_modules), layout.unserved_modules[0])
     return AdapterSpec(
         base_model=config.base_model, use_rslora=config.use_rslora, alpha=config.alpha,
         rank=layout.rank, target_modules=layout.target_modules, num_bytes=len(data),
         sha256=hashlib.sha256(data).hexdigest(), crc32=zlib.crc32(data), dtype=layout.dtype,
         rank_pattern=config.rank_pattern, alpha_pattern=config.alpha_pattern,
-        base_model_revision=config.revision or (base.revision if base else ""))
+        base_model_revision=config.revision or (base.revision if base else ""),
+        layers_path=layout.layers)
 
 
 def check_base_model_revision(revision: str, base: BaseModel) -> None:

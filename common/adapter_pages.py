@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from common.peft.config import LoraConfig
-from common.peft.modules import module_path
+from common.peft.modules import TEXT_LAYERS, module_path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,12 +145,14 @@ def plan_pages(module_ranks: Mapping[str, int], geometry: PageGeometry) -> PageL
 
 
 def module_ranks(config: LoraConfig, target_modules: tuple[str, ...] | list[str],
-                 num_layers: int) -> dict[str, int]:
+                 num_layers: int, layers: str = "") -> dict[str, int]:
     """Each targeted module's largest rank over the model's layers, by the adapter's config
-    (what its tensors hold: the store checks them against it at push)."""
+    (what its tensors hold: the store checks them against it at push), its patterns matched
+    under `layers`, where its tensors put the decoder layers (AdapterInfo.layers_path; "": a
+    text model's)."""
     out = {}
     for m in target_modules:
-        paths = [module_path(layer, m) for layer in range(num_layers)]
+        paths = [module_path(layer, m, layers or TEXT_LAYERS) for layer in range(num_layers)]
         hit = config.targets(paths)
         ranks = [rank for (rank, _), is_hit in zip(config.ranks_and_alphas(paths), hit)
                  if is_hit]

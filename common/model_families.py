@@ -6,6 +6,13 @@ A config.json leaves out what its transformers config class assumes, and the cla
 differently (Gemma's head_dim is 256 whatever hidden / heads is; its embeddings are tied unless
 said otherwise). `read_config` fills those in, so a field absent from the file means what it
 means to transformers.
+
+A multimodal model (MULTIMODAL_MODEL_TYPES: Gemma 3's 4B, 12B and 27B, Gemma3ForConditional-
+Generation, model_type "gemma3") is served as its language model, text in and text out: its
+config.json nests that model's fields under "text_config", often only those that differ from
+Gemma3TextConfig's defaults (gemma-3-4b states no heads), and `read_config` reads it as the text
+model it holds. Its vision tower is never run (no request carries an image), so its config and
+weights (executor/weights.py) and any LoRA on them (common/peft/modules.py) are skipped.
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ from typing import Any
 from common.peft.modules import projection_shapes
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+# model_type of a multimodal model -> its language model's (text_config's), which is served
+MULTIMODAL_MODEL_TYPES = {"gemma3": "gemma3_text"}
 # q/k/v and gate/up are single weights (qkv_proj, gate_up_proj), and adapters target them so
 FUSED_MODEL_TYPES = ("phi3",)
 
@@ -31,7 +40,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma2": {**_GEMMA, "rope_theta": 10000.0, "max_position_embeddings": 8192,
                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
     "gemma3_text": {**_GEMMA, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10000.0,
-                    "max_position_embeddings": 131072, "sliding_window_pattern": 6},
+                    "max_position_embeddings": 131072, "sliding_window_pattern": 6,
+                    # (a multimodal checkpoint's text_config leaves these out where they hold)
+                    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+                    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4},
     "phi3": {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 4096,
              "original_max_position_embeddings": 4096},
 }
@@ -41,19 +53,41 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 _NULL_IS_OFF = ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping")
 
 
+def is_multimodal(cfg: dict[str, Any]) -> bool:
+    """Whether config.json is a multimodal model's, whose language model loraplex serves."""
+    return cfg.get("model_type") in MULTIMODAL_MODEL_TYPES
+
+
 def read_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """config.json's fields with its family's defaults under them; ValueError naming the
-    model_type when loraplex does not serve its family."""
+    """config.json's fields with its family's defaults under them (a multimodal model's: its
+    language model's, see the module docstring); ValueError naming the model_type when loraplex
+    does not serve its family."""
+    if is_multimodal(cfg):
+        cfg = _language_model_config(cfg)
     model_type = cfg.get("model_type", "llama")
-    if model_type == "gemma3":
-        raise ValueError("model config: model_type 'gemma3' (Gemma 3 with its vision tower) is "
-                         "not supported; serve its text model (model_type gemma3_text, "
-                         "Gemma3ForCausalLM)")
     if model_type not in MODEL_TYPES:
         raise ValueError(f"model config: model_type {model_type!r} is not supported "
                          f"(supported: {', '.join(MODEL_TYPES)})")
     given = {k: v for k, v in cfg.items() if v is not None or k in _NULL_IS_OFF}
     return {**DEFAULTS[model_type], **given, "model_type": model_type}
+
+
+def _language_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config.json's text_config, with what transformers reads for its language model
+    from the top level: the end-of-sequence ids (Google's files state them there), and whether
+    the output head is the embeddings (Gemma3ForConditionalGeneration ties by the top-level
+    field, True by default, whatever text_config says: transformers 5)."""
+    text = cfg.get("text_config") or {}
+    if not isinstance(text, dict):
+        raise ValueError(f"model config: text_config must be an object, got {text!r}")
+    eos = [t for source in (text.get("eos_token_id"), cfg.get("eos_token_id"))
+           for t in (source if isinstance(source, list) else [source]) if t is not None]
+    out = {**text, "model_type": MULTIMODAL_MODEL_TYPES[cfg["model_type"]],
+           "tie_word_embeddings": cfg.get("tie_word_embeddings", True),
+           "eos_token_id": list(dict.fromkeys(eos)) or None}
+    if "_name_or_path" in cfg:
+        out["_name_or_path"] = cfg["_name_or_path"]
+    return out
 
 
 def base_shapes(cfg: dict[str, Any]) -> tuple[int, dict[str, tuple[int, int]]]:

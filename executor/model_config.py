@@ -54,6 +54,9 @@ class ModelConfig:
     # sliding_window is set (Mistral, Phi-3)
     local_rope_theta: float | None = None  # sliding layers' RoPE base, default RoPE (Gemma 3)
     fused_projections: bool = False  # qkv_proj and gate_up_proj are single weights (Phi-3)
+    # The checkpoint is a multimodal model's (Gemma 3 4B+): the text weights are its language
+    # model's, beside a vision tower and projector that are never loaded (executor/weights.py)
+    multimodal_checkpoint: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

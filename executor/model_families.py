@@ -11,6 +11,10 @@ fields mean what they mean to transformers (common/model_families.py fills in it
                             on sliding layers, linear RoPE scaling on global ones; no score cap
     phi3                    fused qkv_proj / gate_up_proj (adapters target them), every layer
                             slides when sliding_window is set, longrope read from the config
+    gemma3 (multimodal)     its language model, a gemma3_text (text_config, common/model_families
+                            .py), as Gemma3ForConditionalGeneration computes text-only input: no
+                            final soft cap (its forward applies none); the weights under its
+                            language model, the vision tower's skipped
 
 Anything a family may state that loraplex does not compute is refused with the field's name:
 never served approximately.
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.model_families import FUSED_MODEL_TYPES, read_config
+from common.model_families import FUSED_MODEL_TYPES, is_multimodal, read_config
 from executor.model_config import FULL, SLIDING, alternating_layers
 from executor.rope import LongRopeScaling, Rope, parse_rope
 
@@ -63,6 +67,9 @@ def config_fields(raw: dict[str, Any], generation_config: dict[str, Any]) -> dic
         fields["sliding_window"] = cfg.get("sliding_window")
     if is_gemma:
         fields.update(_gemma(cfg, model_type))
+    if is_multimodal(raw):
+        # (Gemma3ForConditionalGeneration's head is lm_head alone: text_config's cap is unread)
+        fields.update(multimodal_checkpoint=True, final_logit_softcap=None)
     if model_type == "gemma3_text":
         global_rope, local_theta = _gemma3_ropes(cfg, head_dim, fields["max_position_embeddings"])
         fields.update(rope_theta=global_rope.theta, rope_scaling=global_rope.scaling,

@@ -1,7 +1,12 @@
 """What an executor tells schedulers about its model's tokenizer, read from the model folder the
-way HF transformers reads it: tokenizer.json, the chat template (chat_template.jinja, else
-tokenizer_config.json's `chat_template`: a string, or named templates of which "default" is used)
-and the special tokens a template may name (tokenizer_config.json's `*_token` entries)."""
+way HF transformers reads it: tokenizer.json, the chat template and the special tokens a template
+may name (tokenizer_config.json's `*_token` entries).
+
+The chat template is the tokenizer's, what AutoTokenizer's apply_chat_template renders:
+chat_template.jinja, else tokenizer_config.json's `chat_template` (a string, or named templates of
+which "default" is used). A multimodal checkpoint (Gemma 3 4B+) often keeps it only where its
+processor reads it, which comes next in AutoProcessor's order: processor_config.json's
+`chat_template`, else the legacy chat_template.json ({"chat_template": ...})."""
 
 import dataclasses
 import json
@@ -21,15 +26,27 @@ class TokenizerFiles:
     def read(cls, model_dir: str | pathlib.Path) -> "TokenizerFiles":
         folder = pathlib.Path(model_dir)
         tokenizer = folder / "tokenizer.json"
-        config = _tokenizer_config(folder / "tokenizer_config.json")
-        template_file = folder / "chat_template.jinja"
-        template = (template_file.read_text() if template_file.exists()
-                    else _named_template(config.get("chat_template")))
+        config = _json_object(folder / "tokenizer_config.json")
         return cls(tokenizer_json=tokenizer.read_text() if tokenizer.exists() else "",
-                   chat_template=template, special_tokens=_special_tokens(config))
+                   chat_template=_chat_template(folder, config),
+                   special_tokens=_special_tokens(config))
 
 
-def _tokenizer_config(path: pathlib.Path) -> dict:
+def _chat_template(folder: pathlib.Path, tokenizer_config: dict) -> str:
+    """The first of the places the module docstring lists that holds a template; "" if none."""
+    template_file = folder / "chat_template.jinja"
+    if template_file.exists():
+        return template_file.read_text()
+    for config in (tokenizer_config, _json_object(folder / "processor_config.json"),
+                   _json_object(folder / "chat_template.json")):
+        template = _named_template(config.get("chat_template"))
+        if template:
+            return template
+    return ""
+
+
+def _json_object(path: pathlib.Path) -> dict:
+    """A JSON object file of the folder ({} when absent)."""
     if not path.exists():
         return {}
     config = json.loads(path.read_text())

@@ -11,6 +11,14 @@ The norms by the checkpoint's names (Gemma's sandwich in brackets):
     post_attention_norm   post_attention_layernorm [pre_feedforward_layernorm]   before the MLP
     [mlp_out_norm]        post_feedforward_layernorm               on the MLP's output
 
+A multimodal checkpoint (ModelConfig.multimodal_checkpoint: Gemma 3 4B+) holds these under its
+language model, named by the transformers that saved it, and a vision tower and projector beside
+them, which are skipped unread (text-only input never runs them):
+
+    language_model.model.X, language_model.lm_head.weight   transformers < 4.52, >= 5; Google's
+    model.language_model.X, lm_head.weight                  transformers 4.52 .. 4.x
+    [model.]vision_tower.*, [model.]multi_modal_projector.*  skipped
+
 A rank of a tensor-parallel executor loads its part only (`shard`, executor/shards.py): each
 tensor's rows or columns read from the safetensors files, nothing else; its LayerWeights then have
 its part's shapes, and embed / lm_head its vocabulary rows (from `vocab_start`).
@@ -83,6 +91,28 @@ def _hf_names(config: ModelConfig) -> list[str]:
     return names
 
 
+# A multimodal checkpoint's names -> a text model's (see the module docstring).
+_LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."),
+                            ("language_model.lm_head.", "lm_head."),
+                            ("model.language_model.", "model."))
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                    "model.multi_modal_projector.")
+
+
+def text_model_name(name: str, config: ModelConfig) -> str | None:
+    """The text model's name of checkpoint tensor `name`; None for a multimodal checkpoint's
+    vision tower and projector (never loaded). Any other name comes back as it is (and is then
+    refused if the model has no such tensor)."""
+    if not config.multimodal_checkpoint:
+        return name
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    for prefix, text_prefix in _LANGUAGE_MODEL_PREFIXES:
+        if name.startswith(prefix):
+            return text_prefix + name.removeprefix(prefix)
+    return name  # (lm_head.weight; or something unexpected, refused by the caller)
+
+
 def _expected_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
     h = config.hidden_size
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -120,15 +150,19 @@ def load_weights(model_dir: str | Path, config: ModelConfig, *, dtype: torch.dty
         if not path.is_file():
             raise ValueError(f"checkpoint shard {path} listed in the index is missing")
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue  # a buffer some old checkpoints saved; recomputed from the config
+            for stored in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                name = text_model_name(stored, config)
+                if name is None or name.endswith("rotary_emb.inv_freq"):
+                    continue  # a vision tower's; or a buffer some old checkpoints saved
                 if name not in expected | optional:
-                    raise ValueError(f"unexpected tensor {name!r} in {path.name}")
-                part = f.get_slice(name)
+                    raise ValueError(f"unexpected tensor {stored!r} in {path.name}")
+                if name in raw:
+                    raise ValueError(f"tensor {stored!r} in {path.name}: the checkpoint holds "
+                                     f"{name!r} twice (under two names)")
+                part = f.get_slice(stored)
                 shape = tuple(part.get_shape())
                 if shape != _expected_shape(config, name):
-                    raise ValueError(f"tensor {name!r} has shape {shape}, expected "
+                    raise ValueError(f"tensor {stored!r} has shape {shape}, expected "
                                      f"{_expected_shape(config, name)} from the model config")
                 tensor = _read(part, name, shard)
                 raw[name] = tensor.to(device=device, dtype=dtype)

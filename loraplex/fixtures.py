@@ -81,9 +81,18 @@ BROKEN = {  # name -> LoraConfig arguments (the breakage is applied after saving
 
 def tiny_config(model_type: str = "llama", **overrides: Any):
     """An HF config of the tiny model family (llama, mistral, qwen2, qwen3, gemma2, gemma3_text
-    or phi3)."""
+    or phi3; or gemma3: a Gemma 3 with a tiny vision tower, `overrides` its text model's)."""
     import transformers
 
+    if model_type == "gemma3":
+        vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                  "num_attention_heads": 2, "image_size": 28, "patch_size": 14,
+                  "vision_use_head": False}  # (as Gemma 3's SigLIP has none)
+        text = tiny_config("gemma3_text", **overrides)
+        return transformers.Gemma3Config(  # image tokens in the vocabulary, as Gemma 3's are
+            text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4,
+            boi_token_index=1021, eoi_token_index=1022, image_token_index=1023,
+            tie_word_embeddings=text.tie_word_embeddings)
     cls = getattr(transformers, {
         "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
         "qwen3": "Qwen3Config", "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig",

@@ -103,7 +103,7 @@ class AdapterRef(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class AdapterInfo(_message.Message):
-    __slots__ = ("name", "version", "owner_tenant", "is_public", "base_model", "rank", "alpha", "use_rslora", "target_modules", "num_bytes", "sha256", "created_unix", "config_json", "crc32", "base_model_name_or_path", "base_match", "base_fingerprint")
+    __slots__ = ("name", "version", "owner_tenant", "is_public", "base_model", "rank", "alpha", "use_rslora", "target_modules", "num_bytes", "sha256", "created_unix", "config_json", "crc32", "base_model_name_or_path", "base_match", "base_fingerprint", "layers_path")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OWNER_TENANT_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,7 @@ class AdapterInfo(_message.Message):
     BASE_MODEL_NAME_OR_PATH_FIELD_NUMBER: _ClassVar[int]
     BASE_MATCH_FIELD_NUMBER: _ClassVar[int]
     BASE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_PATH_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     owner_tenant: str
@@ -138,4 +139,5 @@ class AdapterInfo(_message.Message):
     base_model_name_or_path: str
     base_match: BaseMatch
     base_fingerprint: str
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., owner_tenant: _Optional[str] = ..., is_public: _Optional[bool] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., use_rslora: _Optional[bool] = ..., target_modules: _Optional[_Iterable[str]] = ..., num_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., created_unix: _Optional[float] = ..., config_json: _Optional[str] = ..., crc32: _Optional[int] = ..., base_model_name_or_path: _Optional[str] = ..., base_match: _Optional[_Union[BaseMatch, str]] = ..., base_fingerprint: _Optional[str] = ...) -> None: ...
+    layers_path: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., owner_tenant: _Optional[str] = ..., is_public: _Optional[bool] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., use_rslora: _Optional[bool] = ..., target_modules: _Optional[_Iterable[str]] = ..., num_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., created_unix: _Optional[float] = ..., config_json: _Optional[str] = ..., crc32: _Optional[int] = ..., base_model_name_or_path: _Optional[str] = ..., base_match: _Optional[_Union[BaseMatch, str]] = ..., base_fingerprint: _Optional[str] = ..., layers_path: _Optional[str] = ...) -> None: ...

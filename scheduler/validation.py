@@ -75,7 +75,7 @@ class Servables:
             ranks, pages = None, 0
             if self._geometry is not None:
                 ranks = module_ranks(parse_config(adapter.config_json), adapter.target_modules,
-                                     self._geometry.num_layers)
+                                     self._geometry.num_layers, adapter.layers_path)
                 try:
                     pages = plan_pages(ranks, self._geometry).num_pages
                 except ValueError as err:  # (its modules are not this model's: Phi-3's qkv_proj)

@@ -18,14 +18,17 @@ import math
 from collections.abc import Sequence
 
 from common.errors import InvalidArgument
-from common.peft.modules import ADAPTABLE_MODULES, module_path
+from common.peft.modules import ADAPTABLE_MODULES, LAYERS_PATHS, VISION_MODULES, module_path
 from common.peft.patterns import compile_pattern, fullmatches
 
 # A PEFT config is well under 4 KiB; one of this size still lists thousands of patterns. Bigger
 # ones are refused at the header: the config travels in every Fetch and listing.
 MAX_CONFIG_BYTES = 64 * 1024
-# Modules PEFT may adapt that loraplex never serves: the vocabulary-sized ones.
+# Modules PEFT may adapt that loraplex never serves: the vocabulary-sized ones (by their paths in
+# a text model and in a multimodal one's language model, for a regex to be checked against).
 _VOCAB_MODULES = ("lm_head", "embed_tokens")
+_VOCAB_PATHS = ("lm_head", "language_model.lm_head",
+                *(f"{layers.removesuffix('.layers')}.embed_tokens" for layers in LAYERS_PATHS))
 # PEFT's "every linear layer but the output head": the model's projections, whatever its layout
 # (PEFT writes the names it found in a saved config; a hand-written one may say this).
 ALL_LINEAR = "all-linear"
@@ -167,8 +170,8 @@ def _target_modules(value: object) -> tuple[str, ...] | str:
             return (value,)
         compile_pattern(value, "adapter_config.json: target_modules regex")
         paths = [module_path(0, m) for m in ADAPTABLE_MODULES]
-        vocab = ["lm_head", "model.embed_tokens"]
-        (hits,) = fullmatches([value], paths + vocab, "adapter_config.json: target_modules regex")
+        (hits,) = fullmatches([value], paths + list(_VOCAB_PATHS),
+                              "adapter_config.json: target_modules regex")
         if any(hits[len(paths):]):
             raise _invalid(f"target_modules regex {value!r} matches lm_head or embed_tokens; "
                            f"only the projections can be adapted ({supported})")
@@ -181,8 +184,10 @@ def _target_modules(value: object) -> tuple[str, ...] | str:
         if last in _VOCAB_MODULES:
             raise _invalid(f"target module {target!r} is not supported: adapters on lm_head or "
                            f"embed_tokens are not served (only {supported})")
-        if last not in ADAPTABLE_MODULES or not all(part.isidentifier() or part.isdigit()
-                                                for part in target.split(".")):
+        # (a vision tower's linears: "all-linear" on a multimodal model lists them; their LoRA
+        # is never served, common.peft.modules)
+        if last not in ADAPTABLE_MODULES + VISION_MODULES or not all(
+                part.isidentifier() or part.isdigit() for part in target.split(".")):
             raise _invalid(f"target module {target!r} is not supported; use a subset of "
                            f"{supported}")
     return tuple(sorted(set(value)))

@@ -26,8 +26,8 @@ def check_finite(data, layout: AdapterLayout) -> None:
     (anything with the buffer protocol: bytes, a uint8 numpy array), its header already parsed
     into `layout`."""
     start = data_start(data)
-    dtypes = layout.dtype.split(",")
-    if len(dtypes) == 1 and not _count_non_finite(data, start, len(data) - start, dtypes[0]):
+    dtypes = layout.file_dtypes  # (the tensors tile the data section, unserved ones among them)
+    if len(dtypes) == 1 and not _count_non_finite(data, start, len(data) - start, *dtypes):
         return
     for module in layout.modules.values():
         for entry in (module.a, module.b):

@@ -4,6 +4,10 @@ load; both read the tensors through `common.peft.tensors`.
 
     layout = plan_adapter(parse_config(config_json), parse_header(data))
     check_fits(layout, base)   # against a base model's layer count and projection shapes
+
+A multimodal model's adapter names its decoder layers its own way (common.peft.modules:
+LAYERS_PATHS) and may hold LoRA on the vision tower or projector: those tensors are kept aside
+(`AdapterLayout.unserved`), checked as the file's tensors but never mapped to a projection.
 """
 
 import dataclasses
@@ -11,7 +15,7 @@ from collections.abc import Mapping
 
 from common.errors import FailedPrecondition, InvalidArgument
 from common.peft.config import LoraConfig
-from common.peft.modules import module_path, parse_tensor_key
+from common.peft.modules import TEXT_LAYERS, TensorKey, module_path, parse_tensor_key
 from common.peft.safetensors_header import WEIGHTS_FILE, TensorEntry
 
 # Floating dtypes a LoRA weight may have (what PEFT saves: the training dtype).
@@ -27,16 +31,18 @@ class ModuleLayout:
     scale: float
     a: TensorEntry  # [rank, in_features]
     b: TensorEntry  # [out_features, rank]
-
-    @property
-    def path(self) -> str:
-        return module_path(self.layer, self.module)
+    path: str  # in the model it was trained on ("model.layers.0.self_attn.q_proj")
 
 
 @dataclasses.dataclass(frozen=True)
 class AdapterLayout:
     config: LoraConfig
     modules: Mapping[tuple[int, str], ModuleLayout]  # (layer, module) -> layout, sorted
+    # Where the model it was trained on keeps its decoder layers (common.peft.modules:
+    # LAYERS_PATHS), what its patterns were matched under
+    layers: str = TEXT_LAYERS
+    # Its tensors on a multimodal model's vision tower or projector, by name: never served
+    unserved: Mapping[str, TensorEntry] = dataclasses.field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -55,6 +61,17 @@ class AdapterLayout:
         """Safetensors dtype of its weights ("F32"; comma-joined and sorted when mixed)."""
         return ",".join(sorted({t.dtype for m in self.modules.values() for t in (m.a, m.b)}))
 
+    @property
+    def file_dtypes(self) -> set[str]:
+        """The dtypes of every tensor of the file, served or not."""
+        served = (t for m in self.modules.values() for t in (m.a, m.b))
+        return {t.dtype for t in (*served, *self.unserved.values())}
+
+    @property
+    def unserved_modules(self) -> tuple[str, ...]:
+        """The paths of the vision-tower and projector modules it adapts, sorted."""
+        return tuple(sorted({parse_tensor_key(name).path for name in self.unserved}))
+
 
 @dataclasses.dataclass(frozen=True)
 class BaseShapes:
@@ -68,28 +85,39 @@ class BaseShapes:
 def plan_adapter(config: LoraConfig, entries: Mapping[str, TensorEntry]) -> AdapterLayout:
     """Pair every tensor with its projection and check it: names as PEFT writes them, floating
     dtypes, 2-D, A and B for every module, ranks as the config gives them, one (in, out) per
-    projection across layers, only targeted modules, and a tensor for every listed target."""
+    projection across layers, only targeted modules, and a tensor for every listed target.
+    A multimodal model's vision-tower and projector tensors are set aside (the first three
+    checks and the last hold for them too)."""
     pairs: dict[tuple[int, str], dict[str, TensorEntry]] = {}
+    served: dict[str, TensorKey] = {}  # name -> key, of the decoder projections' tensors
+    unserved: dict[str, TensorEntry] = {}
     for name, entry in entries.items():
-        layer, module, which = parse_tensor_key(name)
+        key = parse_tensor_key(name)
         if entry.dtype not in FLOAT_DTYPES:
             raise InvalidArgument(f"tensor {name!r} has dtype {entry.dtype}; LoRA weights must be "
                                   f"one of {list(FLOAT_DTYPES)}")
         if len(entry.shape) != 2:
             raise InvalidArgument(f"tensor {name!r} has shape {list(entry.shape)}; LoRA weights "
                                   "are 2-D (A [r, in], B [out, r])")
-        pairs.setdefault((layer, module), {})[which] = entry
+        if not key.is_served:
+            unserved[name] = entry
+            continue
+        served[name] = key
+        pairs.setdefault((key.layer, key.module), {})[key.which] = entry
     if not pairs:
-        raise InvalidArgument(f"{WEIGHTS_FILE} holds no LoRA tensors")
+        raise InvalidArgument(f"{WEIGHTS_FILE} holds no LoRA tensors"
+                              + (" of the language model" if unserved else ""))
+    layers = _one_naming(served)
     keys = sorted(pairs)
-    paths = [module_path(layer, module) for layer, module in keys]
+    paths = [module_path(layer, module, layers) for layer, module in keys]
     for path, is_target in zip(paths, config.targets(paths)):
         if not is_target:
             raise InvalidArgument(f"{WEIGHTS_FILE} adapts {path}, which target_modules "
                                   f"{_shown(config.target_modules)} does not name")
     if not isinstance(config.target_modules, str):
+        every = paths + [parse_tensor_key(name).path for name in unserved]
         for target in config.target_modules:
-            if not any(p == target or p.endswith("." + target) for p in paths):
+            if not any(p == target or p.endswith("." + target) for p in every):
                 raise InvalidArgument(f"target_modules lists {target!r} but {WEIGHTS_FILE} has no "
                                       "tensors for it")
     modules, dims = {}, {}  # dims: module -> (in, out), equal across layers
@@ -109,8 +137,22 @@ def plan_adapter(config: LoraConfig, entries: Mapping[str, TensorEntry]) -> Adap
         if seen != (a.shape[1], b.shape[0]):
             raise InvalidArgument(f"module {path} maps {a.shape[1]} -> {b.shape[0]} features "
                                   f"but {key[1]} maps {seen[0]} -> {seen[1]} in other layers")
-        modules[key] = ModuleLayout(key[0], key[1], rank, alpha, config.scale(rank, alpha), a, b)
-    return AdapterLayout(config, modules)
+        modules[key] = ModuleLayout(key[0], key[1], rank, alpha, config.scale(rank, alpha), a, b,
+                                    path)
+    return AdapterLayout(config, modules, layers, unserved)
+
+
+def _one_naming(served: Mapping[str, TensorKey]) -> str:
+    """The one place the adapter's tensors put the decoder layers; INVALID_ARGUMENT when they
+    name two (tensors of two models' adapters mixed in one file)."""
+    namings: dict[str, str] = {}  # layers -> a tensor naming it so
+    for name, key in served.items():
+        namings.setdefault(key.layers, name)
+    if len(namings) > 1:
+        (a, first), (b, second) = sorted(namings.items())[:2]
+        raise InvalidArgument(f"tensors {first!r} and {second!r} place the decoder layers at "
+                              f"{a} and {b}: an adapter's tensors name one model's layers")
+    return next(iter(namings))
 
 
 def check_fits(layout: AdapterLayout, base: BaseShapes) -> None:

@@ -1,10 +1,12 @@
-"""`loraplex up --model DIR` on a Gemma 2 folder and on a Phi-3 one (issue 32), every service its
-own process: a tiny random model of the family (Gemma 2: a sliding window of 6, soft caps,
-query_pre_attn_scalar; Phi-3: fused projections, its adapter on qkv_proj and gate_up_proj) with a
-tokenizer and a chat template in the family's style, a PEFT adapter pushed with the CLI (the
-store checks it, the scheduler plans its pages, the executor loads it), then the OpenAI API: a
-chat's prompt is transformers' apply_chat_template of the messages, its greedy reply and a
-base-model completion are HF + PEFT's; Gemma's template refuses a system message: 400."""
+"""`loraplex up --model DIR` on a Gemma 2 folder, a Phi-3 one (issue 32) and a multimodal Gemma 3
+one, every service its own process: a tiny random model of the family (Gemma 2: a sliding window
+of 6, soft caps, query_pre_attn_scalar; Phi-3: fused projections, its adapter on qkv_proj and
+gate_up_proj; Gemma 3: Gemma3ForConditionalGeneration, its adapter on language-model projections
+and a vision-tower linear by a regex, its template in chat_template.json alone, as its processor
+keeps it) with a tokenizer and a chat template in the family's style, a PEFT adapter pushed with
+the CLI (the store checks it, the scheduler plans its pages, the executor loads it), then the
+OpenAI API: a chat's prompt is transformers' apply_chat_template of the messages, its greedy reply
+and a base-model completion are HF + PEFT's; Gemma 2's template refuses a system message: 400."""
 
 import json
 import signal
@@ -18,7 +20,8 @@ import torch
 
 from loraplex import fixtures
 from tests.e2e.test_readme_gateway import free_base_port
-from tests.family_templates import GEMMA2, GEMMA_TOKENS, PHI3, PHI3_TOKENS
+from tests.family_templates import GEMMA2, GEMMA3, GEMMA_TOKENS, PHI3, PHI3_TOKENS
+from tests.multimodal import TEXT
 from tests.oracle import hf_greedy, made_adapters
 
 FAMILIES = {  # model_type -> (model's quirks, special tokens, template, eos ids, adapter targets)
@@ -27,6 +30,8 @@ FAMILIES = {  # model_type -> (model's quirks, special tokens, template, eos ids
                fixtures.ATTN + fixtures.MLP),
     "phi3": ({"sliding_window": 10}, PHI3_TOKENS, PHI3, (1, 4),
              ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+    "gemma3": (TEXT, GEMMA_TOKENS, GEMMA3, (1, 3),
+               r".*language_model.*\.(q_proj|v_proj|down_proj)|.*vision_tower.*\.fc1"),
 }
 MESSAGES = [{"role": "user", "content": "The river serves many small tunes"},
             {"role": "assistant", "content": "Seven quiet blocks."},
@@ -45,14 +50,20 @@ def family(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(model_id)
     model_dir = fixtures.save_tiny_model(out / model_id, request.param, seed=5, **quirks)
     fixtures.save_tokenizer(model_dir, tokens, template, "PreTrainedTokenizerFast")
+    if request.param == "gemma3":  # (the processor's file alone holds the template)
+        config = json.loads((model_dir / "tokenizer_config.json").read_text())
+        (model_dir / "chat_template.json").write_text(json.dumps(
+            {"chat_template": config.pop("chat_template")}))
+        (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
     (model_dir / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": 0, "eos_token_id": list(eos)}))
     base = AutoModelForCausalLM.from_pretrained(model_dir)
     base.name_or_path = model_id  # the adapter's base_model_name_or_path: what `up` serves
     hf = made_adapters(base, out, {"chat": {"r": 8, "lora_alpha": 16, "target_modules": targets}},
                        seed=21)
-    return (request.param, model_id, model_dir, out / "chat", hf,
-            AutoTokenizer.from_pretrained(model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = template  # (Gemma 3's: what AutoProcessor reads)
+    return request.param, model_id, model_dir, out / "chat", hf, tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -86,8 +86,7 @@ def test_the_configs_are_read_as_transformers_reads_them():
            "rope_parameters": {FULL: {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                                SLIDING: {"rope_type": "default", "rope_theta": 1e4}}}
     assert ModelConfig.from_hf_dict(tf5) == g3
-    for bad, match in [({"model_type": "gemma3"}, "gemma3_text"),
-                       ({"model_type": "gemma3_text", "use_bidirectional_attention": True},
+    for bad, match in [({"model_type": "gemma3_text", "use_bidirectional_attention": True},
                         "use_bidirectional_attention"),
                        ({"model_type": "gemma2", "layer_types": ["chunked_attention"] * 6},
                         "chunked_attention"),

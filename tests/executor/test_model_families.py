@@ -56,7 +56,7 @@ def test_each_family_is_read_as_transformers_builds_it(model_type):
 
 
 @pytest.mark.parametrize("config, name", [({"model_type": "gpt2"}, "'gpt2'"),
-                                          ({"model_type": "gemma3"}, "'gemma3'")])
+                                          ({"model_type": "paligemma"}, "'paligemma'")])
 def test_an_unserved_model_type_is_refused_at_executor_start(tmp_path, config, name):
     (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_size": 64}))
     run = subprocess.run(

@@ -133,6 +133,20 @@ def test_tokenizer_files_read_named_templates_and_added_tokens(tmp_path):
     assert TokenizerFiles.read(tmp_path).chat_template == "J"
 
 
+def test_a_multimodal_checkpoints_template_is_read_where_its_processor_keeps_it(tmp_path):
+    """Gemma 3 4B+ folders often hold it only for their processor: processor_config.json's, else
+    the legacy chat_template.json's (AutoProcessor's order), after the tokenizer's places."""
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<eos>"}')
+    (tmp_path / "chat_template.json").write_text('{"chat_template": "P"}')
+    assert TokenizerFiles.read(tmp_path).chat_template == "P"
+    (tmp_path / "processor_config.json").write_text('{"chat_template": "Q", "image_seq_length": 4}')
+    assert TokenizerFiles.read(tmp_path).chat_template == "Q"
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "T"}')
+    assert TokenizerFiles.read(tmp_path).chat_template == "T"
+    (tmp_path / "chat_template.jinja").write_text("J")
+    assert TokenizerFiles.read(tmp_path).chat_template == "J"
+
+
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

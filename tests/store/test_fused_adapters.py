@@ -1,7 +1,8 @@
 """Adapters of other layouts at a push (adapter_store/validation.py, common/model_families.py):
 a registered Phi-3 base has fused projections, so an adapter on qkv_proj / gate_up_proj fits it,
 its B spanning the fused output, and one on q_proj does not (nor a fused one a LLaMA base);
-Gemma's shapes come from its config with transformers' defaults (head_dim 256 when absent)."""
+Gemma's shapes come from its config with transformers' defaults (head_dim 256 when absent), a
+multimodal Gemma 3's from its text_config."""
 
 import json
 
@@ -53,5 +54,8 @@ def test_gemma_shapes_take_transformers_defaults():
     gemma = base("gemma2")  # no head_dim in the file: Gemma's is 256, not hidden / heads
     assert gemma.module_shapes["q_proj"] == (HIDDEN, 4 * 256)
     assert base("gemma3_text", head_dim=64).module_shapes["k_proj"] == (HIDDEN, 2 * 64)
-    with pytest.raises(InvalidArgument, match="model_type 'gemma3'"):
-        base("gemma3")
+    # A multimodal Gemma 3's are its language model's (text_config; the top level's are not)
+    multimodal = base("gemma3", text_config={**SHAPE, "head_dim": 64})
+    assert multimodal.module_shapes == base("gemma3_text", head_dim=64).module_shapes
+    with pytest.raises(InvalidArgument, match="text_config must be an object"):
+        base("gemma3", text_config=[SHAPE])
