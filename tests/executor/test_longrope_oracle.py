@@ -6,11 +6,11 @@ again whole when it outgrows the switch (executor/rope.py, scheduler/longrope.py
 A tiny random Phi-3 (switch 32, context 256, distinct short and long factors) with a PEFT adapter
 on qkv_proj and o_proj: greedy tokens and logits equal HF + PEFT generate()'s for a prompt past
 the switch and for one whose generation crosses it, alone and batched with a base-model row, in
-prefill chunks; through the scheduler's core too (its plans as step messages, run by the
-executor's step code), which recomputes a crossing sequence and gives prefix-cached blocks only
-to runs of their own kind. Served with the short factors alone, the tokens leave HF's; and
-generate()'s recompute shows in HF's own logits (stepping its rotary module call by call, as the
-KV cache alone would, gives others)."""
+prefill chunks (two tensor-parallel ranks give one rank's); through the scheduler's core too (its
+plans as step messages, run by the executor's step code), which recomputes a crossing sequence
+and gives prefix-cached blocks only to runs of their own kind. Served with the short factors
+alone, the tokens leave HF's; and generate()'s recompute shows in HF's own logits (stepping its
+rotary module call by call, as the KV cache alone would, gives others)."""
 
 import math
 
@@ -29,7 +29,9 @@ from scheduler.limits import Limits
 from scheduler.request import Request, TokenEvent
 from scheduler.sequence import Sample, Samples
 from scheduler.sim.invariants import check_invariants
+from tests.executor.test_tensor_parallel_oracle import TP_ATOL
 from tests.oracle import hf_generate, hf_greedy, made_adapters
+from tests.rank_threads import RankThreads
 from tests.runner_driver import BLOCK, load_folders, run
 from tests.scheduler.sched_world import World, ref
 
@@ -112,6 +114,20 @@ def test_past_and_across_the_switch_the_tokens_and_logits_are_hf_generates(longr
         alone = run(runner, {sid: requests[sid]}, NUM_TOKENS, chunk=64)[sid]
         assert alone[0] == batched[sid][0]
         torch.testing.assert_close(alone[1], batched[sid][1], atol=1e-5, rtol=0)
+
+
+def test_two_tensor_parallel_ranks_give_one_ranks_tokens_and_logits(longrope):
+    """Each rank rotates its own heads by the same rule: the rows above at TP=2 (gloo, threads)."""
+    model_dir, folder, _ = longrope
+    requests = {0: (PAST, 0), 1: (ACROSS, 0), 2: (BASE, -1)}
+    want = run(make_runner(model_dir, folder), requests, 16, chunk=7)
+    ranks = RankThreads(2, lambda tp: ModelRunner.from_pretrained(
+        model_dir, num_kv_blocks=256, block_size=BLOCK, num_slots=1, max_rank=8, tp=tp))
+    got = run(load_folders(ranks, [folder / name for name in ADAPTERS]), requests, 16, chunk=7)
+    ranks.close()
+    for sid in requests:
+        assert got[sid][0] == want[sid][0]
+        torch.testing.assert_close(got[sid][1], want[sid][1], atol=TP_ATOL, rtol=0)
 
 
 def test_the_oracle_sees_the_long_factors_and_the_recompute(longrope):
