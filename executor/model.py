@@ -85,10 +85,9 @@ class StepMetadata:
             starts.append(row)
             row += g.num_tokens
         long_rows = None
-        if any(g.is_long for g in groups):
-            long_rows = torch.tensor([int(g.is_long) for g in groups], device=device)
-            long_rows = long_rows.repeat_interleave(  # [T]
-                torch.tensor([g.num_tokens for g in groups], device=device))
+        if any(g.is_long for g in groups):  # (longrope past its switch: rope.py)
+            long_rows = torch.tensor([int(g.is_long) for g in groups for _ in range(g.num_tokens)],
+                                     dtype=torch.long, device=device)  # [T]
         attention_meta = build_attention_meta(
             [g.block_table for g in groups], [g.start_pos + g.num_tokens for g in groups], starts,
             [g.num_tokens for g in groups], block_size=kv.block_size,
