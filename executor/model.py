@@ -53,6 +53,7 @@ class RowSpec:
     start_pos: int
     num_tokens: int
     block_table: list[int]
+    is_long: bool = False  # its sequence computes with longrope's long factors (rope.py)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,8 @@ class StepMetadata:
 
     positions: torch.Tensor  # [T]
     write_slots: torch.Tensor  # [T] where each row's k/v goes
+    # [T] 1 where a row's RoPE takes longrope's long factors, 0 the short ones; None: no row does
+    long_rows: torch.Tensor | None
     # the attention path's own metadata (executor/attention.py), per sliding window (None: the
     # whole context) among the model's layers
     attention: Mapping[int | None, AttentionMeta]
@@ -81,6 +84,10 @@ class StepMetadata:
             write_slots.extend(kv.slots(g.block_table, g.start_pos, end_pos))
             starts.append(row)
             row += g.num_tokens
+        long_rows = None
+        if any(g.is_long for g in groups):  # (longrope past its switch: rope.py)
+            long_rows = torch.tensor([int(g.is_long) for g in groups for _ in range(g.num_tokens)],
+                                     dtype=torch.long, device=device)  # [T]
         attention_meta = build_attention_meta(
             [g.block_table for g in groups], [g.start_pos + g.num_tokens for g in groups], starts,
             [g.num_tokens for g in groups], block_size=kv.block_size,
@@ -88,7 +95,7 @@ class StepMetadata:
         return cls(
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             write_slots=torch.tensor(write_slots, dtype=torch.long, device=device),
-            attention=attention_meta, lora=lora,
+            long_rows=long_rows, attention=attention_meta, lora=lora,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device))
 
 
@@ -97,8 +104,10 @@ class Transformer:
                  tp: TensorParallel = SINGLE) -> None:
         self.config, self.weights, self.lora, self.tp = config, weights, lora, tp
         device = weights.embed.device
-        # [D / 2] fp32 inverse frequencies of each rope the layers use (Gemma 3: local, global)
-        self.inv_freqs = {rope: rope.inv_freq(config.head_dim).to(device)
+        # [2, D / 2] fp32 inverse frequencies of each rope the layers use (Gemma 3: local,
+        # global), short then long (the same twice but for longrope)
+        self.inv_freqs = {rope: torch.stack([rope.inv_freq(config.head_dim, long=False),
+                                             rope.inv_freq(config.head_dim, long=True)]).to(device)
                           for rope in map(config.layer_rope, range(config.num_hidden_layers))}
 
     @property
@@ -128,8 +137,10 @@ class Transformer:
         """tokens [T] -> the last layer's output [T, hidden], before the final norm; writes the
         rows' K/V to the cache."""
         c, dtype = self.config, self.weights.embed.dtype
-        rotary = {rope: rope_cos_sin(rope, inv_freq, meta.positions, dtype)  # cos, sin [T, D]
-                  for rope, inv_freq in self.inv_freqs.items()}
+        rotary = {rope: rope_cos_sin(  # cos, sin [T, D]
+                      rope, inv_freqs[0] if meta.long_rows is None else inv_freqs[meta.long_rows],
+                      meta.positions, dtype)  # ([D / 2], or each row's [T, D / 2])
+                  for rope, inv_freqs in self.inv_freqs.items()}
         h = self.tp.embed(self.weights.embed, tokens, self.weights.vocab_start)  # [T, hidden]
         if c.scale_embeddings:  # (Gemma: sqrt(hidden) rounded to the weights' dtype first)
             h = h * torch.tensor(c.hidden_size ** 0.5).to(dtype)

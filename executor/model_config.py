@@ -129,6 +129,12 @@ class ModelConfig:
         """The rotary embedding of global layers (of every layer, but with local_rope_theta)."""
         return Rope(self.rope_theta, self.rope_scaling)
 
+    @property
+    def rope_switch_len(self) -> int:
+        """A sequence of more tokens than this is computed with longrope's long factors, every
+        position of it (executor/rope.py); 0: the model's RoPE has no switch."""
+        return self.rope.switch_len
+
     def layer_rope(self, layer: int) -> Rope:
         if self.local_rope_theta is not None and self.is_sliding(layer):
             return Rope(self.local_rope_theta)

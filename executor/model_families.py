@@ -11,6 +11,9 @@ fields mean what they mean to transformers (common/model_families.py fills in it
                             on sliding layers, linear RoPE scaling on global ones; no score cap
     phi3                    fused qkv_proj / gate_up_proj (adapters target them), every layer
                             slides when sliding_window is set, longrope read from the config
+                            (Phi-3-128k, Phi-3.5): served up to max_position_embeddings, short
+                            factors within original_max_position_embeddings, long ones past it
+                            (executor/rope.py)
     gemma3 (multimodal)     its language model, a gemma3_text (text_config, common/model_families
                             .py), as Gemma3ForConditionalGeneration computes text-only input: no
                             final soft cap (its forward applies none); the weights under its
@@ -26,7 +29,7 @@ from typing import Any
 
 from common.model_families import FUSED_MODEL_TYPES, is_multimodal, read_config
 from executor.model_config import FULL, SLIDING, alternating_layers
-from executor.rope import LongRopeScaling, Rope, parse_rope
+from executor.rope import Rope, parse_rope
 
 
 def config_fields(raw: dict[str, Any], generation_config: dict[str, Any]) -> dict[str, Any]:
@@ -77,9 +80,6 @@ def config_fields(raw: dict[str, Any], generation_config: dict[str, Any]) -> dic
     else:
         rope = _rope(cfg, head_dim)
         fields.update(rope_theta=rope.theta, rope_scaling=rope.scaling)
-        if isinstance(rope.scaling, LongRopeScaling):  # (served up to where HF switches factors)
-            fields["max_position_embeddings"] = min(fields["max_position_embeddings"],
-                                                    rope.scaling.original_max_position_embeddings)
     return fields
 
 

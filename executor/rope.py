@@ -5,12 +5,18 @@ inverse frequencies and a cos/sin scale.
     default   inv_freq[i] = 1 / theta^(2i / D)
     llama3    Llama 3.1: low frequencies divided by `factor`, a smooth band between
     linear    every frequency divided by `factor` (Gemma 3's global layers)
-    longrope  Phi-3 (config "su"/"longrope"): inv_freq[i] = 1 / (short_factor[i] theta^(2i / D)),
-              cos and sin times attention_factor. HF switches every position to the long factors
-              once a sequence passes original_max_position_embeddings, recomputing nothing already
-              cached: an answer that depends on how the sequence was stepped. So a longrope model
-              is served up to original_max_position_embeddings (ModelConfig caps its context),
-              where HF uses the short factors throughout.
+    longrope  Phi-3 (config "su"/"longrope"): inv_freq[i] = 1 / (factor[i] theta^(2i / D)), the
+              short factors or the long ones, cos and sin times attention_factor (HF's, the same
+              for both). Served up to max_position_embeddings as transformers' generate() serves
+              it: a sequence of n tokens is computed with the short factors while
+              n <= original_max_position_embeddings (the switch), with the long ones, all its
+              KV, once n is past it. (The rotary module alone picks the factors per forward
+              call by its highest position, leaving the cached KV as it was; Phi-3's generate()
+              drops that cache when the sequence outgrows the switch and recomputes it whole.)
+              So a sequence the executor registers with more tokens than the switch computes
+              every position with the long factors, any other one with the short factors, and
+              the scheduler recomputes a sequence that outgrows the switch
+              (scheduler/longrope.py).
 
 A model with sliding-window layers may give them their own base (Gemma 3's rope_local_base_freq):
 its local rope is default RoPE at that base.
@@ -44,11 +50,14 @@ class LinearRopeScaling:
 
 @dataclass(frozen=True)
 class LongRopeScaling:
-    """Phi-3's LongRoPE (rope_type "longrope", formerly "su"), served with its short factors."""
+    """Phi-3's LongRoPE (rope_type "longrope", formerly "su"): short factors within the original
+    context, long ones past it."""
 
     short_factor: tuple[float, ...]  # [D / 2]
-    attention_factor: float  # cos and sin are multiplied by it
-    original_max_position_embeddings: int  # the context a longrope model is served up to
+    long_factor: tuple[float, ...]  # [D / 2]
+    attention_factor: float  # cos and sin are multiplied by it, short or long
+    # The switch: a sequence of more tokens than this is computed with the long factors
+    original_max_position_embeddings: int
 
 
 RopeScaling = Llama3RopeScaling | LinearRopeScaling | LongRopeScaling
@@ -67,13 +76,21 @@ class Rope:
         """cos and sin are multiplied by this (1 but for longrope)."""
         return self.scaling.attention_factor if isinstance(self.scaling, LongRopeScaling) else 1.0
 
-    def inv_freq(self, head_dim: int) -> torch.Tensor:
-        """[head_dim // 2] fp32 inverse frequencies."""
+    @property
+    def switch_len(self) -> int:
+        """A sequence of more tokens than this is computed with the long factors (longrope's
+        original context); 0: one set of frequencies for every length."""
+        s = self.scaling
+        return s.original_max_position_embeddings if isinstance(s, LongRopeScaling) else 0
+
+    def inv_freq(self, head_dim: int, long: bool = False) -> torch.Tensor:
+        """[head_dim // 2] fp32 inverse frequencies (`long`: longrope's long factors; the same
+        frequencies for any other rope)."""
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim  # [D / 2]
         s = self.scaling
         if isinstance(s, LongRopeScaling):
-            return 1.0 / (torch.tensor(s.short_factor, dtype=torch.float32)
-                          * self.theta ** exponents)
+            factors = s.long_factor if long else s.short_factor
+            return 1.0 / (torch.tensor(factors, dtype=torch.float32) * self.theta ** exponents)
         inv_freq = 1.0 / (self.theta ** exponents)
         if isinstance(s, LinearRopeScaling):
             return inv_freq / s.factor
@@ -96,8 +113,9 @@ def _llama3(inv_freq: torch.Tensor, s: Llama3RopeScaling) -> torch.Tensor:
 
 def rope_cos_sin(rope: Rope, inv_freq: torch.Tensor, positions: torch.Tensor,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, D] of positions [T] (HF's order: in fp32, scaled, then cast to `dtype`)."""
-    freqs = positions[:, None].float() * inv_freq[None, :]  # [T, D / 2]
+    """cos, sin [T, D] of positions [T] (HF's order: in fp32, scaled, then cast to `dtype`);
+    inv_freq [D / 2], or [T, D / 2]: each position's own (longrope's short or long)."""
+    freqs = positions[:, None].float() * inv_freq  # [T, D / 2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
     factor = rope.attention_factor
     cos, sin = emb.cos(), emb.sin()
@@ -151,15 +169,22 @@ def parse_rope(params: dict[str, Any], *, theta: float, head_dim: int,
 
 def _longrope(params: dict[str, Any], head_dim: int, max_position_embeddings: int,
               original: int) -> LongRopeScaling:
-    short = params["short_factor"]
-    if not (isinstance(short, list) and len(short) == head_dim // 2
-            and all(isinstance(f, (int, float)) and f > 0 for f in short)):
-        raise ValueError(f"model config: longrope short_factor must be {head_dim // 2} positive "
-                         "numbers (head_dim / 2)")
+    factors = {}
+    for name in ("short_factor", "long_factor"):
+        given = params[name]
+        if not (isinstance(given, list) and len(given) == head_dim // 2
+                and all(isinstance(f, (int, float)) and f > 0 for f in given)):
+            raise ValueError(f"model config: longrope {name} must be {head_dim // 2} positive "
+                             "numbers (head_dim / 2)")
+        factors[name] = tuple(float(f) for f in given)
+    if original <= 0:
+        raise ValueError(f"model config: original_max_position_embeddings must be > 0, got "
+                         f"{original}")
     # HF's attention factor: given, else from factor (given, else the context's growth)
     attention = params.get("attention_factor")
     if attention is None:
         factor = params.get("factor") or max_position_embeddings / original
         attention = (1.0 if factor <= 1.0
                      else math.sqrt(1 + math.log(factor) / math.log(original)))
-    return LongRopeScaling(tuple(float(f) for f in short), float(attention), original)
+    return LongRopeScaling(factors["short_factor"], factors["long_factor"], float(attention),
+                           original)

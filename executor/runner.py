@@ -98,6 +98,9 @@ class _Sequence:
     sampling: SamplingParams
     slot: int
     draws: DrawStream
+    # It computes with longrope's long factors: registered with more tokens than the model's
+    # switch (ModelConfig.rope_switch_len), as transformers' generate() would have them.
+    is_long: bool = False
     # Its prompt's logprobs as its prefill makes them, until its first sample takes them (None:
     # not asked for, or taken).
     prompt_logprobs: PromptLogprobs | None = None
@@ -122,6 +125,7 @@ class ModelRunner:
         self.lora = make_lora_backend(lora_backend, self.pool)
         self.model = Transformer(local, weights, self.lora, tp)
         self.sampler = Sampler(config.vocab_size, self.device)  # (rank 0's alone samples)
+        self.rope_switch_len = config.rope_switch_len  # (0: no longrope switch)
         self._seqs: dict[int, _Sequence] = {}
         self._num_prompt_logprobs = 0  # sequences whose prompt logprobs are being made
         self._merged: Merged | None = None  # the adapter folded into the weights (merge.py)
@@ -222,7 +226,11 @@ class ModelRunner:
         `num_generated` tokens sampled so far); slot -1 = base model only. The KV of its first
         `num_cached` tokens is in the blocks its first rows bring (a prefix cache hit): its
         first row computes from there. Its prompt's logprobs, when its sampling asks for them,
-        come with its first sample (not again for a recompute after it: num_generated > 0)."""
+        come with its first sample (not again for a recompute after it: num_generated > 0).
+        On a longrope model (ModelConfig.rope_switch_len) it computes with the long factors when
+        it has more tokens than the switch, with the short ones otherwise, and then never past
+        the switch: one that outgrows it is recomputed (freed, and registered again with all its
+        tokens), as transformers' generate() recomputes its cache."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already exists")
         if not token_ids:
@@ -254,9 +262,10 @@ class ModelRunner:
         if sampling.grammar is not None and self.tp.is_first:  # (its state: what it generated)
             self._grammar_rows().add(seq_id, sampling.grammar,
                                      token_ids[len(token_ids) - num_generated:])
+        switch = self.rope_switch_len
         self._seqs[seq_id] = _Sequence(list(token_ids), num_cached, [], sampling, slot,
                                        DrawStream(sampling.seed, num_generated, self.device),
-                                       prompt_logprobs)
+                                       0 < switch < len(token_ids), prompt_logprobs)
         if self.tp.is_first:
             self.sampler.add(seq_id, list(token_ids), num_generated, sampling)
 
@@ -317,7 +326,7 @@ class ModelRunner:
         for r in rows:
             seq = self._seqs[r.seq_id]
             seq.block_table.extend(r.new_block_ids)
-            groups.append(RowSpec(seq.num_computed, r.num_tokens, seq.block_table))
+            groups.append(RowSpec(seq.num_computed, r.num_tokens, seq.block_table, seq.is_long))
             row += r.num_tokens
             if seq.num_computed + r.num_tokens == len(seq.token_ids):
                 sample_rows.append(row - 1)
@@ -396,6 +405,7 @@ class ModelRunner:
     def _validate(self, rows: Sequence[Row]) -> None:
         """Check the whole step before changing anything."""
         seen: set[int] = set()
+        switch = self.rope_switch_len
         for r in rows:
             if r.seq_id not in self._seqs:
                 raise ValueError(f"unknown sequence id {r.seq_id}")
@@ -415,6 +425,10 @@ class ModelRunner:
             if end > self.config.max_position_embeddings:
                 raise ValueError(f"sequence {r.seq_id}: position {end - 1} is beyond "
                                  f"max_position_embeddings {self.config.max_position_embeddings}")
+            if switch and not seq.is_long and end > switch:
+                raise ValueError(f"sequence {r.seq_id}: position {end - 1} is past the longrope "
+                                 f"switch {switch} of a sequence registered within it (short "
+                                 "factors): free it and register it again with all its tokens")
             num_blocks = len(seq.block_table) + len(r.new_block_ids)
             if num_blocks * self.kv.block_size < end:
                 raise ValueError(f"sequence {r.seq_id}: {num_blocks} blocks of "

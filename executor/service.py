@@ -126,7 +126,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             merged_adapter=self._merged_adapter(),
             page_geometry=geometry_to_pb(self._runner.pool.geometry,
                                          self._runner.pool.page_bytes),
-            tensor_parallel_size=self._runner.tp.world)
+            tensor_parallel_size=self._runner.tp.world,
+            longrope_switch_len=self._runner.rope_switch_len)
 
     def _check_not_merged(self, slot: int) -> None:
         if slot == self._runner.merged_slot:

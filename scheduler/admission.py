@@ -28,6 +28,7 @@ from common.errors import ResourceExhausted, retry_after
 from scheduler.executor_state import ExecutorState
 from scheduler.fairness import FairShare
 from scheduler.limits import Limits
+from scheduler.longrope import enter_long, is_long
 from scheduler.placement import Placement
 from scheduler.prefix_cache import cached_prefix
 from scheduler.request import Request
@@ -111,6 +112,8 @@ class Admission:
             if req is None:
                 continue  # nothing of this tenant can start here yet
             tokens = req.all_token_ids
+            if is_long(len(tokens), ex.rope_switch_len):
+                enter_long(req)  # (its blocks named apart from short runs': longrope.py)
             hits = cached_prefix(ex.blocks, req, tokens)
             if not self._residency.make_kv_room(  # (adapters' pages back to KV first)
                     ex, lambda: ex.blocks.can_start(hits, len(tokens) + 1),

@@ -18,6 +18,8 @@ part is whose), and does what spans them (a request admitted, preempted, finishe
     step_builder.py            each executor's running sequences, plans and answers
                                (ex.steps: FastSteps, or ReferenceSteps, the plain definition)
     deadlines.py   Deadlines   when a waiting request gives up
+    longrope.py                where a run ends and which cache key it takes on a longrope
+                               model (Phi-3.5): a run that outgrows the switch is recomputed
 """
 
 import functools
@@ -44,6 +46,7 @@ from scheduler.deadlines import Deadlines, Due
 from scheduler.executor_state import ExecutorState
 from scheduler.fairness import FairnessWeights, FairShare
 from scheduler.limits import Limits
+from scheduler.longrope import run_end
 from scheduler.merging import Merges
 from scheduler.placement import Placement
 from scheduler.prefix_cache import cache_key
@@ -209,7 +212,8 @@ class Scheduler:
             logprobs = list(itertools.compress(logprobs, kept))
         self.admission.charge_samples(seqs)
         ex.steps.take(ex.blocks, seqs, token_ids, logprobs, now,
-                      functools.partial(self._finish, ex), samples.extras)
+                      functools.partial(self._finish, ex),
+                      functools.partial(self._outgrown, ex), samples.extras)
 
     def has_work(self, ex: ExecutorState) -> bool:
         return bool(ex.running) or (ex.is_admitting and len(ex.queue) > 0)
@@ -224,7 +228,8 @@ class Scheduler:
         table = ex.blocks.start(seq_id, hits, len(tokens))
         self.placement.start(ex, req, len(hits) * ex.blocks.block_size)
         slot = ex.slots.find(req.adapter) if req.adapter else None
-        row = ex.steps.start(seq_id, req, slot, tokens, table, len(hits), ex.blocks, budget)
+        row = ex.steps.start(seq_id, req, slot, tokens, table, len(hits), ex.blocks, budget,
+                             run_end(req, len(tokens), ex.rope_switch_len))
         if slot is not None:
             self.residency.pin(ex, slot, req)
         self.admission.charge_admitted(req, row.seq.num_cached)
@@ -381,6 +386,14 @@ class Scheduler:
         req.queued_since = self.clock()
         self.deadlines.requeued(req)
         self.placement.route(req, front=True)
+
+    def _outgrown(self, ex: ExecutorState, seq: Sequence) -> None:
+        """seq's run ended before its request: a longrope model's short run outgrew the switch
+        (longrope.py). Its request runs again from all its tokens, with the long factors: back
+        to the front of its queue, as after a preemption."""
+        log.debug("request %s: past the longrope switch on %s, recomputed", seq.request.trace_id,
+                  ex.address)
+        self._preempt(ex, seq)
 
     def _release(self, ex: ExecutorState, seq: Sequence) -> None:
         ex.steps.release(seq)

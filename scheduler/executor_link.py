@@ -48,7 +48,8 @@ class ExecutorLink:
         self.state = ExecutorState(self.address, blocks, SlotTable(self.info.num_adapter_slots),
                                    is_leaving=self.state.is_leaving,
                                    geometry=geometry_from_pb(self.info),
-                                   page_bytes=self.info.page_geometry.page_bytes)
+                                   page_bytes=self.info.page_geometry.page_bytes,
+                                   rope_switch_len=self.info.longrope_switch_len)
         # A fresh id per stream: the loads and unloads of this view of the executor are bound to
         # it, so none of them lands once the stream has ended (executor.proto).
         self.stream_id = uuid.uuid4().hex

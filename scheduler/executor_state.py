@@ -53,6 +53,8 @@ class ExecutorState:
     geometry: PageGeometry | None = None
     page_bytes: int = 0  # bytes of one page (one KV block)
     page_counts: dict[AdapterRef, int] = field(default_factory=dict)
+    # Its model's longrope switch (its Info's longrope_switch_len, longrope.py; 0: none).
+    rope_switch_len: int = 0
     # Sequences that left the running set while steps with their rows were in flight: they keep
     # their slot pinned until those are answered (loads are not ordered with steps: an adapter
     # loaded into the slot meanwhile would be read by them).

@@ -28,7 +28,7 @@ from scheduler.sequence import (
     StepPlan,
     row_slot,
 )
-from scheduler.step_builder import Admit, MakeRoom, OnFinish, StepBuilder
+from scheduler.step_builder import Admit, MakeRoom, OnFinish, OnRunEnd, StepBuilder
 
 
 @dataclass(eq=False, slots=True)
@@ -212,7 +212,7 @@ class FastSteps(StepBuilder):
         return num_tokens, num_samples
 
     def take(self, blocks: BlockManager, seqs: list[FastSequence], token_ids: list[int],
-             logprobs: list[float], now: float, finish: OnFinish,
+             logprobs: list[float], now: float, finish: OnFinish, run_end: OnRunEnd,
              extras: Mapping[int, SampleExtras] = NO_EXTRAS) -> None:
         # (A sample with extras is never quiet: its request asks for alternatives, or it is a
         # first token.)
@@ -224,13 +224,15 @@ class FastSteps(StepBuilder):
                        list(itertools.compress(token_ids, quiet)),
                        list(itertools.compress(logprobs, quiet)))
         for i in itertools.compress(range(len(quiet)), map(operator.not_, quiet)):
-            self._take_sample(blocks, seqs[i], token_ids[i], logprobs[i], now, finish,
+            self._take_sample(blocks, seqs[i], token_ids[i], logprobs[i], now, finish, run_end,
                               extras.get(seqs[i].seq_id))
 
     @staticmethod
     def _take_sample(blocks: BlockManager, seq: FastSequence, token_id: int, logprob: float,
-                     now: float, finish: OnFinish, extras: SampleExtras | None) -> None:
-        """A sample the long way: it may publish blocks, be the first token, end the request."""
+                     now: float, finish: OnFinish, run_end: OnRunEnd,
+                     extras: SampleExtras | None) -> None:
+        """A sample the long way: it may publish blocks, be the first token, end the request
+        or the run (the one that reaches max_tokens is never quiet)."""
         tokens = seq.token_ids
         tokens.append(token_id)
         if len(tokens) >= seq.publish_at:  # (publish's cheap half)
@@ -238,6 +240,8 @@ class FastSteps(StepBuilder):
         reason = seq.request.on_sample(token_id, logprob, now, extras)
         if reason is not None:
             finish(seq, reason)
+        elif len(tokens) >= seq.max_tokens:  # (its run ends before its request)
+            run_end(seq)
         else:
             seq.requiet()
 

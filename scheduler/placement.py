@@ -141,7 +141,7 @@ class Placement:
     @staticmethod
     def released(ex: ExecutorState, seq: Sequence) -> None:
         """seq runs on ex no more: the work it had left goes (its counters current)."""
-        ex.work_tokens -= seq.max_tokens - seq.num_computed
+        ex.work_tokens -= seq.request.max_tokens - seq.num_computed  # (what start counted)
 
     # ---- whether a request can wait ---------------------------------------------------------
     def check_placeable(self, adapter: AdapterRef) -> None:

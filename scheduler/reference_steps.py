@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from scheduler.block_manager import BlockManager
 from scheduler.prefix_cache import publish
 from scheduler.sequence import NO_EXTRAS, SampleExtras, ScheduledRow, Sequence, StepPlan, row_slot
-from scheduler.step_builder import Admit, MakeRoom, OnFinish, StepBuilder
+from scheduler.step_builder import Admit, MakeRoom, OnFinish, OnRunEnd, StepBuilder
 
 
 class ReferenceSteps(StepBuilder):
@@ -126,7 +126,7 @@ class ReferenceSteps(StepBuilder):
                 publish(blocks, seq)
 
     def take(self, blocks: BlockManager, seqs: list[Sequence], token_ids: list[int],
-             logprobs: list[float], now: float, finish: OnFinish,
+             logprobs: list[float], now: float, finish: OnFinish, run_end: OnRunEnd,
              extras: Mapping[int, SampleExtras] = NO_EXTRAS) -> None:
         for seq, token_id, logprob in zip(seqs, token_ids, logprobs):
             seq.token_ids.append(token_id)
@@ -135,3 +135,5 @@ class ReferenceSteps(StepBuilder):
             reason = seq.request.on_sample(token_id, logprob, now, extras.get(seq.seq_id))
             if reason is not None:
                 finish(seq, reason)
+            elif len(seq.token_ids) >= seq.max_tokens:  # (its run ends before its request)
+                run_end(seq)

@@ -93,6 +93,8 @@ class Request:
     # executor); None: unknown, planned as its rank on every module the executor has.
     adapter_ranks: Mapping[str, int] | None = None
     cache_key: bytes = b""  # whose cached KV blocks it may reuse (prefix_cache.py); b"": none
+    # Its runs compute with longrope's long factors (longrope.py): its cache_key is the long one.
+    runs_long: bool = False
     # Prompt tokens whose KV its first admission found in the prefix cache (not computed).
     cached_prompt_tokens: int = 0
     # Chained hashes of its full blocks, per block size (executors may differ): prefix_cache.py.

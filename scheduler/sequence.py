@@ -39,7 +39,9 @@ class Sequence:
     # publish() is asked again once its computed and known tokens both reach this (0: at once).
     publish_at: int = 0
     slot_index: int = field(init=False)  # its slot's index, -1 on the base model: rows sort by it
-    # Its request is done once it has this many tokens (prompt and max_new_tokens outputs).
+    # Its run ends once it has this many tokens: its request is done (prompt and max_new_tokens
+    # outputs), or, for a longrope model's short run, it outgrew the switch and is recomputed
+    # (longrope.py: run_end).
     max_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:

@@ -21,7 +21,9 @@ The policy both follow, for plan number `step` with a budget of `budget` tokens:
   4. Every row's counters move (its tokens computed, its sample known) and the blocks it filled
      are published to the prefix cache; the rows are sorted by adapter slot.
 A sample of the answer is appended to its sequence, publishes the blocks it completes, reaches
-its request (which may finish on it: the scheduler's `finish`).
+its request (which may finish on it: the scheduler's `finish`). A sequence runs up to its
+max_tokens: its request's end, or a longrope model's switch (longrope.py), where a sample that
+does not finish its request ends its run (the scheduler's `run_end`: it recomputes it).
 
 The builder is the only writer of its sequences' fields and of its running set; the scheduler
 (core.py) calls `start`, `release`, `plan`, `answered` and `take`.
@@ -39,10 +41,12 @@ from scheduler.sequence import NO_EXTRAS, SampleExtras, ScheduledRow, Sequence, 
 from scheduler.slots import Slot
 
 # The scheduler's side of a plan: admit with the budget left -> rows of new sequences; preempt
-# until a sequence's blocks can hold `num_tokens` (False if it went itself); finish a sequence.
+# until a sequence's blocks can hold `num_tokens` (False if it went itself); finish a sequence;
+# recompute a sequence whose run ended before its request did (longrope.py).
 Admit = Callable[[int], list[ScheduledRow]]
 MakeRoom = Callable[[Sequence, int], bool]
 OnFinish = Callable[[Sequence, Finish], None]
+OnRunEnd = Callable[[Sequence], None]
 
 
 class StepBuilder(ABC):
@@ -61,13 +65,15 @@ class StepBuilder(ABC):
 
     # ---- the running set --------------------------------------------------------------------
     def start(self, seq_id: int, req: Request, slot: Slot | None, tokens: list[int],
-              table: list[int], num_hits: int, blocks: BlockManager, budget: int
-              ) -> ScheduledRow:
+              table: list[int], num_hits: int, blocks: BlockManager, budget: int,
+              max_tokens: int) -> ScheduledRow:
         """Run `req` as `seq_id` with the block table `table`, its first `num_hits` blocks found
-        in the prefix cache: its first row, of at most `budget` tokens."""
+        in the prefix cache, up to `max_tokens` tokens (longrope.py: run_end): its first row, of
+        at most `budget` tokens."""
         cached = num_hits * blocks.block_size
         seq = self._sequence(seq_id, req, slot, list(tokens), num_computed=cached,
                              num_cached=cached, num_published=num_hits)
+        seq.max_tokens = max_tokens
         seq.hold(len(table) * blocks.block_size)
         self.running[seq_id] = seq
         self._joined(seq)
@@ -121,7 +127,7 @@ class StepBuilder(ABC):
 
     @abstractmethod
     def take(self, blocks: BlockManager, seqs: list[Sequence], token_ids: list[int],
-             logprobs: list[float], now: float, finish: OnFinish,
+             logprobs: list[float], now: float, finish: OnFinish, run_end: OnRunEnd,
              extras: Mapping[int, SampleExtras] = NO_EXTRAS) -> None:
         """A step's samples, seqs[i]'s being token_ids[i] (all of them running); `extras`: the
         alternatives and prompt logprobs of those that have them, by sequence id."""

@@ -60,3 +60,15 @@ def hf_greedy(model, prompt: list[int], num_tokens: int, adapter: str | None = N
         out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values,
                     use_cache=True, **kw)
     return tokens, torch.stack(logits)
+
+
+@torch.no_grad()
+def hf_generate(model, prompt: list[int], num_tokens: int, adapter: str | None = None):
+    """hf_greedy's tokens and logits by transformers' generate() itself, which runs a model's own
+    prepare_inputs_for_generation (Phi-3's drops its cache when a sequence outgrows the longrope
+    switch and computes it again with the long factors), to `num_tokens` whatever they are."""
+    kw = {"adapter_names": [adapter or "__base__"]} if isinstance(model, PeftModel) else {}
+    out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=num_tokens,
+                         do_sample=False, eos_token_id=None, output_logits=True,
+                         return_dict_in_generate=True, **kw)
+    return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits)

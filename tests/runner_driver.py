@@ -53,17 +53,23 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 class Driver:
-    """A stand-in scheduler: shuffled (reused) block ids, chunked prefill, rows sorted by slot."""
+    """A stand-in scheduler: shuffled (reused) block ids, chunked prefill, rows sorted by slot;
+    on a longrope model, a sequence that outgrows the switch is recomputed from all its tokens
+    (as scheduler/longrope.py has it)."""
 
     def __init__(self, runner: ModelRunner, seed: int = 0):
         self.runner, self.free = runner, runner.free_blocks()  # (not its adapters' pages)
         random.Random(seed).shuffle(self.free)
         self.state: dict[int, dict] = {}
         self.samples: dict[int, list[Sampled]] = {}  # every sample of each sequence, in order
+        self.num_recomputed = 0  # sequences recomputed past the longrope switch
 
-    def add(self, seq_id, prompt, slot, sampling: SamplingParams | None = None):
-        self.runner.add_sequence(seq_id, prompt, sampling or SamplingParams(), slot)
-        self.state[seq_id] = {"computed": 0, "total": len(prompt), "blocks": [], "slot": slot}
+    def add(self, seq_id, prompt, slot, sampling: SamplingParams | None = None,
+            num_generated: int = 0):
+        sampling = sampling or SamplingParams()
+        self.runner.add_sequence(seq_id, prompt, sampling, slot, num_generated)
+        self.state[seq_id] = {"computed": 0, "total": len(prompt), "blocks": [], "slot": slot,
+                              "sampling": sampling, "generated": num_generated}
 
     def step(self, chunk: int) -> dict[int, tuple[int, torch.Tensor]]:
         rows = []
@@ -76,10 +82,23 @@ class Driver:
         sampled, logits = self.runner.step_with_logits(rows)
         for r in rows:
             self.state[r.seq_id]["computed"] += r.num_tokens
+        switch = self.runner.rope_switch_len
         for s in sampled:
-            self.state[s.seq_id]["total"] += 1
+            st = self.state[s.seq_id]
+            st["total"] += 1
+            st["generated"] += 1
             self.samples.setdefault(s.seq_id, []).append(s)
+            if st["total"] == switch + 1 and switch:  # (it outgrew the switch just now)
+                self.recompute(s.seq_id)
         return {s.seq_id: (s.token_id, logits[i]) for i, s in enumerate(sampled)}
+
+    def recompute(self, seq_id) -> None:
+        """Free a sequence and register it again with all its tokens (fresh blocks)."""
+        tokens = self.runner.tokens(seq_id)
+        st = self.state[seq_id]
+        self.finish(seq_id)
+        self.add(seq_id, tokens, st["slot"], st["sampling"], st["generated"])
+        self.num_recomputed += 1
 
     def finish(self, seq_id: int) -> None:
         self.runner.free_sequence(seq_id)

@@ -2,8 +2,8 @@
 adapters target those fused modules, an adapter's B spanning the fused output (q | k | v, gate |
 up). A tiny random Phi-3 made with transformers, adapters on every module, MLP only, qkv_proj
 only, a rank_pattern and rsLoRA: greedy tokens and logits equal HF + PEFT's alone and batched
-beside base rows with the torch and Triton (interpreter) LoRA backends, merged too; a longrope
-config within its original context. Serving a fused adapter's slices any other way (q's rows
+beside base rows with the torch and Triton (interpreter) LoRA backends, merged too (longrope:
+test_longrope_oracle.py). Serving a fused adapter's slices any other way (q's rows
 alone, gate and up swapped) moves the tokens off HF's: the tests can fail."""
 
 import os
@@ -11,17 +11,12 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit is defined
 
 import dataclasses  # noqa: E402
-import math  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from common.errors import FailedPrecondition  # noqa: E402
-from common.sampling import SamplingParams  # noqa: E402
-from executor.model import Transformer  # noqa: E402
-from executor.model_config import ModelConfig  # noqa: E402
 from executor.peft_adapter import parse_peft_adapter  # noqa: E402
-from executor.rope import LongRopeScaling  # noqa: E402
 from executor.runner import ModelRunner  # noqa: E402
 from executor.slot_pool import LoraWeights  # noqa: E402
 from loraplex import fixtures  # noqa: E402
@@ -146,52 +141,3 @@ def test_the_fused_slices_matter(phi3, module, change):
     got = run(runner, requests, NUM_TOKENS)
     assert any(got[sid][0] != hf_greedy(hf, req[0], NUM_TOKENS, name)[0]
                for sid, req in requests.items())
-
-
-LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(32)],
-            "long_factor": [2.0 + 0.5 * i for i in range(32)]}
-
-
-def test_phi3_rope_names_as_transformers_reads_them():
-    """Phi-3-mini-128k's tf4 layout: "su" (and Phi-3's "yarn") are longrope; the attention
-    factor from the context's growth (131072 / 4096); served up to 4096 tokens."""
-    shape = {"model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192,
-             "num_hidden_layers": 2, "num_attention_heads": 32, "vocab_size": 32064,
-             "max_position_embeddings": 131072, "original_max_position_embeddings": 4096}
-    factors = {"short_factor": [1.0] * 48, "long_factor": [4.0] * 48}
-    for name in ("su", "yarn", "longrope"):
-        c = ModelConfig.from_hf_dict({**shape, "rope_scaling": {"type": name, **factors}})
-        assert c.max_position_embeddings == 4096 and c.rope.attention_factor == pytest.approx(
-            math.sqrt(1 + math.log(32) / math.log(4096)))
-    for bad, match in [({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "'dynamic'"),
-                       ({"rope_scaling": {"type": "su", "short_factor": [1.0]}}, "48 positive"),
-                       ({"partial_rotary_factor": 0.75}, "partial_rotary_factor")]:
-        with pytest.raises(ValueError, match=match):
-            ModelConfig.from_hf_dict({**shape, **bad})
-
-
-def test_longrope_is_served_within_its_original_context(tmp_path):
-    """Phi-3.5's rope (short factors and HF's attention factor) up to
-    original_max_position_embeddings, where HF uses the short factors throughout; longer
-    sequences are refused (HF would switch every position to the long factors)."""
-    from transformers import AutoModelForCausalLM
-
-    model_dir = fixtures.save_tiny_model(tmp_path / "longrope", "phi3", seed=9,
-                                         max_position_embeddings=192, rope_scaling=LONGROPE,
-                                         original_max_position_embeddings=48)
-    runner = ModelRunner.from_pretrained(model_dir, num_kv_blocks=128, block_size=BLOCK,
-                                         num_slots=0, max_rank=8)
-    c = runner.config
-    assert isinstance(c.rope_scaling, LongRopeScaling) and c.max_position_embeddings == 48
-    # (no factor given: the context's growth, 192 / 48)
-    assert c.rope.attention_factor == pytest.approx(math.sqrt(1 + math.log(4) / math.log(48)))
-    hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    prompt = (prompts(1, seed=2)[0] * 10)[:30]
-    tokens, logits = run(runner, {0: (prompt, -1)}, 8, chunk=7)[0]
-    ref_tokens, ref_logits = hf_greedy(hf, prompt, 8)
-    assert tokens == ref_tokens
-    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
-    runner.model = Transformer(c.replace(rope_scaling=None), runner.weights, runner.lora)
-    assert run(runner, {0: (prompt, -1)}, 8, chunk=7)[0][0] != ref_tokens  # without its factors
-    with pytest.raises(ValueError, match="exceeds max_position_embeddings 48"):
-        runner.add_sequence(1, [5] * 49, SamplingParams(), -1)

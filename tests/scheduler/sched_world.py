@@ -28,15 +28,18 @@ class World:
     """One or more executors driven synchronously; loads complete when `complete_loads` runs."""
 
     def __init__(self, num_executors=1, num_blocks=64, block_size=4, num_slots=2,
-                 limits=Limits(), weights=FairnessWeights(), steps=FastSteps, geometry=None):
+                 limits=Limits(), weights=FairnessWeights(), steps=FastSteps, geometry=None,
+                 rope_switch_len=0):
         """`geometry`: the executors keep adapters in pages of their KV blocks (a
-        common.adapter_pages.PageGeometry); None: in fixed slots beside them."""
+        common.adapter_pages.PageGeometry); None: in fixed slots beside them.
+        `rope_switch_len`: their model's longrope switch (scheduler/longrope.py; 0: none)."""
         self.loads: list = []
         self.unloads: list = []  # (executor, slot index, adapter) of every UnloadAdapter
         self.stages: list = []  # adapters being staged (fetched ahead of taking a slot)
         self.warmed: list[AdapterRef] = []  # adapters the core asked a store to bring into RAM
         self.executors = [ExecutorState(f"ex{i}", BlockManager(num_blocks, block_size),
-                                        SlotTable(num_slots), steps(), geometry=geometry)
+                                        SlotTable(num_slots), steps(), geometry=geometry,
+                                        rope_switch_len=rope_switch_len)
                           for i in range(num_executors)]
         self.now = 0.0
         self.core = Scheduler(

@@ -19,7 +19,8 @@ OWNERS = {
                     {"core.py"}),
     # Request
     **dict.fromkeys(["status", "arrival", "queued_since", "admitted_at", "finish_reason",
-                     "executor_failures", "cache_key"], {"core.py"}),
+                     "executor_failures"], {"core.py"}),
+    **dict.fromkeys(["cache_key", "runs_long"], {"core.py", "longrope.py"}),
     **dict.fromkeys(["is_charged", "cached_prompt_tokens"], {"admission.py"}),
     "first_token_at": {"request.py"},
     # Sequence

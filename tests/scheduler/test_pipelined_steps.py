@@ -30,39 +30,49 @@ EOS, STOP = 0, 1
 class StandInExecutor:
     """Runs each plan as an executor does, in the order sent: its own copy of every sequence's
     tokens and block table, a sample whenever a row reaches the last of them. Its KV cache holds,
-    for each position written, what a model's KV there depends on (the tokens up to it and the
-    adapter); before each sample the sequence's whole context is read back through its table and
-    must be its own (prefix-cached blocks included)."""
+    for each position written, what a model's KV there depends on (the tokens up to it, the
+    adapter, and on a longrope model whether the sequence came with more tokens than the switch:
+    long factors); before each sample the sequence's whole context is read back through its
+    table and must be its own (prefix-cached blocks included), of the kind transformers'
+    generate() has at that length (long iff past the switch)."""
 
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
-        self.seqs: dict[int, list] = {}  # seq_id -> [tokens, computed, block table]
+    def __init__(self, block_size: int, switch: int = 0) -> None:
+        self.block_size, self.switch = block_size, switch
+        self.seqs: dict[int, list] = {}  # seq_id -> [tokens, computed, block table, is long]
         self.slots: dict[int, object] = {}  # slot index -> its adapter (None: being written)
-        self.kv: dict[tuple[int, int], tuple] = {}  # (block, offset) -> (tokens so far, adapter)
+        # (block, offset) -> (tokens so far, adapter, long)
+        self.kv: dict[tuple[int, int], tuple] = {}
+        self.kinds: dict[int, set[bool]] = collections.defaultdict(set)  # request id -> its runs'
 
     def run(self, plan) -> list[Sample]:
         for seq_id in plan.freed:
             del self.seqs[seq_id]
         for seq in plan.new:
-            self.seqs[seq.seq_id] = [list(seq.token_ids), seq.num_cached, []]
+            is_long = 0 < self.switch < len(seq.token_ids)
+            self.seqs[seq.seq_id] = [list(seq.token_ids), seq.num_cached, [], is_long]
+            self.kinds[seq.request.request_id].add(is_long)
         samples = []
         for row in plan.rows:
             req = row.seq.request
             if row.seq.slot is not None:
                 assert self.slots.get(row.seq.slot.index) == req.adapter, \
                     "a row read a slot being loaded or holding another adapter"
-            tokens, computed, table = self.seqs[row.seq.seq_id]
+            tokens, computed, table, is_long = self.seqs[row.seq.seq_id]
             table.extend(row.new_block_ids)
             assert 1 <= row.num_tokens <= len(tokens) - computed, "a row past the known tokens"
+            assert is_long or not self.switch or computed + row.num_tokens <= self.switch, \
+                "a short run computed past the longrope switch"
             for p in range(computed, computed + row.num_tokens):
-                self.kv[self._at(table, p)] = (tuple(tokens[:p + 1]), req.adapter)
+                self.kv[self._at(table, p)] = (tuple(tokens[:p + 1]), req.adapter, is_long)
             computed += row.num_tokens
             assert computed <= len(req.prompt_ids) + req.output.max_new_tokens - 1, \
                 "computed past the request's last position"
             self.seqs[row.seq.seq_id][1] = computed
             if computed == len(tokens):
+                assert is_long == (0 < self.switch < len(tokens)), \
+                    f"seq {row.seq.seq_id} sampled from {len(tokens)} tokens of the wrong kind"
                 for p in range(computed):
-                    expected = (tuple(tokens[:p + 1]), req.adapter)
+                    expected = (tuple(tokens[:p + 1]), req.adapter, is_long)
                     assert self.kv.get(self._at(table, p)) == expected, \
                         f"seq {row.seq.seq_id} read another context's KV at position {p}"
                 token = next_token(tokens)
@@ -100,16 +110,18 @@ class Sink:
 
 
 def drive(depth: int, seed: int, num_blocks: int, cancel_every: int = 0,
-          num_sinks: int = 0) -> dict[int, tuple]:
+          num_sinks: int = 0, switch: int = 0) -> dict[int, tuple]:
     """Requests over the base model and 5 adapters (2 slots: loads and evictions all along)
     arriving over time, stepped with `depth` steps in flight; request id -> (tokens, finish
     reason). With `num_sinks`, requests hand their tokens to that many sinks, as a Stream
-    connection's do (the core's columnar path), instead of emitting TokenEvents."""
+    connection's do (the core's columnar path), instead of emitting TokenEvents. With `switch`,
+    a longrope model's (scheduler/longrope.py): some requests run long from the start, some
+    outgrow it and run again, long."""
     rng = random.Random(seed)
     w = World(num_blocks=num_blocks, block_size=4, num_slots=2,
               limits=Limits(max_num_seqs=6, max_batched_tokens=24, pipeline_depth=depth,
-                            fairness_window=0.0))
-    ex, executor = w.executors[0], StandInExecutor(block_size=4)
+                            fairness_window=0.0), rope_switch_len=switch)
+    ex, executor = w.executors[0], StandInExecutor(block_size=4, switch=switch)
     in_flight: collections.deque = collections.deque()
     overlapped = steps = 0  # steps planned while another was in flight, all steps
     cohort_rows = 0  # rows planned as the cohort's (cohort.py)
@@ -150,6 +162,8 @@ def drive(depth: int, seed: int, num_blocks: int, cancel_every: int = 0,
     if depth > 1:  # most steps are planned while the one before runs
         assert overlapped > steps / 2, (overlapped, steps)
     assert cohort_rows > 0, "no steady decode: the cohort went untested"
+    if switch:  # runs past the switch from the start, and runs that outgrew it
+        assert {True} in executor.kinds.values() and {False, True} in executor.kinds.values()
     if sinks:  # a good share of tokens took the columnar path (short requests: ~half)
         num_tokens = sum(len(t) for sink in sinks for t in sink.tokens.values())
         assert sum(sink.num_sampled for sink in sinks) < num_tokens * 0.75
@@ -202,6 +216,17 @@ def test_pipelined_steps_give_every_request_the_tokens_of_one_step_at_a_time(see
     for tokens, finishes in one_at_a_time.values():
         assert len(finishes) == 1  # each finished once
         assert not set(tokens[:-1]) & {EOS, STOP}  # nothing shown past its stop
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_longrope_switch_gives_every_request_its_tokens_from_kv_of_its_kind(seed):
+    """Switch 20: every sample reads KV of transformers' generate() kind for its length, never a
+    block of the other kind, and no short run computes past the switch, one step at a time or
+    pipelined, preempted or not; every request gets the tokens it gets without a switch."""
+    for num_blocks in (40, 14):
+        plain = drive(1, seed, num_blocks)
+        assert drive(1, seed, num_blocks, switch=20) == plain
+        assert drive(2, seed, num_blocks, switch=20) == plain
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -10,8 +10,9 @@ from scheduler.block_manager import BlockManager
 from scheduler.fairness import FairnessWeights
 from scheduler.limits import Limits
 from scheduler.prefix_cache import cache_key, extend_hashes
-from scheduler.request import Request, Status
+from scheduler.request import Request, Status, TokenEvent
 from scheduler.sequence import Sample, Samples
+from scheduler.sim.invariants import check_invariants
 from tests.scheduler.sched_world import World, ref
 
 SYSTEM = list(range(100, 112))  # a 12-token shared prompt start: 3 blocks of 4
@@ -258,3 +259,34 @@ def test_a_block_its_last_sample_fills_is_cached_when_a_step_behind_computed_it(
     assert first.finish_reason is Finish.STOP
     turn = submit(w, prompt=prompt + [7, 5])
     assert first_row(w, turn).seq.num_cached == 16, "all 4 blocks reused"
+
+
+def test_short_and_long_runs_of_a_longrope_model_never_share_blocks():
+    """A longrope model (switch 16, scheduler/longrope.py): a block's KV differs between a run
+    that started within the switch (short factors) and one past it (long). A long prompt reuses
+    no short run's block; long runs reuse each other's, short runs theirs. A short run that
+    outgrows the switch ends at 17 tokens and runs again from all of them, long, under the long
+    key, its tokens streamed once."""
+    w = World(num_blocks=64, rope_switch_len=16)
+    submit(w, prompt=SYSTEM + [1, 2])  # 14 tokens, 16 when done: short all along
+    w.run()
+    first_long = submit(w, prompt=SYSTEM + [1, 2, 3, 4, 5])  # 17 tokens: long
+    assert first_row(w, first_long).seq.num_cached == 0, "no short block for a long run"
+    w.run()
+    assert first_long.runs_long
+    assert first_row(w, submit(w, prompt=SYSTEM + [9] * 6)).seq.num_cached == 12  # long's
+    w.run()
+    assert first_row(w, submit(w, prompt=SYSTEM + [3])).seq.num_cached == 12  # short's
+    w.run()
+    across = submit(w, prompt=SYSTEM + [4], max_new=8)  # 13 tokens, 21 when done
+    ex, runs = w.executors[0], []
+    while not w.finished(across):
+        plan = w.core.schedule(ex)
+        runs += [(len(seq.token_ids), seq.num_cached, seq.max_tokens) for seq in plan.new]
+        w.core.on_step_done(ex, plan, Samples.of(
+            Sample(r.seq.seq_id, 7, -0.1) for r in plan.rows if r.samples))
+        check_invariants(w.core, w.requests)
+    # (short: the short blocks of SYSTEM; long, from its 17 tokens: the long ones)
+    assert runs == [(13, 12, 17), (17, 12, 21)] and across.runs_long
+    assert [e.token_id for e in w.events[across.request_id] if isinstance(e, TokenEvent)] == \
+        [7] * 8

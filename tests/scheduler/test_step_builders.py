@@ -3,8 +3,9 @@ makes exactly the reference builder's plans (scheduler/reference_steps.py: every
 sample one by one), given the same answers: over random arrivals (prompts sharing prefixes, the
 base model and adapters, requests streaming to token sinks and emitting events), finishes on
 EOS, stop tokens and length, cancels, preemption when KV runs short, executor loss, and up to two
-steps in flight. Two worlds are driven in lockstep by the same events; every plan must be the
-same (rows, blocks, frees, new sequences) and every request must get the same tokens and finish.
+steps in flight, on a longrope model too (runs recomputed past its switch). Two worlds are driven
+in lockstep by the same events; every plan must be the same (rows, blocks, frees, new sequences)
+and every request must get the same tokens and finish.
 
 The stand-in executor of test_pipelined_steps checks every row reads its own context; its
 answers are given in sequence order (an executor may order its samples as it likes; a builder's
@@ -40,11 +41,11 @@ class Twin:
     """One world, its executor's stand-in and the plans in flight."""
 
     def __init__(self, steps, num_blocks: int, limits: Limits, block_size: int = 4,
-                 geometry=None) -> None:
+                 geometry=None, switch: int = 0) -> None:
         self.w = World(num_blocks=num_blocks, block_size=block_size, num_slots=2,
-                       limits=limits, steps=steps, geometry=geometry)
+                       limits=limits, steps=steps, geometry=geometry, rope_switch_len=switch)
         self.ex = self.w.executors[0]
-        self.executor = StandInExecutor(block_size)
+        self.executor = StandInExecutor(block_size, switch)
         self.in_flight: collections.deque = collections.deque()
         self.sinks = [Sink(), Sink()]
 
@@ -98,7 +99,7 @@ class Twin:
         """The executor is lost with its steps in flight, and comes back empty."""
         self.w.core.on_executor_lost(self.ex)
         self.in_flight.clear()
-        self.executor = StandInExecutor(self.ex.blocks.block_size)
+        self.executor = StandInExecutor(self.ex.blocks.block_size, self.executor.switch)
         self.w.core.add_executor(self.ex)
         check_invariants(self.w.core, self.w.requests)
 
@@ -131,15 +132,16 @@ def random_events(rng: random.Random, num_events: int) -> list[tuple]:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32), num_blocks=st.integers(10, 40),
-       geometry=st.sampled_from([None, GEOMETRY]),
+       geometry=st.sampled_from([None, GEOMETRY]), switch=st.sampled_from([0, 16]),
        limits=st.builds(Limits, max_num_seqs=st.integers(1, 8),
                         max_batched_tokens=st.integers(1, 24), pipeline_depth=st.integers(1, 2),
                         fairness_window=st.sampled_from([0.0, 50.0]),
                         prefix_cache=st.sampled_from(["tenant", "pool", "off"])))
-def test_the_fast_builder_makes_the_reference_builders_plans(seed, num_blocks, geometry,
+def test_the_fast_builder_makes_the_reference_builders_plans(seed, num_blocks, geometry, switch,
                                                              limits):
-    reference = Twin(ReferenceSteps, num_blocks, limits, geometry=geometry)
-    fast = Twin(FastSteps, num_blocks, limits, geometry=geometry)
+    """(`switch`: a longrope model's, where runs end and are recomputed: longrope.py.)"""
+    reference = Twin(ReferenceSteps, num_blocks, limits, geometry=geometry, switch=switch)
+    fast = Twin(FastSteps, num_blocks, limits, geometry=geometry, switch=switch)
     twins = (reference, fast)
     for kind, *args in random_events(random.Random(seed), 400):
         if kind == "arrive":
