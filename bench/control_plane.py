@@ -43,6 +43,7 @@ import tempfile
 import time
 
 import grpc
+from grpc_floor import floor_server
 
 from common import credentials
 from common.server import insecure_channel, run
@@ -226,7 +227,7 @@ def direct_generate(tmp: pathlib.Path, keys: FleetKeys, window_s: float) -> list
                                  "--kv-blocks", str(blocks)],
                   scheduler_args=["--max-num-seqs", str(rows), "--max-queued-per-tenant", "0"])
     header = ["streams", "tokens/s delivered", "scheduler us/token delivered",
-              "scheduler cores", "ITL p99 ms"]
+              "scheduler cores", "ITL p99 ms", "floor us/message", "scheduler / floor"]
     lines = [
         "## A client's direct path: the scheduler's Generate, a stream per request", "",
         ("Straight into the scheduler's Generate, one gRPC stream per request, as the streaming "
@@ -235,7 +236,11 @@ def direct_generate(tmp: pathlib.Path, keys: FleetKeys, window_s: float) -> list
          f"{', '.join(GENERATE_ADAPTERS)} in turn, held-out prompts, {GENERATE_TOKENS} new "
          "tokens each (EOS ignored), closed loop. The scheduler detokenizes every token (the "
          "model has a tokenizer) and writes it as its own message; 'scheduler us/token': its "
-         "CPU over the window over the tokens this client received in it."), "",
+         "CPU over the window over the tokens this client received in it. 'floor': the same "
+         "client against a bare gRPC server that only writes those messages, one per stream "
+         "per step at the scheduler's step rate (bench/grpc_floor.py: StreamFloor), its CPU per "
+         "message: what this machine's gRPC costs that day, which moves 2-3x between "
+         "sessions here, so the ratio is the figure to compare across runs."), "",
         "| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
     with fleet:
         pid = fleet.by_name("scheduler")[0].process.pid
@@ -249,9 +254,14 @@ def direct_generate(tmp: pathlib.Path, keys: FleetKeys, window_s: float) -> list
             print(f"direct Generate, demo model, {streams} streams ...", flush=True)
             f = run(lambda: measure_generate(fleet.scheduler, pid, streams, 3.0, window_s))
             seconds = f["window"][1] - f["window"][0]
-            lines.append(f"| {streams} | {f['tokens/s']:,.0f} "
-                         f"| {1e6 * f['cpu']['scheduler'] / max(f['delivered'], 1):.1f} "
-                         f"| {f['cpu']['scheduler'] / seconds:.2f} | {f['ITL p99 ms']:.0f} |")
+            us = 1e6 * f["cpu"]["scheduler"] / max(f["delivered"], 1)
+            with floor_server(step_s=streams / max(f["tokens/s"], 1.0)) as (port, floor_pid):
+                bare = run(lambda: measure_generate(f"127.0.0.1:{port}", floor_pid, streams,
+                                                    3.0, window_s))
+            floor = 1e6 * bare["cpu"]["scheduler"] / max(bare["delivered"], 1)
+            lines.append(f"| {streams} | {f['tokens/s']:,.0f} | {us:.1f} "
+                         f"| {f['cpu']['scheduler'] / seconds:.2f} | {f['ITL p99 ms']:.0f} "
+                         f"| {floor:.1f} | {us / floor:.2f} |")
     return lines + [""]
 
 

@@ -10,18 +10,25 @@ idle while its executors compute). Prints this process's CPU microseconds per ro
 stime). A scheduler's executor step is one such round trip and one Stream message more; where an
 idle CPU wakes up slowly (a virtual machine's vCPU that halts), the idle column is far above the
 other, and every per-step figure of the control-plane benchmark carries that cost.
+
+The floor under a client's direct path (a message per token) is `stream_floor`: a bare server
+whose Generate writes one message per token to each of its streams once per step, with nothing
+to compute (StreamFloor); bench/control_plane.py measures it beside the real scheduler, at its
+streams and step rate, so that line reads against what this machine's gRPC costs that day.
 """
 
 import argparse
 import asyncio
+import contextlib
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import grpc
 import uvloop
 
-from protos import executor_pb2, executor_pb2_grpc
+from protos import executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 WARMUP = 20
 
@@ -32,9 +39,40 @@ class _Echo(executor_pb2_grpc.ExecutorServicer):
             yield executor_pb2.StepResponse()
 
 
-async def _serve() -> None:
+class StreamFloor(scheduler_pb2_grpc.SchedulerServicer):
+    """The scheduler's Generate with nothing but its messages: a step every `step_s`, and on
+    each step every stream wakes and writes its token as one message (max_new_tokens of them,
+    then the finish), as the scheduler's handlers do, minus scheduling and detokenizing."""
+
+    def __init__(self, step_s: float):
+        self._step_s = step_s
+        self._step: asyncio.Future | None = None
+        self._ticker: asyncio.Task | None = None
+
+    async def _tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._step = loop.create_future()
+            await asyncio.sleep(self._step_s)
+            self._step.set_result(None)
+
+    async def Generate(self, request, context):
+        if self._ticker is None:
+            self._ticker = asyncio.create_task(self._tick())
+            await asyncio.sleep(0)
+        for i in range(request.max_new_tokens):
+            await self._step
+            await context.write(scheduler_pb2.GenerateResponse(token_id=i, logprob=-0.5,
+                                                               text=" word"))
+        await context.write(scheduler_pb2.GenerateResponse(
+            finish_reason=scheduler_pb2.FINISH_REASON_LENGTH))
+
+
+async def _serve(step_s: float | None) -> None:
     server = grpc.aio.server()
     executor_pb2_grpc.add_ExecutorServicer_to_server(_Echo(), server)
+    if step_s is not None:
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(StreamFloor(step_s), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     print(port, flush=True)
@@ -56,26 +94,34 @@ async def us_per_round_trip(port: int, round_trips: int, idle_s: float) -> float
     return 1e6 * cpu / round_trips
 
 
+@contextlib.contextmanager
+def floor_server(step_s: float | None = None) -> Iterator[tuple[int, int]]:
+    """(port, pid) of a bare server in its own process (with StreamFloor when step_s is set)."""
+    argv = [sys.executable, __file__, "--serve"] + ([] if step_s is None
+                                                    else ["--step-s", str(step_s)])
+    server = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    try:
+        yield int(server.stdout.readline()), server.pid
+    finally:
+        server.kill()
+        server.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--round-trips", type=int, default=300)
     parser.add_argument("--idle-ms", type=float, nargs="+", default=[0.0, 20.0])
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--step-s", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        return uvloop.run(_serve())
-    server = subprocess.Popen([sys.executable, __file__, "--serve"], stdout=subprocess.PIPE,
-                              text=True)
-    try:
-        port = int(server.stdout.readline())
+        return uvloop.run(_serve(args.step_s))
+    with floor_server() as (port, _):
         print("| idle between round trips (ms) | client CPU us per round trip |\n|---:|---:|")
         for idle_ms in args.idle_ms:
             us = uvloop.run(us_per_round_trip(port, args.round_trips, idle_ms / 1e3))
             print(f"| {idle_ms:g} | {us:.0f} |", flush=True)
-    finally:
-        server.kill()
-        server.wait()
 
 
 if __name__ == "__main__":
