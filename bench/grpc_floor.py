@@ -52,14 +52,14 @@ class StreamFloor(scheduler_pb2_grpc.SchedulerServicer):
     async def _tick(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            self._step = loop.create_future()
             await asyncio.sleep(self._step_s)
-            self._step.set_result(None)
+            step, self._step = self._step, loop.create_future()
+            step.set_result(None)
 
     async def Generate(self, request, context):
-        if self._ticker is None:
+        if self._ticker is None:  # (the first call starts the steps)
+            self._step = asyncio.get_running_loop().create_future()
             self._ticker = asyncio.create_task(self._tick())
-            await asyncio.sleep(0)
         for i in range(request.max_new_tokens):
             await self._step
             await context.write(scheduler_pb2.GenerateResponse(token_id=i, logprob=-0.5,
