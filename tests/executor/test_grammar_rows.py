@@ -129,8 +129,7 @@ def test_a_recomputed_sequence_goes_on_in_its_grammar(runner, tokenizer):
     for k in (1, 7, len(whole) // 2):
         first = generate(runner, {2: (prompt, 0, sampled(77, JSON_GRAMMAR))}, max_tokens=k)[2]
         driver = Driver(runner, seed=k)
-        runner.add_sequence(3, prompt + first, sampled(77, JSON_GRAMMAR), 0, num_generated=k)
-        driver.state[3] = {"computed": 0, "total": len(prompt) + k, "blocks": [], "slot": 0}
+        driver.add(3, prompt + first, 0, sampled(77, JSON_GRAMMAR), num_generated=k)
         rest = []
         while not rest or rest[-1] != EOS and len(rest) < 300:
             rest += [token for token, _ in driver.step(chunk=16).values()]
