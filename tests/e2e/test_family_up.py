@@ -12,14 +12,13 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import openai
 import pytest
 import torch
 
 from loraplex import fixtures
-from tests.e2e.test_readme_gateway import free_base_port
+from tests.e2e.test_readme_gateway import free_base_port, wait_serving
 from tests.family_templates import GEMMA2, GEMMA3, GEMMA_TOKENS, PHI3, PHI3_TOKENS
 from tests.multimodal import TEXT
 from tests.oracle import hf_greedy, made_adapters
@@ -77,11 +76,7 @@ def up(family, tmp_path_factory):
          "--executor-args", "--threads 1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        deadline = time.monotonic() + 180
-        for line in server.stdout:
-            if line.startswith("serving") or time.monotonic() > deadline:
-                break
-        assert server.poll() is None, "loraplex up exited"
+        wait_serving(server)
         yield f"127.0.0.1:{base + 1}", openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1",
                                                      api_key="sk-local", timeout=120)
     finally:

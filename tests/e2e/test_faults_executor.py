@@ -50,6 +50,19 @@ async def executor_stats(stub) -> dict[str, scheduler_pb2.ExecutorStats]:
     return {ex.address: ex for ex in (await stub.Stats(scheduler_pb2.StatsRequest())).executors}
 
 
+async def with_the_busiest_frozen(fleet, stub, calls: list[asyncio.Task]) -> tuple[list, str]:
+    """The results of `calls` (within 120 s), with the executor running the most sequences
+    frozen (SIGSTOP) until they end; and that executor's address."""
+    busy = max((await executor_stats(stub)).values(), key=lambda ex: ex.running)
+    assert busy.running > 0
+    frozen = next(s for s in fleet.by_name("executor") if s.address == busy.address)
+    frozen.freeze()
+    try:
+        return await asyncio.wait_for(asyncio.gather(*calls), 120), frozen.address
+    finally:
+        frozen.thaw()
+
+
 async def test_a_frozen_executor_is_routed_around_with_no_token_lost_or_repeated(fleet, pushed):
     async with insecure_channel(fleet.scheduler) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
@@ -72,25 +85,18 @@ async def test_a_frozen_executor_is_routed_around_with_no_token_lost_or_repeated
 
         calls = [asyncio.create_task(run(r)) for r in requests()]
         await asyncio.wait_for(first_tokens.wait(), 60)
-        busy = max((await executor_stats(stub)).values(), key=lambda ex: ex.running)
-        assert busy.running > 0
-        frozen = next(s for s in fleet.by_name("executor") if s.address == busy.address)
-        frozen.freeze()
-        try:
-            got = await asyncio.wait_for(asyncio.gather(*calls), 120)
-        finally:
-            frozen.thaw()
+        got, frozen = await with_the_busiest_frozen(fleet, stub, calls)
         assert got == expected, "every stream completed with exactly its fault-free tokens"
 
         for _ in range(200):  # resumed, it answers Info and a probe step: it rejoins
-            if (await executor_stats(stub))[frozen.address].is_up:
+            if (await executor_stats(stub))[frozen].is_up:
                 break
             await asyncio.sleep(0.1)
-        assert (await executor_stats(stub))[frozen.address].is_up
-        steps = (await executor_stats(stub))[frozen.address].steps
+        assert (await executor_stats(stub))[frozen].is_up
+        steps = (await executor_stats(stub))[frozen].steps
         again = await asyncio.gather(*(client.generate(stub, r) for r in requests()))
         assert [g.token_ids for g in again] == expected
-        assert (await executor_stats(stub))[frozen.address].steps > steps, "it gets work again"
+        assert (await executor_stats(stub))[frozen].steps > steps, "it gets work again"
 
 
 @pytest.fixture(scope="module")

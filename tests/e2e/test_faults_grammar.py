@@ -15,7 +15,7 @@ from common.server import insecure_channel
 from loraplex import client
 from loraplex.launch import Fleet
 from protos import scheduler_pb2_grpc
-from tests.e2e.test_faults_executor import FAST_FAILOVER, executor_stats
+from tests.e2e.test_faults_executor import FAST_FAILOVER, with_the_busiest_frozen
 
 ADAPTERS = ("r4_attn", "r8_mlp", "r16_all", "")
 SCHEMA = {"type": "object", "additionalProperties": False,
@@ -73,14 +73,7 @@ async def test_a_frozen_executors_constrained_streams_go_on_in_their_grammar(fle
 
         calls = [asyncio.create_task(run(r)) for r in requests()]
         await asyncio.wait_for(first_tokens.wait(), 60)
-        busy = max((await executor_stats(stub)).values(), key=lambda ex: ex.running)
-        assert busy.running > 0
-        frozen = next(s for s in fleet.by_name("executor") if s.address == busy.address)
-        frozen.freeze()
-        try:
-            got = await asyncio.wait_for(asyncio.gather(*calls), 120)
-        finally:
-            frozen.thaw()
+        got, _ = await with_the_busiest_frozen(fleet, stub, calls)
     assert [tokens for tokens, _ in got] == expected
     for _, text in got:
         check(text)

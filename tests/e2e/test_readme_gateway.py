@@ -39,6 +39,15 @@ def free_base_port() -> int:
     raise RuntimeError("no free ports")
 
 
+def wait_serving(server: subprocess.Popen, timeout_s: float = 180) -> None:
+    """Until `loraplex up` says it is serving (or timeout_s passed); it must still run."""
+    deadline = time.monotonic() + timeout_s
+    for line in server.stdout:
+        if line.startswith("serving") or time.monotonic() > deadline:
+            break
+    assert server.poll() is None, "loraplex up exited"
+
+
 def test_the_readme_tour_works(tmp_path):
     commands, snippet = section_blocks()
     base, http = free_base_port(), free_base_port() + 1
@@ -56,11 +65,7 @@ def test_the_readme_tour_works(tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
         start_new_session=True)
     try:
-        deadline = time.monotonic() + 180
-        for line in server.stdout:
-            if line.startswith("serving") or time.monotonic() > deadline:
-                break
-        assert server.poll() is None, "loraplex up exited"
+        wait_serving(server)
         env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"}
         outputs = []
         for command in rest:
