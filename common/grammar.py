@@ -4,20 +4,32 @@ grammar engine.
 
 The engine is llguidance (bench/results/grammar-cpu.md says why). It is imported only when a
 grammar is checked or compiled, so a service that never sees one runs without the package.
+It compiles recursively, in native code, on the calling thread's stack: within MAX_GRAMMAR_CHARS a
+Lark chain of 27,000 rules, or a JSON Schema whose $refs nest 4,000 objects, needs 64-128 MiB of
+stack, and on a main thread's 8 MiB it killed the process (SIGSEGV) from 3,000 rules or 1,000
+objects. So every call that compiles (`in_engine`) runs on one thread of ENGINE_STACK_BYTES.
 Clients' fields map onto the kinds here: OpenAI's response_format json_object / json_schema,
 vLLM's guided_regex / guided_choice / guided_grammar, TGI's grammar, the gateway's tool calls.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import enum
+import functools
 import json
+import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 from common.errors import InvalidArgument
 from protos import common_pb2
 
 MAX_GRAMMAR_CHARS = 256 * 1024  # a schema, regex or grammar text
+# The grammar engine thread's stack: 4x what the deepest grammar within MAX_GRAMMAR_CHARS needs
+# (address space: a call takes memory only for the pages it touches)
+ENGINE_STACK_BYTES = 512 << 20
 MAX_CHOICES = 1024
 MAX_CHOICE_CHARS = 4096
 # How JSON is written unless a schema's own "x-guidance" says otherwise: compact, with OpenAI's
@@ -67,12 +79,15 @@ class Grammar:
         if bad is not None:
             raise GrammarError(f"choices must be non-empty strings of at most "
                                f"{MAX_CHOICE_CHARS} characters, got {bad!r:.80}")
-        import llguidance
-
-        error = llguidance.LLMatcher.validate_grammar(self.engine_text(), None)
+        error = in_engine(self._compile_error)
         if error:
             raise GrammarError(f"does not compile: {error.strip()}")
         return self
+
+    def _compile_error(self) -> str:
+        import llguidance
+
+        return llguidance.LLMatcher.validate_grammar(self.engine_text(), None)
 
     def engine_text(self) -> str:
         """The grammar as llguidance takes it (LLMatcher); GrammarError for a JSON Schema that is
@@ -115,6 +130,33 @@ def json_schema(text: str) -> dict:
         schema = json.loads(text)
     except ValueError as err:
         raise GrammarError(f"the schema is not JSON: {err}") from None
+    except RecursionError:
+        raise GrammarError("the schema nests too deeply for its parser") from None
     if not isinstance(schema, dict):
         raise GrammarError("the schema must be a JSON object")
     return schema if "x-guidance" in schema else {**schema, "x-guidance": JSON_LAYOUT}
+
+
+T = TypeVar("T")
+
+
+def in_engine(compile_: Callable[[], T]) -> T:
+    """compile_() on the grammar engine's thread (ENGINE_STACK_BYTES of stack, one call at a time
+    in this process): its result, or its exception."""
+    return _engine_thread().submit(compile_).result()
+
+
+_STACK_SIZE_LOCK = threading.Lock()  # (threading.stack_size is the process's)
+
+
+@functools.cache
+def _engine_thread() -> concurrent.futures.ThreadPoolExecutor:
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-engine")
+    with _STACK_SIZE_LOCK:
+        previous = threading.stack_size(ENGINE_STACK_BYTES)
+        try:
+            pool.submit(lambda: None).result()  # (its one thread, started with that stack)
+        finally:
+            threading.stack_size(previous)
+    return pool
+

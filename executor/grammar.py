@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-from common.grammar import Grammar
+from common.grammar import Grammar, in_engine
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,8 @@ class GrammarRows:
         """A matcher at the grammar's start, compiled once per grammar (LRU)."""
         matcher = self._compiled.get(grammar)
         if matcher is None:
-            matcher = self._llg.LLMatcher(self._tokenizer, grammar.engine_text(), log_level=0)
+            matcher = in_engine(lambda: self._llg.LLMatcher(self._tokenizer, grammar.engine_text(),
+                                                            log_level=0))
             if matcher.is_error():
                 raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
             self._compiled[grammar] = matcher

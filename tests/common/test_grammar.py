@@ -2,6 +2,9 @@
 is wrong, and the round trip through the proto inside SamplingParams."""
 
 import json
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -10,6 +13,7 @@ from common.grammar import MAX_CHOICES, MAX_GRAMMAR_CHARS, Grammar, GrammarError
 from common.sampling import SamplingParams
 from protos import common_pb2
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
                      "required": ["a"]})
 
@@ -65,3 +69,23 @@ def test_json_is_compact_unless_the_schema_says_otherwise():
     assert '"whitespace_flexible": false' in text and '"item_separator": ", "' in text
     own = json.dumps({"type": "object", "x-guidance": {"whitespace_flexible": True}})
     assert '"item_separator"' not in Grammar(GrammarKind.JSON_SCHEMA, own).engine_text()
+
+
+@pytest.mark.parametrize("shape", ["lark_chain", "schema_chain"])
+def test_the_deepest_grammars_within_bounds_compile_without_killing_the_process(shape):
+    """On the calling thread's 8 MiB these overflowed the stack from 3,000 rules or 1,000
+    nested objects (SIGSEGV: a gateway or scheduler gone on one request)."""
+    script = ("from tests.deep_grammars import SHAPES, deepest\n"
+              f"grammar = deepest(SHAPES[{shape!r}])\n"
+              "assert len(grammar.value) > 200_000\n"
+              "print('levels ok', grammar.validate() is grammar)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "levels ok True"
+
+
+def test_a_schema_nested_past_the_json_parser_is_a_grammar_error():
+    text = '{"type":"array","items":' * 5000 + '{"type":"string"}' + "}" * 5000
+    with pytest.raises(GrammarError, match="nests too deeply"):
+        Grammar(GrammarKind.JSON_SCHEMA, text).validate()

@@ -223,3 +223,23 @@ def test_the_grammar_holds_over_logit_bias_and_logprobs_stay_the_models(runner, 
                 driver.finish(sid)
     assert banned not in tokens and tokens[-1] == EOS
     assert tokenizer.decode(tokens[:-1]) in words
+
+
+def test_the_deepest_grammar_within_bounds_compiles_and_masks_without_killing_the_executor():
+    """The compile of a matcher runs on the engine's deep stack too (common/grammar.py): a Lark
+    chain of 27,000 rules (256 KiB) compiles, masks and advances, in a process of its own."""
+    script = (
+        "import json, torch\n"
+        "from executor.grammar import GrammarRows\n"
+        "from loraplex.demo import MODEL_DIR\n"
+        "from tests.deep_grammars import deepest, lark_chain\n"
+        "vocab = json.loads((MODEL_DIR / 'config.json').read_text())['vocab_size']\n"
+        "rows = GrammarRows((MODEL_DIR / 'tokenizer.json').read_text(), vocab, [2])\n"
+        "rows.add(1, deepest(lark_chain), [])\n"
+        "logits = torch.zeros(1, vocab)\n"
+        "rows.constrain(logits, [1])\n"
+        "print('allowed', int((logits[0] > -1e9).sum()))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["allowed", "1"]  # (only "b" can start it)
