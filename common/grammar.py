@@ -14,6 +14,8 @@ vLLM's guided_regex / guided_choice / guided_grammar, TGI's grammar, the gateway
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import enum
@@ -61,7 +63,29 @@ class Grammar:
     choices: tuple[str, ...] = ()  # CHOICE only
 
     def validate(self) -> Grammar:
-        """Itself, or GrammarError: out of bounds, or refused by the engine's compiler."""
+        """Itself, or GrammarError: out of bounds, or refused by the engine's compiler (a
+        grammar checked before in this process is not compiled again: _CHECKED)."""
+        self._check_bounds()
+        error = _CHECKED.get(self)
+        if error is None:
+            error = _CHECKED.put(self, in_engine(self._compile_error))
+        if error:
+            raise GrammarError(f"does not compile: {error.strip()}")
+        return self
+
+    async def prepare(self) -> None:
+        """Compile-check it on the engine's thread while the event loop goes on (a large
+        grammar takes the engine up to ~0.4 s), so that validate() finds the answer cached;
+        nothing for a grammar out of bounds (validate() says why)."""
+        try:
+            self._check_bounds()
+        except GrammarError:
+            return
+        if _CHECKED.get(self) is None:
+            error = await asyncio.wrap_future(_engine_thread().submit(self._compile_error))
+            _CHECKED.put(self, error)
+
+    def _check_bounds(self) -> None:
         if not isinstance(self.kind, GrammarKind):
             raise GrammarError(f"unknown grammar kind {self.kind!r}")
         if len(self.value) > MAX_GRAMMAR_CHARS:
@@ -79,15 +103,15 @@ class Grammar:
         if bad is not None:
             raise GrammarError(f"choices must be non-empty strings of at most "
                                f"{MAX_CHOICE_CHARS} characters, got {bad!r:.80}")
-        error = in_engine(self._compile_error)
-        if error:
-            raise GrammarError(f"does not compile: {error.strip()}")
-        return self
 
     def _compile_error(self) -> str:
+        """The engine compiler's complaint ("" when it compiles); on the engine's thread."""
         import llguidance
 
-        return llguidance.LLMatcher.validate_grammar(self.engine_text(), None)
+        try:
+            return llguidance.LLMatcher.validate_grammar(self.engine_text(), None)
+        except GrammarError as err:
+            return err.detail
 
     def engine_text(self) -> str:
         """The grammar as llguidance takes it (LLMatcher); GrammarError for a JSON Schema that is
@@ -146,6 +170,32 @@ def in_engine(compile_: Callable[[], T]) -> T:
     return _engine_thread().submit(compile_).result()
 
 
+class _CheckedGrammars:
+    """The compile checks of the last MAX_CHECKED grammars this process made, by grammar: an
+    extraction service sends one schema with every request, and each service checks it."""
+
+    def __init__(self, size: int):
+        self._size, self._lock = size, threading.Lock()
+        self._errors: collections.OrderedDict[Grammar, str] = collections.OrderedDict()
+
+    def get(self, grammar: Grammar) -> str | None:
+        """The compiler's complaint ("" for none), or None when not checked here lately."""
+        with self._lock:
+            error = self._errors.get(grammar)
+            if error is not None:
+                self._errors.move_to_end(grammar)
+            return error
+
+    def put(self, grammar: Grammar, error: str) -> str:
+        with self._lock:
+            self._errors[grammar] = error
+            while len(self._errors) > self._size:
+                self._errors.popitem(last=False)
+        return error
+
+
+MAX_CHECKED = 64  # grammars (each at most MAX_GRAMMAR_CHARS)
+_CHECKED = _CheckedGrammars(MAX_CHECKED)
 _STACK_SIZE_LOCK = threading.Lock()  # (threading.stack_size is the process's)
 
 

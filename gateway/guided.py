@@ -5,12 +5,27 @@ client's extra_body): `guided_json` (a schema), `guided_regex`, `guided_choice` 
 strings), `guided_grammar` (Lark or GBNF). At most one of them; a grammar that does not compile is
 a 400 naming its field."""
 
+import asyncio
 import json
+from collections.abc import Callable
+from typing import TypeVar
 
 from common.grammar import Grammar, GrammarError, GrammarKind
 from gateway.http_errors import BadField
 
+T = TypeVar("T")
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+# The fields of a body (OpenAI's, or TGI's parameters) that may carry a grammar to compile
+GRAMMAR_FIELDS = ("response_format", "tools", "grammar", *GUIDED)
+
+
+async def parsed_off_loop(parse: Callable[[dict], T], body: dict) -> T:
+    """parse(body), in a worker thread when the body may carry a grammar: compiling one takes
+    the engine up to ~0.4 s (common/grammar.py), which the event loop, serving every other
+    stream, does not wait for; on the loop otherwise (most bodies: microseconds)."""
+    if any(field in body for field in GRAMMAR_FIELDS):
+        return await asyncio.to_thread(parse, body)
+    return parse(body)
 
 
 def request_grammar(body: dict) -> tuple[Grammar, str] | None:

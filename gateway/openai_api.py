@@ -22,7 +22,7 @@ from starlette.routing import Route as HttpRoute
 from common.errors import NotFound, Unavailable
 from gateway.catalog import Catalog
 from gateway.frontend import Frontend, Route
-from gateway.guided import checked
+from gateway.guided import checked, parsed_off_loop
 from gateway.http_common import SSEResponse, guarded, json_body, request_id_of, tenant_of
 from gateway.http_errors import error_body
 from gateway.openai_requests import ChatRequest, Options, chat_request, completion_request
@@ -56,7 +56,8 @@ class OpenAIApi:
 
     async def completions(self, request: Request) -> Response:
         tenant, request_id = tenant_of(request, self._frontend), request_id_of(request)
-        parsed = completion_request(await json_body(request, self._max_body_bytes))
+        parsed = await parsed_off_loop(completion_request,
+                                       await json_body(request, self._max_body_bytes))
         options = parsed.options
         route = await self._frontend.route(options.model, tenant)
         options.check_vocab(route.model.vocab_size)
@@ -70,7 +71,8 @@ class OpenAIApi:
 
     async def chat(self, request: Request) -> Response:
         tenant, request_id = tenant_of(request, self._frontend), request_id_of(request)
-        parsed = chat_request(await json_body(request, self._max_body_bytes))
+        parsed = await parsed_off_loop(chat_request,
+                                       await json_body(request, self._max_body_bytes))
         options, tools = parsed.options, parsed.tools
         route = await self._frontend.route(options.model, tenant)
         options.check_vocab(route.model.vocab_size)
@@ -79,6 +81,7 @@ class OpenAIApi:
             tool_format = ToolFormat.for_template(route.model.chat.source)
             grammar = tools.grammar(tool_format)
             if grammar is not None:
+                await grammar.prepare()  # (compiled off the loop; checked finds it)
                 options = dataclasses.replace(options, sampling=dataclasses.replace(
                     options.sampling, grammar=checked(grammar, "tools")))
         ids = await self._frontend.prompt_ids(route, _render(route, parsed), None,

@@ -33,6 +33,7 @@ from common.errors import InvalidArgument, Unavailable
 from common.grammar import Grammar, GrammarKind
 from common.sampling import MAX_SEED, BadSampling, SamplingParams
 from gateway.frontend import Frontend, Route
+from gateway.guided import parsed_off_loop
 from gateway.http_common import SSEResponse, guarded, json_body, request_id_of, tenant_of
 from gateway.http_errors import error_body
 from gateway.openai_requests import MAX_STOP
@@ -87,7 +88,7 @@ class TgiApi:
         upstream = scheduler_pb2.GenerateRequest(
             adapter_ref=route.adapter_ref, token_ids=scheduler_pb2.TokenIds(ids=ids),
             request_id=request_id_of(request),
-            sampling=_sampling(params).to_pb(), max_new_tokens=max_new,
+            sampling=(await parsed_off_loop(_sampling, params)).to_pb(), max_new_tokens=max_new,
             stop=_stops(params), ignore_eos=_flag(params, "ignore_eos_token", False))
         self._frontend.admit(tenant, len(ids) + max_new)
         prefix = inputs if _flag(params, "return_full_text", False) else ""

@@ -148,7 +148,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         deadline; None: none)."""
         info = self._info
         request_id = checked_request_id(pb.request_id)
-        sampling = SamplingParams.from_pb(pb.sampling).validate(info.vocab_size)
+        sampling = SamplingParams.from_pb(pb.sampling)
+        if sampling.grammar is not None:  # (compiled off the loop, then validate finds it)
+            await sampling.grammar.prepare()
+        sampling = sampling.validate(info.vocab_size)
         if sampling.grammar is not None and not info.tokenizer_json:
             raise InvalidArgument("sampling.grammar: this model has no tokenizer, which "
                                   "constrained decoding needs")

@@ -89,3 +89,21 @@ def test_a_schema_nested_past_the_json_parser_is_a_grammar_error():
     text = '{"type":"array","items":' * 5000 + '{"type":"string"}' + "}" * 5000
     with pytest.raises(GrammarError, match="nests too deeply"):
         Grammar(GrammarKind.JSON_SCHEMA, text).validate()
+
+
+async def test_prepare_compiles_off_the_loop_and_validate_then_finds_it(monkeypatch):
+    """A service's event loop awaits prepare() (the engine's thread compiles); validate() then
+    answers from the check it made, as for a schema sent again, errors included."""
+    compiled = []
+    real = Grammar._compile_error
+    monkeypatch.setattr(Grammar, "_compile_error",
+                        lambda self: compiled.append(self) or real(self))
+    good = Grammar(GrammarKind.REGEX, r"prepared-[0-9]{4}")
+    bad = Grammar(GrammarKind.REGEX, r"prepared-(")
+    for g in (good, bad):
+        await g.prepare()
+    assert compiled == [good, bad]
+    assert good.validate() is good
+    with pytest.raises(GrammarError, match="does not compile"):
+        bad.validate()
+    assert compiled == [good, bad], "validate() compiled nothing again"
