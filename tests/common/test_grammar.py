@@ -2,9 +2,6 @@
 is wrong, and the round trip through the proto inside SamplingParams."""
 
 import json
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
@@ -12,8 +9,8 @@ from common.errors import InvalidArgument
 from common.grammar import MAX_CHOICES, MAX_GRAMMAR_CHARS, Grammar, GrammarError, GrammarKind
 from common.sampling import SamplingParams
 from protos import common_pb2
+from tests.own_process import run_script
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
                      "required": ["a"]})
 
@@ -79,8 +76,7 @@ def test_the_deepest_grammars_within_bounds_compile_without_killing_the_process(
               f"grammar = deepest(SHAPES[{shape!r}])\n"
               "assert len(grammar.value) > 200_000\n"
               "print('levels ok', grammar.validate() is grammar)\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120)
+    done = run_script(script)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "levels ok True"
 

@@ -6,8 +6,6 @@ grammar where it stopped."""
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import jsonschema
@@ -20,6 +18,7 @@ from common.sampling import SamplingParams
 from executor.grammar import GrammarRows, engine_tokenizer_json
 from executor.runner import ModelRunner, Row
 from loraplex.demo import MODEL_DIR as DEMO_MODEL_DIR
+from tests.own_process import run_script
 from tests.runner_driver import Driver, make_runner, prompts
 
 EOS = 1
@@ -197,8 +196,7 @@ def test_the_executor_runs_without_the_engine_until_a_grammar_comes():
         "    runner._grammar_rows()\n"
         "except ValueError as err:\n"
         "    print(err)\n")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=120, cwd=Path(__file__).resolve().parents[2])
+    out = run_script(script)
     assert out.returncode == 0, out.stderr
     assert "llguidance" in out.stdout and "not installed" in out.stdout
 
@@ -227,7 +225,7 @@ def test_the_grammar_holds_over_logit_bias_and_logprobs_stay_the_models(runner, 
 
 def test_the_deepest_grammar_within_bounds_compiles_and_masks_without_killing_the_executor():
     """The compile of a matcher runs on the engine's deep stack too (common/grammar.py): a Lark
-    chain of 27,000 rules (256 KiB) compiles, masks and advances, in a process of its own."""
+    chain of 27,000 rules (256 KiB) compiles and masks, in a process of its own."""
     script = (
         "import json, torch\n"
         "from executor.grammar import GrammarRows\n"
@@ -239,7 +237,6 @@ def test_the_deepest_grammar_within_bounds_compiles_and_masks_without_killing_th
         "logits = torch.zeros(1, vocab)\n"
         "rows.constrain(logits, [1])\n"
         "print('allowed', int((logits[0] > -1e9).sum()))\n")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=120, cwd=Path(__file__).resolve().parents[2])
+    out = run_script(script)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["allowed", "1"]  # (only "b" can start it)
