@@ -92,7 +92,7 @@ class ToolCallParser:
             try:
                 ok = call.is_complete and call.name and isinstance(json.loads(call.arguments),
                                                                    dict)
-            except ValueError:
+            except (ValueError, RecursionError):  # (nested past the parser: not a call either)
                 ok = False
             if not ok:
                 self.content, self.calls = self.text, []
@@ -184,6 +184,6 @@ def _read_call(body: str, arguments_key: str) -> ToolCall | None:
 def _is_json(text: str) -> bool:
     try:
         json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return True

@@ -113,7 +113,8 @@ def message_tool_calls(calls, param: str) -> list[dict]:
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments or "{}")
-            except ValueError:
-                raise BadField(f"{param}[{i}].function.arguments", "must be JSON") from None
+            except (ValueError, RecursionError):
+                raise BadField(f"{param}[{i}].function.arguments", "must be JSON (nested at "
+                               "most a few hundred deep)") from None
         out.append({**call, "function": {**function, "arguments": arguments}})
     return out

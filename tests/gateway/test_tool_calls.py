@@ -8,7 +8,7 @@ import pytest
 
 from gateway.http_errors import BadField
 from gateway.tool_calls import HERMES, LLAMA3, MISTRAL, ToolCallParser, ToolFormat
-from gateway.tools import chat_tools
+from gateway.tools import chat_tools, message_tool_calls
 
 WEATHER = {"city": "Paris", "note": "a {brace} and \"quotes\""}
 OUTPUTS = {
@@ -58,6 +58,8 @@ def test_arguments_grow_as_prefixes_of_the_final_text(fmt):
     (HERMES, "<tool_call>\nnot json\n</tool_call>"),
     (MISTRAL, "Paris is sunny."),
     (LLAMA3, "{not a call"),
+    (HERMES, '<tool_call>\n{"name": "add", "arguments": ' + '{"a": ' * 1200 + "1" + "}" * 1200
+     + "}\n</tool_call>"),  # (nested past Python's JSON parser)
 ])
 def test_text_that_is_no_call_is_content(fmt, text):
     for step in (1, len(text)):
@@ -156,3 +158,11 @@ def test_auto_streams_content_and_then_calls():
     deltas, reason = streamed_deltas(HERMES, list(plain) + [""])
     assert "".join(d.get("content") or "" for d in deltas) == plain and reason == "stop"
     assert not any("tool_calls" in d for d in deltas)
+
+
+def test_a_message_tool_call_nested_past_the_parser_is_a_400_naming_it():
+    calls = [{"id": "1", "type": "function",
+              "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]
+    with pytest.raises(BadField) as err:
+        message_tool_calls(calls, "messages[1].tool_calls")
+    assert err.value.param == "messages[1].tool_calls[0].function.arguments"
