@@ -2,6 +2,7 @@
 each family's format; and the grammars that hold an output to them (gateway/tools.py)."""
 
 import json
+import random
 
 import llguidance
 import pytest
@@ -166,3 +167,30 @@ def test_a_message_tool_call_nested_past_the_parser_is_a_400_naming_it():
     with pytest.raises(BadField) as err:
         message_tool_calls(calls, "messages[1].tool_calls")
     assert err.value.param == "messages[1].tool_calls[0].function.arguments"
+
+
+PIECES = ("<tool_call>\n", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>",
+          '{"name": "add", "arguments": ', '{"parameters": ', '{"a": [1, "x}"]}', '"\\"', "}",
+          "]", "[", "{", ", ", " ", "text ", '"', "\\", "\n", '"name": "f"')
+
+
+@pytest.mark.parametrize("fmt", [HERMES, MISTRAL, LLAMA3])
+def test_a_parser_fed_piece_by_piece_says_what_one_fed_it_whole_says(fmt):
+    """The parser keeps what it scanned between feeds (gateway/tool_calls.py _Scan): after every
+    feed it says what a fresh parser given the same text at once says, over random outputs made
+    of the formats' markers, brackets, quotes and escapes."""
+    rng = random.Random(7)
+
+    def said(parser: ToolCallParser) -> tuple:
+        return parser.content, [(c.name, c.arguments, c.is_complete) for c in parser.calls]
+
+    for _ in range(1500):
+        text = "".join(rng.choice(PIECES) for _ in range(rng.randint(1, 14)))
+        parser, fed_so_far = ToolCallParser(fmt), 0
+        while fed_so_far < len(text):
+            step = rng.randint(1, 6)
+            parser.feed(text[fed_so_far:fed_so_far + step])
+            fed_so_far += step
+            whole = ToolCallParser(fmt)
+            whole.feed(text[:fed_so_far])
+            assert said(parser) == said(whole), text[:fed_so_far]
