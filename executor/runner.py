@@ -125,7 +125,6 @@ class ModelRunner:
         self.lora = make_lora_backend(lora_backend, self.pool)
         self.model = Transformer(local, weights, self.lora, tp)
         self.sampler = Sampler(config.vocab_size, self.device)  # (rank 0's alone samples)
-        self.rope_switch_len = config.rope_switch_len  # (0: no longrope switch)
         self._seqs: dict[int, _Sequence] = {}
         self._num_prompt_logprobs = 0  # sequences whose prompt logprobs are being made
         self._merged: Merged | None = None  # the adapter folded into the weights (merge.py)
@@ -219,6 +218,11 @@ class ModelRunner:
         if self._merged is not None:
             unmerge(self.weights, self._merged)
             self._merged = None
+
+    @property
+    def rope_switch_len(self) -> int:
+        """The model's longrope switch (ModelConfig.rope_switch_len; 0: none)."""
+        return self.config.rope_switch_len
 
     def add_sequence(self, seq_id: int, token_ids: Sequence[int], sampling: SamplingParams,
                      slot: int, num_generated: int = 0, num_cached: int = 0) -> None:
