@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import botocore.config
@@ -51,15 +51,24 @@ def is_free_port(port: int) -> bool:
         return True
 
 
-def _free_ports(count: int) -> list[int]:
-    """Distinct free ports p <= 55535 whose p + 10000 is free too."""
+def _ephemeral_port() -> int:
+    """A port free now, as the kernel hands them out."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _free_ports(count: int, draw: Callable[[], int] = _ephemeral_port) -> list[int]:
+    """Free ports p <= 55535 whose p + 10000 is free too, no two of them sharing a port: weed
+    binds both p and p + 10000 of each, so p may not be another's p + 10000 either."""
     ports: list[int] = []
+    taken: set[int] = set()
     while len(ports) < count:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if port <= _MAX_PORT and port not in ports and is_free_port(port + 10000):
+        port = draw()
+        pair = {port, port + 10000}
+        if port <= _MAX_PORT and not pair & taken and is_free_port(port + 10000):
             ports.append(port)
+            taken |= pair
     return ports
 
 
