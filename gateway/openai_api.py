@@ -89,7 +89,7 @@ class OpenAIApi:
                                               field="max_tokens")
         max_new = options.max_tokens or route.model.max_model_len - len(ids)
         return await self._respond(route, tenant, options, [ids], max_new, request_id,
-                                   chat=True, tool_format=tool_format)
+                                   chat=True, tool_format=tool_format, chat_echo=parsed.echo)
 
     async def models(self, request: Request) -> Response:
         tenant = tenant_of(request, self._frontend)
@@ -122,7 +122,8 @@ class OpenAIApi:
 
     async def _respond(self, route: Route, tenant: str, options: Options,
                        prompts: list[list[int]], max_new: int, request_id: str,
-                       chat: bool, tool_format: ToolFormat | None = None) -> Response:
+                       chat: bool, tool_format: ToolFormat | None = None,
+                       chat_echo: str | None = None) -> Response:
         many = len(prompts) * options.n > 1  # (each choice a request of its own: id-INDEX)
         upstreams = [(index, scheduler_pb2.GenerateRequest(
                         adapter_ref=route.adapter_ref, token_ids=scheduler_pb2.TokenIds(ids=ids),
@@ -137,6 +138,8 @@ class OpenAIApi:
         identity = Identity(chat, options.model, request_id)
         echoes = {index: _decoded(route, u.token_ids.ids) for index, u in upstreams
                   } if options.echo else {}
+        if chat_echo is not None:
+            echoes = {index: chat_echo for index, _ in upstreams}
         top = bool(options.sampling.top_logprobs)
         events = self._merged(route, upstreams, tenant)
         if options.max_tokens == 0:

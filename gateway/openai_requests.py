@@ -60,6 +60,9 @@ class ChatRequest:
     add_generation_prompt: bool
     continue_final_message: bool
     tools: Tools | None = None  # gateway/tools.py; None: the request names none
+    # vLLM's `echo`: the reply's content begins with the last message's when that message is
+    # the assistant's own (what continue_final_message goes on from); None: nothing echoed.
+    echo: str | None = None
 
 
 def completion_request(body: dict) -> CompletionRequest:
@@ -93,8 +96,11 @@ def chat_request(body: dict) -> ChatRequest:
     continue_final = _boolean(body, "continue_final_message", False)
     if add_generation_prompt and continue_final:
         raise BadField("continue_final_message", "needs add_generation_prompt: false")
-    return ChatRequest(options, _messages(body.get("messages")), add_generation_prompt,
-                       continue_final, tools)
+    messages = _messages(body.get("messages"))
+    echo = None
+    if _boolean(body, "echo", False) and messages[-1]["role"] == "assistant":
+        echo = messages[-1]["content"]
+    return ChatRequest(options, messages, add_generation_prompt, continue_final, tools, echo)
 
 
 def _options(body: dict, logprobs: bool, top_logprobs: int = 0,

@@ -12,7 +12,8 @@ message flushes goes with the last token. An alternative's text is what it would
 the sampled token's place (common/token_logprobs.py). Completions' top_logprobs hold the top n
 and the sampled token (OpenAI: up to n + 1 entries); chat's the top n. With `echo`, a
 completion's text and logprobs begin with the prompt's tokens (the first without a logprob), and
-a stream's first event of each choice is the prompt.
+a stream's first event of each choice is the prompt; a chat's content begins with the last
+message's when that is the assistant's (vLLM's chat `echo`), its first delta that text.
 """
 
 import dataclasses
@@ -117,7 +118,8 @@ class Choice:
         calls = self.tool_calls.calls if self.tool_calls is not None else []
         if not calls:
             return {"role": "assistant", "content": self.text}, self.finish_reason
-        message = {"role": "assistant", "content": self.tool_calls.content or None,
+        content = self.prompt_text + self.tool_calls.content
+        message = {"role": "assistant", "content": content or None,
                    "tool_calls": [{"id": _call_id(), "type": "function",
                                    "function": {"name": c.name, "arguments": c.arguments}}
                                   for c in calls]}
@@ -234,7 +236,15 @@ class EventWriter:
         return echo + self._event(choice, finish)
 
     def _echo(self, index: int, message: scheduler_pb2.GenerateResponse) -> bytes:
-        """The prompt's event of an echoed choice (with its first message's prompt tokens)."""
+        """The prompt's event of an echoed choice (with its first message's prompt tokens); in
+        a chat, the first delta: the role and the echoed content."""
+        if self._response.chat:
+            self._started.add(index)
+            if self._tools is not None:
+                self._calls.setdefault(index, _StreamedCalls(ToolCallParser(self._tools))
+                                       ).started = True
+            delta = json.dumps({"role": "assistant", "content": self._echoes[index]})
+            return self._event(f'{{"index": {index}, "delta": {delta}, "logprobs": null', None)
         entries = [Entry.of(t) for t in message.prompt_tokens]
         text = "".join(e.text for e in entries) if entries else self._echoes[index]
         self._offsets[index] = len(text)

@@ -3,6 +3,7 @@
 import os
 import pathlib
 
+import grpc
 import pytest
 import torch
 
@@ -30,6 +31,18 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session", autouse=True)
+async def grpc_aio_held():
+    """One idle grpc.aio channel for the whole session. grpc.aio stops its completion poller when
+    its last channel closes and starts a new one with the next; a test that opened and closed a
+    channel per call (`async with insecure_channel(...)`) after other modules had closed theirs
+    once waited forever for an answer the scheduler had sent (its poller thread restarted). Held
+    open, the poller starts once. The channel never connects (channels connect on first call)."""
+    channel = grpc.aio.insecure_channel("127.0.0.1:9")
+    yield
+    await channel.close()
 
 
 @pytest.fixture(scope="session")

@@ -400,7 +400,7 @@ FIELDS = {
     "/v1/chat/completions": ("model", "messages", "max_tokens", "max_completion_tokens",
                              "temperature", "n", "seed", "stop", "logprobs", "top_logprobs",
                              "tools", "tool_choice", "response_format", "stream",
-                             "add_generation_prompt", "continue_final_message",
+                             "add_generation_prompt", "continue_final_message", "echo",
                              "parallel_tool_calls", "guided_json", "guided_choice"),
     "/generate": ("inputs", "parameters"),
 }

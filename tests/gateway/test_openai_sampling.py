@@ -157,6 +157,33 @@ async def test_echo_with_max_tokens_0_scores_the_prompt_alone(served, tiny):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+async def test_chat_echo_begins_with_the_assistants_last_message(served):
+    """vLLM's chat `echo`: a reply that goes on from the assistant's last message begins with
+    that message's text, streamed (the first delta) and not; after a user's message, nothing."""
+    prefill = [{"role": "user", "content": "Name a river."},
+               {"role": "assistant", "content": "The river"}]
+    go_on = {"add_generation_prompt": False, "continue_final_message": True}
+    chat = api(served).chat.completions
+    plain = await chat.create(model="tiny-attn", messages=prefill, max_tokens=5, temperature=0,
+                              extra_body=go_on)
+    echoed = await chat.create(model="tiny-attn", messages=prefill, max_tokens=5, temperature=0,
+                               extra_body={**go_on, "echo": True})
+    assert echoed.choices[0].message.content == "The river" + plain.choices[0].message.content
+    assert echoed.usage == plain.usage
+    chunks = [c async for c in await chat.create(
+        model="tiny-attn", messages=prefill, max_tokens=5, temperature=0, stream=True,
+        extra_body={**go_on, "echo": True})]
+    first = chunks[0].choices[0].delta
+    assert first.role == "assistant" and first.content == "The river"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == \
+        echoed.choices[0].message.content
+    question = prefill[:1]
+    asked = await chat.create(model="tiny-attn", messages=question, max_tokens=5, temperature=0)
+    echoed = await chat.create(model="tiny-attn", messages=question, max_tokens=5, temperature=0,
+                               extra_body={"echo": True})
+    assert echoed.choices[0].message.content == asked.choices[0].message.content
+
+
 async def test_chat_top_logprobs_streamed_and_not(served):
     messages = [{"role": "user", "content": "Name a river."}]
     out = await api(served).chat.completions.create(
