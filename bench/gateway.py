@@ -51,6 +51,7 @@ from gateway_records import (
     findings,
     latency_table,
 )
+from process_cpu import cpu_seconds
 
 from common.server import insecure_channel, run
 from loraplex import client, demo
@@ -65,14 +66,7 @@ PROMPTS_PER_ADAPTER = 8
 MAX_NEW_TOKENS = 32
 DEADLINE_S = 60.0  # every stream's deadline
 EXECUTOR = ["--threads", "1", "--adapter-slots", str(len(ADAPTERS))]
-TICKS = os.sysconf("SC_CLK_TCK")
 LAYERS = ("gateway", "scheduler", "common", "protos")  # the code on the measured paths
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process (all its threads) so far."""
-    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime: fields 14, 15 of stat
 
 
 # ----- the paths: each streams one request, appending each token's arrival time and text -----

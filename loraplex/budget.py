@@ -32,8 +32,8 @@ import math
 import torch
 
 from common.adapter_pages import padded_pages, plan_pages
+from executor.memory_budget import MemoryBudget
 from executor.model_config import NAMED_CONFIGS, ModelConfig
-from executor.runner import MemoryBudget
 from executor.shards import Shard
 from executor.slot_pool import page_geometry
 

@@ -32,17 +32,14 @@ from collections.abc import Callable, Iterable, Mapping
 from common.adapter_ref import AdapterRef
 from common.detokenizer import Finish
 from common.errors import (
-    DeadlineExceeded,
     FailedPrecondition,
     LoraplexError,
     NotFound,
-    ResourceExhausted,
     Unavailable,
-    retry_after,
 )
 from scheduler.admission import Admission
 from scheduler.block_manager import BlockManager
-from scheduler.deadlines import Deadlines, Due
+from scheduler.deadlines import Deadlines, Due, expiry_error
 from scheduler.executor_state import ExecutorState
 from scheduler.fairness import FairnessWeights, FairShare
 from scheduler.limits import Limits
@@ -134,7 +131,7 @@ class Scheduler:
         for req, due in self.deadlines.due(now):
             if due is Due.LOAD_BOUND and not self._has_waited_for_its_fetch(req, now):
                 continue
-            self._fail(req, self._expiry_error(req, due, now))
+            self._fail(req, expiry_error(req, due, now, self.limits, self.placement.expected_wait))
         for ex in self.executors:
             if self.residency.expire(ex, now):
                 self._wake()
@@ -153,32 +150,6 @@ class Scheduler:
             self.deadlines.recheck(req, start + bound)
             return False
         return True
-
-    def _expiry_error(self, req: Request, due: Due, now: float) -> LoraplexError:
-        waited = now - req.arrival
-        if due is Due.LOAD_BOUND:
-            failure = req.executor.load_failures.get(req.adapter)
-            why = (f"its fetches fail (last error: {failure.error})" if failure is not None
-                   else "its fetch is still under way")
-            return retry_after(Unavailable(
-                f"adapter {req.adapter} was not loaded within {self.limits.max_load_wait_s:.0f}s "
-                f"({why}); retry later"), self.limits.max_load_backoff_s)
-        if due is Due.DEADLINE:
-            return DeadlineExceeded(f"the request's deadline passed after {waited:.1f}s "
-                                    "waiting for an executor")
-        if req.admitted_at is not None:
-            return Unavailable(f"waited {now - req.queued_since:.0f}s to be resumed after its "
-                               "executor was lost or its KV preempted, past the pool's "
-                               "max_queue_s; retry")
-        failure = req.executor.load_failures.get(req.adapter) if req.executor else None
-        if failure is not None:
-            return retry_after(Unavailable(
-                f"adapter {req.adapter} could not be loaded within {waited:.0f}s "
-                f"(last error: {failure.error}); retry later"), self.limits.max_load_backoff_s)
-        wait = self.placement.expected_wait()
-        return retry_after(ResourceExhausted(
-            f"not admitted within {waited:.0f}s (the pool's max_queue_s): the pool is "
-            f"overloaded or has no executor up; retry in {wait:.0f}s"), wait)
 
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self, ex: ExecutorState) -> StepPlan:

@@ -20,7 +20,16 @@ import enum
 import heapq
 import itertools
 import weakref
+from collections.abc import Callable
 
+from common.errors import (
+    DeadlineExceeded,
+    LoraplexError,
+    ResourceExhausted,
+    Unavailable,
+    retry_after,
+)
+from scheduler.limits import Limits
 from scheduler.request import Request, Status
 
 
@@ -70,3 +79,33 @@ class Deadlines:
     def _push(self, at: float, kind: Due, req: Request) -> None:
         heapq.heappush(self._heap, (at, next(self._order), kind, weakref.ref(req),
                                     req.queued_since))
+
+
+def expiry_error(req: Request, due: Due, now: float, limits: Limits,
+                 expected_wait: Callable[[], float]) -> LoraplexError:
+    """What a request whose time came (`due`) at `now` ends with, and why, in words a client can
+    act on; `expected_wait()` is the pool's estimate of a new request's wait, in seconds."""
+    waited = now - req.arrival
+    if due is Due.LOAD_BOUND:
+        failure = req.executor.load_failures.get(req.adapter)
+        why = (f"its fetches fail (last error: {failure.error})" if failure is not None
+               else "its fetch is still under way")
+        return retry_after(Unavailable(
+            f"adapter {req.adapter} was not loaded within {limits.max_load_wait_s:.0f}s "
+            f"({why}); retry later"), limits.max_load_backoff_s)
+    if due is Due.DEADLINE:
+        return DeadlineExceeded(f"the request's deadline passed after {waited:.1f}s "
+                                "waiting for an executor")
+    if req.admitted_at is not None:
+        return Unavailable(f"waited {now - req.queued_since:.0f}s to be resumed after its "
+                           "executor was lost or its KV preempted, past the pool's "
+                           "max_queue_s; retry")
+    failure = req.executor.load_failures.get(req.adapter) if req.executor else None
+    if failure is not None:
+        return retry_after(Unavailable(
+            f"adapter {req.adapter} could not be loaded within {waited:.0f}s "
+            f"(last error: {failure.error}); retry later"), limits.max_load_backoff_s)
+    wait = expected_wait()
+    return retry_after(ResourceExhausted(
+        f"not admitted within {waited:.0f}s (the pool's max_queue_s): the pool is "
+        f"overloaded or has no executor up; retry in {wait:.0f}s"), wait)

@@ -8,8 +8,9 @@ import sys
 import pytest
 import torch
 
+from executor.memory_budget import MemoryBudget
 from executor.model_config import ModelConfig
-from executor.runner import MemoryBudget, ModelRunner
+from executor.runner import ModelRunner
 from loraplex.budget import format_plan, plan
 from tests.random_adapters import random_adapter
 from tests.rank_threads import RankThreads

@@ -19,9 +19,10 @@ from common.peft.layout import plan_adapter
 from common.peft.safetensors_header import parse_header
 from common.sampling import SamplingParams
 from executor.lora_segments import LoraSegments
+from executor.memory_budget import MemoryBudget
 from executor.model_config import ModelConfig
 from executor.peft_adapter import parse_peft_adapter
-from executor.runner import MemoryBudget, ModelRunner, Row
+from executor.runner import ModelRunner, Row
 from executor.sampling import DrawStream, filtered_probs, sample
 from loraplex import fixtures
 from tests.oracle import assert_matches_hf, hf_greedy
