@@ -1,7 +1,9 @@
 """`loraplex up --model DIR` on a Gemma 2 folder, a Phi-3 one (issue 32) and a multimodal Gemma 3
 one, every service its own process: a tiny random model of the family (Gemma 2: a sliding window
 of 6, soft caps, query_pre_attn_scalar; Phi-3: fused projections, its adapter on qkv_proj and
-gate_up_proj; Gemma 3: Gemma3ForConditionalGeneration, its adapter on language-model projections
+gate_up_proj, longrope whose switch the chat's reply crosses, so the scheduler ends its run there
+and the executor computes it again with the long factors, as transformers' generate() does;
+Gemma 3: Gemma3ForConditionalGeneration, its adapter on language-model projections
 and a vision-tower linear by a regex, its template in chat_template.json alone, as its processor
 keeps it) with a tokenizer and a chat template in the family's style, a PEFT adapter pushed with
 the CLI (the store checks it, the scheduler plans its pages, the executor loads it), then the
@@ -19,9 +21,10 @@ import torch
 
 from loraplex import fixtures
 from tests.e2e.test_readme_gateway import free_base_port, wait_serving
+from tests.executor.test_longrope_oracle import LONGROPE
 from tests.family_templates import GEMMA2, GEMMA3, GEMMA_TOKENS, PHI3, PHI3_TOKENS
 from tests.multimodal import TEXT
-from tests.oracle import hf_greedy, made_adapters
+from tests.oracle import hf_generate, made_adapters
 
 FAMILIES = {  # model_type -> (model's quirks, special tokens, template, eos ids, adapter targets)
     "gemma2": ({"sliding_window": 6, "query_pre_attn_scalar": 32, "attn_logit_softcapping": 1.0,
@@ -36,6 +39,7 @@ MESSAGES = [{"role": "user", "content": "The river serves many small tunes"},
             {"role": "assistant", "content": "Seven quiet blocks."},
             {"role": "user", "content": "Every request names its own adapter"}]
 NUM_TOKENS = 8
+CROSSING = 3  # Phi-3: the chat's reply outgrows the longrope switch with its CROSSING-th token
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -47,8 +51,15 @@ def family(request, tmp_path_factory):
     quirks, tokens, template, eos, targets = FAMILIES[request.param]
     model_id = f"tiny-{request.param}"
     out = tmp_path_factory.mktemp(model_id)
-    model_dir = fixtures.save_tiny_model(out / model_id, request.param, seed=5, **quirks)
+    model_dir = out / model_id
+    model_dir.mkdir()
     fixtures.save_tokenizer(model_dir, tokens, template, "PreTrainedTokenizerFast")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if request.param == "phi3":
+        switch = len(chat_ids(request.param, tokenizer)) + CROSSING - 1
+        quirks = {**quirks, "rope_scaling": LONGROPE, "max_position_embeddings": 256,
+                  "original_max_position_embeddings": switch}
+    fixtures.save_tiny_model(model_dir, request.param, seed=5, **quirks)
     if request.param == "gemma3":  # (the processor's file alone holds the template)
         config = json.loads((model_dir / "tokenizer_config.json").read_text())
         (model_dir / "chat_template.json").write_text(json.dumps(
@@ -60,7 +71,6 @@ def family(request, tmp_path_factory):
     base.name_or_path = model_id  # the adapter's base_model_name_or_path: what `up` serves
     hf = made_adapters(base, out, {"chat": {"r": 8, "lora_alpha": 16, "target_modules": targets}},
                        seed=21)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.chat_template = template  # (Gemma 3's: what AutoProcessor reads)
     return request.param, model_id, model_dir, out / "chat", hf, tokenizer
 
@@ -84,10 +94,30 @@ def up(family, tmp_path_factory):
         server.wait(60)
 
 
+def chat_ids(model_type: str, tokenizer) -> list[int]:
+    """The test chat's prompt, as transformers renders and tokenizes it."""
+    messages = chat_messages(model_type)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def chat_messages(model_type: str) -> list[dict]:
+    return MESSAGES if model_type == "gemma2" else [
+        {"role": "system", "content": "Be brief."}, *MESSAGES]
+
+
 def greedy_text(hf, tokenizer, ids, eos, adapter=None) -> str:
-    tokens, _ = hf_greedy(hf, ids, NUM_TOKENS, adapter)
+    """What transformers' generate() answers (greedy), to the first end-of-sequence token."""
+    return greedy_reply(hf, tokenizer, ids, eos, adapter)[0]
+
+
+def greedy_reply(hf, tokenizer, ids, eos, adapter=None) -> tuple[str, list[float]]:
+    """greedy_text, and each of its tokens' logprob."""
+    tokens, logits = hf_generate(hf, ids, NUM_TOKENS, adapter)
     ended = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
-    return tokenizer.decode(tokens[:ended])
+    logprobs = torch.log_softmax(logits.float(), -1)
+    return (tokenizer.decode(tokens[:ended]),
+            [float(logprobs[i, t]) for i, t in enumerate(tokens[:ended])])
 
 
 def test_a_family_folder_serves_its_template_and_adapter_as_transformers_would(family, up):
@@ -98,16 +128,18 @@ def test_a_family_folder_serves_its_template_and_adapter_as_transformers_would(f
         [sys.executable, "-m", "loraplex.cli", "adapters", "push", str(adapter_dir), "--name",
          f"{model_type}-chat", "--store", store], capture_output=True, text=True, timeout=120)
     assert pushed.returncode == 0, pushed.stderr
-    messages = MESSAGES if model_type == "gemma2" else [
-        {"role": "system", "content": "Be brief."}, *MESSAGES]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    messages, ids = chat_messages(model_type), chat_ids(model_type, tokenizer)
     with torch.no_grad():
         chat = api.chat.completions.create(model=f"{model_type}-chat", messages=messages,
-                                           max_tokens=NUM_TOKENS, temperature=0)
+                                           max_tokens=NUM_TOKENS, temperature=0, logprobs=True)
         assert chat.usage.prompt_tokens == len(ids)
         reply = chat.choices[0].message.content
-        assert reply and reply == greedy_text(hf, tokenizer, ids, eos, "chat")
+        if model_type == "phi3":  # (it ran past the switch)
+            assert chat.usage.completion_tokens >= CROSSING
+        text, logprobs = greedy_reply(hf, tokenizer, ids, eos, "chat")
+        assert reply and reply == text
+        served = [t.logprob for t in chat.choices[0].logprobs.content][:len(logprobs)]
+        assert served == pytest.approx(logprobs, abs=1e-4)
         assert reply != greedy_text(hf, tokenizer, ids, eos)  # (the adapter's, not the base's)
         prompt = "The scheduler shares"
         plain = api.completions.create(model=model_id, prompt=prompt, max_tokens=NUM_TOKENS,
