@@ -43,7 +43,7 @@ import time
 
 import grpc
 from direct_generate import direct_generate
-from process_cpu import cpu_seconds, p99_ms
+from stream_measures import cpu_seconds, p99_ms, tokens_until
 
 from common import credentials
 from common.server import insecure_channel, run
@@ -71,17 +71,9 @@ async def measure(gateways: list[str], pids: dict[str, int], streams: int, warmu
     async def loop(i: int) -> None:
         while time.perf_counter() < stop:
             req = client.generate_request("", [3, 4, 5 + i % 100], NEW_TOKENS, ignore_eos=True)
-            last = None
-            async for message in stubs[i % len(stubs)].Generate(req, metadata=metadata,
-                                                                timeout=120):
-                now = time.perf_counter()
-                if message.HasField("token_id"):
-                    arrivals.append(now)
-                    if last is not None:
-                        gaps.append(now - last)
-                    last = now
-                if now >= stop:
-                    return
+            messages = stubs[i % len(stubs)].Generate(req, metadata=metadata, timeout=120)
+            if await tokens_until(messages, stop, arrivals, gaps):
+                return
 
     tasks = [asyncio.create_task(loop(i)) for i in range(streams)]
     await asyncio.sleep(warmup_s)

@@ -9,7 +9,7 @@ import pathlib
 import time
 
 from grpc_floor import floor_server
-from process_cpu import cpu_seconds, p99_ms
+from stream_measures import cpu_seconds, p99_ms, tokens_until
 
 from common.server import insecure_channel, run
 from loraplex import client, demo
@@ -39,16 +39,8 @@ async def measure_generate(scheduler: str, pid: int, streams: int, warmup_s: flo
             for n in itertools.count(i):
                 adapter, prompt = prompts[n % len(prompts)]
                 req = client.generate_request(adapter, prompt, GENERATE_TOKENS, ignore_eos=True)
-                last = None
-                async for message in client.stream(stub, req, key):
-                    now = time.perf_counter()
-                    if message.HasField("token_id"):
-                        arrivals.append(now)
-                        if last is not None:
-                            gaps.append(now - last)
-                        last = now
-                    if now >= stop:
-                        return
+                if await tokens_until(client.stream(stub, req, key), stop, arrivals, gaps):
+                    return
 
         tasks = [asyncio.create_task(loop(i)) for i in range(streams)]
         await asyncio.sleep(warmup_s)

@@ -51,7 +51,7 @@ from gateway_records import (
     findings,
     latency_table,
 )
-from process_cpu import cpu_seconds
+from stream_measures import cpu_seconds
 
 from common.server import insecure_channel, run
 from loraplex import client, demo
