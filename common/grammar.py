@@ -15,7 +15,6 @@ vLLM's guided_regex / guided_choice / guided_grammar, TGI's grammar, the gateway
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import dataclasses
 import enum
@@ -26,6 +25,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from common.errors import InvalidArgument
+from common.lru import Lru
 from protos import common_pb2
 
 MAX_GRAMMAR_CHARS = 256 * 1024  # a schema, regex or grammar text
@@ -175,23 +175,17 @@ class _CheckedGrammars:
     extraction service sends one schema with every request, and each service checks it."""
 
     def __init__(self, size: int):
-        self._size, self._lock = size, threading.Lock()
-        self._errors: collections.OrderedDict[Grammar, str] = collections.OrderedDict()
+        self._lock = threading.Lock()  # (checked from the engine thread and event loops)
+        self._errors: Lru[Grammar, str] = Lru(size)
 
     def get(self, grammar: Grammar) -> str | None:
         """The compiler's complaint ("" for none), or None when not checked here lately."""
         with self._lock:
-            error = self._errors.get(grammar)
-            if error is not None:
-                self._errors.move_to_end(grammar)
-            return error
+            return self._errors.get(grammar)
 
     def put(self, grammar: Grammar, error: str) -> str:
         with self._lock:
-            self._errors[grammar] = error
-            while len(self._errors) > self._size:
-                self._errors.popitem(last=False)
-        return error
+            return self._errors.put(grammar, error)
 
 
 MAX_CHECKED = 64  # grammars (each at most MAX_GRAMMAR_CHARS)

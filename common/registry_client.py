@@ -22,7 +22,6 @@ A moved alias is seen by new requests within resolve_ttl_s.
 """
 
 import asyncio
-import collections
 import dataclasses
 import logging
 import time
@@ -32,6 +31,7 @@ import grpc
 
 from common.adapter_ref import AdapterQuery, AdapterRef
 from common.errors import LoraplexError, Unavailable, from_rpc_error
+from common.lru import Lru
 from common.server import insecure_channel
 from protos import adapter_store_pb2, adapter_store_pb2_grpc, common_pb2
 
@@ -54,12 +54,10 @@ class RegistryClient:
         channels = [(a, insecure_channel(a, service_key)) for a in stores]
         self._stores = [(a, adapter_store_pb2_grpc.AdapterStoreStub(c)) for a, c in channels]
         self._resolve_s, self._ttl_s, self._warm_s = resolve_s, resolve_ttl_s, warm_s
-        self._max_entries = max_entries
         self._clock = clock
-        # LRU, oldest first: exact versions, and (tenant, query) -> last answer.
-        self._versions: collections.OrderedDict[AdapterRef, _Answer] = collections.OrderedDict()
-        self._names: collections.OrderedDict[tuple[str, AdapterQuery], _Answer] = (
-            collections.OrderedDict())
+        # The last answers: of exact versions, and of (tenant, query).
+        self._versions: Lru[AdapterRef, _Answer] = Lru(max_entries)
+        self._names: Lru[tuple[str, AdapterQuery], _Answer] = Lru(max_entries)
         self._asking: dict[tuple[str, AdapterQuery], asyncio.Future] = {}  # lookups under way
 
     async def warm(self, adapter: AdapterRef) -> None:
@@ -94,7 +92,6 @@ class RegistryClient:
             if answer is not None and not _is_visible(answer.info, tenant):
                 answer = None  # (the store answers it, as it answers a missing name)
             if answer is not None and now - answer.at < VERSION_TTL_S:
-                self._versions.move_to_end(version)
                 return answer.info
             key, ttl = (tenant, query), VERSION_TTL_S
         else:
@@ -115,10 +112,9 @@ class RegistryClient:
                         "old", err, ref[:200], now - answer.at)
             answer.at = now - ttl + self._ttl_s  # used again without asking for resolve_ttl_s
             return answer.info
-        self._remember(self._versions, AdapterRef(info.name, info.version),
-                       _Answer(info, self._clock()))
+        self._versions.put(AdapterRef(info.name, info.version), _Answer(info, self._clock()))
         if not query.version:
-            self._remember(self._names, key, _Answer(info, self._clock()))
+            self._names.put(key, _Answer(info, self._clock()))
         return info
 
     async def _ask(self, query: AdapterQuery, tenant: str) -> common_pb2.AdapterInfo:
@@ -134,12 +130,6 @@ class RegistryClient:
                 if not isinstance(last, Unavailable):
                     raise last from None
         raise last
-
-    def _remember(self, cache: collections.OrderedDict, key, value) -> None:
-        cache[key] = value
-        cache.move_to_end(key)
-        while len(cache) > self._max_entries:
-            cache.popitem(last=False)
 
 
 def _is_visible(info: common_pb2.AdapterInfo, tenant: str) -> bool:

@@ -21,7 +21,6 @@ imported on the first grammar, so an executor that never sees one runs without t
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from common.grammar import Grammar, in_engine
+from common.lru import Lru
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class GrammarRows:
             engine_tokenizer_json(tokenizer_json), n_vocab=vocab_size,
             eos_token=list(eos_token_ids))
         self._executor = llguidance.LLExecutor(num_threads=num_threads or torch.get_num_threads())
-        self._compiled: collections.OrderedDict[Grammar, object] = collections.OrderedDict()
+        self._compiled: Lru[Grammar, object] = Lru(MAX_COMPILED)
         self._matchers: dict[int, object] = {}  # seq_id -> its matcher
         self._bits = byte_bits(self.device)  # [256, 8]
 
@@ -114,10 +114,7 @@ class GrammarRows:
                                                             log_level=0))
             if matcher.is_error():
                 raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
-            self._compiled[grammar] = matcher
-            while len(self._compiled) > MAX_COMPILED:
-                self._compiled.popitem(last=False)
-        self._compiled.move_to_end(grammar)
+            self._compiled.put(grammar, matcher)
         return matcher
 
 

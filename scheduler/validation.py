@@ -1,7 +1,6 @@
 """Checks on a Generate request before it is queued: every failure is INVALID_ARGUMENT (or
 FAILED_PRECONDITION for a base-model mismatch) with a message that says what to change."""
 
-import collections
 import dataclasses
 from collections.abc import Mapping, Sequence
 
@@ -9,6 +8,7 @@ from common.adapter_pages import module_ranks, plan_pages
 from common.adapter_ref import AdapterRef
 from common.base_fingerprint import is_same_base
 from common.errors import FailedPrecondition, InvalidArgument
+from common.lru import Lru
 from common.page_geometry_pb import geometry_from_pb
 from common.peft.config import parse_config
 from common.wire import MAX_CACHE_SALT_CHARS
@@ -64,8 +64,7 @@ class Servables:
 
     def __init__(self, info: executor_pb2.InfoResponse, max_entries: int = 10_000):
         self._info, self._geometry = info, geometry_from_pb(info)
-        self._known: collections.OrderedDict[AdapterRef, Servable] = collections.OrderedDict()
-        self._max_entries = max_entries
+        self._known: Lru[AdapterRef, Servable] = Lru(max_entries)
 
     def of(self, adapter: common_pb2.AdapterInfo) -> Servable:
         check_adapter(adapter, self._info)
@@ -81,10 +80,7 @@ class Servables:
                 except ValueError as err:  # (its modules are not this model's: Phi-3's qkv_proj)
                     raise FailedPrecondition(f"adapter {ref} does not fit this pool's model "
                                              f"{self._info.model_id!r}: {err}") from None
-            known = self._known[ref] = Servable(ref, adapter.num_bytes, ranks, pages)
-            while len(self._known) > self._max_entries:
-                self._known.popitem(last=False)
-        self._known.move_to_end(ref)
+            known = self._known.put(ref, Servable(ref, adapter.num_bytes, ranks, pages))
         return known
 
 
