@@ -61,6 +61,14 @@ def sampler_for(params: SamplingParams, rows: int, vocab: int, device: str):
     return sampler, [DrawStream(params.seed, OUTPUT, device) for _ in range(rows)]
 
 
+def nucleus_size(logits: torch.Tensor, params: SamplingParams) -> int:
+    """The median number of tokens in the rows' top_p nucleus at this temperature (what the
+    nucleus search looks through: executor/sampling.py NUCLEUS_CANDIDATES)."""
+    probs = torch.softmax(logits.float() / params.temperature, -1)
+    top = torch.sort(probs, -1, descending=True).values
+    return int(((torch.cumsum(top, -1) - top) < params.top_p).sum(-1).median())
+
+
 def time_call(sampler, logits, params, draws, device: str) -> float:
     rows = logits.shape[0]
     start = time.perf_counter()
@@ -76,20 +84,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab", type=int, nargs="+", default=[32_000, 128_256])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--logit-std", type=float, default=3.0,
+                        help="the logits are N(0, std^2): larger, peakier rows, smaller nuclei")
     parser.add_argument("--out", type=pathlib.Path)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     keep_freed_memory()  # (as the executor does: its [rows, vocab] temporaries reuse the heap)
     names = list(cases(1000))
-    lines = [f"device {args.device}, torch threads 1, rows x vocab; median ms per sampling call "
-             f"over {args.rounds} rounds (x none in brackets)", "",
-             "| rows | vocab | " + " | ".join(names) + " |",
-             "|---:|---:|" + "---:|" * len(names)]
+    lines = [f"device {args.device}, torch threads 1, rows x vocab, logits N(0, "
+             f"{args.logit_std:g}^2); median ms per sampling call over {args.rounds} rounds (x "
+             "none in brackets); nucleus: the median row's top_p nucleus in tokens", "",
+             "| rows | vocab | " + " | ".join(names) + " | nucleus |",
+             "|---:|---:|" + "---:|" * len(names) + "---:|"]
     for vocab in args.vocab:
         for rows in args.rows:
             params = cases(vocab)
             made = {n: sampler_for(p, rows, vocab, args.device) for n, p in params.items()}
-            logits = torch.randn(rows, vocab, device=args.device) * 3  # [S, V]
+            logits = torch.randn(rows, vocab, device=args.device) * args.logit_std  # [S, V]
             times = {n: [] for n in names}
             for _ in range(args.rounds):
                 for n in names:
@@ -97,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
                     times[n].append(time_call(sampler, logits, params[n], draws, args.device))
             med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
             cells = [f"{med[n]:.2f} ({med[n] / med['none']:.2f}x)" for n in names]
-            lines.append(f"| {rows} | {vocab:,} | " + " | ".join(cells) + " |")
+            lines.append(f"| {rows} | {vocab:,} | " + " | ".join(cells)
+                         + f" | {nucleus_size(logits, params['sampled']):,} |")
             print(lines[-1], flush=True)
     lines += ["", f"load average (1 min) at the end: {os.getloadavg()[0]:.2f}"]
     text = "\n".join(lines)

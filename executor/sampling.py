@@ -24,6 +24,7 @@ from executor.logprobs import TopLogprobs, top_logprobs
 from executor.penalties import LogitBias, PenaltyTable, process_logits
 
 _MASK64 = 2**64 - 1
+NUCLEUS_CANDIDATES = 1024  # the likeliest tokens top_p looks among before sorting a whole row
 
 
 def draw_seed(seed: int, index: int) -> int:
@@ -50,48 +51,87 @@ class DrawStream:
         return self._gen
 
 
-def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-                   min_p: float = 0.0) -> torch.Tensor:
-    """logits [V] -> probabilities [V] after temperature, top-k, top-p (nucleus) and min-p
-    filtering, in HF transformers' order."""
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits [R, V] -> probabilities [R, V] after each row's temperature, top-k, top-p (nucleus)
+    and min-p filtering (`params`, one per row), in HF transformers' order. Each step is one
+    batched operation over the rows that have it; a row's result does not depend on the others."""
+    device, vocab = logits.device, logits.shape[-1]
     # Shifted so the largest is 0 before dividing: a tiny temperature (1e-40) then sends the others
     # to -inf instead of every logit to +-inf (inf - inf is NaN: no distribution to draw from).
     logits = logits.float()
-    scaled = (logits - logits.max()) / temperature  # [V]
-    if 0 < top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, -math.inf)
-    probs = torch.softmax(scaled, dim=-1)  # [V]
-    if top_p < 1:
-        sorted_probs, order = torch.sort(probs, descending=True)  # [V]
-        # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
-        drop = torch.cumsum(sorted_probs, 0) - sorted_probs >= top_p
-        probs = probs.scatter(0, order[drop], 0.0)
-        probs = probs / probs.sum()
-    if min_p > 0:  # (relative to the most likely token, which every filter above keeps)
-        probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
-        probs = probs / probs.sum()
+    temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
+    scaled = (logits - logits.amax(-1, keepdim=True)) / temperature  # [R, V]
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(top_k):
+        k = torch.tensor(top_k, device=device)[:, None]  # [R, 1] (0: none)
+        kth = torch.topk(scaled, max(top_k)).values.gather(1, (k - 1).clamp(min=0))
+        scaled = scaled.masked_fill(scaled < kth.masked_fill(k == 0, -math.inf), -math.inf)
+    probs = torch.softmax(scaled, dim=-1)  # [R, V]
+    rows = [i for i, p in enumerate(params) if p.top_p < 1]
+    if rows:
+        top_p = torch.tensor([params[i].top_p for i in rows], device=device)[:, None]
+        probs[rows] = _nucleus(probs[rows], top_p)
+    rows = [i for i, p in enumerate(params) if p.min_p > 0]
+    if rows:  # (relative to the most likely token, which every filter above keeps)
+        min_p = torch.tensor([params[i].min_p for i in rows], device=device)[:, None]
+        some = probs[rows]
+        some = some.masked_fill(some < min_p * some.amax(-1, keepdim=True), 0.0)
+        probs[rows] = some / some.sum(-1, keepdim=True)
     return probs
+
+
+def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """probs [R, V] kept on each row's smallest set of likeliest tokens whose mass reaches its
+    top_p [R, 1] (always the top one), renormalized. On CPU it looks among each row's
+    NUCLEUS_CANDIDATES likeliest first (a partial top-k: 1/7 to 1/15 of sorting rows of 32k-128k
+    tokens) and sorts only the rows whose candidates hold less than their top_p; the same tokens
+    are kept, with the same values. A GPU sorts every row (one kernel; a check would wait)."""
+    if probs.is_cuda or probs.shape[-1] <= NUCLEUS_CANDIDATES:
+        kept, _ = _kept(probs, *torch.sort(probs, dim=-1, descending=True), top_p)
+    else:
+        kept, mass = _kept(probs, *torch.topk(probs, NUCLEUS_CANDIDATES), top_p)
+        past = (mass < top_p[:, 0]).nonzero()[:, 0].tolist()  # (nuclei beyond the candidates)
+        if past:
+            kept[past] = _kept(probs[past], *torch.sort(probs[past], dim=-1, descending=True),
+                               top_p[past])[0]
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def _kept(probs: torch.Tensor, top: torch.Tensor, order: torch.Tensor,
+          top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs [R, V] with only the nucleus among their likeliest `top` [R, k] (at `order`) left,
+    and the mass of all of `top` [R]). A token goes once the likelier ones reach top_p, and so
+    does every one after it: the tokens after `top` go too when its mass reaches top_p."""
+    mass = torch.cumsum(top, -1)
+    drop = mass - top >= top_p
+    return torch.zeros_like(probs).scatter_(1, order, top.masked_fill(drop, 0.0)), mass[:, -1]
 
 
 def sample(scores: torch.Tensor, params: list[SamplingParams],
            streams: list[DrawStream]) -> torch.Tensor:
     """scores [S, V] fp32, one row per sequence -> the token ids drawn [S] (long).
 
-    Greedy rows (temperature 0) are taken with one batched argmax; sampled rows each draw from
-    their own stream (every row advances its stream, so an index is a token's position).
+    Greedy rows (temperature 0) are taken with one batched argmax. Every row advances its own
+    stream (so an index is a token's position), and the sampled rows draw from them together:
+    each row's Exp(1) noise from its own generator, then argmax(probs / noise) over the batch,
+    which is the token torch.multinomial(probs, 1) draws with that generator (its own method for
+    one sample), in a few operations per step instead of a few per row.
     A row whose scores are NaN or +inf (an adapter with huge weights overflowed) has no
     distribution to draw from: it takes its argmax instead, so that one sequence's garbage never
     fails the step of every other.
     """
     tokens = torch.argmax(scores, dim=-1)  # [S]
-    broken = ((torch.isnan(scores) | torch.isposinf(scores)).any(dim=-1).tolist()  # [S]
-              if any(p.temperature > 0 for p in params) else ())
-    for i, p in enumerate(params):
-        generator = streams[i].next()
-        if p.temperature > 0 and not broken[i]:
-            probs = filtered_probs(scores[i], p.temperature, p.top_k, p.top_p, p.min_p)  # [V]
-            tokens[i] = torch.multinomial(probs, 1, generator=generator)[0]
+    generators = [stream.next() for stream in streams]
+    rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    if rows:
+        broken = (torch.isnan(scores[rows]) | torch.isposinf(scores[rows])).any(dim=-1).tolist()
+        rows = [i for i, bad in zip(rows, broken) if not bad]
+    if rows:
+        probs = filtered_probs(scores[rows], [params[i] for i in rows])  # [R, V]
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(rows):
+            noise[j].exponential_(generator=generators[i])
+        tokens[rows] = torch.argmax(probs / noise, dim=-1)
     return tokens
 
 

@@ -201,9 +201,9 @@ def test_sampling_validation(params, match):
 
 def test_top_k_top_p_restrict_support():
     logits = torch.randn(1024, generator=torch.Generator().manual_seed(0)) * 3
-    assert set(filtered_probs(logits, 1.0, 5, 1.0).nonzero().flatten().tolist()) == \
-        set(torch.topk(logits, 5).indices.tolist())
-    kept = filtered_probs(logits, 1.0, 0, 0.6).nonzero().flatten()
+    top_k = filtered_probs(logits[None], [SamplingParams(1.0, 5, 1.0)])[0]
+    assert set(top_k.nonzero().flatten().tolist()) == set(torch.topk(logits, 5).indices.tolist())
+    kept = filtered_probs(logits[None], [SamplingParams(1.0, 0, 0.6)])[0].nonzero().flatten()
     probs = torch.softmax(logits, -1)
     assert probs[kept].sum() >= 0.6 and probs[kept].sum() - probs[kept].min() < 0.6
 
