@@ -25,6 +25,7 @@ from executor.penalties import LogitBias, PenaltyTable, process_logits
 
 _MASK64 = 2**64 - 1
 NUCLEUS_CANDIDATES = 1024  # the likeliest tokens top_p looks among before sorting a whole row
+CPU_ROWS_AT_ONCE = 8  # sampled rows a CPU filters and draws together
 
 
 def draw_seed(seed: int, index: int) -> int:
@@ -126,12 +127,16 @@ def sample(scores: torch.Tensor, params: list[SamplingParams],
     if rows:
         broken = (torch.isnan(scores[rows]) | torch.isposinf(scores[rows])).any(dim=-1).tolist()
         rows = [i for i, bad in zip(rows, broken) if not bad]
-    if rows:
-        probs = filtered_probs(scores[rows], [params[i] for i in rows])  # [R, V]
+    # (a CPU takes them a few at a time: [rows, vocab] temporaries past its caches cost more than
+    # the operations they save; 256 x 128k rows at once took 1.4x as long as one by one)
+    at_once = len(rows) if scores.is_cuda else CPU_ROWS_AT_ONCE
+    for start in range(0, len(rows), at_once):
+        part = rows[start:start + at_once]
+        probs = filtered_probs(scores[part], [params[i] for i in part])  # [R, V]
         noise = torch.empty_like(probs)
-        for j, i in enumerate(rows):
+        for j, i in enumerate(part):
             noise[j].exponential_(generator=generators[i])
-        tokens[rows] = torch.argmax(probs / noise, dim=-1)
+        tokens[part] = torch.argmax(probs / noise, dim=-1)
     return tokens
 
 
