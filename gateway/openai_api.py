@@ -84,7 +84,7 @@ class OpenAIApi:
                 await grammar.prepare()  # (compiled off the loop; checked finds it)
                 options = dataclasses.replace(options, sampling=dataclasses.replace(
                     options.sampling, grammar=checked(grammar, "tools")))
-        ids = await self._frontend.prompt_ids(route, _render(route, parsed), None,
+        ids = await self._frontend.prompt_ids(route, chat_prompt(route, parsed), None,
                                               options.max_tokens or 1, chat=True,
                                               field="max_tokens")
         max_new = options.max_tokens or route.model.max_model_len - len(ids)
@@ -241,7 +241,8 @@ def _decoded(route: Route, ids) -> str:
     return tokenizer.decode(list(ids), skip_special_tokens=True) if tokenizer else ""
 
 
-def _render(route: Route, parsed: ChatRequest) -> str:
+def chat_prompt(route: Route, parsed: ChatRequest) -> str:
+    """The chat's prompt text: its messages (and tools) rendered with the model's template."""
     tools = list(parsed.tools.specs) if parsed.tools else None
     return route.model.chat.render(list(parsed.messages), parsed.add_generation_prompt,
                                    parsed.continue_final_message, tools)

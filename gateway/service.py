@@ -33,6 +33,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.openai_api import OpenAIApi
 from gateway.pools import Pools
 from gateway.tgi_api import TgiApi
+from gateway.tokenize_api import TokenizeApi
 from protos import scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ async def serve(config: GatewayConfig) -> None:
         *OpenAIApi(frontend, Catalog(config.stores, keys.service_key, config.rpc_s),
                    max_body).routes(),
         *TgiApi(frontend, max_body).routes(),
+        *TokenizeApi(frontend, max_body).routes(),
         HttpRoute("/health", lambda _: Response(status_code=200), methods=["GET"])])
     sock = _listen(config.http_address)
     http = _HttpServer(uvicorn.Config(app, lifespan="off", log_level="warning",

@@ -403,12 +403,16 @@ FIELDS = {
                              "add_generation_prompt", "continue_final_message", "echo",
                              "parallel_tool_calls", "guided_json", "guided_choice"),
     "/generate": ("inputs", "parameters"),
+    "/tokenize": ("model", "prompt", "messages", "add_special_tokens", "return_token_strs"),
+    "/detokenize": ("model", "tokens"),
 }
 BASES = {
     "/v1/completions": {"model": "tiny-attn", "prompt": "The cat", "max_tokens": 2},
     "/v1/chat/completions": {"model": "tiny-attn", "messages": MESSAGES, "max_tokens": 2},
     "/generate": {"inputs": "The cat", "parameters": {"adapter_id": "tiny-attn",
                                                       "max_new_tokens": 2}},
+    "/tokenize": {"model": "tiny-attn", "prompt": "The cat"},
+    "/detokenize": {"model": "tiny-attn", "tokens": [5, 6]},
 }
 
 

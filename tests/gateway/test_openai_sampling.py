@@ -1,8 +1,9 @@
 """Sampling and logprobs through the gateway, as clients use them (issue 33): the official
 `openai` client's logprobs as an integer / top_logprobs, echo with the prompt's logprobs,
 logit_bias, presence/frequency/repetition penalties and min_p; TGI's and LoRAX's fields; the
-gRPC Generate fields. One pool of the fixture model and a gateway, as real processes. Values are
-checked against HF transformers + PEFT (the executor's own oracle tests check the sampler)."""
+gRPC Generate fields; chat echo, and vLLM's /tokenize and /detokenize. One pool of the fixture
+model and a gateway, as real processes. Values are checked against HF transformers + PEFT (the
+executor's own oracle tests check the sampler) and the model's transformers tokenizer."""
 
 import asyncio
 import json
@@ -333,3 +334,38 @@ async def test_grpc_bad_sampling_is_invalid_argument_naming_the_field(served, sa
                 [m async for m in client.stream(stub, request, KEY)]
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert f"sampling.{field}" in err.value.details()
+
+
+async def test_tokenize_and_detokenize_are_the_models_tokenizers(served, tiny):
+    """vLLM's /tokenize (a prompt, or a chat as /v1/chat/completions renders it) and /detokenize,
+    for a base model or an adapter: transformers' tokenizer's ids, text and token strings."""
+    hf = AutoTokenizer.from_pretrained(tiny["model_dir"])
+    messages = [{"role": "user", "content": "Name a river."}]
+    for model in (tiny["model_id"], "tiny-attn"):
+        status, text = await asyncio.to_thread(post, served, "/tokenize", {
+            "model": model, "prompt": PROMPT, "return_token_strs": True})
+        answer = json.loads(text)
+        assert status == 200 and answer["tokens"] == hf(PROMPT)["input_ids"]
+        assert answer["count"] == len(answer["tokens"]) and answer["max_model_len"] > 0
+        assert answer["token_strs"] == hf.convert_ids_to_tokens(answer["tokens"])
+        status, text = await asyncio.to_thread(post, served, "/tokenize", {
+            "model": model, "messages": messages})
+        chat = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        answer = json.loads(text)
+        assert answer["tokens"] == hf(chat, add_special_tokens=False)["input_ids"]
+        assert answer["token_strs"] is None
+        reply = await api(served).chat.completions.create(model=model, messages=messages,
+                                                          max_tokens=1)
+        assert reply.usage.prompt_tokens == answer["count"]
+        status, text = await asyncio.to_thread(post, served, "/detokenize", {
+            "model": model, "tokens": answer["tokens"]})
+        assert status == 200 and json.loads(text)["prompt"] == hf.decode(answer["tokens"])
+    for path, body, param in [
+            ("/tokenize", {"model": "tiny-attn"}, "prompt"),
+            ("/tokenize", {"model": "tiny-attn", "prompt": "x", "add_special_tokens": 1},
+             "add_special_tokens"),
+            ("/detokenize", {"model": "tiny-attn", "tokens": [1, 10**9]}, "tokens"),
+            ("/detokenize", {"model": "nobody", "tokens": [1]}, None)]:
+        status, text = await asyncio.to_thread(post, served, path, body)
+        assert status == (400 if param else 404), text
+        assert json.loads(text)["error"]["param"] == param
