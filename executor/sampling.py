@@ -55,7 +55,9 @@ class DrawStream:
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """logits [R, V] -> probabilities [R, V] after each row's temperature, top-k, top-p (nucleus)
     and min-p filtering (`params`, one per row), in HF transformers' order. Each step is one
-    batched operation over the rows that have it; a row's result does not depend on the others."""
+    batched operation over the rows that have it; on CPU a row's result does not depend on the
+    others (on a GPU a batch's kernels may round a row's sums differently from one row's, as its
+    logits' matmuls already do: a top_p cut within rounding of a boundary may move)."""
     device, vocab = logits.device, logits.shape[-1]
     # Shifted so the largest is 0 before dividing: a tiny temperature (1e-40) then sends the others
     # to -inf instead of every logit to +-inf (inf - inf is NaN: no distribution to draw from).
@@ -83,29 +85,31 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
 
 def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """probs [R, V] kept on each row's smallest set of likeliest tokens whose mass reaches its
-    top_p [R, 1] (always the top one), renormalized. On CPU it looks among each row's
-    NUCLEUS_CANDIDATES likeliest first (a partial top-k: 1/7 to 1/15 of sorting rows of 32k-128k
-    tokens) and sorts only the rows whose candidates hold less than their top_p; the same tokens
-    are kept, with the same values. A GPU sorts every row (one kernel; a check would wait)."""
+    top_p [R, 1] (the likeliest always), renormalized. Every token as likely as the least likely
+    one kept is kept too: the set does not depend on how a sort orders tied tokens. On CPU it
+    looks among each row's NUCLEUS_CANDIDATES likeliest first (a partial top-k: 1/7 to 1/15 of
+    sorting rows of 32k-128k tokens) and sorts only the rows whose candidates hold less than their
+    top_p: the same set either way. A GPU sorts every row (one kernel; a check would wait)."""
     if probs.is_cuda or probs.shape[-1] <= NUCLEUS_CANDIDATES:
-        kept, _ = _kept(probs, *torch.sort(probs, dim=-1, descending=True), top_p)
+        cut, _ = _cut(torch.sort(probs, dim=-1, descending=True).values, top_p)
     else:
-        kept, mass = _kept(probs, *torch.topk(probs, NUCLEUS_CANDIDATES), top_p)
+        cut, mass = _cut(torch.topk(probs, NUCLEUS_CANDIDATES).values, top_p)
         past = (mass < top_p[:, 0]).nonzero()[:, 0].tolist()  # (nuclei beyond the candidates)
         if past:
-            kept[past] = _kept(probs[past], *torch.sort(probs[past], dim=-1, descending=True),
-                               top_p[past])[0]
+            cut[past] = _cut(torch.sort(probs[past], dim=-1, descending=True).values,
+                             top_p[past])[0]
+    kept = probs.masked_fill(probs < cut, 0.0)
     return kept / kept.sum(-1, keepdim=True)
 
 
-def _kept(probs: torch.Tensor, top: torch.Tensor, order: torch.Tensor,
-          top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(probs [R, V] with only the nucleus among their likeliest `top` [R, k] (at `order`) left,
-    and the mass of all of `top` [R]). A token goes once the likelier ones reach top_p, and so
-    does every one after it: the tokens after `top` go too when its mass reaches top_p."""
+def _cut(top: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the least probability kept [R, 1], the mass of all of `top` [R]) for rows' likeliest
+    probabilities `top` [R, k] in descending order: a token goes once the likelier ones reach
+    top_p, and so does every one after it (the tokens after `top` too, when its mass does)."""
     mass = torch.cumsum(top, -1)
     drop = mass - top >= top_p
-    return torch.zeros_like(probs).scatter_(1, order, top.masked_fill(drop, 0.0)), mass[:, -1]
+    drop[:, 0] = False  # (the likeliest stays, whatever top_p's rounding)
+    return top.masked_fill(drop, math.inf).amin(-1, keepdim=True), mass[:, -1]
 
 
 def sample(scores: torch.Tensor, params: list[SamplingParams],
@@ -117,9 +121,10 @@ def sample(scores: torch.Tensor, params: list[SamplingParams],
     each row's Exp(1) noise from its own generator, then argmax(probs / noise) over the batch,
     which is the token torch.multinomial(probs, 1) draws with that generator (its own method for
     one sample), in a few operations per step instead of a few per row.
-    A row whose scores are NaN or +inf (an adapter with huge weights overflowed) has no
-    distribution to draw from: it takes its argmax instead, so that one sequence's garbage never
-    fails the step of every other.
+    A row whose scores are NaN or +inf (an adapter with huge weights overflowed), or that
+    filtering leaves no distribution (a temperature or top_p below float32's range, every score
+    -inf), has none to draw from: it takes its argmax instead, so that one sequence's garbage
+    never fails the step of every other.
     """
     tokens = torch.argmax(scores, dim=-1)  # [S]
     generators = [stream.next() for stream in streams]
@@ -129,14 +134,15 @@ def sample(scores: torch.Tensor, params: list[SamplingParams],
         rows = [i for i, bad in zip(rows, broken) if not bad]
     # (a CPU takes them a few at a time: [rows, vocab] temporaries past its caches cost more than
     # the operations they save; 256 x 128k rows at once took 1.4x as long as one by one)
-    at_once = len(rows) if scores.is_cuda else CPU_ROWS_AT_ONCE
+    at_once = max(len(rows), 1) if scores.is_cuda else CPU_ROWS_AT_ONCE
     for start in range(0, len(rows), at_once):
         part = rows[start:start + at_once]
         probs = filtered_probs(scores[part], [params[i] for i in part])  # [R, V]
         noise = torch.empty_like(probs)
         for j, i in enumerate(part):
             noise[j].exponential_(generator=generators[i])
-        tokens[part] = torch.argmax(probs / noise, dim=-1)
+        drawn = torch.argmax(probs / noise, dim=-1)
+        tokens[part] = torch.where(torch.isfinite(probs.sum(-1)), drawn, tokens[part])
     return tokens
 
 
