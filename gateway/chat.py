@@ -68,10 +68,12 @@ class ChatTemplate:
         self._special_tokens = dict(special_tokens)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
-               continue_final_message: bool = False, tools: list[dict] | None = None) -> str:
+               continue_final_message: bool = False, tools: list[dict] | None = None,
+               template_kwargs: dict | None = None) -> str:
         """The prompt text for `messages` ([{"role", "content"}], content a string) and the
         `tools` the model may call ([{"type": "function", "function": {...}}], the template's
-        `tools` variable, as transformers passes it);
+        `tools` variable, as transformers passes it), with `template_kwargs` as more variables
+        (transformers' apply_chat_template(**kwargs), over the special tokens' names);
         INVALID_ARGUMENT when the template refuses them (its raise_exception), and
         FAILED_PRECONDITION when the model has no chat template."""
         if self._template is None:
@@ -79,7 +81,7 @@ class ChatTemplate:
         try:
             text = self._template.render(messages=messages, tools=tools,
                                          add_generation_prompt=add_generation_prompt,
-                                         **self._special_tokens)
+                                         **{**self._special_tokens, **(template_kwargs or {})})
         except Exception as err:  # noqa: BLE001 - whatever the template made of these messages
             raise InvalidArgument(f"messages: the model's chat template refused them: "
                                   f"{type(err).__name__}: {err}") from None

@@ -25,7 +25,7 @@ from gateway.frontend import Frontend, Route
 from gateway.guided import checked, parsed_off_loop
 from gateway.http_common import SSEResponse, guarded, json_body, request_id_of, tenant_of
 from gateway.http_errors import error_body
-from gateway.openai_requests import ChatRequest, Options, chat_request, completion_request
+from gateway.openai_requests import Conversation, Options, chat_request, completion_request
 from gateway.openai_responses import DONE, Choice, EventWriter
 from gateway.openai_responses import Response as Identity
 from gateway.tool_calls import ToolFormat
@@ -84,7 +84,7 @@ class OpenAIApi:
                 await grammar.prepare()  # (compiled off the loop; checked finds it)
                 options = dataclasses.replace(options, sampling=dataclasses.replace(
                     options.sampling, grammar=checked(grammar, "tools")))
-        ids = await self._frontend.prompt_ids(route, chat_prompt(route, parsed), None,
+        ids = await self._frontend.prompt_ids(route, chat_prompt(route, parsed.conversation), None,
                                               options.max_tokens or 1, chat=True,
                                               field="max_tokens")
         max_new = options.max_tokens or route.model.max_model_len - len(ids)
@@ -241,9 +241,9 @@ def _decoded(route: Route, ids) -> str:
     return tokenizer.decode(list(ids), skip_special_tokens=True) if tokenizer else ""
 
 
-def chat_prompt(route: Route, parsed: ChatRequest) -> str:
+def chat_prompt(route: Route, chat: Conversation) -> str:
     """The chat's prompt text: its messages (and tools) rendered with the model's template."""
-    tools = list(parsed.tools.specs) if parsed.tools else None
-    return route.model.chat.render(list(parsed.messages), parsed.add_generation_prompt,
-                                   parsed.continue_final_message, tools)
+    tools = list(chat.tools.specs) if chat.tools else None
+    return route.model.chat.render(list(chat.messages), chat.add_generation_prompt,
+                                   chat.continue_final_message, tools, dict(chat.template_kwargs))
 

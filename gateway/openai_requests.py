@@ -13,6 +13,7 @@ from gateway.http_errors import BadField
 from gateway.tools import Tools, chat_tools, message_tool_calls
 
 MAX_N = 16  # choices per request (n x prompts)
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt"})
 MAX_STOP = MAX_STOP_STRINGS
 
 
@@ -54,20 +55,33 @@ class CompletionRequest:
 
 
 @dataclasses.dataclass(frozen=True)
-class ChatRequest:
-    options: Options
+class Conversation:
+    """What a chat's prompt is rendered from (the model's template: gateway/chat.py)."""
+
     messages: tuple[dict, ...]  # {"role", "content": str, ...} as the template takes them
     add_generation_prompt: bool
     continue_final_message: bool
     tools: Tools | None = None  # gateway/tools.py; None: the request names none
-    # vLLM's `echo`: the reply's content begins with the last message's when that message is
-    # the assistant's own (what continue_final_message goes on from); None: nothing echoed.
+    # vLLM's chat_template_kwargs: more variables for the template (Qwen3's enable_thinking)
+    template_kwargs: tuple[tuple[str, object], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatRequest:
+    options: Options
+    conversation: Conversation
+    # vLLM's `echo`: the reply's content begins with the last message's text when that message
+    # is the assistant's own (a reply that goes on from it); None: nothing echoed.
     echo: str | None = None
+
+    @property
+    def tools(self) -> Tools | None:
+        return self.conversation.tools
 
 
 def completion_request(body: dict) -> CompletionRequest:
     top = _completion_logprobs(body)
-    echo = _boolean(body, "echo", False)
+    echo = boolean(body, "echo", False)
     params = (("top_logprobs", "logprobs"), ("prompt_logprobs", "logprobs"))
     options = _options(body, logprobs=top is not None, top_logprobs=top or 0,
                        prompt_logprobs=top if echo else None, echo=echo, params=params)
@@ -81,10 +95,11 @@ def completion_request(body: dict) -> CompletionRequest:
 
 
 def chat_request(body: dict) -> ChatRequest:
-    tools = chat_tools(body)
+    conversation = chat_conversation(body)
+    tools = conversation.tools
     if body.get("max_completion_tokens") is not None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
-    logprobs = _boolean(body, "logprobs", False)
+    logprobs = boolean(body, "logprobs", False)
     top = body.get("top_logprobs")
     if top not in (None, 0) and not logprobs:
         raise BadField("top_logprobs", "needs logprobs: true")
@@ -92,15 +107,29 @@ def chat_request(body: dict) -> ChatRequest:
     if tools is not None and tools.choice in ("required", "function") and options.sampling.grammar:
         raise BadField("tool_choice", "required or a named function constrains the output: it "
                                       "cannot be combined with response_format or guided_*")
-    add_generation_prompt = _boolean(body, "add_generation_prompt", True)
-    continue_final = _boolean(body, "continue_final_message", False)
+    last = conversation.messages[-1]
+    echo = last["content"] if boolean(body, "echo", False) and last["role"] == "assistant" \
+        else None
+    return ChatRequest(options, conversation, echo or None)  # (an empty one: nothing echoed)
+
+
+def chat_conversation(body: dict) -> Conversation:
+    """The messages, tools and template options of a chat body (/v1/chat/completions, and the
+    chat form of /tokenize)."""
+    tools = chat_tools(body)
+    add_generation_prompt = boolean(body, "add_generation_prompt", True)
+    continue_final = boolean(body, "continue_final_message", False)
     if add_generation_prompt and continue_final:
         raise BadField("continue_final_message", "needs add_generation_prompt: false")
-    messages = _messages(body.get("messages"))
-    echo = None
-    if _boolean(body, "echo", False) and messages[-1]["role"] == "assistant":
-        echo = messages[-1]["content"]
-    return ChatRequest(options, messages, add_generation_prompt, continue_final, tools, echo)
+    if body.get("chat_template") is not None:
+        raise BadField("chat_template", "is not supported: the model's own template renders "
+                                        "every chat")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict) or RESERVED_TEMPLATE_NAMES & kwargs.keys():
+        raise BadField("chat_template_kwargs", "must be an object of template variables other "
+                                               f"than {', '.join(sorted(RESERVED_TEMPLATE_NAMES))}")
+    return Conversation(_messages(body.get("messages")), add_generation_prompt, continue_final,
+                        tools, tuple(kwargs.items()))
 
 
 def _options(body: dict, logprobs: bool, top_logprobs: int = 0,
@@ -135,13 +164,13 @@ def _options(body: dict, logprobs: bool, top_logprobs: int = 0,
     if sampling.top_p == 0:
         raise BadField("top_p", "must be in (0, 1]")
     _checked(sampling, dict(params))
-    stream = _boolean(body, "stream", False)
+    stream = boolean(body, "stream", False)
     stream_options = body.get("stream_options")
     if stream_options is not None and not stream:
         raise BadField("stream_options", "only with stream: true")
     if stream_options is not None and not isinstance(stream_options, dict):
         raise BadField("stream_options", "must be an object")
-    include_usage = bool(stream_options and _boolean(stream_options, "include_usage", False))
+    include_usage = bool(stream_options and boolean(stream_options, "include_usage", False))
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise BadField("user", "must be a string")
@@ -151,7 +180,7 @@ def _options(body: dict, logprobs: bool, top_logprobs: int = 0,
                                      "characters")
     return Options(model=model, n=n, max_tokens=max_tokens, sampling=sampling,
                    stop=_stop(body.get("stop")), stream=stream, include_usage=include_usage,
-                   logprobs=logprobs, ignore_eos=_boolean(body, "ignore_eos", False),
+                   logprobs=logprobs, ignore_eos=boolean(body, "ignore_eos", False),
                    cache_salt=cache_salt, echo=echo, params=params)
 
 
@@ -288,7 +317,8 @@ def _integer(body: dict, field: str, default: int | None, low: int, high: int) -
     return value
 
 
-def _boolean(body: dict, field: str, default: bool) -> bool:
+def boolean(body: dict, field: str, default: bool) -> bool:
+    """body[field] as a bool: absent or null is `default`, a non-bool a 400 naming it."""
     value = body.get(field)
     if value is None:
         return default

@@ -3,8 +3,8 @@ counts a prompt's tokens (and sees whether it fits) the way the pool will.
 
     POST /tokenize     {"model", "prompt", "add_special_tokens": true, "return_token_strs"}
                        or {"model", "messages", "add_generation_prompt", "continue_final_message",
-                       "tools", "add_special_tokens": false, "return_token_strs"} (a chat rendered
-                       as /v1/chat/completions renders it)
+                       "tools", "chat_template_kwargs", "add_special_tokens": false,
+                       "return_token_strs"} (a chat rendered as /v1/chat/completions renders it)
                        -> {"count", "max_model_len", "tokens", "token_strs"}
     POST /detokenize   {"model", "tokens"} -> {"prompt"}
 
@@ -24,7 +24,7 @@ from gateway.guided import parsed_off_loop
 from gateway.http_common import guarded, json_body, tenant_of
 from gateway.http_errors import BadField
 from gateway.openai_api import chat_prompt, error_response
-from gateway.openai_requests import chat_request
+from gateway.openai_requests import boolean, chat_conversation
 
 _THREAD_ITEMS = 20_000  # characters or tokens past which the tokenizer runs off the event loop
 
@@ -45,15 +45,15 @@ class TokenizeApi:
         tokenizer = route.model.tokenizer
         chat = "messages" in body
         if chat:
-            text = chat_prompt(route, await parsed_off_loop(chat_request, body))
+            text = chat_prompt(route, await parsed_off_loop(chat_conversation, body))
         else:
             text = body.get("prompt")
             if not isinstance(text, str):
                 raise BadField("prompt", "must be a string (or send messages)")
-        special = _flag(body, "add_special_tokens", not chat)
+        special = boolean(body, "add_special_tokens", not chat)
         encoding = await _off_loop_if_long(len(text), tokenizer.encode, text,
                                            add_special_tokens=special)
-        strs = encoding.tokens if _flag(body, "return_token_strs", False) else None
+        strs = encoding.tokens if boolean(body, "return_token_strs", False) else None
         return JSONResponse({"count": len(encoding.ids), "max_model_len":
                              route.model.max_model_len, "tokens": encoding.ids,
                              "token_strs": strs})
@@ -80,13 +80,6 @@ class TokenizeApi:
         if route.model.tokenizer is None:
             raise InvalidArgument(f"model {route.model.model_id!r} has no tokenizer")
         return body, route
-
-
-def _flag(body: dict, field: str, default: bool) -> bool:
-    value = body.get(field, default)
-    if not isinstance(value, bool):
-        raise BadField(field, f"must be true or false, got {value!r}")
-    return value
 
 
 async def _off_loop_if_long(size: int, fn, *args, **kwargs):

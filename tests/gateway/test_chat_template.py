@@ -170,3 +170,23 @@ def test_tools_render_as_transformers_renders_them(hf_tokenizer, files):
                                                     tokenize=False, add_generation_prompt=True)
     assert '"name": "get_weather", "description"' in text and "<tool_response>" in text
     assert template.render(CONVERSATION) == template.render(CONVERSATION, tools=None)
+
+
+THINKING = (  # (Qwen3's way with enable_thinking, written here)
+    "{% for m in messages %}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\n\n</think>\n\n' }}{% endif %}{% endif %}{{ bos_token }}")
+
+
+def test_template_kwargs_reach_the_template_as_transformers_passes_them(hf_tokenizer, files):
+    """vLLM's chat_template_kwargs: apply_chat_template(**kwargs), over the special tokens'
+    names too."""
+    hf_tokenizer.chat_template = THINKING
+    template = ChatTemplate(THINKING, files.special_tokens)
+    for kwargs in ({}, {"enable_thinking": False}, {"enable_thinking": True},
+                   {"bos_token": "<b>"}):
+        expected = hf_tokenizer.apply_chat_template(CONVERSATION, tokenize=False,
+                                                    add_generation_prompt=True, **kwargs)
+        assert template.render(CONVERSATION, template_kwargs=kwargs) == expected
+    assert "</think>" in template.render(CONVERSATION, template_kwargs={"enable_thinking": False})

@@ -401,9 +401,11 @@ FIELDS = {
                              "temperature", "n", "seed", "stop", "logprobs", "top_logprobs",
                              "tools", "tool_choice", "response_format", "stream",
                              "add_generation_prompt", "continue_final_message", "echo",
-                             "parallel_tool_calls", "guided_json", "guided_choice"),
+                             "parallel_tool_calls", "guided_json", "guided_choice",
+                             "chat_template", "chat_template_kwargs"),
     "/generate": ("inputs", "parameters"),
-    "/tokenize": ("model", "prompt", "messages", "add_special_tokens", "return_token_strs"),
+    "/tokenize": ("model", "prompt", "messages", "add_special_tokens", "return_token_strs",
+                  "chat_template_kwargs"),
     "/detokenize": ("model", "tokens"),
 }
 BASES = {

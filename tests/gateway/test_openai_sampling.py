@@ -360,12 +360,22 @@ async def test_tokenize_and_detokenize_are_the_models_tokenizers(served, tiny):
         status, text = await asyncio.to_thread(post, served, "/detokenize", {
             "model": model, "tokens": answer["tokens"]})
         assert status == 200 and json.loads(text)["prompt"] == hf.decode(answer["tokens"])
+    kwargs = {"bos_token": "quiet river "}  # (vLLM's chat_template_kwargs reach the template)
+    status, text = await asyncio.to_thread(post, served, "/tokenize", {
+        "model": "tiny-attn", "messages": messages, "chat_template_kwargs": kwargs})
+    chat = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    assert json.loads(text)["tokens"] == hf(chat, add_special_tokens=False)["input_ids"]
+    assert chat.startswith("quiet river ")
     for path, body, param in [
             ("/tokenize", {"model": "tiny-attn"}, "prompt"),
             ("/tokenize", {"model": "tiny-attn", "prompt": "x", "add_special_tokens": 1},
              "add_special_tokens"),
             ("/detokenize", {"model": "tiny-attn", "tokens": [1, 10**9]}, "tokens"),
-            ("/detokenize", {"model": "nobody", "tokens": [1]}, None)]:
+            ("/detokenize", {"model": "nobody", "tokens": [1]}, None),
+            ("/tokenize", {"model": "tiny-attn", "messages": messages, "chat_template": "x"},
+             "chat_template"),
+            ("/tokenize", {"model": "tiny-attn", "messages": messages,
+                           "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs")]:
         status, text = await asyncio.to_thread(post, served, path, body)
         assert status == (400 if param else 404), text
         assert json.loads(text)["error"]["param"] == param
