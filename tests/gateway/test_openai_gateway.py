@@ -429,7 +429,9 @@ async def test_no_body_makes_the_gateway_fail_itself(adapters):
                 status, text = await asyncio.to_thread(post, adapters, path, body)
                 if status >= 500 or (status >= 400 and b"error" not in text):
                     wrong.append(f"{path} {field}={str(value)[:20]}: {status} {text[:200]}")
-    for raw in (b"", b"[]", b"{", b"null", b"\xff\xfe", b'{"model": "tiny-attn"}' * 2):
+    for raw in (b"", b"[]", b"{", b"null", b"\xff\xfe", b'{"model": "tiny-attn"}' * 2,
+                b'{"model": "tiny-attn", "prompt": "a \\ud800 b"}',  # (a lone surrogate)
+                b'{"model": "tiny-attn", "prompt": "ok", "stop": [{"\\udc00": 1}]}'):
         status, text = await asyncio.to_thread(post, adapters, "/v1/completions", raw)
         if status != 400:
             wrong.append(f"raw {raw[:20]!r}: {status} {text[:200]}")
