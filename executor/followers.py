@@ -9,6 +9,8 @@ part of the model:
                              (executor/shards.py), answered once copied
     clear(slot)              a slot emptied, answered once done
     end_stream()             the Step stream ended: sequences forgotten, weights unmerged
+    heartbeat                every timeout_s / 4 from a thread of its own (`start_heartbeats`):
+                             a follower that hears nothing for timeout_s takes rank 0 for frozen
 
 Rank 0 writes its own slot first (the loader's checks run there) and tells the others after,
 outside the lock a step takes for pages it gives to KV: a follower may be running the step before
@@ -33,6 +35,8 @@ from executor.slot_pool import LoraModuleWeights, LoraWeights
 from protos import executor_pb2, rank_group_pb2
 
 log = logging.getLogger(__name__)
+
+HEARTBEATS_PER_TIMEOUT = 4  # rank 0's heartbeats within one rank timeout
 
 
 def load_command(slot: int, pages: tuple[int, ...],
@@ -65,7 +69,25 @@ class Followers:
         self._channels, self._shards = channels, shards
         self._timeout_s, self._on_broken = timeout_s, on_broken
         self._sending = threading.Lock()  # one command's bytes at a time on the sockets
+        self._closed = threading.Event()  # (heartbeats stop)
         self._asking = threading.Lock()  # one answered command at a time: its answers are next
+
+    def start_heartbeats(self) -> None:
+        """Tell the followers every timeout_s / 4 that rank 0 is alive, from a daemon thread: a
+        frozen rank 0 (SIGSTOP, a hung host) stops it, and they end (executor/follower.py)."""
+        beat = [rank_group_pb2.RankCommand(heartbeat=rank_group_pb2.Heartbeat())] * len(
+            self._channels)
+
+        def beats() -> None:
+            while not self._closed.is_set():
+                self._send(beat)
+                self._closed.wait(self._timeout_s / HEARTBEATS_PER_TIMEOUT)
+
+        threading.Thread(target=beats, name="rank-heartbeats", daemon=True).start()
+
+    def close(self) -> None:
+        """No more heartbeats (the followers will take rank 0 for frozen)."""
+        self._closed.set()
 
     def step(self, req: executor_pb2.StepRequest) -> None:
         self._send([rank_group_pb2.RankCommand(step=req)] * len(self._channels))

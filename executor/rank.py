@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(sig, signal.SIG_IGN)
     runner, _ = build_runner(config, tp)
     log.info("rank %d of %d: ready", rank, tp.world)
-    follow(runner, channels[0])
+    follow(runner, channels[0], config.rank_timeout_s, _group_broken)
 
 
 if __name__ == "__main__":

@@ -303,6 +303,7 @@ async def serve(config: ExecutorConfig, tp: TensorParallel = SINGLE,
         followers = Followers(channels, [Shard(runner.config, r, tp.world)
                                          for r in range(1, tp.world)],
                               config.rank_timeout_s, tp.on_broken)
+        followers.start_heartbeats()
     runner.set_identity(identity.model_id or runner.config.model_id, identity.fingerprint)
     log_identity(identity, runner.config.model_id)
     if keys.is_open:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import executor_pb2 as protos_dot_executor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/rank_group.proto\x12\x0bloraplex.v1\x1a\x15protos/executor.proto\"\xc1\x01\n\x0bRankCommand\x12(\n\x04step\x18\x01 \x01(\x0b\x32\x18.loraplex.v1.StepRequestH\x00\x12&\n\x04load\x18\x02 \x01(\x0b\x32\x16.loraplex.v1.LoadShardH\x00\x12\'\n\x05\x63lear\x18\x03 \x01(\x0b\x32\x16.loraplex.v1.ClearSlotH\x00\x12,\n\nend_stream\x18\x04 \x01(\x0b\x32\x16.loraplex.v1.EndStreamH\x00\x42\t\n\x07\x63ommand\"c\n\tLoadShard\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\r\n\x05pages\x18\x02 \x03(\r\x12\x0f\n\x07weights\x18\x03 \x01(\x0c\x12(\n\x06scales\x18\x04 \x03(\x0b\x32\x18.loraplex.v1.ModuleScale\";\n\x0bModuleScale\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06module\x18\x02 \x01(\t\x12\r\n\x05scale\x18\x03 \x01(\x01\"\x19\n\tClearSlot\x12\x0c\n\x04slot\x18\x01 \x01(\r\"\x0b\n\tEndStream\"\x18\n\x07RankAck\x12\r\n\x05\x65rror\x18\x01 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/rank_group.proto\x12\x0bloraplex.v1\x1a\x15protos/executor.proto\"\xee\x01\n\x0bRankCommand\x12(\n\x04step\x18\x01 \x01(\x0b\x32\x18.loraplex.v1.StepRequestH\x00\x12&\n\x04load\x18\x02 \x01(\x0b\x32\x16.loraplex.v1.LoadShardH\x00\x12\'\n\x05\x63lear\x18\x03 \x01(\x0b\x32\x16.loraplex.v1.ClearSlotH\x00\x12,\n\nend_stream\x18\x04 \x01(\x0b\x32\x16.loraplex.v1.EndStreamH\x00\x12+\n\theartbeat\x18\x05 \x01(\x0b\x32\x16.loraplex.v1.HeartbeatH\x00\x42\t\n\x07\x63ommand\"\x0b\n\tHeartbeat\"c\n\tLoadShard\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\r\n\x05pages\x18\x02 \x03(\r\x12\x0f\n\x07weights\x18\x03 \x01(\x0c\x12(\n\x06scales\x18\x04 \x03(\x0b\x32\x18.loraplex.v1.ModuleScale\";\n\x0bModuleScale\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06module\x18\x02 \x01(\t\x12\r\n\x05scale\x18\x03 \x01(\x01\"\x19\n\tClearSlot\x12\x0c\n\x04slot\x18\x01 \x01(\r\"\x0b\n\tEndStream\"\x18\n\x07RankAck\x12\r\n\x05\x65rror\x18\x01 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,15 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.rank_group_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RANKCOMMAND']._serialized_start=64
-  _globals['_RANKCOMMAND']._serialized_end=257
-  _globals['_LOADSHARD']._serialized_start=259
-  _globals['_LOADSHARD']._serialized_end=358
-  _globals['_MODULESCALE']._serialized_start=360
-  _globals['_MODULESCALE']._serialized_end=419
-  _globals['_CLEARSLOT']._serialized_start=421
-  _globals['_CLEARSLOT']._serialized_end=446
-  _globals['_ENDSTREAM']._serialized_start=448
-  _globals['_ENDSTREAM']._serialized_end=459
-  _globals['_RANKACK']._serialized_start=461
-  _globals['_RANKACK']._serialized_end=485
+  _globals['_RANKCOMMAND']._serialized_end=302
+  _globals['_HEARTBEAT']._serialized_start=304
+  _globals['_HEARTBEAT']._serialized_end=315
+  _globals['_LOADSHARD']._serialized_start=317
+  _globals['_LOADSHARD']._serialized_end=416
+  _globals['_MODULESCALE']._serialized_start=418
+  _globals['_MODULESCALE']._serialized_end=477
+  _globals['_CLEARSLOT']._serialized_start=479
+  _globals['_CLEARSLOT']._serialized_end=504
+  _globals['_ENDSTREAM']._serialized_start=506
+  _globals['_ENDSTREAM']._serialized_end=517
+  _globals['_RANKACK']._serialized_start=519
+  _globals['_RANKACK']._serialized_end=543
 # @@protoc_insertion_point(module_scope)

@@ -8,16 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RankCommand(_message.Message):
-    __slots__ = ("step", "load", "clear", "end_stream")
+    __slots__ = ("step", "load", "clear", "end_stream", "heartbeat")
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     CLEAR_FIELD_NUMBER: _ClassVar[int]
     END_STREAM_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     step: _executor_pb2.StepRequest
     load: LoadShard
     clear: ClearSlot
     end_stream: EndStream
-    def __init__(self, step: _Optional[_Union[_executor_pb2.StepRequest, _Mapping]] = ..., load: _Optional[_Union[LoadShard, _Mapping]] = ..., clear: _Optional[_Union[ClearSlot, _Mapping]] = ..., end_stream: _Optional[_Union[EndStream, _Mapping]] = ...) -> None: ...
+    heartbeat: Heartbeat
+    def __init__(self, step: _Optional[_Union[_executor_pb2.StepRequest, _Mapping]] = ..., load: _Optional[_Union[LoadShard, _Mapping]] = ..., clear: _Optional[_Union[ClearSlot, _Mapping]] = ..., end_stream: _Optional[_Union[EndStream, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class LoadShard(_message.Message):
     __slots__ = ("slot", "pages", "weights", "scales")

@@ -6,9 +6,11 @@ model, with cached prefixes, give HF + PEFT's greedy tokens (so TP=1's: tests/ex
 test_tensor_parallel_oracle.py compares logits). A rank SIGKILLed or frozen (SIGSTOP) mid-
 generation ends the executor's Step stream: every stream completes on the TP=1 executor beside it
 with exactly its fault-free tokens, and the group restarts as one and gets work again (after a
-freeze, once rank 0's collective has waited --rank-timeout-s for the frozen rank)."""
+freeze, once rank 0's collective has waited --rank-timeout-s for the frozen rank). Rank 0 frozen
+while idle is restarted once its follower has heard no heartbeat for as long."""
 
 import asyncio
+import contextlib
 import os
 import pathlib
 import random
@@ -29,6 +31,7 @@ FAST_FAILOVER = ["--step-floor-s", "2", "--step-warmup-s", "4", "--warmup-steps"
                  "--probe-interval-s", "0.5", "--rpc-s", "2"]
 ADAPTERS = ("r16_all", "r8_mlp", "r8_patterns", "r2_q", "")  # "": the base model
 BLOCK = 8
+RANK_TIMEOUT_S = 10  # (--rank-timeout-s: how long a collective or a silent rank 0 is waited for)
 SYSTEM = [random.Random(5).randrange(2, 1000) for _ in range(3 * BLOCK)]  # a shared prefix
 
 
@@ -48,7 +51,7 @@ def world(tiny, tmp_path_factory, log_dir):
                                 ["--url", tmp_path_factory.mktemp("tp-store").as_uri()])], logs)
         flags = ["--model", tiny["model_dir"], "--store", services[0].address, "--threads", "1",
                  "--adapter-slots", "6", "--kv-blocks", "192", "--block-size", str(BLOCK),
-                 "--rank-timeout-s", "10"]
+                 "--rank-timeout-s", str(RANK_TIMEOUT_S)]
         tp2, tp4, tp1 = start_all([
             ("executor-tp2", "executor.service", [*flags, "--tensor-parallel", "2"]),
             ("executor-tp4", "executor.service", [*flags, "--tensor-parallel", "4"]),
@@ -130,6 +133,7 @@ def rank_pid(supervisor: ServiceProcess, rank: int) -> int:
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
 async def test_a_rank_lost_mid_generation_loses_and_repeats_no_token(world, pushed, hf_peft, sig):
+    rank = 1
     tp2 = world["executors"][2]
     requests = jobs(4, with_prefix=False)
     expected = [hf_greedy(hf_peft, p, 40, a or None)[0] for a, p in requests]
@@ -153,7 +157,7 @@ async def test_a_rank_lost_mid_generation_loses_and_repeats_no_token(world, push
         calls = [asyncio.create_task(run(a, p)) for a, p in requests]
         await asyncio.wait_for(started.wait(), 60)
         assert (await stats(stub))[tp2.address].running > 0, "the TP=2 executor has work"
-        victim = rank_pid(tp2, 1)
+        victim = rank_pid(tp2, rank)
         os.kill(victim, sig)
         got = await asyncio.wait_for(asyncio.gather(*calls), 120)
         assert got == expected, "every stream completed with exactly its fault-free tokens"
@@ -161,10 +165,10 @@ async def test_a_rank_lost_mid_generation_loses_and_repeats_no_token(world, push
 
         for _ in range(600):  # the group restarts as one, and its scheduler takes it back
             ex = (await stats(stub))[tp2.address]
-            if ex.is_up and rank_pid(tp2, 1) != victim:
+            if ex.is_up and rank_pid(tp2, rank) != victim:
                 break
             await asyncio.sleep(0.1)
-        assert ex.is_up and rank_pid(tp2, 1) != victim
+        assert ex.is_up and rank_pid(tp2, rank) != victim
         steps = ex.steps
         again = await asyncio.gather(*(run(a, p) for a, p in requests[:4]))
         assert again == expected[:4]
@@ -173,3 +177,32 @@ async def test_a_rank_lost_mid_generation_loses_and_repeats_no_token(world, push
         assert alone == expected[4:6]
         assert (await stats(stub))[tp2.address].steps > steps, "it gets work again"
         await stub.Resume(scheduler_pb2.ResumeRequest(executor=world["executors"][1].address))
+
+
+async def test_rank_0_frozen_while_idle_is_restarted_by_its_followers(world, pushed, hf_peft):
+    """Rank 0 frozen between steps: no collective waits on it, and its follower sits reading
+    its socket; hearing nothing from rank 0 (neither the scheduler's probe steps nor rank 0's
+    heartbeats, which keep a group with no scheduler alive: test_followers.py) it ends within
+    --rank-timeout-s, the supervisor restarts the group, and it serves again."""
+    tp2 = world["executors"][2]
+    adapter, prompt = jobs(1, with_prefix=False)[0]
+    expected = hf_greedy(hf_peft, prompt, 8, adapter or None)[0]
+    async with insecure_channel(world["schedulers"][2]) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        await stub.Drain(scheduler_pb2.DrainRequest(executor=world["executors"][1].address))
+        victim = rank_pid(tp2, 0)
+        os.kill(victim, signal.SIGSTOP)
+        try:
+            for _ in range(600):
+                ex = (await stats(stub))[tp2.address]
+                if ex.is_up and rank_pid(tp2, 0) != victim:
+                    break
+                await asyncio.sleep(0.1)
+            assert ex.is_up and rank_pid(tp2, 0) != victim, "the group restarted"
+            request = client.generate_request(adapter, prompt, 8, ignore_eos=True)
+            assert (await client.generate(stub, request)).token_ids == expected
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGCONT)
+            await stub.Resume(scheduler_pb2.ResumeRequest(
+                executor=world["executors"][1].address))

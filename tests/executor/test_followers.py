@@ -1,8 +1,9 @@
 """Rank 0 telling the other ranks of a tensor-parallel executor what to do (executor/followers.py,
 executor/follower.py, protos/rank_group.proto), over real sockets: a follower given the steps,
 loads and clears rank 0 did holds what rank 0 holds and the pair samples TP=1's tokens; only a
-rank's part of an adapter travels to it; a follower that is gone, silent or fails a copy, and a
-collective a rank never meets (it froze), break the group within the timeout."""
+rank's part of an adapter travels to it; a follower that is gone, silent or fails a copy, a
+collective a rank never meets (it froze), and a rank 0 whose heartbeats stop (it froze), break
+the group within the timeout."""
 
 import datetime
 import socket
@@ -54,10 +55,12 @@ def pair(tiny):
     for t in threads:
         t.join()
     mine, theirs = channel_pair()
-    follower = threading.Thread(target=follow, args=(made[1], theirs), daemon=True)
+    follower = threading.Thread(target=follow, args=(made[1], theirs, 10.0, broken), daemon=True)
     follower.start()
     followers = Followers([mine], [Shard(made[0].config, 1, 2)], 10.0, broken)
+    followers.start_heartbeats()
     yield made[0], made[1], followers
+    followers.close()
     mine.close()
     follower.join(10)
 
@@ -173,3 +176,34 @@ def test_a_collective_a_rank_never_meets_breaks_the_group_within_its_timeout():
     with pytest.raises(GroupBroken):
         tp.all_reduce(torch.ones(4))  # rank 1 never joins it
     assert time.monotonic() - start < 5
+
+
+def test_a_follower_takes_a_rank_0_whose_heartbeats_stop_for_frozen(tiny):
+    """Rank 0 frozen between steps: its followers sit in their reads, with no collective to
+    time out; its heartbeats keep them waiting, and their silence ends them within the timeout
+    (the group then restarts). Before rank 0 first speaks (its weights still loading) there is no
+    bound."""
+    runner = ModelRunner.from_pretrained(tiny["model_dir"], num_kv_blocks=64, block_size=BLOCK,
+                                         num_slots=2, max_rank=MAX_RANK)
+    mine, theirs = channel_pair()
+    ended: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            follow(runner, theirs, 0.4, broken)
+        except GroupBroken as err:
+            ended.append(err)
+
+    follower = threading.Thread(target=run, daemon=True)
+    follower.start()
+    time.sleep(1.0)  # (nothing heard yet: no bound)
+    assert follower.is_alive()
+    followers = Followers([mine], [None], 0.4, broken)
+    followers.start_heartbeats()
+    time.sleep(1.5)  # (heard, and kept alive)
+    assert follower.is_alive()
+    followers.close()  # (rank 0 froze)
+    start = time.monotonic()
+    follower.join(5)
+    assert not follower.is_alive() and "not even its heartbeat" in str(ended[0])
+    assert time.monotonic() - start < 2
