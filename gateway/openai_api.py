@@ -128,7 +128,8 @@ class OpenAIApi:
         upstreams = [(index, scheduler_pb2.GenerateRequest(
                         adapter_ref=route.adapter_ref, token_ids=scheduler_pb2.TokenIds(ids=ids),
                         sampling=options.choice_seed(j).to_pb(), max_new_tokens=max_new,
-                        stop=options.stop, ignore_eos=options.ignore_eos,
+                        stop=options.stop, stop_token_ids=options.stop_token_ids,
+                        ignore_eos=options.ignore_eos,
                         cache_salt=options.cache_salt,
                         request_id=f"{request_id}-{index}" if many else request_id))
                      for i, ids in enumerate(prompts) for j in range(options.n)

@@ -15,6 +15,7 @@ from gateway.tools import Tools, chat_tools, message_tool_calls
 MAX_N = 16  # choices per request (n x prompts)
 RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt"})
 MAX_STOP = MAX_STOP_STRINGS
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,13 +32,17 @@ class Options:
     logprobs: bool
     ignore_eos: bool
     cache_salt: str = ""  # vLLM's extension: prefix-cached KV is reused only with the same salt
+    stop_token_ids: tuple[int, ...] = ()  # vLLM's: these end the output as EOS does (unshown)
     echo: bool = False  # completions: the prompt comes first in each choice
     # The endpoint's name for each SamplingParams field it sets differently (an error names it).
     params: tuple[tuple[str, str], ...] = ()
 
     def check_vocab(self, vocab_size: int) -> None:
-        """The sampling fits the model's vocabulary (logit_bias token ids, top_k)."""
+        """The sampling fits the model's vocabulary (logit_bias token ids, top_k), and so do the
+        stop token ids."""
         _checked(self.sampling, dict(self.params), vocab_size)
+        if any(t >= vocab_size for t in self.stop_token_ids):
+            raise BadField("stop_token_ids", f"token ids must be in [0, {vocab_size})")
 
     def choice_seed(self, choice: int) -> SamplingParams:
         """The sampling of choice `choice` of n: a seeded request gives each choice its own
@@ -181,7 +186,19 @@ def _options(body: dict, logprobs: bool, top_logprobs: int = 0,
     return Options(model=model, n=n, max_tokens=max_tokens, sampling=sampling,
                    stop=_stop(body.get("stop")), stream=stream, include_usage=include_usage,
                    logprobs=logprobs, ignore_eos=boolean(body, "ignore_eos", False),
-                   cache_salt=cache_salt, echo=echo, params=params)
+                   cache_salt=cache_salt, echo=echo, params=params,
+                   stop_token_ids=_stop_token_ids(body.get("stop_token_ids")))
+
+
+def _stop_token_ids(ids) -> tuple[int, ...]:
+    """vLLM's stop_token_ids: token ids that end the output as EOS does (the token is kept)."""
+    if ids is None:
+        return ()
+    if not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS or not all(
+            _is_int(t) and t >= 0 for t in ids):
+        raise BadField("stop_token_ids", f"must be a list of at most {MAX_STOP_TOKEN_IDS} token "
+                                         "ids")
+    return tuple(ids)
 
 
 def _checked(sampling: SamplingParams, names: dict[str, str],

@@ -379,3 +379,20 @@ async def test_tokenize_and_detokenize_are_the_models_tokenizers(served, tiny):
         status, text = await asyncio.to_thread(post, served, path, body)
         assert status == (400 if param else 404), text
         assert json.loads(text)["error"]["param"] == param
+
+
+async def test_stop_token_ids_end_the_output_as_eos_does(served):
+    """vLLM's stop_token_ids: the output ends at the first of them, which is not shown
+    (finish_reason stop); an id past the vocabulary is a 400."""
+    messages = [m for m in await direct(served, SamplingParams()) if m.HasField("token_id")]
+    stop_id = messages[2].token_id
+    first = next(i for i, m in enumerate(messages) if m.token_id == stop_id)
+    completions = api(served).completions
+    stopped = await completions.create(model="tiny-attn", prompt=PROMPT, max_tokens=8,
+                                       temperature=0, extra_body={"stop_token_ids": [stop_id]})
+    choice = stopped.choices[0]
+    assert choice.finish_reason == "stop" and stopped.usage.completion_tokens == first + 1
+    assert choice.text == "".join(m.text for m in messages[:first])
+    with pytest.raises(openai.BadRequestError, match="stop_token_ids"):
+        await completions.create(model="tiny-attn", prompt=PROMPT, max_tokens=2,
+                                 extra_body={"stop_token_ids": [10**7]})
