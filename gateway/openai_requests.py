@@ -4,6 +4,7 @@ that says so, never silently ignored. Unknown fields are ignored, as OpenAI-comp
 do (clients send extensions)."""
 
 import dataclasses
+import json
 
 from common.sampling import MAX_SEED, BadSampling, SamplingParams
 from common.wire import MAX_CACHE_SALT_CHARS, MAX_STOP_STRINGS
@@ -16,6 +17,16 @@ MAX_N = 16  # choices per request (n x prompts)
 RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt"})
 MAX_STOP = MAX_STOP_STRINGS
 MAX_STOP_TOKEN_IDS = 1024
+# vLLM's request extras that would change the output and that loraplex does not do: a 400 naming
+# the field unless it is absent, null or the value that changes nothing (given here), never
+# silently ignored. (guided_decoding_backend is a hint, ignored: the output is the grammar's.)
+UNSUPPORTED_EXTRAS = {
+    "min_tokens": 0, "include_stop_str_in_output": False, "skip_special_tokens": True,
+    "spaces_between_special_tokens": True, "truncate_prompt_tokens": None,
+    "allowed_token_ids": None, "bad_words": [], "use_beam_search": False, "length_penalty": 1.0,
+    "prompt_logprobs": None, "guided_whitespace_pattern": None,
+    "return_tokens_as_token_ids": False, "priority": 0, "documents": None,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +155,11 @@ def _options(body: dict, logprobs: bool, top_logprobs: int = 0,
     if not isinstance(model, str) or not model:
         raise BadField("model", "required: a base model or an adapter (name, name@VERSION, "
                                 "name@ALIAS)")
+    for field, default in UNSUPPORTED_EXTRAS.items():
+        value = body.get(field)
+        if value is not None and value != default:
+            raise BadField(field, f"is not supported (vLLM's extra; unset it, or send "
+                                  f"{json.dumps(default)})")
     n = _integer(body, "n", 1, 1, MAX_N)
     best_of = body.get("best_of")
     if best_of not in (None, n):

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoTokenizer
 
 from common.sampling import SamplingParams
+from gateway.openai_requests import UNSUPPORTED_EXTRAS
 from common.server import insecure_channel
 from loraplex import client
 from loraplex.launch import Fleet, FleetKeys, start_gateway
@@ -396,3 +397,24 @@ async def test_stop_token_ids_end_the_output_as_eos_does(served):
     with pytest.raises(openai.BadRequestError, match="stop_token_ids"):
         await completions.create(model="tiny-attn", prompt=PROMPT, max_tokens=2,
                                  extra_body={"stop_token_ids": [10**7]})
+
+
+async def test_vllm_extras_loraplex_does_not_do_are_refused_unless_they_change_nothing(served):
+    """(never silently ignored: an output the client did not ask for is worse than a 400)"""
+    completions = api(served).completions
+    for field, default in UNSUPPORTED_EXTRAS.items():
+        changed = {bool: lambda d: not d, int: lambda d: d + 3, float: lambda d: d + 0.5,
+                   list: lambda d: ["no"]}.get(type(default), lambda d: 7)(default)
+        with pytest.raises(openai.BadRequestError, match=field):
+            await completions.create(model="tiny-attn", prompt=PROMPT, max_tokens=1,
+                                     extra_body={field: changed})
+    neutral = {field: default for field, default in UNSUPPORTED_EXTRAS.items()}
+    plain = await completions.create(model="tiny-attn", prompt=PROMPT, max_tokens=3,
+                                     temperature=0)
+    same = await completions.create(model="tiny-attn", prompt=PROMPT, max_tokens=3,
+                                    temperature=0, extra_body=neutral)
+    assert same.choices[0].text == plain.choices[0].text
+    chat = await api(served).chat.completions.create(
+        model="tiny-attn", messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+        extra_body=neutral)
+    assert chat.choices[0].finish_reason
