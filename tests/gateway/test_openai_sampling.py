@@ -18,8 +18,8 @@ import torch
 from transformers import AutoTokenizer
 
 from common.sampling import SamplingParams
-from gateway.openai_requests import UNSUPPORTED_EXTRAS
 from common.server import insecure_channel
+from gateway.openai_requests import UNSUPPORTED_EXTRAS
 from loraplex import client
 from loraplex.launch import Fleet, FleetKeys, start_gateway
 from protos import scheduler_pb2, scheduler_pb2_grpc
