@@ -18,7 +18,7 @@ from multiprocessing.connection import Connection
 from typing import NoReturn
 
 from common.errors import LoraplexError
-from executor.followers import shard_weights
+from executor.followers import HEARTBEATS_PER_TIMEOUT, shard_weights
 from executor.runner import ModelRunner
 from executor.slot_copy import SlotCopier
 from executor.step_request import run_step, step_rows
@@ -35,7 +35,10 @@ def follow(runner: ModelRunner, channel: Connection, silence_s: float,
     heard = False  # (rank 0 may load its weights for longer than this rank: no bound before)
     while True:
         try:
-            if heard and not channel.poll(silence_s):
+            # (a poll that timed out is tried once more for a heartbeat's interval: a whole group
+            # frozen and resumed wakes with every wait expired, rank 0's heartbeats included)
+            if heard and not channel.poll(silence_s) and not channel.poll(
+                    silence_s / HEARTBEATS_PER_TIMEOUT):
                 on_broken(RuntimeError(f"rank 0 sent nothing for {silence_s:g}s, not even its "
                                        "heartbeat: it froze"))
             data = channel.recv_bytes()

@@ -70,6 +70,7 @@ class Followers:
         self._timeout_s, self._on_broken = timeout_s, on_broken
         self._sending = threading.Lock()  # one command's bytes at a time on the sockets
         self._closed = threading.Event()  # (heartbeats stop)
+        self._beating: threading.Thread | None = None
         self._asking = threading.Lock()  # one answered command at a time: its answers are next
 
     def start_heartbeats(self) -> None:
@@ -83,11 +84,14 @@ class Followers:
                 self._send(beat)
                 self._closed.wait(self._timeout_s / HEARTBEATS_PER_TIMEOUT)
 
-        threading.Thread(target=beats, name="rank-heartbeats", daemon=True).start()
+        self._beating = threading.Thread(target=beats, name="rank-heartbeats", daemon=True)
+        self._beating.start()
 
     def close(self) -> None:
         """No more heartbeats (the followers will take rank 0 for frozen)."""
         self._closed.set()
+        if self._beating is not None:
+            self._beating.join()
 
     def step(self, req: executor_pb2.StepRequest) -> None:
         self._send([rank_group_pb2.RankCommand(step=req)] * len(self._channels))

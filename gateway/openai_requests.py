@@ -19,11 +19,12 @@ MAX_STOP = MAX_STOP_STRINGS
 MAX_STOP_TOKEN_IDS = 1024
 # vLLM's request extras that would change the output and that loraplex does not do: a 400 naming
 # the field unless it is absent, null or the value that changes nothing (given here), never
-# silently ignored. (guided_decoding_backend is a hint, ignored: the output is the grammar's.)
+# silently ignored. (Ignored as they change nothing here: guided_decoding_backend, a hint;
+# spaces_between_special_tokens, as special tokens are never shown; length_penalty, beam search's.)
 UNSUPPORTED_EXTRAS = {
     "min_tokens": 0, "include_stop_str_in_output": False, "skip_special_tokens": True,
-    "spaces_between_special_tokens": True, "truncate_prompt_tokens": None,
-    "allowed_token_ids": None, "bad_words": [], "use_beam_search": False, "length_penalty": 1.0,
+    "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": [],
+    "use_beam_search": False,
     "prompt_logprobs": None, "guided_whitespace_pattern": None,
     "return_tokens_as_token_ids": False, "priority": 0, "documents": None,
 }
@@ -207,7 +208,8 @@ def _options(body: dict, logprobs: bool, top_logprobs: int = 0,
 
 
 def _stop_token_ids(ids) -> tuple[int, ...]:
-    """vLLM's stop_token_ids: token ids that end the output as EOS does (the token is kept)."""
+    """vLLM's stop_token_ids: token ids that end the output as EOS does (counted in usage, its
+    text not shown)."""
     if ids is None:
         return ()
     if not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS or not all(

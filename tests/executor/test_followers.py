@@ -190,20 +190,20 @@ def test_a_follower_takes_a_rank_0_whose_heartbeats_stop_for_frozen(tiny):
 
     def run() -> None:
         try:
-            follow(runner, theirs, 0.4, broken)
+            follow(runner, theirs, 1.0, broken)
         except GroupBroken as err:
             ended.append(err)
 
     follower = threading.Thread(target=run, daemon=True)
     follower.start()
-    time.sleep(1.0)  # (nothing heard yet: no bound)
+    time.sleep(1.5)  # (nothing heard yet: no bound)
     assert follower.is_alive()
-    followers = Followers([mine], [None], 0.4, broken)
+    followers = Followers([mine], [None], 1.0, broken)
     followers.start_heartbeats()
-    time.sleep(1.5)  # (heard, and kept alive)
+    time.sleep(2.5)  # (heard, and kept alive)
     assert follower.is_alive()
     followers.close()  # (rank 0 froze)
     start = time.monotonic()
-    follower.join(5)
+    follower.join(10)
     assert not follower.is_alive() and "not even its heartbeat" in str(ended[0])
-    assert time.monotonic() - start < 2
+    assert time.monotonic() - start < 4

@@ -405,9 +405,8 @@ FIELDS = {
                              "parallel_tool_calls", "guided_json", "guided_choice",
                              "chat_template", "chat_template_kwargs", "stop_token_ids"),
     "/generate": ("inputs", "parameters"),
-    "/tokenize": ("model", "prompt", "messages", "add_special_tokens", "return_token_strs",
-                  "chat_template_kwargs"),
-    "/detokenize": ("model", "tokens"),
+    "/tokenize": ("prompt", "messages", "add_special_tokens", "chat_template_kwargs"),
+    "/detokenize": ("tokens",),
 }
 BASES = {
     "/v1/completions": {"model": "tiny-attn", "prompt": "The cat", "max_tokens": 2},
