@@ -122,6 +122,9 @@ class TorchLoraBackend:
         segments = LoraSegments.from_row_slots(row_slots).segments
         if self.exact:
             return TorchBatchMeta(segments, ())
+        readable = frozenset(slot for _, _, slot in segments)  # (all the pool may read now)
+        # (each slot's tier; those outside the step only size the kept stacks: a load may be
+        # rewriting one, and a wrong count there costs a rebuild, never a wrong row)
         tiers = [rank_tile(r) for r in self.pool.rank_table.amax(dim=(0, 2)).tolist()]
         by_class: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
         alone = []
@@ -137,27 +140,28 @@ class TorchLoraBackend:
                 largest[tier] = segs
         per_tier = collections.Counter(tiers)
         return TorchBatchMeta(tuple(alone), tuple(
-            _SegmentBatch.build(segs, self._stack_for(segs, tier, per_tier[tier],
+            _SegmentBatch.build(segs, self._stack_for(segs, tier, per_tier[tier], readable,
                                                       keep=segs is largest[tier]),
                                 self.pool.device)
             for (_, tier), segs in sorted(by_class.items())))
 
     def _stack_for(self, segments: list[tuple[int, int, int]], tier: int, tier_slots: int,
-                   keep: bool) -> AdapterStack:
+                   readable: frozenset[int], keep: bool) -> AdapterStack:
         """The tier's kept stack, brought up to date for these segments' slots, if they would be
         at least STACK_REUSE_FRACTION of it; else a new one (kept from now on if `keep`, with
-        room for the `tier_slots` slots of the pool in the tier)."""
+        room for the `tier_slots` slots of the pool in the tier). `readable`: the step's slots,
+        the only ones whose weights may be read now (lora_stack.py)."""
         slots = [slot for _, _, slot in segments]
         kept = self._stacks.get(tier)
         if kept is not None:
             size = len(kept) + len(kept.missing(slots))
             if size <= kept.capacity and len(slots) >= STACK_REUSE_FRACTION * size:
-                kept.update(slots)
+                kept.update(slots, readable)
                 return kept
         if not keep:
-            return AdapterStack(self.pool, slots, capacity=len(slots))
-        self._stacks[tier] = AdapterStack(self.pool, slots,
-                                          capacity=max(tier_slots, len(slots)))
+            return AdapterStack(self.pool, slots, capacity=len(slots), readable=readable)
+        self._stacks[tier] = AdapterStack(self.pool, slots, capacity=max(tier_slots, len(slots)),
+                                          readable=readable)
         return self._stacks[tier]
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor,

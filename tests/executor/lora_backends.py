@@ -39,10 +39,11 @@ def load(pool: LoraSlotPool, slot: int, weights: LoraWeights,
     return pages
 
 
-def backend_outputs(config, first, second, row_slots, seed):
+def backend_outputs(config, first, second, row_slots, seed, first_meta=None):
     """(layer, group, base, first's output, second's output) of two LoRA backends' apply on the
-    same random inputs, for every layer and group."""
-    first_meta, second_meta = first.prepare(row_slots), second.prepare(row_slots)
+    same random inputs, for every layer and group (`first_meta`: first's, prepared already)."""
+    first_meta = first.prepare(row_slots) if first_meta is None else first_meta
+    second_meta = second.prepare(row_slots)
     g = torch.Generator().manual_seed(seed)
     for layer in range(config.num_hidden_layers):
         for group, modules in lora_groups(config).items():

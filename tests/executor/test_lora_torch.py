@@ -1,5 +1,7 @@
 """The torch LoRA backend's batched path against its exact per-segment path."""
 
+import threading
+
 import pytest
 import torch
 
@@ -55,10 +57,10 @@ def test_batched_segments_match_per_segment_matmuls(pool, row_slots):
         assert torch.equal(got[untouched], base[untouched])  # rows without adapter cost nothing
 
 
-def check_against_exact(backend, pool, row_slots):
+def check_against_exact(backend, pool, row_slots, meta=None):
     exact = TorchLoraBackend(pool, exact=True)
     for _, _, _, got, want in backend_outputs(CONFIG, backend, exact, torch.tensor(row_slots),
-                                              seed=9):
+                                              seed=9, first_meta=meta):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -115,23 +117,78 @@ def test_decode_steps_keep_one_stack_and_copy_only_what_changed(pool, monkeypatc
     check_against_exact(fast, pool, runs)
 
 
-def test_a_step_while_a_load_runs_does_not_keep_the_half_written_slot(pool, monkeypatch):
-    """A load copies on a worker thread while the step thread runs steps: a step that updates
-    its kept stack while a slot of it is being written copies it again once the load is done
-    (else every later step of that adapter reads the zeroed or half-copied weights)."""
-    fast = TorchLoraBackend(pool)
-    every = [0, 1, 2, 3, 4]
-    fast.prepare(torch.tensor(every))  # the kept stack holds slot 1's adapter
-    forget = pool._forget
+class HeldLoad:
+    """A load into `slot` on a worker thread (as the AdapterLoader's), held before each module it
+    writes: `advance()` lets it write one more."""
 
-    def step_midway(slot: int) -> None:  # a step lands after the slot is forgotten, before
-        forget(slot)                     # the copy
-        fast.prepare(torch.tensor(every))
-    monkeypatch.setattr(pool, "_forget", step_midway)
-    weights = random_adapter(CONFIG, 7, 77)
-    SlotCopier(pool).copy(1, weights, free_pages(pool, 1, weights))
-    pool.mark_loaded(1)
+    def __init__(self, pool, slot, weights):
+        self.arrived, self.proceed = threading.Semaphore(0), threading.Semaphore(0)
+        layer_base = pool.layer_base
+
+        def held_layer_base(layer):  # (the load calls it before each module's rows and ranks)
+            if threading.current_thread() is self.thread:
+                self.arrived.release()
+                self.proceed.acquire()
+            return layer_base(layer)
+
+        pool.layer_base = held_layer_base
+        pages = free_pages(pool, slot, weights)
+        self.thread = threading.Thread(target=SlotCopier(pool).copy, args=(slot, weights, pages),
+                                       daemon=True)
+        self.thread.start()
+        assert self.arrived.acquire(timeout=10)  # forgotten, about to write its first module
+
+    def advance(self) -> None:
+        self.proceed.release()
+        while self.thread.is_alive() and not self.arrived.acquire(timeout=0.01):
+            pass
+
+    def finish(self) -> None:
+        while self.thread.is_alive():
+            self.advance()
+        self.thread.join()
+
+
+@pytest.mark.parametrize("load_begins", ["before the step", "between prepare and forward"])
+def test_a_step_reads_no_slot_outside_it_while_a_load_writes_one(monkeypatch, load_begins):
+    """The kept stack covers slots a step does not run; a load may be writing one of them on the
+    loader's thread (its ranks, offsets and rows change under a reader). The step must not read
+    that slot: here the load writes one more module whenever the step reads the slot's rows (the
+    interleaving that crashed the executor with a rank-64 copy beside a rank-16 stack), and the
+    groups the step builds anew in its forward (slot 0 outgrew them) cover the slot too. Once
+    loaded, a step over it reads the new adapter."""
+    pool = make_pool(CONFIG, num_slots=4, max_rank=64, num_blocks=1600)
+    for slot in range(4):
+        load(pool, slot, random_adapter(CONFIG, 4, 40 + slot, same_rank=True))
+    fast = TorchLoraBackend(pool)
+    every = [0, 1, 2, 3]
+    stack = fast.prepare(torch.tensor(every)).batches[0].stack
     check_against_exact(fast, pool, every)
+    load(pool, 0, random_adapter(CONFIG, 12, 50, same_rank=True))  # slot 0's groups: rebuilt
+    step = [0, 1, 2]  # 3 of the stack's 4: it reads the kept stack, position 3 as padding
+    meta = None if load_begins == "before the step" else fast.prepare(torch.tensor(step))
+    held = HeldLoad(pool, 3, random_adapter(CONFIG, 16, 53, same_rank=True))
+    rows = pool.rows
+    read = []
+
+    def rows_while_loading(layer, slot, module):
+        if slot == 3:
+            read.append((layer, module))
+            held.advance()
+        return rows(layer, slot, module)
+
+    monkeypatch.setattr(pool, "rows", rows_while_loading)
+    try:
+        meta = meta or fast.prepare(torch.tensor(step))
+        assert meta.batches[0].stack is stack
+        check_against_exact(fast, pool, step, meta)
+        assert read == []
+    finally:
+        held.finish()
+    pool.mark_loaded(3)
+    assert fast.prepare(torch.tensor(every)).batches[0].stack is stack
+    check_against_exact(fast, pool, every)  # slot 3's new rank-16 rows, copied where it sits
+    assert stack.group(0, "qkv", pool.device, pool.dtype).rank == 16
 
 
 def test_a_stack_group_is_rebuilt_when_a_slot_needs_a_larger_rank(pool):
