@@ -166,7 +166,8 @@ class Scheduler:
     def on_step_done(self, ex: ExecutorState, plan: StepPlan, samples: Samples,
                      step_seconds: float = 0.0) -> None:
         """The answer to `plan`, the oldest step in flight on `ex`: its sampled tokens."""
-        ex.num_steps += bool(plan.rows)  # (a step that only frees sequences computes nothing)
+        ex.steps_since_up += bool(plan.rows)  # (a step that only frees sequences computes nothing)
+        ex.counters.steps_run += bool(plan.rows)
         ex.rates.observe_step(plan.num_tokens, step_seconds)
         ex.steps.answered(plan.step)
         ex.blocks.settle(ex.steps.steps_answered)
@@ -225,7 +226,10 @@ class Scheduler:
     def on_load_done(self, ex: ExecutorState, slot: Slot, adapter: AdapterRef,
                      error: LoraplexError | None, num_bytes: int = 0,
                      seconds: float = 0.0) -> None:
-        failure = self.residency.on_load_done(ex, slot, adapter, error, num_bytes, seconds)
+        try:
+            failure = self.residency.on_load_done(ex, slot, adapter, error, num_bytes, seconds)
+        except Exception:
+            failure = self._fetch_broke(ex, adapter, "its load ended")
         if failure is not None:
             self._fail_waiting_for(ex, adapter, failure)
         self._wake()
@@ -233,10 +237,22 @@ class Scheduler:
     def on_stage_done(self, ex: ExecutorState, adapter: AdapterRef, error: LoraplexError | None,
                       num_bytes: int = 0, seconds: float = 0.0) -> None:
         """Its bytes are on ex's host (or could not be fetched): it may take a slot now."""
-        failure = self.residency.on_stage_done(ex, adapter, error, num_bytes, seconds)
+        try:
+            failure = self.residency.on_stage_done(ex, adapter, error, num_bytes, seconds)
+        except Exception:
+            failure = self._fetch_broke(ex, adapter, "its staging ended")
         if failure is not None:
             self._fail_waiting_for(ex, adapter, failure)
         self._wake()
+
+    def _fetch_broke(self, ex: ExecutorState, adapter: AdapterRef, when: str) -> LoraplexError:
+        """A bug raised while bringing `adapter` onto ex: logged once, what was under way for it
+        there given up whole (Residency.abandon); the error its waiting requests fail with."""
+        log.exception("bringing %s onto %s failed when %s: this is a bug", adapter, ex.address,
+                      when)
+        self.residency.abandon(ex, adapter)
+        return LoraplexError(f"bringing adapter {adapter} onto executor {ex.address} failed "
+                             f"(an internal error, logged by the scheduler); this is a bug")
 
     def _fail_waiting_for(self, ex: ExecutorState, adapter: AdapterRef,
                           error: LoraplexError) -> None:

@@ -27,7 +27,7 @@ from protos import executor_pb2
 from scheduler.core import Scheduler
 from scheduler.discovery import resolve
 from scheduler.executor_link import ExecutorLink
-from scheduler.executor_state import ExecutorState
+from scheduler.executor_state import ExecutorCounters, ExecutorState
 from scheduler.fairness import FairnessWeights
 from scheduler.limits import Limits
 from scheduler.metrics import SchedulerMetrics
@@ -67,6 +67,9 @@ class Engine:
         self._interval = discovery_interval_s
         self._tasks: set[asyncio.Task] = set()
         self._link_tasks: dict[str, list[asyncio.Task]] = {}
+        # Per executor address, its counters for this process's life: carried across its
+        # reconnects and across its leaving and joining again (executor_state.py).
+        self._counters: dict[str, ExecutorCounters] = {}
 
     def start(self) -> None:
         self._spawn(self._discover())
@@ -113,8 +116,9 @@ class Engine:
                 found = set(self.links)
             for address in sorted(found - set(self.links)):
                 log.info("executor %s joined", address)
+                counters = self._counters.setdefault(address, ExecutorCounters())
                 link = self.links[address] = ExecutorLink(address, self._service_key,
-                                                          self.timeouts)
+                                                          self.timeouts, counters)
                 self._link_tasks[address] = [self._spawn(self._run(link)),
                                              self._spawn(self._watch(link))]
             for address in sorted(set(self.links) - found):
@@ -234,7 +238,7 @@ class Engine:
 
     def _step_deadline(self, ex: ExecutorState, plan: StepPlan) -> float:
         merging = plan.merge_slot is not None or plan.unmerge
-        return self.timeouts.step(plan.num_tokens, ex.rates, ex.num_steps) + \
+        return self.timeouts.step(plan.num_tokens, ex.rates, ex.steps_since_up) + \
             merging * self.timeouts.merge_s
 
     def _start_load(self, ex: ExecutorState, slot: Slot) -> None:

@@ -17,7 +17,7 @@ from common.page_geometry_pb import geometry_from_pb
 from common.server import insecure_channel
 from protos import executor_pb2, executor_pb2_grpc
 from scheduler.block_manager import BlockManager
-from scheduler.executor_state import ExecutorState
+from scheduler.executor_state import ExecutorCounters, ExecutorState
 from scheduler.sequence import NO_EXTRAS, SampleExtras, Samples, StepPlan
 from scheduler.slots import SlotTable
 from scheduler.timeouts import Timeouts
@@ -26,14 +26,18 @@ from scheduler.timeouts import Timeouts
 class ExecutorLink:
     """The connection to one executor: its Info, its step stream and its adapter RPCs."""
 
-    def __init__(self, address: str, key: str = "", timeouts: Timeouts = Timeouts()):
+    def __init__(self, address: str, key: str = "", timeouts: Timeouts = Timeouts(),
+                 counters: ExecutorCounters | None = None):
+        """`counters`: the executor's for the scheduler's life (carried into every view of it
+        that `connect` makes)."""
         self.address = address
         self.timeouts = timeouts
         self.channel = insecure_channel(address, key)
         self._auth = metadata(key)  # the step stream presents it itself (insecure_channel)
         self.stub = executor_pb2_grpc.ExecutorStub(self.channel)
         self.info: executor_pb2.InfoResponse | None = None
-        self.state = ExecutorState(address, BlockManager(1, 1), SlotTable(0))  # until connected
+        self.state = ExecutorState(address, BlockManager(1, 1), SlotTable(0),  # until connected
+                                   counters=counters or ExecutorCounters())
         self._call = None
         self.stream_id = ""  # of the step stream now open (connect)
         self.woken = asyncio.Event()
@@ -47,6 +51,7 @@ class ExecutorLink:
         blocks = BlockManager(self.info.num_kv_blocks, self.info.block_size)
         self.state = ExecutorState(self.address, blocks, SlotTable(self.info.num_adapter_slots),
                                    is_leaving=self.state.is_leaving,
+                                   counters=self.state.counters,
                                    geometry=geometry_from_pb(self.info),
                                    page_bytes=self.info.page_geometry.page_bytes,
                                    rope_switch_len=self.info.longrope_switch_len)

@@ -7,12 +7,15 @@ has one writer (tests/scheduler/test_ownership.py holds the rule):
       popularity               work ahead, adapters' demand
     slots, load_failures,    adapter residency and pins         Residency (residency.py)
       fetching_since, page_counts,
-      unpin_later, num_loads,
-      num_hits, num_evictions
+      unpin_later, counters' adapter_*
     merge                    its dedication and merge           Merges (merging.py)
     is_up, is_draining,      where it is in its life, its       the Scheduler (core.py)
       is_leaving, is_stopping, measured rates, steps answered
-      rates, num_steps
+      rates, steps_since_up,
+      counters' steps_run
+
+`counters` live for the scheduler's process: an executor that reconnects gets a fresh view
+(ExecutorLink.connect) that carries them on, so what Stats and /metrics count never goes back.
 """
 
 from __future__ import annotations
@@ -34,6 +37,16 @@ from scheduler.step_builder import StepBuilder
 
 if TYPE_CHECKING:
     from scheduler.residency import LoadFailure
+
+
+@dataclass
+class ExecutorCounters:
+    """What happened on one executor since the scheduler started, across its reconnects."""
+
+    adapter_loads: int = 0  # loads completed
+    adapter_hits: int = 0  # admissions that found their adapter resident
+    adapter_evictions: int = 0  # adapters evicted to make room (not by an operator)
+    steps_run: int = 0  # steps that computed something, answered
 
 
 @dataclass(eq=False)
@@ -59,16 +72,14 @@ class ExecutorState:
     # their slot pinned until those are answered (loads are not ordered with steps: an adapter
     # loaded into the slot meanwhile would be read by them).
     unpin_later: list[Sequence] = field(default_factory=list)
-    num_loads: int = 0
-    num_hits: int = 0
-    num_evictions: int = 0
+    counters: ExecutorCounters = field(default_factory=ExecutorCounters)
     merge: MergeState = field(default_factory=MergeState)
     rates: Rates = field(default_factory=Rates)
     is_up: bool = False  # connected and stepping: from add_executor until on_executor_lost
     is_draining: bool = False  # admits nothing new; its running sequences finish
     is_leaving: bool = False  # gone from discovery: forget it once drained
     is_stopping: bool = False  # its health said NOT_SERVING: release it once drained
-    num_steps: int = 0
+    steps_since_up: int = 0  # steps answered since it came up (this connection): its warm-up
 
     @property
     def running(self) -> dict[int, Sequence]:

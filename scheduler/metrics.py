@@ -69,15 +69,16 @@ class _CoreCollector:
 
     def collect(self):
         per_executor = {
-            "loraplex_adapter_loads": ("Adapter loads completed.", "num_loads"),
-            "loraplex_adapter_hits": ("Admissions that found their adapter resident.", "num_hits"),
-            "loraplex_adapter_evictions": ("Adapters evicted to make room.", "num_evictions"),
-            "loraplex_steps": ("Steps run.", "num_steps"),
+            "loraplex_adapter_loads": ("Adapter loads completed.", "adapter_loads"),
+            "loraplex_adapter_hits": ("Admissions that found their adapter resident.",
+                                      "adapter_hits"),
+            "loraplex_adapter_evictions": ("Adapters evicted to make room.", "adapter_evictions"),
+            "loraplex_steps": ("Steps run.", "steps_run"),
         }
         for name, (doc, attr) in per_executor.items():
             family = CounterMetricFamily(name, doc, labels=["executor"])
             for ex in self._core.executors:
-                family.add_metric([ex.address], getattr(ex, attr))
+                family.add_metric([ex.address], getattr(ex.counters, attr))
             yield family
         running = GaugeMetricFamily("loraplex_running_sequences", "Sequences running.",
                                     labels=["executor"])

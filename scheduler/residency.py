@@ -129,34 +129,45 @@ class Residency:
         return None
 
     def _load_on(self, ex: ExecutorState, adapter: AdapterRef, num_bytes: int,
-                 num_pages: int = 0) -> Slot:
+                 num_pages: int = 0) -> Slot | None:
         """Claim a slot of ex for `adapter` and its pages, evicting what must go, and start
-        loading it there (the caller checked it can: an empty slot and free pages, or its bytes
-        are staged and can_place)."""
+        loading it there; None, with nothing changed, when no slot or not enough pages can be
+        had (the caller checked it can: an empty slot and free pages, or its bytes are staged
+        and can_place). Everything is planned before anything changes: the slot claimed is the
+        victim whose pages were counted, and the pages are there once the others are evicted."""
         popularity = self._popularity(ex)
         victim = ex.slots.victim(adapter, ex.queue.demand, popularity)
-        need = num_pages - len(victim.pages if victim.state is SlotState.READY else ())
-        evictions = self.memory.evictions_for(ex, need, victim, popularity)
+        if victim is None:
+            return None
+        own = victim.pages if victim.state is SlotState.READY else ()
+        evictions = self.memory.evictions_for(ex, num_pages - len(own), victim, popularity)
         if evictions is None:
-            raise RuntimeError(f"{adapter}'s {num_pages} pages cannot be found on {ex.address}")
+            return None
         for slot in evictions:
             self._evict(ex, slot)
-        slot = ex.slots.place(adapter, ex.queue.demand, popularity, num_bytes)
-        ex.num_evictions += bool(slot.evicted)
-        if slot.evicted_pages:
-            self._release_pages(ex, slot.evicted, slot.evicted_pages)
+        ex.slots.place(adapter, victim, num_bytes)
+        ex.counters.adapter_evictions += bool(victim.evicted)
+        if victim.evicted_pages:
+            self._release_pages(ex, victim.evicted, victim.evicted_pages)
         if num_pages:
-            ex.slots.set_pages(slot, tuple(ex.blocks.take_pages(num_pages)))
+            pages = ex.blocks.take_pages(num_pages)
+            if pages is None:  # (a bug in the plan above: nothing is left half-done)
+                ex.slots.clear(victim)
+                if victim.evicted is not None:
+                    self._start_unload(ex, victim.index, victim.evicted)
+                raise RuntimeError(f"{adapter}'s {num_pages} pages were counted on "
+                                   f"{ex.address} but {ex.blocks.num_settled()} are settled")
+            ex.slots.set_pages(victim, tuple(pages))
         ex.fetching_since.setdefault(adapter, self.clock())
-        self._start_load(ex, slot)
-        return slot
+        self._start_load(ex, victim)
+        return victim
 
     def _evict(self, ex: ExecutorState, slot: Slot, by_operator: bool = False) -> None:
         """Free an unused adapter's slot and pages (for a load, for KV, or an operator's)."""
         adapter, pages = slot.adapter, slot.pages
         ex.slots.clear(slot)
         self._release_pages(ex, adapter, pages)
-        ex.num_evictions += not by_operator
+        ex.counters.adapter_evictions += not by_operator
         self._start_unload(ex, slot.index, adapter)
 
     @staticmethod
@@ -189,8 +200,7 @@ class Residency:
             if adapter is None or slot.pins or slot.state is not SlotState.READY:
                 continue
             staged = ex.slots.staged(adapter)
-            if staged is not None and staged.staged_at is not None and \
-                    self.can_place(ex, adapter, staged.num_pages):
+            if staged is not None and staged.staged_at is not None:
                 self._load_on(ex, adapter, staged.num_bytes, staged.num_pages)
 
     def bring_in_for_oldest(self, ex: ExecutorState, req: Request, may_reserve: bool) -> None:
@@ -212,7 +222,7 @@ class Residency:
     def pin(ex: ExecutorState, slot: Slot, req: Request) -> None:
         """A sequence of req starts on ex in `slot` (a hit unless req caused the load)."""
         ex.slots.pin(slot)
-        ex.num_hits += not req.caused_load
+        ex.counters.adapter_hits += not req.caused_load
 
     @staticmethod
     def unpin(ex: ExecutorState, seq: Sequence) -> None:
@@ -252,7 +262,7 @@ class Residency:
             return None  # the executor was lost or reset meanwhile
         if error is None:
             ex.slots.mark_ready(slot)
-            ex.num_loads += 1
+            ex.counters.adapter_loads += 1
             ex.rates.observe_load(num_bytes, seconds)
             ex.load_failures.pop(adapter, None)
             ex.fetching_since.pop(adapter, None)
@@ -264,13 +274,29 @@ class Residency:
                 ex.blocks.give_back_pages(pages)
             ex.fetching_since.pop(adapter, None)
             return None
-        if slot.pages:  # its copy may outlive the RPC: its pages wait for the executor's word
+        self._give_up_load(ex, slot)
+        return self._fetch_failed(ex, adapter, error)
+
+    def _give_up_load(self, ex: ExecutorState, slot: Slot) -> None:
+        """The load into `slot` failed or was given up: the slot holds nothing. Its copy may
+        outlive the RPC: its pages wait for the executor's word (an UnloadAdapter answered)."""
+        if slot.pages:
             ex.slots.begin_cleaning(slot)
-            self._start_unload(ex, slot.index, adapter,
+            self._start_unload(ex, slot.index, slot.adapter,
                                done=lambda is_done: self._cleaned(ex, slot, is_done))
         else:
             ex.slots.clear(slot)
-        return self._fetch_failed(ex, adapter, error)
+
+    def abandon(self, ex: ExecutorState, adapter: AdapterRef) -> None:
+        """A bug broke off bringing `adapter` onto ex midway: whatever was under way for it is
+        given up whole (a load as a failed one, a staging as a failed one), so nothing stays
+        LOADING or staging for good; it may be brought in again."""
+        slot = ex.slots.find(adapter)
+        if slot is not None and slot.state is SlotState.LOADING:
+            self._give_up_load(ex, slot)
+        ex.slots.stage_failed(adapter)
+        ex.load_failures.pop(adapter, None)
+        ex.fetching_since.pop(adapter, None)
 
     @staticmethod
     def _cleaned(ex: ExecutorState, slot: Slot, is_done: bool) -> None:
@@ -293,9 +319,7 @@ class Residency:
         ex.slots.mark_staged(adapter, self.clock())
         ex.rates.observe_load(num_bytes, seconds)
         ex.load_failures.pop(adapter, None)
-        if self.can_place(ex, adapter, staged.num_pages):
-            self._load_on(ex, adapter, staged.num_bytes, staged.num_pages)  # (fetch goes on)
-        else:
+        if self._load_on(ex, adapter, staged.num_bytes, staged.num_pages) is None:
             ex.fetching_since.pop(adapter, None)  # its bytes are here: it waits for a slot
         return None
 

@@ -86,20 +86,19 @@ class SlotTable:
 
     def victim(self, adapter: AdapterRef, wanted: Collection[AdapterRef | None] = frozenset(),
                popularity: Callable[[AdapterRef], float] | None = None) -> Slot | None:
-        """The slot `place` would claim for `adapter` (None: none can take it)."""
+        """The slot to claim for `adapter` (None: none can take it): its reserved slot once
+        drained, else an empty one, else the unpinned one whose adapter no queued request wants
+        and is least popular (least recently used among equals; plain LRU without
+        `popularity`)."""
         return self._victim(adapter, wanted, popularity)
 
-    def place(self, adapter: AdapterRef, wanted: Collection[AdapterRef | None] = frozenset(),
-              popularity: Callable[[AdapterRef], float] | None = None,
-              num_bytes: int = 0, pages: tuple[int, ...] = ()) -> Slot:
-        """Claim a slot for loading `adapter` into `pages`: its reserved slot once drained, else
-        an empty one, else the unpinned one whose adapter no queued request wants and is least
-        popular (least recently used among equals; plain LRU without `popularity`). The
-        replaced adapter's pages are its `evicted_pages`."""
-        slot = self._victim(adapter, wanted, popularity)
-        if slot is None:
-            raise RuntimeError(f"no slot can take {adapter}: every slot is pinned, loading or "
-                               "wanted")
+    def place(self, adapter: AdapterRef, slot: Slot, num_bytes: int = 0,
+              pages: tuple[int, ...] = ()) -> None:
+        """Claim `slot` (the one `victim` gave for `adapter`) for loading `adapter` into `pages`.
+        The replaced adapter's pages are its `evicted_pages`."""
+        if slot.pins or slot.state not in (SlotState.EMPTY, SlotState.READY):
+            raise RuntimeError(f"slot {slot.index} is {slot.state.value} with {slot.pins} pins: "
+                               f"it cannot take {adapter}")
         self._by_adapter.pop(slot.adapter, None)
         slot.evicted, slot.evicted_pages = slot.adapter, slot.pages
         slot.state, slot.adapter, slot.pins = SlotState.LOADING, adapter, 0
@@ -111,7 +110,6 @@ class SlotTable:
             if other.reserved_for == adapter:
                 other.reserved_for = None
         self._by_adapter[adapter] = slot
-        return slot
 
     def admissible(self) -> list[Slot]:
         """Slots a new sequence may pin now."""

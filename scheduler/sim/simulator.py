@@ -271,7 +271,8 @@ class Simulator:
         bound = spread_bound(self.core.fair.weights, cfg.limits.fairness_window,
                              cfg.lengths.prompt_max, max_load_tokens, running_output)
         return SimResult(self.now, dict(self.results), sum(map(len, accesses)),
-                         sum(ex.num_loads for ex in self.executors), opt, pinned_opt, lru,
+                         sum(ex.counters.adapter_loads for ex in self.executors), opt,
+                         pinned_opt, lru,
                          self.max_gap, bound, self._live)
 
 

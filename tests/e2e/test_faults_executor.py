@@ -85,6 +85,7 @@ async def test_a_frozen_executor_is_routed_around_with_no_token_lost_or_repeated
 
         calls = [asyncio.create_task(run(r)) for r in requests()]
         await asyncio.wait_for(first_tokens.wait(), 60)
+        before = await executor_stats(stub)
         got, frozen = await with_the_busiest_frozen(fleet, stub, calls)
         assert got == expected, "every stream completed with exactly its fault-free tokens"
 
@@ -93,7 +94,13 @@ async def test_a_frozen_executor_is_routed_around_with_no_token_lost_or_repeated
                 break
             await asyncio.sleep(0.1)
         assert (await executor_stats(stub))[frozen].is_up
-        steps = (await executor_stats(stub))[frozen].steps
+        rejoined = (await executor_stats(stub))[frozen]
+        # Counters live for the scheduler's process: a rejoin does not set them back.
+        counted = ("steps", "adapter_loads", "adapter_hits")
+        assert all(getattr(rejoined, c) >= getattr(before[frozen], c) for c in counted), (
+            rejoined, before[frozen])
+        assert before[frozen].steps > 0 and before[frozen].adapter_loads > 0
+        steps = rejoined.steps
         again = await asyncio.gather(*(client.generate(stub, r) for r in requests()))
         assert [g.token_ids for g in again] == expected
         assert (await executor_stats(stub))[frozen].steps > steps, "it gets work again"

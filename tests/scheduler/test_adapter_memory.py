@@ -2,13 +2,14 @@
 proportion to its ranks, they grow into KV that idles and give it back under KV pressure, and
 no running sequence ever loses its adapter or its blocks to a load."""
 
+import grpc
 import pytest
 
 from common.adapter_pages import PageGeometry, plan_pages
 from common.errors import InvalidArgument
 from scheduler.block_manager import BlockManager
 from scheduler.limits import Limits
-from scheduler.request import Status
+from scheduler.request import ErrorEvent, Status
 from scheduler.slots import SlotState
 from tests.scheduler.sched_world import World, ref
 
@@ -126,6 +127,61 @@ def test_a_load_that_cannot_find_pages_waits_and_takes_no_running_sequences_bloc
     assert all(r.queued_since == r.arrival for r in runners), "a runner was preempted"
     w.run()
     assert all(w.finished(r) for r in runners) and w.finished(cold)
+
+
+def test_a_staged_adapter_that_needs_most_blocks_takes_the_slot_whose_pages_it_counted():
+    """Every slot holds an adapter nobody wants; a rank-64 adapter needs 28 of the 46 blocks:
+    the free ones, its victim's pages and another adapter's. Evicting that other one empties a
+    slot, and the load must still go into the victim it counted the pages of (it went into the
+    emptied slot, found too few pages, and stayed LOADING for good: TypeError in a background
+    task)."""
+    w = World(num_slots=3, num_blocks=46, geometry=GEOMETRY, limits=Limits(kv_reserve=0.0))
+    for name, rank in (("a@1", 16), ("b@1", 32), ("d@1", 32)):
+        w.request(adapter=name, ranks=qv(rank), prompt_len=2, max_new=1)
+        w.run()
+    ex = w.executors[0]
+    assert ex.blocks.num_pages == pages(qv(16)) + 2 * pages(qv(32)) and not ex.slots.has_empty()
+    big = w.request(adapter="big@1", ranks=qv(64), prompt_len=2, max_new=1)
+    w.run()
+    assert w.finished(big)
+    held = {s.adapter: len(s.pages) for s in ex.slots.slots if s.adapter}
+    assert held[ref("big@1")] == pages(qv(64)) == 28
+    assert ex.blocks.num_pages == sum(held.values())
+    assert not any(s.state is SlotState.LOADING for s in ex.slots.slots)
+
+
+@pytest.mark.parametrize("ends", ["staging", "load"])
+def test_a_bug_while_an_adapter_comes_in_leaves_nothing_half_done(monkeypatch, caplog, ends):
+    """A bug raised where a staging or a load ends (here: starting the load the staging
+    allows, or marking the slot ready) gives up what was under way for that adapter whole: no
+    slot stays LOADING, no staging stays pending, its pages go back; the requests waiting for it
+    fail at once with an internal error, logged once, and the adapter can be brought in
+    again."""
+    w = World(num_slots=2, num_blocks=40, geometry=GEOMETRY, limits=Limits(kv_reserve=0.0))
+    ex = w.executors[0]
+    if ends == "staging":  # (every slot taken: the adapter is staged before it evicts)
+        for name in ("a@1", "b@1"):
+            w.request(adapter=name, ranks=qv(8), prompt_len=2, max_new=1)
+            w.run()
+    waiting = w.request(adapter="c@1", ranks=qv(8), prompt_len=2, max_new=1)
+    owner, name = ((w.core.residency, "_start_load") if ends == "staging"
+                   else (ex.slots, "mark_ready"))
+    monkeypatch.setattr(owner, name, lambda *a: 1 / 0)
+    w.complete_loads()
+    assert [r.levelname for r in caplog.records if "this is a bug" in r.getMessage()] == ["ERROR"]
+    (event,) = error_events(w, waiting)
+    assert event.error.code is grpc.StatusCode.INTERNAL and "this is a bug" in str(event.error)
+    assert ex.slots.find(ref("c@1")) is None and ex.slots.staged(ref("c@1")) is None
+    assert not ex.slots.is_bringing_in() and ref("c@1") not in ex.fetching_since
+    assert ex.blocks.num_pages == sum(len(s.pages) for s in ex.slots.slots)
+    monkeypatch.undo()
+    again = w.request(adapter="c@1", ranks=qv(8), prompt_len=2, max_new=1)
+    w.run()
+    assert w.finished(again) and ex.slots.find(ref("c@1")).state is SlotState.READY
+
+
+def error_events(w: World, req) -> list:
+    return [e for e in w.events[req.request_id] if isinstance(e, ErrorEvent)]
 
 
 def test_a_failed_load_keeps_its_pages_until_the_executor_answers_its_unload():

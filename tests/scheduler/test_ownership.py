@@ -11,11 +11,12 @@ BUILDERS = {"sequence.py", "step_builder.py", "fast_steps.py", "reference_steps.
 OWNERS = {
     # ExecutorState
     **dict.fromkeys(["work_tokens", "executor"], {"placement.py"}),
-    **dict.fromkeys(["load_failures", "fetching_since", "num_loads", "num_hits",
-                     "num_evictions", "caused_load"], {"residency.py"}),
+    **dict.fromkeys(["load_failures", "fetching_since", "adapter_loads", "adapter_hits",
+                     "adapter_evictions", "caused_load"], {"residency.py"}),
     **dict.fromkeys(["merge", "dedicated_to", "dedicated_bytes", "merged_slot", "unmerge_due",
                      "unmerging"], {"merging.py"}),
-    **dict.fromkeys(["is_up", "is_draining", "is_leaving", "is_stopping", "num_steps", "blocks"],
+    **dict.fromkeys(["is_up", "is_draining", "is_leaving", "is_stopping", "steps_since_up",
+                     "steps_run", "blocks", "counters"],
                     {"core.py"}),
     # Request
     **dict.fromkeys(["status", "arrival", "queued_since", "admitted_at", "finish_reason",
