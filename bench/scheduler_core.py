@@ -23,7 +23,6 @@ import time
 
 from common.detokenizer import OutputProcessor
 from common.sampling import SamplingParams
-from scheduler.block_manager import BlockManager
 from scheduler.core import Scheduler
 from scheduler.executor_link import step_request
 from scheduler.executor_state import ExecutorState
@@ -31,8 +30,9 @@ from scheduler.fairness import FairnessWeights
 from scheduler.limits import Limits
 from scheduler.metrics import SchedulerMetrics
 from scheduler.request import Request
-from scheduler.sequence import Samples
-from scheduler.slots import SlotTable
+from scheduler.residency.slots import SlotTable
+from scheduler.steps.block_manager import BlockManager
+from scheduler.steps.sequence import Samples
 from scheduler.streams import StreamConnection
 
 WARMUP_STEPS = 20

@@ -28,12 +28,12 @@ from common.errors import ResourceExhausted, retry_after
 from scheduler.executor_state import ExecutorState
 from scheduler.fairness import FairShare
 from scheduler.limits import Limits
-from scheduler.longrope import enter_long, is_long
 from scheduler.placement import Placement
-from scheduler.prefix_cache import cached_prefix
 from scheduler.request import Request
-from scheduler.residency import Residency
-from scheduler.sequence import ScheduledRow, Sequence
+from scheduler.residency.residency import Residency
+from scheduler.steps.longrope import enter_long, is_long
+from scheduler.steps.prefix_cache import cached_prefix
+from scheduler.steps.sequence import ScheduledRow, Sequence
 
 # The scheduler's side of an admission: start req on the executor with its tokens and prefix
 # cache hits, within the budget left -> its first row.

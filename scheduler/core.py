@@ -38,20 +38,20 @@ from common.errors import (
     Unavailable,
 )
 from scheduler.admission import Admission
-from scheduler.block_manager import BlockManager
 from scheduler.deadlines import Deadlines, Due, expiry_error
 from scheduler.executor_state import ExecutorState
 from scheduler.fairness import FairnessWeights, FairShare
 from scheduler.limits import Limits
-from scheduler.longrope import run_end
 from scheduler.merging import Merges
 from scheduler.placement import Placement
-from scheduler.prefix_cache import cache_key
 from scheduler.request import ErrorEvent, FinishEvent, Request, Status
-from scheduler.residency import Residency
-from scheduler.sequence import Samples, ScheduledRow, Sequence, StepPlan
-from scheduler.slots import Slot
+from scheduler.residency.residency import Residency
+from scheduler.residency.slots import Slot
 from scheduler.stats import PoolStats, TenantTotals, snapshot
+from scheduler.steps.block_manager import BlockManager
+from scheduler.steps.longrope import run_end
+from scheduler.steps.prefix_cache import cache_key
+from scheduler.steps.sequence import Samples, ScheduledRow, Sequence, StepPlan
 
 log = logging.getLogger(__name__)
 

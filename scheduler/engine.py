@@ -31,8 +31,8 @@ from scheduler.executor_state import ExecutorCounters, ExecutorState
 from scheduler.fairness import FairnessWeights
 from scheduler.limits import Limits
 from scheduler.metrics import SchedulerMetrics
-from scheduler.sequence import StepPlan
-from scheduler.slots import Slot
+from scheduler.residency.slots import Slot
+from scheduler.steps.sequence import StepPlan
 from scheduler.timeouts import Timeouts
 from scheduler.timings import TimingLog
 

@@ -16,10 +16,10 @@ from common.errors import Unavailable
 from common.page_geometry_pb import geometry_from_pb
 from common.server import insecure_channel
 from protos import executor_pb2, executor_pb2_grpc
-from scheduler.block_manager import BlockManager
 from scheduler.executor_state import ExecutorCounters, ExecutorState
-from scheduler.sequence import NO_EXTRAS, SampleExtras, Samples, StepPlan
-from scheduler.slots import SlotTable
+from scheduler.residency.slots import SlotTable
+from scheduler.steps.block_manager import BlockManager
+from scheduler.steps.sequence import NO_EXTRAS, SampleExtras, Samples, StepPlan
 from scheduler.timeouts import Timeouts
 
 

@@ -25,18 +25,18 @@ from typing import TYPE_CHECKING
 
 from common.adapter_pages import PageGeometry
 from common.adapter_ref import AdapterRef
-from scheduler.block_manager import BlockManager, blocks_for
-from scheduler.fast_steps import FastSteps
 from scheduler.merging import MergeState
 from scheduler.queues import ExecutorQueue
 from scheduler.request import Request
+from scheduler.residency.slots import SlotTable
 from scheduler.routing import Popularity, Rates
-from scheduler.sequence import Sequence
-from scheduler.slots import SlotTable
-from scheduler.step_builder import StepBuilder
+from scheduler.steps.block_manager import BlockManager, blocks_for
+from scheduler.steps.fast_steps import FastSteps
+from scheduler.steps.sequence import Sequence
+from scheduler.steps.step_builder import StepBuilder
 
 if TYPE_CHECKING:
-    from scheduler.residency import LoadFailure
+    from scheduler.residency.residency import LoadFailure
 
 
 @dataclass

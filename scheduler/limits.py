@@ -3,7 +3,7 @@ scheduler's configuration, scheduler/config.py, fills it from flags)."""
 
 from dataclasses import dataclass
 
-from scheduler.prefix_cache import SCOPES
+from scheduler.steps.prefix_cache import SCOPES
 
 
 @dataclass(frozen=True)

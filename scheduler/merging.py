@@ -39,14 +39,14 @@ from typing import TYPE_CHECKING
 from common.adapter_ref import AdapterRef
 from common.errors import FailedPrecondition, Unavailable
 from scheduler.limits import Limits
+from scheduler.residency.slots import Slot, SlotState
 from scheduler.routing import score
-from scheduler.sequence import StepPlan
-from scheduler.slots import Slot, SlotState
+from scheduler.steps.sequence import StepPlan
 
 if TYPE_CHECKING:
     from scheduler.executor_state import ExecutorState
     from scheduler.placement import Placement
-    from scheduler.residency import Residency
+    from scheduler.residency.residency import Residency
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from common.metrics import BoundedLabel
 from scheduler.core import Scheduler
 from scheduler.request import Request
-from scheduler.sequence import StepPlan
+from scheduler.steps.sequence import StepPlan
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 

@@ -17,9 +17,9 @@ from scheduler.executor_state import ExecutorState
 from scheduler.fairness import FairShare
 from scheduler.limits import Limits
 from scheduler.request import Request
-from scheduler.residency import Residency
+from scheduler.residency.residency import Residency
 from scheduler.routing import home, score
-from scheduler.sequence import Sequence
+from scheduler.steps.sequence import Sequence
 
 # A merged executor wins its adapter's requests unless its expected wait is this much longer
 # than another's: it runs them without LoRA work, a gain not worth a long queue.

@@ -1,5 +1,6 @@
 """The scheduler's gRPC face: authenticate, validate, queue, stream; admin RPCs convert their
-messages and delegate (from_pb -> core or admin.py -> to_pb). Policy lives in scheduler.core."""
+messages and delegate (from_pb -> core or residency/prewarm.py -> to_pb). Policy lives in
+scheduler.core."""
 
 import asyncio
 import collections
@@ -31,10 +32,11 @@ from common.sampling import SamplingParams
 from common.server import Service, announce, configure_logging, run, run_until_signalled
 from common.token_logprobs import prompt_tokens_pb
 from protos import common_pb2, executor_pb2, scheduler_pb2, scheduler_pb2_grpc
-from scheduler import admin, validation
+from scheduler import validation
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.request import ErrorEvent, Event, FinishEvent, Request, Status
+from scheduler.residency import prewarm
 from scheduler.stats import ExecutorStats, PoolStats, TenantStats
 from scheduler.streams import StreamConnection, check_no_stops
 from scheduler.timings import TimingLog
@@ -239,7 +241,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             chosen = self._engine.core.prewarm(key, adapter.num_bytes, request.num_executors or 1,
                                                request.pin, adapter.ranks)
             if request.wait:
-                failed = await admin.loads_done(chosen, key)
+                failed = await prewarm.loads_done(chosen, key)
                 if failed:
                     raise Unavailable(f"loading {key} failed on {', '.join(failed)}; see the "
                                       "executor logs")

@@ -10,7 +10,7 @@ from common.adapter_ref import AdapterRef
 from scheduler.executor_state import ExecutorState
 from scheduler.fairness import FairShare
 from scheduler.request import Request
-from scheduler.slots import SlotState
+from scheduler.residency.slots import SlotState
 
 
 @dataclass

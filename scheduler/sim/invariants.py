@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from common.adapter_ref import AdapterRef
 from scheduler.core import Scheduler
 from scheduler.request import Request, Status
-from scheduler.slots import SlotState
+from scheduler.residency.slots import SlotState
 
 
 def check_invariants(core: Scheduler, live: Iterable[Request] = ()) -> None:

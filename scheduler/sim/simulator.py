@@ -19,15 +19,15 @@ from common.adapter_ref import AdapterRef
 from common.detokenizer import OutputProcessor
 from common.peft.modules import LORA_MODULES
 from common.sampling import SamplingParams
-from scheduler.block_manager import BlockManager
 from scheduler.core import Scheduler
 from scheduler.executor_state import ExecutorState
 from scheduler.fairness import FairnessWeights, spread_bound
 from scheduler.request import ErrorEvent, FinishEvent, Request
-from scheduler.sequence import NO_SAMPLES, Sample, Samples, StepPlan
+from scheduler.residency.slots import SlotTable
 from scheduler.sim.belady import belady_hits, lru_hits, pinned_belady_hits
 from scheduler.sim.config import SimConfig
-from scheduler.slots import SlotTable
+from scheduler.steps.block_manager import BlockManager
+from scheduler.steps.sequence import NO_SAMPLES, Sample, Samples, StepPlan
 
 ARRIVAL, STEP_DONE, LOAD_DONE, STAGE_DONE, TICK = 0, 1, 2, 3, 4
 TICK_S = 0.1  # the core's clock tick (scheduler/engine.py's TICK_S)

@@ -1,7 +1,7 @@
 """Phi-3's longrope (Phi-3-128k, Phi-3.5) served past its original context, as transformers'
 generate() serves it: a sequence of up to original_max_position_embeddings tokens (the switch)
 with the short factors, a longer one with the long factors at every position, its KV computed
-again whole when it outgrows the switch (executor/rope.py, scheduler/longrope.py).
+again whole when it outgrows the switch (executor/rope.py, scheduler/steps/longrope.py).
 
 A tiny random Phi-3 (switch 32, context 256, distinct short and long factors) with a PEFT adapter
 on qkv_proj and o_proj: greedy tokens and logits equal HF + PEFT generate()'s for a prompt past
@@ -27,8 +27,8 @@ from loraplex import fixtures
 from scheduler.executor_link import step_request
 from scheduler.limits import Limits
 from scheduler.request import Request, TokenEvent
-from scheduler.sequence import Sample, Samples
 from scheduler.sim.invariants import check_invariants
+from scheduler.steps.sequence import Sample, Samples
 from tests.executor.test_tensor_parallel_oracle import TP_ATOL
 from tests.oracle import hf_generate, hf_greedy, made_adapters
 from tests.rank_threads import RankThreads

@@ -6,16 +6,16 @@ otherwise (step_builder.py)."""
 from common.adapter_ref import AdapterRef
 from common.detokenizer import OutputProcessor
 from common.sampling import SamplingParams
-from scheduler.block_manager import BlockManager
 from scheduler.core import Scheduler
 from scheduler.executor_state import ExecutorState
 from scheduler.fairness import FairnessWeights
-from scheduler.fast_steps import FastSteps
 from scheduler.limits import Limits
 from scheduler.request import FinishEvent, Request
-from scheduler.sequence import Sample, Samples
+from scheduler.residency.slots import SlotTable
 from scheduler.sim.invariants import check_invariants
-from scheduler.slots import SlotTable
+from scheduler.steps.block_manager import BlockManager
+from scheduler.steps.fast_steps import FastSteps
+from scheduler.steps.sequence import Sample, Samples
 
 DEFAULT_RANKS = {"q_proj": 8, "v_proj": 8}
 
@@ -32,7 +32,7 @@ class World:
                  rope_switch_len=0):
         """`geometry`: the executors keep adapters in pages of their KV blocks (a
         common.adapter_pages.PageGeometry); None: in fixed slots beside them.
-        `rope_switch_len`: their model's longrope switch (scheduler/longrope.py; 0: none)."""
+        `rope_switch_len`: their model's longrope switch (scheduler/steps/longrope.py; 0: none)."""
         self.loads: list = []
         self.unloads: list = []  # (executor, slot index, adapter) of every UnloadAdapter
         self.stages: list = []  # adapters being staged (fetched ahead of taking a slot)

@@ -1,4 +1,4 @@
-"""Adapters in pages of the KV blocks (scheduler/adapter_memory.py): each takes pages in
+"""Adapters in pages of the KV blocks (scheduler/residency/adapter_memory.py): each takes pages in
 proportion to its ranks, they grow into KV that idles and give it back under KV pressure, and
 no running sequence ever loses its adapter or its blocks to a load."""
 
@@ -7,10 +7,10 @@ import pytest
 
 from common.adapter_pages import PageGeometry, plan_pages
 from common.errors import InvalidArgument
-from scheduler.block_manager import BlockManager
 from scheduler.limits import Limits
 from scheduler.request import ErrorEvent, Status
-from scheduler.slots import SlotState
+from scheduler.residency.slots import SlotState
+from scheduler.steps.block_manager import BlockManager
 from tests.scheduler.sched_world import World, ref
 
 SHAPES = {"q_proj": (256, 256), "k_proj": (256, 128), "v_proj": (256, 128),

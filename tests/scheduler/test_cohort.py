@@ -1,14 +1,14 @@
-"""The decode cohort (scheduler/cohort.py): it changes no plan (the same rows, step after step, as
-the reference builder planning every sequence one by one), and in steady decode it plans most
-rows."""
+"""The decode cohort (scheduler/steps/cohort.py): it changes no plan (the same rows, step after
+step, as the reference builder planning every sequence one by one), and in steady decode it plans
+most rows."""
 
 import collections
 
-from scheduler.fast_steps import FastSteps
 from scheduler.limits import Limits
-from scheduler.reference_steps import ReferenceSteps
-from scheduler.sequence import Sample, Samples
 from scheduler.sim.invariants import check_invariants
+from scheduler.steps.fast_steps import FastSteps
+from scheduler.steps.reference_steps import ReferenceSteps
+from scheduler.steps.sequence import Sample, Samples
 from tests.scheduler.sched_world import World
 
 

@@ -7,7 +7,7 @@ import pytest
 from common.errors import FailedPrecondition, InvalidArgument
 from scheduler.limits import Limits
 from scheduler.request import Status
-from scheduler.sequence import Sample, Samples
+from scheduler.steps.sequence import Sample, Samples
 from tests.scheduler.sched_world import World, ref
 
 A, B = ref("a@1"), ref("b@1")

@@ -20,8 +20,8 @@ from common.detokenizer import OutputProcessor
 from common.sampling import SamplingParams
 from scheduler.limits import Limits
 from scheduler.request import FinishEvent, Request, TokenEvent
-from scheduler.sequence import Sample, Samples
 from scheduler.sim.invariants import check_invariants
+from scheduler.steps.sequence import Sample, Samples
 from tests.scheduler.sched_world import World, ref
 
 EOS, STOP = 0, 1
@@ -115,7 +115,7 @@ def drive(depth: int, seed: int, num_blocks: int, cancel_every: int = 0,
     arriving over time, stepped with `depth` steps in flight; request id -> (tokens, finish
     reason). With `num_sinks`, requests hand their tokens to that many sinks, as a Stream
     connection's do (the core's columnar path), instead of emitting TokenEvents. With `switch`,
-    a longrope model's (scheduler/longrope.py): some requests run long from the start, some
+    a longrope model's (scheduler/steps/longrope.py): some requests run long from the start, some
     outgrow it and run again, long."""
     rng = random.Random(seed)
     w = World(num_blocks=num_blocks, block_size=4, num_slots=2,

@@ -6,13 +6,13 @@ from hypothesis import strategies as st
 
 from common.detokenizer import Finish, OutputProcessor
 from common.sampling import SamplingParams
-from scheduler.block_manager import BlockManager
 from scheduler.fairness import FairnessWeights
 from scheduler.limits import Limits
-from scheduler.prefix_cache import cache_key, extend_hashes
 from scheduler.request import Request, Status, TokenEvent
-from scheduler.sequence import Sample, Samples
 from scheduler.sim.invariants import check_invariants
+from scheduler.steps.block_manager import BlockManager
+from scheduler.steps.prefix_cache import cache_key, extend_hashes
+from scheduler.steps.sequence import Sample, Samples
 from tests.scheduler.sched_world import World, ref
 
 SYSTEM = list(range(100, 112))  # a 12-token shared prompt start: 3 blocks of 4
@@ -262,7 +262,7 @@ def test_a_block_its_last_sample_fills_is_cached_when_a_step_behind_computed_it(
 
 
 def test_short_and_long_runs_of_a_longrope_model_never_share_blocks():
-    """A longrope model (switch 16, scheduler/longrope.py): a block's KV differs between a run
+    """A longrope model (switch 16, scheduler/steps/longrope.py): a block's KV differs between a run
     that started within the switch (short factors) and one past it (long). A long prompt reuses
     no short run's block; long runs reuse each other's, short runs theirs. A short run that
     outgrows the switch ends at 17 tokens and runs again from all of them, long, under the long

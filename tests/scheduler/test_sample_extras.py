@@ -13,11 +13,11 @@ from common.errors import Unavailable
 from common.sampling import SamplingParams
 from protos import common_pb2, executor_pb2, scheduler_pb2
 from scheduler.executor_link import sample_extras
-from scheduler.fast_steps import FastSteps
 from scheduler.metrics import SchedulerMetrics
-from scheduler.reference_steps import ReferenceSteps
 from scheduler.request import Request, SampleExtras
-from scheduler.sequence import Samples
+from scheduler.steps.fast_steps import FastSteps
+from scheduler.steps.reference_steps import ReferenceSteps
+from scheduler.steps.sequence import Samples
 from scheduler.streams import StreamConnection
 from tests.scheduler.sched_world import World
 

@@ -12,11 +12,11 @@ from common.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from scheduler.block_manager import BlockManager
 from scheduler.limits import Limits
 from scheduler.request import ErrorEvent, Status
-from scheduler.sequence import NO_SAMPLES
-from scheduler.slots import SlotState
+from scheduler.residency.slots import SlotState
+from scheduler.steps.block_manager import BlockManager
+from scheduler.steps.sequence import NO_SAMPLES
 from tests.scheduler.sched_world import World, ref
 
 

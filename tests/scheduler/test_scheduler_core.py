@@ -7,15 +7,15 @@ import pytest
 
 from common.detokenizer import Finish
 from common.errors import FailedPrecondition, InvalidArgument, Unavailable
-from scheduler import admin
-from scheduler.block_manager import BlockManager
 from scheduler.executor_state import ExecutorState
 from scheduler.fairness import FairnessWeights
 from scheduler.limits import Limits
 from scheduler.request import ErrorEvent, Status, TokenEvent
-from scheduler.sequence import NO_SAMPLES
+from scheduler.residency import prewarm
+from scheduler.residency.slots import SlotState, SlotTable
 from scheduler.sim.invariants import check_invariants
-from scheduler.slots import SlotState, SlotTable
+from scheduler.steps.block_manager import BlockManager
+from scheduler.steps.sequence import NO_SAMPLES
 from tests.scheduler.sched_world import World, ref
 
 
@@ -98,14 +98,14 @@ async def test_prewarm_waiters_hear_when_each_load_ends():
     w = World(num_executors=3)
     chosen = w.core.prewarm(ref("a@1"), 1 << 20, 3, pin=True)
     assert all(ex.slots.find(ref("a@1")).is_admin_pinned for ex in chosen)
-    done = admin.loads_done(chosen, ref("a@1"))
+    done = prewarm.loads_done(chosen, ref("a@1"))
     (ok, bad, lost), w.loads = w.loads, []
     w.core.on_load_done(*ok, None)
     w.core.on_load_done(*bad, InvalidArgument("bad shapes"))
     assert not done.done(), "one load is still running"
     w.core.on_executor_lost(lost[0])
     assert await done == [bad[0].address, lost[0].address]
-    assert await admin.loads_done(chosen, ref("a@1")) == [bad[0].address, lost[0].address]
+    assert await prewarm.loads_done(chosen, ref("a@1")) == [bad[0].address, lost[0].address]
 
 
 def test_resume_is_refused_for_an_executor_leaving_stopping_or_down():

@@ -1,11 +1,11 @@
-"""The fast step builder (scheduler/fast_steps.py: the decode cohort, samples taken as columns)
-makes exactly the reference builder's plans (scheduler/reference_steps.py: every sequence and
-sample one by one), given the same answers: over random arrivals (prompts sharing prefixes, the
-base model and adapters, requests streaming to token sinks and emitting events), finishes on
-EOS, stop tokens and length, cancels, preemption when KV runs short, executor loss, and up to two
-steps in flight, on a longrope model too (runs recomputed past its switch). Two worlds are driven
-in lockstep by the same events; every plan must be the same (rows, blocks, frees, new sequences)
-and every request must get the same tokens and finish.
+"""The fast step builder (scheduler/steps/fast_steps.py: the decode cohort, samples taken as
+columns) makes exactly the reference builder's plans (scheduler/steps/reference_steps.py: every
+sequence and sample one by one), given the same answers: over random arrivals (prompts sharing
+prefixes, the base model and adapters, requests streaming to token sinks and emitting events),
+finishes on EOS, stop tokens and length, cancels, preemption when KV runs short, executor loss,
+and up to two steps in flight, on a longrope model too (runs recomputed past its switch). Two
+worlds are driven in lockstep by the same events; every plan must be the same (rows, blocks,
+frees, new sequences) and every request must get the same tokens and finish.
 
 The stand-in executor of test_pipelined_steps checks every row reads its own context; its
 answers are given in sequence order (an executor may order its samples as it likes; a builder's
@@ -21,12 +21,12 @@ from hypothesis import strategies as st
 from common.adapter_pages import plan_pages
 from common.detokenizer import OutputProcessor
 from common.sampling import SamplingParams
-from scheduler.fast_steps import FastSteps
 from scheduler.limits import Limits
-from scheduler.reference_steps import ReferenceSteps
 from scheduler.request import Request, Status
-from scheduler.sequence import Samples
 from scheduler.sim.invariants import check_invariants
+from scheduler.steps.fast_steps import FastSteps
+from scheduler.steps.reference_steps import ReferenceSteps
+from scheduler.steps.sequence import Samples
 from tests.scheduler.sched_world import World, ref
 from tests.scheduler.test_pipelined_steps import EOS, STOP, Sink, StandInExecutor, outcome
 from tests.scheduler.test_scheduler_properties import GEOMETRY

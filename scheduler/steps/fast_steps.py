@@ -15,12 +15,12 @@ import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from scheduler.block_manager import BlockManager
-from scheduler.cohort import Cohort
-from scheduler.prefix_cache import publish
-from scheduler.quiet_samples import quiet_samples, take_quiet
 from scheduler.request import TokenSink
-from scheduler.sequence import (
+from scheduler.steps.block_manager import BlockManager
+from scheduler.steps.cohort import Cohort
+from scheduler.steps.prefix_cache import publish
+from scheduler.steps.quiet_samples import quiet_samples, take_quiet
+from scheduler.steps.sequence import (
     NO_EXTRAS,
     SampleExtras,
     ScheduledRow,
@@ -28,7 +28,7 @@ from scheduler.sequence import (
     StepPlan,
     row_slot,
 )
-from scheduler.step_builder import Admit, MakeRoom, OnFinish, OnRunEnd, StepBuilder
+from scheduler.steps.step_builder import Admit, MakeRoom, OnFinish, OnRunEnd, StepBuilder
 
 
 @dataclass(eq=False, slots=True)

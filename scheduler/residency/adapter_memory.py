@@ -36,7 +36,7 @@ from common.adapter_pages import plan_pages
 from common.adapter_ref import AdapterRef
 from scheduler.executor_state import ExecutorState
 from scheduler.limits import Limits
-from scheduler.slots import Slot
+from scheduler.residency.slots import Slot
 
 
 class AdapterMemory:

@@ -20,8 +20,8 @@ import operator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from scheduler.fast_steps import FastSequence as Sequence
-    from scheduler.sequence import ScheduledRow
+    from scheduler.steps.fast_steps import FastSequence as Sequence
+    from scheduler.steps.sequence import ScheduledRow
 
 
 class Cohort:

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 from common.adapter_ref import AdapterRef
 from common.errors import Aborted, FailedPrecondition, LoraplexError, Unavailable
-from scheduler.adapter_memory import AdapterMemory
 from scheduler.executor_state import ExecutorState
 from scheduler.limits import Limits
 from scheduler.request import Request
+from scheduler.residency.adapter_memory import AdapterMemory
+from scheduler.residency.slots import Slot, SlotState
 from scheduler.routing import score
-from scheduler.sequence import Sequence
-from scheduler.slots import Slot, SlotState
+from scheduler.steps.sequence import Sequence
 
 log = logging.getLogger(__name__)
 # An adapter staged on an executor and not taken into a slot within this long is staged again

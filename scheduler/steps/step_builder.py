@@ -35,10 +35,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 
 from common.detokenizer import Finish
-from scheduler.block_manager import BlockManager
 from scheduler.request import Request
-from scheduler.sequence import NO_EXTRAS, SampleExtras, ScheduledRow, Sequence, StepPlan
-from scheduler.slots import Slot
+from scheduler.residency.slots import Slot
+from scheduler.steps.block_manager import BlockManager
+from scheduler.steps.sequence import NO_EXTRAS, SampleExtras, ScheduledRow, Sequence, StepPlan
 
 # The scheduler's side of a plan: admit with the budget left -> rows of new sequences; preempt
 # until a sequence's blocks can hold `num_tokens` (False if it went itself); finish a sequence;

@@ -7,10 +7,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from scheduler.block_manager import BlockManager
-from scheduler.prefix_cache import publish
-from scheduler.sequence import NO_EXTRAS, SampleExtras, ScheduledRow, Sequence, StepPlan, row_slot
-from scheduler.step_builder import Admit, MakeRoom, OnFinish, OnRunEnd, StepBuilder
+from scheduler.steps.block_manager import BlockManager
+from scheduler.steps.prefix_cache import publish
+from scheduler.steps.sequence import (
+    NO_EXTRAS,
+    SampleExtras,
+    ScheduledRow,
+    Sequence,
+    StepPlan,
+    row_slot,
+)
+from scheduler.steps.step_builder import Admit, MakeRoom, OnFinish, OnRunEnd, StepBuilder
 
 
 class ReferenceSteps(StepBuilder):

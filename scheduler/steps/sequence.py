@@ -11,7 +11,7 @@ from types import MappingProxyType
 from typing import NamedTuple
 
 from scheduler.request import Request, SampleExtras
-from scheduler.slots import Slot
+from scheduler.residency.slots import Slot
 
 
 @dataclass(eq=False, slots=True)

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING
 from common.adapter_ref import AdapterRef
 
 if TYPE_CHECKING:  # (limits.py imports this module)
-    from scheduler.block_manager import BlockManager
     from scheduler.request import Request
-    from scheduler.sequence import Sequence
+    from scheduler.steps.block_manager import BlockManager
+    from scheduler.steps.sequence import Sequence
 
 SCOPES = ("tenant", "pool", "off")
 

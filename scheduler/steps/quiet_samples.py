@@ -11,7 +11,7 @@ import operator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from scheduler.fast_steps import FastSequence as Sequence
+    from scheduler.steps.fast_steps import FastSequence as Sequence
 
 
 def quiet_samples(seqs: list[Sequence], token_ids: list[int],
