@@ -12,8 +12,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps lorax-client==0.6.3
 	touch $(STAMP)
 
+# DEMO_ARGS: more flags for `loraplex demo` (the tests run it shorter: --requests 32)
 demo: $(STAMP)
-	$(VENV)/bin/loraplex demo
+	$(VENV)/bin/loraplex demo $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

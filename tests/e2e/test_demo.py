@@ -1,14 +1,43 @@
-"""`make demo`'s main job, as a newcomer runs it: every service as a process, the workload over
-gRPC and through the gateway's OpenAI API, and every adapter answering its task."""
+"""`make demo`'s main job, as a newcomer runs it from the README's first block (`make demo`, with
+fewer requests): every service as a process, the workload over gRPC and through the gateway's
+OpenAI API, and every adapter answering its task. The block's `make test` is this suite itself:
+what it would run is checked, not run."""
 
+import pathlib
 import re
 import subprocess
 import sys
 
+from tests.e2e.test_readme_gateway import ROOT, readme_blocks
+
+VENV = pathlib.Path(sys.executable).parent.parent
+
+
+def make_targets() -> list[str]:
+    """The targets of the README's `make ...` lines."""
+    (block,) = [text for section, _, text in readme_blocks() if section == "## The two commands"]
+    lines = [line.split("#")[0].split() for line in block.splitlines() if line.strip()]
+    assert all(words[0] == "make" and len(words) == 2 for words in lines), block
+    return [words[1] for words in lines]
+
+
+def make(target: str, *flags: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`make TARGET` with this test's virtual environment (installed already: its stamp is taken
+    as up to date, so nothing is installed)."""
+    return subprocess.run(["make", "-o", f"{VENV}/.installed", f"VENV={VENV}", target, *flags],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_the_readmes_make_lines_are_demo_and_test():
+    assert make_targets() == ["demo", "test"]
+    dry = make("test", "-n")
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stdout.split("\n")[:2] == [f"{VENV}/bin/ruff check .", f"{VENV}/bin/python -m "
+                                          "pytest -q"], dry.stdout
+
 
 def test_the_demo_runs_and_its_adapters_answer_through_both_faces():
-    done = subprocess.run([sys.executable, "-m", "loraplex.cli", "demo", "--requests", "32"],
-                          capture_output=True, text=True, timeout=240)
+    done = make("demo", "DEMO_ARGS=--requests 32", timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     assert "all services stopped." in out
