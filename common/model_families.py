@@ -21,7 +21,10 @@ from typing import Any
 
 from common.peft.modules import projection_shapes
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3",
+               "qwen3_moe", "mixtral")
+# Mixture-of-experts families: some or all layers' MLP is experts behind a router (moe_layers)
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 # model_type of a multimodal model -> its language model's (text_config's), which is served
 MULTIMODAL_MODEL_TYPES = {"gemma3": "gemma3_text"}
 # q/k/v and gate/up are single weights (qkv_proj, gate_up_proj), and adapters target them so
@@ -46,6 +49,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                     "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4},
     "phi3": {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 4096,
              "original_max_position_embeddings": 4096},
+    "qwen3_moe": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 32768,
+                  "num_local_experts": 128, "num_experts_per_tok": 8,
+                  "moe_intermediate_size": 768,
+                  "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                  "sliding_window": 4096},
+    "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1_000_000.0,
+                "max_position_embeddings": 4096 * 32, "num_local_experts": 8,
+                "num_experts_per_tok": 2},
 }
 
 
@@ -90,9 +101,32 @@ def _language_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def base_shapes(cfg: dict[str, Any]) -> tuple[int, dict[str, tuple[int, int]]]:
-    """(layers, (in, out) features of each LoRA-targetable projection) of a config.json;
-    ValueError naming the field at fault."""
+def num_experts(cfg: dict[str, Any]) -> int:
+    """Experts per MoE layer of a read_config'd config (0: a dense model). transformers takes
+    num_experts as another name of num_local_experts: a file states either (Qwen's hub configs
+    num_experts, transformers 5 writes num_local_experts); the defaults fill the latter only."""
+    if cfg["model_type"] not in MOE_MODEL_TYPES:
+        return 0
+    return cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+
+
+def moe_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
+    """The layers whose MLP is a mixture of experts, as transformers builds them: every layer of
+    Mixtral; Qwen3-MoE's but its mlp_only_layers and those off its decoder_sparse_step."""
+    if not num_experts(cfg):
+        return ()
+    layers = range(cfg["num_hidden_layers"])
+    if cfg["model_type"] != "qwen3_moe":
+        return tuple(layers)
+    step, dense = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or ())
+    if not _is_count(step):
+        raise ValueError(f"decoder_sparse_step must be a positive integer, got {step!r}")
+    return tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
+
+
+def base_shapes(cfg: dict[str, Any]) -> tuple[int, dict[str, tuple[int, int]], tuple[int, ...]]:
+    """(layers, (in, out) features of each LoRA-targetable projection, the layers whose MLP is
+    experts) of a config.json; ValueError naming the field at fault."""
     cfg = read_config(cfg)
     values = {}
     for field in ("hidden_size", "intermediate_size", "num_attention_heads",
@@ -106,9 +140,17 @@ def base_shapes(cfg: dict[str, Any]) -> tuple[int, dict[str, tuple[int, int]]]:
     head_dim = cfg.get("head_dim") or hidden // heads
     if not (_is_count(kv_heads) and _is_count(head_dim)):
         raise ValueError("num_key_value_heads and head_dim must be positive integers")
+    experts, moe = num_experts(cfg), moe_layers(cfg)
+    expert_size = cfg.get("moe_intermediate_size") if cfg["model_type"] == "qwen3_moe" else \
+        values["intermediate_size"]
+    if experts and not (_is_count(experts) and _is_count(expert_size)):
+        raise ValueError("the number of experts and their intermediate size must be positive "
+                         "integers")
     return values["num_hidden_layers"], projection_shapes(
         hidden, values["intermediate_size"], heads, kv_heads, head_dim,
-        fused=cfg["model_type"] in FUSED_MODEL_TYPES)
+        fused=cfg["model_type"] in FUSED_MODEL_TYPES, num_experts=experts,
+        moe_intermediate_size=expert_size or 0,
+        dense_mlp=len(moe) < values["num_hidden_layers"]), moe
 
 
 def _is_count(value: object) -> bool:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from executor.lora_experts import ExpertRuns, apply_torch
 from executor.lora_segments import LoraSegments
 from executor.lora_stack import AdapterStack
 from executor.slot_pool import LoraSlotPool, SliceGroup
@@ -174,6 +175,16 @@ class TorchLoraBackend:
                 self._apply_module(layer, module, x, out_m, meta.alone)
         for batch in meta.batches:
             self._apply_batch(layer, group, g, x, out, batch)
+
+    def prepare_experts(self, pair_slots: torch.Tensor, pair_experts: torch.Tensor,
+                        expert_runs: tuple[tuple[int, int, int], ...]) -> ExpertRuns:
+        """One MoE layer's metadata (executor/lora_experts.py), from its sorted pairs."""
+        return ExpertRuns.build(pair_slots, expert_runs)
+
+    def apply_experts(self, layer: int, projection: str, x: torch.Tensor, out: torch.Tensor,
+                      runs: ExpertRuns) -> None:
+        """out [P, out] += the pairs' adapters' LoRA of their experts' `projection`."""
+        apply_torch(self.pool, layer, projection, x, out, runs)
 
     def _apply_module(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor,
                       segments: tuple[tuple[int, int, int], ...]) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from executor.lora_experts import ExpertRuns, ExpertWork, apply_triton, prepare_triton
 from executor.lora_segments import LoraSegments
 from executor.slot_pool import LoraSlotPool
 from kernels.segments import SegmentWork
@@ -61,6 +62,17 @@ class TritonLoraBackend:
                                  block_m=16 if is_fused else 64, device=self.pool.device,
                                  tiered=groups)
         return TritonBatchMeta(work, is_fused)
+
+    def prepare_experts(self, pair_slots: torch.Tensor, pair_experts: torch.Tensor,
+                        expert_runs: tuple[tuple[int, int, int], ...]) -> ExpertWork:
+        """One MoE layer's metadata (executor/lora_experts.py), from its sorted pairs."""
+        runs = ExpertRuns.build(pair_slots, expert_runs)
+        return prepare_triton(self.pool, runs, block_m=16)
+
+    def apply_experts(self, layer: int, projection: str, x: torch.Tensor, out: torch.Tensor,
+                      work: ExpertWork) -> None:
+        """out [P, out] += the pairs' adapters' LoRA of their experts' `projection`."""
+        apply_triton(self.pool, layer, projection, x, out, work, self.target_ctas)
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor,
               meta: TritonBatchMeta) -> None:

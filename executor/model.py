@@ -41,6 +41,7 @@ from executor.kv_cache import PagedKVCache
 from executor.layer_ops import activation, rms_norm, soft_cap
 from executor.lora import LoraBackend, LoraBatchMeta
 from executor.model_config import ModelConfig
+from executor.moe import moe_mlp
 from executor.rope import apply_rope, rope_cos_sin
 from executor.tensor_parallel import SINGLE, TensorParallel
 from executor.weights import ModelWeights
@@ -69,11 +70,13 @@ class StepMetadata:
     attention: Mapping[int | None, AttentionMeta]
     lora: LoraBatchMeta
     sample_rows: torch.Tensor  # [S] rows whose logits are returned
+    # [T] long, host: each row's adapter slot (-1: none), for the experts' LoRA (executor/moe.py)
+    row_slots: torch.Tensor | None = None
 
     @classmethod
     def build(cls, groups: list[RowSpec], *, kv: PagedKVCache, windows: set[int | None],
               lora: LoraBatchMeta, sample_rows: list[int], device: str | torch.device,
-              attention: str = "auto") -> StepMetadata:
+              attention: str = "auto", row_slots: torch.Tensor | None = None) -> StepMetadata:
         """windows: the layers' sliding windows (Transformer.windows); attention: the attention
         backend (executor/attention.py), 'auto' by device."""
         positions, write_slots, starts = [], [], []
@@ -96,7 +99,8 @@ class StepMetadata:
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             write_slots=torch.tensor(write_slots, dtype=torch.long, device=device),
             long_rows=long_rows, attention=attention_meta, lora=lora,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device))
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
+            row_slots=row_slots)
 
 
 class Transformer:
@@ -149,7 +153,7 @@ class Transformer:
             out = self._attention(i, x, *rotary[c.layer_rope(i)], meta, kv)
             h = h + (self._norm(out, layer.attn_out_norm) if c.sandwich_norms else out)
             x = self._norm(h, layer.post_attention_norm)
-            out = self._mlp(i, x, meta.lora)
+            out = self._moe(i, x, meta) if c.is_moe_layer(i) else self._mlp(i, x, meta.lora)
             h = h + (self._norm(out, layer.mlp_out_norm) if c.sandwich_norms else out)
         return h
 
@@ -173,6 +177,14 @@ class Transformer:
         out = F.linear(attn, w.wo)  # [T, hidden]
         self.lora.apply(i, "o", attn, out, meta.lora)
         return self.tp.all_reduce(out)  # (row-parallel: the ranks' partial sums)
+
+    def _moe(self, i: int, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        w = self.weights.layers[i]
+        row_slots = meta.row_slots
+        if row_slots is None:  # (no adapter on any row)
+            row_slots = torch.full((x.shape[0],), -1, dtype=torch.long)
+        return moe_mlp(self.config, i, x, w.router, w.experts_gate_up, w.experts_down, row_slots,
+                       self.lora, meta.lora)
 
     def _mlp(self, i: int, x: torch.Tensor, lora: LoraBatchMeta) -> torch.Tensor:
         w = self.weights.layers[i]

@@ -57,6 +57,17 @@ class ModelConfig:
     # The checkpoint is a multimodal model's (Gemma 3 4B+): the text weights are its language
     # model's, beside a vision tower and projector that are never loaded (executor/weights.py)
     multimodal_checkpoint: bool = False
+    # Mixture of experts (executor/moe.py; 0 experts: a dense model). The MLP of each of
+    # `moe_layers` is `num_experts` experts of moe_intermediate_size, num_experts_per_tok of
+    # them per token by a router: softmax over the experts in fp32, the top k, renormalised to
+    # sum to 1 with norm_topk_prob; routing weights in fp32 with routing_in_fp32 (Mixtral),
+    # else cast to the activations' dtype first (Qwen3-MoE). The other layers' MLP is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    routing_in_fp32: bool = False
+    moe_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -68,6 +79,8 @@ class ModelConfig:
                 raise ValueError(f"model config: {name} must be a positive integer, got {value!r}")
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
+        self._check_experts()
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"model config: num_attention_heads ({self.num_attention_heads}) must be a "
@@ -88,6 +101,23 @@ class ModelConfig:
         if any(not 0 <= t < self.vocab_size for t in self.eos_token_ids):
             raise ValueError(f"model config: eos_token_ids {list(self.eos_token_ids)} must lie in "
                              f"[0, vocab_size={self.vocab_size})")
+
+    def _check_experts(self) -> None:
+        if not self.num_experts:
+            if self.moe_layers:
+                raise ValueError("model config: moe_layers without num_experts")
+            return
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"model config: {name} must be a positive integer, got "
+                                 f"{value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"model config: num_experts_per_tok ({self.num_experts_per_tok}) "
+                             f"exceeds num_experts ({self.num_experts})")
+        if any(not 0 <= i < self.num_hidden_layers for i in self.moe_layers):
+            raise ValueError(f"model config: moe_layers {list(self.moe_layers)} lie outside "
+                             f"the {self.num_hidden_layers} layers")
 
     def _check_layer_types(self) -> None:
         if not self.layer_types:
@@ -140,6 +170,15 @@ class ModelConfig:
             return Rope(self.local_rope_theta)
         return self.rope
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a mixture of experts."""
+        return layer in self.moe_layers
+
+    @property
+    def has_dense_mlp(self) -> bool:
+        """Some layer's MLP is dense (every layer's, in a dense model)."""
+        return len(self.moe_layers) < self.num_hidden_layers
+
     @property
     def lora_modules(self) -> tuple[str, ...]:
         """The projections an adapter of this model may target, in the pool's order."""
@@ -149,7 +188,10 @@ class ModelConfig:
         """(in_features, out_features) of each LoRA-targetable projection."""
         return projection_shapes(self.hidden_size, self.intermediate_size,
                                  self.num_attention_heads, self.num_key_value_heads,
-                                 self.head_dim, fused=self.fused_projections)
+                                 self.head_dim, fused=self.fused_projections,
+                                 num_experts=self.num_experts,
+                                 moe_intermediate_size=self.moe_intermediate_size,
+                                 dense_mlp=self.has_dense_mlp)
 
     def module_shape(self, module: str) -> tuple[int, int]:
         """(in_features, out_features) of one of the LoRA-targetable projections."""

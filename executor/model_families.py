@@ -18,6 +18,14 @@ fields mean what they mean to transformers (common/model_families.py fills in it
                             .py), as Gemma3ForConditionalGeneration computes text-only input: no
                             final soft cap (its forward applies none); the weights under its
                             language model, the vision tower's skipped
+    qwen3_moe               Qwen3's attention; the MLP of every layer but its mlp_only_layers
+                            (and those off decoder_sparse_step) is num_experts experts of
+                            moe_intermediate_size, top num_experts_per_tok by softmax, renormalised
+                            with norm_topk_prob, weights cast to the activations' dtype; every
+                            layer slides when use_sliding_window is set
+    mixtral                 the LLaMA layout's attention (sliding when sliding_window is set);
+                            every MLP is num_local_experts experts of intermediate_size, top
+                            num_experts_per_tok by softmax, renormalised, weights kept in fp32
 
 Anything a family may state that loraplex does not compute is refused with the field's name:
 never served approximately.
@@ -27,7 +35,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.model_families import FUSED_MODEL_TYPES, is_multimodal, read_config
+from common.model_families import (
+    FUSED_MODEL_TYPES,
+    is_multimodal,
+    moe_layers,
+    num_experts,
+    read_config,
+)
 from executor.model_config import FULL, SLIDING, alternating_layers
 from executor.rope import Rope, parse_rope
 
@@ -60,14 +74,19 @@ def config_fields(raw: dict[str, Any], generation_config: dict[str, Any]) -> dic
         max_position_embeddings=cfg["max_position_embeddings"],
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
         eos_token_ids=_eos_ids(cfg, generation_config),
         hidden_act=act,
         fused_projections=model_type in FUSED_MODEL_TYPES,
     )
     head_dim = fields["head_dim"] or fields["hidden_size"] // heads
-    if model_type not in ("qwen2", "qwen3"):  # (Qwen's applies only with use_sliding_window)
+    if model_type == "qwen3_moe":  # (every layer slides, with use_sliding_window only)
+        fields["sliding_window"] = cfg.get("sliding_window") if cfg.get("use_sliding_window") \
+            else None
+    elif model_type not in ("qwen2", "qwen3"):  # (Qwen's applies only with use_sliding_window)
         fields["sliding_window"] = cfg.get("sliding_window")
+    if num_experts(cfg):
+        fields.update(_experts(cfg))
     if is_gemma:
         fields.update(_gemma(cfg, model_type))
     if is_multimodal(raw):
@@ -81,6 +100,15 @@ def config_fields(raw: dict[str, Any], generation_config: dict[str, Any]) -> dic
         rope = _rope(cfg, head_dim)
         fields.update(rope_theta=rope.theta, rope_scaling=rope.scaling)
     return fields
+
+
+def _experts(cfg: dict[str, Any]) -> dict[str, Any]:
+    is_qwen = cfg["model_type"] == "qwen3_moe"
+    return dict(num_experts=num_experts(cfg), num_experts_per_tok=cfg["num_experts_per_tok"],
+                moe_intermediate_size=(cfg["moe_intermediate_size"] if is_qwen
+                                       else cfg["intermediate_size"]),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob")) if is_qwen else True,
+                routing_in_fp32=not is_qwen, moe_layers=moe_layers(cfg))
 
 
 def _gemma(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:

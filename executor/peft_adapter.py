@@ -11,13 +11,14 @@ from common.peft.config import parse_config
 from common.peft.finite import check_finite
 from common.peft.layout import BaseShapes, check_fits, plan_adapter
 from common.peft.safetensors_header import WEIGHTS_FILE, check_weights_file, parse_header
-from common.peft.tensors import as_uint8, tensor_views
+from common.peft.tensors import as_uint8, expert_tensors, tensor_views
 from executor.model_config import ModelConfig
 from executor.slot_pool import LoraModuleWeights, LoraWeights
 
 
 def model_shapes(model: ModelConfig) -> BaseShapes:
-    return BaseShapes(model.model_id, model.num_hidden_layers, model.projection_shapes())
+    return BaseShapes(model.model_id, model.num_hidden_layers, model.projection_shapes(),
+                      frozenset(model.moe_layers))
 
 
 def parse_peft_adapter(config_json: str, safetensors_bytes: bytes | torch.Tensor,
@@ -46,8 +47,9 @@ def parse_peft_adapter(config_json: str, safetensors_bytes: bytes | torch.Tensor
                               f"{max_rank}")
     check_fits(layout, model_shapes(model))
     check_finite(data, layout)
-    views = tensor_views(raw, layout)
+    views = {key: (a, b, layout.modules[key].scale)
+             for key, (a, b) in tensor_views(raw, layout).items()}
+    views.update(expert_tensors(raw, layout))
     return LoraWeights(modules={
-        key: LoraModuleWeights(a=a.to(dtype or a.dtype), b=b.to(dtype or b.dtype),
-                               scale=layout.modules[key].scale)
-        for key, (a, b) in views.items()})
+        key: LoraModuleWeights(a=a.to(dtype or a.dtype), b=b.to(dtype or b.dtype), scale=scale)
+        for key, (a, b, scale) in views.items()})

@@ -307,7 +307,8 @@ class ModelRunner:
             torch.tensor([r.num_tokens for r in rows]))
         lora_meta = self.lora.prepare(row_slots)
         meta = StepMetadata.build(groups, kv=self.kv, windows=self.model.windows,
-                                  lora=lora_meta, sample_rows=sample_rows, device=self.device)
+                                  lora=lora_meta, sample_rows=sample_rows, device=self.device,
+                                  row_slots=row_slots)
         hidden = self.model.hidden_states(tokens, meta, self.kv)  # [T, hidden]
         # [S, vocab]; None on a rank but the first (rank 0 gathers the vocabulary and samples)
         logits = self.model.logits(hidden.index_select(0, meta.sample_rows))

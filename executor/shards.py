@@ -75,6 +75,9 @@ class Shard:
         if problems:
             raise ValueError(f"tensor parallel {n}: does not divide the model's "
                              f"{', '.join(problems)}")
+        if c.num_experts and n > 1:
+            raise ValueError(f"tensor parallel {n}: mixture-of-experts models are served on one "
+                             "rank only for now (--tensor-parallel 1)")
 
     @property
     def config(self) -> ModelConfig:

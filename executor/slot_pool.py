@@ -60,7 +60,13 @@ FUSED_GROUPS: Mapping[str, tuple[str, ...]] = MappingProxyType({
 
 
 def lora_groups(config: ModelConfig) -> Mapping[str, tuple[str, ...]]:
-    return FUSED_GROUPS if config.fused_projections else LORA_GROUPS
+    """The model's groups (a mixture-of-experts model without a dense MLP layer has none of the
+    MLP's: its experts' LoRA is applied by executor/lora_experts.py)."""
+    groups = FUSED_GROUPS if config.fused_projections else LORA_GROUPS
+    if config.has_dense_mlp:
+        return groups
+    return MappingProxyType({name: modules for name, modules in groups.items()
+                             if name in ("qkv", "o")})
 
 
 @dataclass(frozen=True)
@@ -175,6 +181,10 @@ class LoraSlotPool:
 
     def pages_for(self, weights: LoraWeights) -> PageLayout:
         return plan_pages(weights.module_ranks(), self.geometry)
+
+    def module_index(self, module: str) -> int:
+        """The module's column in the pool's per-module tables."""
+        return self._index[module]
 
     def layer_base(self, layer: int) -> int:
         """Elements from a place in layer 0 to the same place in `layer`."""

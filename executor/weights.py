@@ -11,6 +11,17 @@ The norms by the checkpoint's names (Gemma's sandwich in brackets):
     post_attention_norm   post_attention_layernorm [pre_feedforward_layernorm]   before the MLP
     [mlp_out_norm]        post_feedforward_layernorm               on the MLP's output
 
+A mixture-of-experts layer (ModelConfig.moe_layers) holds a router and its experts instead of the
+dense MLP, each expert's gate and up fused as transformers 5 keeps them:
+
+    router              mlp.gate.weight [E, hidden]
+    experts_gate_up     mlp.experts.{e}.gate_proj / up_proj.weight, stacked [E, 2 I, hidden]
+    experts_down        mlp.experts.{e}.down_proj.weight, stacked [E, hidden, I]
+
+read from any of the names checkpoints use: per expert as above (the hub's, and what transformers
+5 saves), Mixtral's block_sparse_moe.experts.{e}.w1 / w3 / w2 (gate, up, down), or already fused
+(mlp.experts.gate_up_proj [E, 2 I, hidden], mlp.experts.down_proj [E, hidden, I]).
+
 A multimodal checkpoint (ModelConfig.multimodal_checkpoint: Gemma 3 4B+) holds these under its
 language model, named by the transformers that saved it, and a vision tower and projector beside
 them, which are skipped unread (text-only input never runs them):
@@ -27,6 +38,7 @@ its part's shapes, and embed / lm_head its vocabulary rows (from `vocab_start`).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,12 +56,15 @@ class LayerWeights:
     bqkv: torch.Tensor | None  # [q_size + 2 * kv_size] (Qwen2) or None
     wo: torch.Tensor  # [hidden, q_size]
     post_attention_norm: torch.Tensor  # [hidden]: the norm before the MLP
-    w_gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    w_down: torch.Tensor  # [hidden, intermediate]
+    w_gate_up: torch.Tensor | None  # [2 * intermediate, hidden]; None: a mixture of experts
+    w_down: torch.Tensor | None  # [hidden, intermediate]
     q_norm: torch.Tensor | None = None  # [head_dim]: each head of q normalised (Qwen3) or None
     k_norm: torch.Tensor | None = None  # [head_dim]: each head of k
     attn_out_norm: torch.Tensor | None = None  # [hidden]: on attention's output (Gemma) or None
     mlp_out_norm: torch.Tensor | None = None  # [hidden]: on the MLP's output (Gemma) or None
+    router: torch.Tensor | None = None  # [E, hidden]: a mixture of experts' router, or None
+    experts_gate_up: torch.Tensor | None = None  # [E, 2 * moe_intermediate, hidden]
+    experts_down: torch.Tensor | None = None  # [E, hidden, moe_intermediate]
 
 
 @dataclass
@@ -83,7 +98,12 @@ def _hf_names(config: ModelConfig) -> list[str]:
             names += [f"{p}mlp.{m}.weight" for m in ("gate_up_proj", "down_proj")]
         else:
             names += [f"{p}self_attn.{m}_proj.weight" for m in "qkvo"]
-            names += [f"{p}mlp.{m}_proj.weight" for m in ("gate", "up", "down")]
+            if config.is_moe_layer(i):
+                names.append(f"{p}mlp.gate.weight")
+                names += [f"{p}mlp.experts.{e}.{m}_proj.weight" for e in range(config.num_experts)
+                          for m in ("gate", "up", "down")]
+            else:
+                names += [f"{p}mlp.{m}_proj.weight" for m in ("gate", "up", "down")]
         if config.attention_bias:
             names += [f"{p}self_attn.{m}_proj.bias" for m in "qkv"]
         if config.qk_norm:
@@ -113,10 +133,45 @@ def text_model_name(name: str, config: ModelConfig) -> str | None:
     return name  # (lm_head.weight; or something unexpected, refused by the caller)
 
 
+# Mixtral's names of its MoE block and experts' projections -> the ones loaded (see above)
+_MIXTRAL_EXPERT = re.compile(r"(\.experts\.\d+\.)(w1|w3|w2)(\.weight)$")
+_MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# Experts already fused: model.layers.{i}.mlp.experts.{gate_up_proj|down_proj}
+_FUSED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)")
+
+
+def expert_name(name: str) -> str:
+    """A checkpoint's name of an MoE layer's tensor as loaded: Mixtral's block_sparse_moe is mlp,
+    its w1 / w3 / w2 gate_proj / up_proj / down_proj."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    return _MIXTRAL_EXPERT.sub(lambda m: m[1] + _MIXTRAL_PARTS[m[2]] + m[3], name)
+
+
+def _split_experts(name: str, tensor: torch.Tensor, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """A fused expert weight ([E, 2 I, hidden] gate_up_proj or [E, hidden, I] down_proj) as each
+    expert's tensors by their per-expert names."""
+    prefix, which = _FUSED_EXPERTS.fullmatch(name).groups()
+    e, i, h = config.num_experts, config.moe_intermediate_size, config.hidden_size
+    want = (e, 2 * i, h) if which == "gate_up_proj" else (e, h, i)
+    if tuple(tensor.shape) != want:
+        raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {want} from "
+                         "the model config")
+    if which == "down_proj":
+        return {f"{prefix}.{x}.down_proj.weight": tensor[x] for x in range(e)}
+    return {f"{prefix}.{x}.{part}_proj.weight": tensor[x, k * i:(k + 1) * i]
+            for x in range(e) for k, part in enumerate(("gate", "up"))}
+
+
 def _expected_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
     h = config.hidden_size
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return (config.vocab_size, h)
+    if name.endswith(".mlp.gate.weight"):  # a router
+        return (config.num_experts, h)
+    if ".mlp.experts." in name:
+        module = name.split(".")[-2]
+        i = config.moe_intermediate_size
+        return (h, i) if module == "down_proj" else (i, h)
     module, kind = name.split(".")[-2:]
     if module in ("q_norm", "k_norm"):
         return (config.head_dim,)
@@ -154,6 +209,18 @@ def load_weights(model_dir: str | Path, config: ModelConfig, *, dtype: torch.dty
                 name = text_model_name(stored, config)
                 if name is None or name.endswith("rotary_emb.inv_freq"):
                     continue  # a vision tower's; or a buffer some old checkpoints saved
+                name = expert_name(name) if config.num_experts else name
+                if config.num_experts and _FUSED_EXPERTS.fullmatch(name):
+                    if shard is not None and shard.world > 1:
+                        raise ValueError(f"tensor {stored!r}: fused expert weights are not "
+                                         "read by a tensor-parallel rank yet")
+                    for part, tensor in _split_experts(name, f.get_tensor(stored),
+                                                       config).items():
+                        if part in raw:
+                            raise ValueError(f"tensor {stored!r} in {path.name}: the "
+                                             f"checkpoint holds {part!r} twice")
+                        raw[part] = tensor.to(device=device, dtype=dtype)
+                    continue
                 if name not in expected | optional:
                     raise ValueError(f"unexpected tensor {stored!r} in {path.name}")
                 if name in raw:
@@ -187,7 +254,9 @@ def _assemble(config: ModelConfig, raw: dict[str, torch.Tensor],
     for i in range(config.num_hidden_layers):
         attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         norm = f"model.layers.{i}.{{}}_layernorm.weight".format
-        bqkv = None
+        bqkv, experts = None, {}
+        if config.is_moe_layer(i):
+            experts = _experts(config, raw, mlp)
         if config.attention_bias:
             bqkv = torch.cat([raw.pop(f"{attn}{m}_proj.bias") for m in "qkv"])
         if config.fused_projections:
@@ -195,7 +264,8 @@ def _assemble(config: ModelConfig, raw: dict[str, torch.Tensor],
             w_gate_up = raw.pop(f"{mlp}gate_up_proj.weight")
         else:
             wqkv = torch.cat([raw.pop(f"{attn}{m}_proj.weight") for m in "qkv"])
-            w_gate_up = torch.cat([raw.pop(f"{mlp}{m}_proj.weight") for m in ("gate", "up")])
+            w_gate_up = None if experts else torch.cat(
+                [raw.pop(f"{mlp}{m}_proj.weight") for m in ("gate", "up")])
         sandwich = config.sandwich_norms
         layers.append(LayerWeights(
             input_norm=raw.pop(norm("input")),
@@ -204,16 +274,27 @@ def _assemble(config: ModelConfig, raw: dict[str, torch.Tensor],
             wo=raw.pop(f"{attn}o_proj.weight"),
             post_attention_norm=raw.pop(norm("pre_feedforward" if sandwich else "post_attention")),
             w_gate_up=w_gate_up,
-            w_down=raw.pop(f"{mlp}down_proj.weight"),
+            w_down=None if experts else raw.pop(f"{mlp}down_proj.weight"),
             q_norm=raw.pop(f"{attn}q_norm.weight") if config.qk_norm else None,
             k_norm=raw.pop(f"{attn}k_norm.weight") if config.qk_norm else None,
             attn_out_norm=raw.pop(norm("post_attention")) if sandwich else None,
             mlp_out_norm=raw.pop(norm("post_feedforward")) if sandwich else None,
+            **experts,
         ))
     embed = raw.pop("model.embed_tokens.weight")
     lm_head = embed if config.tie_word_embeddings else raw.pop("lm_head.weight")
     return ModelWeights(embed=embed, layers=layers, norm=raw.pop("model.norm.weight"),
                         lm_head=lm_head, vocab_start=vocab_start)
+
+
+def _experts(config: ModelConfig, raw: dict[str, torch.Tensor],
+             mlp: str) -> dict[str, torch.Tensor]:
+    """An MoE layer's router and stacked experts (LayerWeights' fields), popped from `raw`."""
+    experts = range(config.num_experts)
+    gate_up = torch.stack([torch.cat([raw.pop(f"{mlp}experts.{e}.{m}_proj.weight")
+                                      for m in ("gate", "up")]) for e in experts])
+    down = torch.stack([raw.pop(f"{mlp}experts.{e}.down_proj.weight") for e in experts])
+    return dict(router=raw.pop(f"{mlp}gate.weight"), experts_gate_up=gate_up, experts_down=down)
 
 
 def random_weights(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,

@@ -1,5 +1,7 @@
 """adapter_config.json as PEFT writes it, limited to what loraplex serves: plain LoRA on the
-projections of a decoder layer (common.peft.modules: the LLaMA layout's 7, or a fused layout's).
+projections of a decoder layer (common.peft.modules: the LLaMA layout's 7, or a fused layout's),
+and on a mixture-of-experts layer's experts (common.peft.experts: `target_parameters` on the
+fused expert weights, or each expert's own projections in target_modules).
 The adapter store checks it at a push's header (before any upload) and executors read the same
 fields at every load.
 
@@ -18,7 +20,14 @@ import math
 from collections.abc import Sequence
 
 from common.errors import InvalidArgument
-from common.peft.modules import ADAPTABLE_MODULES, LAYERS_PATHS, VISION_MODULES, module_path
+from common.peft.modules import (
+    ADAPTABLE_MODULES,
+    EXPERT_PARTS,
+    EXPERT_PROJECTIONS,
+    LAYERS_PATHS,
+    VISION_MODULES,
+    module_path,
+)
 from common.peft.patterns import compile_pattern, fullmatches
 
 # A PEFT config is well under 4 KiB; one of this size still lists thousands of patterns. Bigger
@@ -63,6 +72,9 @@ class LoraConfig:
     rank_pattern: dict[str, int]
     alpha_pattern: dict[str, float]
     revision: str  # of the base model, "" when the config names none
+    # PEFT's target_parameters: the fused expert weights adapted ("mlp.experts.gate_up_proj"),
+    # sorted; matched as a whole dotted suffix of a parameter's path
+    target_parameters: tuple[str, ...] = ()
 
     @property
     def lowest_rank(self) -> int:
@@ -78,12 +90,17 @@ class LoraConfig:
     def targets(self, paths: Sequence[str]) -> list[bool]:
         """Whether each module path ("model.layers.3.mlp.up_proj") is one the adapter targets."""
         if self.target_modules == ALL_LINEAR:
-            return [p.rsplit(".", 1)[-1] in ADAPTABLE_MODULES for p in paths]
+            return [p.rsplit(".", 1)[-1] in (*ADAPTABLE_MODULES, *EXPERT_PARTS) for p in paths]
         if isinstance(self.target_modules, str):
             (hits,) = fullmatches([self.target_modules], list(paths),
                                   "adapter_config.json: target_modules regex")
             return hits
         return [any(p == t or p.endswith("." + t) for t in self.target_modules) for p in paths]
+
+    def targets_parameter(self, path: str) -> bool:
+        """Whether a parameter's path ("model.layers.3.mlp.experts.down_proj") is one of
+        target_parameters (PEFT's rule: the whole path, or a dotted suffix of it)."""
+        return any(path == t or path.endswith("." + t) for t in self.target_parameters)
 
     def ranks_and_alphas(self, paths: Sequence[str]) -> list[tuple[int, float]]:
         """(rank, alpha) of each module path by PEFT's rule: the first rank_pattern /
@@ -154,11 +171,31 @@ def parse_config(config_json: str) -> LoraConfig:
     revision = raw.get("revision") or ""
     if not isinstance(revision, str):
         raise _invalid(f"revision must be a string, got {revision!r}")
+    parameters = _target_parameters(raw.get("target_parameters"))
+    modules = raw.get("target_modules")
     return LoraConfig(base_model=base_model, r=r, alpha=float(alpha), use_rslora=use_rslora,
-                      target_modules=_target_modules(raw.get("target_modules")),
+                      target_modules=(() if parameters and not modules
+                                      else _target_modules(modules)),
                       rank_pattern=dict(rank_pattern),
                       alpha_pattern={k: float(v) for k, v in alpha_pattern.items()},
-                      revision=revision)
+                      revision=revision, target_parameters=parameters)
+
+
+def _target_parameters(value: object) -> tuple[str, ...]:
+    """PEFT's target_parameters: only a mixture-of-experts layer's fused expert weights
+    (common.peft.modules.EXPERT_PROJECTIONS) are served."""
+    if value is None or value == []:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(t, str) and t for t in value):
+        raise _invalid(f"target_parameters must be a list of parameter names, got {value!r}")
+    for target in value:
+        parts = target.split(".")
+        if tuple(parts[-2:]) not in {("experts", p) for p in EXPERT_PROJECTIONS} \
+                or not all(part.isidentifier() or part.isdigit() for part in parts):
+            raise _invalid(f"target_parameters entry {target!r} is not supported: only an MoE "
+                           "layer's fused expert weights are (experts.gate_up_proj, "
+                           "experts.down_proj)")
+    return tuple(sorted(set(value)))
 
 
 def _target_modules(value: object) -> tuple[str, ...] | str:
@@ -181,12 +218,15 @@ def _target_modules(value: object) -> tuple[str, ...] | str:
                        f"got {value!r}")
     for target in value:
         last = target.rsplit(".", 1)[-1]
+        if last == "gate":
+            raise _invalid(f"target module {target!r}: LoRA on an MoE layer's router (its gate) "
+                           "is not served; train the adapter without it")
         if last in _VOCAB_MODULES:
             raise _invalid(f"target module {target!r} is not supported: adapters on lm_head or "
                            f"embed_tokens are not served (only {supported})")
         # (a vision tower's linears: "all-linear" on a multimodal model lists them; their LoRA
         # is never served, common.peft.modules)
-        if last not in ADAPTABLE_MODULES + VISION_MODULES or not all(
+        if last not in (*ADAPTABLE_MODULES, *VISION_MODULES, *EXPERT_PARTS) or not all(
                 part.isidentifier() or part.isdigit() for part in target.split(".")):
             raise _invalid(f"target module {target!r} is not supported; use a subset of "
                            f"{supported}")

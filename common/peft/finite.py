@@ -29,12 +29,11 @@ def check_finite(data, layout: AdapterLayout) -> None:
     dtypes = layout.file_dtypes  # (the tensors tile the data section, unserved ones among them)
     if len(dtypes) == 1 and not _count_non_finite(data, start, len(data) - start, *dtypes):
         return
-    for module in layout.modules.values():
-        for entry in (module.a, module.b):
-            count = _count_non_finite(data, start + entry.begin, entry.end - entry.begin,
-                                      entry.dtype)
-            if count:
-                raise InvalidArgument(f"tensor {entry.name!r} has {count} NaN or infinite values")
+    for entry in layout.entries():
+        count = _count_non_finite(data, start + entry.begin, entry.end - entry.begin,
+                                  entry.dtype)
+        if count:
+            raise InvalidArgument(f"tensor {entry.name!r} has {count} NaN or infinite values")
 
 
 def _count_non_finite(data, offset: int, num_bytes: int, dtype: str) -> int:

@@ -8,6 +8,8 @@ load; both read the tensors through `common.peft.tensors`.
 A multimodal model's adapter names its decoder layers its own way (common.peft.modules:
 LAYERS_PATHS) and may hold LoRA on the vision tower or projector: those tensors are kept aside
 (`AdapterLayout.unserved`), checked as the file's tensors but never mapped to a projection.
+A mixture-of-experts model's adapter may adapt its experts (`AdapterLayout.experts`, per expert
+and projection as the pool keeps them; common.peft.experts reads both layouts).
 """
 
 import dataclasses
@@ -15,7 +17,14 @@ from collections.abc import Mapping
 
 from common.errors import FailedPrecondition, InvalidArgument
 from common.peft.config import LoraConfig
-from common.peft.modules import TEXT_LAYERS, TensorKey, module_path, parse_tensor_key
+from common.peft.experts import ExpertLayout, plan_experts
+from common.peft.modules import (
+    TEXT_LAYERS,
+    TensorKey,
+    module_path,
+    parse_expert_module,
+    parse_tensor_key,
+)
 from common.peft.safetensors_header import WEIGHTS_FILE, TensorEntry
 
 # Floating dtypes a LoRA weight may have (what PEFT saves: the training dtype).
@@ -43,29 +52,49 @@ class AdapterLayout:
     layers: str = TEXT_LAYERS
     # Its tensors on a multimodal model's vision tower or projector, by name: never served
     unserved: Mapping[str, TensorEntry] = dataclasses.field(default_factory=dict)
+    # (layer, pool module "experts.{e}.{projection}") -> its LoRA on an MoE layer's experts
+    experts: Mapping[tuple[int, str], ExpertLayout] = dataclasses.field(default_factory=dict)
 
     @property
     def rank(self) -> int:
         """The adapter's rank: the largest its tensors use, what a slot must hold and what
         every rank limit (the store's, an executor's --max-rank) is checked against. Not
-        max(r, rank_pattern): a rank_pattern entry may match none of its modules."""
-        return max((m.rank for m in self.modules.values()), default=0)
+        max(r, rank_pattern): a rank_pattern entry may match none of its modules. (An expert's
+        gate_up_proj made of an expert's own gate and up LoRA has their two ranks summed.)"""
+        return max((m.rank for m in (*self.modules.values(), *self.experts.values())),
+                   default=0)
 
     @property
     def target_modules(self) -> tuple[str, ...]:
-        """The projections it adapts in some layer, sorted."""
-        return tuple(sorted({module for _, module in self.modules}))
+        """The projections it adapts in some layer, sorted; its experts' as
+        experts.gate_up_proj / experts.down_proj."""
+        experts = {f"experts.{e.projection}" for e in self.experts.values()}
+        return tuple(sorted({module for _, module in self.modules} | experts))
+
+    def module_ranks(self) -> dict[str, int]:
+        """Each pool module it adapts (its experts' one by one) -> its largest rank over layers:
+        what its pages are planned by (common.adapter_pages.plan_pages)."""
+        out: dict[str, int] = {}
+        for (_, module), m in (*self.modules.items(), *self.experts.items()):
+            out[module] = max(out.get(module, 0), m.rank)
+        return out
+
+    def entries(self) -> list[TensorEntry]:
+        """Every served tensor of the file, once."""
+        served = {t.name: t for m in self.modules.values() for t in (m.a, m.b)}
+        served.update((t.name, t) for e in self.experts.values() for p in e.parts
+                      for t in (p.a, p.b))
+        return list(served.values())
 
     @property
     def dtype(self) -> str:
         """Safetensors dtype of its weights ("F32"; comma-joined and sorted when mixed)."""
-        return ",".join(sorted({t.dtype for m in self.modules.values() for t in (m.a, m.b)}))
+        return ",".join(sorted({t.dtype for t in self.entries()}))
 
     @property
     def file_dtypes(self) -> set[str]:
         """The dtypes of every tensor of the file, served or not."""
-        served = (t for m in self.modules.values() for t in (m.a, m.b))
-        return {t.dtype for t in (*served, *self.unserved.values())}
+        return {t.dtype for t in (*self.entries(), *self.unserved.values())}
 
     @property
     def unserved_modules(self) -> tuple[str, ...]:
@@ -80,6 +109,9 @@ class BaseShapes:
     model_id: str
     num_layers: int
     projection_shapes: Mapping[str, tuple[int, int]]  # module -> (in_features, out_features)
+    # the layers whose MLP is a mixture of experts: theirs are the experts' modules, the dense
+    # MLP's (gate_proj, up_proj, down_proj) only the other layers'
+    moe_layers: frozenset[int] = frozenset()
 
 
 def plan_adapter(config: LoraConfig, entries: Mapping[str, TensorEntry]) -> AdapterLayout:
@@ -89,6 +121,8 @@ def plan_adapter(config: LoraConfig, entries: Mapping[str, TensorEntry]) -> Adap
     A multimodal model's vision-tower and projector tensors are set aside (the first three
     checks and the last hold for them too)."""
     pairs: dict[tuple[int, str], dict[str, TensorEntry]] = {}
+    expert_pairs: dict[tuple, dict[str, TensorEntry]] = {}  # (layer, module, expert, depth)
+    expert_keys: dict[tuple, TensorKey] = {}
     served: dict[str, TensorKey] = {}  # name -> key, of the decoder projections' tensors
     unserved: dict[str, TensorEntry] = {}
     for name, entry in entries.items():
@@ -103,11 +137,17 @@ def plan_adapter(config: LoraConfig, entries: Mapping[str, TensorEntry]) -> Adap
             unserved[name] = entry
             continue
         served[name] = key
+        if key.is_expert:
+            at = (key.layer, key.module, key.expert, key.depth)
+            expert_pairs.setdefault(at, {})[key.which] = entry
+            expert_keys[at] = key
+            continue
         pairs.setdefault((key.layer, key.module), {})[key.which] = entry
-    if not pairs:
+    if not pairs and not expert_pairs:
         raise InvalidArgument(f"{WEIGHTS_FILE} holds no LoRA tensors"
                               + (" of the language model" if unserved else ""))
     layers = _one_naming(served)
+    experts = plan_experts(config, expert_pairs, expert_keys) if expert_pairs else {}
     keys = sorted(pairs)
     paths = [module_path(layer, module, layers) for layer, module in keys]
     for path, is_target in zip(paths, config.targets(paths)):
@@ -115,7 +155,8 @@ def plan_adapter(config: LoraConfig, entries: Mapping[str, TensorEntry]) -> Adap
             raise InvalidArgument(f"{WEIGHTS_FILE} adapts {path}, which target_modules "
                                   f"{_shown(config.target_modules)} does not name")
     if not isinstance(config.target_modules, str):
-        every = paths + [parse_tensor_key(name).path for name in unserved]
+        every = paths + [parse_tensor_key(name).path for name in unserved] + [
+            k.path for k in expert_keys.values() if k.expert is not None]
         for target in config.target_modules:
             if not any(p == target or p.endswith("." + target) for p in every):
                 raise InvalidArgument(f"target_modules lists {target!r} but {WEIGHTS_FILE} has no "
@@ -139,7 +180,7 @@ def plan_adapter(config: LoraConfig, entries: Mapping[str, TensorEntry]) -> Adap
                                   f"but {key[1]} maps {seen[0]} -> {seen[1]} in other layers")
         modules[key] = ModuleLayout(key[0], key[1], rank, alpha, config.scale(rank, alpha), a, b,
                                     path)
-    return AdapterLayout(config, modules, layers, unserved)
+    return AdapterLayout(config, modules, layers, unserved, experts)
 
 
 def _one_naming(served: Mapping[str, TensorKey]) -> str:
@@ -159,6 +200,10 @@ def check_fits(layout: AdapterLayout, base: BaseShapes) -> None:
     """FAILED_PRECONDITION unless every module exists in `base` with the adapter's shapes: an
     adapter trained on another model (or another size of it) must not be served on this one."""
     for m in layout.modules.values():
+        if m.layer in base.moe_layers and m.module in ("gate_proj", "up_proj", "down_proj"):
+            raise FailedPrecondition(f"tensor {m.a.name!r}: layer {m.layer} of "
+                                     f"{base.model_id!r} is a mixture of experts, it has no "
+                                     f"dense {m.module}; was it trained on another model?")
         if m.layer >= base.num_layers:
             raise FailedPrecondition(f"tensor {m.a.name!r}: layer {m.layer} does not exist in "
                                      f"{base.model_id!r} ({base.num_layers} layers)")
@@ -174,6 +219,28 @@ def check_fits(layout: AdapterLayout, base: BaseShapes) -> None:
                     f"tensor {entry.name!r} has shape {list(entry.shape)}: {got} {what} "
                     f"features, but {m.module} of {base.model_id!r} has {want}; was it trained "
                     "on another model?")
+    _check_experts_fit(layout, base)
+
+
+def _check_experts_fit(layout: AdapterLayout, base: BaseShapes) -> None:
+    for (layer, module), e in layout.experts.items():
+        name = e.parts[0].a.name
+        if layer not in base.moe_layers:
+            raise FailedPrecondition(
+                f"tensor {name!r}: layer {layer} of {base.model_id!r} has no experts"
+                + ("" if base.moe_layers else " (it is not a mixture-of-experts model)")
+                + "; was it trained on another model?")
+        if module not in base.projection_shapes:
+            num = sum(1 for m in base.projection_shapes if (parse_expert_module(m) or (0, ""))[1]
+                      == "down_proj")
+            raise FailedPrecondition(f"tensor {name!r}: expert {e.expert} does not exist in "
+                                     f"{base.model_id!r} ({num} experts per layer)")
+        want = base.projection_shapes[module]
+        if (e.in_features, e.out_features) != want:
+            raise FailedPrecondition(
+                f"tensor {name!r}: expert {e.expert}'s {e.projection} maps {e.in_features} -> "
+                f"{e.out_features} features, {base.model_id!r}'s {want[0]} -> {want[1]}; was "
+                "it trained on another model?")
 
 
 def _shown(target_modules: tuple[str, ...] | str) -> str:

@@ -36,6 +36,11 @@ ADAPTABLE_MODULES = (*LORA_MODULES, "qkv_proj", "gate_up_proj")
 BLOCK_OF = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
             "qkv_proj": "self_attn", "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp",
             "gate_up_proj": "mlp", "down_proj": "mlp"}
+# Each expert's projections as the pool keeps them (transformers 5's fused expert weights: gate
+# and up one [2 moe_intermediate, hidden] weight, gate's rows first), named by expert_module.
+# How adapters' expert tensors map to them: common/peft/experts.py.
+EXPERT_PROJECTIONS = ("gate_up_proj", "down_proj")
+_EXPERT_MODULE = re.compile(r"experts\.(\d{1,6})\.(gate_up_proj|down_proj)")
 # Where a model keeps its decoder layers (see the module docstring); a text model's first.
 TEXT_LAYERS = "model.layers"
 LAYERS_PATHS = (TEXT_LAYERS, "model.language_model.layers", "language_model.model.layers")
@@ -47,6 +52,23 @@ TENSOR_KEY_FORMAT = ("base_model.model.{model.layers|model.language_model.layers
 _TENSOR_KEY = re.compile(
     r"base_model\.model\.(model\.layers|model\.language_model\.layers|language_model\.model\.layers)"
     r"\.(\d{1,9})\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight")
+_LAYERS = r"(model\.layers|model\.language_model\.layers|language_model\.model\.layers)"
+# A mixture-of-experts layer's LoRA (common/peft/experts.py has the layouts): on its fused expert
+# weights through PEFT's target_parameters, one pair per weight, the inner wrapper's under
+# `base_layer.`; or on each expert's own projections (transformers 4: Qwen's gate/up/down_proj,
+# Mixtral's w1/w3/w2 under block_sparse_moe); or on the router (`gate`), which is refused.
+_EXPERTS_KEY = re.compile(
+    r"base_model\.model\." + _LAYERS + r"\.(\d{1,9})\.(mlp|block_sparse_moe)\.experts\."
+    r"((?:base_layer\.)*)lora_(A|B)\.weight")
+_PER_EXPERT_KEY = re.compile(
+    r"base_model\.model\." + _LAYERS + r"\.(\d{1,9})\.(mlp|block_sparse_moe)\.experts\."
+    r"(\d{1,6})\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.lora_(A|B)\.weight")
+_ROUTER_KEY = re.compile(
+    r"base_model\.model\." + _LAYERS + r"\.\d{1,9}\.(?:mlp|block_sparse_moe)\.gate\.(?:\w+\.)*"
+    r"lora_[AB]\.weight")
+# Mixtral's per-expert names -> the projection each is
+EXPERT_PARTS = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj",
+                "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 # (a vision tower or projector, under the model's top module or under `model.`)
 _VISION_KEY = re.compile(
     r"base_model\.model\.((?:model\.)?(?:vision_tower|multi_modal_projector)(?:\.\w+)+)"
@@ -60,13 +82,22 @@ class TensorKey:
 
     path: str  # the module's path in the model PEFT adapted ("model.layers.3.mlp.up_proj")
     which: str  # "A" or "B"
-    module: str  # its last name ("up_proj"; "fc1" in a vision tower)
+    # its last name ("up_proj"; "fc1" in a vision tower); an expert's projection by what it is
+    # ("gate_proj" for Mixtral's w1); "experts" for a pair on the fused expert weights
+    module: str
     layer: int | None = None  # the decoder layer; None: not served
     layers: str = ""  # where its model keeps the decoder layers (LAYERS_PATHS); "": not served
+    expert: int | None = None  # an expert's own projection: which expert
+    # a pair on the fused expert weights: how many PEFT wrappers lie inside its own (0 or 1)
+    depth: int | None = None
 
     @property
     def is_served(self) -> bool:
         return self.layer is not None
+
+    @property
+    def is_expert(self) -> bool:
+        return self.expert is not None or self.depth is not None
 
 
 def module_path(layer: int, module: str, layers: str = TEXT_LAYERS) -> str:
@@ -78,6 +109,12 @@ def module_path(layer: int, module: str, layers: str = TEXT_LAYERS) -> str:
 def parse_tensor_key(name: str) -> TensorKey:
     """Where LoRA tensor `name` applies; INVALID_ARGUMENT for a name that is neither a decoder
     projection's nor a vision tower's or projector's."""
+    if _ROUTER_KEY.fullmatch(name):
+        raise InvalidArgument(f"tensor {name!r}: LoRA on an MoE layer's router (its gate) is not "
+                              "served; train the adapter without the router in target_modules")
+    expert = _expert_key(name)
+    if expert is not None:
+        return expert
     match = _TENSOR_KEY.fullmatch(name)  # fullmatch: "$" would accept a trailing newline
     if match is None:
         vision = _VISION_KEY.fullmatch(name)
@@ -94,15 +131,55 @@ def parse_tensor_key(name: str) -> TensorKey:
     return TensorKey(module_path(layer, module, layers), which, module, layer, layers)
 
 
+def expert_module(expert: int, projection: str) -> str:
+    """The pool's name of one expert's projection (EXPERT_PROJECTIONS): "experts.3.down_proj"."""
+    return f"experts.{expert}.{projection}"
+
+
+def parse_expert_module(module: str) -> tuple[int, str] | None:
+    """(expert, projection) of an expert module's name; None for a dense projection's."""
+    match = _EXPERT_MODULE.fullmatch(module)
+    return None if match is None else (int(match[1]), match[2])
+
+
+def _expert_key(name: str) -> TensorKey | None:
+    """The key of a mixture-of-experts layer's LoRA tensor (see _EXPERTS_KEY); None for any other
+    name."""
+    fused = _EXPERTS_KEY.fullmatch(name)
+    if fused is not None:
+        layers, layer, block, wrappers, which = fused.groups()
+        return TensorKey(f"{layers}.{layer}.{block}.experts", which, "experts", int(layer),
+                         layers, depth=wrappers.count("base_layer."))
+    own = _PER_EXPERT_KEY.fullmatch(name)
+    if own is not None:
+        layers, layer, block, expert, part, which = own.groups()
+        return TensorKey(f"{layers}.{layer}.{block}.experts.{expert}.{part}", which,
+                         EXPERT_PARTS[part], int(layer), layers, expert=int(expert))
+    return None
+
+
 def projection_shapes(hidden_size: int, intermediate_size: int, num_attention_heads: int,
-                      num_key_value_heads: int, head_dim: int, *,
-                      fused: bool = False) -> dict[str, tuple[int, int]]:
+                      num_key_value_heads: int, head_dim: int, *, fused: bool = False,
+                      num_experts: int = 0, moe_intermediate_size: int = 0,
+                      dense_mlp: bool = True) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each projection, in LORA_MODULES order (FUSED_MODULES order
-    for a model whose q/k/v and gate/up are single weights)."""
+    for a model whose q/k/v and gate/up are single weights); a mixture-of-experts model's are
+    followed by each expert's (expert_module: gate_up_proj [hidden -> 2 moe_intermediate], then
+    down_proj), its dense MLP's left out when no layer has one (`dense_mlp`)."""
     h, i = hidden_size, intermediate_size
     q, kv = num_attention_heads * head_dim, num_key_value_heads * head_dim
     if fused:
-        return {"qkv_proj": (h, q + 2 * kv), "o_proj": (q, h), "gate_up_proj": (h, 2 * i),
-                "down_proj": (i, h)}
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        shapes = {"qkv_proj": (h, q + 2 * kv), "o_proj": (q, h), "gate_up_proj": (h, 2 * i),
+                  "down_proj": (i, h)}
+    else:
+        shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                  "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    if not num_experts:
+        return shapes
+    if not dense_mlp:
+        shapes = {m: s for m, s in shapes.items() if BLOCK_OF[m] == "self_attn"}
+    e_i = moe_intermediate_size
+    for e in range(num_experts):
+        shapes[expert_module(e, "gate_up_proj")] = (h, 2 * e_i)
+        shapes[expert_module(e, "down_proj")] = (e_i, h)
+    return shapes

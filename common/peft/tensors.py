@@ -39,3 +39,45 @@ def tensor_views(raw: torch.Tensor, layout: AdapterLayout
         return span.view(dtype).view(entry.shape)
 
     return {key: (view(m.a), view(m.b)) for key, m in layout.modules.items()}
+
+
+def expert_tensors(raw: torch.Tensor, layout: AdapterLayout
+                   ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]:
+    """(A [r, in], B [out, r], scale) of every expert module (common.peft.experts): views into
+    `raw` for a single part (a fused weight's expert: rows of A, every E-th column of B), built
+    for an expert's own gate and up (A stacked, B block-diagonal, each part's scale folded in
+    where the two differ)."""
+    if not layout.experts:
+        return {}
+    start = data_start(raw.numpy())
+    views: dict[str, torch.Tensor] = {}
+
+    def view(entry: TensorEntry) -> torch.Tensor:
+        if entry.name not in views:
+            dtype = _TORCH_DTYPES[entry.dtype]
+            span = raw[start + entry.begin:start + entry.end]
+            if (start + entry.begin) % dtype.itemsize:
+                span = span.clone()
+            views[entry.name] = span.view(dtype).view(entry.shape)
+        return views[entry.name]
+
+    out = {}
+    for key, e in layout.experts.items():
+        pieces = [(view(p.a)[p.a_rows[0]:p.a_rows[1]], view(p.b)[:, slice(*p.b_cols)], p)
+                  for p in e.parts]
+        if len(pieces) == 1 and pieces[0][2].out_offset == 0 and \
+                pieces[0][1].shape[0] == e.out_features:
+            a, b, _ = pieces[0]
+            out[key] = (a, b, e.scale)
+            continue
+        scale = e.scale
+        a = torch.cat([a for a, _, _ in pieces])  # [r_gate + r_up, in]
+        b = a.new_zeros(e.out_features, e.rank)  # [2 moe_intermediate, r_gate + r_up]
+        col = 0
+        for _, part_b, part in pieces:
+            rows, rank = part_b.shape[0], part.rank
+            block = part_b if part.scale == scale else part_b * (part.scale / scale)
+            b[part.out_offset:part.out_offset + rows, col:col + rank] = block
+            col += rank
+        out[key] = (a, b, scale)
+    return out
