@@ -25,7 +25,10 @@ from common.peft.safetensors_header import WEIGHTS_FILE, parse_header
 MODEL_ID = "loraplex-tiny-llama"
 BOS, EOS = "<s>", "</s>"  # token ids 0 and 1
 # Bumped whenever generate() writes something new: ensure() then makes the fixtures again.
-VERSION = 3
+VERSION = 4
+# Under the output folder: the valid adapters (what `loraplex up` offers to push), and the
+# deliberately broken ones, kept apart so that pushing adapters/* pushes only valid ones.
+VALID_DIR, INVALID_DIR = "adapters", "invalid_adapters"
 # A chat template in the style of HF models' (roles checked with raise_exception, whitespace
 # trimmed by trim_blocks/lstrip_blocks), so chat requests can be checked against transformers.
 # With `tools` it lists them and asks for calls in the Hermes / Qwen format (<tool_call> JSON
@@ -80,8 +83,9 @@ BROKEN = {  # name -> LoraConfig arguments (the breakage is applied after saving
 
 
 def tiny_config(model_type: str = "llama", **overrides: Any):
-    """An HF config of the tiny model family (llama, mistral, qwen2, qwen3, gemma2, gemma3_text
-    or phi3; or gemma3: a Gemma 3 with a tiny vision tower, `overrides` its text model's)."""
+    """An HF config of the tiny model family (llama, mistral, qwen2, qwen3, gemma2, gemma3_text,
+    phi3, qwen3_moe or mixtral; or gemma3: a Gemma 3 with a tiny vision tower, `overrides` its
+    text model's)."""
     import transformers
 
     if model_type == "gemma3":
@@ -96,7 +100,8 @@ def tiny_config(model_type: str = "llama", **overrides: Any):
     cls = getattr(transformers, {
         "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
         "qwen3": "Qwen3Config", "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig",
-        "phi3": "Phi3Config"}[model_type])
+        "phi3": "Phi3Config", "qwen3_moe": "Qwen3MoeConfig",
+        "mixtral": "MixtralConfig"}[model_type])
     args = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
                 "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
                 "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "initializer_range": 0.05,
@@ -148,7 +153,8 @@ def save_tokenizer(out_dir: Path, special_tokens: tuple[str, ...] = (BOS, EOS),
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=list(special_tokens),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)  # (off a terminal: blank lines)
     tok.train_from_iterator(_training_text(), trainer=trainer)
     tok.save(str(out_dir / "tokenizer.json"))
     config = {"bos_token": special_tokens[0], "eos_token": special_tokens[1],
@@ -193,9 +199,11 @@ def generate(out_dir: str | Path) -> dict[str, Any]:
     # PEFT looks the base model id up on the hub (unreachable, and the id is local): expected.
     warnings.filterwarnings(
         "ignore", message=".*(Unable to fetch remote file|Could not find a config file).*")
+    # PEFT calls transformers' deprecated names (is_gradient_checkpointing): not ours to fix.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
 
     out = Path(out_dir)
-    for made_here in (out / MODEL_ID, out / "adapters"):  # a partial earlier run: start over
+    for made_here in (out / MODEL_ID, out / VALID_DIR, out / INVALID_DIR):  # (an earlier run's)
         shutil.rmtree(made_here, ignore_errors=True)
     model_dir = save_tiny_model(out / MODEL_ID)
     save_tokenizer(model_dir)
@@ -203,21 +211,21 @@ def generate(out_dir: str | Path) -> dict[str, Any]:
     base.name_or_path = MODEL_ID  # becomes base_model_name_or_path in each adapter_config.json
     adapters = {}
     for i, (name, args) in enumerate({**ADAPTERS, **BROKEN}.items()):
-        path = out / "adapters" / name
+        path = out / (INVALID_DIR if name in BROKEN else VALID_DIR) / name
         _save_adapter(base, path, seed=100 + i, lora_args=args)
         adapters[name] = {"path": str(path),
                           "rank": _rank(path),
                           "target_modules": sorted(args["target_modules"])}
-    cfg_path = out / "adapters" / "other_base" / "adapter_config.json"
+    cfg_path = out / INVALID_DIR / "other_base" / "adapter_config.json"
     cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()),
                                     "base_model_name_or_path": OTHER_BASE}, indent=2))
 
-    truncated = out / "adapters" / "truncated"
-    shutil.copytree(out / "adapters" / "r8_mlp", truncated)
+    truncated = out / INVALID_DIR / "truncated"
+    shutil.copytree(out / VALID_DIR / "r8_mlp", truncated)
     data = (truncated / "adapter_model.safetensors").read_bytes()
     (truncated / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
-    pickled = out / "adapters" / "pickle"
-    shutil.copytree(out / "adapters" / "r4_attn", pickled)
+    pickled = out / INVALID_DIR / "pickle"
+    shutil.copytree(out / VALID_DIR / "r4_attn", pickled)
     from safetensors.torch import load_file
     torch.save(load_file(pickled / "adapter_model.safetensors"), pickled / "adapter_model.bin")
     (pickled / "adapter_model.safetensors").unlink()
