@@ -59,6 +59,9 @@ class AdapterRecord:
     # Where its tensors put the decoder layers (common.peft.modules.LAYERS_PATHS); "" in
     # manifests written before multimodal bases: "model.layers"
     layers_path: str = ""
+    # Each pool module it adapts -> its largest rank (AdapterLayout.module_ranks); {} in
+    # manifests written before mixture-of-experts bases
+    module_ranks: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.weights_key:

@@ -42,6 +42,7 @@ class AdapterSpec:
     alpha_pattern: dict[str, float]
     base_model_revision: str  # adapter_config.json's "revision", "" when absent
     layers_path: str  # where its tensors put the decoder layers (AdapterLayout.layers)
+    module_ranks: dict[str, int]  # each pool module it adapts -> its largest rank
 
 
 def check_config_rank(config: LoraConfig, max_rank: int | None) -> None:
@@ -82,7 +83,7 @@ def validate_adapter(config_json: str, weights_filename: str, data: bytes, *,
         sha256=hashlib.sha256(data).hexdigest(), crc32=zlib.crc32(data), dtype=layout.dtype,
         rank_pattern=config.rank_pattern, alpha_pattern=config.alpha_pattern,
         base_model_revision=config.revision or (base.revision if base else ""),
-        layers_path=layout.layers)
+        layers_path=layout.layers, module_ranks=layout.module_ranks())
 
 
 def check_base_model_revision(revision: str, base: BaseModel) -> None:

@@ -35,6 +35,16 @@ def check_cache_salt(salt: str) -> None:
                               f"got {len(salt)}")
 
 
+def same_model_hint(named: str, served: str) -> str:
+    """What to do when an adapter's base, `named`, is the `served` model under another name."""
+    hint = (f"If they are one model, register it as {served!r} with the name the adapter gives "
+            f"it (loraplex adapters base add MODEL_DIR --id {served} --name {named}; `loraplex "
+            "up` registers its model) and push the adapter again")
+    if not named.startswith(("/", ".", "~")):  # (an id, not a path: a pool may take it)
+        hint += f", or start the pool under that id (--model-id {named})"
+    return hint
+
+
 def check_adapter(adapter: common_pb2.AdapterInfo, info: executor_pb2.InfoResponse) -> None:
     """The adapter fits the pool: made for its base (the registered base the store matched it
     to is the pool's model id, or has the fingerprint of the executors' model folder), within
@@ -43,7 +53,8 @@ def check_adapter(adapter: common_pb2.AdapterInfo, info: executor_pb2.InfoRespon
     if not is_same_base(adapter, info.model_id, info.base_fingerprint):
         raise FailedPrecondition(f"adapter {ref} was trained for base model "
                                  f"{adapter.base_model!r}, but this pool serves "
-                                 f"{info.model_id!r}: send it to a pool of that model")
+                                 f"{info.model_id!r}: send it to a pool of that model. "
+                                 + same_model_hint(adapter.base_model, info.model_id))
     if adapter.rank > info.max_lora_rank:
         raise InvalidArgument(f"adapter {ref} has rank {adapter.rank}, above this pool's maximum "
                               f"{info.max_lora_rank}")
@@ -73,8 +84,9 @@ class Servables:
         if known is None:
             ranks, pages = None, 0
             if self._geometry is not None:
-                ranks = module_ranks(parse_config(adapter.config_json), adapter.target_modules,
-                                     self._geometry.num_layers, adapter.layers_path)
+                ranks = dict(adapter.module_ranks) or module_ranks(
+                    parse_config(adapter.config_json), adapter.target_modules,
+                    self._geometry.num_layers, adapter.layers_path)
                 try:
                     pages = plan_pages(ranks, self._geometry).num_pages
                 except ValueError as err:  # (its modules are not this model's: Phi-3's qkv_proj)

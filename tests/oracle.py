@@ -1,5 +1,6 @@
 """The numerical oracle: HF transformers + PEFT on the fixture weights."""
 
+import contextlib
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -47,10 +48,31 @@ def assert_matches_hf(hf, requests: dict, names: list, got: dict, num_tokens: in
         assert (got[0][1][0] - base_logits).abs().max() > 1e-2  # the adapter matters
 
 
+@contextlib.contextmanager
+def active(model, adapter: str | None):
+    """(the model to call, its keyword arguments) for `adapter` (None: the base model): a
+    PeftModel's mixed-batch adapter_names, but an adapter on a mixture of experts' expert weights
+    (PEFT's ParamWrapper refuses them) set active on the model PEFT injected it into."""
+    if not isinstance(model, PeftModel):
+        yield model, {}
+    elif not any(getattr(c, "target_parameters", None) for c in model.peft_config.values()):
+        yield model, {"adapter_names": [adapter or "__base__"]}
+    elif adapter is None:
+        with model.disable_adapter():
+            yield model.base_model.model, {}
+    else:
+        model.set_adapter(adapter)
+        yield model.base_model.model, {}
+
+
 @torch.no_grad()
 def hf_greedy(model, prompt: list[int], num_tokens: int, adapter: str | None = None):
     """Greedy tokens and the logits each came from; `adapter` None = the base model alone."""
-    kw = {"adapter_names": [adapter or "__base__"]} if isinstance(model, PeftModel) else {}
+    with active(model, adapter) as (model, kw):
+        return _greedy(model, prompt, num_tokens, kw)
+
+
+def _greedy(model, prompt: list[int], num_tokens: int, kw: dict):
     tokens, logits = [], []
     out = model(input_ids=torch.tensor([prompt]), use_cache=True, **kw)
     for _ in range(num_tokens):
@@ -67,8 +89,8 @@ def hf_generate(model, prompt: list[int], num_tokens: int, adapter: str | None =
     """hf_greedy's tokens and logits by transformers' generate() itself, which runs a model's own
     prepare_inputs_for_generation (Phi-3's drops its cache when a sequence outgrows the longrope
     switch and computes it again with the long factors), to `num_tokens` whatever they are."""
-    kw = {"adapter_names": [adapter or "__base__"]} if isinstance(model, PeftModel) else {}
-    out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=num_tokens,
-                         do_sample=False, eos_token_id=None, output_logits=True,
-                         return_dict_in_generate=True, **kw)
+    with active(model, adapter) as (model, kw):
+        out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=num_tokens,
+                             do_sample=False, eos_token_id=None, output_logits=True,
+                             return_dict_in_generate=True, **kw)
     return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits)

@@ -26,6 +26,7 @@ from tests.family_templates import GEMMA2, GEMMA3, GEMMA_TOKENS, PHI3, PHI3_TOKE
 from tests.multimodal import TEXT
 from tests.oracle import hf_generate, made_adapters
 
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # (PEFT target_parameters)
 FAMILIES = {  # model_type -> (model's quirks, special tokens, template, eos ids, adapter targets)
     "gemma2": ({"sliding_window": 6, "query_pre_attn_scalar": 32, "attn_logit_softcapping": 1.0,
                 "final_logit_softcapping": 3.0}, GEMMA_TOKENS, GEMMA2, (1, 3),
@@ -34,6 +35,15 @@ FAMILIES = {  # model_type -> (model's quirks, special tokens, template, eos ids
              ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
     "gemma3": (TEXT, GEMMA_TOKENS, GEMMA3, (1, 3),
                r".*language_model.*\.(q_proj|v_proj|down_proj)|.*vision_tower.*\.fc1"),
+    # (issue 41) a dense layer among MoE ones; every layer sliding. Adapters on attention and
+    # on the experts' fused weights (PEFT's target_parameters)
+    "qwen3_moe": ({"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                   "norm_topk_prob": True, "mlp_only_layers": [2], "head_dim": 64},
+                  (fixtures.BOS, fixtures.EOS), fixtures.CHAT_TEMPLATE, (1,),
+                  {"target_modules": ["q_proj", "v_proj"], "target_parameters": EXPERTS}),
+    "mixtral": ({"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 128,
+                 "sliding_window": 12}, (fixtures.BOS, fixtures.EOS), fixtures.CHAT_TEMPLATE,
+                (1,), {"target_modules": ["o_proj"], "target_parameters": EXPERTS}),
 }
 MESSAGES = [{"role": "user", "content": "The river serves many small tunes"},
             {"role": "assistant", "content": "Seven quiet blocks."},
@@ -69,8 +79,8 @@ def family(request, tmp_path_factory):
         {"bos_token_id": 0, "eos_token_id": list(eos)}))
     base = AutoModelForCausalLM.from_pretrained(model_dir)
     base.name_or_path = model_id  # the adapter's base_model_name_or_path: what `up` serves
-    hf = made_adapters(base, out, {"chat": {"r": 8, "lora_alpha": 16, "target_modules": targets}},
-                       seed=21)
+    targets = targets if isinstance(targets, dict) else {"target_modules": targets}
+    hf = made_adapters(base, out, {"chat": {"r": 8, "lora_alpha": 16, **targets}}, seed=21)
     tokenizer.chat_template = template  # (Gemma 3's: what AutoProcessor reads)
     return request.param, model_id, model_dir, out / "chat", hf, tokenizer
 

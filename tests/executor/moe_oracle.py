@@ -27,10 +27,9 @@ class Oracles:
 
     def greedy(self, prompt: list[int], num_tokens: int, adapter: str | None):
         """hf_greedy's tokens and logits of `adapter` (None: the base model)."""
-        # (the PeftModel's own model, its LoRA injected: PeftModel's forward would ask for
-        # adapter_names, which an expert adapter refuses)
-        model = self.models[adapter].base_model.model if adapter else self.base
-        return hf_greedy(model, prompt, num_tokens)
+        if adapter is None:
+            return hf_greedy(self.base, prompt, num_tokens)
+        return hf_greedy(self.models[adapter], prompt, num_tokens, "default")
 
 
 def as_per_expert(folder: Path, out: Path, *, mixtral: bool) -> Path:
