@@ -41,7 +41,7 @@ from executor.kv_cache import PagedKVCache
 from executor.layer_ops import activation, rms_norm, soft_cap
 from executor.lora import LoraBackend, LoraBatchMeta
 from executor.model_config import ModelConfig
-from executor.moe import moe_mlp
+from executor.moe import grouped_matmul_for, moe_mlp
 from executor.rope import apply_rope, rope_cos_sin
 from executor.tensor_parallel import SINGLE, TensorParallel
 from executor.weights import ModelWeights
@@ -108,6 +108,8 @@ class Transformer:
                  tp: TensorParallel = SINGLE) -> None:
         self.config, self.weights, self.lora, self.tp = config, weights, lora, tp
         device = weights.embed.device
+        # the experts' grouped matmul (executor/moe.py): one Triton launch on CUDA
+        self.moe_matmul = grouped_matmul_for(device) if config.num_experts else None
         # [2, D / 2] fp32 inverse frequencies of each rope the layers use (Gemma 3: local,
         # global), short then long (the same twice but for longrope)
         self.inv_freqs = {rope: torch.stack([rope.inv_freq(config.head_dim, long=False),
@@ -184,7 +186,7 @@ class Transformer:
         if row_slots is None:  # (no adapter on any row)
             row_slots = torch.full((x.shape[0],), -1, dtype=torch.long)
         return moe_mlp(self.config, i, x, w.router, w.experts_gate_up, w.experts_down, row_slots,
-                       self.lora, meta.lora)
+                       self.lora, meta.lora, self.moe_matmul)
 
     def _mlp(self, i: int, x: torch.Tensor, lora: LoraBatchMeta) -> torch.Tensor:
         w = self.weights.layers[i]

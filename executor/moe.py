@@ -73,10 +73,19 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor,
                    runs: tuple[tuple[int, int, int], ...]) -> torch.Tensor:
     """x [P, in] (pairs sorted by expert), w [E, out, in] -> [P, out]: each run's rows times its
     expert's weight transposed (the torch path: one matmul per expert)."""
-    out = x.new_empty(x.shape[0], w.shape[1])
+    out = x.new_zeros(x.shape[0], w.shape[1])
     for start, end, e in runs:
         torch.matmul(x[start:end], w[e].T, out=out[start:end])
     return out
+
+
+def grouped_matmul_for(device: torch.device):
+    """The grouped matmul a device runs: the Triton kernel on CUDA, else grouped_matmul."""
+    if device.type == "cuda":
+        from kernels.moe_gemm import moe_gemm
+
+        return moe_gemm
+    return grouped_matmul
 
 
 def moe_mlp(config: ModelConfig, layer: int, x: torch.Tensor, router: torch.Tensor,
