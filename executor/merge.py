@@ -10,7 +10,9 @@ its magnitude), where unmerged serving instead rounds the LoRA output once per t
 Unmerging never subtracts (that would not give W back at bf16): the tensors merging overwrote are
 copied to host memory first and copied back. Only the fused weights the adapter targets are saved
 (per layer: qkv, o, gate_up, down). An adapter of a fused layout (Phi-3's qkv_proj) adds its
-B @ A over the whole fused weight, as it was trained.
+B @ A over the whole fused weight, as it was trained. On a mixture of experts, an adapter's
+experts merge the same way, each into its expert's weight (experts_gate_up[e], experts_down[e];
+the layer's stacked weight saved whole once), as PEFT merges its target_parameters.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.peft.modules import parse_expert_module
 from executor.slot_pool import LoraSlotPool
 from executor.weights import ModelWeights
 
@@ -58,7 +61,24 @@ def merge(weights: ModelWeights, pool: LoraSlotPool, slot: int) -> Merged:
                     merged[offset: offset + out_f] += scale * (b.float() @ a.float())
                 offset += out_f
             w.copy_(merged.to(w.dtype))
+    _merge_experts(weights, pool, slot, originals)
     return Merged(slot, originals)
+
+
+def _merge_experts(weights: ModelWeights, pool: LoraSlotPool, slot: int,
+                   originals: dict[tuple[int, str], torch.Tensor]) -> None:
+    """Each expert module the adapter in `slot` targets, into its expert's weight."""
+    for (layer_index, module), (_, scale) in pool.contents(slot).targets.items():
+        expert = parse_expert_module(module)
+        if expert is None:
+            continue
+        e, projection = expert
+        attr = "experts_gate_up" if projection == "gate_up_proj" else "experts_down"
+        stacked = getattr(weights.layers[layer_index], attr)  # [E, out, in]
+        if (layer_index, attr) not in originals:
+            originals[(layer_index, attr)] = stacked.to("cpu", copy=True)
+        a, b = pool.rows(layer_index, slot, module)  # [r, in], [out, r]
+        stacked[e].copy_((stacked[e].float() + scale * (b.float() @ a.float())).to(stacked.dtype))
 
 
 @torch.inference_mode()

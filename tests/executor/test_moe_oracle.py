@@ -151,3 +151,23 @@ def test_each_piece_matters(moe, monkeypatch, breakage):
     assert any(got[sid][0] != hf.greedy(req[0], NUM_TOKENS, "experts_r4")[0] or not torch.allclose(
         got[sid][1], hf.greedy(req[0], NUM_TOKENS, "experts_r4")[1], atol=1e-4)
                for sid, req in requests.items()), f"{breakage}: still equal to HF"
+
+
+def test_a_merged_expert_adapter_gives_hf_peft_tokens_and_unmerges_bit_for_bit(moe):
+    """Merged (each expert's B @ A into its expert's weight, attention's into theirs), the
+    adapter's requests run with no LoRA work and give HF + PEFT's tokens; unmerged, every expert
+    weight is back bit for bit."""
+    _, model_dir, folders, hf = moe
+    runner = make_runner(model_dir, folders, ["both_pattern"])
+    layer = runner.config.moe_layers[0]
+    before = runner.weights.layers[layer].experts_down.clone()
+    runner.merge(0)
+    assert not torch.equal(runner.weights.layers[layer].experts_down, before)
+    requests = {sid: (p, 0) for sid, p in enumerate(prompts(2, 13))}
+    got = run(runner, requests, NUM_TOKENS)
+    for sid, (prompt, _) in requests.items():
+        tokens, logits = hf.greedy(prompt, NUM_TOKENS, "both_pattern")
+        assert got[sid][0] == tokens
+        torch.testing.assert_close(got[sid][1], logits, atol=1e-4, rtol=0)
+    runner.unmerge()
+    assert torch.equal(runner.weights.layers[layer].experts_down, before)
