@@ -286,6 +286,19 @@ NAMED_CONFIGS: Mapping[str, ModelConfig] = MappingProxyType({
         hidden_act="gelu_pytorch_tanh", norm_unit_offset=True, sandwich_norms=True,
         scale_embeddings=True, query_pre_attn_scalar=256, layer_types=alternating_layers(48, 6),
         local_rope_theta=10000.0),
+    "qwen3-30b-a3b": ModelConfig(  # 128 experts of 768, top 8; every layer's MLP experts
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, vocab_size=151936, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=40960, qk_norm=True,
+        eos_token_ids=(151645,), model_id="Qwen/Qwen3-30B-A3B", num_experts=128,
+        num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+        moe_layers=tuple(range(48))),
+    "mixtral-8x7b": ModelConfig(  # 8 experts of 14336, top 2
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=32000, rms_norm_eps=1e-5, rope_theta=1000000.0,
+        max_position_embeddings=32768, eos_token_ids=(2,),
+        model_id="mistralai/Mixtral-8x7B-v0.1", num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=14336, routing_in_fp32=True, moe_layers=tuple(range(32))),
     "phi-3-mini": ModelConfig(
         hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=32, vocab_size=32064, rms_norm_eps=1e-5,

@@ -32,6 +32,7 @@ import math
 import torch
 
 from common.adapter_pages import padded_pages, plan_pages
+from common.peft.modules import BLOCK_OF
 from executor.memory_budget import MemoryBudget
 from executor.model_config import NAMED_CONFIGS, ModelConfig
 from executor.shards import Shard
@@ -51,6 +52,9 @@ class Plan:
     page_bytes: int  # one block: KV of block_size tokens, or one page of an adapter's weights
     mix_pages: float  # pages an adapter of the rank mix takes, on average
     padded_pages: int  # pages a slot padded to the mix's largest rank takes
+    # a mixture of experts: pages an adapter of the mix on attention alone takes (the mix's
+    # adapters are on every projection, every expert's among them); 0 for a dense model
+    attention_pages: float
     workspace_bytes: int  # an estimate: step_bytes + attention's gathered K/V
     kv_bytes_per_token: int
     block_size: int
@@ -72,7 +76,9 @@ def step_bytes(c: ModelConfig, size: int, *, max_batched_tokens: int, max_num_se
     """The step workspace but attention's gathered K/V (an estimate): one layer's activations
     over the step's tokens (residual, normed input, q|k|v, attention output, gate|up, their
     product, the projection's output) and the fp32 logits of the rows that sample."""
-    per_token = 3 * c.hidden_size + 2 * c.q_size + 2 * c.kv_size + 3 * c.intermediate_size
+    mlp = max(c.intermediate_size if c.has_dense_mlp else 0,  # (a token's k experts' rows)
+              c.num_experts_per_tok * c.moe_intermediate_size)
+    per_token = 3 * c.hidden_size + 2 * c.q_size + 2 * c.kv_size + 3 * mlp
     return max_batched_tokens * per_token * size + max_num_seqs * c.vocab_size * 4
 
 
@@ -91,6 +97,10 @@ def plan(config: ModelConfig, *, dtype: torch.dtype, gpu_bytes: float, utilizati
     mix_pages = sum(share * plan_pages(dict.fromkeys(geometry.module_shapes, rank),
                                        geometry).num_pages
                     for rank, share in mix.items()) / sum(mix.values())
+    attention = [m for m in geometry.module_shapes if BLOCK_OF.get(m) == "self_attn"]
+    attention_pages = sum(share * plan_pages(dict.fromkeys(attention, rank), geometry).num_pages
+                          for rank, share in mix.items()) / sum(mix.values()) \
+        if config.num_experts else 0.0
     kv_per_token = 2 * local.num_hidden_layers * local.kv_size * size  # every layer's K and V
     gather_per_token = 2 * local.kv_size * size  # one layer's, gathered for attention
     usable = int(gpu_bytes * utilization)
@@ -107,7 +117,8 @@ def plan(config: ModelConfig, *, dtype: torch.dtype, gpu_bytes: float, utilizati
     workspace = step + min(wanted, max(num_blocks, 0) * block_size) * gather_per_token
     return Plan(config, tensor_parallel, dtype, usable, fixed.weights_bytes,
                 fixed.adapter_pool_bytes, geometry.page_elems * size, mix_pages,
-                padded_pages(max(mix), geometry), workspace, kv_per_token, block_size, num_blocks)
+                padded_pages(max(mix), geometry), attention_pages, workspace, kv_per_token,
+                block_size, num_blocks)
 
 
 def format_plan(p: Plan, *, adapter_slots: int, max_rank: int, seqs: int, context: int) -> str:
@@ -161,6 +172,11 @@ def format_plan(p: Plan, *, adapter_slots: int, max_rank: int, seqs: int, contex
                  f"{p.mix_pages * p.page_bytes / 1e6:.1f} MB each on average), against "
                  f"{padded:,} in slots padded to its largest rank ({p.padded_pages} pages each); "
                  f"--adapter-slots {adapter_slots} bounds how many are resident")
+    if p.attention_pages:
+        lines.append(f"  (a mixture of {c.num_experts} experts: an adapter on every projection "
+                     f"adapts each expert, {p.mix_pages / p.attention_pages:.0f}x the pages of "
+                     f"one on attention alone; of those {int(spare / p.attention_pages):,} fit, "
+                     f"{p.attention_pages * p.page_bytes / 1e6:.1f} MB each)")
     if context > c.max_position_embeddings:
         lines.append(f"warning: --context {context} exceeds the model's max_position_embeddings "
                      f"{c.max_position_embeddings}")

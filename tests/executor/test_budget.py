@@ -39,11 +39,13 @@ QWEN3_SHAPED = ModelConfig.named("tiny").replace(qk_norm=True, head_dim=48)  # (
 GEMMA3_SHAPED = QWEN3_SHAPED.replace(  # four norms a layer, tied embeddings
     sandwich_norms=True, norm_unit_offset=True, tie_word_embeddings=True, sliding_window=8,
     layer_types=("sliding_attention", "full_attention") * 2)
+MOE_SHAPED = QWEN3_SHAPED.replace(  # 6 experts of 96 in layers 0, 1, 3; layer 2's MLP dense
+    num_experts=6, num_experts_per_tok=2, moe_intermediate_size=96, moe_layers=(0, 1, 3))
 
 
 @pytest.mark.parametrize("context", [64, 100_000])  # the mix fits / the cache bounds the gather
-@pytest.mark.parametrize("config", [ModelConfig.named("tiny"), QWEN3_SHAPED, GEMMA3_SHAPED],
-                         ids=["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("config", [ModelConfig.named("tiny"), QWEN3_SHAPED, GEMMA3_SHAPED,
+                                    MOE_SHAPED], ids=["llama", "qwen3", "gemma3", "moe"])
 def test_plan_is_what_a_runner_with_its_flags_allocates(context, config):
     p = make_plan(config, context=context)
     assert p.num_kv_blocks >= 1 and (8 * context > p.kv_tokens) == (context > 64)
@@ -53,7 +55,7 @@ def test_plan_is_what_a_runner_with_its_flags_allocates(context, config):
     kv = p.num_kv_blocks * p.block_size * p.kv_bytes_per_token
     assert runner.memory_budget() == MemoryBudget(p.weights_bytes, kv, p.pool_bytes)
     assert p.page_bytes == runner.pool.page_bytes
-    weights = random_adapter(config, 8, 0, same_rank=True)  # (on all 7 projections)
+    weights = random_adapter(config, 8, 0, same_rank=True)  # (on every projection and expert)
     assert p.mix_pages == p.padded_pages == runner.pool.pages_for(weights).num_pages
 
 
@@ -76,11 +78,25 @@ def test_named_families_weigh_what_their_parameter_counts_say():
     """bf16 weights of the named shapes (random:NAME): Gemma 2 9B has 9.24B parameters, Gemma 3
     12B's text model 11.77B (embeddings tied, four norms a layer, Gemma 3's q/k norms), Phi-3
     mini 3.82B (fused qkv_proj and gate_up_proj)."""
-    names = ("gemma-2-9b", "gemma-3-12b", "phi-3-mini")
+    names = ("gemma-2-9b", "gemma-3-12b", "phi-3-mini", "qwen3-30b-a3b", "mixtral-8x7b")
     weights = {name: make_plan(ModelConfig.named(name), dtype=torch.bfloat16, gpu_bytes=80 * GIB)
                .weights_bytes / 1e9 for name in names}
+    # (Qwen3-30B-A3B: 30.53B parameters; Mixtral 8x7B: 46.70B)
     assert {n: round(w, 2) for n, w in weights.items()} == {
-        "gemma-2-9b": 18.48, "gemma-3-12b": 23.53, "phi-3-mini": 7.64}
+        "gemma-2-9b": 18.48, "gemma-3-12b": 23.53, "phi-3-mini": 7.64, "qwen3-30b-a3b": 61.06,
+        "mixtral-8x7b": 93.41}
+
+
+def test_a_mixture_of_experts_budget_says_how_many_expert_adapters_fit():
+    """Qwen3-30B-A3B on 80 GB: a rank-16 adapter on every projection adapts all 128 experts of
+    48 layers (1.3 GB), 49x one on attention alone; the budget prints both counts."""
+    p = make_plan(ModelConfig.named("qwen3-30b-a3b"), dtype=torch.bfloat16, gpu_bytes=80 * GIB,
+                  adapter_slots=64, max_rank=16, max_batched_tokens=2048, max_num_seqs=16,
+                  context=4096)
+    assert p.mix_pages == 836 and p.attention_pages == 17
+    text = format_plan(p, adapter_slots=64, max_rank=16, seqs=16, context=4096)
+    assert "7 of the rank mix" in text and "49x the pages of one on attention alone; of those " \
+        "355 fit" in text
 
 
 def test_a_rank_mix_fits_more_adapters_in_pages_than_in_padded_slots():
