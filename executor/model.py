@@ -185,8 +185,9 @@ class Transformer:
         row_slots = meta.row_slots
         if row_slots is None:  # (no adapter on any row)
             row_slots = torch.full((x.shape[0],), -1, dtype=torch.long)
-        return moe_mlp(self.config, i, x, w.router, w.experts_gate_up, w.experts_down, row_slots,
-                       self.lora, meta.lora, self.moe_matmul)
+        out = moe_mlp(self.config, i, x, w.router, w.experts_gate_up, w.experts_down, row_slots,
+                      self.lora, meta.lora, self.moe_matmul)
+        return self.tp.all_reduce(out)  # (row-parallel inside each expert: partial sums)
 
     def _mlp(self, i: int, x: torch.Tensor, lora: LoraBatchMeta) -> torch.Tensor:
         w = self.weights.layers[i]

@@ -20,6 +20,12 @@ base output: the LoRA delta is added before the base's all-reduce, and one all-r
 A rank's part has the shapes of `Shard.config`'s projections: the LoRA backends, the slot pool and
 its pages see nothing but a smaller model.
 
+A mixture of experts' experts split as the dense MLP does, inside each expert: each rank holds
+its rows of every expert's gate and up (of moe_intermediate_size) and those columns of its down,
+so its experts' output is a partial sum, all-reduced with the rest; the router is replicated
+(every rank routes its tokens alike). An expert's fused gate_up (and its LoRA's B) is cut like
+Phi-3's gate_up_proj below.
+
 Fused projections (Phi-3's qkv_proj = q | k | v side by side, gate_up_proj = gate | up) take each
 part's rows in turn: rank r's rows of qkv_proj are its q rows, then q_size + its k rows, then
 q_size + kv_size + its v rows. A fused B is cut the same way.
@@ -38,7 +44,7 @@ from types import MappingProxyType
 
 import torch
 
-from common.peft.modules import projection_shapes
+from common.peft.modules import parse_expert_module, projection_shapes
 from executor.model_config import ModelConfig
 from executor.slot_pool import LoraModuleWeights, LoraWeights
 
@@ -69,15 +75,14 @@ class Shard:
             problems.append(f"num_attention_heads {c.num_attention_heads}")
         if c.intermediate_size % n:
             problems.append(f"intermediate_size {c.intermediate_size}")
+        if c.moe_intermediate_size % n:
+            problems.append(f"moe_intermediate_size {c.moe_intermediate_size}")
         kv = c.num_key_value_heads
         if (kv % n) if kv >= n else (n % kv):
             problems.append(f"num_key_value_heads {kv} (nor does {n} split into it)")
         if problems:
             raise ValueError(f"tensor parallel {n}: does not divide the model's "
                              f"{', '.join(problems)}")
-        if c.num_experts and n > 1:
-            raise ValueError(f"tensor parallel {n}: mixture-of-experts models are served on one "
-                             "rank only for now (--tensor-parallel 1)")
 
     @property
     def config(self) -> ModelConfig:
@@ -86,7 +91,8 @@ class Shard:
         c, n = self.full, self.world
         return c.replace(num_attention_heads=c.num_attention_heads // n,
                          num_key_value_heads=max(1, c.num_key_value_heads // n),
-                         intermediate_size=c.intermediate_size // n)
+                         intermediate_size=c.intermediate_size // n,
+                         moe_intermediate_size=c.moe_intermediate_size // n)
 
     @property
     def vocab_rows(self) -> int:
@@ -115,6 +121,13 @@ class Shard:
         """The rank's runs of the split dim of `module`: of its outputs (column-parallel), of its
         inputs (row-parallel)."""
         c = self.full
+        expert = parse_expert_module(module)
+        if expert is not None:  # (inside each expert, as the dense MLP's)
+            per = c.moe_intermediate_size // self.world
+            own = (self.rank * per, (self.rank + 1) * per)
+            if expert[1] == "down_proj":
+                return (own,)
+            return (own, (c.moe_intermediate_size + own[0], c.moe_intermediate_size + own[1]))
         if module in FUSED_PARTS:  # (its parts' shapes: those of the unfused layout)
             parts = projection_shapes(c.hidden_size, c.intermediate_size, c.num_attention_heads,
                                       c.num_key_value_heads, c.head_dim)
@@ -144,6 +157,10 @@ class Shard:
         module, kind = name.split(".")[-2:]
         if self.world == 1:
             return full()
+        if ".mlp.experts." in name:  # an expert's gate_proj / up_proj / down_proj weight
+            per = self.full.moe_intermediate_size // self.world
+            dim = 1 if module == "down_proj" else 0
+            return read(dim, self.rank * per, (self.rank + 1) * per)
         if module in ("embed_tokens", "lm_head"):
             end = min(self.vocab_start + self.vocab_rows, self.full.vocab_size)
             rows = read(0, self.vocab_start, end)  # [rows, hidden]
@@ -166,7 +183,8 @@ class Shard:
         out = {}
         for key, w in weights.modules.items():
             module = key[1]
-            if module in ROW_PARALLEL:
+            expert = parse_expert_module(module)
+            if module in ROW_PARALLEL or (expert is not None and expert[1] == "down_proj"):
                 out[key] = LoraModuleWeights(a=_runs(w.a, 1, self.ranges(module)), b=w.b,
                                              scale=w.scale)
             else:

@@ -211,14 +211,14 @@ def load_weights(model_dir: str | Path, config: ModelConfig, *, dtype: torch.dty
                     continue  # a vision tower's; or a buffer some old checkpoints saved
                 name = expert_name(name) if config.num_experts else name
                 if config.num_experts and _FUSED_EXPERTS.fullmatch(name):
-                    if shard is not None and shard.world > 1:
-                        raise ValueError(f"tensor {stored!r}: fused expert weights are not "
-                                         "read by a tensor-parallel rank yet")
                     for part, tensor in _split_experts(name, f.get_tensor(stored),
                                                        config).items():
                         if part in raw:
                             raise ValueError(f"tensor {stored!r} in {path.name}: the "
                                              f"checkpoint holds {part!r} twice")
+                        if shard is not None:
+                            tensor = shard.take(part, lambda dim, a, b, t=tensor: t.narrow(
+                                dim, a, b - a), lambda t=tensor: t)
                         raw[part] = tensor.to(device=device, dtype=dtype)
                     continue
                 if name not in expected | optional:

@@ -171,3 +171,38 @@ def test_a_merged_expert_adapter_gives_hf_peft_tokens_and_unmerges_bit_for_bit(m
         torch.testing.assert_close(got[sid][1], logits, atol=1e-4, rtol=0)
     runner.unmerge()
     assert torch.equal(runner.weights.layers[layer].experts_down, before)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_ranks_give_tp1s_tokens(moe, world):
+    """2 and 4 ranks in gloo groups, each expert's gate / up rows and down columns split as the
+    dense MLP's (and its LoRA's B / A with them), the router replicated: every adapter mixed
+    with base rows gives TP=1's greedy tokens, logits within 5e-5 (the partial sums' order)."""
+    from executor.tensor_parallel import TensorParallel
+    from tests.rank_threads import RankThreads
+
+    _, model_dir, folders, _ = moe
+    names = [*ADAPTERS, "per_expert"]
+
+    def make(tp: TensorParallel) -> ModelRunner:
+        return ModelRunner.from_pretrained(model_dir, num_kv_blocks=1024, block_size=BLOCK,
+                                           num_slots=len(names), max_rank=16,
+                                           lora_backend="torch", tp=tp)
+
+    ranks = RankThreads(world, make)
+    try:
+        full, local = ranks.ranks[0].config, ranks.ranks[0].pool.config
+        assert local.moe_intermediate_size * world == full.moe_intermediate_size
+        load_folders(ranks, [folders[n] for n in names])
+        order = [*names, None, None]
+        slots = [names.index(n) if n else -1 for n in order]
+        requests = {sid: (p, slot) for sid, (p, slot) in enumerate(zip(prompts(len(order), 8),
+                                                                       slots))}
+        got = run(ranks, requests, NUM_TOKENS, chunk=6, admit=len(order))
+        want = run(make_runner(model_dir, folders, names), requests, NUM_TOKENS, chunk=6,
+                   admit=len(order))
+        for sid in requests:
+            assert got[sid][0] == want[sid][0]
+            torch.testing.assert_close(got[sid][1], want[sid][1], atol=5e-5, rtol=0)
+    finally:
+        ranks.close()
