@@ -9,6 +9,7 @@ alone and batched beside base rows and each other: greedy tokens equal HF + PEFT
 import pytest
 import torch
 
+from executor import lora_experts
 from executor.lora_experts import ExpertRuns
 from executor.runner import ModelRunner
 from loraplex import fixtures
@@ -86,8 +87,10 @@ def test_the_configs_are_read_as_mixtures_of_experts(moe):
     assert (runner.weights.layers[1].w_gate_up is None) == (family == "mixtral")
 
 
-def test_every_adapter_alone_and_batched_matches_hf_peft(moe):
+@pytest.mark.parametrize("batched_rows", [8, 0], ids=["short-runs-batched", "each-run-alone"])
+def test_every_adapter_alone_and_batched_matches_hf_peft(moe, monkeypatch, batched_rows):
     family, model_dir, folders, hf = moe
+    monkeypatch.setattr(lora_experts, "BATCH_MAX_ROWS", batched_rows)
     names = [*ADAPTERS, "per_expert"]
     runner = make_runner(model_dir, folders, names)
     order = [*names, None, "experts_r4", None]
