@@ -6,12 +6,14 @@ of that expert's projection, read from the pool's expert modules (common.peft.mo
     out[pairs_s] += scale * (x[pairs_s] @ A_{slot, e}^T) @ B_{slot, e}^T     per run s = (e, slot)
 
 Each (expert, adapter) pair's weights are read once per step and layer, whatever its number of
-rows. The torch path gathers the weights of every short run (decode: a row or a few per run) at
-once, [U, R, in] and [U, R, out] at their largest rank with the rows above each run's rank zeroed,
-and runs one batched shrink and expand over their rows; a longer run (a prefill chunk's) gets a
-shrink and an expand of its own. The Triton path runs the SGMV kernels over all runs at once, a
-run's "slot" being its (slot, module) row of the pool's offset tables viewed flat, so the kernels
-need nothing new (kernels/sgmv_*.py).
+rows. The torch path keeps, per slot, layer and projection, its experts' weights gathered from
+its pages ([E, R, in] and [E, R, out], rows above each expert's rank zero: `ExpertWeights`, made
+again once the pool rewrites the slot, and made only for slots the step runs: a load may be
+rewriting any other, executor/lora_stack.py), and per slot runs one batched shrink and expand
+over the rows of its short runs (decode: a row or a few per run), a longer run (a prefill
+chunk's) a shrink and an expand of its own. The Triton path runs the SGMV kernels over all runs
+at once, a run's "slot" being its (slot, module) row of the pool's offset tables viewed flat, so
+the kernels need nothing new (kernels/sgmv_*.py).
 """
 
 from __future__ import annotations
@@ -49,49 +51,71 @@ class ExpertRuns:
         return cls(tuple(out))
 
 
-def apply_torch(pool: LoraSlotPool, layer: int, projection: str, x: torch.Tensor,
+class ExpertWeights:
+    """The torch path's copy of each slot's expert weights (see the module docstring)."""
+
+    def __init__(self, pool: LoraSlotPool) -> None:
+        self.pool = pool
+        # slot -> (the pool's write count it was made at, (layer, projection) -> weights)
+        self._kept: dict[int, tuple[int, dict]] = {}
+
+    def of(self, slot: int, layer: int, projection: str
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(A [E, R, in], B^T [E, R, out], scales [E]) of `slot`'s experts' `projection` at
+        `layer`, R their largest rank there; None where none is targeted. `slot` must be one the
+        current step runs."""
+        (count,) = self.pool.write_counts([slot])
+        kept = self._kept.get(slot)
+        if kept is None or kept[0] != count:
+            kept = self._kept[slot] = (count, {})
+        key = (layer, projection)
+        if key not in kept[1]:
+            kept[1][key] = self._gather(slot, layer, projection)
+        return kept[1][key]
+
+    def _gather(self, slot: int, layer: int, projection: str):
+        pool = self.pool
+        modules = torch.tensor([pool.module_index(expert_module(e, projection))
+                                for e in range(pool.config.num_experts)])  # [E]
+        ranks = pool.rank_table[layer, slot, modules]  # [E]
+        rank = int(ranks.max())
+        if rank == 0:
+            return None
+        keep = (torch.arange(rank) < ranks[:, None]).to(pool.device)  # [E, R]
+        in_f, out_f = pool.config.module_shape(expert_module(0, projection))
+        base, out = pool.layer_base(layer), []
+        for offsets, length in ((pool.a_offsets, in_f), (pool.b_offsets, out_f)):
+            at = offsets[slot, modules.to(pool.device), :rank]  # [E, R, chunks]
+            rows = pool.kv.flat[row_index(at.flatten(0, 1), length, pool.chunk) + base]
+            out.append(rows.view(len(modules), rank, length).masked_fill(~keep[..., None], 0.0))
+        scales = pool.scale_table[layer, slot, modules].to(pool.device, pool.dtype)  # [E]
+        return out[0], out[1], scales
+
+
+def apply_torch(weights: ExpertWeights, layer: int, projection: str, x: torch.Tensor,
                 out: torch.Tensor, runs: ExpertRuns) -> None:
     """out [P, out] += each run's LoRA of its expert's `projection` on x [P, in], in place."""
-    short = [run for run in runs.runs if run[1] - run[0] <= BATCH_MAX_ROWS]
+    by_slot: dict[int, list[tuple[int, int, int]]] = {}
     for start, end, slot, expert in runs.runs:
-        if end - start <= BATCH_MAX_ROWS:
+        by_slot.setdefault(slot, []).append((start, end, expert))
+    for slot, mine in by_slot.items():
+        kept = weights.of(slot, layer, projection)
+        if kept is None:
             continue
-        module = expert_module(expert, projection)
-        target = pool.contents(slot).targets.get((layer, module))
-        if target is not None:
-            a, b = pool.rows(layer, slot, module)  # [r, in], [out, r] (from its pages)
-            out[start:end] += (x[start:end] @ a.T) @ b.T * target[1]
-    if short:
-        _apply_batched(pool, layer, projection, x, out, short)
-
-
-def _apply_batched(pool: LoraSlotPool, layer: int, projection: str, x: torch.Tensor,
-                   out: torch.Tensor, runs: list[tuple[int, int, int, int]]) -> None:
-    """The short runs at once: their weights gathered [U, R, in] / [U, R, out], each pair's row
-    shrunk and expanded by its run's (a batched matmul over the pairs)."""
-    slots = torch.tensor([slot for _, _, slot, _ in runs])  # [U]
-    modules = torch.tensor([pool.module_index(expert_module(e, projection))
-                            for _, _, _, e in runs])  # [U]
-    ranks = pool.rank_table[layer, slots, modules]  # [U]
-    rank = int(ranks.max())
-    if rank == 0:
-        return
-    keep = torch.arange(rank) < ranks[:, None]  # [U, R]: rows within each run's rank
-    base, chunk, flat = pool.layer_base(layer), pool.chunk, pool.kv.flat
-    device = x.device
-    gathered = []
-    for offsets, length in ((pool.a_offsets, x.shape[1]), (pool.b_offsets, out.shape[1])):
-        at = offsets[slots.to(device), modules.to(device), :rank]  # [U, R, chunks]
-        rows = flat[row_index(at.flatten(0, 1), length, chunk) + base].view(len(runs), rank, -1)
-        gathered.append(rows.masked_fill(~keep.to(device)[..., None], 0.0))  # [U, R, length]
-    a, bt = gathered
-    lengths = torch.tensor([end - start for start, end, _, _ in runs])
-    of_row = torch.repeat_interleave(torch.arange(len(runs)), lengths).to(device)  # [N]
-    rows = torch.cat([torch.arange(start, end) for start, end, _, _ in runs]).to(device)  # [N]
-    scale = pool.scale_table[layer, slots, modules].to(device, x.dtype)  # [U]
-    t = torch.bmm(x.index_select(0, rows)[:, None, :], a[of_row].transpose(1, 2))  # [N, 1, R]
-    y = torch.bmm(t, bt[of_row])[:, 0] * scale[of_row, None]  # [N, out]
-    out.index_add_(0, rows, y)
+        a, bt, scales = kept  # [E, R, in], [E, R, out], [E]
+        short = [run for run in mine if run[1] - run[0] <= BATCH_MAX_ROWS]
+        for start, end, e in mine:
+            if end - start > BATCH_MAX_ROWS:
+                out[start:end] += (x[start:end] @ a[e].T) @ bt[e] * scales[e]
+        if short:
+            lengths = torch.tensor([end - start for start, end, _ in short])
+            experts = torch.repeat_interleave(torch.tensor([e for _, _, e in short]),
+                                              lengths).to(x.device)  # [N]
+            rows = torch.cat([torch.arange(start, end) for start, end, _ in short]).to(x.device)
+            t = torch.bmm(x.index_select(0, rows)[:, None, :],
+                          a.index_select(0, experts).transpose(1, 2))  # [N, 1, R]
+            y = torch.bmm(t, bt.index_select(0, experts))[:, 0]  # [N, out]
+            out.index_add_(0, rows, y * scales.index_select(0, experts)[:, None])
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executor.lora_experts import ExpertRuns, apply_torch
+from executor.lora_experts import ExpertRuns, ExpertWeights, apply_torch
 from executor.lora_segments import LoraSegments
 from executor.lora_stack import AdapterStack
 from executor.slot_pool import LoraSlotPool, SliceGroup
@@ -118,6 +118,7 @@ class TorchLoraBackend:
     def __init__(self, pool: LoraSlotPool, *, exact: bool = False) -> None:
         self.pool, self.exact = pool, exact
         self._stacks: dict[int, AdapterStack] = {}  # rank tier -> its kept stack (lora_stack.py)
+        self._experts = ExpertWeights(pool)  # each slot's expert weights (lora_experts.py)
 
     def prepare(self, row_slots: torch.Tensor) -> TorchBatchMeta:
         segments = LoraSegments.from_row_slots(row_slots).segments
@@ -184,7 +185,7 @@ class TorchLoraBackend:
     def apply_experts(self, layer: int, projection: str, x: torch.Tensor, out: torch.Tensor,
                       runs: ExpertRuns) -> None:
         """out [P, out] += the pairs' adapters' LoRA of their experts' `projection`."""
-        apply_torch(self.pool, layer, projection, x, out, runs)
+        apply_torch(self._experts, layer, projection, x, out, runs)
 
     def _apply_module(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor,
                       segments: tuple[tuple[int, int, int], ...]) -> None:
