@@ -94,6 +94,11 @@ async def leaks(fleet: Fleet) -> tuple[list[str], list[str], float]:
                         and ex.adapter_pages == pages)
                 if ex.running or ex.queued or pins or not idle:
                     problems.append(f"the scheduler's {ex.address} is not idle")
+                stuck = [f"{i} {s.state}" for i, s in enumerate(ex.slots)
+                         if s.state in ("loading", "cleaning")]
+                if stuck:
+                    problems.append(f"{ex.address} slots still bringing an adapter in or "
+                                    f"cleaning up: {', '.join(stuck)}")
                 if held != 0:
                     problems.append(f"executor {ex.address} holds {held} sequences")
             problems += [f"tenant {t.tenant}: queued {t.queued}, running {t.running}"
