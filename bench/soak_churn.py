@@ -47,6 +47,7 @@ from soak_churn_records import (
     judge,
     log_errors,
     mark_cold,
+    revision,
     rss_summary,
     rss_timeline,
     ttft_rows,
@@ -298,7 +299,7 @@ def report(r: dict, args, num_kv_blocks: int, pages: int, checked: int, wrong, d
         (f"- machine: nproc {len(os.sched_getaffinity(0))}, 1-min load average {load[0]:.1f} at "
          f"start, {load[1]:.1f} at the end; torch {importlib.metadata.version('torch')}, python "
          f"{sys.version.split()[0]}; speeds on shared cores are noisy"),
-        f"- command: `{r['command']}`", ""])
+        f"- code: {revision(REPO)}", f"- command: `{r['command']}`", ""])
 
 
 def parse_args() -> argparse.Namespace:

@@ -9,6 +9,7 @@ import datetime
 import pathlib
 import re
 import statistics
+import subprocess
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -162,3 +163,18 @@ def judge(r: dict, wrong: list[Completion], differ: dict, checked: int,
         *([f"{len(differ)} (adapter, prompt) pairs answered differently, e.g. "
            f"{next(iter(differ.items()))}"] if differ else []),
         *(["no answer of a sampled adapter came back to compare"] if not checked else [])]
+
+
+def revision(repo: pathlib.Path) -> str:
+    """The commit the services ran from (REPO's HEAD, and whether files differed from it)."""
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", "-C", str(repo), *cmd], capture_output=True,
+                              text=True).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD")
+    if not head:
+        return f"{repo} (not a git checkout: say which commit it was exported from)"
+    dirty = [line for line in git("status", "--porcelain", "--untracked-files=no").splitlines()
+             if not line[3:].startswith("bench/")]
+    return f"commit {head}" + (f", {len(dirty)} files changed beside it" if dirty else "")
+
