@@ -18,7 +18,8 @@ It fails (exit 1, saying why) on an ERROR or traceback in a service log, an exec
 (Stats is_up false, Stats unreachable, its process gone, the scheduler logging it unreachable),
 Stats counters going back, a failed or wrong request, and a pool that does not settle after the
 traffic (a slot still loading, queues or sequences left). The executor's RSS is sampled
-throughout; --heap-probe also measures what its heap holds (bench/soak_heap.py).
+throughout; a probe inside it (bench/soak_probe.py) logs the statuses its errors become, and with
+--heap-probe measures what its memory holds.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from soak_churn_records import (
     warnings_of,
 )
 from soak_faults import leaks
-from soak_heap import heap_table, probe_env, proc_status, read
+from soak_probe import heap_table, probe_env, proc_status, read
 
 from common.server import insecure_channel, run
 from loraplex import client, demo
@@ -310,13 +311,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--duration-s", type=float, help="traffic length (600; 60 with --quick)")
     p.add_argument("--threads", type=int, default=1, help="the executor's torch threads")
     p.add_argument("--heap-probe", action="store_true",
-                   help="measure what the executor's heap holds (bench/soak_heap.py)")
+                   help="measure what the executor's heap holds (bench/soak_probe.py)")
     p.add_argument("--heap-interval-s", type=float, default=30.0)
     p.add_argument("--tracemalloc", action="store_true",
                    help="with --heap-probe: trace the executor's Python allocations (slow)")
     p.add_argument("--tensors", action="store_true",
                    help="with --heap-probe: list the executor's live tensors (through the garbage "
-                        "collector: see soak_heap.tensor_census)")
+                        "collector: see soak_probe.tensor_census)")
     p.add_argument("--malloc-arena-max", type=int,
                    help="MALLOC_ARENA_MAX for every service (glibc: at most this many arenas)")
     p.add_argument("--out", nargs="?", const=str(RESULTS), metavar="PATH",
@@ -356,9 +357,8 @@ def main() -> None:
                 hf_references(model_dir, demo.MODEL_ID, chosen, prompts, MAX_TOKENS,
                               log_dir / "sampled").items() if pair[0] >= 0}
     heap_out = log_dir / "heap.jsonl"
-    if args.heap_probe:
-        os.environ.update(probe_env(log_dir / "probe", heap_out, args.heap_interval_s,
-                                    args.tracemalloc, args.tensors))
+    os.environ.update(probe_env(log_dir / "probe", heap_out if args.heap_probe else None,
+                                args.heap_interval_s, args.tracemalloc, args.tensors))
     if args.malloc_arena_max:
         os.environ["MALLOC_ARENA_MAX"] = str(args.malloc_arena_max)
     executor_args = ["--threads", str(args.threads), "--adapter-slots", str(ADAPTER_SLOTS),

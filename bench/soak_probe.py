@@ -1,17 +1,21 @@
-"""What an executor's memory holds during a soak (bench/soak_churn.py): its RSS read from /proc,
-and, with the heap probe, what is inside it, measured in the executor's own process.
+"""What the churn soak (bench/soak_churn.py) measures inside its executor: the statuses its
+errors become, and what its memory holds.
 
 The probe goes in through a sitecustomize.py on PYTHONPATH that starts it only in a process run
-as `-m executor.service` (the other services ignore it). Every `interval_s` it appends a JSON line:
-- rss and anonymous memory (/proc/self/status);
-- glibc malloc's own account (mallinfo2, over all arenas): bytes in use from the heaps, bytes
-  free inside them (held by the process, not given back: fragmentation), mmapped bytes;
-- live torch tensors (found through the garbage collector): the bytes of their distinct
-  storages, and the largest (dtype, shape) classes;
-- with tracemalloc on (SOAK_HEAP_TRACEMALLOC=1: slow), the Python allocations traced and the
-  source lines holding most.
-When the file `<out>.trim` appears, it calls malloc_trim(0) once and records the RSS before and
-after: how much of the RSS was freed memory glibc had kept.
+as `-m executor.service` (the other services ignore it).
+- Statuses: every error the executor maps to a status other than INTERNAL (those it logs itself)
+  is logged as a WARNING line with its frames. A step that fails with INVALID_ARGUMENT or
+  FAILED_PRECONDITION ends the Step stream and logs nothing, and the scheduler, still writing to
+  the stream, may read only grpc's "Internal error from Core".
+- Memory, with an output file: every `interval_s` a JSON line of
+  - RSS and anonymous memory (/proc/self/status);
+  - glibc malloc's account (mallinfo2, over all arenas): bytes in use, bytes free inside its heaps
+    (kept by the process, not given back), mmapped blocks;
+  - anonymous memory by mapping (/proc/self/smaps), Python's allocated blocks, threads;
+  - with tracemalloc (slow), the Python allocations and the source lines holding most;
+  - with the tensor census, live torch tensors (see tensor_census).
+  When the file `<out>.trim` appears it calls malloc_trim(0) once, recording the RSS before and
+  after: how much of the RSS was freed memory glibc had kept.
 """
 
 from __future__ import annotations
@@ -27,17 +31,18 @@ import sys
 import threading
 import time
 
-ENV_OUT = "SOAK_HEAP_OUT"
-ENV_INTERVAL = "SOAK_HEAP_INTERVAL_S"
-ENV_TRACEMALLOC = "SOAK_HEAP_TRACEMALLOC"
-ENV_CENSUS = "SOAK_HEAP_TENSORS"
+ENV_ON = "SOAK_PROBE"
+ENV_OUT = "SOAK_PROBE_HEAP_OUT"
+ENV_INTERVAL = "SOAK_PROBE_HEAP_INTERVAL_S"
+ENV_TRACEMALLOC = "SOAK_PROBE_TRACEMALLOC"
+ENV_CENSUS = "SOAK_PROBE_TENSORS"
 MIB = 1 << 20
 _SITECUSTOMIZE = """\
 import os, sys
-if "executor.service" in getattr(sys, "orig_argv", ()) and os.environ.get("{out}"):
+if "executor.service" in getattr(sys, "orig_argv", ()) and os.environ.get("{on}"):
     sys.path.insert(0, {bench!r})
-    import soak_heap
-    soak_heap.start()
+    import soak_probe
+    soak_probe.start()
 """
 
 
@@ -54,15 +59,18 @@ def proc_status(pid: int | str = "self") -> dict[str, float]:
     return out
 
 
-def probe_env(folder: pathlib.Path, out: pathlib.Path, interval_s: float,
-              tracemalloc: bool, tensors: bool) -> dict[str, str]:
-    """Environment that starts the probe in an executor started with it, writing to `out`."""
+def probe_env(folder: pathlib.Path, heap_out: pathlib.Path | None = None,
+              interval_s: float = 30.0, tracemalloc: bool = False,
+              tensors: bool = False) -> dict[str, str]:
+    """Environment that starts the probe in an executor started with it; the memory samples go
+    to `heap_out` (None: no memory samples)."""
     folder.mkdir(parents=True, exist_ok=True)
     bench = str(pathlib.Path(__file__).resolve().parent)
-    (folder / "sitecustomize.py").write_text(_SITECUSTOMIZE.format(out=ENV_OUT, bench=bench))
+    (folder / "sitecustomize.py").write_text(_SITECUSTOMIZE.format(on=ENV_ON, bench=bench))
     path = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
-    return {"PYTHONPATH": path, ENV_OUT: str(out), ENV_INTERVAL: str(interval_s),
-            ENV_TRACEMALLOC: "1" if tracemalloc else "", ENV_CENSUS: "1" if tensors else ""}
+    return {"PYTHONPATH": path, ENV_ON: "1", ENV_OUT: str(heap_out or ""),
+            ENV_INTERVAL: str(interval_s), ENV_TRACEMALLOC: "1" if tracemalloc else "",
+            ENV_CENSUS: "1" if tensors else ""}
 
 
 class _MallInfo2(ctypes.Structure):
@@ -181,8 +189,36 @@ def _loop(out: pathlib.Path, interval_s: float) -> None:
         time.sleep(1.0)
 
 
+def log_statuses() -> None:
+    """Wrap common.errors.status_for (every error of a servicer becomes a status there) to log
+    each status but INTERNAL as a WARNING line, its frames on the same line."""
+    import logging
+    import traceback
+
+    import grpc
+
+    from common import errors
+
+    plain, log = errors.status_for, logging.getLogger("soak_probe")
+
+    def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+        code, message = plain(exc)
+        if code != grpc.StatusCode.INTERNAL:
+            frames = " < ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}"
+                                for f in reversed(traceback.extract_tb(exc.__traceback__)))
+            log.warning("status %s (%s): %s [%s]", code.name, type(exc).__name__, message,
+                        frames)
+        return code, message
+
+    errors.status_for = status_for
+
+
 def start() -> None:
-    """In the executor (sitecustomize): the probe's thread, tracemalloc first if asked."""
+    """In the executor (sitecustomize): the status log, and the memory samples' thread
+    (tracemalloc started first) when asked for."""
+    log_statuses()
+    if not os.environ.get(ENV_OUT):
+        return
     if os.environ.get(ENV_TRACEMALLOC):
         import tracemalloc
 
@@ -219,7 +255,7 @@ def heap_table(records: list[dict], start: float, end: float) -> list[str]:
     halves = {"first half": [r for r in samples if r["t"] < mid],
               "last half": [r for r in samples if r["t"] >= mid]}
     columns = {k: f for k, f in _COLUMNS.items() if samples and f(samples[-1]) is not None}
-    lines = [f"| executor memory (MiB; bench/soak_heap.py), mean (max) | {' | '.join(columns)} |",
+    lines = [f"| executor memory (MiB; bench/soak_probe.py), mean (max) | {' | '.join(columns)} |",
              f"|---|{'---:|' * len(columns)}"]
     for label, half in halves.items():
         if half:
