@@ -50,6 +50,7 @@ class BaseModel:
     module_shapes: dict[str, tuple[int, int]]  # module -> (in_features, out_features)
     config_json: str
     moe_layers: tuple[int, ...] = ()  # the layers whose MLP is experts (their modules: experts.*)
+    gate_up_interleaved: bool = False  # its experts' gate and up interleave (gpt-oss)
     fingerprint: str = ""  # "" = registered without one
     names: tuple[str, ...] = ()  # other names adapters may give it, sorted, never the id
 
@@ -65,18 +66,20 @@ class BaseModel:
 
         raw = load_json_object(config_json, f"base model {model_id!r} config.json")
         try:
-            num_layers, shapes, moe = base_shapes(raw)
+            shapes = base_shapes(raw)
         except ValueError as err:
             raise invalid(str(err).removeprefix("model config: ")) from None
         return cls(model_id=model_id, revision=revision,
                    config_sha256=hashlib.sha256(config_json.encode()).hexdigest(),
-                   num_layers=num_layers, module_shapes=shapes, moe_layers=moe,
+                   num_layers=shapes.num_layers, module_shapes=dict(shapes.projection_shapes),
+                   moe_layers=tuple(sorted(shapes.moe_layers)),
+                   gate_up_interleaved=shapes.gate_up_interleaved,
                    config_json=config_json, fingerprint=fingerprint, names=names)
 
     @property
     def shapes(self) -> BaseShapes:
         return BaseShapes(self.model_id, self.num_layers, self.module_shapes,
-                          frozenset(self.moe_layers))
+                          frozenset(self.moe_layers), self.gate_up_interleaved)
 
     def goes_by(self, name: str) -> bool:
         """Whether `name` is this base's id or one of its names."""

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from common.peft.layout import BaseShapes
 from common.peft.modules import projection_shapes
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3",
-               "qwen3_moe", "mixtral")
+               "qwen3_moe", "mixtral", "gpt_oss")
 # Mixture-of-experts families: some or all layers' MLP is experts behind a router (moe_layers)
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "gpt_oss")
 # model_type of a multimodal model -> its language model's (text_config's), which is served
 MULTIMODAL_MODEL_TYPES = {"gemma3": "gemma3_text"}
 # q/k/v and gate/up are single weights (qkv_proj, gate_up_proj), and adapters target them so
@@ -57,6 +58,12 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1_000_000.0,
                 "max_position_embeddings": 4096 * 32, "num_local_experts": 8,
                 "num_experts_per_tok": 2},
+    "gpt_oss": {"rms_norm_eps": 1e-5, "rope_theta": 150000.0, "max_position_embeddings": 131072,
+                "num_local_experts": 128, "num_experts_per_tok": 4, "head_dim": 64,
+                "sliding_window": 128, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+                "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                    "beta_slow": 1.0, "truncate": False,
+                                    "original_max_position_embeddings": 4096}},
 }
 
 
@@ -124,9 +131,9 @@ def moe_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
     return tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
 
 
-def base_shapes(cfg: dict[str, Any]) -> tuple[int, dict[str, tuple[int, int]], tuple[int, ...]]:
-    """(layers, (in, out) features of each LoRA-targetable projection, the layers whose MLP is
-    experts) of a config.json; ValueError naming the field at fault."""
+def base_shapes(cfg: dict[str, Any]) -> BaseShapes:
+    """What an adapter must fit in the model of a config.json (its model_id left ""); ValueError
+    naming the field at fault."""
     cfg = read_config(cfg)
     values = {}
     for field in ("hidden_size", "intermediate_size", "num_attention_heads",
@@ -146,11 +153,12 @@ def base_shapes(cfg: dict[str, Any]) -> tuple[int, dict[str, tuple[int, int]], t
     if experts and not (_is_count(experts) and _is_count(expert_size)):
         raise ValueError("the number of experts and their intermediate size must be positive "
                          "integers")
-    return values["num_hidden_layers"], projection_shapes(
+    return BaseShapes("", values["num_hidden_layers"], projection_shapes(
         hidden, values["intermediate_size"], heads, kv_heads, head_dim,
         fused=cfg["model_type"] in FUSED_MODEL_TYPES, num_experts=experts,
         moe_intermediate_size=expert_size or 0,
-        dense_mlp=len(moe) < values["num_hidden_layers"]), moe
+        dense_mlp=len(moe) < values["num_hidden_layers"]), frozenset(moe),
+        gate_up_interleaved=cfg["model_type"] == "gpt_oss")
 
 
 def _is_count(value: object) -> bool:

@@ -37,7 +37,12 @@ CLIENT_OPTIONS = CHANNEL_OPTIONS + [("grpc.lb_policy_name", "round_robin")]
 # keepalive_timeout_ms alone is not applied, so a frozen peer was found after 60 s, not 10 or 5
 # (measured with grpc 1.85: a SIGSTOPped server broke a pinging client's stream after 60.2 s,
 # 5.4 s with the ping timeout set; tests/common/test_keepalive.py).
-SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.keepalive_time_ms", 30_000),
+# grpc.so_reuseport 0: gRPC's default lets a second server bind a port one already listens on
+# (SO_REUSEPORT), and the kernel then spreads connections over both: a second `loraplex up` on
+# the same ports started, half of its calls reached the other's services, and it failed later and
+# obscurely. Off, a port taken is an error at start.
+SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.so_reuseport", 0),
+                                    ("grpc.keepalive_time_ms", 30_000),
                                     ("grpc.keepalive_timeout_ms", 10_000),
                                     ("grpc.http2.ping_timeout_ms", 10_000),
                                     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
@@ -115,9 +120,13 @@ class Service:
         reflection.enable_server_reflection(
             (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), self._server)
-        self.port = self._server.add_insecure_port(address)
+        try:
+            self.port = self._server.add_insecure_port(address)
+        except RuntimeError:  # (grpc's words: "Failed to bind to address ...")
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"{name}: cannot bind {address}")
+            raise OSError(f"{name}: cannot listen on {address}: the port is in use or the address "
+                          "is not this machine's (give another --address)")
 
     async def start(self) -> int:
         await self._server.start()

@@ -176,32 +176,38 @@ def build_attention_meta(tables: list[list[int]], context_lens: list[int],
 
 
 def attend(q: torch.Tensor, kv: PagedKVCache, layer: int, meta: AttentionMeta, *,
-           scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+           scale: float | None = None, softcap: float | None = None,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D] (after RoPE; this step's k/v already written) -> attention output [T, H, D]
-    of softmax(cap(q k^T * scale)) v; scale None: 1 / sqrt(D); softcap None: no cap."""
+    of softmax(cap(q k^T * scale)) v; scale None: 1 / sqrt(D); softcap None: no cap; sinks [H]:
+    each head's sink logit, a softmax column with no value (gpt-oss), or None."""
     if isinstance(meta, TritonAttentionMeta):
         return meta.kernel(q, kv.k[layer], kv.v[layer], meta.work,
-                           sliding_window=meta.sliding_window, scale=scale, softcap=softcap)
+                           sliding_window=meta.sliding_window, scale=scale, softcap=softcap,
+                           sinks=sinks)
     attn = torch.empty_like(q)  # [T, H, D]
     for b in meta.decode:
         k, v = kv.gather(layer, b.slots)  # [Sb, Cb, Hkv, D]
         o = sdpa(q.index_select(0, b.rows)[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
-                 b.mask, scale, softcap)  # [Sb, H, 1, D]
+                 b.mask, scale, softcap, sinks)  # [Sb, H, 1, D]
         attn.index_copy_(0, b.rows, o[:, :, 0, :])
     for p in meta.prefills:
         k, v = kv.gather(layer, p.ctx_slots)  # [C, Hkv, D]
         o = sdpa(q[p.start:p.end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                 p.mask, scale, softcap)  # [H, n, D]
+                 p.mask, scale, softcap, sinks)  # [H, n, D]
         attn[p.start:p.end] = o.transpose(0, 1)
     return attn
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-         scale: float | None, softcap: float | None) -> torch.Tensor:
+         scale: float | None, softcap: float | None,
+         sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [..., H, n, D], k and v [..., Hkv, C, D], mask broadcast to [..., H, n, C] (True: may
     attend) -> [..., H, n, D]. With a soft cap, HF's eager attention step by step: scores in
-    q's dtype, capped, masked, softmax in fp32 cast back, times v."""
-    if softcap is None:
+    q's dtype, capped, masked, softmax in fp32 cast back, times v. With sinks [H] (gpt-oss),
+    its eager attention: each head's sink logit a last column of the scores, the max taken out,
+    softmax in the scores' dtype, the sink's column dropped."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                               enable_gqa=True)
     group = q.shape[-3] // k.shape[-3]
@@ -210,5 +216,11 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     scores = soft_cap(scores, softcap)  # [..., H, n, C]
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return probs @ v
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return probs @ v
+    sink = sinks.to(scores.dtype)[:, None, None].expand(*scores.shape[:-1], 1)  # [..., H, n, 1]
+    scores = torch.cat([scores, sink], dim=-1)
+    scores = scores - scores.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(scores, dim=-1, dtype=scores.dtype)[..., :-1]
+    return probs.to(v.dtype) @ v

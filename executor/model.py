@@ -122,7 +122,8 @@ class Transformer:
         return set(map(self.config.layer_window, range(self.config.num_hidden_layers)))
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, weight, self.config.rms_norm_eps, self.config.norm_unit_offset)
+        c = self.config
+        return rms_norm(x, weight, c.rms_norm_eps, c.norm_unit_offset, c.norm_fp32_weight)
 
     def forward(self, tokens: torch.Tensor, meta: StepMetadata,
                 kv: PagedKVCache) -> torch.Tensor | None:
@@ -174,9 +175,9 @@ class Transformer:
         kv.write(i, meta.write_slots, k, v.reshape(t, c.num_key_value_heads, c.head_dim))
 
         attn = attend(q, kv, i, meta.attention[c.layer_window(i)], scale=c.attention_scale,
-                      softcap=c.attn_logit_softcap)  # [T, H, D]
+                      softcap=c.attn_logit_softcap, sinks=w.sinks)  # [T, H, D]
         attn = attn.reshape(t, c.q_size)  # [T, H * D]
-        out = F.linear(attn, w.wo)  # [T, hidden]
+        out = F.linear(attn, w.wo, w.bo)  # [T, hidden] (bo: on one rank of a TP group only)
         self.lora.apply(i, "o", attn, out, meta.lora)
         return self.tp.all_reduce(out)  # (row-parallel: the ranks' partial sums)
 
@@ -185,8 +186,7 @@ class Transformer:
         row_slots = meta.row_slots
         if row_slots is None:  # (no adapter on any row)
             row_slots = torch.full((x.shape[0],), -1, dtype=torch.long)
-        out = moe_mlp(self.config, i, x, w.router, w.experts_gate_up, w.experts_down, row_slots,
-                      self.lora, meta.lora, self.moe_matmul)
+        out = moe_mlp(self.config, i, x, w, row_slots, self.lora, meta.lora, self.moe_matmul)
         return self.tp.all_reduce(out)  # (row-parallel inside each expert: partial sums)
 
     def _mlp(self, i: int, x: torch.Tensor, lora: LoraBatchMeta) -> torch.Tensor:

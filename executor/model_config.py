@@ -68,6 +68,19 @@ class ModelConfig:
     norm_topk_prob: bool = True
     routing_in_fp32: bool = False
     moe_layers: tuple[int, ...] = ()
+    # gpt-oss's experts: the router's top k of its logits (a bias added), softmax over those
+    # ("topk_softmax"; else "softmax_topk" as above); experts with biases; gate and up
+    # interleaved (gate's outputs the even ones) under a clamped SwiGLU:
+    #   (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g),  g = min(gate, limit)
+    routing: str = "softmax_topk"
+    moe_bias: bool = False
+    swiglu_limit: float | None = None  # None: act(gate) * up, gate and up side by side
+    swiglu_alpha: float = 1.702
+    # gpt-oss's attention: o_proj has a bias too; each head a learned sink logit (a softmax
+    # column with no value); its norms scale the fp32 normed input before the cast
+    o_bias: bool = False
+    attention_sinks: bool = False
+    norm_fp32_weight: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -112,6 +125,8 @@ class ModelConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"model config: {name} must be a positive integer, got "
                                  f"{value!r}")
+        if self.routing not in ("softmax_topk", "topk_softmax"):
+            raise ValueError(f"model config: routing {self.routing!r} is not supported")
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(f"model config: num_experts_per_tok ({self.num_experts_per_tok}) "
                              f"exceeds num_experts ({self.num_experts})")
@@ -173,6 +188,12 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         """Whether `layer`'s MLP is a mixture of experts."""
         return layer in self.moe_layers
+
+    @property
+    def gate_up_interleaved(self) -> bool:
+        """Its experts' gate and up outputs interleave (gpt-oss: gate's are the even ones),
+        which its clamped SwiGLU reads so; else gate's all come first."""
+        return self.swiglu_limit is not None
 
     @property
     def has_dense_mlp(self) -> bool:

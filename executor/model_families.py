@@ -26,6 +26,11 @@ fields mean what they mean to transformers (common/model_families.py fills in it
     mixtral                 the LLaMA layout's attention (sliding when sliding_window is set);
                             every MLP is num_local_experts experts of intermediate_size, top
                             num_experts_per_tok by softmax, renormalised, weights kept in fp32
+    gpt_oss                 q/k/v/o biases, each head's attention sink, sliding layers between
+                            full ones (layer_types), YaRN RoPE, norms scaled in fp32; every MLP
+                            experts with biases behind a router with a bias, top k of its logits
+                            then softmax, gate and up interleaved under a clamped SwiGLU; its
+                            MXFP4 expert weights (quantization_config mxfp4) dequantized at load
 
 Anything a family may state that loraplex does not compute is refused with the field's name:
 never served approximately.
@@ -58,6 +63,12 @@ def config_fields(raw: dict[str, Any], generation_config: dict[str, Any]) -> dic
             raise ValueError(f"model config: missing required field {key!r}")
     if cfg.get("mlp_bias"):
         raise ValueError("model config: mlp_bias=true is not supported")
+    quantization = cfg.get("quantization_config")
+    if quantization and not (model_type == "gpt_oss"
+                             and quantization.get("quant_method") == "mxfp4"):
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise ValueError(f"model config: quantization_config {method!r} is not supported "
+                         "(a quantized base: give its unquantized weights)")
     is_gemma = model_type in ("gemma2", "gemma3_text")
     # (Gemma's MLP reads hidden_activation; its hidden_act is a leftover transformers ignores)
     act = cfg.get("hidden_activation") if is_gemma else cfg.get("hidden_act", "silu")
@@ -73,7 +84,8 @@ def config_fields(raw: dict[str, Any], generation_config: dict[str, Any]) -> dic
         rms_norm_eps=float(cfg["rms_norm_eps"]),
         max_position_embeddings=cfg["max_position_embeddings"],
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        attention_bias=model_type in ("qwen2", "gpt_oss") or bool(cfg.get("attention_bias",
+                                                                         False)),
         qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
         eos_token_ids=_eos_ids(cfg, generation_config),
         hidden_act=act,
@@ -87,6 +99,8 @@ def config_fields(raw: dict[str, Any], generation_config: dict[str, Any]) -> dic
         fields["sliding_window"] = cfg.get("sliding_window")
     if num_experts(cfg):
         fields.update(_experts(cfg))
+    if model_type == "gpt_oss":
+        fields.update(_gpt_oss(cfg))
     if is_gemma:
         fields.update(_gemma(cfg, model_type))
     if is_multimodal(raw):
@@ -109,6 +123,14 @@ def _experts(cfg: dict[str, Any]) -> dict[str, Any]:
                                        else cfg["intermediate_size"]),
                 norm_topk_prob=bool(cfg.get("norm_topk_prob")) if is_qwen else True,
                 routing_in_fp32=not is_qwen, moe_layers=moe_layers(cfg))
+
+
+def _gpt_oss(cfg: dict[str, Any]) -> dict[str, Any]:
+    layer_types = cfg.get("layer_types") or alternating_layers(cfg["num_hidden_layers"], 2)
+    return dict(o_bias=True, attention_sinks=True, norm_fp32_weight=True,
+                layer_types=tuple(layer_types), routing="topk_softmax", moe_bias=True,
+                swiglu_limit=float(cfg["swiglu_limit"]), swiglu_alpha=float(cfg["swiglu_alpha"]),
+                norm_topk_prob=False, routing_in_fp32=False)
 
 
 def _gemma(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:

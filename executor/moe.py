@@ -1,12 +1,15 @@
-"""A mixture-of-experts MLP over a step's rows, routed as transformers routes (Qwen3-MoE, Mixtral),
-with each row's adapter on the experts it is routed to.
+"""A mixture-of-experts MLP over a step's rows, routed as transformers routes (Qwen3-MoE, Mixtral,
+gpt-oss), with each row's adapter on the experts it is routed to.
 
 For x [T, hidden] (ModelConfig's fields choose the variant):
 
-    logits = x @ router^T                [T, E], the activations' dtype
-    probs = softmax(fp32 logits)         weights, experts = topk(probs, k)        [T, k]
-    weights /= weights.sum(-1)           with norm_topk_prob (Mixtral always)
-    weights -> x's dtype                 unless routing_in_fp32 (Mixtral keeps fp32)
+    logits = x @ router^T (+ bias)       [T, E], the activations' dtype
+    softmax_topk (Qwen3-MoE, Mixtral):
+        probs = softmax(fp32 logits)     weights, experts = topk(probs, k)        [T, k]
+        weights /= weights.sum(-1)       with norm_topk_prob (Mixtral always)
+        weights -> x's dtype             unless routing_in_fp32 (Mixtral keeps fp32)
+    topk_softmax (gpt-oss):
+        values, experts = topk(logits, k)        weights = softmax(values), logits' dtype
 
 The T * k (row, expert) pairs are sorted by expert, then adapter slot (stable: rows in order
 within a run), so each expert's pairs, and each (expert, adapter)'s, are contiguous: the base runs
@@ -17,6 +20,9 @@ expand per (expert, adapter) run over the pool's expert modules (common/peft/exp
     h = act(gate) * up                  gate | up = pairs' x @ W_gate_up[e]^T (+ LoRA)
     y = h @ W_down[e]^T (+ LoRA)        out[row] += y * weight, in expert order per row
 
+gpt-oss adds each expert's biases to gate_up and to y, and its gate and up are interleaved under a
+clamped SwiGLU (layer_ops.clamped_swiglu).
+
 Running example, T = 3 rows on slots [-1, 4, 4], k = 2, E = 4, experts [[2, 0], [1, 2], [0, 3]]:
 pairs sorted (row, expert, slot) = (0, 0, -1), (2, 0, 4), (1, 1, 4), (0, 2, -1), (1, 2, 4),
 (2, 3, 4): expert runs [0, 2) [2, 3) [3, 5) [5, 6); with an adapter, runs (expert 0, slot 4) =
@@ -26,11 +32,16 @@ pairs sorted (row, expert, slot) = (0, 0, -1), (2, 0, 4), (1, 1, 4), (0, 2, -1),
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
-from executor.layer_ops import activation
+from executor.layer_ops import activation, clamped_swiglu
 from executor.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from executor.weights import LayerWeights
 
 
 @dataclass(frozen=True)
@@ -45,15 +56,19 @@ class Routing:
 
     @classmethod
     def route(cls, config: ModelConfig, x: torch.Tensor, router: torch.Tensor,
-              row_slots: torch.Tensor) -> Routing:
-        """x [T, hidden]; router [E, hidden]; row_slots [T] long (host)."""
-        logits = x @ router.T  # [T, E]
-        probs = torch.softmax(logits.float(), dim=-1)
-        weights, experts = torch.topk(probs, config.num_experts_per_tok, dim=-1)  # [T, k]
-        if config.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if not config.routing_in_fp32:
-            weights = weights.to(x.dtype)
+              row_slots: torch.Tensor, bias: torch.Tensor | None = None) -> Routing:
+        """x [T, hidden]; router [E, hidden] (bias [E] or None); row_slots [T] long (host)."""
+        logits = F.linear(x, router, bias)  # [T, E]
+        if config.routing == "topk_softmax":
+            values, experts = torch.topk(logits, config.num_experts_per_tok, dim=-1)  # [T, k]
+            weights = torch.softmax(values, dim=-1, dtype=values.dtype)
+        else:
+            probs = torch.softmax(logits.float(), dim=-1)
+            weights, experts = torch.topk(probs, config.num_experts_per_tok, dim=-1)  # [T, k]
+            if config.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            if not config.routing_in_fp32:
+                weights = weights.to(x.dtype)
         k = config.num_experts_per_tok
         flat_experts = experts.flatten().cpu()  # [T * k], row-major: row r's at r * k ...
         pair_slots = row_slots.repeat_interleave(k)
@@ -88,20 +103,26 @@ def grouped_matmul_for(device: torch.device):
     return grouped_matmul
 
 
-def moe_mlp(config: ModelConfig, layer: int, x: torch.Tensor, router: torch.Tensor,
-            w_gate_up: torch.Tensor, w_down: torch.Tensor, row_slots: torch.Tensor, lora,
-            lora_meta, matmul=grouped_matmul) -> torch.Tensor:
-    """The MoE MLP's output [T, hidden] for x [T, hidden] (the pre-MLP norm's output). `lora`,
-    `lora_meta`: the step's LoRA backend and metadata (its expert hooks); `matmul`: the grouped
-    matmul (grouped_matmul's signature)."""
-    routing = Routing.route(config, x, router, row_slots)
+def moe_mlp(config: ModelConfig, layer: int, x: torch.Tensor, w: LayerWeights,
+            row_slots: torch.Tensor, lora, lora_meta, matmul=grouped_matmul) -> torch.Tensor:
+    """The MoE MLP's output [T, hidden] for x [T, hidden] (the pre-MLP norm's output) through
+    layer weights `w` (its router and experts). `lora`, `lora_meta`: the step's LoRA backend and
+    metadata (its expert hooks); `matmul`: the grouped matmul (grouped_matmul's signature)."""
+    routing = Routing.route(config, x, w.router, row_slots, w.router_bias)
     experts_meta = lora.prepare_experts(routing.slots, routing.experts, routing.expert_runs)
     xs = x.index_select(0, routing.rows)  # [P, hidden]
-    gate_up = matmul(xs, w_gate_up, routing.expert_runs)  # [P, 2 * moe_intermediate]
+    gate_up = matmul(xs, w.experts_gate_up, routing.expert_runs)  # [P, 2 * moe_intermediate]
+    if w.experts_gate_up_bias is not None:
+        gate_up += w.experts_gate_up_bias.index_select(0, routing.experts)
     lora.apply_experts(layer, "gate_up_proj", xs, gate_up, experts_meta)
-    gate, up = gate_up.chunk(2, dim=-1)
-    hidden = activation(config.hidden_act)(gate) * up  # [P, moe_intermediate]
-    y = matmul(hidden, w_down, routing.expert_runs)  # [P, hidden]
+    if config.swiglu_limit is not None:
+        hidden = clamped_swiglu(gate_up, config.swiglu_limit, config.swiglu_alpha)
+    else:
+        gate, up = gate_up.chunk(2, dim=-1)
+        hidden = activation(config.hidden_act)(gate) * up  # [P, moe_intermediate]
+    y = matmul(hidden, w.experts_down, routing.expert_runs)  # [P, hidden]
+    if w.experts_down_bias is not None:
+        y += w.experts_down_bias.index_select(0, routing.experts)
     lora.apply_experts(layer, "down_proj", hidden, y, experts_meta)
     out = torch.zeros_like(x)
     out.index_add_(0, routing.rows, (y * routing.weights[:, None]).to(x.dtype))

@@ -18,7 +18,7 @@ from executor.slot_pool import LoraModuleWeights, LoraWeights
 
 def model_shapes(model: ModelConfig) -> BaseShapes:
     return BaseShapes(model.model_id, model.num_hidden_layers, model.projection_shapes(),
-                      frozenset(model.moe_layers))
+                      frozenset(model.moe_layers), model.gate_up_interleaved)
 
 
 def parse_peft_adapter(config_json: str, safetensors_bytes: bytes | torch.Tensor,

@@ -5,6 +5,10 @@ inverse frequencies and a cos/sin scale.
     default   inv_freq[i] = 1 / theta^(2i / D)
     llama3    Llama 3.1: low frequencies divided by `factor`, a smooth band between
     linear    every frequency divided by `factor` (Gemma 3's global layers)
+    yarn      YaRN (gpt-oss): each frequency between its own and its `factor`-scaled value by a
+              linear ramp over the dimensions whose rotations within the original context lie
+              between beta_slow and beta_fast; cos and sin times its attention factor
+              (0.1 ln(factor) + 1 unless given)
     longrope  Phi-3 (config "su"/"longrope"): inv_freq[i] = 1 / (factor[i] theta^(2i / D)), the
               short factors or the long ones, cos and sin times attention_factor (HF's, the same
               for both). Served up to max_position_embeddings as transformers' generate() serves
@@ -60,8 +64,20 @@ class LongRopeScaling:
     original_max_position_embeddings: int
 
 
-RopeScaling = Llama3RopeScaling | LinearRopeScaling | LongRopeScaling
-ROPE_TYPES = ("default", "llama3", "linear", "longrope")
+@dataclass(frozen=True)
+class YarnRopeScaling:
+    """YaRN (rope_type "yarn"), as transformers computes its frequencies and attention factor."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+    truncate: bool  # round the ramp's ends out to whole dimensions
+    attention_factor: float
+
+
+RopeScaling = Llama3RopeScaling | LinearRopeScaling | LongRopeScaling | YarnRopeScaling
+ROPE_TYPES = ("default", "llama3", "linear", "longrope", "yarn")
 
 
 @dataclass(frozen=True)
@@ -73,8 +89,10 @@ class Rope:
 
     @property
     def attention_factor(self) -> float:
-        """cos and sin are multiplied by this (1 but for longrope)."""
-        return self.scaling.attention_factor if isinstance(self.scaling, LongRopeScaling) else 1.0
+        """cos and sin are multiplied by this (1 but for longrope and yarn)."""
+        if isinstance(self.scaling, LongRopeScaling | YarnRopeScaling):
+            return self.scaling.attention_factor
+        return 1.0
 
     @property
     def switch_len(self) -> int:
@@ -91,6 +109,8 @@ class Rope:
         if isinstance(s, LongRopeScaling):
             factors = s.long_factor if long else s.short_factor
             return 1.0 / (torch.tensor(factors, dtype=torch.float32) * self.theta ** exponents)
+        if isinstance(s, YarnRopeScaling):
+            return _yarn(self.theta, head_dim, s)
         inv_freq = 1.0 / (self.theta ** exponents)
         if isinstance(s, LinearRopeScaling):
             return inv_freq / s.factor
@@ -109,6 +129,25 @@ def _llama3(inv_freq: torch.Tensor, s: Llama3RopeScaling) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn(theta: float, dim: int, s: YarnRopeScaling) -> torch.Tensor:
+    """transformers' YaRN frequencies, step for step (its rounding included)."""
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi))
+                / (2 * math.log(theta)))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # (its guard against a zero-width ramp)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)  # [D / 2]
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (s.factor * pos_freqs) * (1 - extrapolation)
+            + 1.0 / pos_freqs * extrapolation)
 
 
 def rope_cos_sin(rope: Rope, inv_freq: torch.Tensor, positions: torch.Tensor,
@@ -150,6 +189,9 @@ def parse_rope(params: dict[str, Any], *, theta: float, head_dim: int,
             return Rope(theta)
         if rope_type == "linear":
             return Rope(theta, LinearRopeScaling(float(params["factor"])))
+        if rope_type == "yarn":
+            return Rope(theta, _yarn_scaling(params, max_position_embeddings,
+                                             original_max_position_embeddings))
         if rope_type == "llama3":
             return Rope(theta, Llama3RopeScaling(
                 factor=float(params["factor"]),
@@ -165,6 +207,24 @@ def parse_rope(params: dict[str, Any], *, theta: float, head_dim: int,
     except KeyError as err:
         raise ValueError(f"model config: {rope_type} rope scaling is missing "
                          f"{err.args[0]!r}") from None
+
+
+def _yarn_scaling(params: dict[str, Any], max_position_embeddings: int,
+                  top_level_original: int | None) -> YarnRopeScaling:
+    original = int(params.get("original_max_position_embeddings") or top_level_original
+                   or params["original_max_position_embeddings"])
+    factor = params.get("factor")
+    factor = float(factor) if factor is not None else max_position_embeddings / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return YarnRopeScaling(factor, original, float(params.get("beta_fast") or 32),
+                           float(params.get("beta_slow") or 1),
+                           bool(params.get("truncate", True)), float(attention))
 
 
 def _longrope(params: dict[str, Any], head_dim: int, max_position_embeddings: int,

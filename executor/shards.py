@@ -24,7 +24,9 @@ A mixture of experts' experts split as the dense MLP does, inside each expert: e
 its rows of every expert's gate and up (of moe_intermediate_size) and those columns of its down,
 so its experts' output is a partial sum, all-reduced with the rest; the router is replicated
 (every rank routes its tokens alike). An expert's fused gate_up (and its LoRA's B) is cut like
-Phi-3's gate_up_proj below.
+Phi-3's gate_up_proj below; gpt-oss's, whose gate and up interleave, is one run of rows (its
+units [a, b) are rows [2a, 2b)). A bias of a row-parallel output (gpt-oss's o_proj and experts'
+down) is added once: rank 0 holds it, the others zeros. Attention sinks go with their heads.
 
 Fused projections (Phi-3's qkv_proj = q | k | v side by side, gate_up_proj = gate | up) take each
 part's rows in turn: rank r's rows of qkv_proj are its q rows, then q_size + its k rows, then
@@ -127,6 +129,8 @@ class Shard:
             own = (self.rank * per, (self.rank + 1) * per)
             if expert[1] == "down_proj":
                 return (own,)
+            if c.gate_up_interleaved:
+                return ((2 * own[0], 2 * own[1]),)
             return (own, (c.moe_intermediate_size + own[0], c.moe_intermediate_size + own[1]))
         if module in FUSED_PARTS:  # (its parts' shapes: those of the unfused layout)
             parts = projection_shapes(c.hidden_size, c.intermediate_size, c.num_attention_heads,
@@ -157,10 +161,20 @@ class Shard:
         module, kind = name.split(".")[-2:]
         if self.world == 1:
             return full()
+        per = self.full.moe_intermediate_size // self.world
+        a, b = self.rank * per, (self.rank + 1) * per
+        if module == "experts":  # gpt-oss's fused experts, [E, in, out] (gate_up interleaved)
+            if kind == "down_proj_bias":
+                return full() if self.rank == 0 else torch.zeros_like(full())
+            return {"gate_up_proj": lambda: read(2, 2 * a, 2 * b),
+                    "gate_up_proj_bias": lambda: read(1, 2 * a, 2 * b),
+                    "down_proj": lambda: read(1, a, b)}[kind]()
         if ".mlp.experts." in name:  # an expert's gate_proj / up_proj / down_proj weight
-            per = self.full.moe_intermediate_size // self.world
-            dim = 1 if module == "down_proj" else 0
-            return read(dim, self.rank * per, (self.rank + 1) * per)
+            return read(1 if module == "down_proj" else 0, a, b)
+        if kind == "sinks":  # (one per query head)
+            first, last = self._heads(self.full.num_attention_heads,
+                                      self.full.num_attention_heads)
+            return read(0, first, last)
         if module in ("embed_tokens", "lm_head"):
             end = min(self.vocab_start + self.vocab_rows, self.full.vocab_size)
             rows = read(0, self.vocab_start, end)  # [rows, hidden]
@@ -170,6 +184,8 @@ class Shard:
             dim = 0
         elif module in ROW_PARALLEL and kind == "weight":  # weight [out, in]: columns
             dim = 1
+        elif module in ROW_PARALLEL:  # its bias: added once, by rank 0
+            return full() if self.rank == 0 else torch.zeros_like(full())
         else:
             return full()
         pieces = [read(dim, a, b) for a, b in self.ranges(module)]

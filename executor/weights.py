@@ -22,6 +22,12 @@ read from any of the names checkpoints use: per expert as above (the hub's, and 
 5 saves), Mixtral's block_sparse_moe.experts.{e}.w1 / w3 / w2 (gate, up, down), or already fused
 (mlp.experts.gate_up_proj [E, 2 I, hidden], mlp.experts.down_proj [E, hidden, I]).
 
+gpt-oss keeps its experts fused and transposed, with biases (loaded as above, transposed:
+experts_gate_up [E, 2 I, hidden], its gate and up rows interleaved as stored; experts_down
+[E, hidden, I]), a router with a bias (mlp.router.weight / bias), an o_proj bias and each head's
+attention sink (self_attn.sinks); its published checkpoints store the expert weights in MXFP4
+(`{name}_blocks`, `{name}_scales`: executor/mxfp4.py), dequantized here to the serving dtype.
+
 A multimodal checkpoint (ModelConfig.multimodal_checkpoint: Gemma 3 4B+) holds these under its
 language model, named by the transformers that saved it, and a vision tower and projector beside
 them, which are skipped unread (text-only input never runs them):
@@ -46,6 +52,7 @@ import torch
 from safetensors import safe_open
 
 from executor.model_config import ModelConfig
+from executor.mxfp4 import dequantize_mxfp4
 from executor.shards import Shard
 
 
@@ -65,6 +72,12 @@ class LayerWeights:
     router: torch.Tensor | None = None  # [E, hidden]: a mixture of experts' router, or None
     experts_gate_up: torch.Tensor | None = None  # [E, 2 * moe_intermediate, hidden]
     experts_down: torch.Tensor | None = None  # [E, hidden, moe_intermediate]
+    # gpt-oss: the router's and the experts' biases, o_proj's bias, each head's sink logit
+    router_bias: torch.Tensor | None = None  # [E]
+    experts_gate_up_bias: torch.Tensor | None = None  # [E, 2 * moe_intermediate]
+    experts_down_bias: torch.Tensor | None = None  # [E, hidden]
+    bo: torch.Tensor | None = None  # [hidden]
+    sinks: torch.Tensor | None = None  # [num_attention_heads]
 
 
 @dataclass
@@ -98,7 +111,11 @@ def _hf_names(config: ModelConfig) -> list[str]:
             names += [f"{p}mlp.{m}.weight" for m in ("gate_up_proj", "down_proj")]
         else:
             names += [f"{p}self_attn.{m}_proj.weight" for m in "qkvo"]
-            if config.is_moe_layer(i):
+            if config.is_moe_layer(i) and config.moe_bias:  # (gpt-oss: fused, with biases)
+                names += [f"{p}mlp.router.{t}" for t in ("weight", "bias")]
+                names += [f"{p}mlp.experts.{m}{t}" for m in ("gate_up_proj", "down_proj")
+                          for t in ("", "_bias")]
+            elif config.is_moe_layer(i):
                 names.append(f"{p}mlp.gate.weight")
                 names += [f"{p}mlp.experts.{e}.{m}_proj.weight" for e in range(config.num_experts)
                           for m in ("gate", "up", "down")]
@@ -106,6 +123,10 @@ def _hf_names(config: ModelConfig) -> list[str]:
                 names += [f"{p}mlp.{m}_proj.weight" for m in ("gate", "up", "down")]
         if config.attention_bias:
             names += [f"{p}self_attn.{m}_proj.bias" for m in "qkv"]
+        if config.o_bias:
+            names.append(f"{p}self_attn.o_proj.bias")
+        if config.attention_sinks:
+            names.append(f"{p}self_attn.sinks")
         if config.qk_norm:
             names += [f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"]
     return names
@@ -166,8 +187,17 @@ def _expected_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
     h = config.hidden_size
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return (config.vocab_size, h)
-    if name.endswith(".mlp.gate.weight"):  # a router
+    if name.endswith(".mlp.gate.weight") or name.endswith(".mlp.router.weight"):  # a router
         return (config.num_experts, h)
+    e, i = config.num_experts, config.moe_intermediate_size
+    gpt_oss = {"router.bias": (e,), "experts.gate_up_proj": (e, h, 2 * i),
+               "experts.gate_up_proj_bias": (e, 2 * i), "experts.down_proj": (e, i, h),
+               "experts.down_proj_bias": (e, h)}
+    for suffix, shape in gpt_oss.items():
+        if name.endswith(".mlp." + suffix):
+            return shape
+    if name.endswith(".self_attn.sinks"):
+        return (config.num_attention_heads,)
     if ".mlp.experts." in name:
         module = name.split(".")[-2]
         i = config.moe_intermediate_size
@@ -210,7 +240,15 @@ def load_weights(model_dir: str | Path, config: ModelConfig, *, dtype: torch.dty
                 if name is None or name.endswith("rotary_emb.inv_freq"):
                     continue  # a vision tower's; or a buffer some old checkpoints saved
                 name = expert_name(name) if config.num_experts else name
-                if config.num_experts and _FUSED_EXPERTS.fullmatch(name):
+                if name.endswith("_blocks") and config.moe_bias:  # (gpt-oss's MXFP4 experts)
+                    name, tensor = _dequantized(f, stored, name, config)
+                    if name in raw:
+                        raise ValueError(f"the checkpoint holds {name!r} twice")
+                    raw[name] = _read(_Whole(tensor), name, shard).to(device=device, dtype=dtype)
+                    continue
+                if name.endswith("_scales") and config.moe_bias:
+                    continue  # (read with its blocks)
+                if config.num_experts and not config.moe_bias and _FUSED_EXPERTS.fullmatch(name):
                     for part, tensor in _split_experts(name, f.get_tensor(stored),
                                                        config).items():
                         if part in raw:
@@ -240,11 +278,39 @@ def load_weights(model_dir: str | Path, config: ModelConfig, *, dtype: torch.dty
     return _assemble(config, raw, shard.vocab_start if shard else 0)
 
 
+class _Whole:
+    """A tensor made at load (a dequantized one) read as a safetensors slice handle reads."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self._tensor[index]
+
+
+def _dequantized(f, stored: str, name: str, config: ModelConfig) -> tuple[str, torch.Tensor]:
+    """(the weight's name, as HF keeps it transposed: [E, in, out]) of an MXFP4 `{name}_blocks`
+    tensor and its `_scales` beside it in the same file."""
+    base = name.removesuffix("_blocks")
+    weight = base.rsplit(".", 1)[-1]
+    if weight not in ("gate_up_proj", "down_proj") or ".mlp.experts." not in base:
+        raise ValueError(f"tensor {stored!r}: MXFP4 is read for gpt-oss's experts only")
+    scales = stored.removesuffix("_blocks") + "_scales"
+    if scales not in f.keys():  # noqa: SIM118
+        raise ValueError(f"tensor {stored!r}: its scales {scales!r} are not beside it")
+    values = dequantize_mxfp4(f.get_tensor(stored), f.get_tensor(scales), torch.float32)
+    want = _expected_shape(config, base)  # [E, in, out]
+    if tuple(values.shape) != (want[0], want[2], want[1]):
+        raise ValueError(f"tensor {stored!r} holds {tuple(values.shape)} (out, in), expected "
+                         f"{(want[0], want[2], want[1])} from the model config")
+    return base, values.transpose(1, 2)
+
+
 def _read(part, name: str, shard: Shard | None) -> torch.Tensor:
     """Tensor `name` of a safetensors file (`part`: its slice handle), or only the shard's part."""
     if shard is None:
         return part[:]
-    return shard.take(name, lambda dim, a, b: part[a:b] if dim == 0 else part[:, a:b],
+    return shard.take(name, lambda dim, a, b: part[(slice(None),) * dim + (slice(a, b),)],
                       lambda: part[:])
 
 
@@ -255,7 +321,9 @@ def _assemble(config: ModelConfig, raw: dict[str, torch.Tensor],
         attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         norm = f"model.layers.{i}.{{}}_layernorm.weight".format
         bqkv, experts = None, {}
-        if config.is_moe_layer(i):
+        if config.is_moe_layer(i) and config.moe_bias:
+            experts = _fused_experts(raw, mlp)
+        elif config.is_moe_layer(i):
             experts = _experts(config, raw, mlp)
         if config.attention_bias:
             bqkv = torch.cat([raw.pop(f"{attn}{m}_proj.bias") for m in "qkv"])
@@ -279,6 +347,8 @@ def _assemble(config: ModelConfig, raw: dict[str, torch.Tensor],
             k_norm=raw.pop(f"{attn}k_norm.weight") if config.qk_norm else None,
             attn_out_norm=raw.pop(norm("post_attention")) if sandwich else None,
             mlp_out_norm=raw.pop(norm("post_feedforward")) if sandwich else None,
+            bo=raw.pop(f"{attn}o_proj.bias") if config.o_bias else None,
+            sinks=raw.pop(f"{attn}sinks") if config.attention_sinks else None,
             **experts,
         ))
     embed = raw.pop("model.embed_tokens.weight")
@@ -295,6 +365,16 @@ def _experts(config: ModelConfig, raw: dict[str, torch.Tensor],
                                       for m in ("gate", "up")]) for e in experts])
     down = torch.stack([raw.pop(f"{mlp}experts.{e}.down_proj.weight") for e in experts])
     return dict(router=raw.pop(f"{mlp}gate.weight"), experts_gate_up=gate_up, experts_down=down)
+
+
+def _fused_experts(raw: dict[str, torch.Tensor], mlp: str) -> dict[str, torch.Tensor]:
+    """gpt-oss's router and experts (LayerWeights' fields), its [E, in, out] weights transposed
+    to [E, out, in] (gate and up left interleaved), popped from `raw`."""
+    return dict(router=raw.pop(f"{mlp}router.weight"), router_bias=raw.pop(f"{mlp}router.bias"),
+                experts_gate_up=raw.pop(f"{mlp}experts.gate_up_proj").transpose(1, 2).contiguous(),
+                experts_gate_up_bias=raw.pop(f"{mlp}experts.gate_up_proj_bias"),
+                experts_down=raw.pop(f"{mlp}experts.down_proj").transpose(1, 2).contiguous(),
+                experts_down_bias=raw.pop(f"{mlp}experts.down_proj_bias"))
 
 
 def random_weights(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,

@@ -15,6 +15,8 @@ per (row, key); softmax is online (running max and sum in fp32, base-2 exponenti
 score scale, 1/sqrt(D) unless the model gives its own, folded in), so the keys are read once. A
 sequence costs its own context only. With a soft cap (Gemma 2) a score s becomes
 cap * tanh(s / cap) before the mask, tanh from exp2 in fp32 (no libdevice: the interpreter runs it).
+With sinks (gpt-oss) each head's sink logit joins the softmax's sum after the last key, as a
+column with no value.
 Numerics: q k^T in the cache dtype with fp32 accumulation; p v with p kept in fp32 (tf32 on the
 GPU for bf16/fp16, IEEE for fp32); the output rounded once. Not done: splitting one long
 sequence's keys over several programs (flash-decoding); its KV heads' programs walk it alone.
@@ -36,12 +38,13 @@ LOG2E: tl.constexpr = tl.constexpr(math.log2(math.e))
 
 @triton.jit
 def _paged_attention_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, ctx_ptr, q_start_ptr, q_len_ptr,
+        q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, ctx_ptr, q_start_ptr, q_len_ptr, sinks_ptr,
         scale_log2e, scale, softcap, window, head_dim,
         stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
         stride_ot, stride_oh, stride_tables,
         GROUP: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
         DT: tl.constexpr, UPCAST: tl.constexpr, EMULATE_RNE: tl.constexpr, IEEE: tl.constexpr):
     seq, kv_head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_len = tl.load(q_len_ptr + seq)
@@ -105,6 +108,12 @@ def _paged_attention_kernel(
                 pv = tl.dot(p, v)  # [BLOCK_M, BLOCK_D] fp32 (tf32 inputs on the GPU)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
+        if HAS_SINKS:  # (a last column of the softmax with no value)
+            sink = tl.load(sinks_ptr + head, mask=is_row, other=0.0).to(tl.float32) * LOG2E
+            m_new = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.exp2(sink - m_new)
+            acc = acc * alpha[:, None]
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + (q_row0 + j).to(tl.int64)[:, None] * stride_ot
                  + head[:, None] * stride_oh + d[None, :],
@@ -151,13 +160,18 @@ def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     work: PagedAttentionWork, *, sliding_window: int | None = None,
                     scale: float | None = None, softcap: float | None = None,
-                    out: torch.Tensor | None = None, block_m: int | None = None,
-                    block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                    block_m: int | None = None, block_n: int = 64,
+                    num_warps: int = 4) -> torch.Tensor:
     """q [T, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (one layer of the paged
     cache); work: the step's sequences (kernels/attention_work.py) -> out [T, H, D] holding
     softmax(cap(q k^T * scale)) v of every sequence's query rows (scale None: 1 / sqrt(D);
-    softcap None: no cap); other rows are left as they are."""
+    softcap None: no cap; sinks [H] fp32: each head's sink logit, or None); other rows are
+    left as they are."""
     check_inputs(q, k_cache, v_cache, work, out, sliding_window, scale, softcap)
+    if sinks is not None and (sinks.shape != (q.shape[1],) or sinks.device != q.device):
+        raise ValueError(f"sinks {tuple(sinks.shape)} on {sinks.device} must be [H = "
+                         f"{q.shape[1]}] on {q.device}")
     out = torch.empty_like(q) if out is None else out
     scale = 1 / math.sqrt(q.shape[2]) if scale is None else scale
     num_heads, num_kv_heads, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
@@ -171,13 +185,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     _paged_attention_kernel[(work.num_seqs, num_kv_heads, num_tiles)](
         q, k_cache, v_cache, out, work.block_tables, work.context_lens, work.query_starts,
-        work.query_lens, math.log2(math.e) * scale, scale, softcap or 1.0, sliding_window or 0,
-        head_dim,
+        work.query_lens, q if sinks is None else sinks, math.log2(math.e) * scale, scale,
+        softcap or 1.0, sliding_window or 0, head_dim,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         work.block_tables.stride(0),
         GROUP=group, PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), HAS_WINDOW=sliding_window is not None,
-        HAS_SOFTCAP=softcap is not None,
+        HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
         num_warps=num_warps, **numerics(q))
     return out

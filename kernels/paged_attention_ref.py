@@ -22,7 +22,8 @@ from kernels.attention_work import PagedAttentionWork, visible_keys
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         work: PagedAttentionWork, *, sliding_window: int | None = None,
                         scale: float | None = None, softcap: float | None = None,
-                        out: torch.Tensor | None = None, **_tuning) -> torch.Tensor:
+                        sinks: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                        **_tuning) -> torch.Tensor:
     out = torch.empty_like(q) if out is None else out
     scale = 1 / math.sqrt(q.shape[2]) if scale is None else scale
     page, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
@@ -38,7 +39,11 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(ctx - n, ctx, device=q.device)  # [n]
         seen = visible_keys(q_pos[:, None], k_pos[None, :], sliding_window)  # [n, C]
-        probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)  # [H, n, C]
+        scores = scores.masked_fill(~seen, float("-inf"))
+        if sinks is not None:  # (a last column with no value, dropped after the softmax)
+            sink = sinks.float()[:, None, None].expand(-1, n, 1)
+            scores = torch.cat([scores, sink], dim=-1)
+        probs = torch.softmax(scores, dim=-1)[..., :ctx]  # [H, n, C]
         out[start: start + n] = torch.einsum("hnc,chd->nhd", probs, v).to(out.dtype)
     return out
 

@@ -84,8 +84,8 @@ BROKEN = {  # name -> LoraConfig arguments (the breakage is applied after saving
 
 def tiny_config(model_type: str = "llama", **overrides: Any):
     """An HF config of the tiny model family (llama, mistral, qwen2, qwen3, gemma2, gemma3_text,
-    phi3, qwen3_moe or mixtral; or gemma3: a Gemma 3 with a tiny vision tower, `overrides` its
-    text model's)."""
+    phi3, qwen3_moe, mixtral or gpt_oss; or gemma3: a Gemma 3 with a tiny vision tower,
+    `overrides` its text model's)."""
     import transformers
 
     if model_type == "gemma3":
@@ -101,7 +101,7 @@ def tiny_config(model_type: str = "llama", **overrides: Any):
         "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
         "qwen3": "Qwen3Config", "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig",
         "phi3": "Phi3Config", "qwen3_moe": "Qwen3MoeConfig",
-        "mixtral": "MixtralConfig"}[model_type])
+        "mixtral": "MixtralConfig", "gpt_oss": "GptOssConfig"}[model_type])
     args = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
                 "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
                 "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "initializer_range": 0.05,
@@ -122,8 +122,8 @@ def save_tiny_model(out_dir: Path, model_type: str = "llama", seed: int = 0,
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
     with torch.no_grad():  # norms (ones) and biases (zeros) get noise, so a wrong one shows
-        for param in model.parameters():
-            if param.dim() == 1:
+        for name, param in model.named_parameters():
+            if param.dim() == 1 or name.endswith("_bias"):  # (gpt-oss's experts' [E, n] biases)
                 param.add_(torch.randn_like(param) * 0.1)
     model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=1)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
@@ -177,6 +177,15 @@ def _rank(adapter_dir: Path) -> int:
     """A saved adapter's rank, by the format's one definition (AdapterLayout.rank)."""
     config = parse_config((adapter_dir / "adapter_config.json").read_text())
     return plan_adapter(config, parse_header((adapter_dir / WEIGHTS_FILE).read_bytes())).rank
+
+
+def is_made(out_dir: str | Path) -> bool:
+    """Whether out_dir holds this version's fixtures (ensure() makes none)."""
+    manifest = Path(out_dir) / "manifest.json"
+    try:
+        return json.loads(manifest.read_text()).get("version") == VERSION
+    except (OSError, ValueError):
+        return False
 
 
 def ensure(out_dir: str | Path) -> dict[str, Any]:

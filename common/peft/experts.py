@@ -69,6 +69,11 @@ class ExpertLayout:
         return expert_module(self.expert, self.projection)
 
     @property
+    def is_per_expert(self) -> bool:
+        """Made of an expert's own modules (layout (b)), not a fused weight's pair."""
+        return not self.parts[0].path.endswith(("experts.gate_up_proj", "experts.down_proj"))
+
+    @property
     def rank(self) -> int:
         return sum(p.rank for p in self.parts)
 

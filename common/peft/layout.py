@@ -112,6 +112,9 @@ class BaseShapes:
     # the layers whose MLP is a mixture of experts: theirs are the experts' modules, the dense
     # MLP's (gate_proj, up_proj, down_proj) only the other layers'
     moe_layers: frozenset[int] = frozenset()
+    # its experts' gate and up outputs interleave (gpt-oss): an expert's own gate and up LoRA
+    # (which adapters for it never hold) cannot be laid side by side
+    gate_up_interleaved: bool = False
 
 
 def plan_adapter(config: LoraConfig, entries: Mapping[str, TensorEntry]) -> AdapterLayout:
@@ -235,6 +238,11 @@ def _check_experts_fit(layout: AdapterLayout, base: BaseShapes) -> None:
                       == "down_proj")
             raise FailedPrecondition(f"tensor {name!r}: expert {e.expert} does not exist in "
                                      f"{base.model_id!r} ({num} experts per layer)")
+        if base.gate_up_interleaved and e.projection == "gate_up_proj" and e.is_per_expert:
+            raise FailedPrecondition(
+                f"tensor {name!r}: {base.model_id!r} interleaves its experts' gate and up "
+                "outputs; LoRA on an expert's own gate_proj / up_proj is not served there (adapt "
+                "its fused experts.gate_up_proj with target_parameters)")
         want = base.projection_shapes[module]
         if (e.in_features, e.out_features) != want:
             raise FailedPrecondition(

@@ -27,6 +27,12 @@ QUIRKS = {
                     "rope_scaling": {"rope_type": "linear", "factor": 2.0},
                     "tie_word_embeddings": True},
     "phi3": {"sliding_window": 11},
+    "qwen3_moe": {"num_experts": 6, "num_experts_per_tok": 3, "moe_intermediate_size": 40,
+                  "mlp_only_layers": [2], "decoder_sparse_step": 1, "norm_topk_prob": True,
+                  "use_sliding_window": True, "sliding_window": 13},
+    "mixtral": {"num_local_experts": 5, "num_experts_per_tok": 2, "sliding_window": 7},
+    "gpt_oss": {"num_local_experts": 5, "num_experts_per_tok": 3, "sliding_window": 9,
+                "head_dim": 32, "swiglu_limit": 3.0, "max_position_embeddings": 512},
 }
 
 
@@ -50,13 +56,26 @@ def test_each_family_is_read_as_transformers_builds_it(model_type):
         kind = hf_config.layer_types[i] if model_type == "gemma3_text" else ""
         inv_freq = getattr(rotary, f"{kind}_inv_freq" if kind else "inv_freq")
         assert torch.equal(ours.layer_rope(i).inv_freq(ours.head_dim), inv_freq)
+        assert ours.rope.attention_factor == getattr(rotary, "attention_scaling", 1.0)
+        experts = getattr(layer.mlp, "experts", None)
+        assert ours.is_moe_layer(i) == (experts is not None)
+        if experts is not None:
+            assert experts.gate_up_proj.shape[0] == ours.num_experts
+            assert tuple(experts.down_proj.shape[1:]) == (
+                (ours.moe_intermediate_size, ours.hidden_size) if ours.gate_up_interleaved
+                else (ours.hidden_size, ours.moe_intermediate_size))
+            router = getattr(layer.mlp, "gate", None) or layer.mlp.router
+            assert router.top_k == ours.num_experts_per_tok
+            assert getattr(router, "norm_topk_prob", True) == ours.norm_topk_prob or \
+                ours.routing == "topk_softmax"
     assert ours.fused_projections == hasattr(model.model.layers[0].self_attn, "qkv_proj")
     assert ours.qk_norm == hasattr(model.model.layers[0].self_attn, "q_norm")
     assert ours.sandwich_norms == hasattr(model.model.layers[0], "post_feedforward_layernorm")
 
 
 @pytest.mark.parametrize("config, name", [({"model_type": "gpt2"}, "'gpt2'"),
-                                          ({"model_type": "paligemma"}, "'paligemma'")])
+                                          ({"model_type": "paligemma"}, "'paligemma'"),
+                                          ({"model_type": "qwen2_moe"}, "'qwen2_moe'")])
 def test_an_unserved_model_type_is_refused_at_executor_start(tmp_path, config, name):
     (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_size": 64}))
     run = subprocess.run(

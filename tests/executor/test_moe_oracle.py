@@ -39,6 +39,9 @@ FAMILIES = {
                   "intermediate_size": 48, "norm_topk_prob": True, "mlp_only_layers": [1]},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
                 "sliding_window": 6},
+    # sinks, biases everywhere, sliding layers between full ones, YaRN, clamped SwiGLU
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+                "sliding_window": 6, "max_position_embeddings": 256, "swiglu_limit": 1.5},
 }
 
 
@@ -56,9 +59,16 @@ def moe(request, tmp_path_factory):
         fixtures._save_adapter(base, out / name, 70 + i, args)
     folders = {name: out / name for name in ADAPTERS}
     hf = Oracles(base, folders)
-    folders["per_expert"] = as_per_expert(out / REWRITTEN, out / "per_expert",
-                                          mixtral=family == "mixtral")
+    if family != "gpt_oss":
+        folders["per_expert"] = as_per_expert(out / REWRITTEN, out / "per_expert",
+                                              mixtral=family == "mixtral")
     return family, model_dir, folders, hf
+
+
+def served_names(family: str) -> list[str]:
+    """Every adapter, and the per-expert rewrite but on gpt-oss (whose gate and up interleave:
+    a per-expert gate / up pair is refused there, as no such adapters exist)."""
+    return [*ADAPTERS] + ([] if family == "gpt_oss" else ["per_expert"])
 
 
 def make_runner(model_dir, folders, names) -> ModelRunner:
@@ -82,16 +92,21 @@ def test_the_configs_are_read_as_mixtures_of_experts(moe):
     assert c.num_experts == (8 if family == "qwen3_moe" else 4) and c.num_experts_per_tok == 2
     assert c.moe_layers == ((0, 2) if family == "qwen3_moe" else (0, 1, 2))
     assert c.routing_in_fp32 == (family == "mixtral")
-    assert c.sliding_window == (6 if family == "mixtral" else None)
+    assert c.sliding_window == (None if family == "qwen3_moe" else 6)
+    assert (c.routing == "topk_softmax") == c.attention_sinks == (family == "gpt_oss")
+    if family == "gpt_oss":
+        assert c.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+        assert c.swiglu_limit == 1.5 and c.rope.scaling.factor == 32.0
+        assert runner.weights.layers[0].experts_down_bias.abs().sum() > 0
     assert runner.weights.layers[0].w_gate_up is None
-    assert (runner.weights.layers[1].w_gate_up is None) == (family == "mixtral")
+    assert (runner.weights.layers[1].w_gate_up is None) == (family != "qwen3_moe")
 
 
 @pytest.mark.parametrize("batched_rows", [8, 0], ids=["short-runs-batched", "each-run-alone"])
 def test_every_adapter_alone_and_batched_matches_hf_peft(moe, monkeypatch, batched_rows):
     family, model_dir, folders, hf = moe
     monkeypatch.setattr(lora_experts, "BATCH_MAX_ROWS", batched_rows)
-    names = [*ADAPTERS, "per_expert"]
+    names = served_names(moe[0])
     runner = make_runner(model_dir, folders, names)
     order = [*names, None, "experts_r4", None]
     slots = [names.index(n) if n else -1 for n in order]
@@ -128,8 +143,8 @@ def test_neighbours_never_change_a_requests_logits(moe):
                                       "an expert dropped"])
 def test_each_piece_matters(moe, monkeypatch, breakage):
     family, model_dir, folders, hf = moe
-    if breakage == "router not renormalised" and family == "mixtral":
-        pytest.skip("(Mixtral's router: the qwen3_moe case covers the router)")
+    if breakage == "router not renormalised" and family != "qwen3_moe":
+        pytest.skip("(the qwen3_moe case covers a renormalising router)")
     runner = make_runner(model_dir, folders, ["experts_r4"])
     if breakage == "router not renormalised":
         runner.model.config = runner.config.replace(norm_topk_prob=False)
@@ -185,7 +200,7 @@ def test_tensor_parallel_ranks_give_tp1s_tokens(moe, world):
     from tests.rank_threads import RankThreads
 
     _, model_dir, folders, _ = moe
-    names = [*ADAPTERS, "per_expert"]
+    names = served_names(moe[0])
 
     def make(tp: TensorParallel) -> ModelRunner:
         return ModelRunner.from_pretrained(model_dir, num_kv_blocks=1024, block_size=BLOCK,

@@ -139,6 +139,30 @@ def test_score_scale_and_soft_cap(dtype, window):
         paged_attention(q, kv.k[0], kv.v[0], work, softcap=0.0)
 
 
+@pytest.mark.parametrize("window", [None, 7], ids=["causal", "window7"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_attention_sinks(dtype, window):
+    """gpt-oss's sinks: each head's logit a last softmax column with no value, in the kernel and
+    both executor paths, mixed prefill and decode; the sinks change the output, and a sink far
+    below every score changes nothing."""
+    kv, q, tables, starts = random_cache(13, MIXED_GROUPS, group=4, head_dim=24, dtype=dtype)
+    work = step_work(MIXED_GROUPS, tables, starts)
+    sinks = torch.linspace(-2.0, 3.0, q.shape[1])  # [H] fp32, as gpt-oss keeps them
+    expected = paged_attention_ref(q, kv.k[0], kv.v[0], work, sliding_window=window,
+                                   sinks=sinks)
+    got = paged_attention(q, kv.k[0], kv.v[0], work, sliding_window=window, block_n=16,
+                          sinks=sinks)
+    assert_close(got, expected, dtype)
+    for backend in ("torch", "triton"):
+        assert_close(executor_attention(q, kv, MIXED_GROUPS, tables, starts, window, backend,
+                                        sinks=sinks), expected, dtype, k=2)
+    plain = paged_attention_ref(q, kv.k[0], kv.v[0], work, sliding_window=window)
+    assert (plain.float() - expected.float()).abs().max() > 0.05
+    silent = paged_attention(q, kv.k[0], kv.v[0], work, sliding_window=window, block_n=16,
+                             sinks=torch.full_like(sinks, -1e4))
+    assert_close(silent, plain, dtype)
+
+
 def test_rows_of_no_sequence_are_untouched_and_tiles_split_long_chunks():
     groups = [(3, 9), (0, 2)]  # 9 queries x 4 heads = 36 rows: three tiles of 16
     kv, q, tables, starts = random_cache(3, groups, group=4, head_dim=16, dtype=torch.float32)

@@ -132,3 +132,17 @@ def test_an_expert_adapter_does_not_fit_a_dense_base():
         "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}))
     with pytest.raises(FailedPrecondition, match="not a mixture-of-experts model"):
         validate(config(target_parameters=EXPERT_WEIGHTS), fused(), llama)
+
+
+def test_a_gpt_oss_base_takes_fused_expert_lora_and_refuses_an_experts_own_gate():
+    """gpt-oss interleaves its experts' gate and up: PEFT's target_parameters pairs fit it, an
+    expert's own gate_proj / up_proj LoRA (no such adapters exist for it) is refused by name."""
+    gpt_oss = base({"model_type": "gpt_oss", "hidden_size": H, "intermediate_size": I_MOE,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                    "num_hidden_layers": 2, "num_local_experts": E, "num_experts_per_tok": 2})
+    assert gpt_oss.moe_layers == (0, 1) and gpt_oss.gate_up_interleaved
+    assert validate(config(target_parameters=EXPERT_WEIGHTS), fused(), gpt_oss).module_ranks
+    with pytest.raises(FailedPrecondition, match="interleaves its experts' gate and up"):
+        validate(config(["gate_proj", "up_proj"]), per_expert(("gate_proj", "up_proj")),
+                 gpt_oss)
+    assert validate(config(["down_proj"]), per_expert(("down_proj",)), gpt_oss).module_ranks

@@ -70,7 +70,8 @@ def test_the_base_has_its_language_models_shapes(made):
     assert config["model_type"] == "gemma3" and "vision_config" in config
     text = {**config["text_config"], "tie_word_embeddings": False}
     assert base_shapes(config) == base_shapes(text)
-    assert base_shapes(config)[1]["q_proj"] == (256, 4 * 48)  # (its head_dim, not hidden / heads)
+    # (its head_dim, not hidden / heads)
+    assert base_shapes(config).projection_shapes["q_proj"] == (256, 4 * 48)
 
 
 async def test_its_adapters_are_accepted_and_another_shape_refused(store, made):
