@@ -20,7 +20,10 @@ rewritten after each so a cut-off run still leaves one:
      the copy, LoRA time / base matmul time, speed-up over a torch gather+bmm baseline (within
      --budget-s: the section that is cut short when time runs out);
   8. a step's sampling with penalties, logit_bias and alternatives on every row against none
-     (bench/gpu_sampling.py; run before 7, whose budget takes what is left).
+     (bench/gpu_sampling.py; run before 7, whose budget takes what is left);
+  9. a mixture-of-experts layer at Qwen3-30B-A3B's shapes: the grouped expert matmul kernel vs
+     its reference and a per-expert loop, the experts' LoRA on the SGMV kernels vs the torch
+     path (bench/gpu_moe.py; run before 7 too).
 `--smoke` runs a tiny version on CPU through the Triton interpreter (checks the script itself).
 """
 
@@ -39,6 +42,7 @@ from executor.kv_cache import PagedKVCache
 from executor.lora_triton import TritonLoraBackend
 from executor.slot_pool import LORA_GROUPS, LoraSlotPool
 from gpu_attention import paged_attention_check
+from gpu_moe import moe_check
 from gpu_sampling import sampling_check
 from gpu_step import decode_step
 from kernels.reference import TOLERANCES, sgmv_fused_ref, sgmv_shrink_ref
@@ -304,6 +308,7 @@ def main() -> None:
     paged_attention_check(copy_gbs)
     paged_vs_padded()
     sampling_check()
+    moe_check()
     kernel_timings(copy_gbs)
     print(f"\nwrote {OPTS.out} in {time.perf_counter() - START:.0f} s")
 

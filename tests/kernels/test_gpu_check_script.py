@@ -22,7 +22,7 @@ def test_gpu_check_smoke_runs_every_section_and_every_check_passes(tmp_path):
     for section in ("## 1. Copy bandwidth", "## 2. Kernels vs torch references",
                     "## 3. Executor decode step", "## 4. Adapter load into a slot",
                     "## 5. Paged attention kernel", "## 6. Adapters in pages",
-                    "## 7. Kernel timings", "## 8. Sampling"):
+                    "## 7. Kernel timings", "## 8. Sampling", "## 9. MoE"):
         assert section in report
     assert "**FAILED**" not in report
     loads = [line for line in report.splitlines() if line.startswith("| float32 file")]
