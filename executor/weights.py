@@ -44,15 +44,22 @@ its part's shapes, and embed / lm_head its vocabulary rows (from `vocab_start`).
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from executor.expert_weights import (
+    FUSED_EXPERTS,
+    Whole,
+    dequantized,
+    expert_name,
+    experts_of,
+    fused_experts_of,
+    split_experts,
+)
 from executor.model_config import ModelConfig
-from executor.mxfp4 import dequantize_mxfp4
 from executor.shards import Shard
 
 
@@ -154,35 +161,6 @@ def text_model_name(name: str, config: ModelConfig) -> str | None:
     return name  # (lm_head.weight; or something unexpected, refused by the caller)
 
 
-# Mixtral's names of its MoE block and experts' projections -> the ones loaded (see above)
-_MIXTRAL_EXPERT = re.compile(r"(\.experts\.\d+\.)(w1|w3|w2)(\.weight)$")
-_MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-# Experts already fused: model.layers.{i}.mlp.experts.{gate_up_proj|down_proj}
-_FUSED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)")
-
-
-def expert_name(name: str) -> str:
-    """A checkpoint's name of an MoE layer's tensor as loaded: Mixtral's block_sparse_moe is mlp,
-    its w1 / w3 / w2 gate_proj / up_proj / down_proj."""
-    name = name.replace(".block_sparse_moe.", ".mlp.")
-    return _MIXTRAL_EXPERT.sub(lambda m: m[1] + _MIXTRAL_PARTS[m[2]] + m[3], name)
-
-
-def _split_experts(name: str, tensor: torch.Tensor, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """A fused expert weight ([E, 2 I, hidden] gate_up_proj or [E, hidden, I] down_proj) as each
-    expert's tensors by their per-expert names."""
-    prefix, which = _FUSED_EXPERTS.fullmatch(name).groups()
-    e, i, h = config.num_experts, config.moe_intermediate_size, config.hidden_size
-    want = (e, 2 * i, h) if which == "gate_up_proj" else (e, h, i)
-    if tuple(tensor.shape) != want:
-        raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {want} from "
-                         "the model config")
-    if which == "down_proj":
-        return {f"{prefix}.{x}.down_proj.weight": tensor[x] for x in range(e)}
-    return {f"{prefix}.{x}.{part}_proj.weight": tensor[x, k * i:(k + 1) * i]
-            for x in range(e) for k, part in enumerate(("gate", "up"))}
-
-
 def _expected_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
     h = config.hidden_size
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -241,15 +219,16 @@ def load_weights(model_dir: str | Path, config: ModelConfig, *, dtype: torch.dty
                     continue  # a vision tower's; or a buffer some old checkpoints saved
                 name = expert_name(name) if config.num_experts else name
                 if name.endswith("_blocks") and config.moe_bias:  # (gpt-oss's MXFP4 experts)
-                    name, tensor = _dequantized(f, stored, name, config)
+                    name, tensor = dequantized(f, stored, name, _expected_shape(
+                        config, name.removesuffix("_blocks")))
                     if name in raw:
                         raise ValueError(f"the checkpoint holds {name!r} twice")
-                    raw[name] = _read(_Whole(tensor), name, shard).to(device=device, dtype=dtype)
+                    raw[name] = _read(Whole(tensor), name, shard).to(device=device, dtype=dtype)
                     continue
                 if name.endswith("_scales") and config.moe_bias:
                     continue  # (read with its blocks)
-                if config.num_experts and not config.moe_bias and _FUSED_EXPERTS.fullmatch(name):
-                    for part, tensor in _split_experts(name, f.get_tensor(stored),
+                if config.num_experts and not config.moe_bias and FUSED_EXPERTS.fullmatch(name):
+                    for part, tensor in split_experts(name, f.get_tensor(stored),
                                                        config).items():
                         if part in raw:
                             raise ValueError(f"tensor {stored!r} in {path.name}: the "
@@ -278,34 +257,6 @@ def load_weights(model_dir: str | Path, config: ModelConfig, *, dtype: torch.dty
     return _assemble(config, raw, shard.vocab_start if shard else 0)
 
 
-class _Whole:
-    """A tensor made at load (a dequantized one) read as a safetensors slice handle reads."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self._tensor = tensor
-
-    def __getitem__(self, index) -> torch.Tensor:
-        return self._tensor[index]
-
-
-def _dequantized(f, stored: str, name: str, config: ModelConfig) -> tuple[str, torch.Tensor]:
-    """(the weight's name, as HF keeps it transposed: [E, in, out]) of an MXFP4 `{name}_blocks`
-    tensor and its `_scales` beside it in the same file."""
-    base = name.removesuffix("_blocks")
-    weight = base.rsplit(".", 1)[-1]
-    if weight not in ("gate_up_proj", "down_proj") or ".mlp.experts." not in base:
-        raise ValueError(f"tensor {stored!r}: MXFP4 is read for gpt-oss's experts only")
-    scales = stored.removesuffix("_blocks") + "_scales"
-    if scales not in f.keys():  # noqa: SIM118
-        raise ValueError(f"tensor {stored!r}: its scales {scales!r} are not beside it")
-    values = dequantize_mxfp4(f.get_tensor(stored), f.get_tensor(scales), torch.float32)
-    want = _expected_shape(config, base)  # [E, in, out]
-    if tuple(values.shape) != (want[0], want[2], want[1]):
-        raise ValueError(f"tensor {stored!r} holds {tuple(values.shape)} (out, in), expected "
-                         f"{(want[0], want[2], want[1])} from the model config")
-    return base, values.transpose(1, 2)
-
-
 def _read(part, name: str, shard: Shard | None) -> torch.Tensor:
     """Tensor `name` of a safetensors file (`part`: its slice handle), or only the shard's part."""
     if shard is None:
@@ -322,9 +273,9 @@ def _assemble(config: ModelConfig, raw: dict[str, torch.Tensor],
         norm = f"model.layers.{i}.{{}}_layernorm.weight".format
         bqkv, experts = None, {}
         if config.is_moe_layer(i) and config.moe_bias:
-            experts = _fused_experts(raw, mlp)
+            experts = fused_experts_of(raw, mlp)
         elif config.is_moe_layer(i):
-            experts = _experts(config, raw, mlp)
+            experts = experts_of(config, raw, mlp)
         if config.attention_bias:
             bqkv = torch.cat([raw.pop(f"{attn}{m}_proj.bias") for m in "qkv"])
         if config.fused_projections:
@@ -355,26 +306,6 @@ def _assemble(config: ModelConfig, raw: dict[str, torch.Tensor],
     lm_head = embed if config.tie_word_embeddings else raw.pop("lm_head.weight")
     return ModelWeights(embed=embed, layers=layers, norm=raw.pop("model.norm.weight"),
                         lm_head=lm_head, vocab_start=vocab_start)
-
-
-def _experts(config: ModelConfig, raw: dict[str, torch.Tensor],
-             mlp: str) -> dict[str, torch.Tensor]:
-    """An MoE layer's router and stacked experts (LayerWeights' fields), popped from `raw`."""
-    experts = range(config.num_experts)
-    gate_up = torch.stack([torch.cat([raw.pop(f"{mlp}experts.{e}.{m}_proj.weight")
-                                      for m in ("gate", "up")]) for e in experts])
-    down = torch.stack([raw.pop(f"{mlp}experts.{e}.down_proj.weight") for e in experts])
-    return dict(router=raw.pop(f"{mlp}gate.weight"), experts_gate_up=gate_up, experts_down=down)
-
-
-def _fused_experts(raw: dict[str, torch.Tensor], mlp: str) -> dict[str, torch.Tensor]:
-    """gpt-oss's router and experts (LayerWeights' fields), its [E, in, out] weights transposed
-    to [E, out, in] (gate and up left interleaved), popped from `raw`."""
-    return dict(router=raw.pop(f"{mlp}router.weight"), router_bias=raw.pop(f"{mlp}router.bias"),
-                experts_gate_up=raw.pop(f"{mlp}experts.gate_up_proj").transpose(1, 2).contiguous(),
-                experts_gate_up_bias=raw.pop(f"{mlp}experts.gate_up_proj_bias"),
-                experts_down=raw.pop(f"{mlp}experts.down_proj").transpose(1, 2).contiguous(),
-                experts_down_bias=raw.pop(f"{mlp}experts.down_proj_bias"))
 
 
 def random_weights(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
