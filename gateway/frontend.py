@@ -27,6 +27,7 @@ from common.errors import (
     FailedPrecondition,
     InvalidArgument,
     LoraplexError,
+    NotFound,
     Unavailable,
     relayed_status,
 )
@@ -93,13 +94,21 @@ class Frontend:
         adapter = None
         pool = self._pools.get(model)
         if pool is None:
-            adapter = await self._registry.resolve(model, tenant)  # NOT_FOUND if not its own
+            try:
+                adapter = await self._registry.resolve(model, tenant)  # NOT_FOUND if not its own
+            except NotFound as err:
+                raise NotFound(f"{err}; it is not a base model served here either "
+                               f"({self._served()})") from None
             pool = self._pools.get(adapter.base_model)
             if pool is None:
                 raise FailedPrecondition(
                     f"adapter {adapter.name}@{adapter.version} is for base model "
                     f"{adapter.base_model!r}, which no pool behind this gateway serves "
-                    f"({self._served()})")
+                    f"({self._served()}). If it is one of those under another name, register "
+                    "that model with the name the adapter gives it (loraplex adapters base add "
+                    f"MODEL_DIR --id ID --name {adapter.base_model}; `loraplex up` registers "
+                    "its model) and push the adapter again, or serve the model under the "
+                    "adapter's name for it (--model-id)")
         if pool.model is None or not any(c.is_up for c in pool.cells.values()):
             raise Unavailable(f"the pool serving {pool.model_id!r} is down ({pool.why_down()}); "
                               "retry later")

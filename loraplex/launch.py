@@ -6,6 +6,7 @@ gateway-http, then gateway); `start_service` waits for that line, so callers get
 of pools.
 """
 
+import ctypes
 import itertools
 import os
 import pathlib
@@ -65,37 +66,111 @@ def start_service(name: str, module: str, args: list[str], log_dir: pathlib.Path
                   timeout: float = 120.0, wait_for: str = "") -> ServiceProcess:
     """Run `python -m module args`, stderr to log_dir/name.log; returns once it listens (once
     it announced `wait_for`, when given; `address` is that announcement's)."""
+    return spawn_service(name, module, args, log_dir, wait_for).wait_listening(timeout)
+
+
+@dataclass
+class Spawned:
+    """A service's process, started and not yet listening: `wait_listening` waits for its
+    "<name> listening on" line (or its end)."""
+
+    name: str
+    process: subprocess.Popen
+    log_path: pathlib.Path
+    log_start: int  # where this run's lines begin in the log (runs append to one file)
+    wait_for: str = ""
+    found: list[str] = field(default_factory=list)
+    announced: dict[str, str] = field(default_factory=dict)
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    def read_stdout(self) -> None:  # keeps draining stdout so the child never blocks on a pipe
+        for line in self.process.stdout:
+            m = _LISTENING.match(line.strip())
+            if m:
+                self.announced[m[1]] = m[2]
+            if m and not self.found and m[1] == (self.wait_for or m[1]):
+                self.found.append(m[2])
+                self.ready.set()
+        self.ready.set()
+
+    def wait_listening(self, timeout: float = 120.0) -> ServiceProcess:
+        """The running service once it listens. TimeoutError (having killed it) after `timeout`
+        seconds; RuntimeError with the end of this run's log when it exited first."""
+        deadline = time.monotonic() + timeout
+        while not self.ready.wait(0.1):
+            if time.monotonic() > deadline:
+                self.process.kill()
+                raise TimeoutError(f"{self.name} did not start within {timeout:.0f}s; see "
+                                   f"{self.log_path}")
+        if not self.found:
+            self.process.wait()
+            raise ServiceFailed(self.name, self.process.returncode, self.log_path,
+                                self.run_log()[-2000:])
+        return ServiceProcess(self.name, self.process, self.found[0], self.log_path,
+                              self.announced)
+
+    def run_log(self) -> str:
+        """What this run wrote to its log (not the runs before it)."""
+        with open(self.log_path, "rb") as log:
+            log.seek(self.log_start)
+            return log.read().decode(errors="replace")
+
+
+class ServiceFailed(RuntimeError):
+    """A service exited before it listened; `tail` is the end of what it logged this run."""
+
+    def __init__(self, name: str, returncode: int, log_path: pathlib.Path, tail: str):
+        super().__init__(f"{name} exited with {returncode} before listening:\n{tail}")
+        self.name, self.returncode, self.log_path, self.tail = name, returncode, log_path, tail
+
+    @property
+    def reason(self) -> str:
+        """The last line of its log: what a service that fails to start last says (the
+        exception's message)."""
+        lines = [line.strip() for line in self.tail.splitlines() if line.strip()]
+        return lines[-1] if lines else f"exit status {self.returncode}, nothing logged"
+
+
+def spawn_service(name: str, module: str, args: list[str], log_dir: pathlib.Path,
+                  wait_for: str = "") -> Spawned:
+    """Start `python -m module args` (stderr appended to log_dir/name.log, after a line that
+    marks where this run begins). Started from the main thread, the service gets SIGTERM when
+    this process dies (Linux's parent-death signal), so a launcher killed any way leaves none
+    behind; from another thread it does not (the signal follows the thread that started it)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     env = dict(os.environ, GRPC_VERBOSITY=os.environ.get("GRPC_VERBOSITY", "ERROR"))
     with open(log_path, "ab") as log:
+        log.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} {name}: python -m {module} "
+                  f"{' '.join(args)}\n".encode())
+        log.flush()
+        start = log.tell()
         proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE,
-                                stderr=log, env=env, text=True, start_new_session=True)
-    found: list[str] = []
-    announced: dict[str, str] = {}
-    ready = threading.Event()
+                                stderr=log, env=env, text=True, start_new_session=True,
+                                preexec_fn=_dies_with_parent())
+    spawned = Spawned(name, proc, log_path, start, wait_for)
+    threading.Thread(target=spawned.read_stdout, daemon=True).start()
+    return spawned
 
-    def read_stdout() -> None:  # keeps draining stdout so the child never blocks on a full pipe
-        for line in proc.stdout:
-            m = _LISTENING.match(line.strip())
-            if m:
-                announced[m[1]] = m[2]
-            if m and not found and m[1] == (wait_for or m[1]):
-                found.append(m[2])
-                ready.set()
-        ready.set()
 
-    threading.Thread(target=read_stdout, daemon=True).start()
-    deadline = time.monotonic() + timeout
-    while not ready.wait(0.1):
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise TimeoutError(f"{name} did not start within {timeout:.0f}s; see {log_path}")
-    if not found:
-        proc.wait()
-        tail = log_path.read_text()[-2000:]
-        raise RuntimeError(f"{name} exited with {proc.returncode} before listening:\n{tail}")
-    return ServiceProcess(name, proc, found[0], log_path, announced)
+def _dies_with_parent():
+    """A preexec_fn that has the child get SIGTERM when this process dies, or None off the main
+    thread. Everything it calls is resolved before the fork (a child of a threaded parent must
+    not import or allocate)."""
+    if threading.current_thread() is not threading.main_thread() or sys.platform != "linux":
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # it died before the line above
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass(frozen=True)
@@ -176,27 +251,48 @@ class Fleet:
         return self
 
     def _start_tier(self, specs: list[tuple[str, str, list[str]]]) -> list[ServiceProcess]:
-        """Start every (name, module, args) at once; the services in `specs`' order. When one
-        fails, those that started are kept in `services` (to be stopped) and the error raised."""
+        """Start every (name, module, args) at once; the services in `specs`' order. Each is in
+        `services` from its start, so a failure or an interrupt while they come up stops them
+        all (the caller's `stop`); the first error is raised."""
+        first, spawned = len(self.services), []
+        for name, module, args in specs:
+            spawned.append(spawn_service(name, module, args, self.log_dir))
+            self.services.append(ServiceProcess(name, spawned[-1].process, "",
+                                                spawned[-1].log_path))
         started: list[ServiceProcess | None] = [None] * len(specs)
         errors: list[BaseException] = []
 
-        def start(i: int) -> None:
-            name, module, args = specs[i]
+        def wait(i: int) -> None:
             try:
-                started[i] = start_service(name, module, args, self.log_dir)
+                started[i] = spawned[i].wait_listening()
             except BaseException as err:  # noqa: BLE001 (raised below, in the caller's thread)
                 errors.append(err)
 
-        threads = [threading.Thread(target=start, args=(i,)) for i in range(len(specs))]
+        threads = [threading.Thread(target=wait, args=(i,), daemon=True)
+                   for i in range(len(specs))]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
-        self.services += [service for service in started if service is not None]
+        for i, service in enumerate(started):
+            if service is not None:
+                self.services[first + i] = service
         if errors:
             raise errors[0]
         return started
+
+    def add_gateway(self, pools: Mapping[str, list[str]], args: list[str] = (),
+                    grpc_address: str = "127.0.0.1:0",
+                    http_address: str = "127.0.0.1:0") -> ServiceProcess:
+        """A gateway in front of `pools` and this fleet's stores, one of its `services` from its
+        start (so a failure or an interrupt while it comes up stops it with the rest)."""
+        keys = self.keys.write(self.log_dir / "keys")["gateway"] if self.keys else []
+        spawned = spawn_service("gateway", "gateway.service", gateway_args(
+            pools, self.stores, [*keys, *args], grpc_address, http_address), self.log_dir,
+            wait_for="gateway")
+        self.services.append(ServiceProcess("gateway", spawned.process, "", spawned.log_path))
+        self.services[-1] = spawned.wait_listening()
+        return self.services[-1]
 
     def by_name(self, prefix: str) -> list[ServiceProcess]:
         return [s for s in self.services if s.name.startswith(prefix)]
@@ -235,9 +331,15 @@ def start_gateway(pools: Mapping[str, list[str]], stores: list[str], log_dir: pa
     """A gateway in front of `pools` (base model id -> scheduler addresses); `address` is its
     gRPC address, `announced["gateway-http"]` its HTTP one."""
     flags = keys.write(log_dir / "keys")["gateway"] if keys else []
+    return start_service(name, "gateway.service",
+                         gateway_args(pools, stores, [*flags, *args], grpc_address, http_address),
+                         log_dir, wait_for="gateway")
+
+
+def gateway_args(pools: Mapping[str, list[str]], stores: list[str], args: list[str],
+                 grpc_address: str, http_address: str) -> list[str]:
+    """A gateway's command line: its addresses, pools and stores, then `args`."""
     pool_flags = [f for model_id, addresses in pools.items()
                   for f in ("--pool", f"{model_id}={','.join(addresses)}")]
-    return start_service(name, "gateway.service",
-                         ["--address", grpc_address, "--http-address", http_address,
-                          *pool_flags, *(f for a in stores for f in ("--store", a)), *flags,
-                          *args], log_dir, wait_for="gateway")
+    return ["--address", grpc_address, "--http-address", http_address, *pool_flags,
+            *(f for a in stores for f in ("--store", a)), *args]

@@ -19,6 +19,7 @@ from common.credentials import DEFAULT_TENANT, Caller, KeyRing, Role, request_te
 from common.detokenizer import FINISH_PB, OutputProcessor, check_stops
 from common.errors import (
     InvalidArgument,
+    NotFound,
     Unavailable,
     WriteBound,
     grpc_errors,
@@ -195,7 +196,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 raise InvalidArgument("set adapter or adapter_ref, not both")
             found = await self._registry.lookup(AdapterRef.from_pb(pb.adapter_ref), tenant)
         elif pb.adapter:
-            found = await self._registry.resolve(pb.adapter, tenant)
+            try:
+                found = await self._registry.resolve(pb.adapter, tenant)
+            except NotFound as err:
+                raise NotFound(f"{err}; this pool serves base model {self._model.model_id!r} "
+                               "(for it, name no adapter)") from None
         else:
             return None
         return self._servables.of(found)
