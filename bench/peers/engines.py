@@ -1,5 +1,7 @@
 """The engines bench/peers/run.py times, behind one call: `await engine.round(n)` ->
-(seconds, greedy token ids per request), request i on adapter a{i mod n} (n = 0: base model).
+(seconds, greedy token ids per request, CPU seconds), request i on adapter a{i mod n} (n = 0: the
+base model). CPU seconds: user + system time of the engine's processes (and their children)
+during the round, from /proc: on shared cores it counts the work, not the wait for a core.
 
 - WorkerEngine: a peer in a process of its own, spoken to by bench/peers/worker_loop.py's lines.
 - Loraplex: the services bench/serving.py starts, through the scheduler's Generate stream.
@@ -21,6 +23,43 @@ import serving
 START_TIMEOUT_S = 900.0
 ROUND_TIMEOUT_S = 300.0
 STOP_GRACE_S = 30.0
+
+
+def process_tree(pid: int) -> list[int]:
+    """pid and its living descendants."""
+    children: dict[int, list[int]] = {}
+    for entry in pathlib.Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # ended meanwhile
+            children.setdefault(ppid, []).append(int(entry.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    return tree
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes (all their threads) so far."""
+    ticks = 0
+    for pid in pids:
+        try:
+            fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+async def timed(engine, num_adapters: int) -> tuple[float, list[list[int]], float]:
+    """One round of an engine with its processes' CPU seconds."""
+    pids = [p for root in engine.pids() for p in process_tree(root)]
+    cpu = cpu_seconds(pids)
+    seconds, tokens = await engine.round(num_adapters)
+    return seconds, tokens, cpu_seconds(pids) - cpu
 
 
 class WorkerEngine:
@@ -52,6 +91,9 @@ class WorkerEngine:
                                f" the end of its log:\n{self.log_tail()}")
         return json.loads(line)
 
+    def pids(self) -> list[int]:
+        return [self.process.pid]
+
     def log_tail(self, num_lines: int = 25) -> str:
         lines = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(line for line in lines[-num_lines:] if line.strip())
@@ -77,8 +119,12 @@ class WorkerEngine:
 
 
 class Loraplex:
-    def __init__(self, stub, prompts: list[list[int]]):
-        self.stub, self.prompts = stub, prompts
+    def __init__(self, stub, prompts: list[list[int]], pids: list[int]):
+        self.stub, self.prompts, self.service_pids = stub, prompts, pids
+
+    def pids(self) -> list[int]:
+        """The services' processes (store, executor, scheduler), not this client's."""
+        return self.service_pids
 
     def names(self, num_adapters: int) -> list[str]:
         if num_adapters == 0:

@@ -35,7 +35,7 @@ BENCH = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCH))  # bench/serving.py: the model, adapters, prompts and fleet
 
 import serving  # noqa: E402
-from engines import Loraplex, WorkerEngine  # noqa: E402
+from engines import Loraplex, WorkerEngine, timed  # noqa: E402
 from tokens import all_equal, pairs_table  # noqa: E402
 
 from common.server import insecure_channel  # noqa: E402
@@ -65,8 +65,8 @@ def start_vllm(setup_args: list[str], log_dir: pathlib.Path) -> tuple[WorkerEngi
 
 
 async def measure(engines: dict, counts: list[int], rounds: int) -> dict:
-    """{count: {engine: [(seconds, tokens), ...]}} in alternating rounds; the load average
-    before each count as results["load"][count]."""
+    """{count: {engine: [(seconds, tokens, cpu seconds), ...]}} in alternating rounds; the load
+    average before each count as results["load"][count]."""
     results: dict = {"load": {}}
     for n in counts:
         results["load"][n] = os.getloadavg()[0]
@@ -74,31 +74,39 @@ async def measure(engines: dict, counts: list[int], rounds: int) -> dict:
         for r in range(rounds):
             names = list(engines)
             for name in names[r % len(names):] + names[:r % len(names)]:
-                per_engine[name].append(await engines[name].round(n))
+                per_engine[name].append(await timed(engines[name], n))
         results[n] = per_engine
-        print(f"{n} adapters: " + ", ".join(
-            f"{name} {tok_s(serving.median_round(v)):.0f} tok/s" for name, v in per_engine.items()),
-            flush=True)
+        print(f"{n} adapters: " + ", ".join(f"{name} {wall_tok_s(v):.0f} tok/s, "
+                                            f"{cpu_tok_s(v):.0f} per CPU-s"
+                                            for name, v in per_engine.items()), flush=True)
     return results
 
 
-def tok_s(round_: tuple[float, list[list[int]]]) -> float:
-    seconds, tokens = round_
+def wall_tok_s(rounds: list[tuple]) -> float:
+    """Tokens per second of wall time in the median round."""
+    seconds, tokens, _ = serving.median_round(rounds)
     return sum(map(len, tokens)) / seconds
 
 
-def throughput_table(results: dict, counts: list[int], names: list[str]) -> list[str]:
-    head = "| distinct adapters | " + " | ".join(f"{n} tok/s" for n in names)
+def cpu_tok_s(rounds: list[tuple]) -> float:
+    """Tokens per CPU-second of the engine's processes, the median over rounds."""
+    return statistics.median(sum(map(len, tokens)) / cpu for _, tokens, cpu in rounds)
+
+
+def speed_table(results: dict, counts: list[int], names: list[str], speed, unit: str,
+                with_tokens: bool) -> list[str]:
+    head = "| distinct adapters | " + " | ".join(f"{n} {unit}" for n in names)
     ratios = [peer for peer in ("HF PEFT", "vLLM") if peer in names]
-    head += "".join(f" | loraplex / {peer}" for peer in ratios) + " | tokens equal |"
-    lines = [head, "|---:" * (1 + len(names) + len(ratios)) + "|:---|"]
+    head += "".join(f" | loraplex / {peer}" for peer in ratios)
+    lines = [head + (" | tokens equal |" if with_tokens else " |"),
+             "|---:" * (1 + len(names) + len(ratios)) + ("|:---|" if with_tokens else "|")]
     for n in counts:
-        speeds = {name: tok_s(serving.median_round(results[n][name])) for name in names}
-        same = all_equal(results[n], names)
+        speeds = {name: speed(results[n][name]) for name in names}
         lines.append(f"| {n or 'none (base)'} | " + " | ".join(
             f"{speeds[name]:,.0f}" for name in names)
             + "".join(f" | {speeds['loraplex'] / speeds[p]:.2f}" for p in ratios)
-            + f" | {'yes' if same else 'no'} |")
+            + (f" | {'yes' if all_equal(results[n], names) else 'no'} |" if with_tokens
+               else " |"))
     return lines
 
 
@@ -111,7 +119,12 @@ def report(results: dict, counts: list[int], names: list[str], rounds: int, num_
             "process. tok/s: all generated tokens over the wall time of the call that made them "
             "(loraplex: every request streamed back through the scheduler over gRPC; HF PEFT: "
             "one generate over the left-padded batch; vLLM: one LLM.generate)."),
-           "", *throughput_table(results, counts, names), "",
+           "", *speed_table(results, counts, names, wall_tok_s, "tok/s", True), "",
+           ("The same rounds counted in CPU time, which a busy neighbour on these shared cores "
+            "does not stretch: tokens per CPU-second of all the engine's processes (loraplex: "
+            "store, executor and scheduler, not the benchmark's gRPC client; vLLM: its front "
+            "end, engine core and worker), the median over rounds."),
+           "", *speed_table(results, counts, names, cpu_tok_s, "tok per CPU-s", False), "",
            ("Tokens equal: every request's 32 greedy tokens are the same in every engine of the "
             "row. Per pair of engines, the requests whose tokens are all equal, and for the "
             "others the first position where they part:"),
@@ -195,7 +208,7 @@ async def run_all(fleet: Fleet, peft: WorkerEngine, vllm: WorkerEngine | None,
         await client.push_adapter(fleet.stores[0], adapter_dir / f"a{i}", f"a{i}")
     async with insecure_channel(fleet.scheduler) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
-        ours = Loraplex(stub, prompts)
+        ours = Loraplex(stub, prompts, [s.process.pid for s in fleet.services])
         await ours.warm_up(num_adapters)
         engines = {"loraplex": ours, "HF PEFT": peft, **({"vLLM": vllm} if vllm else {})}
         print(f"{rounds} alternating rounds per adapter count ...", flush=True)

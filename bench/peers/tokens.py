@@ -1,7 +1,8 @@
 """Greedy tokens compared across engines for bench/peers/run.py.
 
-A row's results: {engine: [(seconds, tokens per request), ...] one per round}. Every round of an
-engine should give the same tokens (greedy); across engines, request by request, all 32 of them.
+A row's results: {engine: [(seconds, tokens per request, cpu seconds), ...] one per round}.
+Every round of an engine should give the same tokens (greedy); across engines, request by
+request, all 32 of them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import serving
 
 def all_equal(per_engine: dict[str, list], names: list[str]) -> bool:
     """Whether every round of every engine gave the same tokens for every request."""
-    outputs = [tokens for name in names for _, tokens in per_engine[name]]
+    outputs = [r[1] for name in names for r in per_engine[name]]
     return all(tokens == outputs[0] for tokens in outputs)
 
 
