@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from adapter_store.blobs import BlobStore
 from common.base_fingerprint import check_fingerprint
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from common.model_families import base_shapes
+from common.model_families import base_shapes, read_config
 from common.peft.config import load_json_object
 from common.peft.layout import BaseShapes
 
@@ -51,6 +51,7 @@ class BaseModel:
     config_json: str
     moe_layers: tuple[int, ...] = ()  # the layers whose MLP is experts (their modules: experts.*)
     gate_up_interleaved: bool = False  # its experts' gate and up interleave (gpt-oss)
+    vocab_size: int = 0  # its vocabulary (0: unknown): an aLoRA's invocation must lie in it
     fingerprint: str = ""  # "" = registered without one
     names: tuple[str, ...] = ()  # other names adapters may give it, sorted, never the id
 
@@ -74,6 +75,7 @@ class BaseModel:
                    num_layers=shapes.num_layers, module_shapes=dict(shapes.projection_shapes),
                    moe_layers=tuple(sorted(shapes.moe_layers)),
                    gate_up_interleaved=shapes.gate_up_interleaved,
+                   vocab_size=int(read_config(raw).get("vocab_size") or 0),
                    config_json=config_json, fingerprint=fingerprint, names=names)
 
     @property

@@ -62,6 +62,8 @@ class AdapterRecord:
     # Each pool module it adapts -> its largest rank (AdapterLayout.module_ranks); {} in
     # manifests written before mixture-of-experts bases
     module_ranks: dict[str, int] = dataclasses.field(default_factory=dict)
+    # An activated LoRA's invocation token ids (common/alora.py); () for a plain adapter
+    alora_invocation_tokens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.weights_key:
@@ -89,6 +91,7 @@ class AdapterRecord:
             raise ValueError(f"manifest lacks {sorted(required - raw.keys())}")
         values = {k: raw[k] for k in fields if k in raw}
         values["target_modules"] = tuple(values["target_modules"])
+        values["alora_invocation_tokens"] = tuple(values.get("alora_invocation_tokens", ()))
         return cls(**values)
 
 

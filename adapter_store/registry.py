@@ -147,7 +147,8 @@ class Registry(RegistryView):
                 source=meta.source or "upload", weights_key=weights_key,
                 base_model_name_or_path=spec.base_model, base_match=match.kind.value,
                 base_fingerprint=base.fingerprint if base else "", layers_path=spec.layers_path,
-                module_ranks=spec.module_ranks)
+                module_ranks=spec.module_ranks,
+                alora_invocation_tokens=spec.alora_invocation_tokens)
             key = version_prefix(name, record.version) + MANIFEST_FILENAME
             try:
                 await self._blobs.put(key, record.to_json().encode(), if_none_match=True)

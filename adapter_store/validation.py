@@ -43,6 +43,7 @@ class AdapterSpec:
     base_model_revision: str  # adapter_config.json's "revision", "" when absent
     layers_path: str  # where its tensors put the decoder layers (AdapterLayout.layers)
     module_ranks: dict[str, int]  # each pool module it adapts -> its largest rank
+    alora_invocation_tokens: tuple[int, ...]  # an activated LoRA's invocation; () plain
 
 
 def check_config_rank(config: LoraConfig, max_rank: int | None) -> None:
@@ -72,6 +73,11 @@ def validate_adapter(config_json: str, weights_filename: str, data: bytes, *,
     if base is not None:
         check_base_model_revision(config.revision, base)
         check_fits(layout, base.shapes)
+        outside = [t for t in config.alora_invocation_tokens if t >= base.vocab_size]
+        if outside:
+            raise FailedPrecondition(f"adapter_config.json: alora_invocation_tokens holds token "
+                                     f"id {outside[0]}, outside {base.model_id!r}'s vocabulary "
+                                     f"of {base.vocab_size}; was it made for another model?")
     check_finite(data, layout)
     if layout.unserved:  # (once per push; executors load them silently)
         log.info("adapter for %s: LoRA on %d vision-tower / projector modules (%s, ...) is "
@@ -83,7 +89,8 @@ def validate_adapter(config_json: str, weights_filename: str, data: bytes, *,
         sha256=hashlib.sha256(data).hexdigest(), crc32=zlib.crc32(data), dtype=layout.dtype,
         rank_pattern=config.rank_pattern, alpha_pattern=config.alpha_pattern,
         base_model_revision=config.revision or (base.revision if base else ""),
-        layers_path=layout.layers, module_ranks=layout.module_ranks())
+        layers_path=layout.layers, module_ranks=layout.module_ranks(),
+        alora_invocation_tokens=config.alora_invocation_tokens)
 
 
 def check_base_model_revision(revision: str, base: BaseModel) -> None:

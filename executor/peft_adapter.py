@@ -34,6 +34,11 @@ def parse_peft_adapter(config_json: str, safetensors_bytes: bytes | torch.Tensor
     `check_base_model`), or its layers and shapes do not fit the model.
     """
     config = parse_config(config_json)
+    outside = [t for t in config.alora_invocation_tokens if t >= model.vocab_size]
+    if outside:
+        raise FailedPrecondition(f"adapter_config.json: alora_invocation_tokens holds token id "
+                                 f"{outside[0]}, outside the model's vocabulary of "
+                                 f"{model.vocab_size}")
     wanted = config.base_model.rstrip("/")
     if check_base_model and wanted != model.model_id:
         raise FailedPrecondition(f"adapter was trained on base model {wanted!r}, this pool "

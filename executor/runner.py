@@ -65,6 +65,9 @@ class _Sequence:
     # Its prompt's logprobs as its prefill makes them, until its first sample takes them (None:
     # not asked for, or taken).
     prompt_logprobs: PromptLogprobs | None = None
+    # Its adapter's LoRA applies from this position on (activated LoRA, common/alora.py: earlier
+    # positions are computed as the base model's); 0: every position
+    lora_from: int = 0
 
 
 class ModelRunner:
@@ -165,6 +168,9 @@ class ModelRunner:
             raise ValueError(f"slot {self._merged.slot} is merged already: unmerge it first")
         if not self.pool.is_loaded(slot):
             raise ValueError(f"cannot merge adapter slot {slot}: it holds no adapter")
+        if any(s.lora_from for s in self._seqs.values() if s.slot == slot):
+            raise ValueError(f"cannot merge adapter slot {slot}: an activated LoRA applies from "
+                             "its invocation on, which a merged weight cannot")
         others = sorted(i for i, s in self._seqs.items() if s.slot != slot)
         if others:
             raise ValueError(f"cannot merge adapter slot {slot} while sequences of other "
@@ -186,7 +192,8 @@ class ModelRunner:
         return self.config.rope_switch_len
 
     def add_sequence(self, seq_id: int, token_ids: Sequence[int], sampling: SamplingParams,
-                     slot: int, num_generated: int = 0, num_cached: int = 0) -> None:
+                     slot: int, num_generated: int = 0, num_cached: int = 0,
+                     lora_from: int = 0) -> None:
         """Register a sequence (prompt token ids; after a preemption or failover, prompt and the
         `num_generated` tokens sampled so far); slot -1 = base model only. The KV of its first
         `num_cached` tokens is in the blocks its first rows bring (a prefix cache hit): its
@@ -195,7 +202,9 @@ class ModelRunner:
         On a longrope model (ModelConfig.rope_switch_len) it computes with the long factors when
         it has more tokens than the switch, with the short ones otherwise, and then never past
         the switch: one that outgrows it is recomputed (freed, and registered again with all its
-        tokens), as transformers' generate() recomputes its cache."""
+        tokens), as transformers' generate() recomputes its cache. Its adapter's LoRA applies
+        from position `lora_from` on (an activated LoRA's activation point; rows before it are
+        the base model's, within the same step)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already exists")
         if not token_ids:
@@ -213,6 +222,13 @@ class ModelRunner:
         if not 0 <= num_generated < len(token_ids):
             raise ValueError(f"sequence {seq_id}: num_generated {num_generated} must be below "
                              f"its {len(token_ids)} tokens (a prompt comes first)")
+        if not 0 <= lora_from < len(token_ids) or (lora_from and slot < 0):
+            raise ValueError(f"sequence {seq_id}: lora_from {lora_from} must lie within its "
+                             f"{len(token_ids)} tokens, with an adapter slot")
+        if lora_from and slot == self.merged_slot:
+            raise ValueError(f"sequence {seq_id}: adapter slot {slot} is merged into the "
+                             "weights, and an activated LoRA's rows before its activation "
+                             "need the base weights")
         if not 0 <= num_cached < len(token_ids):
             raise ValueError(f"sequence {seq_id}: num_cached {num_cached} must be below its "
                              f"{len(token_ids)} tokens (the last one is computed for a sample)")
@@ -230,7 +246,7 @@ class ModelRunner:
         switch = self.rope_switch_len
         self._seqs[seq_id] = _Sequence(list(token_ids), num_cached, [], sampling, slot,
                                        DrawStream(sampling.seed, num_generated, self.device),
-                                       0 < switch < len(token_ids), prompt_logprobs)
+                                       0 < switch < len(token_ids), prompt_logprobs, lora_from)
         if self.tp.is_first:
             self.sampler.add(seq_id, list(token_ids), num_generated, sampling)
 
@@ -305,6 +321,7 @@ class ModelRunner:
         row_slots = torch.repeat_interleave(  # [T]
             torch.tensor(slots),
             torch.tensor([r.num_tokens for r in rows]))
+        self._before_activation(rows, row_slots)
         lora_meta = self.lora.prepare(row_slots)
         meta = StepMetadata.build(groups, kv=self.kv, windows=self.model.windows,
                                   lora=lora_meta, sample_rows=sample_rows, device=self.device,
@@ -339,6 +356,17 @@ class ModelRunner:
             else:
                 sampled.append(Sampled(seq_id, token, logprob, top))
         return sampled, logits
+
+    def _before_activation(self, rows: Sequence[Row], row_slots: torch.Tensor) -> None:
+        """An activated LoRA's rows before its activation point run as the base model's
+        (row_slots [T] -1 there), in place."""
+        at = 0
+        for r in rows:
+            seq = self._seqs[r.seq_id]
+            before = min(seq.lora_from - seq.num_computed, r.num_tokens)
+            if before > 0:
+                row_slots[at:at + before] = -1
+            at += r.num_tokens
 
     def _prompt_logprobs(self, rows: Sequence[Row], hidden: torch.Tensor) -> None:
         """The prompt logprobs this step's rows make, for the sequences that ask for them: row

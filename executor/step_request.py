@@ -40,7 +40,7 @@ def run_step(runner: ModelRunner, req: executor_pb2.StepRequest,
         runner.unmerge()
     for new in req.new_sequences:
         runner.add_sequence(new.seq_id, list(new.token_ids), SamplingParams.from_pb(new.sampling),
-                            new.slot, new.num_generated, new.num_cached)
+                            new.slot, new.num_generated, new.num_cached, new.lora_from)
         log.debug("sequence %d of request %s: %d tokens (%d cached), slot %d", new.seq_id,
                   new.request_id, len(new.token_ids), new.num_cached, new.slot)
     if req.HasField("merge_slot"):

@@ -103,7 +103,7 @@ class AdapterRef(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class AdapterInfo(_message.Message):
-    __slots__ = ("name", "version", "owner_tenant", "is_public", "base_model", "rank", "alpha", "use_rslora", "target_modules", "num_bytes", "sha256", "created_unix", "config_json", "crc32", "base_model_name_or_path", "base_match", "base_fingerprint", "layers_path", "module_ranks")
+    __slots__ = ("name", "version", "owner_tenant", "is_public", "base_model", "rank", "alpha", "use_rslora", "target_modules", "num_bytes", "sha256", "created_unix", "config_json", "crc32", "base_model_name_or_path", "base_match", "base_fingerprint", "layers_path", "module_ranks", "alora_invocation_tokens")
     class ModuleRanksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class AdapterInfo(_message.Message):
     BASE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYERS_PATH_FIELD_NUMBER: _ClassVar[int]
     MODULE_RANKS_FIELD_NUMBER: _ClassVar[int]
+    ALORA_INVOCATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     owner_tenant: str
@@ -149,4 +150,5 @@ class AdapterInfo(_message.Message):
     base_fingerprint: str
     layers_path: str
     module_ranks: _containers.ScalarMap[str, int]
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., owner_tenant: _Optional[str] = ..., is_public: _Optional[bool] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., use_rslora: _Optional[bool] = ..., target_modules: _Optional[_Iterable[str]] = ..., num_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., created_unix: _Optional[float] = ..., config_json: _Optional[str] = ..., crc32: _Optional[int] = ..., base_model_name_or_path: _Optional[str] = ..., base_match: _Optional[_Union[BaseMatch, str]] = ..., base_fingerprint: _Optional[str] = ..., layers_path: _Optional[str] = ..., module_ranks: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    alora_invocation_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., owner_tenant: _Optional[str] = ..., is_public: _Optional[bool] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., use_rslora: _Optional[bool] = ..., target_modules: _Optional[_Iterable[str]] = ..., num_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., created_unix: _Optional[float] = ..., config_json: _Optional[str] = ..., crc32: _Optional[int] = ..., base_model_name_or_path: _Optional[str] = ..., base_match: _Optional[_Union[BaseMatch, str]] = ..., base_fingerprint: _Optional[str] = ..., layers_path: _Optional[str] = ..., module_ranks: _Optional[_Mapping[str, int]] = ..., alora_invocation_tokens: _Optional[_Iterable[int]] = ...) -> None: ...

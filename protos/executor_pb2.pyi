@@ -91,7 +91,7 @@ class ModuleShape(_message.Message):
     def __init__(self, module: _Optional[str] = ..., in_features: _Optional[int] = ..., out_features: _Optional[int] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "sampling", "slot", "num_generated", "num_cached", "request_id")
+    __slots__ = ("seq_id", "token_ids", "sampling", "slot", "num_generated", "num_cached", "request_id", "lora_from")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class NewSequence(_message.Message):
     NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_FROM_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -106,7 +107,8 @@ class NewSequence(_message.Message):
     num_generated: int
     num_cached: int
     request_id: str
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., slot: _Optional[int] = ..., num_generated: _Optional[int] = ..., num_cached: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    lora_from: int
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., slot: _Optional[int] = ..., num_generated: _Optional[int] = ..., num_cached: _Optional[int] = ..., request_id: _Optional[str] = ..., lora_from: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("freed_seq_ids", "new_sequences", "row_seq_ids", "row_num_tokens", "row_num_new_blocks", "new_block_ids", "merge_slot", "unmerge")

@@ -65,11 +65,14 @@ class Driver:
         self.num_recomputed = 0  # sequences recomputed past the longrope switch
 
     def add(self, seq_id, prompt, slot, sampling: SamplingParams | None = None,
-            num_generated: int = 0):
+            num_generated: int = 0, lora_from: int = 0):
+        """`lora_from`: an activated LoRA's activation point (ModelRunner.add_sequence)."""
         sampling = sampling or SamplingParams()
-        self.runner.add_sequence(seq_id, prompt, sampling, slot, num_generated)
+        self.runner.add_sequence(seq_id, prompt, sampling, slot, num_generated,
+                                 lora_from=lora_from)
         self.state[seq_id] = {"computed": 0, "total": len(prompt), "blocks": [], "slot": slot,
-                              "sampling": sampling, "generated": num_generated}
+                              "sampling": sampling, "generated": num_generated,
+                              "lora_from": lora_from}
 
     def step(self, chunk: int) -> dict[int, tuple[int, torch.Tensor]]:
         rows = []
@@ -97,7 +100,7 @@ class Driver:
         tokens = self.runner.tokens(seq_id)
         st = self.state[seq_id]
         self.finish(seq_id)
-        self.add(seq_id, tokens, st["slot"], st["sampling"], st["generated"])
+        self.add(seq_id, tokens, st["slot"], st["sampling"], st["generated"], st["lora_from"])
         self.num_recomputed += 1
 
     def finish(self, seq_id: int) -> None:
@@ -107,14 +110,16 @@ class Driver:
 
 def run(runner, requests: dict, num_tokens: int, chunk: int = 8, admit: int = 100, seed: int = 0,
         samples: dict | None = None):
-    """requests: seq_id -> (prompt, slot[, sampling]) -> seq_id -> (tokens, logits [n, vocab]);
+    """requests: seq_id -> (prompt, slot[, sampling[, lora_from]]) -> seq_id -> (tokens,
+    logits [n, vocab]);
     `samples`, when given, gets each sequence's Sampled records (logprobs, alternatives)."""
     driver, pending = Driver(runner, seed), list(requests.items())
     driver.samples = driver.samples if samples is None else samples
     out = {sid: ([], []) for sid in requests}
     while pending or driver.state:
         for sid, req in pending[:admit]:
-            driver.add(sid, *req)
+            prompt, slot, *rest = req  # ([sampling[, lora_from]])
+            driver.add(sid, prompt, slot, *rest[:1], lora_from=rest[1] if len(rest) > 1 else 0)
         pending = pending[admit:]
         for sid, (token, logits) in driver.step(chunk).items():
             out[sid][0].append(token)

@@ -19,6 +19,7 @@ import json
 import math
 from collections.abc import Sequence
 
+from common.alora import MAX_INVOCATION_TOKENS
 from common.errors import InvalidArgument
 from common.peft.modules import (
     ADAPTABLE_MODULES,
@@ -75,6 +76,8 @@ class LoraConfig:
     # PEFT's target_parameters: the fused expert weights adapted ("mlp.experts.gate_up_proj"),
     # sorted; matched as a whole dotted suffix of a parameter's path
     target_parameters: tuple[str, ...] = ()
+    # Activated LoRA (common/alora.py): the invocation token ids it applies from; (): always
+    alora_invocation_tokens: tuple[int, ...] = ()
 
     @property
     def lowest_rank(self) -> int:
@@ -134,7 +137,6 @@ def parse_config(config_json: str) -> LoraConfig:
     for flag, what in (("use_dora", "DoRA"), ("lora_bias", "LoRA biases"),
                        ("fan_in_fan_out", "fan_in_fan_out (Conv1D layouts)"),
                        # (each changes the math: served as plain LoRA they would answer wrong)
-                       ("alora_invocation_tokens", "activated LoRA (aLoRA)"),
                        ("layer_replication", "layer replication"),
                        ("use_qalora", "QALoRA"), ("use_bdlora", "block-diagonal LoRA")):
         if raw.get(flag):
@@ -172,13 +174,26 @@ def parse_config(config_json: str) -> LoraConfig:
     if not isinstance(revision, str):
         raise _invalid(f"revision must be a string, got {revision!r}")
     parameters = _target_parameters(raw.get("target_parameters"))
+    invocation = _invocation(raw.get("alora_invocation_tokens"))
     modules = raw.get("target_modules")
     return LoraConfig(base_model=base_model, r=r, alpha=float(alpha), use_rslora=use_rslora,
                       target_modules=(() if parameters and not modules
                                       else _target_modules(modules)),
                       rank_pattern=dict(rank_pattern),
                       alpha_pattern={k: float(v) for k, v in alpha_pattern.items()},
-                      revision=revision, target_parameters=parameters)
+                      revision=revision, target_parameters=parameters,
+                      alora_invocation_tokens=invocation)
+
+
+def _invocation(value: object) -> tuple[int, ...]:
+    """PEFT's alora_invocation_tokens: a non-empty list of token ids (or absent)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not value or not all(
+            _is_int(t) and t >= 0 for t in value) or len(value) > MAX_INVOCATION_TOKENS:
+        raise _invalid(f"alora_invocation_tokens must be 1 to {MAX_INVOCATION_TOKENS} token ids "
+                       f"(non-negative integers), got {value!r}")
+    return tuple(value)
 
 
 def _target_parameters(value: object) -> tuple[str, ...]:
