@@ -266,8 +266,8 @@ def heap_table(records: list[dict], start: float, end: float) -> list[str]:
         lines += ["", f"- largest live tensor classes at the end (MiB): {samples[-1]['top'][:6]}"]
     if samples and samples[-1].get("traced_top"):
         lines.append(f"- Python allocations by line at the end: {samples[-1]['traced_top'][:6]}")
-    lines += [f"- malloc_trim(0) after the run: RSS {r['before']['VmRSS']:.0f} -> "
-              f"{r['after']['VmRSS']:.0f} MiB" for r in records if r.get("trim")]
+    lines += ["", *(f"- malloc_trim(0) after the run: RSS {r['before']['VmRSS']:.0f} -> "
+                    f"{r['after']['VmRSS']:.0f} MiB" for r in records if r.get("trim"))]
     return lines
 
 
