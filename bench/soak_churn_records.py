@@ -169,7 +169,7 @@ def revision(repo: pathlib.Path) -> str:
     """The commit the services ran from (REPO's HEAD, and whether files differed from it)."""
     def git(*cmd: str) -> str:
         return subprocess.run(["git", "-C", str(repo), *cmd], capture_output=True,
-                              text=True).stdout.strip()
+                              text=True).stdout.rstrip()  # (porcelain lines may begin " M")
 
     head = git("rev-parse", "--short", "HEAD")
     if not head:
