@@ -25,13 +25,11 @@ from common.detokenizer import OutputProcessor
 from common.sampling import SamplingParams
 from scheduler.core import Scheduler
 from scheduler.executor_link import step_request
-from scheduler.executor_state import ExecutorState
+from scheduler.executor_state import ExecutorShape
 from scheduler.fairness import FairnessWeights
 from scheduler.limits import Limits
 from scheduler.metrics import SchedulerMetrics
-from scheduler.request import Request
-from scheduler.residency.slots import SlotTable
-from scheduler.steps.block_manager import BlockManager
+from scheduler.request import Ask, Request
 from scheduler.steps.sequence import Samples
 from scheduler.streams import StreamConnection
 
@@ -39,10 +37,9 @@ WARMUP_STEPS = 20
 
 
 async def us_per_token(rows: int, steps: int, idle_s: float = 0.0) -> float:
-    ex = ExecutorState("bench", BlockManager(rows * 64, 16), SlotTable(1))
-    core = Scheduler([ex], FairnessWeights(), Limits(max_num_seqs=rows, max_queued_per_tenant=0),
+    core = Scheduler(FairnessWeights(), Limits(max_num_seqs=rows, max_queued_per_tenant=0),
                      start_load=lambda *_: None, wake=lambda: None)
-    core.add_executor(ex)
+    ex = core.add_executor("bench", ExecutorShape(rows * 64, 16, 1))
 
     async def write(message) -> None:
         message.SerializeToString()  # (as gRPC does before sending it)
@@ -53,9 +50,10 @@ async def us_per_token(rows: int, steps: int, idle_s: float = 0.0) -> float:
     max_new = WARMUP_STEPS + steps + 10  # (no length limit in reach, yet KV for all of it)
     for stream_id in range(1, rows + 1):
         async def check(stream_id=stream_id) -> Request:
-            return Request(stream_id, f"tenant{stream_id % 8}", None, 0, [3, 4, 5],
-                           SamplingParams(), OutputProcessor(None, max_new_tokens=max_new),
-                           connection.emitter(stream_id))
+            return Request(stream_id, Ask(f"tenant{stream_id % 8}", None, 0, (3, 4, 5),
+                                          SamplingParams()),
+                           OutputProcessor(None, max_new_tokens=max_new),
+                           connection.emitter(stream_id), sink=connection.sink, sink_id=stream_id)
         connection.submit(stream_id, check)
     await asyncio.sleep(0)  # (the submits are checked and queued)
     tokens, cpu = 0, 0.0

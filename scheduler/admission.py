@@ -14,14 +14,15 @@ fairness_window ahead of the least-served one is admitted, unless the executor w
 sit idle with nothing on its way in.
 
 Charges (VTC, fairness.py): a request's prompt tokens at its first admission (those the prefix
-cache held are free), every sampled token, and the adapter load a request causes.
+cache held are free), every sampled token, and the adapter load a request causes; each request's
+record of them (request.py: Charges) is written here only.
 """
 
 import collections
 import heapq
 import math
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from common.adapter_ref import AdapterRef
 from common.errors import ResourceExhausted, retry_after
@@ -29,7 +30,9 @@ from scheduler.executor_state import ExecutorState
 from scheduler.fairness import FairShare
 from scheduler.limits import Limits
 from scheduler.placement import Placement
+from scheduler.queues import QueueView
 from scheduler.request import Request
+from scheduler.residency.executor_residency import ExecutorResidency
 from scheduler.residency.residency import Residency
 from scheduler.steps.longrope import enter_long, is_long
 from scheduler.steps.prefix_cache import cached_prefix
@@ -48,18 +51,25 @@ class Admission:
 
     # ---- charges ----------------------------------------------------------------------------
     def charge_load(self, req: Request, ex: ExecutorState) -> None:
-        """req caused its adapter's fetch onto ex: the tokens ex could make meanwhile."""
-        seconds = ex.rates.load_seconds(req.adapter_bytes)
-        self.fair.charge(req.tenant, self.fair.weights.load_weight * seconds
+        """req caused its adapter's fetch onto ex: the tokens ex could make meanwhile (once per
+        request, not per retry of a failed fetch)."""
+        charges = req.charges
+        if charges.caused_load:
+            return
+        charges.caused_load = True
+        seconds = ex.rates.load_seconds(req.ask.adapter_bytes)
+        self.fair.charge(req.ask.tenant, self.fair.weights.load_weight * seconds
                          * ex.rates.tokens_per_second)
 
     def charge_admitted(self, req: Request, num_cached: int) -> None:
         """req was admitted, `num_cached` of its tokens found in the prefix cache: its prompt
         tokens computed, at its first admission only."""
-        if not req.is_charged:
-            req.cached_prompt_tokens = min(num_cached, len(req.prompt_ids))
-            self.fair.charge_input(req.tenant, len(req.prompt_ids) - req.cached_prompt_tokens)
-            req.is_charged = True
+        charges = req.charges
+        if not charges.is_input_charged:
+            num_prompt = len(req.ask.prompt_ids)
+            charges.cached_prompt_tokens = min(num_cached, num_prompt)
+            self.fair.charge_input(req.ask.tenant, num_prompt - charges.cached_prompt_tokens)
+            charges.is_input_charged = True
 
     def charge_samples(self, seqs: list[Sequence]) -> None:
         """A token was sampled for each of `seqs`."""
@@ -77,37 +87,41 @@ class Admission:
                 f"tenant {tenant!r} has {queued} requests waiting, the most this pool queues "
                 f"for one tenant; retry in {wait:.0f}s"), wait)
 
-    def victim(self, ex: ExecutorState) -> Sequence:
-        """The sequence to preempt on ex when KV runs out: the most-served tenant's latest."""
-        return max(ex.running.values(),
-                   key=lambda s: (self.fair.counter(s.request.tenant), s.seq_id))
+    def victim(self, running: Mapping[int, Sequence]) -> Sequence:
+        """The sequence to preempt when KV runs out: the most-served tenant's latest."""
+        return max(running.values(),
+                   key=lambda s: (self.fair.counter(s.request.ask.tenant), s.seq_id))
 
     # ---- admitting --------------------------------------------------------------------------
-    def admit(self, ex: ExecutorState, budget: int, start: Start) -> list[ScheduledRow]:
-        """Start requests queued on ex in fair order within `budget` tokens: their first rows."""
+    def admit(self, ex: ExecutorState, running: Mapping[int, Sequence], budget: int,
+              start: Start) -> list[ScheduledRow]:
+        """Start requests queued on ex in fair order within `budget` tokens: their first rows.
+        `running`: ex's running sequences (its step builder's; `start` adds to them)."""
         rows: list[ScheduledRow] = []
-        self._residency.prepare_admission(ex)
-        heap = [(self.fair.counter(t), t) for t in ex.queue.tenants()]
+        part, q = self._residency.of(ex), self._placement.queue(ex)
+        part.prepare_admission()
+        heap = [(self.fair.counter(t), t) for t in q.tenants()]
         if not heap:
             return rows
         heapq.heapify(heap)
-        active = {seq.request.adapter for seq in ex.running.values() if seq.request.adapter}
+        active = {seq.request.ask.adapter for seq in running.values()
+                  if seq.request.ask.adapter}
         is_fairest = True
         # An executor that runs nothing and brings nothing in takes anyone: held idle for a
         # tenant whose adapter waits for slots that the queued requests of tenants ahead keep
         # wanted, it would wait for good (a load on its way keeps the window).
-        is_stuck = not ex.running and not ex.slots.is_bringing_in()
+        is_stuck = not running and not part.is_bringing_in()
         ceiling = math.inf if is_stuck else self._ceiling()
         if self.limits.starvation_wait_s:
-            self._feed_starving(ex, ceiling)
-        while heap and budget > 0 and len(ex.running) < self.limits.max_num_seqs:
+            self._feed_starving(q, part, ceiling)
+        while heap and budget > 0 and len(running) < self.limits.max_num_seqs:
             counter, tenant = heapq.heappop(heap)
             if counter != self.fair.counter(tenant):  # charged since it was pushed
                 heapq.heappush(heap, (self.fair.counter(tenant), tenant))
                 continue
             if counter > ceiling:
                 break  # everyone left is too far ahead of a tenant still waiting
-            req = self._pick(ex, tenant, active, is_fairest)
+            req = self._pick(q, part, tenant, active, is_fairest)
             is_fairest = False
             if req is None:
                 continue  # nothing of this tenant can start here yet
@@ -115,51 +129,52 @@ class Admission:
             if is_long(len(tokens), ex.rope_switch_len):
                 enter_long(req)  # (its blocks named apart from short runs': longrope.py)
             hits = cached_prefix(ex.blocks, req, tokens)
-            if not self._residency.make_kv_room(  # (adapters' pages back to KV first)
-                    ex, lambda: ex.blocks.can_start(hits, len(tokens) + 1),
-                    wanted_too=True, keep=req.adapter):
+            if not part.make_kv_room(  # (adapters' pages back to KV first)
+                    lambda: ex.blocks.can_start(hits, len(tokens) + 1),
+                    wanted_too=True, keep=req.ask.adapter):
                 break  # the fairest request does not fit: admit nobody behind it
             row = start(req, tokens, hits, budget)
             rows.append(row)
             budget -= row.num_tokens
-            if req.adapter:
-                active.add(req.adapter)
-            if ex.queue.queued(tenant):
+            if req.ask.adapter:
+                active.add(req.ask.adapter)
+            if q.queued(tenant):
                 heapq.heappush(heap, (self.fair.counter(tenant), tenant))
         return rows
 
-    def _pick(self, ex: ExecutorState, tenant: str, active: set[AdapterRef],
-              is_fairest: bool) -> Request | None:
-        """The tenant's oldest request that can start on ex now (its adapter READY here, within
-        the distinct-adapter limit, preferring running adapters for up to affinity_max_wait_s).
+    def _pick(self, q: QueueView, part: ExecutorResidency, tenant: str,
+              active: set[AdapterRef], is_fairest: bool) -> Request | None:
+        """The tenant's oldest request that can start now (its adapter READY here, within the
+        distinct-adapter limit, preferring running adapters for up to affinity_max_wait_s).
         When none can, bring in the adapter of its oldest request."""
-        q, max_adapters = ex.queue, self.limits.max_adapters_per_batch
+        max_adapters = self.limits.max_adapters_per_batch
         heads = [q.head(tenant, None)]
-        heads += [q.head(tenant, s.adapter) for s in ex.slots.admissible()]
+        heads += [q.head(tenant, adapter) for adapter in part.admissible()]
         heads = [r for r in heads if r is not None and (
-            not max_adapters or not r.adapter or r.adapter in active or len(active) < max_adapters)]
+            not max_adapters or not r.ask.adapter or r.ask.adapter in active
+            or len(active) < max_adapters)]
         if heads:
             heads.sort(key=lambda r: r.arrival)
             wait = self.limits.affinity_max_wait_s
             if wait > 0 and self.clock() - heads[0].arrival < wait:
-                heads.sort(key=lambda r: bool(r.adapter) and r.adapter not in active)
+                heads.sort(key=lambda r: bool(r.ask.adapter) and r.ask.adapter not in active)
             return heads[0]
         oldest = q.oldest(tenant)
         if oldest is not None:
-            self._residency.bring_in_for_oldest(ex, oldest, is_fairest)
+            part.bring_in_for_oldest(oldest, is_fairest)
         return None
 
-    def _feed_starving(self, ex: ExecutorState, ceiling: float) -> None:
-        """The anti-starvation rule: a tenant's oldest request on ex that has waited
+    def _feed_starving(self, q: QueueView, part: ExecutorResidency, ceiling: float) -> None:
+        """The anti-starvation rule: a tenant's oldest request here that has waited
         starvation_wait_s has its adapter brought in (a slot reserved to drain for it when none
         is free), even while its tenant has other requests that can start, the longest waiting
         first; not for a tenant the fairness window holds back."""
-        q, since = ex.queue, self.clock() - self.limits.starvation_wait_s
+        since = self.clock() - self.limits.starvation_wait_s
         oldest = [q.oldest(t) for t in q.tenants() if self.fair.counter(t) <= ceiling]
-        starving = [r for r in oldest if r is not None and r.queued_since <= since and r.adapter
-                    and ex.slots.find(r.adapter) is None]
+        starving = [r for r in oldest if r is not None and r.queued_since <= since
+                    and r.ask.adapter and not part.holds(r.ask.adapter)]
         for req in sorted(starving, key=_queued_since):
-            self._residency.bring_in_for_oldest(ex, req, may_reserve=True)
+            part.bring_in_for_oldest(req, may_reserve=True)
 
     def _ceiling(self) -> float:
         """No tenant more than fairness_window ahead of the least-served backlogged tenant is
@@ -169,15 +184,17 @@ class Admission:
         window = self.limits.fairness_window
         if not window:
             return math.inf
-        executors = self._placement.executors
-        if not any(ex.load_failures for ex in executors):
+        executors, of = self._placement.executors, self._residency.of
+        if not any(of(ex).has_failing_loads() for ex in executors):
             return self.fair.min_backlogged() + window
-        waits = self._residency.waits_on_a_failing_load
-        servable = [self.fair.counter(t) for ex in executors for t in ex.queue.tenants()
-                    if not waits(ex, ex.queue.oldest(t))]
-        servable += [self.fair.counter(r.tenant) for r in self._placement.orphans]
+        servable = []
+        for ex in executors:
+            q, part = self._placement.queue(ex), of(ex)
+            servable += [self.fair.counter(t) for t in q.tenants()
+                         if not part.waits_on_a_failing_load(q.oldest(t))]
+        servable += [self.fair.counter(r.ask.tenant) for r in self._placement.orphans]
         return min(servable) + window if servable else math.inf
 
 
-_tenant_of = operator.attrgetter("request.tenant")
+_tenant_of = operator.attrgetter("request.ask.tenant")
 _queued_since = operator.attrgetter("queued_since")

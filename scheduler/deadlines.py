@@ -13,7 +13,9 @@ been under way that long, or has it looked at again (`recheck`) when that time w
     deadlines.add(req)                 at submit
     deadlines.requeued(req)            when it waits again (req.queued_since set)
     for req, kind in deadlines.due(now): ...   periodically (the engine's clock tick)
-    deadlines.recheck(req, at)         a LOAD_BOUND not passed yet: look again at `at`
+    deadlines.has_waited_for_its_fetch(req, now, since)   at a LOAD_BOUND: False, and looked at
+                                       again later, while its fetch has not been under way that
+                                       long
 """
 
 import enum
@@ -48,20 +50,34 @@ class Deadlines:
         self._order = itertools.count()
 
     def add(self, req: Request) -> None:
-        """Enter a request that has just arrived (req.arrival set, req.deadline if any)."""
-        if req.deadline is not None:
-            self._push(req.deadline, Due.DEADLINE, req)
+        """Enter a request that has just arrived (req.arrival set, its ask's deadline if any)."""
+        if req.ask.deadline is not None:
+            self._push(req.ask.deadline, Due.DEADLINE, req)
         self.requeued(req)
 
     def requeued(self, req: Request) -> None:
         """It waits (again) since req.queued_since."""
         self._push(req.queued_since + self._max_queue_s, Due.QUEUE_BOUND, req)
-        if req.adapter is not None:
+        if req.ask.adapter is not None:
             self.recheck(req, req.queued_since + self._max_load_wait_s)
 
     def recheck(self, req: Request, at: float) -> None:
         """Its LOAD_BOUND comes again at `at` (in this wait)."""
         self._push(at, Due.LOAD_BOUND, req)
+
+    def has_waited_for_its_fetch(self, req: Request, now: float, since: float | None) -> bool:
+        """At req's LOAD_BOUND: whether it has waited max_load_wait_s for its adapter's fetch
+        onto its executor, under way `since` then (None: nothing on its way for it now, it waits
+        for a slot, say); if not, it is looked at again when it would have."""
+        bound = self._max_load_wait_s
+        if since is None:
+            self.recheck(req, now + bound)
+            return False
+        start = max(since, req.queued_since)
+        if now - start < bound:
+            self.recheck(req, start + bound)
+            return False
+        return True
 
     def due(self, now: float) -> list[tuple[Request, Due]]:
         """Requests still waiting whose time is up."""
@@ -82,16 +98,18 @@ class Deadlines:
 
 
 def expiry_error(req: Request, due: Due, now: float, limits: Limits,
-                 expected_wait: Callable[[], float]) -> LoraplexError:
+                 expected_wait: Callable[[], float],
+                 load_error: LoraplexError | None) -> LoraplexError:
     """What a request whose time came (`due`) at `now` ends with, and why, in words a client can
-    act on; `expected_wait()` is the pool's estimate of a new request's wait, in seconds."""
+    act on; `expected_wait()` is the pool's estimate of a new request's wait, in seconds, and
+    `load_error` the last error of its adapter's failing fetches on its executor, if any."""
     waited = now - req.arrival
+    adapter = req.ask.adapter
     if due is Due.LOAD_BOUND:
-        failure = req.executor.load_failures.get(req.adapter)
-        why = (f"its fetches fail (last error: {failure.error})" if failure is not None
+        why = (f"its fetches fail (last error: {load_error})" if load_error is not None
                else "its fetch is still under way")
         return retry_after(Unavailable(
-            f"adapter {req.adapter} was not loaded within {limits.max_load_wait_s:.0f}s "
+            f"adapter {adapter} was not loaded within {limits.max_load_wait_s:.0f}s "
             f"({why}); retry later"), limits.max_load_backoff_s)
     if due is Due.DEADLINE:
         return DeadlineExceeded(f"the request's deadline passed after {waited:.1f}s "
@@ -100,11 +118,10 @@ def expiry_error(req: Request, due: Due, now: float, limits: Limits,
         return Unavailable(f"waited {now - req.queued_since:.0f}s to be resumed after its "
                            "executor was lost or its KV preempted, past the pool's "
                            "max_queue_s; retry")
-    failure = req.executor.load_failures.get(req.adapter) if req.executor else None
-    if failure is not None:
+    if load_error is not None:
         return retry_after(Unavailable(
-            f"adapter {req.adapter} could not be loaded within {waited:.0f}s "
-            f"(last error: {failure.error}); retry later"), limits.max_load_backoff_s)
+            f"adapter {adapter} could not be loaded within {waited:.0f}s "
+            f"(last error: {load_error}); retry later"), limits.max_load_backoff_s)
     wait = expected_wait()
     return retry_after(ResourceExhausted(
         f"not admitted within {waited:.0f}s (the pool's max_queue_s): the pool is "

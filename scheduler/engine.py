@@ -1,9 +1,10 @@
 """The scheduler's I/O half: one step loop per executor, adapter loads, reconnects, discovery.
 
-Each loop is three lines of substance: `schedule`, `step` (one round trip on the executor's step
-stream), `on_step_done`. Everything it decides comes from scheduler.core; what it learns of an
-executor's life (gone from discovery, NOT_SERVING, lost) it tells the core, and it asks the
-executor's state (ExecutorState) when a link may close.
+Each loop is three lines of substance: send the next step (`schedule`, then the executor's step
+stream), take the oldest step's answer (`on_step_done`), or idle (probing). Everything it decides
+comes from scheduler.core; what it learns of an executor's life (connected, gone from discovery,
+NOT_SERVING, lost) it tells the core, which keeps its view of each executor (ExecutorState, made
+from its Info at each connection) and says when a link may close.
 
 Every call to an executor has a deadline (timeouts.py). An executor that misses one is suspect,
 exactly like one whose stream broke: its stream is dropped (whatever it sends late is never
@@ -17,6 +18,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import NamedTuple
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -27,11 +29,12 @@ from protos import executor_pb2
 from scheduler.core import Scheduler
 from scheduler.discovery import resolve
 from scheduler.executor_link import ExecutorLink
-from scheduler.executor_state import ExecutorCounters, ExecutorState
+from scheduler.executor_state import ExecutorShape, ExecutorState
 from scheduler.fairness import FairnessWeights
 from scheduler.limits import Limits
 from scheduler.metrics import SchedulerMetrics
-from scheduler.residency.slots import Slot
+from scheduler.operators import Operators
+from scheduler.residency.hooks import Load
 from scheduler.steps.sequence import StepPlan
 from scheduler.timeouts import Timeouts
 from scheduler.timings import TimingLog
@@ -46,6 +49,14 @@ WARM_AGAIN_S = 30.0  # an adapter waiting for a slot is brought into a store's R
 MAX_WARMS_IN_FLIGHT = 4
 
 
+class _Sent(NamedTuple):
+    """A step in flight: its plan, when its planning began and when it was sent."""
+
+    plan: StepPlan
+    planning_at: float
+    sent_at: float
+
+
 class Engine:
     def __init__(self, executor_specs: tuple[str, ...], weights: FairnessWeights, limits: Limits,
                  discovery_interval_s: float = 5.0, timings: TimingLog | None = None,
@@ -55,8 +66,9 @@ class Engine:
         self._service_key = service_key  # presented to executors
         self.timeouts = timeouts
         self.timings = timings
-        self.core = Scheduler([], weights, limits, self._start_load, self._wake, self._start_unload,
+        self.core = Scheduler(weights, limits, self._start_load, self._wake, self._start_unload,
                               warm_host=self._warm_host, start_stage=self._start_stage)
+        self.operators = Operators(self.core)
         self._warm = warm_host
         self._warmed: dict[AdapterRef, float] = {}  # adapter -> when last asked for (monotonic)
         self._warming: set[asyncio.Task] = set()
@@ -67,9 +79,10 @@ class Engine:
         self._interval = discovery_interval_s
         self._tasks: set[asyncio.Task] = set()
         self._link_tasks: dict[str, list[asyncio.Task]] = {}
-        # Per executor address, its counters for this process's life: carried across its
-        # reconnects and across its leaving and joining again (executor_state.py).
-        self._counters: dict[str, ExecutorCounters] = {}
+        # The core's view of each executor, from its last connection (core.add_executor), and
+        # the executors gone from discovery (before they connected, too).
+        self._views: dict[str, ExecutorState] = {}
+        self._leaving: set[str] = set()
 
     def start(self) -> None:
         self._spawn(self._discover())
@@ -116,9 +129,8 @@ class Engine:
                 found = set(self.links)
             for address in sorted(found - set(self.links)):
                 log.info("executor %s joined", address)
-                counters = self._counters.setdefault(address, ExecutorCounters())
                 link = self.links[address] = ExecutorLink(address, self._service_key,
-                                                          self.timeouts, counters)
+                                                          self.timeouts)
                 self._link_tasks[address] = [self._spawn(self._run(link)),
                                              self._spawn(self._watch(link))]
             for address in sorted(set(self.links) - found):
@@ -127,16 +139,22 @@ class Engine:
 
     def _leave(self, link: ExecutorLink) -> None:
         """Stop admitting on a departing executor; its link goes once its sequences finish."""
-        if not link.state.is_leaving:
+        if link.address not in self._leaving:
             log.info("executor %s left: draining", link.address)
-            self.core.leave(link.state)
+            self._leaving.add(link.address)
+            ex = self._views.get(link.address)
+            if ex is not None:
+                self.core.leave(ex)
 
     def _forget(self, link: ExecutorLink) -> None:
         for task in self._link_tasks.pop(link.address, []):
             if task is not asyncio.current_task():
                 task.cancel()
         self.links.pop(link.address, None)
-        self.core.remove_executor(link.state)
+        self._leaving.discard(link.address)
+        ex = self._views.pop(link.address, None)
+        if ex is not None:
+            self.core.remove_executor(ex)
         link.close()
 
     async def _watch(self, link: ExecutorLink) -> None:
@@ -146,8 +164,9 @@ class Engine:
             try:
                 async for status in stub.Watch(health_pb2.HealthCheckRequest(service="")):
                     is_stopping = status.status == health_pb2.HealthCheckResponse.NOT_SERVING
-                    if is_stopping and link.state.is_up:
-                        self.core.stop(link.state)
+                    ex = self._views.get(link.address)
+                    if is_stopping and ex is not None and ex.is_up:
+                        self.core.stop(ex)
             except grpc.aio.AioRpcError:
                 pass
             await asyncio.sleep(RECONNECT_SECONDS)
@@ -158,9 +177,9 @@ class Engine:
         while True:
             error: LoraplexError | None = None
             try:
-                await self._connect(link)
+                ex = await self._connect(link)
                 failures = 0
-                await self._step_loop(link)
+                await self._step_loop(link, ex)
             except grpc.aio.AioRpcError as err:
                 error = from_rpc_error(err, f"executor {link.address}")
             except LoraplexError as err:
@@ -173,25 +192,29 @@ class Engine:
                 if failures == 1:
                     log.warning("executor %s unreachable: %s", link.address, error)
             link.close()
-            if link.state.is_up:
-                self.core.on_executor_lost(link.state, error)
-            if link.state.is_leaving:
+            ex = self._views.get(link.address)
+            if ex is not None and ex.is_up:
+                self.core.on_executor_lost(ex, error)
+            if link.address in self._leaving:
                 return self._forget(link)
             await asyncio.sleep(RECONNECT_SECONDS)
 
-    async def _connect(self, link: ExecutorLink) -> None:
-        await link.connect()
+    async def _connect(self, link: ExecutorLink) -> ExecutorState:
+        """Connect, and give the core a fresh view of the executor from its Info."""
+        info = await link.connect()
         if not self.first_info.done():
-            self.first_info.set_result(link.info)
+            self.first_info.set_result(info)
         model_id = self.first_info.result().model_id
-        if link.info.model_id != model_id:
-            raise Unavailable(f"executor {link.address} serves {link.info.model_id!r}, pool is "
+        if info.model_id != model_id:
+            raise Unavailable(f"executor {link.address} serves {info.model_id!r}, pool is "
                               f"{model_id!r}")
-        self.core.add_executor(link.state)
-        log.info("executor %s up: %d KV blocks, %d slots", link.address,
-                 link.info.num_kv_blocks, link.info.num_adapter_slots)
+        ex = self._views[link.address] = self.core.add_executor(
+            link.address, ExecutorShape.from_info(info), is_leaving=link.address in self._leaving)
+        log.info("executor %s up: %d KV blocks, %d slots", link.address, info.num_kv_blocks,
+                 info.num_adapter_slots)
+        return ex
 
-    async def _step_loop(self, link: ExecutorLink) -> None:
+    async def _step_loop(self, link: ExecutorLink, ex: ExecutorState) -> None:
         """Step until the executor is drained and leaving or stopping: closing the step stream then
         lets a stopping executor exit at once. An operator's Drain keeps it listed, idle.
 
@@ -201,66 +224,84 @@ class Engine:
         (Sequence.num_known). A sequence that ends on a sample (EOS, a stop string) may have
         one more token computed in the step behind, which is dropped; tokens reach clients only
         from answers, so a lost executor loses none that were shown."""
-        ex = link.state
-        in_flight: collections.deque[tuple[StepPlan, float, float]] = collections.deque()
-        while in_flight or not ex.is_retired:
+        in_flight: collections.deque[_Sent] = collections.deque()
+        while in_flight or not self.core.is_retired(ex):
             link.woken.clear()
-            if len(in_flight) < self.core.limits.pipeline_depth and not ex.is_retired:
-                planning = time.monotonic()
-                plan = self.core.schedule(ex)
-                if plan.needs_sending:
-                    # Written behind the steps in flight: it may wait for them to be read.
-                    ahead = sum(self._step_deadline(ex, p) for p, _, _ in in_flight)
-                    await link.send(plan, ahead + self._step_deadline(ex, plan))
-                    in_flight.append((plan, planning, time.monotonic()))
-                    continue
+            if await self._send_next(link, ex, in_flight):
+                continue
             if in_flight:  # answers come in order; the executor runs the next meanwhile
-                plan, planning, sent = in_flight.popleft()
-                waiting = time.monotonic()
-                samples, seconds = await link.receive(plan, self._step_deadline(ex, plan))
-                answered = time.monotonic()
-                if plan:  # (a step that only frees sequences computes nothing: not a step to time)
-                    self.metrics.on_step(link.address, plan, seconds)
-                self.core.on_step_done(ex, plan, samples, seconds)
-                if plan and self.timings is not None:
-                    self.timings.step(link.address, plan.num_tokens, plan.num_adapters, seconds,
-                                      plan_s=sent - planning, wait_s=answered - waiting,
-                                      done_s=time.monotonic() - answered)
-                continue
-            silent_s = time.monotonic() - link.answered_at  # idle: wait for work, probing
-            if silent_s >= self.timeouts.probe_interval_s:
-                await link.probe()  # is it still there?
-                continue
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.timeouts.probe_interval_s - silent_s):
-                    await link.woken.wait()
+                await self._take_answer(link, ex, in_flight.popleft())
+            else:
+                await self._idle(link)
         log.info("executor %s drained", link.address)
+
+    async def _send_next(self, link: ExecutorLink, ex: ExecutorState,
+                         in_flight: collections.deque[_Sent]) -> bool:
+        """Plan ex's next step and send it, while fewer than pipeline_depth are in flight;
+        whether one was sent (a plan with nothing to do is not)."""
+        if len(in_flight) >= self.core.limits.pipeline_depth or self.core.is_retired(ex):
+            return False
+        planning = time.monotonic()
+        plan = self.core.schedule(ex)
+        if not plan.needs_sending:
+            return False
+        # Written behind the steps in flight: it may wait for them to be read.
+        ahead = sum(self._step_deadline(ex, sent.plan) for sent in in_flight)
+        await link.send(plan, ahead + self._step_deadline(ex, plan))
+        in_flight.append(_Sent(plan, planning, time.monotonic()))
+        return True
+
+    async def _take_answer(self, link: ExecutorLink, ex: ExecutorState, sent: _Sent) -> None:
+        """The answer to the oldest step in flight, `sent`: its samples to the core."""
+        plan = sent.plan
+        waiting = time.monotonic()
+        samples, seconds = await link.receive(plan, self._step_deadline(ex, plan))
+        answered = time.monotonic()
+        if plan:  # (a step that only frees sequences computes nothing: not a step to time)
+            self.metrics.on_step(link.address, plan, seconds)
+        self.core.on_step_done(ex, plan, samples, seconds)
+        if plan and self.timings is not None:
+            self.timings.step(link.address, plan.num_tokens, plan.num_adapters, seconds,
+                              plan_s=sent.sent_at - sent.planning_at, wait_s=answered - waiting,
+                              done_s=time.monotonic() - answered)
+
+    async def _idle(self, link: ExecutorLink) -> None:
+        """Nothing to send or take: wait for work (a wake), probing the executor when it has
+        been silent for probe_interval_s (is it still there?)."""
+        silent_s = time.monotonic() - link.answered_at
+        if silent_s >= self.timeouts.probe_interval_s:
+            await link.probe()
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.timeouts.probe_interval_s - silent_s):
+                await link.woken.wait()
 
     def _step_deadline(self, ex: ExecutorState, plan: StepPlan) -> float:
         merging = plan.merge_slot is not None or plan.unmerge
         return self.timeouts.step(plan.num_tokens, ex.rates, ex.steps_since_up) + \
             merging * self.timeouts.merge_s
 
-    def _start_load(self, ex: ExecutorState, slot: Slot) -> None:
+    def _start_load(self, ex: ExecutorState, load: Load) -> None:
         link = self.links[ex.address]  # (bound to the step stream of this view of it, now)
-        self._spawn(self._load(link, link.stream_id, ex, slot, slot.adapter))
+        self._spawn(self._load(link, link.stream_id, ex, load))
 
-    async def _load(self, link: ExecutorLink, stream_id: str, ex: ExecutorState, slot: Slot,
-                    adapter: AdapterRef) -> None:
+    async def _load(self, link: ExecutorLink, stream_id: str, ex: ExecutorState,
+                    load: Load) -> None:
+        adapter = load.adapter
         try:
             resp = await link.stub.LoadAdapter(executor_pb2.LoadAdapterRequest(
-                adapter=adapter.to_pb(), slot=slot.index, only_staged=slot.is_from_staged,
-                pages=slot.pages, stream_id=stream_id),
-                timeout=self.timeouts.load(slot.num_bytes, ex.rates))
+                adapter=adapter.to_pb(), slot=load.slot, only_staged=load.is_from_staged,
+                pages=load.pages, stream_id=stream_id),
+                timeout=self.timeouts.load(load.num_bytes, ex.rates))
         except grpc.aio.AioRpcError as err:
             error = from_rpc_error(err, f"loading adapter {adapter} on executor {link.address}")
-            self.core.on_load_done(ex, slot, adapter, error)
+            self.core.on_load_done(ex, load, error)
         else:
             if not resp.was_resident:
                 self.metrics.load.labels(link.address).observe(resp.load_seconds)
                 if self.timings is not None:
                     self.timings.load(link.address, resp.num_bytes, resp.load_seconds)
-            self.core.on_load_done(ex, slot, adapter, None, resp.num_bytes, resp.load_seconds)
+            self.core.on_load_done(ex, load, None, resp.num_bytes, resp.load_seconds)
 
     def _start_stage(self, ex: ExecutorState, adapter: AdapterRef, num_bytes: int) -> None:
         link = self.links[ex.address]
@@ -295,7 +336,7 @@ class Engine:
     def _start_unload(self, ex: ExecutorState, slot: int, adapter: AdapterRef,
                       done: Callable[[bool], None] | None = None) -> None:
         """Empty `slot` on ex (only while it holds `adapter`); with `done`, the slot of a failed
-        load whose pages wait (residency.py): unconditionally, and `done(answered)` after."""
+        load whose pages wait (residency/): unconditionally, and `done(answered)` after."""
         link = self.links[ex.address]
         if done is None:
             request = executor_pb2.UnloadAdapterRequest(slot=slot, adapter=adapter.to_pb(),

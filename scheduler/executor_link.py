@@ -1,6 +1,7 @@
 """The scheduler's connection to one executor: its Info, its step stream (a step's message, its
 answer's samples) and its adapter RPCs, every call with a deadline (timeouts.py) and presenting
-the service key."""
+the service key. I/O only: what the scheduler knows of the executor, the core builds from its
+Info (core.py: add_executor)."""
 
 import asyncio
 import itertools
@@ -13,12 +14,8 @@ import grpc
 from common import wire
 from common.credentials import metadata
 from common.errors import Unavailable
-from common.page_geometry_pb import geometry_from_pb
 from common.server import insecure_channel
 from protos import executor_pb2, executor_pb2_grpc
-from scheduler.executor_state import ExecutorCounters, ExecutorState
-from scheduler.residency.slots import SlotTable
-from scheduler.steps.block_manager import BlockManager
 from scheduler.steps.sequence import NO_EXTRAS, SampleExtras, Samples, StepPlan
 from scheduler.timeouts import Timeouts
 
@@ -26,40 +23,29 @@ from scheduler.timeouts import Timeouts
 class ExecutorLink:
     """The connection to one executor: its Info, its step stream and its adapter RPCs."""
 
-    def __init__(self, address: str, key: str = "", timeouts: Timeouts = Timeouts(),
-                 counters: ExecutorCounters | None = None):
-        """`counters`: the executor's for the scheduler's life (carried into every view of it
-        that `connect` makes)."""
+    def __init__(self, address: str, key: str = "", timeouts: Timeouts = Timeouts()):
         self.address = address
         self.timeouts = timeouts
         self.channel = insecure_channel(address, key)
         self._auth = metadata(key)  # the step stream presents it itself (insecure_channel)
         self.stub = executor_pb2_grpc.ExecutorStub(self.channel)
         self.info: executor_pb2.InfoResponse | None = None
-        self.state = ExecutorState(address, BlockManager(1, 1), SlotTable(0),  # until connected
-                                   counters=counters or ExecutorCounters())
         self._call = None
         self.stream_id = ""  # of the step stream now open (connect)
         self.woken = asyncio.Event()
         self.answered_at = 0.0  # monotonic time of its last answered step (probes included)
 
-    async def connect(self) -> None:
-        """Fetch Info, reset our view of the executor, open a fresh step stream and probe it."""
+    async def connect(self) -> executor_pb2.InfoResponse:
+        """Fetch Info, open a fresh step stream and probe it; the Info. (What the executor holds
+        from an earlier stream is not ours to trust: the core makes a fresh view of it, every
+        slot empty, and an executor empties its slots when a stream ends.)"""
         self.info = await self.stub.Info(executor_pb2.InfoRequest(), timeout=self.timeouts.rpc_s)
-        # Slots the executor still holds from an earlier scheduler are not ours to trust: reload.
-        # A departing executor stays departing; a stopping one that answers again is not.
-        blocks = BlockManager(self.info.num_kv_blocks, self.info.block_size)
-        self.state = ExecutorState(self.address, blocks, SlotTable(self.info.num_adapter_slots),
-                                   is_leaving=self.state.is_leaving,
-                                   counters=self.state.counters,
-                                   geometry=geometry_from_pb(self.info),
-                                   page_bytes=self.info.page_geometry.page_bytes,
-                                   rope_switch_len=self.info.longrope_switch_len)
         # A fresh id per stream: the loads and unloads of this view of the executor are bound to
         # it, so none of them lands once the stream has ended (executor.proto).
         self.stream_id = uuid.uuid4().hex
         self._call = self.stub.Step(metadata=(*self._auth, (wire.STEP_STREAM, self.stream_id)))
         await self.probe()
+        return self.info
 
     async def probe(self) -> None:
         """An empty step, answered within rpc_s: the executor's step loop is alive."""
@@ -126,9 +112,9 @@ def step_request(plan: StepPlan) -> executor_pb2.StepRequest:
         freed_seq_ids=plan.freed,
         new_sequences=[executor_pb2.NewSequence(
             seq_id=seq.seq_id, token_ids=seq.token_ids, slot=seq.slot_index,
-            sampling=seq.request.sampling.to_pb(),
+            sampling=seq.request.ask.sampling.to_pb(),
             num_generated=len(seq.request.output_token_ids), num_cached=seq.num_cached,
-            request_id=seq.request.trace_id)
+            request_id=seq.request.ask.request_id)
             for seq in plan.new],
         row_seq_ids=list(map(_seq_id, rows)),
         row_num_tokens=list(map(_num_tokens, rows)),

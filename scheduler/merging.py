@@ -1,10 +1,11 @@
-"""Dedicated executors: one hot adapter merged into an executor's base weights. The only writer of
-each executor's merge state (MergeState) and of the traffic window that merges automatically.
+"""Dedicated executors: one hot adapter merged into an executor's base weights. Merges holds,
+privately, each executor's merge state (MergeState) and the traffic window that merges
+automatically; the others ask it `dedicated_to(ex)` (routing) and `merged_adapter(ex)`.
 
 "Merge for a dedicated heavy customer, share for the long tail": merged, an adapter's rows run
 the base model's matmuls alone (no LoRA work), but that executor serves nothing else.
 
-Life of a merge on executor ex (ex.merge):
+Life of a merge on executor ex (its MergeState):
   dedicate(ex, adapter)  ex admits only `adapter` from now on: its queued requests for anything
                          else move to other executors, its running ones finish; the adapter is
                          brought in if it is not resident.
@@ -31,22 +32,20 @@ next (hysteresis in time as well as in share).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from common.adapter_ref import AdapterRef
 from common.errors import FailedPrecondition, Unavailable
+from scheduler.executor_state import ExecutorState
 from scheduler.limits import Limits
-from scheduler.residency.slots import Slot, SlotState
+from scheduler.placement import Placement
+from scheduler.residency.residency import Residency
 from scheduler.routing import score
 from scheduler.steps.sequence import StepPlan
-
-if TYPE_CHECKING:
-    from scheduler.executor_state import ExecutorState
-    from scheduler.placement import Placement
-    from scheduler.residency.residency import Residency
+from scheduler.steps.step_builder import StepBuilder
 
 log = logging.getLogger(__name__)
 
@@ -61,24 +60,66 @@ class MergeState:
     dedicated_to: AdapterRef | None = None
     dedicated_bytes: int = 0  # its adapter's size (to bring it in)
     dedicated_ranks: Mapping[str, int] | None = None  # and its ranks (its pages)
-    merged_slot: Slot | None = None
+    merged_slot: int | None = None
     unmerge_due: bool = False
-    unmerging: Slot | None = None
+    unmerging: int | None = None
 
 
 class Merges:
     def __init__(self, limits: Limits, placement: Placement, residency: Residency,
                  wake: Callable[[], None]):
-        self.policy = MergePolicy(limits)
+        self._policy = MergePolicy(limits)
         self._placement, self._residency, self._wake = placement, residency, wake
+        self._state: dict[ExecutorState, MergeState] = {}
+
+    # ---- what the others ask ----------------------------------------------------------------
+    def dedicated_to(self, ex: ExecutorState) -> AdapterRef | None:
+        """The adapter ex is dedicated to, if any."""
+        state = self._state.get(ex)
+        return None if state is None else state.dedicated_to
+
+    def is_merged(self, ex: ExecutorState) -> bool:
+        return self._state[ex].merged_slot is not None
+
+    def merged_adapter(self, ex: ExecutorState) -> AdapterRef | None:
+        """The adapter merged into ex's weights, if any."""
+        slot = self._state[ex].merged_slot
+        return None if slot is None else self._residency.of(ex).adapter_in(slot)
+
+    def state(self, ex: ExecutorState) -> MergeState:
+        """A copy of ex's part in merging (tests, invariants)."""
+        return dataclasses.replace(self._state[ex])
 
     def serving_everyone(self) -> list[ExecutorState]:
-        return [ex for ex in self._placement.admitting() if ex.merge.dedicated_to is None]
+        return [ex for ex in self._placement.admitting() if self._state[ex].dedicated_to is None]
 
+    # ---- executors joining and leaving ------------------------------------------------------
+    def add(self, ex: ExecutorState) -> None:
+        self._state[ex] = MergeState()
+
+    def remove(self, ex: ExecutorState) -> None:
+        self._state.pop(ex, None)
+
+    def forget(self, ex: ExecutorState) -> None:
+        """Ex was lost: its weights are restored when its stream ends; it serves everyone when
+        back. When no executor up serves everyone any more, the dedicated ones are released."""
+        self._state[ex] = MergeState()
+        self.keep_one_serving_everyone()
+
+    def keep_one_serving_everyone(self) -> None:
+        if not self.serving_everyone():
+            for ex in self._placement.executors:
+                dedicated = self._state[ex].dedicated_to
+                if dedicated is not None and ex.is_up:
+                    log.warning("no executor serving every adapter is up: releasing %s from %s",
+                                ex.address, dedicated)
+                    self.release(ex)
+
+    # ---- a merge's life ---------------------------------------------------------------------
     def dedicate(self, ex: ExecutorState, adapter: AdapterRef, adapter_bytes: int,
                  ranks: Mapping[str, int] | None = None) -> None:
         """Give ex to `adapter` alone; it merges once it runs nothing else (merge_now)."""
-        state = ex.merge
+        state = self._state[ex]
         if state.dedicated_to == adapter:
             return
         if state.dedicated_to is not None:
@@ -93,11 +134,11 @@ class Merges:
                                      "one up")
         state.dedicated_to, state.dedicated_bytes = adapter, adapter_bytes
         state.dedicated_ranks = ranks
-        for req in [r for r in ex.queue if r.adapter != adapter]:
+        for req in [r for r in self._placement.queue(ex) if r.ask.adapter != adapter]:
             self._placement.move(req)
-        if ex.slots.find(adapter) is None:
-            self._residency.bring_in(ex, adapter, adapter_bytes,
-                                     self._residency.memory.pages_for(ex, adapter, ranks))
+        part = self._residency.of(ex)
+        if not part.holds(adapter):
+            part.bring_in(adapter, adapter_bytes, ranks)
         self._placement.place_work()  # its adapter's queued requests elsewhere may start here
         log.info("executor %s dedicated to %s: it merges once it runs nothing else",
                  ex.address, adapter)
@@ -105,7 +146,7 @@ class Merges:
 
     def release(self, ex: ExecutorState) -> None:
         """ex serves every adapter again (its weights are restored by its next step)."""
-        state = ex.merge
+        state = self._state[ex]
         if state.dedicated_to is None:
             return
         log.info("executor %s released from %s", ex.address, state.dedicated_to)
@@ -115,36 +156,32 @@ class Merges:
         self._placement.place_work()  # (requests with nowhere to go while it was dedicated, too)
         self._wake()
 
-    def merge_now(self, ex: ExecutorState) -> int | None:
+    def merge_now(self, ex: ExecutorState, steps: StepBuilder) -> int | None:
         """The slot to merge in the step being planned: ex is dedicated, not merged, its adapter
-        READY here, and every sequence it runs is of that adapter. Until its adapter is here,
-        each plan tries to bring it in (its slot may have been pinned by the other adapters'
-        sequences, and no request of its own may be waiting to ask)."""
-        state = ex.merge
+        READY here, and every sequence it runs (`steps`) is of that adapter. Until its adapter
+        is here, each plan tries to bring it in (its slot may have been pinned by the other
+        adapters' sequences, and no request of its own may be waiting to ask)."""
+        state = self._state[ex]
         adapter = state.dedicated_to
         if adapter is None or state.merged_slot is not None or state.unmerge_due \
-                or state.unmerging:
+                or state.unmerging is not None:
             return None  # (an unmerge on its way: merge again once it is answered)
-        slot = ex.slots.find(adapter)
-        if slot is None:
-            self._residency.bring_in(ex, adapter, state.dedicated_bytes,
-                                     self._residency.memory.pages_for(ex, adapter,
-                                                                      state.dedicated_ranks))
+        part = self._residency.of(ex)
+        if not part.holds(adapter):
+            part.bring_in(adapter, state.dedicated_bytes, state.dedicated_ranks)
             return None
-        if slot.state is not SlotState.READY:
+        slot = part.ready_slot(adapter)
+        if slot is None or not steps.runs_only(adapter):
             return None
-        if any(seq.request.adapter != adapter for seq in ex.running.values()):
-            return None
-        self._residency.hold(ex, slot)  # never evicted while merged
+        part.hold(slot)  # never evicted while merged
         state.merged_slot = slot
-        log.info("merging %s into executor %s (slot %d)", adapter, ex.address, slot.index)
-        return slot.index
+        log.info("merging %s into executor %s (slot %d)", adapter, ex.address, slot)
+        return slot
 
-    @staticmethod
-    def unmerge_now(ex: ExecutorState) -> bool:
+    def unmerge_now(self, ex: ExecutorState) -> bool:
         """Whether the step being planned unmerges: from it on, ex's weights are the base
         model's; the slot stays pinned until the step is answered."""
-        state = ex.merge
+        state = self._state[ex]
         if not state.unmerge_due:
             return False
         state.unmerge_due = False
@@ -153,30 +190,16 @@ class Merges:
 
     def on_step_done(self, ex: ExecutorState, plan: StepPlan) -> None:
         """An answered unmerge: the slot may be given away."""
-        state = ex.merge
+        state = self._state[ex]
         if plan.unmerge and state.unmerging is not None:
             slot = state.unmerging
             state.unmerging = None
-            self._residency.let_go(ex, slot)
+            self._residency.of(ex).let_go(slot)
 
     def on_fetch_failed(self, ex: ExecutorState, adapter: AdapterRef) -> None:
         """`adapter` can never load on ex (its fetch failed for good): it can never merge there."""
-        if ex.merge.dedicated_to == adapter:
+        if self._state[ex].dedicated_to == adapter:
             self.release(ex)
-
-    def forget(self, ex: ExecutorState) -> None:
-        """Ex was lost: its weights are restored when its stream ends; it serves everyone when
-        back. When no executor up serves everyone any more, the dedicated ones are released."""
-        ex.merge = MergeState()
-        self.keep_one_serving_everyone()
-
-    def keep_one_serving_everyone(self) -> None:
-        if not self.serving_everyone():
-            for ex in self._placement.executors:
-                if ex.merge.dedicated_to is not None and ex.is_up:
-                    log.warning("no executor serving every adapter is up: releasing %s from %s",
-                                ex.address, ex.merge.dedicated_to)
-                    self.release(ex)
 
     # ---- operators --------------------------------------------------------------------------
     def merge(self, adapter: AdapterRef, adapter_bytes: int, num_executors: int,
@@ -185,25 +208,26 @@ class Merges:
         choosing where it is resident and the least loaded first; at least one up executor
         keeps serving everyone."""
         up = self._placement.admitting()
-        have = [ex for ex in up if ex.merge.dedicated_to == adapter]
-        free = [ex for ex in up if ex.merge.dedicated_to is None]
+        have = [ex for ex in up if self._state[ex].dedicated_to == adapter]
+        free = [ex for ex in up if self._state[ex].dedicated_to is None]
         want = num_executors - len(have)
         if want > 0 and want > len(free) - 1:
             raise FailedPrecondition(
                 f"cannot merge {adapter} into {num_executors} executors: {len(have)} are merged "
                 f"with it, {len(free)} up serve everyone, and one of those must keep doing so")
-        free.sort(key=lambda ex: (ex.slots.find(adapter) is None,
-                                  score(ex.work_tokens, ex.rates, True, True, adapter_bytes, 0.0)))
+        free.sort(key=lambda ex: (not self._residency.of(ex).holds(adapter),
+                                  score(self._placement.work_tokens(ex), ex.rates, True, True,
+                                        adapter_bytes, 0.0)))
         for ex in free[:max(want, 0)]:
             self.dedicate(ex, adapter, adapter_bytes, ranks)
-        return [ex for ex in up if ex.merge.dedicated_to == adapter]
+        return [ex for ex in up if self._state[ex].dedicated_to == adapter]
 
     def unmerge(self, adapter: AdapterRef | None, address: str = "") -> list[str]:
         """Release the executors dedicated to `adapter` (any adapter: None), or only
         `address`."""
         released = []
         for ex in self._placement.executors:
-            dedicated = ex.merge.dedicated_to
+            dedicated = self._state[ex].dedicated_to
             if dedicated is not None and (adapter is None or dedicated == adapter) \
                     and (not address or ex.address == address):
                 self.release(ex)
@@ -212,23 +236,23 @@ class Merges:
 
     # ---- by traffic -------------------------------------------------------------------------
     def observe(self, plan: StepPlan, now: float) -> None:
-        self.policy.observe(plan, now)
+        self._policy.observe(plan, now)
 
     def tick(self, now: float) -> None:
         """The clock tick: merge or unmerge by the traffic of the last window (MergePolicy)."""
-        merged = collections.Counter(ex.merge.dedicated_to for ex in self._placement.executors
-                                     if ex.merge.dedicated_to)
-        decision = self.policy.decide(now, merged, len(self._placement.admitting()),
-                                      len(self.serving_everyone()))
+        dedicated = [self._state[ex].dedicated_to for ex in self._placement.executors]
+        merged = collections.Counter(adapter for adapter in dedicated if adapter)
+        decision = self._policy.decide(now, merged, len(self._placement.admitting()),
+                                       len(self.serving_everyone()))
         if decision is None:
             return
         adapter, num_executors = decision
         if num_executors:
-            self.merge(adapter, self.policy.adapter_bytes(adapter), num_executors,
-                       self.policy.adapter_ranks(adapter))
+            self.merge(adapter, self._policy.adapter_bytes(adapter), num_executors,
+                       self._policy.adapter_ranks(adapter))
         else:
             self.unmerge(adapter)
-        self.policy.changed(now)
+        self._policy.changed(now)
 
 
 class MergePolicy:
@@ -257,11 +281,11 @@ class MergePolicy:
             self._quiet_until = now + self.limits.merge_window_s
         per: collections.Counter[AdapterRef | None] = collections.Counter()
         for row in plan.rows:
-            req = row.seq.request
-            per[req.adapter] += row.num_tokens
-            if req.adapter:
-                self._bytes[req.adapter] = req.adapter_bytes
-                self._ranks[req.adapter] = req.adapter_ranks
+            ask = row.seq.request.ask
+            per[ask.adapter] += row.num_tokens
+            if ask.adapter:
+                self._bytes[ask.adapter] = ask.adapter_bytes
+                self._ranks[ask.adapter] = ask.adapter_ranks
         for adapter, n in per.items():
             self._tokens.append((now, adapter, n))
             self._by_adapter[adapter] += n

@@ -6,7 +6,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from common.metrics import BoundedLabel
 from scheduler.core import Scheduler
+from scheduler.operators import Operators
 from scheduler.request import Request
+from scheduler.residency.slots import SlotState
 from scheduler.steps.sequence import StepPlan
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -48,10 +50,10 @@ class SchedulerMetrics:
         self.adapters.labels(executor).observe(plan.num_adapters)
 
     def on_finish(self, req: Request, now: float) -> None:
-        tenant = self.tenant(req.tenant)
-        self.tokens.labels(tenant, "prompt").inc(len(req.prompt_ids))
+        tenant = self.tenant(req.ask.tenant)
+        self.tokens.labels(tenant, "prompt").inc(len(req.ask.prompt_ids))
         self.tokens.labels(tenant, "completion").inc(req.output.num_tokens)
-        self.tokens.labels(tenant, "cached_prompt").inc(req.cached_prompt_tokens)
+        self.tokens.labels(tenant, "cached_prompt").inc(req.charges.cached_prompt_tokens)
         if req.admitted_at is not None:
             self.queue.labels(tenant).observe(req.admitted_at - req.arrival)
         if req.first_token_at is not None:
@@ -62,23 +64,24 @@ class SchedulerMetrics:
 
 
 class _CoreCollector:
-    """Reads the scheduler core's own counters when Prometheus scrapes."""
+    """Reads the scheduler core's own counters when Prometheus scrapes (its Stats snapshot)."""
 
     def __init__(self, core: Scheduler, tenant: BoundedLabel):
-        self._core, self._tenant = core, tenant
+        self._core, self._operators, self._tenant = core, Operators(core), tenant
 
     def collect(self):
+        executors = self._operators.stats().executors
         per_executor = {
-            "loraplex_adapter_loads": ("Adapter loads completed.", "adapter_loads"),
+            "loraplex_adapter_loads": ("Adapter loads completed.", "num_loads"),
             "loraplex_adapter_hits": ("Admissions that found their adapter resident.",
-                                      "adapter_hits"),
-            "loraplex_adapter_evictions": ("Adapters evicted to make room.", "adapter_evictions"),
-            "loraplex_steps": ("Steps run.", "steps_run"),
+                                      "num_hits"),
+            "loraplex_adapter_evictions": ("Adapters evicted to make room.", "num_evictions"),
+            "loraplex_steps": ("Steps run.", "num_steps"),
         }
         for name, (doc, attr) in per_executor.items():
             family = CounterMetricFamily(name, doc, labels=["executor"])
-            for ex in self._core.executors:
-                family.add_metric([ex.address], getattr(ex.counters, attr))
+            for ex in executors:
+                family.add_metric([ex.address], getattr(ex, attr))
             yield family
         running = GaugeMetricFamily("loraplex_running_sequences", "Sequences running.",
                                     labels=["executor"])
@@ -95,15 +98,15 @@ class _CoreCollector:
         page_bytes = GaugeMetricFamily("loraplex_adapter_page_bytes", "Bytes of adapters' pages "
                                        "(over resident adapters: bytes per adapter).",
                                        labels=["executor"])
-        for ex in self._core.executors:
-            running.add_metric([ex.address], len(ex.running))
-            queued.add_metric([ex.address], len(ex.queue))
-            free.add_metric([ex.address], ex.blocks.num_free)
-            cached.add_metric([ex.address], ex.blocks.num_cached)
-            pages.add_metric([ex.address], ex.blocks.num_pages)
+        for ex in executors:
+            running.add_metric([ex.address], ex.running)
+            queued.add_metric([ex.address], ex.queued)
+            free.add_metric([ex.address], ex.free_kv_blocks)
+            cached.add_metric([ex.address], ex.cached_kv_blocks)
+            pages.add_metric([ex.address], ex.adapter_pages)
             resident.add_metric([ex.address], sum(
-                1 for slot in ex.slots.slots if slot.state.value in ("loading", "ready")))
-            page_bytes.add_metric([ex.address], ex.blocks.num_pages * ex.page_bytes)
+                1 for slot in ex.slots if slot.state in (SlotState.LOADING, SlotState.READY)))
+            page_bytes.add_metric([ex.address], ex.adapter_pages * ex.page_bytes)
         yield from (running, queued, free, cached, pages, resident, page_bytes)
         hit_rate = GaugeMetricFamily(
             "loraplex_prefix_cache_hit_rate", "Of the prompt tokens of each tenant's ended "

@@ -1,24 +1,30 @@
-"""Placement: where each request waits. The only writer of the pool's executor list, the requests
-that have nowhere to go (orphans), each executor's queue (queues.py), its work ahead and its
-adapters' popularity, and of a request's executor.
+"""Placement: where each request waits. It holds, privately, the pool's executor list, the requests
+that have nowhere to go (orphans), and per executor its queue (queues.py), the work ahead of it
+and its adapters' popularity; it is the only writer of a request's executor.
 
 A request is routed to the executor where it would start soonest (routing.py) and queued there;
-its adapter is brought closer at once (residency.py). It moves when another executor would start
+its adapter is brought closer at once (residency). It moves when another executor would start
 it sooner (an executor joined or admits again), when its own stops taking it (drained, lost,
 dedicated to another adapter), and when it is preempted (back to the front of a queue). With no
 executor admitting it waits as an orphan, within its deadlines.
+
+What the others ask: `queue(ex)` (admission reads it), `wanted(ex)` and `popularity(ex, now)`
+(residency evicts by them), `work_tokens(ex)` (operators' choices), `executors`, `orphans`,
+`admitting()`, `expected_wait()`.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass, field
 
 from common.adapter_ref import AdapterRef
 from common.errors import FailedPrecondition
 from scheduler.executor_state import ExecutorState
 from scheduler.fairness import FairShare
 from scheduler.limits import Limits
+from scheduler.queues import ExecutorQueue, QueueView
 from scheduler.request import Request
 from scheduler.residency.residency import Residency
-from scheduler.routing import home, score
+from scheduler.routing import Popularity, home, score
 from scheduler.steps.sequence import Sequence
 
 # A merged executor wins its adapter's requests unless its expected wait is this much longer
@@ -26,38 +32,91 @@ from scheduler.steps.sequence import Sequence
 MERGED_BIAS_S = 0.1
 
 
+@dataclass(eq=False)
+class _Waiting:
+    """What waits for one executor."""
+
+    popularity: Popularity  # of the adapters routed to it
+    queue: ExecutorQueue = field(default_factory=ExecutorQueue)
+    work_tokens: float = 0.0  # tokens still to compute for its queued and running requests
+
+
 class Placement:
     def __init__(self, limits: Limits, fair: FairShare, residency: Residency,
-                 wake: Callable[[], None]):
+                 wake: Callable[[], None],
+                 dedicated_to: Callable[[ExecutorState], AdapterRef | None]):
+        """`dedicated_to(ex)`: the adapter ex is dedicated to (Merges), if any."""
         self.limits = limits
-        self.executors: list[ExecutorState] = []
-        self.orphans: list[Request] = []  # queued while no executor can take work
+        self._executors: list[ExecutorState] = []
+        self._orphans: list[Request] = []  # queued while no executor can take work
+        self._at: dict[ExecutorState, _Waiting] = {}
         self._fair, self._residency, self._wake = fair, residency, wake
+        self._dedicated_to = dedicated_to
+
+    # ---- what the others ask ----------------------------------------------------------------
+    @property
+    def executors(self) -> list[ExecutorState]:
+        return self._executors
+
+    @property
+    def orphans(self) -> list[Request]:
+        """Requests queued while no executor can take them."""
+        return self._orphans
 
     def admitting(self) -> list[ExecutorState]:
-        return [ex for ex in self.executors if ex.is_admitting]
+        return [ex for ex in self._executors if ex.is_admitting]
+
+    def queue(self, ex: ExecutorState) -> QueueView:
+        return self._at[ex].queue
+
+    def num_queued(self, ex: ExecutorState) -> int:
+        return len(self._at[ex].queue)
+
+    def queued(self) -> Iterator[Request]:
+        """Every request queued on an executor (not the orphans)."""
+        for ex in self._executors:
+            yield from self._at[ex].queue
+
+    def wanted(self, ex: ExecutorState) -> Collection[AdapterRef | None]:
+        """The adapters queued requests want on ex."""
+        return self._at[ex].queue.demand
+
+    def popularity(self, ex: ExecutorState, now: float) -> Callable[[AdapterRef], float]:
+        """Each adapter's popularity on ex at `now` (routing.Popularity)."""
+        popularity = self._at[ex].popularity
+        return lambda adapter: popularity.value(adapter, now)
+
+    def work_tokens(self, ex: ExecutorState) -> float:
+        return self._at[ex].work_tokens
 
     # ---- executors joining and leaving ------------------------------------------------------
-    def add(self, ex: ExecutorState) -> None:
-        ex.popularity.half_life_s = self.limits.popularity_half_life_s
-        self.executors = [e for e in self.executors if e.address != ex.address] + [ex]
+    def add(self, ex: ExecutorState) -> list[ExecutorState]:
+        """A view of an executor that (re)connected; the views it replaces (by address), which
+        hold nothing queued any more."""
+        replaced = [e for e in self._executors if e.address == ex.address]
+        for old in replaced:
+            self.remove(old)
+        self._at[ex] = _Waiting(Popularity(half_life_s=self.limits.popularity_half_life_s))
+        self._executors = self._executors + [ex]
+        return replaced
 
     def remove(self, ex: ExecutorState) -> None:
-        self.executors = [e for e in self.executors if e is not ex]
+        self._executors = [e for e in self._executors if e is not ex]
+        self._at.pop(ex, None)
 
     def place_work(self) -> None:
         """Route the requests that had nowhere to go, and move queued ones to where they would
         start sooner now (an executor joined or admits again)."""
-        orphans, self.orphans = self.orphans, []
+        orphans, self._orphans = self._orphans, []
         for req in orphans:
-            self._fair.on_dequeue(req.tenant)
+            self._fair.on_dequeue(req.ask.tenant)
             self.route(req)
         self._rebalance()
         self._wake()
 
     def evacuate(self, ex: ExecutorState) -> None:
         """Route ex's queued requests elsewhere (it admits no more)."""
-        for req in list(ex.queue):
+        for req in list(self._at[ex].queue):
             self.move(req)
 
     # ---- routing ----------------------------------------------------------------------------
@@ -65,10 +124,10 @@ class Placement:
         """Queue req where it would start soonest (`front`: ahead of its tenant's others, as a
         preempted request is)."""
         ex = self._best_executor(req)
-        self._fair.on_enqueue(req.tenant)
+        self._fair.on_enqueue(req.ask.tenant)
         if ex is None:
             req.executor = None
-            self.orphans.append(req)
+            self._orphans.append(req)
             return
         self._enqueue(ex, req, front)
 
@@ -81,74 +140,77 @@ class Placement:
         """The executor where req would start soonest: its adapter's home (rendezvous hash) wins
         ties by home_bias_s, an executor it is merged into (merging.py) by MERGED_BIAS_S. Only
         executors whose KV can hold it whole (a pool's executors may differ)."""
-        candidates = [ex for ex in self.executors if ex.is_admitting and ex.serves(req.adapter)
-                      and ex.can_hold(req, self._residency.pages_of(ex, req))]
+        adapter, dedicated_to = req.ask.adapter, self._dedicated_to
+        candidates = [ex for ex in self._executors if ex.is_admitting
+                      and dedicated_to(ex) in (None, adapter)
+                      and ex.can_hold(req.max_tokens, self._residency.of(ex).pages_of(req))]
         if not candidates:
             return None
-        if any(ex.dedicated_to is not None for ex in candidates):
+        if any(dedicated_to(ex) is not None for ex in candidates):
             return min(candidates, key=lambda e: self._score(e, req, False) + MERGED_BIAS_S * (
-                e.dedicated_to is None))
+                dedicated_to(e) is None))
         addresses = [e.address for e in candidates]
-        home_address = home(req.adapter, addresses) if req.adapter else ""
+        home_address = home(adapter, addresses) if adapter else ""
         return min(candidates, key=lambda e: self._score(e, req, e.address != home_address))
 
     def _score(self, ex: ExecutorState, req: Request, is_away: bool) -> float:
-        resident = not req.adapter or ex.slots.find(req.adapter) is not None
-        can_place = resident or self._residency.can_place(ex, req.adapter,
-                                                           self._residency.pages_of(ex, req))
-        return score(ex.work_tokens, ex.rates, resident, can_place, req.adapter_bytes,
-                     self.limits.slot_wait_s, self.limits.home_bias_s if is_away else 0.0)
+        part, adapter = self._residency.of(ex), req.ask.adapter
+        resident = not adapter or part.holds(adapter)
+        can_place = resident or part.can_place(adapter, part.pages_of(req))
+        return score(self._at[ex].work_tokens, ex.rates, resident, can_place,
+                     req.ask.adapter_bytes, self.limits.slot_wait_s,
+                     self.limits.home_bias_s if is_away else 0.0)
 
     def _enqueue(self, ex: ExecutorState, req: Request, front: bool = False) -> None:
         req.executor = ex
-        if req.adapter and not front:
-            ex.popularity.hit(req.adapter, req.arrival)
-        ex.queue.push(req, front)
-        ex.work_tokens += req.max_tokens
-        self._residency.bring_closer(ex, req)
+        waiting, adapter = self._at[ex], req.ask.adapter
+        if adapter and not front:
+            waiting.popularity.hit(adapter, req.arrival)
+        waiting.queue.push(req, front)
+        waiting.work_tokens += req.max_tokens
+        self._residency.of(ex).bring_closer(req)
 
     def _rebalance(self) -> None:
         """Move queued requests to where they would start sooner now."""
-        queued = (r for ex in self.executors for r in ex.queue)
-        for req in sorted(queued, key=lambda r: r.arrival):
+        for req in sorted(self.queued(), key=lambda r: r.arrival):
             best = self._best_executor(req)
             if best is not None and best is not req.executor:
-                req.executor.queue.remove(req)
-                req.executor.work_tokens -= req.max_tokens
+                waiting = self._at[req.executor]
+                waiting.queue.remove(req)
+                waiting.work_tokens -= req.max_tokens
                 self._enqueue(best, req)
 
     # ---- leaving a queue, running -----------------------------------------------------------
     def dequeue(self, req: Request) -> None:
         if req.executor is None:
-            self.orphans.remove(req)
+            self._orphans.remove(req)
         else:
-            req.executor.queue.remove(req)
-            req.executor.work_tokens -= req.max_tokens
-        self._fair.on_dequeue(req.tenant)
+            waiting = self._at[req.executor]
+            waiting.queue.remove(req)
+            waiting.work_tokens -= req.max_tokens
+        self._fair.on_dequeue(req.ask.tenant)
 
     def start(self, ex: ExecutorState, req: Request, num_cached: int) -> None:
         """req leaves its queue to run on ex, `num_cached` of its tokens found in the prefix
         cache: the rest is ex's running work."""
         self.dequeue(req)
-        ex.work_tokens += req.max_tokens - num_cached
+        self._at[ex].work_tokens += req.max_tokens - num_cached
         req.executor = ex
 
-    @staticmethod
-    def computed(ex: ExecutorState, num_tokens: int) -> None:
+    def computed(self, ex: ExecutorState, num_tokens: int) -> None:
         """A step sent to ex computes `num_tokens` of its running work."""
-        ex.work_tokens -= num_tokens
+        self._at[ex].work_tokens -= num_tokens
 
-    @staticmethod
-    def released(ex: ExecutorState, seq: Sequence) -> None:
+    def released(self, ex: ExecutorState, seq: Sequence) -> None:
         """seq runs on ex no more: the work it had left goes (its counters current)."""
-        ex.work_tokens -= seq.request.max_tokens - seq.num_computed  # (what start counted)
+        self._at[ex].work_tokens -= seq.request.max_tokens - seq.num_computed  # (start's)
 
     # ---- whether a request can wait ---------------------------------------------------------
     def check_placeable(self, adapter: AdapterRef) -> None:
         """FAILED_PRECONDITION when every slot of every admitting executor is pinned by an
         operator, so `adapter` could never load."""
         admitting = self.admitting()
-        if admitting and all(ex.slots.find(adapter) is None and ex.slots.are_all_admin_pinned()
+        if admitting and all(self._residency.of(ex).could_never_load(adapter)
                              for ex in admitting):
             raise FailedPrecondition(
                 f"every adapter slot of every executor is pinned by an operator, so {adapter} "
@@ -158,5 +220,5 @@ class Placement:
         """Seconds the queued work takes the pool at its measured rate: a retry-after hint."""
         up = self.admitting()
         rate = sum(ex.rates.tokens_per_second for ex in up)
-        seconds = sum(ex.work_tokens for ex in up) / rate if rate else 60.0
+        seconds = sum(self._at[ex].work_tokens for ex in up) / rate if rate else 60.0
         return min(60.0, max(1.0, seconds))

@@ -11,10 +11,29 @@ request overall, whose adapter is the one to bring in next.
 
 import itertools
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Protocol
 
 from common.adapter_ref import AdapterRef
 from scheduler.request import Request
+
+
+class QueueView(Protocol):
+    """What the others may ask of an executor's queue (Placement alone changes it)."""
+
+    demand: Mapping[AdapterRef | None, int]  # adapter -> queued requests for it
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[Request]: ...
+
+    def tenants(self) -> list[str]: ...
+
+    def queued(self, tenant: str) -> int: ...
+
+    def head(self, tenant: str, adapter: AdapterRef | None) -> Request | None: ...
+
+    def oldest(self, tenant: str) -> Request | None: ...
 
 
 class ExecutorQueue:
@@ -37,8 +56,9 @@ class ExecutorQueue:
         return sum(len(q) for q in self._groups.get(tenant, {}).values())
 
     def push(self, req: Request, front: bool = False) -> None:
-        group = self._groups.setdefault(req.tenant, {}).setdefault(req.adapter, deque())
-        fifo = self._fifo.setdefault(req.tenant, deque())
+        tenant, adapter = req.ask.tenant, req.ask.adapter
+        group = self._groups.setdefault(tenant, {}).setdefault(adapter, deque())
+        fifo = self._fifo.setdefault(tenant, deque())
         token = next(self._tokens)
         self._entry[id(req)] = token
         if front:
@@ -47,25 +67,26 @@ class ExecutorQueue:
         else:
             group.append(req)
             fifo.append((token, req))
-        self.demand[req.adapter] = self.demand.get(req.adapter, 0) + 1
+        self.demand[adapter] = self.demand.get(adapter, 0) + 1
         self.num_queued += 1
 
     def remove(self, req: Request) -> None:
-        groups = self._groups[req.tenant]
-        group = groups[req.adapter]
+        tenant, adapter = req.ask.tenant, req.ask.adapter
+        groups = self._groups[tenant]
+        group = groups[adapter]
         if group[0] is req:
             group.popleft()
         else:
             group.remove(req)
         if not group:
-            del groups[req.adapter]
+            del groups[adapter]
             if not groups:
-                del self._groups[req.tenant]
-                del self._fifo[req.tenant]
+                del self._groups[tenant]
+                del self._fifo[tenant]
         del self._entry[id(req)]
-        self.demand[req.adapter] -= 1
-        if not self.demand[req.adapter]:
-            del self.demand[req.adapter]
+        self.demand[adapter] -= 1
+        if not self.demand[adapter]:
+            del self.demand[adapter]
         self.num_queued -= 1
 
     def head(self, tenant: str, adapter: AdapterRef | None) -> Request | None:

@@ -33,12 +33,12 @@ class SampleExtras(NamedTuple):
 
 class TokenSink(Protocol):
     """Where the tokens of many requests go as columns, without an event per token (a Stream
-    connection's next message): each request is known there by its own id."""
+    connection's next message): each request is known there by its sink_id."""
 
     def add(self, ids: Iterable[int], token_ids: Iterable[int],
             logprobs: Iterable[float]) -> None: ...
 
-    def add_with_top(self, request_id: int, token_id: int, logprob: float,
+    def add_with_top(self, sink_id: int, token_id: int, logprob: float,
                      top_token_ids: Sequence[int], top_logprobs: Sequence[float]) -> None:
         """One token with its alternatives."""
 
@@ -62,45 +62,66 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
-class Request:
-    """One Generate call. `emit` receives its events; the core never blocks on it. Where `sink`
-    is set, its tokens go there instead, as `sink_id`'s (token id, logprob) and with no event
-    built per token: a Stream connection appends them to its next message's columns."""
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """What the client asked for, checked at intake and never changed: the request as it came."""
 
-    request_id: int
     tenant: str
     adapter: AdapterRef | None  # None: the base model
     adapter_bytes: int  # size of the adapter's weights (charged to the tenant when it loads)
-    prompt_ids: list[int]
+    prompt_ids: tuple[int, ...]
     sampling: SamplingParams
-    output: OutputProcessor
-    emit: Callable[[Event], None]
-    status: Status = Status.QUEUED
-    arrival: float = 0.0  # set by the scheduler's clock at submit
-    admitted_at: float | None = None  # first admission
-    deadline: float | None = None  # the client's, on the scheduler's clock (None: none given)
-    queued_since: float = 0.0  # when it began to wait (arrival, or its last preemption)
-    first_token_at: float | None = None
-    finish_reason: Finish | None = None
-    is_charged: bool = False  # input tokens charged once, not again after a preemption
-    caused_load: bool = False  # it started the load of its adapter
-    executor_failures: int = 0  # executors lost while it ran there (their step failed or they left)
-    executor: Any = None  # the ExecutorState it is queued or running on
-    cache_salt: str = ""  # keeps its cached KV blocks apart from requests with another salt
-    trace_id: str = ""  # its id in every service's logs (common/request_ids.py)
+    request_id: str = ""  # the client's id: its name in every service's logs (request_ids.py)
     # Its adapter's largest rank per module (common/adapter_pages.py: the pages it takes on an
     # executor); None: unknown, planned as its rank on every module the executor has.
     adapter_ranks: Mapping[str, int] | None = None
+    deadline: float | None = None  # the client's, on the scheduler's clock (None: none given)
+    cache_salt: str = ""  # keeps its cached KV blocks apart from requests with another salt
+
+
+@dataclass(slots=True)
+class Charges:
+    """What a request was charged (fairness.py's virtual counters). Admission (admission.py)
+    makes the charges and is the only writer."""
+
+    is_input_charged: bool = False  # its prompt tokens, at its first admission only
+    # Of its prompt, the tokens whose KV its first admission found in the prefix cache (free).
+    cached_prompt_tokens: int = 0
+    caused_load: bool = False  # it caused its adapter's fetch onto an executor, and paid for it
+
+
+@dataclass(eq=False)
+class Request:
+    """One Generate call: the client's ask, where its output goes, and the core's progress with
+    it. `emit` receives its events; the core never blocks on it. Where `sink` is set, its tokens
+    go there instead, as `sink_id`'s (token id, logprob) and with no event built per token: a
+    Stream connection appends them to its next message's columns.
+
+    Who writes its progress: the core (core.py) its status and times; Placement its executor;
+    the prefix cache (steps/prefix_cache.py, steps/longrope.py) the names of its blocks;
+    Admission its charges; itself (on_sample) its first token's time and prompt logprobs."""
+
+    serial: int  # its number in this scheduler (the client's id is ask.request_id)
+    ask: Ask
+    output: OutputProcessor
+    emit: Callable[[Event], None]
+    sink: TokenSink | None = None
+    sink_id: int = 0
+    # ---- progress ----
+    status: Status = Status.QUEUED
+    arrival: float = 0.0  # set by the scheduler's clock at submit
+    queued_since: float = 0.0  # when it began to wait (arrival, or its last preemption)
+    admitted_at: float | None = None  # first admission
+    first_token_at: float | None = None
+    finish_reason: Finish | None = None
+    executor_failures: int = 0  # executors lost while it ran there (their step failed or they left)
+    executor: Any = None  # the ExecutorState it is queued or running on (Placement's)
     cache_key: bytes = b""  # whose cached KV blocks it may reuse (prefix_cache.py); b"": none
     # Its runs compute with longrope's long factors (longrope.py): its cache_key is the long one.
     runs_long: bool = False
-    # Prompt tokens whose KV its first admission found in the prefix cache (not computed).
-    cached_prompt_tokens: int = 0
     # Chained hashes of its full blocks, per block size (executors may differ): prefix_cache.py.
     block_hashes: dict[int, list[bytes]] = field(default_factory=dict)
-    sink: TokenSink | None = None
-    sink_id: int = 0
+    charges: Charges = field(default_factory=Charges)
     # Its prompt's logprobs, once its first sample brought them (SamplingParams.prompt_logprobs).
     prompt_logprobs: common_pb2.TokenLogprobs | None = None
 
@@ -108,17 +129,17 @@ class Request:
     def needs_prompt_logprobs(self) -> bool:
         """Its next run must compute its whole prompt: it asks for the prompt's logprobs and has
         no token yet (they come with the first)."""
-        return self.sampling.prompt_logprobs is not None and not self.output.num_tokens
+        return self.ask.sampling.prompt_logprobs is not None and not self.output.num_tokens
 
     @property
     def max_tokens(self) -> int:
         """Its tokens once done: the prompt and max_new_tokens outputs (the work it brings)."""
-        return len(self.prompt_ids) + self.output.max_new_tokens
+        return len(self.ask.prompt_ids) + self.output.max_new_tokens
 
     @property
     def all_token_ids(self) -> list[int]:
         """Prompt and every token sampled so far: what a preempted request recomputes."""
-        return self.prompt_ids + self.output_token_ids
+        return [*self.ask.prompt_ids, *self.output.token_ids]
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -32,13 +32,14 @@ from common.request_ids import checked_request_id
 from common.sampling import SamplingParams
 from common.server import Service, announce, configure_logging, run, run_until_signalled
 from common.token_logprobs import prompt_tokens_pb
-from protos import common_pb2, executor_pb2, scheduler_pb2, scheduler_pb2_grpc
+from protos import executor_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler import validation
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
-from scheduler.request import ErrorEvent, Event, FinishEvent, Request, Status
+from scheduler.request import Ask, ErrorEvent, Event, FinishEvent, Request, Status, TokenSink
 from scheduler.residency import prewarm
-from scheduler.stats import ExecutorStats, PoolStats, TenantStats
+from scheduler.stats import PoolStats
+from scheduler.stats_pb import adapter_pb, stats_pb
 from scheduler.streams import StreamConnection, check_no_stops
 from scheduler.timings import TimingLog
 
@@ -67,13 +68,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         async with grpc_errors(context):
             req = await self._make_request(request, self._tenant(context), events.put,
                                            timeout_s=context.time_remaining())
-            self._rate_limiter.admit(req.tenant, len(req.prompt_ids) + req.output.max_new_tokens)
+            self._rate_limiter.admit(req.ask.tenant, req.max_tokens)
             self._engine.core.submit(req)
         # (a client that stopped reading: one timer for the stream's writes)
         with WriteBound(self._config.timeouts.stream_write_s) as bound:
             async with grpc_errors(context):
                 try:
-                    pending = events.pending
+                    pending, prompt_sent = events.pending, False
                     while True:
                         if not pending:
                             await events.wait()
@@ -87,10 +88,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                         message = scheduler_pb2.GenerateResponse(
                             token_id=event.token_id, logprob=event.logprob, text=event.text,
                             top_logprobs=event.top_logprobs)
-                        if req.prompt_logprobs is not None:  # (with its first token)
+                        # (its prompt's logprobs come with its first token, and go once)
+                        if req.prompt_logprobs is not None and not prompt_sent:
                             message.prompt_tokens.extend(prompt_tokens_pb(
-                                self._tokenizer, req.prompt_ids, req.prompt_logprobs))
-                            req.prompt_logprobs = None
+                                self._tokenizer, req.ask.prompt_ids, req.prompt_logprobs))
+                            prompt_sent = True
                         await bound.write(context, message)
                 finally:  # (before the call's status is sent)
                     if req.status is not Status.FINISHED:  # the client left, or stopped reading
@@ -130,8 +132,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         req = await self._make_request(submit.request, tenant, connection.emitter(submit.id),
                                        detokenize=False,
                                        timeout_s=submit.timeout_seconds
-                                       if submit.timeout_seconds > 0 else None)
-        self._rate_limiter.admit(req.tenant, len(req.prompt_ids) + req.output.max_new_tokens)
+                                       if submit.timeout_seconds > 0 else None,
+                                       sink=connection.sink, sink_id=submit.id)
+        self._rate_limiter.admit(req.ask.tenant, req.max_tokens)
         return req
 
     def _tenant(self, context) -> str:
@@ -146,9 +149,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._keys.require(context, Role.ADMIN)
 
     async def _make_request(self, pb: scheduler_pb2.GenerateRequest, tenant: str, emit,
-                            detokenize: bool = True, timeout_s: float | None = None) -> Request:
+                            detokenize: bool = True, timeout_s: float | None = None,
+                            sink: TokenSink | None = None, sink_id: int = 0) -> Request:
         """`pb` checked and made a Request for `tenant`, due within `timeout_s` (the client's
-        deadline; None: none)."""
+        deadline; None: none), its events to `emit` (its tokens to `sink`, as `sink_id`'s)."""
         info = self._info
         request_id = checked_request_id(pb.request_id)
         sampling = SamplingParams.from_pb(pb.sampling)
@@ -177,15 +181,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if adapter is not None:
             validation.check_pages(len(prompt) + max_new, adapter.ref, adapter.num_pages, info)
         validation.check_prompt(prompt, info.vocab_size)
-        prompt = list(prompt)
+        prompt = tuple(prompt)
         stop_ids = list(pb.stop_token_ids) + ([] if pb.ignore_eos else list(info.eos_token_ids))
         output = OutputProcessor(self._tokenizer if detokenize else None, max_new_tokens=max_new,
                                  stop_token_ids=stop_ids, stop=list(pb.stop))
         deadline = None if timeout_s is None else self._engine.core.clock() + timeout_s
-        return Request(next(self._ids), tenant, adapter and adapter.ref,
-                       adapter.num_bytes if adapter else 0, prompt, sampling, output, emit,
-                       deadline=deadline, cache_salt=pb.cache_salt, trace_id=request_id,
-                       adapter_ranks=adapter and adapter.ranks)
+        ask = Ask(tenant, adapter and adapter.ref, adapter.num_bytes if adapter else 0, prompt,
+                  sampling, request_id=request_id, adapter_ranks=adapter and adapter.ranks,
+                  deadline=deadline, cache_salt=pb.cache_salt)
+        return Request(next(self._ids), ask, output, emit, sink=sink, sink_id=sink_id)
 
     async def _adapter(self, pb: scheduler_pb2.GenerateRequest,
                        tenant: str) -> validation.Servable | None:
@@ -208,20 +212,20 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     @staticmethod
     def _usage(req: Request) -> scheduler_pb2.Usage:
         return scheduler_pb2.Usage(
-            prompt_tokens=len(req.prompt_ids), completion_tokens=req.output.num_tokens,
+            prompt_tokens=len(req.ask.prompt_ids), completion_tokens=req.output.num_tokens,
             queue_seconds=(req.admitted_at or req.arrival) - req.arrival,
             time_to_first_token_seconds=(req.first_token_at or req.arrival) - req.arrival,
-            adapter=_pb(req.adapter))
+            adapter=adapter_pb(req.ask.adapter))
 
     async def Stats(self, request, context):
         """Everything for admins and services; a tenant key sees its own counters only."""
         async with grpc_errors(context):
             caller = self._keys.require(context, Role.TENANT, Role.SERVICE, Role.ADMIN)
-            stats = self._engine.core.stats()
+            stats = self._engine.operators.stats()
             if caller.role is Role.TENANT:
                 stats = PoolStats(executors=(), tenants=tuple(
                     t for t in stats.tenants if t.tenant == caller.tenant))
-            return _stats_pb(stats)
+            return stats_pb(stats)
 
     async def Model(self, request, context):
         """Any caller: what a gateway or client needs to know of the pool's base model."""
@@ -243,10 +247,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             self._check_admin(context)
             adapter = await self._servable(request.adapter)
             key = adapter.ref
-            chosen = self._engine.core.prewarm(key, adapter.num_bytes, request.num_executors or 1,
-                                               request.pin, adapter.ranks)
+            chosen = self._engine.operators.prewarm(key, adapter.num_bytes,
+                                                    request.num_executors or 1, request.pin,
+                                                    adapter.ranks)
             if request.wait:
-                failed = await prewarm.loads_done(chosen, key)
+                failed = await prewarm.loads_done(self._engine.core.residency, chosen, key)
                 if failed:
                     raise Unavailable(f"loading {key} failed on {', '.join(failed)}; see the "
                                       "executor logs")
@@ -257,23 +262,24 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         async with grpc_errors(context):
             self._check_admin(context)
             found = await self._registry.resolve(request.adapter, "")
-            num = self._engine.core.evict(AdapterRef(found.name, found.version),
-                                          request.executor)
+            num = self._engine.operators.evict(AdapterRef(found.name, found.version),
+                                               request.executor)
             return scheduler_pb2.EvictResponse(num_evicted=num)
 
     async def Drain(self, request, context):
         async with grpc_errors(context):
             self._check_admin(context)
-            ex = self._engine.core.find_executor(request.executor)
+            ex = self._engine.operators.find_executor(request.executor)
             self._engine.core.drain(ex)
-            return scheduler_pb2.DrainResponse(running=len(ex.running))
+            return scheduler_pb2.DrainResponse(
+                running=len(self._engine.core.steps_of(ex).running))
 
     async def Merge(self, request, context):
         async with grpc_errors(context):
             self._check_admin(context)
             adapter = await self._servable(request.adapter)
-            chosen = self._engine.core.merge(adapter.ref, adapter.num_bytes,
-                                             request.num_executors or 1, adapter.ranks)
+            chosen = self._engine.operators.merge(adapter.ref, adapter.num_bytes,
+                                                  request.num_executors or 1, adapter.ranks)
             return scheduler_pb2.MergeResponse(adapter=adapter.ref.to_pb(),
                                                executors=[ex.address for ex in chosen])
 
@@ -285,16 +291,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 found = await self._registry.resolve(request.adapter, "")
                 key = AdapterRef(found.name, found.version)
             if request.executor:
-                self._engine.core.find_executor(request.executor)
-            released = self._engine.core.unmerge(key, request.executor)
+                self._engine.operators.find_executor(request.executor)
+            released = self._engine.operators.unmerge(key, request.executor)
             return scheduler_pb2.UnmergeResponse(executors=released)
 
     async def Resume(self, request, context):
         async with grpc_errors(context):
             self._check_admin(context)
-            ex = self._engine.core.find_executor(request.executor)
+            ex = self._engine.operators.find_executor(request.executor)
             self._engine.core.resume(ex)
-            return scheduler_pb2.ResumeResponse(queued=len(ex.queue))
+            return scheduler_pb2.ResumeResponse(queued=self._engine.core.placement.num_queued(ex))
 
 
 class _Events:
@@ -335,38 +341,6 @@ def _model_pb(info: executor_pb2.InfoResponse) -> scheduler_pb2.ModelResponse:
         special_tokens=info.special_tokens, eos_token_ids=info.eos_token_ids)
     model.fingerprint = hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()
     return model
-
-
-def _pb(adapter: AdapterRef | None) -> common_pb2.AdapterRef | None:
-    return adapter.to_pb() if adapter else None
-
-
-def _stats_pb(stats: PoolStats) -> scheduler_pb2.StatsResponse:
-    return scheduler_pb2.StatsResponse(executors=[_executor_pb(ex) for ex in stats.executors],
-                                       tenants=[_tenant_pb(t) for t in stats.tenants])
-
-
-def _executor_pb(ex: ExecutorStats) -> scheduler_pb2.ExecutorStats:
-    return scheduler_pb2.ExecutorStats(
-        address=ex.address, running=ex.running, free_kv_blocks=ex.free_kv_blocks,
-        num_kv_blocks=ex.num_kv_blocks, steps=ex.num_steps, adapter_loads=ex.num_loads,
-        adapter_hits=ex.num_hits, queued=ex.queued, is_draining=ex.is_draining,
-        is_drained=ex.is_drained, is_up=ex.is_up, cached_kv_blocks=ex.cached_kv_blocks,
-        dedicated_to=_pb(ex.dedicated_to), is_merged=ex.is_merged,
-        slots=[scheduler_pb2.SlotStats(adapter=_pb(s.adapter), state=s.state.value, pins=s.pins,
-                                       is_admin_pinned=s.is_admin_pinned,
-                                       reserved_for=_pb(s.reserved_for), num_pages=s.num_pages)
-               for s in ex.slots],
-        adapter_pages=ex.adapter_pages, page_bytes=ex.page_bytes)
-
-
-def _tenant_pb(t: TenantStats) -> scheduler_pb2.TenantStats:
-    return scheduler_pb2.TenantStats(
-        tenant=t.tenant, queued=t.queued, running=t.running, virtual_counter=t.virtual_counter,
-        requests=t.totals.requests, prompt_tokens=t.totals.prompt_tokens,
-        completion_tokens=t.totals.completion_tokens,
-        adapter_loads_caused=t.totals.adapter_loads_caused,
-        cached_prompt_tokens=t.totals.cached_prompt_tokens)
 
 
 async def serve(config: SchedulerConfig, ready_timeout: float = 300.0) -> None:

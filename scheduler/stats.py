@@ -1,16 +1,16 @@
-"""What the Stats RPC reports, as plain records: a snapshot of the core's executors and their slots,
-and per tenant its queued and running requests, its virtual counter and the totals of its ended
-requests (TenantTotals, which the core keeps)."""
+"""What the Stats RPC reports, as plain records: a snapshot of the core's executors and their slots
+(each part from the manager that keeps it: core.py's `stats`), and per tenant its queued and
+running requests, its virtual counter and the totals of its ended requests (TenantTotals, which
+the core keeps)."""
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from common.adapter_ref import AdapterRef
-from scheduler.executor_state import ExecutorState
 from scheduler.fairness import FairShare
 from scheduler.request import Request
-from scheduler.residency.slots import SlotState
+from scheduler.residency.slots import SlotStats
 
 
 @dataclass
@@ -25,20 +25,10 @@ class TenantTotals:
 
     def add(self, req: Request) -> None:
         self.requests += 1
-        self.prompt_tokens += len(req.prompt_ids)
+        self.prompt_tokens += len(req.ask.prompt_ids)
         self.completion_tokens += req.output.num_tokens
-        self.adapter_loads_caused += req.caused_load
-        self.cached_prompt_tokens += req.cached_prompt_tokens
-
-
-@dataclass(frozen=True)
-class SlotStats:
-    adapter: AdapterRef | None
-    state: SlotState
-    pins: int
-    is_admin_pinned: bool
-    reserved_for: AdapterRef | None
-    num_pages: int = 0
+        self.adapter_loads_caused += req.charges.caused_load
+        self.cached_prompt_tokens += req.charges.cached_prompt_tokens
 
 
 @dataclass(frozen=True)
@@ -60,6 +50,7 @@ class ExecutorStats:
     slots: tuple[SlotStats, ...]
     adapter_pages: int = 0
     page_bytes: int = 0
+    num_evictions: int = 0
 
 
 @dataclass(frozen=True)
@@ -77,27 +68,10 @@ class PoolStats:
     tenants: tuple[TenantStats, ...]  # by name: every tenant charged or counted so far
 
 
-def snapshot(executors: Iterable[ExecutorState], fair: FairShare,
-             totals: Mapping[str, TenantTotals]) -> PoolStats:
-    executors = list(executors)
-    running = Counter(seq.request.tenant for ex in executors for seq in ex.running.values())
-    queued = {t: sum(ex.queue.queued(t) for ex in executors) for t in fair.backlog}
+def tenant_stats(fair: FairShare, totals: Mapping[str, TenantTotals], running: Counter[str],
+                 queued: Mapping[str, int]) -> tuple[TenantStats, ...]:
+    """Every tenant charged or counted so far, by name: `running` and `queued` requests per
+    tenant (in executors' queues)."""
     tenants = sorted(set(fair.counters) | set(totals))
-    return PoolStats(
-        executors=tuple(_executor(ex) for ex in executors),
-        tenants=tuple(TenantStats(t, queued.get(t, 0), running[t], fair.counter(t),
-                                  replace(totals.get(t, TenantTotals()))) for t in tenants))
-
-
-def _executor(ex: ExecutorState) -> ExecutorStats:
-    return ExecutorStats(
-        address=ex.address, running=len(ex.running), queued=len(ex.queue),
-        free_kv_blocks=ex.blocks.num_free, num_kv_blocks=ex.blocks.num_blocks,
-        cached_kv_blocks=ex.blocks.num_cached, dedicated_to=ex.dedicated_to,
-        is_merged=ex.merge.merged_slot is not None,
-        num_steps=ex.counters.steps_run, num_loads=ex.counters.adapter_loads,
-        num_hits=ex.counters.adapter_hits, is_up=ex.is_up,
-        is_draining=ex.is_draining, is_drained=ex.is_drained,
-        slots=tuple(SlotStats(s.adapter, s.state, s.pins, s.is_admin_pinned, s.reserved_for,
-                              len(s.pages)) for s in ex.slots.slots),
-        adapter_pages=ex.blocks.num_pages, page_bytes=ex.page_bytes)
+    return tuple(TenantStats(t, queued.get(t, 0), running[t], fair.counter(t),
+                             replace(totals.get(t, TenantTotals()))) for t in tenants)

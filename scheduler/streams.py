@@ -24,7 +24,7 @@ from common.errors import InvalidArgument, Unavailable, status_for
 from protos import scheduler_pb2
 from scheduler.core import Scheduler
 from scheduler.metrics import SchedulerMetrics
-from scheduler.request import ErrorEvent, Event, FinishEvent, Request
+from scheduler.request import ErrorEvent, Event, FinishEvent, Request, TokenSink
 
 
 class _Outbox:
@@ -33,7 +33,7 @@ class _Outbox:
 
     def __init__(self, ready: asyncio.Event) -> None:
         self._ready = ready  # (set when the outbox has something to send)
-        self.request_ids: list[int] = []
+        self.stream_ids: list[int] = []
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         # Each token's alternatives (ids, logprobs), None for none; empty while no token of the
@@ -43,31 +43,31 @@ class _Outbox:
         self.ends: list[scheduler_pb2.StreamEnd] = []
 
     def __bool__(self) -> bool:
-        return bool(self.request_ids or self.ends)
+        return bool(self.stream_ids or self.ends)
 
     def add(self, ids: Iterable[int], token_ids: Iterable[int],
             logprobs: Iterable[float]) -> None:
-        if not self.request_ids:
+        if not self.stream_ids:
             self._ready.set()
-        self.request_ids.extend(ids)
+        self.stream_ids.extend(ids)
         self.token_ids.extend(token_ids)
         self.logprobs.extend(logprobs)
         if self.tops:
             self.tops.extend([None] * (len(self.token_ids) - len(self.tops)))
 
-    def add_with_top(self, request_id: int, token_id: int, logprob: float,
+    def add_with_top(self, stream_id: int, token_id: int, logprob: float,
                      top_token_ids: Sequence[int], top_logprobs: Sequence[float]) -> None:
-        self.add((request_id,), (token_id,), (logprob,))
+        self.add((stream_id,), (token_id,), (logprob,))
         if not self.tops:
             self.tops = [None] * len(self.token_ids)
         self.tops[-1] = (top_token_ids, top_logprobs)
 
     def drop(self, stream_id: int) -> None:
         """Forget the tokens of a request cancelled before they left."""
-        if stream_id not in self.request_ids:
+        if stream_id not in self.stream_ids:
             return
-        kept = [i for i, r in enumerate(self.request_ids) if r != stream_id]
-        self.request_ids = [self.request_ids[i] for i in kept]
+        kept = [i for i, r in enumerate(self.stream_ids) if r != stream_id]
+        self.stream_ids = [self.stream_ids[i] for i in kept]
         self.token_ids = [self.token_ids[i] for i in kept]
         self.logprobs = [self.logprobs[i] for i in kept]
         if self.tops:
@@ -75,19 +75,19 @@ class _Outbox:
 
     def end(self, stream_id: int, finish: Finish | None = None,
             error: BaseException | None = None) -> None:
-        end = scheduler_pb2.StreamEnd(id=stream_id)
+        fields = {}
         if finish is not None:
-            end.finish_reason = FINISH_PB[finish]
+            fields["finish_reason"] = FINISH_PB[finish]
         if error is not None:
-            code, end.error_message = status_for(error)
-            end.error_code = code.value[0]
-            end.retry_after = dict(getattr(error, "trailers", ())).get(wire.RETRY_AFTER, "")
-        self.ends.append(end)
+            code, message = status_for(error)
+            fields.update(error_code=code.value[0], error_message=message, retry_after=dict(
+                getattr(error, "trailers", ())).get(wire.RETRY_AFTER, ""))
+        self.ends.append(scheduler_pb2.StreamEnd(id=stream_id, **fields))
 
     def take(self) -> scheduler_pb2.StreamResponse:
         """The message, the outbox left empty."""
         message = scheduler_pb2.StreamResponse(
-            token_request_ids=self.request_ids, token_ids=self.token_ids, logprobs=self.logprobs,
+            token_request_ids=self.stream_ids, token_ids=self.token_ids, logprobs=self.logprobs,
             starts=self.starts, ends=self.ends)
         if self.tops:
             for top in self.tops:
@@ -96,7 +96,7 @@ class _Outbox:
                     message.top_token_ids.extend(top[0])
                     message.top_logprobs.extend(top[1])
             self.tops = []
-        self.request_ids, self.token_ids, self.logprobs, self.starts, self.ends = [], [], [], [], []
+        self.stream_ids, self.token_ids, self.logprobs, self.starts, self.ends = [], [], [], [], []
         return message
 
 
@@ -116,9 +116,10 @@ class StreamConnection:
 
     # ---- the caller's messages --------------------------------------------------------------
     def submit(self, stream_id: int, check: Callable[[], Awaitable[Request]]) -> None:
-        """Check a submitted request off the reading loop (`check` may wait on the registry),
-        then queue it. A caller that reuses the id of an unfinished request is broken: its
-        stream ends (INVALID_ARGUMENT)."""
+        """Check a submitted request off the reading loop (`check` may wait on the registry:
+        it makes the request, with `emitter(stream_id)` and `sink`, as `stream_id`), then queue
+        it. A caller that reuses the id of an unfinished request is broken: its stream ends
+        (INVALID_ARGUMENT)."""
         if stream_id in self._requests or stream_id in self._submitting:
             raise InvalidArgument(f"request id {stream_id} is already in use on this stream (ids "
                                   "are unique among unfinished requests): the stream ends")
@@ -132,7 +133,6 @@ class StreamConnection:
                 return
             self._requests[stream_id] = req
             self._unstarted.add(stream_id)
-            req.sink, req.sink_id = self._outbox, stream_id
             self._core.submit(req)
         except Exception as exc:  # noqa: BLE001 - refused: the caller gets its status
             self._requests.pop(stream_id, None)
@@ -161,6 +161,11 @@ class StreamConnection:
             self.cancel(stream_id)
 
     # ---- the requests' events ---------------------------------------------------------------
+    @property
+    def sink(self) -> TokenSink:
+        """Where its requests' tokens go (each as its stream id's): the next message."""
+        return self._outbox
+
     def emitter(self, stream_id: int) -> Callable[[Event], None]:
         """What a request of this stream emits its events to."""
         return functools.partial(self._on_event, stream_id)
@@ -211,9 +216,9 @@ class StreamConnection:
     def _note_starts(self) -> None:
         """The outbox's requests with their first token in it get a StreamStart (found once
         per message, not per token)."""
-        if not self._unstarted or not self._outbox.request_ids:
+        if not self._unstarted or not self._outbox.stream_ids:
             return
-        started = self._unstarted.intersection(self._outbox.request_ids)
+        started = self._unstarted.intersection(self._outbox.stream_ids)
         self._unstarted -= started
         for stream_id in sorted(started):
             self._start(stream_id, self._requests[stream_id])  # (an ended one left _unstarted)

@@ -1,6 +1,6 @@
 """How an executor's KV blocks are shared between the KV cache and adapters' weights: the policy,
 in one place. (The page layout itself is common/adapter_pages.py; BlockManager keeps the blocks,
-SlotTable which adapter holds which pages; Residency acts on what this decides.)
+SlotTable which adapter holds which pages; ExecutorResidency acts on what this decides.)
 
 An executor whose Info gives a page geometry keeps adapters' weights in KV blocks, each adapter
 in the pages its real ranks take. The scheduler decides which block is what:
@@ -30,71 +30,82 @@ its RPC. Without a page geometry every adapter takes 0 pages (fixed slots beside
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
-from common.adapter_pages import plan_pages
+from common.adapter_pages import PageGeometry, plan_pages
 from common.adapter_ref import AdapterRef
-from scheduler.executor_state import ExecutorState
-from scheduler.limits import Limits
-from scheduler.residency.slots import Slot
+from scheduler.residency.slots import Slot, SlotTable
+from scheduler.steps.block_manager import BlockManager
 
 
-class AdapterMemory:
-    def __init__(self, limits: Limits):
-        self.limits = limits
+class AdapterPages:
+    """The pages each adapter takes on one executor, planned once per adapter from its ranks
+    and the executor's page geometry (none: fixed slots beside the KV blocks, 0 pages each)."""
 
-    @staticmethod
-    def pages_for(ex: ExecutorState, adapter: AdapterRef | None,
-                  ranks: Mapping[str, int] | None) -> int:
-        """Pages `adapter` (with these per-module ranks) takes on ex."""
-        if ex.geometry is None or adapter is None:
+    def __init__(self, geometry: PageGeometry | None):
+        self._geometry = geometry
+        self._counts: dict[AdapterRef, int] = {}
+
+    @property
+    def is_paged(self) -> bool:
+        return self._geometry is not None
+
+    def of(self, adapter: AdapterRef | None, ranks: Mapping[str, int] | None) -> int:
+        """Pages `adapter` (with these per-module ranks) takes."""
+        if self._geometry is None or adapter is None:
             return 0
-        count = ex.page_counts.get(adapter)
+        count = self._counts.get(adapter)
         if count is None:
             if ranks is None:
                 raise ValueError(f"the pages of {adapter} are not known: its ranks are missing")
-            count = ex.page_counts[adapter] = plan_pages(ranks, ex.geometry).num_pages
+            count = self._counts[adapter] = plan_pages(ranks, self._geometry).num_pages
         return count
 
-    def free_for_pages(self, ex: ExecutorState) -> int:
-        """Blocks a load may take without evicting anyone: settled ones, beyond the reserve and
-        beyond what the running sequences will still grow into (a load never preempts them)."""
-        blocks = ex.blocks
-        bs = blocks.block_size
-        growing = sum(-(-seq.max_tokens // bs) - seq.capacity // bs
-                      for seq in ex.running.values())
-        reserve = max(int(self.limits.kv_reserve * blocks.num_blocks), growing)
-        return max(0, min(blocks.num_settled(), blocks.num_free - reserve))
+    def planned(self, adapter: AdapterRef) -> int:
+        """The pages of an adapter planned already."""
+        return self._counts[adapter]
 
-    def evictions_for(self, ex: ExecutorState, num_pages: int, keep: Slot | None,
-                      popularity: Callable[[AdapterRef], float]) -> list[Slot] | None:
-        """The adapters to evict (least popular first, never `keep`) for `num_pages` to fit; []
-        when they fit already, None when they cannot."""
-        have, out = self.free_for_pages(ex), []
+    def all_planned(self) -> dict[AdapterRef, int]:
+        return dict(self._counts)
+
+
+def free_for_pages(blocks: BlockManager, kv_reserve: float, growing: int) -> int:
+    """Blocks a load may take without evicting anyone: settled ones, beyond the reserve (a
+    `kv_reserve` share of the blocks) and beyond the `growing` blocks the running sequences will
+    still grow into (a load never preempts them)."""
+    reserve = max(int(kv_reserve * blocks.num_blocks), growing)
+    return max(0, min(blocks.num_settled(), blocks.num_free - reserve))
+
+
+def evictions_for(slots: SlotTable, num_pages: int, have: int, keep: Slot | None,
+                  wanted: Collection[AdapterRef | None],
+                  popularity: Callable[[AdapterRef], float]) -> list[Slot] | None:
+    """The adapters to evict (least popular first, never `keep` nor a `wanted` one) for
+    `num_pages` to fit beside the `have` pages a load may take now; [] when they fit already,
+    None when they cannot."""
+    out: list[Slot] = []
+    if have >= num_pages:
+        return out
+    for slot in slots.evictable(wanted, popularity):
+        if slot is keep or not slot.pages:
+            continue
+        out.append(slot)
+        have += len(slot.pages)
         if have >= num_pages:
             return out
-        for slot in ex.slots.evictable(ex.queue.demand, popularity):
-            if slot is keep or not slot.pages:
-                continue
-            out.append(slot)
-            have += len(slot.pages)
-            if have >= num_pages:
-                return out
-        return None
+    return None
 
-    @staticmethod
-    def kv_victims(ex: ExecutorState, popularity: Callable[[AdapterRef], float],
-                   wanted_too: bool, keep: AdapterRef | None = None) -> list[Slot]:
-        """Adapters KV may take pages back from, the first to go first: those nobody waits for,
-        then, with `wanted_too`, those queued requests wait for but nothing runs (a running
-        sequence growing, or the request admission stops at: rather a reload later than a
-        sequence recomputed, or work that could never start). Never `keep`."""
-        if ex.geometry is None:
-            return []
-        unwanted = [s for s in ex.slots.evictable(ex.queue.demand, popularity)
-                    if s.pages and s.adapter != keep]
-        if not wanted_too:
-            return unwanted
-        wanted = [s for s in ex.slots.evictable((), popularity)
-                  if s.pages and s not in unwanted and s.adapter != keep]
-        return unwanted + wanted
+
+def kv_victims(slots: SlotTable, wanted: Collection[AdapterRef | None],
+               popularity: Callable[[AdapterRef], float], wanted_too: bool,
+               keep: AdapterRef | None = None) -> list[Slot]:
+    """Adapters KV may take pages back from, the first to go first: those nobody waits for
+    (not `wanted`), then, with `wanted_too`, those queued requests wait for but nothing runs (a
+    running sequence growing, or the request admission stops at: rather a reload later than a
+    sequence recomputed, or work that could never start). Never `keep`."""
+    unwanted = [s for s in slots.evictable(wanted, popularity) if s.pages and s.adapter != keep]
+    if not wanted_too:
+        return unwanted
+    others = [s for s in slots.evictable((), popularity)
+              if s.pages and s not in unwanted and s.adapter != keep]
+    return unwanted + others

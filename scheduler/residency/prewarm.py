@@ -4,9 +4,11 @@ import asyncio
 
 from common.adapter_ref import AdapterRef
 from scheduler.executor_state import ExecutorState
+from scheduler.residency.residency import Residency
 
 
-def loads_done(executors: list[ExecutorState], adapter: AdapterRef) -> asyncio.Future[list[str]]:
+def loads_done(residency: Residency, executors: list[ExecutorState],
+               adapter: AdapterRef) -> asyncio.Future[list[str]]:
     """A future of the addresses among `executors` where `adapter` did not load, resolved (by the
     core's on_load_done, or the executor's loss) once none of them is loading it any more."""
     done: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
@@ -21,7 +23,7 @@ def loads_done(executors: list[ExecutorState], adapter: AdapterRef) -> asyncio.F
             done.set_result(failed)
 
     for ex in executors:
-        ex.slots.when_loaded(adapter, lambda is_ready, ex=ex: on_loaded(ex, is_ready))
+        residency.of(ex).when_loaded(adapter, lambda is_ready, ex=ex: on_loaded(ex, is_ready))
     if not executors:
         done.set_result([])
     return done

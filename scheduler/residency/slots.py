@@ -21,9 +21,10 @@ the slot leaves LOADING: READY, or cleared (the load or its staging failed, the 
 away).
 """
 
+import collections
 import enum
 import itertools
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from common.adapter_ref import AdapterRef
@@ -56,6 +57,19 @@ class Slot:
     evicted_pages: tuple[int, ...] = ()  # the pages of the adapter its last placement replaced
 
 
+@dataclass(frozen=True)
+class SlotStats:
+    """A slot as the Stats RPC reports it."""
+
+    adapter: AdapterRef | None
+    state: SlotState
+    pins: int
+    is_admin_pinned: bool
+    reserved_for: AdapterRef | None
+    num_pages: int = 0
+    pages: tuple[int, ...] = ()  # (the KV blocks its adapter's weights are in)
+
+
 @dataclass
 class Staged:
     """An adapter whose bytes are being fetched onto the executor's host, or are there (checked
@@ -75,14 +89,15 @@ class SlotTable:
         # adapter -> callbacks told whether its load ended READY
         self._waiters: dict[AdapterRef, list[Callable[[bool], None]]] = {}
         self._pins_promised: set[AdapterRef] = set()  # pinned by an operator once loaded
+        # (seq id, slot index, last step) of sequences that left the running set while steps
+        # with their rows were in flight: their slots stay pinned until those are answered
+        # (loads are not ordered with steps: an adapter loaded into the slot meanwhile would be
+        # read by them).
+        self._unpin_later: list[tuple[int, int, int]] = []
 
     def find(self, adapter: AdapterRef) -> Slot | None:
         """The slot holding or loading `adapter`, if any."""
         return self._by_adapter.get(adapter)
-
-    def can_place(self, adapter: AdapterRef, wanted: Collection[AdapterRef | None] = frozenset()
-                  ) -> bool:
-        return self._victim(adapter, wanted) is not None
 
     def victim(self, adapter: AdapterRef, wanted: Collection[AdapterRef | None] = frozenset(),
                popularity: Callable[[AdapterRef], float] | None = None) -> Slot | None:
@@ -183,6 +198,15 @@ class SlotTable:
             if slot.reserved_for and slot.reserved_for not in wanted:
                 slot.reserved_for = None
 
+    def pin_by_operator(self, adapter: AdapterRef) -> None:
+        """An operator pinned `adapter`: LRU never takes its slot back (once it is loaded, when
+        no slot holds it yet: its bytes are being staged)."""
+        slot = self.find(adapter)
+        if slot is not None:
+            self.pin_by_admin(slot)
+        else:
+            self.pin_by_admin_when_loaded(adapter)
+
     def pin_by_admin(self, slot: Slot) -> None:
         """An operator pinned it (pre-warm with pin): only an operator's eviction frees it."""
         slot.is_admin_pinned = True
@@ -258,6 +282,7 @@ class SlotTable:
 
     def reset(self) -> None:
         """Forget everything (the executor went away)."""
+        self._unpin_later.clear()
         for slot in self.slots:
             slot.pins = 0
             self.clear(slot)
@@ -277,6 +302,61 @@ class SlotTable:
             raise RuntimeError(f"slot {slot.index} unpinned more often than pinned")
         slot.pins -= 1
         slot.last_used = next(self._clock)
+
+    def unpin_after(self, seq_id: int, index: int, last_step: int, answered: int) -> None:
+        """Sequence `seq_id` left the running set: slot `index` is unpinned once no step in
+        flight has its rows (once `last_step`, its last, is answered; `answered` is now)."""
+        if last_step > answered:
+            self._unpin_later.append((seq_id, index, last_step))
+        else:
+            self.unpin(self.slots[index])
+
+    def answered(self, answered: int) -> None:
+        """Every step up to `answered` is answered: the slots of sequences that left before are
+        free of them (in the order they left)."""
+        if not self._unpin_later:
+            return
+        done = [entry for entry in self._unpin_later if entry[2] <= answered]
+        self._unpin_later = [entry for entry in self._unpin_later if entry[2] > answered]
+        for _, index, _ in done:
+            self.unpin(self.slots[index])
+
+    def stats(self) -> tuple[SlotStats, ...]:
+        return tuple(SlotStats(s.adapter, s.state, s.pins, s.is_admin_pinned, s.reserved_for,
+                               len(s.pages), s.pages) for s in self.slots)
+
+    def check(self, where: str, pins: Mapping[int, int], answered: int,
+              running: Collection[int], num_pages: Callable[[AdapterRef], int] | None,
+              num_page_blocks: int) -> None:
+        """Assert the table's bookkeeping (tests, the simulator): each slot pinned as `pins`
+        says (running sequences and merges) and by its deferred unpins (each of a sequence no
+        longer `running`, for a step after `answered`), only READY ones pinned, an adapter in
+        one slot (indexed), a page in one slot, each adapter in its `num_pages` (None: no
+        pages), and as many pages in slots as the blocks hold (`num_page_blocks`)."""
+        pins = collections.Counter(pins)
+        for seq_id, index, last_step in self._unpin_later:
+            assert last_step > answered and seq_id not in running, \
+                f"{where}: seq {seq_id} kept its slot pinned for no step"
+            pins[index] += 1
+        held = collections.Counter(s.adapter for s in self.slots
+                                   if s.adapter and s.state is not SlotState.CLEANING)
+        assert all(n == 1 for n in held.values()), f"{where}: an adapter in two slots: {held}"
+        pages: collections.Counter[int] = collections.Counter()
+        for slot in self.slots:
+            what = f"{where}: slot {slot.index}"
+            assert slot.pins == pins[slot.index], f"{what} pins {slot.pins} != {pins[slot.index]}"
+            assert slot.pins == 0 or slot.state is SlotState.READY, f"{what} pinned unready"
+            assert (slot.state is SlotState.EMPTY) == (not slot.adapter), f"{what} state"
+            if slot.adapter and slot.state is not SlotState.CLEANING:
+                assert self.find(slot.adapter) is slot, f"{what}: index of {slot.adapter} stale"
+                if num_pages is not None:
+                    assert len(slot.pages) == num_pages(slot.adapter), \
+                        f"{what}: {slot.adapter} in {len(slot.pages)} pages, it needs " \
+                        f"{num_pages(slot.adapter)}"
+            pages.update(slot.pages)
+        assert all(n == 1 for n in pages.values()), f"{where}: a page in two slots"
+        assert len(pages) == num_page_blocks, \
+            f"{where}: {num_page_blocks} blocks are pages, slots hold {len(pages)}"
 
     def _victim(self, adapter: AdapterRef, wanted: Collection[AdapterRef | None],
                 popularity: Callable[[AdapterRef], float] | None = None) -> Slot | None:

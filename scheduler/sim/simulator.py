@@ -9,6 +9,7 @@ clock tick (`expire`: deadlines, backoffs, staged bytes' lifetime, merges) runs 
 it, as the engine's does.
 """
 
+import functools
 import heapq
 import itertools
 import random
@@ -20,13 +21,12 @@ from common.detokenizer import OutputProcessor
 from common.peft.modules import LORA_MODULES
 from common.sampling import SamplingParams
 from scheduler.core import Scheduler
-from scheduler.executor_state import ExecutorState
+from scheduler.executor_state import ExecutorShape, ExecutorState
 from scheduler.fairness import FairnessWeights, spread_bound
-from scheduler.request import ErrorEvent, FinishEvent, Request
-from scheduler.residency.slots import SlotTable
+from scheduler.request import Ask, ErrorEvent, FinishEvent, Request
+from scheduler.residency.hooks import Load
 from scheduler.sim.belady import belady_hits, lru_hits, pinned_belady_hits
 from scheduler.sim.config import SimConfig
-from scheduler.steps.block_manager import BlockManager
 from scheduler.steps.sequence import NO_SAMPLES, Sample, Samples, StepPlan
 
 ARRIVAL, STEP_DONE, LOAD_DONE, STAGE_DONE, TICK = 0, 1, 2, 3, 4
@@ -67,10 +67,8 @@ class Simulator:
         weights = dict(zip((f"t{i}" for i in range(c.tenants.count)), c.tenants.weights or ()))
         geometry = c.executors.geometry()
         page_bytes = geometry.page_elems * 2 if geometry else 0  # (bf16)
-        self.executors = [
-            ExecutorState(f"ex{i}", BlockManager(c.executors.kv_blocks, c.executors.block_size),
-                          SlotTable(c.executors.slots), geometry=geometry, page_bytes=page_bytes)
-            for i in range(c.executors.count)]
+        shape = ExecutorShape(c.executors.kv_blocks, c.executors.block_size, c.executors.slots,
+                              geometry, page_bytes)
         # Each adapter's rank: drawn once, apart from the arrivals (the same mix in every run).
         a = c.adapters
         self._ranks = (random.Random(c.seed + 1).choices(a.ranks, a.rank_shares, k=a.count)
@@ -78,9 +76,12 @@ class Simulator:
         # Simulated prompts are placeholders ([1] * length): a prefix cache would find them all
         # alike. Prefix caching is not modelled.
         limits = replace(c.limits, prefix_cache="off")
-        self.core = Scheduler(self.executors, FairnessWeights(tenant_weights=weights), limits,
+        self.core = Scheduler(FairnessWeights(tenant_weights=weights), limits,
                               start_load=self._start_load, wake=lambda: None,
                               clock=lambda: self.now, start_stage=self._start_stage)
+        self.executors = [self.core.add_executor(f"ex{i}", shape)
+                          for i in range(c.executors.count)]
+        self._requests: dict[int, Request] = {}  # submitted, not ended: by serial
         self._busy: set[int] = set()
         self._load_free_at = [0.0] * len(self.executors)
         self._adapter_weights = [1.0 / (k + 1) ** c.adapters.zipf_s
@@ -132,22 +133,25 @@ class Simulator:
             t = start + (t - self.now) % on
         return t
 
-    def _arrive(self, request_id: int) -> None:
+    def _arrive(self, serial: int) -> None:
         k, adapter, num_bytes = self._adapter()
         tenant = f"t{k % self.cfg.tenants.count}"
         lengths = self.cfg.lengths
-        prompt = [1] * self._length(lengths.prompt_mean, lengths.prompt_max)
+        prompt = (1,) * self._length(lengths.prompt_mean, lengths.prompt_max)
         max_new = self._length(lengths.output_mean, lengths.output_max)
         output = OutputProcessor(None, max_new_tokens=max_new)
-        req = Request(request_id, tenant, adapter, num_bytes, prompt, SamplingParams(), output,
-                      lambda e: None, adapter_ranks=self._adapter_ranks(k))
-        req.emit = lambda event, req=req: self._on_event(req, event)
+        ask = Ask(tenant, adapter, num_bytes, prompt, SamplingParams(),
+                  adapter_ranks=self._adapter_ranks(k))
+        req = self._requests[serial] = Request(serial, ask, output,
+                                               functools.partial(self._on_event, serial))
         self._live += 1
         self.core.submit(req)
 
-    def _on_event(self, req: Request, event) -> None:
-        r = self.results[req.tenant]
+    def _on_event(self, serial: int, event) -> None:
+        req = self._requests[serial]
+        r = self.results[req.ask.tenant]
         if isinstance(event, FinishEvent):
+            del self._requests[serial]
             r.requests += 1
             r.tokens += req.output.num_tokens
             r.ttft.append(req.first_token_at - req.arrival)
@@ -155,16 +159,17 @@ class Simulator:
             r.wait.append(req.admitted_at - req.arrival)
             self._live -= 1
         elif isinstance(event, ErrorEvent):
+            del self._requests[serial]
             r.refused += 1
             self._live -= 1
 
     # ---- executors --------------------------------------------------------------------------
-    def _start_load(self, ex: ExecutorState, slot) -> None:
+    def _start_load(self, ex: ExecutorState, load: Load) -> None:
         """A load fetches the bytes (load latency + bytes / bandwidth, one fetch at a time per
         executor) unless they are staged already: then it only copies (taken as free)."""
-        num_bytes = slot.num_bytes
-        seconds = 0.0 if slot.is_from_staged else self._fetch(ex, num_bytes)
-        self._push(self.now + seconds, LOAD_DONE, (ex, slot, slot.adapter, num_bytes, seconds))
+        num_bytes = load.num_bytes
+        seconds = 0.0 if load.is_from_staged else self._fetch(ex, num_bytes)
+        self._push(self.now + seconds, LOAD_DONE, (ex, load, num_bytes, seconds))
 
     def _start_stage(self, ex: ExecutorState, adapter, num_bytes: int) -> None:
         seconds = self._fetch(ex, num_bytes)
@@ -186,10 +191,10 @@ class Simulator:
             self._record_ends(i)  # preempted ones
             started = {seq.seq_id for seq in plan.new}
             for row in plan.rows:
-                seq = row.seq
-                if seq.seq_id in started and seq.request.adapter:
-                    self.trace[ex.address].append(("+", seq.request.adapter, seq.seq_id))
-                    self._pinning[i][seq.seq_id] = seq.request.adapter
+                seq, adapter = row.seq, row.seq.request.ask.adapter
+                if seq.seq_id in started and adapter:
+                    self.trace[ex.address].append(("+", adapter, seq.seq_id))
+                    self._pinning[i][seq.seq_id] = adapter
             if not plan:
                 if plan.needs_sending:  # a merge, an unmerge or frees only: answered at once
                     self.core.on_step_done(ex, plan, NO_SAMPLES, 0.0)
@@ -201,10 +206,10 @@ class Simulator:
     def _step_seconds(self, ex: ExecutorState, plan: StepPlan) -> float:
         """The cost model's time for a step; an adapter merged into ex costs no LoRA work."""
         c = self.cfg.cost
-        merged = ex.merge.merged_slot.adapter if ex.merge.merged_slot else None
+        merged = self.core.merges.merged_adapter(ex)
         lora_rows = [row for row in plan.rows
-                     if row.seq.request.adapter and row.seq.request.adapter != merged]
-        adapters = {row.seq.request.adapter for row in lora_rows}
+                     if row.seq.request.ask.adapter and row.seq.request.ask.adapter != merged]
+        adapters = {row.seq.request.ask.adapter for row in lora_rows}
         return (c.step_base_s + c.step_per_token_s * plan.num_tokens
                 + c.step_per_adapter_s * len(adapters)
                 + c.step_per_lora_token_s * sum(row.num_tokens for row in lora_rows))
@@ -218,7 +223,8 @@ class Simulator:
     def _record_ends(self, i: int) -> None:
         """Trace the ends of executor i's sequences that left its running set."""
         ex, pinning = self.executors[i], self._pinning[i]
-        for seq_id in [s for s in pinning if s not in ex.running]:
+        running = self.core.steps_of(ex).running
+        for seq_id in [s for s in pinning if s not in running]:
             self.trace[ex.address].append(("-", pinning.pop(seq_id), seq_id))
 
     def _push(self, when: float, kind: int, payload) -> None:
@@ -250,7 +256,8 @@ class Simulator:
                 if self._events:  # (while anything else is to happen)
                     self._push(self.now + TICK_S, TICK, None)
             else:
-                self.core.on_load_done(*payload[:3], None, *payload[3:])
+                ex, load, num_bytes, seconds = payload
+                self.core.on_load_done(ex, load, None, num_bytes, seconds)
             self._try_steps()
             handled += 1
             if handled % 64 == 0:
@@ -271,7 +278,8 @@ class Simulator:
         bound = spread_bound(self.core.fair.weights, cfg.limits.fairness_window,
                              cfg.lengths.prompt_max, max_load_tokens, running_output)
         return SimResult(self.now, dict(self.results), sum(map(len, accesses)),
-                         sum(ex.counters.adapter_loads for ex in self.executors), opt,
+                         sum(self.core.residency.of(ex).counters().loads
+                             for ex in self.executors), opt,
                          pinned_opt, lru,
                          self.max_gap, bound, self._live)
 

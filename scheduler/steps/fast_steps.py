@@ -64,7 +64,7 @@ class FastSequence(Sequence):
         """Set quiet_below after a sample went the long way or publish() moved publish_at."""
         req = self.request
         if self.sink is not None and req.output.is_ids_only and req.first_token_at is not None \
-                and not req.sampling.top_logprobs:  # (alternatives go the long way)
+                and not req.ask.sampling.top_logprobs:  # (alternatives go the long way)
             self.quiet_below = min(self.publish_at, self.max_tokens) - 1
 
 
@@ -105,10 +105,6 @@ class FastSteps(StepBuilder):
             return seq.num_computed, seq.num_known, seq.last_step
         moved = self.cohort.steps - seq.joined_at
         return seq.num_computed + moved, seq.num_known + moved, self.cohort.steps
-
-    def is_in_flight(self, seq: FastSequence) -> bool:
-        last_step = seq.last_step if seq.cohort is None else self.cohort.steps
-        return last_step > self.steps_answered
 
     def plan(self, blocks: BlockManager, budget: int, admit: Admit,
              make_room: MakeRoom) -> StepPlan:

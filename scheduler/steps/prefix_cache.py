@@ -41,6 +41,14 @@ def cache_key(scope: str, tenant: str, adapter: AdapterRef | None, salt: str) ->
                            person=b"loraplex-kv").digest()
 
 
+def name_blocks(req: Request, scope: str) -> None:
+    """Give a request just submitted the key its blocks are named under (`scope`: the pool's
+    prefix_cache; "off": none, nothing cached)."""
+    if scope != "off":
+        ask = req.ask
+        req.cache_key = cache_key(scope, ask.tenant, ask.adapter, ask.cache_salt)
+
+
 def extend_hashes(hashes: list[bytes], key: bytes, token_ids: list[int], block_size: int) -> None:
     """Append to `hashes` the hash of every full block of `token_ids` it lacks."""
     previous = hashes[-1] if hashes else key

@@ -11,7 +11,6 @@ from types import MappingProxyType
 from typing import NamedTuple
 
 from scheduler.request import Request, SampleExtras
-from scheduler.residency.slots import Slot
 
 
 @dataclass(eq=False, slots=True)
@@ -24,7 +23,7 @@ class Sequence:
 
     seq_id: int
     request: Request
-    slot: Slot | None
+    slot_index: int  # its adapter's slot (residency's), -1 on the base model: rows sort by it
     token_ids: list[int]  # its prompt and every token sampled, as far as answers came back
     num_computed: int = 0  # tokens whose KV the executor computes in the steps sent so far
     # Its tokens once the steps in flight are answered: token_ids and the samples they bring
@@ -38,16 +37,14 @@ class Sequence:
     capacity: int = 0  # tokens its KV blocks hold
     # publish() is asked again once its computed and known tokens both reach this (0: at once).
     publish_at: int = 0
-    slot_index: int = field(init=False)  # its slot's index, -1 on the base model: rows sort by it
     # Its run ends once it has this many tokens: its request is done (prompt and max_new_tokens
     # outputs), or, for a longrope model's short run, it outgrew the switch and is recomputed
     # (longrope.py: run_end).
     max_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.slot_index = -1 if self.slot is None else self.slot.index
         req = self.request
-        self.max_tokens = len(req.prompt_ids) + req.output.max_new_tokens
+        self.max_tokens = len(req.ask.prompt_ids) + req.output.max_new_tokens
         self.num_known = len(self.token_ids)
 
     def hold(self, capacity: int) -> None:

@@ -26,7 +26,9 @@ max_tokens: its request's end, or a longrope model's switch (longrope.py), where
 does not finish its request ends its run (the scheduler's `run_end`: it recomputes it).
 
 The builder is the only writer of its sequences' fields and of its running set; the scheduler
-(core.py) calls `start`, `release`, `plan`, `answered` and `take`.
+(core.py) keeps one per executor and calls `start`, `release`, `plan`, `answered` and `take`.
+What the other managers need of the running set they ask of it: `blocks_to_grow` (residency: the
+KV the running sequences will still take), `runs_only` (merging), `running` (admission).
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 
+from common.adapter_ref import AdapterRef
 from common.detokenizer import Finish
 from scheduler.request import Request
-from scheduler.residency.slots import Slot
 from scheduler.steps.block_manager import BlockManager
 from scheduler.steps.sequence import NO_EXTRAS, SampleExtras, ScheduledRow, Sequence, StepPlan
 
@@ -64,14 +66,14 @@ class StepBuilder(ABC):
         return len(self.running)
 
     # ---- the running set --------------------------------------------------------------------
-    def start(self, seq_id: int, req: Request, slot: Slot | None, tokens: list[int],
+    def start(self, seq_id: int, req: Request, slot_index: int, tokens: list[int],
               table: list[int], num_hits: int, blocks: BlockManager, budget: int,
               max_tokens: int) -> ScheduledRow:
-        """Run `req` as `seq_id` with the block table `table`, its first `num_hits` blocks found
-        in the prefix cache, up to `max_tokens` tokens (longrope.py: run_end): its first row, of
-        at most `budget` tokens."""
+        """Run `req` as `seq_id` in its adapter's slot `slot_index` (-1: the base model) with the
+        block table `table`, its first `num_hits` blocks found in the prefix cache, up to
+        `max_tokens` tokens (longrope.py: run_end): its first row, of at most `budget` tokens."""
         cached = num_hits * blocks.block_size
-        seq = self._sequence(seq_id, req, slot, list(tokens), num_computed=cached,
+        seq = self._sequence(seq_id, req, slot_index, list(tokens), num_computed=cached,
                              num_cached=cached, num_published=num_hits)
         seq.max_tokens = max_tokens
         seq.hold(len(table) * blocks.block_size)
@@ -80,19 +82,28 @@ class StepBuilder(ABC):
         n = min(len(tokens) - cached, budget)
         return ScheduledRow(seq, n, table, samples=cached + n == len(tokens))
 
-    def release(self, seq: Sequence) -> None:
-        """`seq` runs here no more (its counters current from now on)."""
+    def release(self, seq: Sequence) -> int:
+        """`seq` runs here no more (its counters current from now on). The last plan with a row
+        of it (0: none was sent): until that is answered, a step in flight reads its blocks and
+        its adapter's slot."""
         del self.running[seq.seq_id]
         self._left(seq)
-        if seq.is_sent:
-            self.pending_frees.append(seq.seq_id)
-
-    def is_in_flight(self, seq: Sequence) -> bool:
-        """A step sent with a row of `seq` (released, or in no cohort) is not answered yet."""
-        return seq.last_step > self.steps_answered
+        if not seq.is_sent:
+            return 0
+        self.pending_frees.append(seq.seq_id)
+        return seq.last_step
 
     def answered(self, step: int) -> None:
         self.steps_answered = max(self.steps_answered, step)
+
+    def runs_only(self, adapter: AdapterRef | None) -> bool:
+        """Every running sequence is of `adapter`."""
+        return all(seq.request.ask.adapter == adapter for seq in self.running.values())
+
+    def blocks_to_grow(self, block_size: int) -> int:
+        """Blocks the running sequences will still take, each up to its max_tokens."""
+        return sum(-(-seq.max_tokens // block_size) - seq.capacity // block_size
+                   for seq in self.running.values())
 
     def counters(self, seq: Sequence) -> tuple[int, int, int]:
         """A running sequence's (num_computed, num_known, last_step) now."""

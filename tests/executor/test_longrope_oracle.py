@@ -26,7 +26,7 @@ from executor.step_request import run_step, step_rows
 from loraplex import fixtures
 from scheduler.executor_link import step_request
 from scheduler.limits import Limits
-from scheduler.request import Request, TokenEvent
+from scheduler.request import Ask, Request, TokenEvent
 from scheduler.sim.invariants import check_invariants
 from scheduler.steps.sequence import Sample, Samples
 from tests.executor.test_tensor_parallel_oracle import TP_ATOL
@@ -148,9 +148,9 @@ def test_the_oracle_sees_the_long_factors_and_the_recompute(longrope):
 def _submit(w: World, prompt: list[int], adapter: str, max_new: int) -> Request:
     rid = next(w._ids)
     w.events[rid] = []
-    req = Request(rid, "t", ref(adapter) if adapter else None, 2**20, list(prompt),
-                  SamplingParams(), OutputProcessor(None, max_new_tokens=max_new),
-                  w.events[rid].append, adapter_ranks={"qkv_proj": 8, "o_proj": 8})
+    ask = Ask("t", ref(adapter) if adapter else None, 2**20, tuple(prompt), SamplingParams(),
+              adapter_ranks={"qkv_proj": 8, "o_proj": 8})
+    req = Request(rid, ask, OutputProcessor(None, max_new_tokens=max_new), w.events[rid].append)
     w.core.submit(req)
     w.requests.append(req)
     return req
@@ -174,7 +174,7 @@ def _serve(w: World, runner: ModelRunner, folder) -> None:
 
 
 def _tokens(w: World, req: Request) -> list[int]:
-    return [e.token_id for e in w.events[req.request_id] if isinstance(e, TokenEvent)]
+    return [e.token_id for e in w.events[req.serial] if isinstance(e, TokenEvent)]
 
 
 def test_through_the_scheduler_a_crossing_run_is_recomputed_and_kinds_share_no_blocks(longrope):
@@ -197,7 +197,7 @@ def test_through_the_scheduler_a_crossing_run_is_recomputed_and_kinds_share_no_b
     again = _submit(w, ACROSS, "attn@1", 6)  # short: within the switch all along
     longer = _submit(w, ACROSS + generated[:16], "attn@1", 6)  # 36 tokens: long
     _serve(w, runner, folder)
-    assert again.cached_prompt_tokens == 16 and not again.runs_long
-    assert longer.cached_prompt_tokens == 32 and longer.runs_long
+    assert again.charges.cached_prompt_tokens == 16 and not again.runs_long
+    assert longer.charges.cached_prompt_tokens == 32 and longer.runs_long
     assert _tokens(w, again) == generated[:6]
     assert _tokens(w, longer) == hf_generate(hf, ACROSS + generated[:16], 6, "attn")[0]

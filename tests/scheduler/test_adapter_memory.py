@@ -9,7 +9,7 @@ from common.adapter_pages import PageGeometry, plan_pages
 from common.errors import InvalidArgument
 from scheduler.limits import Limits
 from scheduler.request import ErrorEvent, Status
-from scheduler.residency.slots import SlotState
+from scheduler.residency.slots import SlotState, SlotTable
 from scheduler.steps.block_manager import BlockManager
 from tests.scheduler.sched_world import World, ref
 
@@ -33,7 +33,7 @@ def test_adapters_take_pages_in_proportion_to_their_ranks():
         w.request(adapter=name, ranks=qv(rank))
     w.run()
     ex = w.executors[0]
-    held = {s.adapter: len(s.pages) for s in ex.slots.slots if s.adapter}
+    held = {s.adapter: s.num_pages for s in w.slots() if s.adapter}
     assert held == {ref("r1@1"): pages(qv(1)), ref("r8@1"): pages(qv(8)),
                     ref("r32@1"): pages(qv(32))}
     assert held[ref("r1@1")] < held[ref("r8@1")] and \
@@ -87,14 +87,12 @@ def test_a_running_adapter_keeps_its_pages_under_kv_pressure():
     a = w.request(adapter="a@1", ranks=qv(16), prompt_len=3, max_new=60)
     w.complete_loads()
     w.step()
-    ex = w.executors[0]
-    slot = ex.slots.find(ref("a@1"))
-    a_pages = slot.pages
+    a_pages = w.slot("a@1").pages
     others = [w.request(prompt_len=20, max_new=10) for _ in range(3)]
     for _ in range(40):
         w.step()
         if a.status is Status.RUNNING:
-            assert ex.slots.find(ref("a@1")).pages == a_pages
+            assert w.slot("a@1").pages == a_pages
     w.run()
     assert w.finished(a) and all(w.finished(r) for r in others)
 
@@ -119,10 +117,9 @@ def test_a_load_that_cannot_find_pages_waits_and_takes_no_running_sequences_bloc
     runners = [w.request(prompt_len=10, max_new=10) for _ in range(2)]  # 2 x 5 blocks at the end
     w.step()
     cold = w.request(adapter="c@1", ranks=qv(8))  # 4 pages: not free while they run
-    ex = w.executors[0]
     while any(r.status is Status.RUNNING for r in runners):
         w.complete_loads()
-        assert ex.slots.find(ref("c@1")) is None, "its pages were taken from the runners' KV"
+        assert w.slot("c@1") is None, "its pages were taken from the runners' KV"
         w.step()
     assert all(r.queued_since == r.arrival for r in runners), "a runner was preempted"
     w.run()
@@ -140,14 +137,15 @@ def test_a_staged_adapter_that_needs_most_blocks_takes_the_slot_whose_pages_it_c
         w.request(adapter=name, ranks=qv(rank), prompt_len=2, max_new=1)
         w.run()
     ex = w.executors[0]
-    assert ex.blocks.num_pages == pages(qv(16)) + 2 * pages(qv(32)) and not ex.slots.has_empty()
+    assert ex.blocks.num_pages == pages(qv(16)) + 2 * pages(qv(32))
+    assert all(s.state is not SlotState.EMPTY for s in w.slots())
     big = w.request(adapter="big@1", ranks=qv(64), prompt_len=2, max_new=1)
     w.run()
     assert w.finished(big)
-    held = {s.adapter: len(s.pages) for s in ex.slots.slots if s.adapter}
+    held = {s.adapter: s.num_pages for s in w.slots() if s.adapter}
     assert held[ref("big@1")] == pages(qv(64)) == 28
     assert ex.blocks.num_pages == sum(held.values())
-    assert not any(s.state is SlotState.LOADING for s in ex.slots.slots)
+    assert not any(s.state is SlotState.LOADING for s in w.slots())
 
 
 @pytest.mark.parametrize("ends", ["staging", "load"])
@@ -164,24 +162,24 @@ def test_a_bug_while_an_adapter_comes_in_leaves_nothing_half_done(monkeypatch, c
             w.request(adapter=name, ranks=qv(8), prompt_len=2, max_new=1)
             w.run()
     waiting = w.request(adapter="c@1", ranks=qv(8), prompt_len=2, max_new=1)
-    owner, name = ((w.core.residency, "_start_load") if ends == "staging"
-                   else (ex.slots, "mark_ready"))
+    owner, name = (w, "_load") if ends == "staging" else (SlotTable, "mark_ready")
     monkeypatch.setattr(owner, name, lambda *a: 1 / 0)
     w.complete_loads()
     assert [r.levelname for r in caplog.records if "this is a bug" in r.getMessage()] == ["ERROR"]
     (event,) = error_events(w, waiting)
     assert event.error.code is grpc.StatusCode.INTERNAL and "this is a bug" in str(event.error)
-    assert ex.slots.find(ref("c@1")) is None and ex.slots.staged(ref("c@1")) is None
-    assert not ex.slots.is_bringing_in() and ref("c@1") not in ex.fetching_since
-    assert ex.blocks.num_pages == sum(len(s.pages) for s in ex.slots.slots)
+    part = w.core.residency.of(ex)
+    assert w.slot("c@1") is None and not part.is_staged(ref("c@1"))
+    assert not part.is_bringing_in() and part.fetching_since(ref("c@1")) is None
+    assert ex.blocks.num_pages == sum(s.num_pages for s in w.slots())
     monkeypatch.undo()
     again = w.request(adapter="c@1", ranks=qv(8), prompt_len=2, max_new=1)
     w.run()
-    assert w.finished(again) and ex.slots.find(ref("c@1")).state is SlotState.READY
+    assert w.finished(again) and w.slot("c@1").state is SlotState.READY
 
 
 def error_events(w: World, req) -> list:
-    return [e for e in w.events[req.request_id] if isinstance(e, ErrorEvent)]
+    return [e for e in w.events[req.serial] if isinstance(e, ErrorEvent)]
 
 
 def test_a_failed_load_keeps_its_pages_until_the_executor_answers_its_unload():
@@ -190,14 +188,13 @@ def test_a_failed_load_keeps_its_pages_until_the_executor_answers_its_unload():
     w = World(num_slots=2, num_blocks=40, geometry=GEOMETRY)
     answers = []
     w._unload = lambda ex, slot, adapter, done=None: answers.append(done)
-    w.core.residency._start_unload = w._unload
     w.request(adapter="a@1", ranks=qv(16))
     ex = w.executors[0]
     w.complete_loads(error=InvalidArgument("bad shapes"))
-    (slot,) = [s for s in ex.slots.slots if s.state is SlotState.CLEANING]
-    assert ex.blocks.num_pages == pages(qv(16)) and ex.slots.find(ref("a@1")) is None
+    (index,) = [i for i, s in enumerate(w.slots()) if s.state is SlotState.CLEANING]
+    assert ex.blocks.num_pages == pages(qv(16)) and w.slot("a@1") is None
     answers[-1](True)
-    assert slot.state is SlotState.EMPTY and ex.blocks.num_pages == 0
+    assert w.slots()[index].state is SlotState.EMPTY and ex.blocks.num_pages == 0
 
 
 def test_blocks_a_sequence_left_become_pages_only_once_its_steps_are_answered():

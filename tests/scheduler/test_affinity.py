@@ -30,11 +30,11 @@ def waits_under_pressure(limits: Limits, num_steps: int) -> tuple[list[float], R
     colds: list[Request] = []
     b_next = 0
     for i in range(num_steps):
-        while w.executors[0].queue.queued("a") - sum(r.status is Status.QUEUED for r in colds) < 2:
+        while w.queue().queued("a") - sum(r.status is Status.QUEUED for r in colds) < 2:
             w.request("a", "h@1", prompt_len=4, max_new=HOT_LEN)
         if i % 40 == 5 and i < num_steps - 100:  # (the last has 10 s to be served)
             colds.append(w.request("a", f"cold{i}@1", prompt_len=4, max_new=COLD_LEN))
-        if not w.executors[0].queue.queued("b"):
+        if not w.queue().queued("b"):
             w.request("b", f"new{b_next}@1", prompt_len=4, max_new=COLD_LEN)
             b_next += 1
         w.complete_loads()
@@ -71,16 +71,16 @@ def test_a_slot_drains_for_a_request_once_it_has_waited_the_bound_not_before():
     w.complete_loads()
     w.step()
     cold = w.request("a", "cold@1", prompt_len=4, max_new=2)
-    slots = w.executors[0].slots.slots
     while w.now - cold.arrival < 1.9:
         w.complete_loads()
         w.now += TICK_S - 0.01
         w.step()
-    assert not any(s.reserved_for for s in slots)
+    assert not any(s.reserved_for for s in w.slots())
     for _ in range(2):
         w.now += TICK_S - 0.01
         w.step()
-    assert [s.reserved_for for s in slots].count(cold.adapter) == 1, "past 2 s a slot drains"
+    assert [s.reserved_for for s in w.slots()].count(cold.ask.adapter) == 1, \
+        "past 2 s a slot drains"
 
 
 def test_affinity_prefers_a_running_adapter_but_not_past_its_wait():

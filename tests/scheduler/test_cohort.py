@@ -84,7 +84,8 @@ def test_the_cohort_plans_most_rows_of_steady_decode():
     for _ in range(100):
         plan = w.core.schedule(ex)
         rows += len(plan.rows)
-        members += sum(row.seq.cohort is ex.steps.cohort and row.seq.joined_at < plan.step
+        members += sum(row.seq.cohort is w.core.steps_of(ex).cohort
+                       and row.seq.joined_at < plan.step
                        for row in plan.rows)  # (planned as members: not joining just now)
         w.core.on_step_done(ex, plan, Samples.of(
             Sample(row.seq.seq_id, 7, -0.1) for row in plan.rows if row.samples))
@@ -99,7 +100,7 @@ def test_steps_whose_budget_holds_fewer_rows_than_run_complete_every_request():
                                20: [("t0", 3, 9)] * 4})
     assert all(sum(n for _, n, _, _ in rows) <= 8 for rows, _, _ in plans)
     assert [len(r.output.token_ids) for r in w.requests] == [12 + i for i in range(12)] + [9] * 4
-    assert not w.executors[0].running and not w.executors[0].steps.cohort.members
+    assert not w.running() and not w.core.steps_of(w.executors[0]).cohort.members
 
 
 def test_a_sequence_out_of_the_cohort_is_planned_before_a_newer_prompt():

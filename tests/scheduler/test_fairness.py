@@ -14,7 +14,7 @@ def backlogged_spread(w: World) -> float:
 
 
 def keep_backlogged(w: World, tenant: str, depth: int, **kw) -> None:
-    queued = sum(1 for r in w.requests if r.tenant == tenant and r.status is Status.QUEUED)
+    queued = sum(1 for r in w.requests if r.ask.tenant == tenant and r.status is Status.QUEUED)
     for _ in range(depth - queued):
         w.request(tenant, **kw)
 
@@ -51,10 +51,10 @@ def test_tenant_cycling_cold_adapters_pays_for_its_loads_and_gets_no_more_than_i
         w.step()
     for req in w.requests:
         if req.admitted_at is not None:
-            tokens[req.tenant] += len(req.prompt_ids) + req.output.num_tokens
-    loads_caused = sum(r.caused_load for r in w.requests if r.tenant == "cold")
-    token_charges = sum(len(r.prompt_ids) + 2 * r.output.num_tokens
-                        for r in w.requests if r.tenant == "cold" and r.admitted_at is not None)
+            tokens[req.ask.tenant] += len(req.ask.prompt_ids) + req.output.num_tokens
+    loads_caused = sum(r.charges.caused_load for r in w.requests if r.ask.tenant == "cold")
+    token_charges = sum(len(r.ask.prompt_ids) + 2 * r.output.num_tokens
+                        for r in w.requests if r.ask.tenant == "cold" and r.admitted_at is not None)
     assert loads_caused > 10
     assert w.core.fair.counter("cold") > token_charges, "its loads are on its bill"
     assert tokens["cold"] <= tokens["hot"], tokens
@@ -114,7 +114,7 @@ def test_an_idle_executor_is_not_held_by_the_window_for_an_adapter_that_cannot_g
     w.complete_loads()
     w.step()  # a's two run: a is ~150 ahead of b
     w.core.on_executor_lost(ex)  # it reconnects: a's requests, routed first, load x and y
-    w.core.add_executor(ex)
+    w.executors[0] = w.core.add_executor(ex.address, w.shape)
     for _ in range(300):
         w.complete_loads()
         w.step()

@@ -35,7 +35,7 @@ def test_a_merge_waits_for_other_adapters_to_finish_and_moves_their_queue():
     w, running_b, ex = b_running(num_slots=3, max_new=6)
     queued_b = [w.request(adapter="b@1", max_new=2) for _ in range(3)]
     w.core.merges.dedicate(ex, A, 2**20)
-    assert ex.dedicated_to == A and all(r.executor is not ex for r in queued_b), \
+    assert w.core.merges.dedicated_to(ex) == A and all(r.executor is not ex for r in queued_b), \
         "its queue for other adapters moved"
     w.complete_loads()
     other = next(e for e in w.executors if e is not ex)
@@ -44,13 +44,13 @@ def test_a_merge_waits_for_other_adapters_to_finish_and_moves_their_queue():
         plan = plans(w, ex)
         if plan.merge_slot is not None:
             seen_merge = True
-            assert not any(r.seq.request.adapter != A for r in plan.rows)
-            assert all(s.request.adapter == A for s in ex.running.values()), \
+            assert not any(r.seq.request.ask.adapter != A for r in plan.rows)
+            assert all(s.request.ask.adapter == A for s in w.running(ex).values()), \
                 "merged only once nothing else runs"
-            assert ex.slots.slots[plan.merge_slot].adapter == A
+            assert w.slots(ex)[plan.merge_slot].adapter == A
         plans(w, other)
         w.complete_loads()
-    assert seen_merge and ex.merge.merged_slot is not None
+    assert seen_merge and w.core.merges.state(ex).merged_slot is not None
     a_reqs = [w.request(adapter="a@1", max_new=3) for _ in range(3)]
     assert all(r.executor is ex for r in a_reqs), "its traffic goes to its merged executor"
     b_req = w.request(adapter="b@1", max_new=3)
@@ -61,21 +61,22 @@ def test_a_merge_waits_for_other_adapters_to_finish_and_moves_their_queue():
 
 def test_unmerge_goes_out_in_the_next_step_and_the_slot_stays_pinned_until_answered():
     w = World(num_executors=2, num_slots=2)
-    ex = w.core.merge(A, 2**20, 1)[0]
+    ex = w.operators.merge(A, 2**20, 1)[0]
     w.complete_loads()
     plan = plans(w, ex)
     assert plan.merge_slot is not None
-    slot = ex.merge.merged_slot
-    assert slot.pins == 1
-    w.core.unmerge(A)
-    assert ex.dedicated_to is None and ex.serves(B)
+    slot = w.core.merges.state(ex).merged_slot
+    assert w.slots(ex)[slot].pins == 1
+    w.operators.unmerge(A)
+    assert w.core.merges.dedicated_to(ex) is None
     req = w.request(adapter="b@1", max_new=2)
     w.complete_loads()
     plan = w.core.schedule(ex)
-    assert plan.unmerge and ex.merge.merged_slot is None and slot.pins >= 1, "pinned until answered"
+    assert plan.unmerge and w.core.merges.state(ex).merged_slot is None \
+        and w.slots(ex)[slot].pins >= 1, "pinned until answered"
     w.core.on_step_done(ex, plan, Samples.of(
         Sample(r.seq.seq_id, 7, -0.1) for r in plan.rows if r.samples))
-    assert ex.merge.unmerging is None
+    assert w.core.merges.state(ex).unmerging is None
     w.run()
     assert w.finished(req)
 
@@ -83,25 +84,26 @@ def test_unmerge_goes_out_in_the_next_step_and_the_slot_stays_pinned_until_answe
 def test_the_last_executor_serving_everyone_is_never_merged():
     w = World(num_executors=1)
     with pytest.raises(FailedPrecondition, match="serving every adapter|one of those"):
-        w.core.merge(A, 2**20, 1)
+        w.operators.merge(A, 2**20, 1)
     w = World(num_executors=2)
     with pytest.raises(FailedPrecondition, match="one of those must keep"):
-        w.core.merge(A, 2**20, 2)
-    w.core.merge(A, 2**20, 1)
+        w.operators.merge(A, 2**20, 2)
+    w.operators.merge(A, 2**20, 1)
     with pytest.raises(FailedPrecondition):
-        w.core.merge(B, 2**20, 1)
+        w.operators.merge(B, 2**20, 1)
 
 
 def test_losing_the_executor_that_serves_everyone_releases_the_merged_ones():
     w = World(num_executors=2)
-    dedicated = w.core.merge(A, 2**20, 1)[0]
+    dedicated = w.operators.merge(A, 2**20, 1)[0]
     other = next(ex for ex in w.executors if ex is not dedicated)
     w.complete_loads()
     w.step()
-    assert dedicated.merge.merged_slot is not None
+    assert w.core.merges.state(dedicated).merged_slot is not None
     b_req = w.request(adapter="b@1", max_new=2)
     w.core.on_executor_lost(other)
-    assert dedicated.dedicated_to is None and dedicated.merge.unmerge_due
+    state = w.core.merges.state(dedicated)
+    assert state.dedicated_to is None and state.unmerge_due
     w.complete_loads()
     assert plans(w, dedicated).unmerge
     w.run()
@@ -122,24 +124,25 @@ def test_traffic_merges_a_hot_adapter_after_a_window_and_unmerges_it_when_it_coo
             w.core.expire()
 
     traffic("a@1", 3.0)
-    assert not any(ex.dedicated_to for ex in w.executors), "not before a full window"
+    dedicated = w.core.merges.dedicated_to
+    assert not any(dedicated(ex) for ex in w.executors), "not before a full window"
     traffic("a@1", 3.0)
-    assert [ex.dedicated_to for ex in w.executors].count(A) == 1
+    assert [dedicated(ex) for ex in w.executors].count(A) == 1
     traffic("b@1", 3.0)
-    assert [ex.dedicated_to for ex in w.executors].count(A) == 1, "no change within a window"
+    assert [dedicated(ex) for ex in w.executors].count(A) == 1, "no change within a window"
     traffic("b@1", 4.0)
-    assert A not in [ex.dedicated_to for ex in w.executors], "cooled below unmerge_share"
+    assert A not in [dedicated(ex) for ex in w.executors], "cooled below unmerge_share"
     traffic("b@1", 6.0)
-    assert [ex.dedicated_to for ex in w.executors].count(B) == 1, "now b is the hot one"
+    assert [dedicated(ex) for ex in w.executors].count(B) == 1, "now b is the hot one"
     w.run()
     assert all(w.finished(r) for r in w.requests)
 
 
 def test_an_adapter_that_cannot_load_releases_its_dedicated_executor():
     w = World(num_executors=2)
-    ex = w.core.merge(A, 2**20, 1)[0]
+    ex = w.operators.merge(A, 2**20, 1)[0]
     w.complete_loads(InvalidArgument("bad shapes"))
-    assert ex.dedicated_to is None and ex.serves(B)
+    assert w.core.merges.dedicated_to(ex) is None
 
 
 def test_a_merge_with_no_traffic_brings_its_adapter_in_once_a_slot_frees():
@@ -149,5 +152,5 @@ def test_a_merge_with_no_traffic_brings_its_adapter_in_once_a_slot_frees():
         w.complete_loads()
         w.step()
     assert all(w.finished(r) for r in busy)
-    assert ex.merge.merged_slot is not None and ex.merge.merged_slot.adapter == A, \
+    assert w.core.merges.merged_adapter(ex) == A, \
         "staged, loaded and merged with no request of its own waiting"

@@ -19,7 +19,7 @@ import pytest
 from common.detokenizer import OutputProcessor
 from common.sampling import SamplingParams
 from scheduler.limits import Limits
-from scheduler.request import FinishEvent, Request, TokenEvent
+from scheduler.request import Ask, FinishEvent, Request, TokenEvent
 from scheduler.sim.invariants import check_invariants
 from scheduler.steps.sequence import Sample, Samples
 from tests.scheduler.sched_world import World, ref
@@ -50,12 +50,13 @@ class StandInExecutor:
         for seq in plan.new:
             is_long = 0 < self.switch < len(seq.token_ids)
             self.seqs[seq.seq_id] = [list(seq.token_ids), seq.num_cached, [], is_long]
-            self.kinds[seq.request.request_id].add(is_long)
+            self.kinds[seq.request.serial].add(is_long)
         samples = []
         for row in plan.rows:
             req = row.seq.request
-            if row.seq.slot is not None:
-                assert self.slots.get(row.seq.slot.index) == req.adapter, \
+            adapter = req.ask.adapter
+            if row.seq.slot_index >= 0:
+                assert self.slots.get(row.seq.slot_index) == adapter, \
                     "a row read a slot being loaded or holding another adapter"
             tokens, computed, table, is_long = self.seqs[row.seq.seq_id]
             table.extend(row.new_block_ids)
@@ -63,16 +64,16 @@ class StandInExecutor:
             assert is_long or not self.switch or computed + row.num_tokens <= self.switch, \
                 "a short run computed past the longrope switch"
             for p in range(computed, computed + row.num_tokens):
-                self.kv[self._at(table, p)] = (tuple(tokens[:p + 1]), req.adapter, is_long)
+                self.kv[self._at(table, p)] = (tuple(tokens[:p + 1]), adapter, is_long)
             computed += row.num_tokens
-            assert computed <= len(req.prompt_ids) + req.output.max_new_tokens - 1, \
+            assert computed <= len(req.ask.prompt_ids) + req.output.max_new_tokens - 1, \
                 "computed past the request's last position"
             self.seqs[row.seq.seq_id][1] = computed
             if computed == len(tokens):
                 assert is_long == (0 < self.switch < len(tokens)), \
                     f"seq {row.seq.seq_id} sampled from {len(tokens)} tokens of the wrong kind"
                 for p in range(computed):
-                    expected = (tuple(tokens[:p + 1]), req.adapter, is_long)
+                    expected = (tuple(tokens[:p + 1]), adapter, is_long)
                     assert self.kv.get(self._at(table, p)) == expected, \
                         f"seq {row.seq.seq_id} read another context's KV at position {p}"
                 token = next_token(tokens)
@@ -143,7 +144,7 @@ def drive(depth: int, seed: int, num_blocks: int, cancel_every: int = 0,
                 break
             overlapped += bool(in_flight) and bool(plan)
             steps += bool(plan)
-            cohort_rows += len(ex.steps.cohort)
+            cohort_rows += len(w.core.steps_of(ex).cohort)
             in_flight.append(plan)
         loads_started(w, executor)
         if in_flight:
@@ -152,13 +153,12 @@ def drive(depth: int, seed: int, num_blocks: int, cancel_every: int = 0,
             check_invariants(w.core, w.requests)
         loads_started(w, executor)
         if step % 2:  # a load may stay under way while a step runs
-            w.complete_loads(loaded=lambda slot, adapter: executor.slots.update(
-                {slot.index: adapter}))
+            w.complete_loads(loaded=lambda slot, adapter: executor.slots.update({slot: adapter}))
         if step > 60 and not in_flight and not w.core.has_work(ex):
             break
     else:
         raise AssertionError("work did not drain")
-    assert all(seq.num_known == len(seq.token_ids) for seq in ex.running.values())
+    assert all(seq.num_known == len(seq.token_ids) for seq in w.running(ex).values())
     if depth > 1:  # most steps are planned while the one before runs
         assert overlapped > steps / 2, (overlapped, steps)
     assert cohort_rows > 0, "no steady decode: the cohort went untested"
@@ -167,13 +167,13 @@ def drive(depth: int, seed: int, num_blocks: int, cancel_every: int = 0,
     if sinks:  # a good share of tokens took the columnar path (short requests: ~half)
         num_tokens = sum(len(t) for sink in sinks for t in sink.tokens.values())
         assert sum(sink.num_sampled for sink in sinks) < num_tokens * 0.75
-    return {r.request_id: outcome(w, r) for r in w.requests}
+    return {r.serial: outcome(w, r) for r in w.requests}
 
 
 def loads_started(w: World, executor: StandInExecutor) -> None:
     """A load writes its slot from the moment it starts (as the executor's loader does)."""
-    for _, slot, _ in w.loads:
-        executor.slots[slot.index] = None
+    for _, load in w.loads:
+        executor.slots[load.slot] = None
 
 
 ADAPTERS = [None, *(ref(f"lora{i}@1") for i in range(5))]
@@ -184,24 +184,25 @@ def submit(w: World, tenant: str, prompt_len: int, max_new: int, rng: random.Ran
            sinks: list[Sink]) -> Request:
     rid = next(w._ids)
     w.events[rid] = []
-    req = Request(rid, tenant, rng.choice(ADAPTERS), 2**20,
-                  rng.choice(PREFIXES) + [rng.randint(2, 200) for _ in range(prompt_len)],
-                  SamplingParams(), OutputProcessor(None, max_new_tokens=max_new,
-                                                    stop_token_ids=(EOS, STOP)),
-                  w.events[rid].append)
-    if sinks:  # (not drawn from rng: the same workload either way)
-        req.sink, req.sink_id = sinks[rid % len(sinks)], rid
-        req.on_sample = req.sink.counting(req.on_sample)
+    ask = Ask(tenant, rng.choice(ADAPTERS), 2**20,
+              (*rng.choice(PREFIXES), *(rng.randint(2, 200) for _ in range(prompt_len))),
+              SamplingParams())
+    sink = sinks[rid % len(sinks)] if sinks else None  # (not drawn from rng: the same workload)
+    req = Request(rid, ask, OutputProcessor(None, max_new_tokens=max_new,
+                                            stop_token_ids=(EOS, STOP)),
+                  w.events[rid].append, sink=sink, sink_id=rid)
+    if sink is not None:
+        req.on_sample = sink.counting(req.on_sample)
     w.core.submit(req)
     w.requests.append(req)
     return req
 
 
 def outcome(w: World, req: Request) -> tuple:
-    events = w.events[req.request_id]
+    events = w.events[req.serial]
     finishes = [e.reason for e in events if isinstance(e, FinishEvent)]
     if req.sink is not None:
-        return req.sink.tokens.get(req.request_id, []), finishes
+        return req.sink.tokens.get(req.serial, []), finishes
     return [e.token_id for e in events if isinstance(e, TokenEvent)], finishes
 
 

@@ -8,7 +8,7 @@ from common.detokenizer import Finish, OutputProcessor
 from common.sampling import SamplingParams
 from scheduler.fairness import FairnessWeights
 from scheduler.limits import Limits
-from scheduler.request import Request, Status, TokenEvent
+from scheduler.request import Ask, Request, Status, TokenEvent
 from scheduler.sim.invariants import check_invariants
 from scheduler.steps.block_manager import BlockManager
 from scheduler.steps.prefix_cache import cache_key, extend_hashes
@@ -22,9 +22,9 @@ def submit(w: World, tenant: str = "t", prompt: list[int] = SYSTEM + [1, 2], ada
            max_new: int = 2, salt: str = "") -> Request:
     rid = next(w._ids)
     w.events[rid] = []
-    req = Request(rid, tenant, ref(adapter) if adapter else None, 2**20, list(prompt),
-                  SamplingParams(), OutputProcessor(None, max_new_tokens=max_new),
-                  w.events[rid].append, cache_salt=salt)
+    ask = Ask(tenant, ref(adapter) if adapter else None, 2**20, tuple(prompt), SamplingParams(),
+              cache_salt=salt)
+    req = Request(rid, ask, OutputProcessor(None, max_new_tokens=max_new), w.events[rid].append)
     w.core.submit(req)
     w.requests.append(req)
     return req
@@ -48,7 +48,7 @@ def test_a_repeated_prefix_is_computed_once_and_its_blocks_are_shared():
     row = first_row(w, b)
     assert row.seq.num_cached == 12 and row.num_tokens == 3, "3 cached blocks, 3 tokens to go"
     assert row.new_block_ids[:3] == w.executors[0].blocks.tables[row.seq.seq_id][:3]
-    assert b.cached_prompt_tokens == 12 and a.cached_prompt_tokens == 0
+    assert b.charges.cached_prompt_tokens == 12 and a.charges.cached_prompt_tokens == 0
     w.run()
     assert w.finished(b)
 
@@ -105,11 +105,11 @@ def test_a_preempted_sequence_resumes_from_its_own_cached_blocks():
     assert long.status is Status.QUEUED, "preempted to make room"
     while long.status is Status.QUEUED:
         w.step()
-    seq = next(s for s in ex.running.values() if s.request is long)
+    seq = next(s for s in w.running(ex).values() if s.request is long)
     assert seq.num_cached >= 12, "its prompt's blocks (at least) were still cached"
     w.run()
     assert w.finished(long) and w.finished(other)
-    assert long.cached_prompt_tokens == 0, "counted at its first admission only"
+    assert long.charges.cached_prompt_tokens == 0, "counted at its first admission only"
 
 
 def test_cached_blocks_are_evicted_least_recently_used_and_only_when_nothing_is_free():
@@ -141,9 +141,9 @@ def test_cancel_drops_a_sequences_references():
     req = submit(w)
     w.step()
     ex = w.executors[0]
-    shared = ex.blocks.tables[next(iter(ex.running))][:3]
+    shared = ex.blocks.tables[next(iter(w.running(ex)))][:3]
     w.core.cancel(req)
-    assert not ex.running and all(b not in ex.blocks._refs for b in shared)
+    assert not w.running(ex) and all(b not in ex.blocks._refs for b in shared)
     assert ex.blocks.num_free == 32 and ex.blocks.num_cached == 3
     ex.blocks.check()
 
@@ -154,7 +154,7 @@ def test_stats_show_cached_blocks_and_cached_prompt_tokens():
     w.run()
     submit(w)
     w.run()
-    stats = w.core.stats()
+    stats = w.operators.stats()
     assert stats.executors[0].cached_kv_blocks == 3
     totals = next(t.totals for t in stats.tenants if t.tenant == "t")
     assert (totals.prompt_tokens, totals.cached_prompt_tokens) == (28, 12)
@@ -245,7 +245,7 @@ def test_a_block_its_last_sample_fills_is_cached_when_a_step_behind_computed_it(
     rid = next(w._ids)
     w.events[rid] = []
     prompt = SYSTEM + [1, 2, 3]  # 15 tokens: the first sample completes block 3
-    first = Request(rid, "t", None, 2**20, prompt, SamplingParams(),
+    first = Request(rid, Ask("t", None, 2**20, tuple(prompt), SamplingParams()),
                     OutputProcessor(None, max_new_tokens=10, stop_token_ids=[7]),
                     w.events[rid].append)
     w.core.submit(first)
@@ -262,8 +262,8 @@ def test_a_block_its_last_sample_fills_is_cached_when_a_step_behind_computed_it(
 
 
 def test_short_and_long_runs_of_a_longrope_model_never_share_blocks():
-    """A longrope model (switch 16, scheduler/steps/longrope.py): a block's KV differs between a run
-    that started within the switch (short factors) and one past it (long). A long prompt reuses
+    """A longrope model (switch 16, scheduler/steps/longrope.py): a block's KV differs between a
+    run that started within the switch (short factors) and one past it (long). A long prompt reuses
     no short run's block; long runs reuse each other's, short runs theirs. A short run that
     outgrows the switch ends at 17 tokens and runs again from all of them, long, under the long
     key, its tokens streamed once."""
@@ -288,5 +288,5 @@ def test_short_and_long_runs_of_a_longrope_model_never_share_blocks():
         check_invariants(w.core, w.requests)
     # (short: the short blocks of SYSTEM; long, from its 17 tokens: the long ones)
     assert runs == [(13, 12, 17), (17, 12, 21)] and across.runs_long
-    assert [e.token_id for e in w.events[across.request_id] if isinstance(e, TokenEvent)] == \
+    assert [e.token_id for e in w.events[across.serial] if isinstance(e, TokenEvent)] == \
         [7] * 8

@@ -14,7 +14,7 @@ from common.sampling import SamplingParams
 from protos import common_pb2, executor_pb2, scheduler_pb2
 from scheduler.executor_link import sample_extras
 from scheduler.metrics import SchedulerMetrics
-from scheduler.request import Request, SampleExtras
+from scheduler.request import Ask, Request, SampleExtras
 from scheduler.steps.fast_steps import FastSteps
 from scheduler.steps.reference_steps import ReferenceSteps
 from scheduler.steps.sequence import Samples
@@ -32,7 +32,7 @@ def answer(plan) -> Samples:
     rows = [r for r in plan.rows if r.samples]
     extras = {}
     for r in rows:
-        p, first = r.seq.request.sampling, not r.seq.request.output.num_tokens
+        p, first = r.seq.request.ask.sampling, not r.seq.request.output.num_tokens
         prompt = common_pb2.TokenLogprobs(token_ids=PROMPT[1:], logprobs=[-1.0] * 5) \
             if p.prompt_logprobs is not None and first else None
         if p.top_logprobs or prompt is not None:
@@ -54,8 +54,9 @@ async def test_every_token_of_a_request_that_asks_brings_its_alternatives(steps)
     writer = asyncio.create_task(connection.send(asyncio.get_running_loop().create_future()))
     for stream_id, sampling in ASKS.items():
         async def check(stream_id=stream_id, sampling=sampling) -> Request:
-            req = Request(stream_id, "t", None, 0, list(PROMPT), sampling,
-                          OutputProcessor(None, max_new_tokens=10), connection.emitter(stream_id))
+            req = Request(stream_id, Ask("t", None, 0, tuple(PROMPT), sampling),
+                          OutputProcessor(None, max_new_tokens=10), connection.emitter(stream_id),
+                          sink=connection.sink, sink_id=stream_id)
             w.requests.append(req)
             return req
         connection.submit(stream_id, check)
@@ -90,7 +91,7 @@ def test_a_request_that_needs_its_prompts_logprobs_takes_no_cached_prefix():
     def submit(sampling: SamplingParams) -> Request:
         rid = next(w._ids)
         w.events[rid] = []
-        req = Request(rid, "t", None, 0, list(prompt), sampling,
+        req = Request(rid, Ask("t", None, 0, tuple(prompt), sampling),
                       OutputProcessor(None, max_new_tokens=2), w.events[rid].append)
         w.core.submit(req)
         w.requests.append(req)

@@ -12,16 +12,17 @@ from common.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from scheduler.executor_state import ExecutorShape
 from scheduler.limits import Limits
 from scheduler.request import ErrorEvent, Status
+from scheduler.residency.executor_residency import STAGED_TTL_S
 from scheduler.residency.slots import SlotState
-from scheduler.steps.block_manager import BlockManager
 from scheduler.steps.sequence import NO_SAMPLES
 from tests.scheduler.sched_world import World, ref
 
 
 def error_of(w: World, req):
-    (event,) = [e for e in w.events[req.request_id] if isinstance(e, ErrorEvent)]
+    (event,) = [e for e in w.events[req.serial] if isinstance(e, ErrorEvent)]
     return event.error
 
 
@@ -53,7 +54,7 @@ def test_a_failed_load_backs_off_doubling_then_fails_retryably_at_the_queue_boun
     error = error_of(w, req)
     assert isinstance(error, Unavailable) and "could not be loaded" in str(error)
     assert "store down" in str(error) and retry_after(error) > 0
-    assert all(s.state is SlotState.EMPTY for s in w.executors[0].slots.slots)
+    assert all(s.state is SlotState.EMPTY for s in w.slots())
 
 
 def test_a_request_waits_at_most_max_load_wait_s_for_a_fetch_that_never_ends():
@@ -110,7 +111,7 @@ def test_the_load_bound_counts_from_when_the_fetch_began_not_while_a_slot_is_awa
         w.complete_loads()  # (its staging ends: its bytes wait on the host for a slot)
         w.step()
     assert cold.status is Status.QUEUED and not w.loads
-    while w.executors[0].slots.find(ref("c@1")) is None:  # the long ones drain
+    while w.slot("c@1") is None:  # the long ones drain
         w.complete_loads()
         w.step()
     began = w.now
@@ -130,7 +131,7 @@ def test_a_load_that_succeeds_after_failures_serves_its_requests():
     w.complete_loads(error=Unavailable("store down"))
     w.now += 0.2
     w.run()
-    assert w.finished(req) and not w.executors[0].load_failures
+    assert w.finished(req) and not w.core.residency.of(w.executors[0]).has_failing_loads()
 
 
 def test_a_client_deadline_drops_a_waiting_request_and_frees_everything():
@@ -138,13 +139,12 @@ def test_a_client_deadline_drops_a_waiting_request_and_frees_everything():
     busy = w.request(adapter="a@1", max_new=100)
     w.complete_loads()
     w.step()
-    waiting = w.request(adapter="b@1")
-    waiting.deadline = w.now + 1.0  # (the service sets it from the gRPC deadline at arrival)
-    w.core.deadlines.add(waiting)
+    # (the service sets a request's deadline from its gRPC deadline at arrival)
+    waiting = w.request(adapter="b@1", deadline=w.now + 1.0)
     w.now += 1.0
     w.core.expire()
     assert isinstance(error_of(w, waiting), DeadlineExceeded)
-    assert waiting.status is Status.FINISHED and len(w.executors[0].queue) == 0
+    assert waiting.status is Status.FINISHED and len(w.queue()) == 0
     assert not w.core.fair.backlog.get("t") and busy.status is Status.RUNNING
 
 
@@ -152,12 +152,12 @@ def test_the_queue_bound_applies_while_no_executor_is_up():
     w = World(limits=Limits(max_queue_s=3.0))
     w.core.on_executor_lost(w.executors[0])
     req = w.request()
-    assert req in w.core.orphans
+    assert req in w.core.placement.orphans
     w.now += 3.0
     w.core.expire()
     error = error_of(w, req)
     assert isinstance(error, ResourceExhausted) and 1 <= retry_after(error) <= 60
-    assert not w.core.orphans
+    assert not w.core.placement.orphans
 
 
 def test_a_running_request_is_never_failed_by_the_queue_bound():
@@ -170,7 +170,7 @@ def test_a_running_request_is_never_failed_by_the_queue_bound():
 
 
 def error_events(w: World, req) -> list:
-    return [e for e in w.events[req.request_id] if isinstance(e, ErrorEvent)]
+    return [e for e in w.events[req.serial] if isinstance(e, ErrorEvent)]
 
 
 def test_a_tenant_over_its_queue_cap_is_refused_with_retry_after():
@@ -189,16 +189,16 @@ def test_pins_leave_unpinned_slots_to_the_other_adapters():
     refused, counting a pin whose load is still on its way; pinning a pinned adapter again is
     fine; and requests for four other adapters all run, taking turns in the slot left."""
     w = World(num_slots=3)
-    w.core.prewarm(ref("a@1"), 1 << 20, 1, pin=True)
-    w.core.prewarm(ref("b@1"), 1 << 20, 1, pin=True)  # (both still loading)
+    w.operators.prewarm(ref("a@1"), 1 << 20, 1, pin=True)
+    w.operators.prewarm(ref("b@1"), 1 << 20, 1, pin=True)  # (both still loading)
     with pytest.raises(FailedPrecondition, match="2 of its 3 adapter slots are pinned"):
-        w.core.prewarm(ref("c@1"), 1 << 20, 1, pin=True)
-    w.core.prewarm(ref("a@1"), 1 << 20, 1, pin=True)
-    w.core.prewarm(ref("c@1"), 1 << 20, 1, pin=False)  # unpinned: fine
+        w.operators.prewarm(ref("c@1"), 1 << 20, 1, pin=True)
+    w.operators.prewarm(ref("a@1"), 1 << 20, 1, pin=True)
+    w.operators.prewarm(ref("c@1"), 1 << 20, 1, pin=False)  # unpinned: fine
     others = [w.request(adapter=f"x{i}@1") for i in range(4)]
     w.run()
     assert all(w.finished(req) for req in others)
-    assert w.executors[0].slots.admin_pinned() == {ref("a@1"), ref("b@1")}
+    assert w.core.residency.of(w.executors[0]).admin_pinned() == {ref("a@1"), ref("b@1")}
 
 
 def test_a_pin_promised_while_its_bytes_are_staged_counts_against_the_cap():
@@ -206,23 +206,23 @@ def test_a_pin_promised_while_its_bytes_are_staged_counts_against_the_cap():
     for adapter in ("a@1", "b@1"):  # both slots READY, unpinned, used
         w.request(adapter=adapter)
     w.run()
-    w.core.prewarm(ref("c@1"), 1 << 20, 1, pin=True)  # must evict: staged first, no slot yet
+    w.operators.prewarm(ref("c@1"), 1 << 20, 1, pin=True)  # must evict: staged first, no slot yet
     assert w.stages and not w.loads
     with pytest.raises(FailedPrecondition, match="1 of its 2 adapter slots are pinned"):
-        w.core.prewarm(ref("d@1"), 1 << 20, 1, pin=True)
+        w.operators.prewarm(ref("d@1"), 1 << 20, 1, pin=True)
     w.complete_loads()
-    assert w.executors[0].slots.find(ref("c@1")).is_admin_pinned
+    assert w.slot("c@1").is_admin_pinned
 
 
 def test_a_pin_is_refused_on_an_executor_of_one_slot():
     w = World(num_slots=1)
     with pytest.raises(FailedPrecondition, match="0 of its 1 adapter slots are pinned"):
-        w.core.prewarm(ref("a@1"), 1 << 20, 1, pin=True)
+        w.operators.prewarm(ref("a@1"), 1 << 20, 1, pin=True)
 
 
 def test_an_adapter_no_slot_can_ever_take_is_refused():
     w = World(num_slots=1, limits=Limits(unpinned_slots=0))  # (pins may take every slot)
-    w.core.prewarm(ref("pinned@1"), 1 << 20, 1, pin=True)
+    w.operators.prewarm(ref("pinned@1"), 1 << 20, 1, pin=True)
     w.complete_loads()
     with pytest.raises(FailedPrecondition, match="pinned by an operator"):
         w.request(adapter="cold@1")
@@ -266,7 +266,7 @@ def test_a_request_whose_executor_was_lost_waits_at_most_the_queue_bound_to_resu
     w.step()
     assert req.status is Status.RUNNING
     w.core.on_executor_lost(w.executors[0])  # and no other executor takes it back
-    assert req in w.core.orphans
+    assert req in w.core.placement.orphans
     w.now += 2.9
     w.core.expire()
     assert req.status is Status.QUEUED
@@ -289,10 +289,11 @@ def test_a_load_from_staged_bytes_that_are_gone_gives_the_slot_back():
     ((_, staged),) = w.stages
     w.stages.clear()
     w.core.on_stage_done(ex, staged, None)  # staged: it takes hot's slot (no one pins it)
-    ((_, slot, adapter),) = w.loads
+    ((_, load),) = w.loads
     w.loads.clear()
-    assert adapter == ref("cold@1") and slot.is_from_staged
-    w.core.on_load_done(ex, slot, adapter, Aborted("not staged here any more"))
+    assert load.adapter == ref("cold@1") and load.is_from_staged
+    w.core.on_load_done(ex, load, Aborted("not staged here any more"))
+    slot = w.slots()[load.slot]
     assert slot.adapter == ref("hot@1") and slot.state is SlotState.READY
     again = w.request(adapter="hot@1", max_new=1)
     for _ in range(4):
@@ -309,10 +310,11 @@ def test_a_reservation_lapses_when_its_adapter_is_no_longer_staged():
     cold = w.request(tenant="t2", adapter="cold@1", max_new=1)
     w.complete_loads()  # cold staged; no slot can take it while hot runs
     w.step()
-    (slot,) = ex_slots = w.executors[0].slots.slots
+    (slot,) = w.slots()
     assert slot.reserved_for == ref("cold@1"), "a slot drains for the staged adapter"
-    w.executors[0].slots.stage_failed(ref("cold@1"))  # its staged bytes dropped
-    assert ex_slots[0].reserved_for is None and hot.status is Status.RUNNING
+    w.now += STAGED_TTL_S + 1  # its staged bytes dropped (the executor keeps them that long)
+    w.core.expire()
+    assert w.slots()[0].reserved_for is None and hot.status is Status.RUNNING
     assert cold.status is Status.QUEUED
 
 
@@ -322,7 +324,6 @@ def test_a_reservation_ends_when_its_adapter_is_placed_in_another_slot():
     as long as requests for z keep coming (a stall the simulator found with no fault at all)."""
     w = World(num_blocks=200, block_size=4, num_slots=2,
               limits=Limits(max_num_seqs=4, max_batched_tokens=64, fairness_window=0.0))
-    slots = w.executors[0].slots.slots
     w.request("t1", "x@1", prompt_len=2, max_new=6)  # two short x: slot 0 pinned twice
     w.request("t1", "x@1", prompt_len=2, max_new=6)
     w.request("t2", "y@1", prompt_len=2, max_new=200)  # one long y: slot 1 pinned once
@@ -333,10 +334,11 @@ def test_a_reservation_ends_when_its_adapter_is_placed_in_another_slot():
     w.step()
     w.complete_loads()
     w.step()
-    assert [s.reserved_for for s in slots] == [None, ref("z@1")]
+    assert [s.reserved_for for s in w.slots()] == [None, ref("z@1")]
     for _ in range(8):  # the x's end: slot 0 takes z
         w.step()
         w.complete_loads()
+    slots = w.slots()
     assert slots[0].adapter == ref("z@1") and slots[1].adapter == ref("y@1")
     assert slots[1].reserved_for is None
     y2 = w.request("t4", "y@1", prompt_len=2, max_new=2)  # y is ready in slot 1
@@ -351,10 +353,11 @@ def test_a_reservation_ends_when_its_adapter_is_placed_in_another_slot():
 def test_a_request_goes_only_to_an_executor_whose_kv_can_hold_it():
     """A pool's executors may differ in KV: a request that fits only the big one is never queued
     on the small one (there it could never start, and the requests behind it would wait too)."""
-    w = World(num_executors=2, num_blocks=16, block_size=4)  # 64 tokens each
-    big, small = w.executors
-    big.blocks = BlockManager(256, 4)
-    big.work_tokens = 10_000  # busy: by load alone the small one would be chosen
+    w = World(num_executors=1, num_blocks=16, block_size=4)  # 64 tokens
+    (small,) = w.executors
+    big = w.core.add_executor("big", ExecutorShape(256, 4, 2))
+    w.executors.append(big)
+    w.request("t", prompt_len=200, max_new=8)  # busy: by load alone the small one would win
     long = w.request("t", prompt_len=200, max_new=8)
     short = [w.request("t", prompt_len=3, max_new=8) for _ in range(2)]
     assert long.executor is big and all(r.executor is small for r in short)

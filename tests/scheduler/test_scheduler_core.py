@@ -7,14 +7,12 @@ import pytest
 
 from common.detokenizer import Finish
 from common.errors import FailedPrecondition, InvalidArgument, Unavailable
-from scheduler.executor_state import ExecutorState
 from scheduler.fairness import FairnessWeights
 from scheduler.limits import Limits
 from scheduler.request import ErrorEvent, Status, TokenEvent
 from scheduler.residency import prewarm
-from scheduler.residency.slots import SlotState, SlotTable
+from scheduler.residency.slots import SlotState
 from scheduler.sim.invariants import check_invariants
-from scheduler.steps.block_manager import BlockManager
 from scheduler.steps.sequence import NO_SAMPLES
 from tests.scheduler.sched_world import World, ref
 
@@ -27,11 +25,11 @@ def test_request_waits_for_its_adapter_then_runs_pinned():
     assert req.status is Status.QUEUED, "not admitted before the adapter is ready"
     w.complete_loads()
     w.step()
-    slot = w.executors[0].slots.find(ref("a@1"))
-    assert req.status is Status.RUNNING and slot.pins == 1
+    assert req.status is Status.RUNNING and w.slot("a@1").pins == 1
     w.run()
-    tokens = [e for e in w.events[req.request_id] if isinstance(e, TokenEvent)]
+    tokens = [e for e in w.events[req.serial] if isinstance(e, TokenEvent)]
     assert len(tokens) == 4 and req.finish_reason is Finish.LENGTH
+    slot = w.slot("a@1")
     assert slot.pins == 0 and slot.state is SlotState.READY, "an unpinned adapter stays resident"
 
 
@@ -44,7 +42,7 @@ def test_pinned_slots_are_never_evicted_and_requests_wait_instead_of_failing():
     assert not w.loads, "both slots are pinned: no load may evict them"
     for _ in range(10):
         w.step()
-    assert c.status is Status.QUEUED and not w.events[c.request_id]
+    assert c.status is Status.QUEUED and not w.events[c.serial]
     w.run()
     assert all(w.finished(r) for r in (a, b, c))
 
@@ -84,28 +82,29 @@ def test_stage_before_evict_a_ready_adapter_keeps_its_slot_while_the_store_is_do
 
 def test_prewarm_with_no_executor_admitting_is_unavailable_not_a_silent_ok():
     w = World(num_executors=2)
-    chosen = w.core.prewarm(ref("a@1"), 1 << 20, 1, pin=False)
+    chosen = w.operators.prewarm(ref("a@1"), 1 << 20, 1, pin=False)
     assert [ex.address for ex in chosen] == ["ex0"]
     for ex in w.executors:
         w.core.drain(ex)
     with pytest.raises(Unavailable, match="no executor is up and admitting"):
-        w.core.prewarm(ref("b@1"), 1 << 20, 1, pin=False)
+        w.operators.prewarm(ref("b@1"), 1 << 20, 1, pin=False)
 
 
 async def test_prewarm_waiters_hear_when_each_load_ends():
     """A waiting Prewarm is told by the loads themselves (no polling): ready, failed, or lost
     with its executor."""
     w = World(num_executors=3)
-    chosen = w.core.prewarm(ref("a@1"), 1 << 20, 3, pin=True)
-    assert all(ex.slots.find(ref("a@1")).is_admin_pinned for ex in chosen)
-    done = prewarm.loads_done(chosen, ref("a@1"))
+    chosen = w.operators.prewarm(ref("a@1"), 1 << 20, 3, pin=True)
+    assert all(w.slot("a@1", ex).is_admin_pinned for ex in chosen)
+    done = prewarm.loads_done(w.core.residency, chosen, ref("a@1"))
     (ok, bad, lost), w.loads = w.loads, []
     w.core.on_load_done(*ok, None)
     w.core.on_load_done(*bad, InvalidArgument("bad shapes"))
     assert not done.done(), "one load is still running"
     w.core.on_executor_lost(lost[0])
     assert await done == [bad[0].address, lost[0].address]
-    assert await prewarm.loads_done(chosen, ref("a@1")) == [bad[0].address, lost[0].address]
+    assert await prewarm.loads_done(w.core.residency, chosen, ref("a@1")) == \
+        [bad[0].address, lost[0].address]
 
 
 def test_resume_is_refused_for_an_executor_leaving_stopping_or_down():
@@ -118,7 +117,8 @@ def test_resume_is_refused_for_an_executor_leaving_stopping_or_down():
         with pytest.raises(FailedPrecondition, match="cannot admit work"):
             w.core.resume(ex)
         assert not ex.is_admitting
-    assert leaving.is_retired and stopping.is_retired and not down.is_retired
+    assert w.core.is_retired(leaving) and w.core.is_retired(stopping)
+    assert not w.core.is_retired(down)
 
 
 def test_stats_count_every_ended_request_of_a_tenant():
@@ -128,11 +128,11 @@ def test_stats_count_every_ended_request_of_a_tenant():
     w.core.cancel(cancelled)
     w.run()
     assert w.finished(done)
-    (tenant,) = w.core.stats().tenants
+    (tenant,) = w.operators.stats().tenants
     assert (tenant.tenant, tenant.queued, tenant.running) == ("t", 0, 0)
     assert tenant.totals.requests == 2 and tenant.totals.prompt_tokens == 10
     assert tenant.totals.completion_tokens == 2 + cancelled.output.num_tokens
-    (ex,) = w.core.stats().executors
+    (ex,) = w.operators.stats().executors
     assert ex.free_kv_blocks == ex.num_kv_blocks and ex.is_up and not ex.is_draining
 
 
@@ -165,7 +165,7 @@ def test_lru_evicts_the_least_recently_used_unpinned_slot():
     w.run()
     w.request(adapter="c@1", max_new=1)
     w.run()
-    held = {s.adapter for s in w.executors[0].slots.slots}
+    held = {s.adapter for s in w.slots()}
     assert held == {ref("a@1"), ref("c@1")}
 
 
@@ -186,7 +186,7 @@ def test_kv_pressure_preempts_and_recomputes_without_losing_requests():
     reqs = [w.request(prompt_len=6, max_new=12) for _ in range(4)]
     w.run()
     for req in reqs:
-        tokens = [e for e in w.events[req.request_id] if isinstance(e, TokenEvent)]
+        tokens = [e for e in w.events[req.serial] if isinstance(e, TokenEvent)]
         assert len(tokens) == 12, "a preempted request resumes; nothing is lost or repeated"
     assert w.executors[0].blocks.num_free == 12
 
@@ -207,13 +207,13 @@ def test_cancel_frees_blocks_and_pins_whether_queued_or_running():
     w.complete_loads()
     w.step()
     queued = w.request(adapter="zzz@1")
-    (seq_id,) = w.executors[0].running
+    (seq_id,) = w.running()
     w.core.cancel(running)
     w.core.cancel(queued)
     check_invariants(w.core, w.requests)
     ex = w.executors[0]
-    assert ex.blocks.num_free == ex.blocks.num_blocks and not ex.running
-    assert ex.slots.find(ref("a@1")).pins == 0 and len(ex.queue) == 0
+    assert ex.blocks.num_free == ex.blocks.num_blocks and not w.running(ex)
+    assert w.slot("a@1").pins == 0 and len(w.queue(ex)) == 0
     assert w.core.schedule(ex).freed == [seq_id], "the executor is told to forget it"
 
 
@@ -221,7 +221,7 @@ def test_invalid_adapter_fails_at_once():
     w = World()
     req = w.request(adapter="bad@1")
     w.complete_loads(error=InvalidArgument("shape mismatch"))
-    (event,) = w.events[req.request_id]
+    (event,) = w.events[req.serial]
     assert isinstance(event.error, InvalidArgument) and req.status is Status.FINISHED
 
 
@@ -231,7 +231,7 @@ def test_executor_loss_requeues_its_work_on_another_executor():
     w.step()
     lost = w.executors[0]
     w.core.on_executor_lost(lost)
-    assert not lost.running
+    assert not w.running(lost)
     w.run()
     assert all(w.finished(r) for r in reqs)
 
@@ -247,12 +247,12 @@ def test_a_request_under_which_executors_keep_failing_fails_after_the_limit():
         assert poison.status is Status.RUNNING and queued.status is Status.QUEUED
         lost = w.executors[0]
         w.core.on_executor_lost(lost, Unavailable("step failed: boom"))
-        w.executors[0] = ExecutorState(lost.address, BlockManager(64, 4), SlotTable(2))
-        w.core.add_executor(w.executors[0])  # it reconnects: a fresh view of it
+        # It reconnects: a fresh view of it.
+        w.executors[0] = w.core.add_executor(lost.address, w.shape)
         if attempt < 3:
             assert poison.status is Status.QUEUED
-            assert not any(isinstance(e, ErrorEvent) for e in w.events[poison.request_id])
-    (event,) = [e for e in w.events[poison.request_id] if isinstance(e, ErrorEvent)]
+            assert not any(isinstance(e, ErrorEvent) for e in w.events[poison.serial])
+    (event,) = [e for e in w.events[poison.serial] if isinstance(e, ErrorEvent)]
     assert isinstance(event.error, Unavailable) and "3 executors failed" in str(event.error)
     assert "boom" in str(event.error) and poison.status is Status.FINISHED
     check_invariants(w.core)
@@ -268,7 +268,7 @@ def test_backlogged_tenants_share_admissions_by_weight(weights):
     reqs = [w.request(tenant=t, prompt_len=10, max_new=1) for t in ("a", "b") for _ in range(30)]
     for _ in range(40):
         w.step()
-    admitted = [r.tenant for r in sorted((r for r in reqs if r.admitted_at),
+    admitted = [r.ask.tenant for r in sorted((r for r in reqs if r.admitted_at),
                                          key=lambda r: r.admitted_at)]
     first = admitted[:15]
     share = first.count("a") / len(first)
@@ -282,7 +282,7 @@ def test_long_prompts_cost_their_tenant_more_service():
             for _ in range(30)]
     for _ in range(60):
         w.step()
-    admitted = [r.tenant for r in sorted((r for r in reqs if r.admitted_at),
+    admitted = [r.ask.tenant for r in sorted((r for r in reqs if r.admitted_at),
                                          key=lambda r: r.admitted_at)]
     served = {t: sum((100 if t == "long" else 10) + 2 for a in admitted[:20] if a == t)
               for t in ("long", "short")}
@@ -307,7 +307,7 @@ def test_distinct_adapters_per_batch_are_limited():
     w.complete_loads()
     for _ in range(3):
         w.step()
-        running = {seq.request.adapter for seq in w.executors[0].running.values()}
+        running = {seq.request.ask.adapter for seq in w.running().values()}
         assert len(running) <= 2
     w.run()
     assert all(w.finished(r) for r in reqs)

@@ -174,7 +174,7 @@ def test_the_merge_policy_merges_a_heavy_adapter_in_the_simulator_and_loses_noth
 
     def checked(ex, plan):  # invariants, and which steps ran with an adapter merged
         check_invariants(sim.core)
-        merged_steps.append(ex.merge.merged_slot is not None)
+        merged_steps.append(sim.core.merges.is_merged(ex))
         return step_seconds(ex, plan)
 
     sim._step_seconds = checked
@@ -182,7 +182,7 @@ def test_the_merge_policy_merges_a_heavy_adapter_in_the_simulator_and_loses_noth
     assert result.unfinished == 0
     assert sum(t.requests for t in result.tenants.values()) == 3000
     assert any(merged_steps) and not all(merged_steps), "merged after a window of traffic"
-    assert any(ex.dedicated_to == AdapterRef("a0", 1) for ex in sim.executors)
+    assert any(sim.core.merges.dedicated_to(ex) == AdapterRef("a0", 1) for ex in sim.executors)
 
 
 @pytest.mark.parametrize("seed", [3, 9, 15, 27])
@@ -208,7 +208,8 @@ def test_adapters_in_pages_of_the_kv_blocks_keep_every_invariant(memory):
     result = sim.run()
     assert result.unfinished == 0 and result.loads > 0
     geometry = config.executors.geometry()
-    counts = {a: n for ex in sim.executors for a, n in ex.page_counts.items()}
+    counts = {a: n for ex in sim.executors
+              for a, n in sim.core.residency.of(ex).planned_pages().items()}
     assert len(counts) > 10
     for adapter, n in counts.items():
         rank = sim._ranks[int(adapter.name[1:])] if memory == "pages" else 64

@@ -22,7 +22,7 @@ from common.adapter_pages import plan_pages
 from common.detokenizer import OutputProcessor
 from common.sampling import SamplingParams
 from scheduler.limits import Limits
-from scheduler.request import Request, Status
+from scheduler.request import Ask, Request, Status
 from scheduler.sim.invariants import check_invariants
 from scheduler.steps.fast_steps import FastSteps
 from scheduler.steps.reference_steps import ReferenceSteps
@@ -54,11 +54,12 @@ class Twin:
         w = self.w
         rid = next(w._ids)
         w.events[rid] = []
-        req = Request(rid, tenant, adapter, 2**20, prompt, SamplingParams(),
+        ask = Ask(tenant, adapter, 2**20, tuple(prompt), SamplingParams(),
+                  adapter_ranks=RANKS.get(adapter))
+        req = Request(rid, ask,
                       OutputProcessor(None, max_new_tokens=max_new, stop_token_ids=stop_ids),
-                      w.events[rid].append, adapter_ranks=RANKS.get(adapter))
-        if sink >= 0:
-            req.sink, req.sink_id = self.sinks[sink], rid
+                      w.events[rid].append, sink=self.sinks[sink] if sink >= 0 else None,
+                      sink_id=rid if sink >= 0 else 0)
         w.core.submit(req)
         w.requests.append(req)
 
@@ -87,7 +88,7 @@ class Twin:
 
     def loads(self) -> None:
         self.w.complete_loads(loaded=lambda slot, adapter: self.executor.slots.update(
-            {slot.index: adapter}))
+            {slot: adapter}))
         self._loads_started()
 
     def cancel(self, k: int) -> None:
@@ -100,15 +101,15 @@ class Twin:
         self.w.core.on_executor_lost(self.ex)
         self.in_flight.clear()
         self.executor = StandInExecutor(self.ex.blocks.block_size, self.executor.switch)
-        self.w.core.add_executor(self.ex)
+        self.ex = self.w.executors[0] = self.w.core.add_executor(self.ex.address, self.w.shape)
         check_invariants(self.w.core, self.w.requests)
 
     def outcomes(self) -> dict[int, tuple]:
-        return {r.request_id: outcome(self.w, r) for r in self.w.requests}
+        return {r.serial: outcome(self.w, r) for r in self.w.requests}
 
     def _loads_started(self) -> None:
-        for _, slot, _ in self.w.loads:  # (a load writes its slot from the moment it starts)
-            self.executor.slots[slot.index] = None
+        for _, load in self.w.loads:  # (a load writes its slot from the moment it starts)
+            self.executor.slots[load.slot] = None
 
 
 def random_events(rng: random.Random, num_events: int) -> list[tuple]:
@@ -189,7 +190,7 @@ def test_steady_decode_is_planned_by_the_cohort_and_matches_the_reference():
         plan = fast.plan()
         assert reference.plan() == plan
         rows += len(plan[3]) if plan else 0
-        member_rows += len(fast.ex.steps.cohort) if plan else 0
+        member_rows += len(fast.w.core.steps_of(fast.ex).cohort) if plan else 0
         for twin in (reference, fast):
             twin.answer()
     assert rows and member_rows > 0.7 * rows, (member_rows, rows)

@@ -9,7 +9,7 @@ from common.sampling import SamplingParams
 from protos import scheduler_pb2
 from scheduler.limits import Limits
 from scheduler.metrics import SchedulerMetrics
-from scheduler.request import Request
+from scheduler.request import Ask, Request
 from scheduler.streams import StreamConnection
 from tests.scheduler.sched_world import World
 
@@ -26,9 +26,9 @@ def _connection(w: World, sent: list) -> tuple[StreamConnection, asyncio.Task]:
 def _submit(w: World, connection: StreamConnection, stream_id: int, max_new: int,
             tenant: str = "t") -> None:
     async def check() -> Request:
-        req = Request(stream_id, tenant, None, 0, [1, 2, 3], SamplingParams(),
+        req = Request(stream_id, Ask(tenant, None, 0, (1, 2, 3), SamplingParams()),
                       OutputProcessor(None, max_new_tokens=max_new),
-                      connection.emitter(stream_id))
+                      connection.emitter(stream_id), sink=connection.sink, sink_id=stream_id)
         w.requests.append(req)
         return req
     connection.submit(stream_id, check)
