@@ -1,7 +1,7 @@
 """The engines bench/peers/run.py times, behind one call: `await engine.round(n)` ->
-(seconds, greedy token ids per request, CPU seconds), request i on adapter a{i mod n} (n = 0: the
-base model). CPU seconds: user + system time of the engine's processes (and their children)
-during the round, from /proc: on shared cores it counts the work, not the wait for a core.
+(seconds, greedy token ids per request), request i on adapter a{i mod n} (n = 0: the base
+model); `timed` adds the CPU seconds of the engine's processes (and their children) during the
+round, user + system time from /proc: on shared cores it counts the work, not the wait for a core.
 
 - WorkerEngine: a peer in a process of its own, spoken to by bench/peers/worker_loop.py's lines.
 - Loraplex: the services bench/serving.py starts, through the scheduler's Generate stream.
@@ -54,12 +54,21 @@ def cpu_seconds(pids: list[int]) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-async def timed(engine, num_adapters: int) -> tuple[float, list[list[int]], float]:
-    """One round of an engine with its processes' CPU seconds."""
-    pids = [p for root in engine.pids() for p in process_tree(root)]
-    cpu = cpu_seconds(pids)
+async def timed(engine, num_adapters: int) -> tuple[float, list[list[int]], float, dict]:
+    """One round of an engine: (seconds, tokens, CPU seconds of all its processes, CPU seconds
+    of each of them by name)."""
+    pids = engine.pids()
+    before = {label: cpu_seconds([pid]) for label, pid in pids.items()}
     seconds, tokens = await engine.round(num_adapters)
-    return seconds, tokens, cpu_seconds(pids) - cpu
+    cpu = {label: cpu_seconds([pid]) - before[label] for label, pid in pids.items()}
+    return seconds, tokens, sum(cpu.values()), cpu
+
+
+def process_name(pid: int) -> str:
+    try:
+        return pathlib.Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "ended"
 
 
 class WorkerEngine:
@@ -91,8 +100,14 @@ class WorkerEngine:
                                f" the end of its log:\n{self.log_tail()}")
         return json.loads(line)
 
-    def pids(self) -> list[int]:
-        return [self.process.pid]
+    def pids(self) -> dict[str, int]:
+        """The worker (the front end) and every process under it, by its name (15 characters)."""
+        root, *children = process_tree(self.process.pid)
+        named = {"front end": root}
+        for pid in children:
+            name = process_name(pid).removeprefix("VLLM::").replace("EngineCor", "engine core")
+            named[name if name not in named else f"{name} {pid}"] = pid
+        return named
 
     def log_tail(self, num_lines: int = 25) -> str:
         lines = self.log_path.read_text(errors="replace").splitlines()
@@ -119,11 +134,11 @@ class WorkerEngine:
 
 
 class Loraplex:
-    def __init__(self, stub, prompts: list[list[int]], pids: list[int]):
+    def __init__(self, stub, prompts: list[list[int]], pids: dict[str, int]):
         self.stub, self.prompts, self.service_pids = stub, prompts, pids
 
-    def pids(self) -> list[int]:
-        """The services' processes (store, executor, scheduler), not this client's."""
+    def pids(self) -> dict[str, int]:
+        """The services' processes by name (store, executor, scheduler), not this client's."""
         return self.service_pids
 
     def names(self, num_adapters: int) -> list[str]:

@@ -65,7 +65,7 @@ def start_vllm(setup_args: list[str], log_dir: pathlib.Path) -> tuple[WorkerEngi
 
 
 async def measure(engines: dict, counts: list[int], rounds: int) -> dict:
-    """{count: {engine: [(seconds, tokens, cpu seconds), ...]}} in alternating rounds; the load
+    """{count: {engine: [timed(...) per round]}} in alternating rounds; the load
     average before each count as results["load"][count]."""
     results: dict = {"load": {}}
     for n in counts:
@@ -84,13 +84,20 @@ async def measure(engines: dict, counts: list[int], rounds: int) -> dict:
 
 def wall_tok_s(rounds: list[tuple]) -> float:
     """Tokens per second of wall time in the median round."""
-    seconds, tokens, _ = serving.median_round(rounds)
+    seconds, tokens = serving.median_round(rounds)[:2]
     return sum(map(len, tokens)) / seconds
 
 
 def cpu_tok_s(rounds: list[tuple]) -> float:
     """Tokens per CPU-second of the engine's processes, the median over rounds."""
-    return statistics.median(sum(map(len, tokens)) / cpu for _, tokens, cpu in rounds)
+    return statistics.median(sum(map(len, r[1])) / r[2] for r in rounds)
+
+
+def cpu_split(rounds: list[tuple]) -> str:
+    """Each process's share of an engine's CPU seconds over all its rounds."""
+    total = sum(r[2] for r in rounds)
+    return ", ".join(f"{label} {sum(r[3][label] for r in rounds) / total:.0%}"
+                     for label in rounds[0][3])
 
 
 def speed_table(results: dict, counts: list[int], names: list[str], speed, unit: str,
@@ -132,6 +139,10 @@ def report(results: dict, counts: list[int], names: list[str], rounds: int, num_
     if vllm_note:
         out += [f"- vLLM not measured: {vllm_note}"]
     out += [f"- engines: {', '.join(f'{k}: {v}' for k, v in info.items())}",
+             "- each engine's CPU seconds by process, over all its rounds of a row: " + "; ".join(
+                 f"{n} adapters: " + ", ".join(f"{name} ({cpu_split(results[n][name])})"
+                                               for name in names if name != "HF PEFT")
+                 for n in counts),
              "- rounds' wall times (s, per row and engine, min / median / max): "
              + "; ".join(f"{n} adapters: " + ", ".join(
                  f"{name} {min(s):.2f} / {statistics.median(s):.2f} / {max(s):.2f}"
@@ -140,7 +151,10 @@ def report(results: dict, counts: list[int], names: list[str], rounds: int, num_
              f"- 1-minute load average: {loads[0]:.1f} at the start, {loads[1]:.1f} at the end; "
              "before each row: " + ", ".join(f"{n} adapters {results['load'][n]:.1f}"
                                              for n in counts)
-             + " (these 2 cores were shared with other work while it ran)",
+             + " (these 2 cores were shared with other work while it ran: a load of L leaves "
+             "each runnable process about 2/L of a core, so wall times, and most of all those "
+             "of an engine that hands each step between processes, stretch with the load; the "
+             "CPU-time table does not)",
              serving.machine_line(loads[0]), f"- command: `{command}`", ""]
     return "\n".join(out)
 
@@ -208,7 +222,8 @@ async def run_all(fleet: Fleet, peft: WorkerEngine, vllm: WorkerEngine | None,
         await client.push_adapter(fleet.stores[0], adapter_dir / f"a{i}", f"a{i}")
     async with insecure_channel(fleet.scheduler) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
-        ours = Loraplex(stub, prompts, [s.process.pid for s in fleet.services])
+        ours = Loraplex(stub, prompts, {s.name.split('-')[0]: s.process.pid
+                                        for s in fleet.services})
         await ours.warm_up(num_adapters)
         engines = {"loraplex": ours, "HF PEFT": peft, **({"vLLM": vllm} if vllm else {})}
         print(f"{rounds} alternating rounds per adapter count ...", flush=True)

@@ -1,6 +1,6 @@
 """Greedy tokens compared across engines for bench/peers/run.py.
 
-A row's results: {engine: [(seconds, tokens per request, cpu seconds), ...] one per round}.
+A row's results: {engine: [(seconds, tokens per request, ...), ...] one per round}.
 Every round of an engine should give the same tokens (greedy); across engines, request by
 request, all 32 of them.
 """
