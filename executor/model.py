@@ -10,7 +10,8 @@ contiguous. Running example, block_size 4:
     tokens  : [T=8]            positions: [0 1 2 3 4 5 12 7]
     slots   : where each row's k/v is written (from the mirrored block tables)
 
-Every projection is one dense matmul over all T rows (q/k/v fused, gate/up fused), then the LoRA
+Every projection is one dense matmul over all T rows (q/k/v fused, gate/up fused; a quantized
+base's through executor/quant.py's `project`, which is F.linear for a dense weight), then the LoRA
 backend adds the adapters of its segments with one call per fused output. Attention reads each
 sequence's context back through its block table (executor/attention.py): on CUDA one Triton
 kernel reads K/V in place for every row group; on CPU decode rows are batched in a few SDPA
@@ -42,6 +43,7 @@ from executor.layer_ops import activation, rms_norm, soft_cap
 from executor.lora import LoraBackend, LoraBatchMeta
 from executor.model_config import ModelConfig
 from executor.moe import grouped_matmul_for, moe_mlp
+from executor.quant import project
 from executor.rope import apply_rope, rope_cos_sin
 from executor.tensor_parallel import SINGLE, TensorParallel
 from executor.weights import ModelWeights
@@ -163,7 +165,7 @@ class Transformer:
     def _attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    meta: StepMetadata, kv: PagedKVCache) -> torch.Tensor:
         c, w = self.config, self.weights.layers[i]
-        qkv = F.linear(x, w.wqkv, w.bqkv)  # [T, q_size + 2 * kv_size]
+        qkv = project(x, w.wqkv, w.bqkv)  # [T, q_size + 2 * kv_size]
         self.lora.apply(i, "qkv", x, qkv, meta.lora)
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         t = x.shape[0]
@@ -177,7 +179,7 @@ class Transformer:
         attn = attend(q, kv, i, meta.attention[c.layer_window(i)], scale=c.attention_scale,
                       softcap=c.attn_logit_softcap, sinks=w.sinks)  # [T, H, D]
         attn = attn.reshape(t, c.q_size)  # [T, H * D]
-        out = F.linear(attn, w.wo, w.bo)  # [T, hidden] (bo: on one rank of a TP group only)
+        out = project(attn, w.wo, w.bo, self.tp)  # [T, hidden] (bo: on one rank of a TP group)
         self.lora.apply(i, "o", attn, out, meta.lora)
         return self.tp.all_reduce(out)  # (row-parallel: the ranks' partial sums)
 
@@ -191,10 +193,10 @@ class Transformer:
 
     def _mlp(self, i: int, x: torch.Tensor, lora: LoraBatchMeta) -> torch.Tensor:
         w = self.weights.layers[i]
-        gate_up = F.linear(x, w.w_gate_up)  # [T, 2 * intermediate]
+        gate_up = project(x, w.w_gate_up)  # [T, 2 * intermediate]
         self.lora.apply(i, "gate_up", x, gate_up, lora)
         gate, up = gate_up.chunk(2, dim=-1)  # [T, intermediate] each
         hidden = activation(self.config.hidden_act)(gate) * up  # [T, intermediate]
-        out = F.linear(hidden, w.w_down)  # [T, hidden]
+        out = project(hidden, w.w_down, tp=self.tp)  # [T, hidden]
         self.lora.apply(i, "down", hidden, out, lora)
         return self.tp.all_reduce(out)  # (row-parallel: the ranks' partial sums)

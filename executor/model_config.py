@@ -18,6 +18,7 @@ from types import MappingProxyType
 from typing import Any
 
 from common.peft.modules import projection_shapes
+from executor.quant_config import Quantization
 from executor.rope import LinearRopeScaling, Llama3RopeScaling, Rope, RopeScaling
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")  # the MLP's act(gate) * up
@@ -81,6 +82,10 @@ class ModelConfig:
     o_bias: bool = False
     attention_sinks: bool = False
     norm_fp32_weight: bool = False
+    # A quantized base (executor/quant_config.py): how its projections' weights are stored and
+    # served (executor/quant.py); None: full precision (gpt-oss's MXFP4 experts: dequantized at
+    # load, None here too)
+    quantization: Quantization | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

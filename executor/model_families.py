@@ -32,6 +32,9 @@ fields mean what they mean to transformers (common/model_families.py fills in it
                             then softmax, gate and up interleaved under a clamped SwiGLU; its
                             MXFP4 expert weights (quantization_config mxfp4) dequantized at load
 
+A quantized base of a dense family (quantization_config: compressed-tensors, fp8, gptq, awq,
+bitsandbytes) is read by executor/quant_config.py, which refuses what it does not serve by name.
+
 Anything a family may state that loraplex does not compute is refused with the field's name:
 never served approximately.
 """
@@ -48,6 +51,7 @@ from common.model_families import (
     read_config,
 )
 from executor.model_config import FULL, SLIDING, alternating_layers
+from executor.quant_config import parse_quantization
 from executor.rope import Rope, parse_rope
 
 
@@ -63,12 +67,14 @@ def config_fields(raw: dict[str, Any], generation_config: dict[str, Any]) -> dic
             raise ValueError(f"model config: missing required field {key!r}")
     if cfg.get("mlp_bias"):
         raise ValueError("model config: mlp_bias=true is not supported")
-    quantization = cfg.get("quantization_config")
-    if quantization and not (model_type == "gpt_oss"
-                             and quantization.get("quant_method") == "mxfp4"):
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-        raise ValueError(f"model config: quantization_config {method!r} is not supported "
-                         "(a quantized base: give its unquantized weights)")
+    # (a multimodal checkpoint states it beside its text_config)
+    stated = raw.get("quantization_config") or cfg.get("quantization_config")
+    method = stated.get("quant_method") if isinstance(stated, dict) else stated
+    if stated and num_experts(cfg) and not (model_type == "gpt_oss" and method == "mxfp4"):
+        raise ValueError(f"model config: quantization_config {method!r} is not supported on a "
+                         f"mixture of experts ({model_type}: quantized experts are served for "
+                         "gpt-oss's mxfp4 only)")
+    quantization = parse_quantization(stated, model_type)
     is_gemma = model_type in ("gemma2", "gemma3_text")
     # (Gemma's MLP reads hidden_activation; its hidden_act is a leftover transformers ignores)
     act = cfg.get("hidden_activation") if is_gemma else cfg.get("hidden_act", "silu")
@@ -90,6 +96,7 @@ def config_fields(raw: dict[str, Any], generation_config: dict[str, Any]) -> dic
         eos_token_ids=_eos_ids(cfg, generation_config),
         hidden_act=act,
         fused_projections=model_type in FUSED_MODEL_TYPES,
+        quantization=quantization,
     )
     head_dim = fields["head_dim"] or fields["hidden_size"] // heads
     if model_type == "qwen3_moe":  # (every layer slides, with use_sliding_window only)

@@ -28,6 +28,11 @@ Phi-3's gate_up_proj below; gpt-oss's, whose gate and up interleave, is one run 
 units [a, b) are rows [2a, 2b)). A bias of a row-parallel output (gpt-oss's o_proj and experts'
 down) is added once: rank 0 holds it, the others zeros. Attention sinks go with their heads.
 
+A quantized projection (executor/quant.py) is cut the same way, its scales, zeros and g_idx
+with it: by rows freely, by input columns only where no group or scale block is split (an
+act-order g_idx keeps every group's scales and takes its columns' entries); otherwise loading
+refuses, naming the layer (executor/quant_load.py).
+
 Fused projections (Phi-3's qkv_proj = q | k | v side by side, gate_up_proj = gate | up) take each
 part's rows in turn: rank r's rows of qkv_proj are its q rows, then q_size + its k rows, then
 q_size + kv_size + its v rows. A fused B is cut the same way.
@@ -48,6 +53,7 @@ import torch
 
 from common.peft.modules import parse_expert_module, projection_shapes
 from executor.model_config import ModelConfig
+from executor.quant import join
 from executor.slot_pool import LoraModuleWeights, LoraWeights
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj",
@@ -189,7 +195,7 @@ class Shard:
         else:
             return full()
         pieces = [read(dim, a, b) for a, b in self.ranges(module)]
-        return torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0]
+        return join(pieces, dim)  # (a quantized weight's runs too: executor/quant.py)
 
     def lora(self, weights: LoraWeights) -> LoraWeights:
         """The rank's part of an adapter: B's rows of a column-parallel projection, A's columns

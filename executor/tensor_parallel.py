@@ -90,6 +90,15 @@ class TensorParallel:
             self._wait(self.group.allreduce([x]))
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """x (contiguous), its largest over the ranks, in place; returned (W8A8's per-token
+        scales of a row-parallel input: executor/quant.py)."""
+        if self.world > 1:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.MAX
+            self._wait(self.group.allreduce([x], opts))
+        return x
+
     def embed(self, table: torch.Tensor, tokens: torch.Tensor, first_row: int) -> torch.Tensor:
         """Rows of `tokens` [T] from an embedding split by rows: table [rows, hidden] holds token
         ids [first_row, first_row + rows). Each rank looks up its own and zeroes the rest; the

@@ -36,6 +36,10 @@ them, which are skipped unread (text-only input never runs them):
     model.language_model.X, lm_head.weight                  transformers 4.52 .. 4.x
     [model.]vision_tower.*, [model.]multi_modal_projector.*  skipped
 
+A quantized checkpoint's projections (ModelConfig.quantization) are read by
+executor/quant_load.py into the weights of executor/quant.py, which the forward calls through
+`project`; q/k/v (gate/up) join into one where their layouts agree.
+
 A rank of a tensor-parallel executor loads its part only (`shard`, executor/shards.py): each
 tensor's rows or columns read from the safetensors files, nothing else; its LayerWeights then have
 its part's shapes, and embed / lm_head its vocabulary rows (from `vocab_start`).
@@ -60,6 +64,8 @@ from executor.expert_weights import (
     split_experts,
 )
 from executor.model_config import ModelConfig
+from executor.quant import join, weight_bytes
+from executor.quant_load import QuantizedParts
 from executor.shards import Shard
 
 
@@ -96,10 +102,20 @@ class ModelWeights:
     vocab_start: int = 0  # the token id of embed's and lm_head's first row (a rank's part)
 
     def num_bytes(self) -> int:
+        return sum(map(weight_bytes, self._tensors()))
+
+    def dense_bytes(self) -> int:
+        """What the weights would take with every quantized projection dense at the serving
+        dtype (the embeddings'): num_bytes() itself for a full-precision model."""
+        size = self.embed.element_size()
+        return sum(weight_bytes(t) if isinstance(t, torch.Tensor) else
+                   t.shape[0] * t.shape[1] * size for t in self._tensors())
+
+    def _tensors(self) -> list:
         tensors = {id(t): t for t in (self.embed, self.norm, self.lm_head)}  # tied: counted once
         for layer in self.layers:
             tensors.update((id(t), t) for t in vars(layer).values() if t is not None)
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        return list(tensors.values())
 
 
 def _hf_names(config: ModelConfig) -> list[str]:
@@ -209,6 +225,7 @@ def load_weights(model_dir: str | Path, config: ModelConfig, *, dtype: torch.dty
     expected = set(_hf_names(config))
     optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
     raw: dict[str, torch.Tensor] = {}
+    quantized = QuantizedParts(config) if config.quantization else None
     for path in _checkpoint_files(model_dir):
         if not path.is_file():
             raise ValueError(f"checkpoint shard {path} listed in the index is missing")
@@ -218,6 +235,8 @@ def load_weights(model_dir: str | Path, config: ModelConfig, *, dtype: torch.dty
                 if name is None or name.endswith("rotary_emb.inv_freq"):
                     continue  # a vision tower's; or a buffer some old checkpoints saved
                 name = expert_name(name) if config.num_experts else name
+                if quantized and quantized.take(name, lambda s=stored: f.get_tensor(s)):
+                    continue  # (a projection's: made one weight once every file is read)
                 if name.endswith("_blocks") and config.moe_bias:  # (gpt-oss's MXFP4 experts)
                     name, tensor = dequantized(f, stored, name, _expected_shape(
                         config, name.removesuffix("_blocks")))
@@ -250,6 +269,12 @@ def load_weights(model_dir: str | Path, config: ModelConfig, *, dtype: torch.dty
                                      f"{_expected_shape(config, name)} from the model config")
                 tensor = _read(part, name, shard)
                 raw[name] = tensor.to(device=device, dtype=dtype)
+    if quantized:
+        built = quantized.build(_expected_shape, shard, device, dtype)
+        unexpected = sorted(built.keys() - expected)
+        if unexpected:
+            raise ValueError(f"unexpected tensors of {unexpected[0]!r} in the checkpoint")
+        raw.update(built)
     missing = sorted(expected - raw.keys())
     if missing:
         raise ValueError(f"checkpoint is missing tensor {missing[0]!r} "
@@ -281,9 +306,9 @@ def _assemble(config: ModelConfig, raw: dict[str, torch.Tensor],
         if config.fused_projections:
             wqkv = raw.pop(f"{attn}qkv_proj.weight")
             w_gate_up = raw.pop(f"{mlp}gate_up_proj.weight")
-        else:
-            wqkv = torch.cat([raw.pop(f"{attn}{m}_proj.weight") for m in "qkv"])
-            w_gate_up = None if experts else torch.cat(
+        else:  # (quantized weights join into one where their layouts agree: executor/quant.py)
+            wqkv = join([raw.pop(f"{attn}{m}_proj.weight") for m in "qkv"])
+            w_gate_up = None if experts else join(
                 [raw.pop(f"{mlp}{m}_proj.weight") for m in ("gate", "up")])
         sandwich = config.sandwich_norms
         layers.append(LayerWeights(

@@ -107,15 +107,15 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
 
 
 def fp8_w8a8_gemm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
-                  block: tuple[int, int], *, static_scale: torch.Tensor | None = None,
+                  block: tuple[int, int], *, x_scales: torch.Tensor | None = None,
                   block_m: int | None = None, block_n: int = 64, block_k: int = 128,
                   num_warps: int = 4) -> torch.Tensor:
-    """W8A8: x [M, K] quantized to fp8 per token (or by one static scale), then the fp8 GEMM
-    -> [M, N] in x's dtype."""
+    """W8A8: x [M, K] quantized to fp8 by x_scales ([M] per token, [1] static; None: each row's
+    own amax / 448), then the fp8 GEMM -> [M, N] in x's dtype."""
     check_dtype("x", x, x.dtype)
     m, k = x.shape
     bn, bk = _check(weight, scales, block, k, x.device)
-    xq, x_scales = quantize_rows(x, static_scale)
+    xq, x_scales = quantize_rows(x, x_scales)
     return _launch(xq, x_scales, weight, scales, bn, bk, x.dtype, block_m, block_n,
                    fp8_block_k(k, bk, block_k), num_warps)
 

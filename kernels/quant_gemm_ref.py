@@ -101,16 +101,20 @@ def fp8_gemm_ref(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     return (x.float() @ w.float().T).to(x.dtype)
 
 
+def row_scales(amax: torch.Tensor) -> torch.Tensor:
+    """Each activation row's fp8 scale from its largest magnitude [M]: amax / 448."""
+    return (amax.float() / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+
+
 def quantize_rows(x: torch.Tensor,
-                  static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (fp8 [M, K], fp32 scales [M]): each row divided by its amax / 448 (or by the
-    one static scale), clamped, rounded to e4m3."""
-    if static_scale is not None:
-        scale = static_scale.float().reshape(1).expand(x.shape[0])
-    else:
-        scale = (x.abs().amax(-1).float() / FP8_MAX).clamp(min=FP8_MIN_SCALE)  # [M]
-    q = (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale.contiguous()
+                  scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (fp8 [M, K], fp32 scales [M]): each row divided by its scale (given: [M], or
+    [1] for a static one; else its own amax / 448), clamped, rounded to e4m3."""
+    if scales is None:
+        scales = row_scales(x.abs().amax(-1))  # [M]
+    scales = scales.float().reshape(-1).expand(x.shape[0])
+    q = (x.float() / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scales.contiguous()
 
 
 def fp8_w8a8_gemm_ref(xq: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor,

@@ -113,7 +113,7 @@ def test_fp8_w8a8_with_a_static_scale_and_the_k_tile_rule():
     w, scales = fp8_weight(16, 64, (1, 0))
     x = torch.randn(5, 64)
     static = torch.tensor([0.01])
-    got = fp8_w8a8_gemm(x, w, scales, (1, 0), static_scale=static, block_n=16, block_k=32)
+    got = fp8_w8a8_gemm(x, w, scales, (1, 0), x_scales=static, block_n=16, block_k=32)
     xq, x_scales = quantize_rows(x, static)
     assert torch.equal(x_scales, torch.full((5,), 0.01))
     close(got, fp8_w8a8_gemm_ref(xq, x_scales, w, scales, (1, 0), out_dtype=x.dtype),
