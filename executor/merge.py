@@ -13,6 +13,9 @@ copied to host memory first and copied back. Only the fused weights the adapter 
 B @ A over the whole fused weight, as it was trained. On a mixture of experts, an adapter's
 experts merge the same way, each into its expert's weight (experts_gate_up[e], experts_down[e];
 the layer's stacked weight saved whole once), as PEFT merges its target_parameters.
+
+A quantized base (executor/quant.py) is not merged into: an adapter targeting one of its
+quantized projections is refused before anything changes (check_mergeable).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from common.peft.modules import parse_expert_module
+from executor.quant import is_quantized
 from executor.slot_pool import LoraSlotPool
 from executor.weights import ModelWeights
 
@@ -37,9 +41,26 @@ class Merged:
     originals: dict[tuple[int, str], torch.Tensor]  # (layer, weight attribute) -> its old value
 
 
+def check_mergeable(weights: ModelWeights, pool: LoraSlotPool, slot: int) -> None:
+    """ValueError naming the first quantized weight the adapter in `slot` targets: W + B @ A is
+    dense, and rounding it back to the checkpoint's codes and scales would serve neither the
+    adapter nor the base exactly (the adapter is served unmerged instead, at full precision)."""
+    targets = pool.contents(slot).targets
+    for layer_index, layer in enumerate(weights.layers):
+        for group, g in pool.groups.items():
+            w = getattr(layer, GROUP_WEIGHTS[group])
+            if is_quantized(w) and any((layer_index, m) in targets for m in g.modules):
+                raise ValueError(f"cannot merge the adapter in slot {slot}: layer "
+                                 f"{layer_index}'s {group} is a quantized weight ({w.label}); "
+                                 "folding B @ A into it would requantize the base, which is not "
+                                 "exact: serve the adapter unmerged")
+
+
 @torch.inference_mode()
 def merge(weights: ModelWeights, pool: LoraSlotPool, slot: int) -> Merged:
-    """Fold the adapter in `slot` into `weights`, in place; returns what restores them."""
+    """Fold the adapter in `slot` into `weights`, in place; returns what restores them. Refused
+    (ValueError, nothing changed) where it targets a quantized weight."""
+    check_mergeable(weights, pool, slot)
     targets = pool.contents(slot).targets
     originals: dict[tuple[int, str], torch.Tensor] = {}
     for layer_index, layer in enumerate(weights.layers):
