@@ -25,6 +25,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from common.credentials import KeySources, add_key_arguments, sources_from_args
+from common.help_format import HelpFormatter
 
 MIB = 1024 * 1024
 # The S3 bucket naming rules, loosely: lowercase letters, digits, dots and dashes.
@@ -242,6 +243,9 @@ def config_from_args(args: argparse.Namespace,
 
 def parse_args(argv: Sequence[str] | None = None,
                environ: Mapping[str, str] | None = None) -> StoreConfig:
-    parser = argparse.ArgumentParser(prog="adapter_store", description="loraplex adapter store")
+    parser = argparse.ArgumentParser(prog="loraplex serve adapter-store",
+                                     formatter_class=HelpFormatter,
+                                     description="loraplex adapter store: the registry of PEFT "
+                                                 "adapters and their bytes")
     add_arguments(parser)
     return config_from_args(parser.parse_args(argv), environ)

@@ -235,10 +235,12 @@ class Registry(RegistryView):
         for v in targets:
             holders = await is_resident(versions[v])
             if holders:
+                ref = AdapterRef(name, v)
                 raise FailedPrecondition(
-                    f"adapter {AdapterRef(name, v)} is resident on {', '.join(holders)}; it can be "
-                    "deleted "
-                    "once no executor holds it (unload it, or wait for the lease to expire)")
+                    f"adapter {ref} is resident on executor{'s' if len(holders) > 1 else ''} "
+                    f"{', '.join(holders)}; it can be deleted once no executor holds it: unload "
+                    f"it with `loraplex admin evict {ref}` (an admin key, on the scheduler of "
+                    "its pool), or wait for the executors' leases to expire")
 
         def mark(current: NameIndex) -> NameIndex:
             for v in targets:

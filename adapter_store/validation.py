@@ -46,19 +46,27 @@ class AdapterSpec:
     alora_invocation_tokens: tuple[int, ...]  # an activated LoRA's invocation; () plain
 
 
+# How to raise a store's rank limit, told with a refusal.
+_RAISE_MAX_RANK = (" (its --max-rank; `loraplex up` gives its stores its executors' --max-rank, "
+                   "which executors must raise too: loraplex up --executor-args '--max-rank "
+                   "{rank}')")
+
+
 def check_config_rank(config: LoraConfig, max_rank: int | None) -> None:
     """What a push's header can tell of its rank, before its tensors arrive: over `max_rank`
     only when r and every rank_pattern value are (LoraConfig.lowest_rank). A bigger value may
     name no module of the adapter; check_rank checks the rank itself once the tensors are here."""
     if max_rank is not None and config.lowest_rank > max_rank:
         raise InvalidArgument(f"adapter_config.json: rank {config.lowest_rank} (the smallest of "
-                              f"r and rank_pattern) exceeds this store's maximum {max_rank}")
+                              f"r and rank_pattern) exceeds this store's maximum {max_rank}"
+                              + _RAISE_MAX_RANK.format(rank=config.lowest_rank))
 
 
 def check_rank(layout: AdapterLayout, max_rank: int | None) -> None:
     if max_rank is not None and layout.rank > max_rank:
         raise InvalidArgument(f"adapter rank {layout.rank} (the largest its tensors use) exceeds "
-                              f"this store's maximum {max_rank}")
+                              f"this store's maximum {max_rank}"
+                              + _RAISE_MAX_RANK.format(rank=layout.rank))
 
 
 def validate_adapter(config_json: str, weights_filename: str, data: bytes, *,

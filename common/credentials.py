@@ -114,7 +114,7 @@ class KeyRing:
 
     def _add(self, key: str, caller: Caller) -> None:
         if len(key) < _MIN_KEY_CHARS:
-            raise ValueError(f"a {caller.role.value} key is shorter than {_MIN_KEY_CHARS} "
+            raise ValueError(f"{_a(caller.role.value)} key is shorter than {_MIN_KEY_CHARS} "
                              "characters; use a long random key (e.g. openssl rand -hex 24)")
         if caller.role is Role.TENANT and not caller.tenant:
             raise ValueError("a tenant key needs a tenant name: KEY=TENANT")
@@ -154,9 +154,9 @@ class KeyRing:
         """`caller`, if it has one of `roles` (anyone, when open); PERMISSION_DENIED
         otherwise."""
         if caller.role not in roles and not self.is_open:
-            wanted = " or ".join(f"a {r.value} key" for r in roles)
-            raise PermissionDenied(f"this call needs {wanted}; the key given is a "
-                                   f"{caller.role.value} key")
+            wanted = " or ".join(_a(f"{r.value} key") for r in roles)
+            raise PermissionDenied(f"this call needs {wanted}; the key given is "
+                                   f"{_a(caller.role.value + ' key')}")
         return caller
 
     def require(self, context: grpc.aio.ServicerContext, *roles: Role) -> Caller:
@@ -202,6 +202,11 @@ def bearer(metadata: Iterable[tuple[str, str | bytes]]) -> str:
 def metadata(key: str) -> tuple[tuple[str, str], ...]:
     """The metadata that presents `key` ("" presents none)."""
     return ((wire.AUTHORIZATION, f"{wire.BEARER}{key}"),) if key else ()
+
+
+def _a(noun: str) -> str:
+    """"an admin key", "a tenant key"."""
+    return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
 
 
 def _digest(key: str) -> bytes:

@@ -47,9 +47,15 @@ class _Answer:
     at: float  # clock time of the store's answer (or of its last use while stores failed)
 
 
+# A name's (or alias's) resolution is reused this long by default: a version pushed or an alias
+# moved reaches new requests within it (the scheduler's and the gateway's --resolve-ttl-s).
+RESOLVE_TTL_S = 1.0
+
+
 class RegistryClient:
     def __init__(self, stores: tuple[str, ...], service_key: str = "", *,
-                 resolve_s: float = 2.0, resolve_ttl_s: float = 1.0, warm_s: float = 60.0,
+                 resolve_s: float = 2.0, resolve_ttl_s: float = RESOLVE_TTL_S,
+                 warm_s: float = 60.0,
                  max_entries: int = 100_000, clock: Callable[[], float] = time.monotonic):
         channels = [(a, insecure_channel(a, service_key)) for a in stores]
         self._stores = [(a, adapter_store_pb2_grpc.AdapterStoreStub(c)) for a, c in channels]

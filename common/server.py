@@ -112,7 +112,7 @@ class Service:
     def __init__(self, name: str, address: str, add_servicers: Callable[[grpc.aio.Server], None],
                  service_names: Sequence[str] = ()):
         self.name = name
-        self._server = grpc.aio.server(options=SERVER_OPTIONS)
+        self._server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[_FirstMessageFirst()])
         add_servicers(self._server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -120,6 +120,7 @@ class Service:
         reflection.enable_server_reflection(
             (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), self._server)
+        self._server.add_generic_rpc_handlers([_UnknownMethod(name, self._service_names)])
         try:
             self.port = self._server.add_insecure_port(address)
         except RuntimeError:  # (grpc's words: "Failed to bind to address ...")
@@ -151,6 +152,78 @@ class Service:
 
     async def wait(self) -> None:
         await self._server.wait_for_termination()
+
+
+# How long a call's first message is waited for before its handler runs (_FirstMessageFirst), or
+# before an unknown method is refused (_UnknownMethod); past it the handler runs all the same.
+FIRST_MESSAGE_WAIT_S = 10.0
+_KINDS = {"adapter_store": "an adapter store", "executor": "an executor",
+          "scheduler": "a scheduler", "gateway": "a gateway"}
+
+
+async def _first_message_read(requests, then: Callable[[object], Awaitable[T]]) -> T:
+    """`then(replayed)` once the call's first message arrived (or FIRST_MESSAGE_WAIT_S passed,
+    or the client sent none): `replayed` yields that message, then the rest."""
+    iterator = requests.__aiter__()
+    first = asyncio.ensure_future(anext(iterator, _NO_MESSAGE))
+    await asyncio.wait({first}, timeout=FIRST_MESSAGE_WAIT_S)
+
+    async def replayed():
+        message = await first
+        if message is not _NO_MESSAGE:
+            yield message
+            async for message in iterator:
+                yield message
+
+    try:
+        return await then(replayed())
+    finally:
+        first.cancel()  # (a handler that refused without reading)
+
+
+_NO_MESSAGE = object()
+
+
+class _FirstMessageFirst(grpc.aio.ServerInterceptor):
+    """A client-streaming call (AdapterStore.Push) runs its handler once its first message has
+    arrived. A handler that refuses a call at once (no key, a wrong one) otherwise ends it while
+    the client is still sending that message, and grpc's Python client then reports INTERNAL
+    "Internal error from Core" in place of the refusal (3 pushes without a key in 16); read
+    first, the refusal arrives as itself."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or not handler.request_streaming or handler.response_streaming:
+            return handler
+        behavior = handler.stream_unary
+
+        async def after_first(requests, context):
+            return await _first_message_read(requests, lambda r: behavior(r, context))
+
+        return grpc.stream_unary_rpc_method_handler(after_first, handler.request_deserializer,
+                                                    handler.response_serializer)
+
+
+class _UnknownMethod(grpc.GenericRpcHandler):
+    """Every method this server does not have: UNIMPLEMENTED saying which service answered
+    (a client pointed at the wrong port learns what is there), after the call's first message
+    (so a streaming client is told so, not INTERNAL: _FirstMessageFirst)."""
+
+    def __init__(self, name: str, service_names: Sequence[str]):
+        self._what = (f"{_KINDS.get(name, name)} (loraplex {name}"
+                      f"{': ' + ', '.join(service_names) if service_names else ''})")
+
+    def service(self, details):
+        method = details.method
+
+        async def refuse(requests, context):
+            async def abort(_):
+                await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                    f"this address serves {self._what}, which has no method "
+                                    f"{method}: check the address you gave")
+            await _first_message_read(requests, abort)
+
+        return grpc.stream_stream_rpc_method_handler(refuse)
 
 
 async def run_until_signalled(service: Service,

@@ -4,6 +4,7 @@ import argparse
 from dataclasses import dataclass
 
 from common.credentials import KeySources, add_key_arguments, sources_from_args
+from common.help_format import HelpFormatter
 
 DTYPES = ("float32", "bfloat16", "float16")
 LORA_BACKENDS = ("auto", "triton", "torch")  # auto: triton on CUDA, torch elsewhere
@@ -99,7 +100,9 @@ class ExecutorConfig:
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> "ExecutorConfig":
-        p = argparse.ArgumentParser(prog="loraplex serve executor")
+        p = argparse.ArgumentParser(prog="loraplex serve executor", formatter_class=HelpFormatter,
+                                    description="loraplex executor: a base model, its KV cache "
+                                                "and a pool of adapter slots on one device")
         p.add_argument("--model", required=True,
                        help="HF model dir (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3: the family "
                             "is read from its config.json), or random:<name> (tiny, "
@@ -123,15 +126,22 @@ class ExecutorConfig:
                        help="Prometheus /metrics port (0 = off)")
         p.add_argument("--grace-s", type=float, default=30.0,
                        help="on SIGTERM, time to finish in-flight work")
-        p.add_argument("--kv-blocks", type=int, default=512, dest="num_kv_blocks")
-        p.add_argument("--block-size", type=int, default=16)
-        p.add_argument("--adapter-slots", type=int, default=8)
-        p.add_argument("--max-rank", type=int, default=32)
+        p.add_argument("--kv-blocks", type=int, default=512, dest="num_kv_blocks",
+                       help="blocks of the KV cache, shared with adapters' weights in pages "
+                            "(`loraplex budget` sizes it for a GPU)")
+        p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+        p.add_argument("--adapter-slots", type=int, default=8,
+                       help="adapters resident at once")
+        p.add_argument("--max-rank", type=int, default=32,
+                       help="largest LoRA rank a slot takes: the pool's limit, which higher-rank "
+                            "adapters are refused by (`loraplex up` gives its stores the same)")
         p.add_argument("--lora-backend", default="auto", choices=LORA_BACKENDS,
                        help="auto = triton on CUDA, torch on CPU")
-        p.add_argument("--dtype", default="float32", choices=DTYPES)
-        p.add_argument("--device", default="cpu")
-        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--dtype", default="float32", choices=DTYPES,
+                       help="weights', KV cache's and adapters' dtype")
+        p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+        p.add_argument("--seed", type=int, default=0,
+                       help="seed of random weights (--model random:<name>)")
         p.add_argument("--threads", type=int, default=0,
                        help="torch CPU threads (0 = torch default)")
         p.add_argument("--staging-mb", type=int, default=1024,

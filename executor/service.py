@@ -10,6 +10,7 @@ this service, on its part of the model, and tells the other ranks each step, loa
 
 import asyncio
 import logging
+import socket
 import sys
 import time
 from multiprocessing.connection import Connection
@@ -103,6 +104,11 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self._driver: object | None = None  # the one Step stream allowed at a time
         # The last stream's end: its final step, then free_all.
         self._closing: asyncio.Future | None = None
+
+    def name_lease_holder(self, port: int) -> None:
+        """The name the stores' leases give this executor, and an adapter's refused deletion
+        shows: host:port, unique (one process listens on a port) and where to find it."""
+        self._loader.holder = f"{socket.gethostname()}:{port}"
 
     async def Info(self, request, context):
         async with grpc_errors(context):
@@ -315,6 +321,7 @@ async def serve(config: ExecutorConfig, tp: TensorParallel = SINGLE,
         lambda server: executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server),
         [executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name])
     port = await service.start()
+    servicer.name_lease_holder(port)
     serve_metrics(config.metrics_port, servicer.metrics.registry)
     await service.mark_serving()
     budget = runner.memory_budget()

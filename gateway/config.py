@@ -5,8 +5,19 @@ import argparse
 from dataclasses import dataclass, field
 
 from common.credentials import KeySources, add_key_arguments, sources_from_args
+from common.help_format import HelpFormatter
 from common.ratelimit import RateLimit, add_rate_limit_arguments, rate_limits_from_args
 from gateway.pools import parse_pool
+
+# The gateway's deadlines and intervals, in seconds, as --help describes them.
+_SECONDS = {
+    "refresh_s": "how often each pool's schedulers are probed, host names resolved again and "
+                 "the --roster file read",
+    "rpc_s": "deadline of each probe and registry lookup",
+    "resolve_ttl_s": "an adapter name's or alias's resolution is reused this long",
+    "request_timeout_s": "a request's deadline when its client sets none",
+    "grace_s": "on SIGTERM, requests under way get this long to finish",
+}
 
 
 @dataclass(frozen=True)
@@ -36,7 +47,7 @@ class GatewayConfig:
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> "GatewayConfig":
-        p = argparse.ArgumentParser(prog="python -m gateway.service",
+        p = argparse.ArgumentParser(prog="loraplex serve gateway", formatter_class=HelpFormatter,
                                     description="loraplex gateway: OpenAI HTTP API and gRPC "
                                                 "Generate in front of the pools")
         p.add_argument("--address", default=cls.address, help="gRPC host:port")
@@ -48,10 +59,11 @@ class GatewayConfig:
         p.add_argument("--store", action="append", default=[], help="adapter store host:port")
         add_key_arguments(p)
         add_rate_limit_arguments(p)
-        for name in ("refresh_s", "rpc_s", "resolve_ttl_s", "request_timeout_s", "grace_s"):
-            p.add_argument("--" + name.replace("_", "-"), type=float,
-                           default=getattr(cls, name))
-        p.add_argument("--max-body-mb", type=int, default=cls.max_body_mb)
+        for name, help in _SECONDS.items():
+            p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(cls, name),
+                           help=help)
+        p.add_argument("--max-body-mb", type=int, default=cls.max_body_mb,
+                       help="largest HTTP request body, in MiB (a 400 past it)")
         p.add_argument("--metrics-port", type=int, default=0,
                        help="Prometheus /metrics port (0 = off)")
         a = p.parse_args(argv)

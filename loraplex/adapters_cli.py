@@ -19,6 +19,7 @@ import time
 from common.adapter_ref import AdapterQuery, AdapterRef
 from common.base_fingerprint import base_fingerprint
 from common.errors import InvalidArgument
+from common.registry_client import RESOLVE_TTL_S
 from loraplex import api_key, client
 from protos import adapter_store_pb2 as pb
 from protos import common_pb2
@@ -31,7 +32,8 @@ def add_parser(sub: argparse._SubParsersAction, default_store: str) -> None:
 
     def store_command(name: str, help: str, parent=asub) -> argparse.ArgumentParser:
         command = parent.add_parser(name, help=help)
-        command.add_argument("--store", default=default_store)
+        command.add_argument("--store", default=default_store,
+                             help="an adapter store's address, as `loraplex up` starts it")
         command.add_argument("--tenant", default="",
                              help="with an admin key: the tenant to act for / owner (default: "
                                   "public adapters)")
@@ -40,33 +42,38 @@ def add_parser(sub: argparse._SubParsersAction, default_store: str) -> None:
 
     def metadata_flags(command: argparse.ArgumentParser) -> None:
         command.add_argument("--dataset", default="", help="training data set version")
-        command.add_argument("--eval", action="append", default=[], metavar="METRIC=SCORE")
+        command.add_argument("--eval", action="append", default=[], metavar="METRIC=SCORE",
+                             help="an evaluation score to record (repeatable)")
         command.add_argument("--base-revision", default="", help="base model revision / hash")
         command.add_argument("--alias", action="append", default=[],
                              help="point this alias at the new version (repeatable)")
 
     push = store_command("push", "upload a PEFT adapter folder (progress bar)")
-    push.add_argument("dir")
-    push.add_argument("--name", required=True)
+    push.add_argument("dir", help="the adapter's folder, as PEFT's save_pretrained wrote it")
+    push.add_argument("--name", required=True,
+                      help="its name in the store (each push makes a new version of it)")
     metadata_flags(push)
     register = store_command("register", "register a PEFT folder already in S3 (s3://b/prefix)")
-    register.add_argument("uri")
-    register.add_argument("--name", required=True)
+    register.add_argument("uri", help="s3://bucket/prefix of the PEFT folder")
+    register.add_argument("--name", required=True,
+                          help="its name in the store (each registration makes a new version)")
     metadata_flags(register)
     listing = store_command("list", "adapters visible to a tenant")
     listing.add_argument("--name", default="", help="only this adapter")
-    listing.add_argument("--all-versions", action="store_true")
+    listing.add_argument("--all-versions", action="store_true",
+                         help="every live version, not only the latest")
     show = store_command("show", "everything recorded about NAME[@VERSION|@ALIAS]")
-    show.add_argument("ref")
+    show.add_argument("ref", help="NAME, NAME@VERSION or NAME@ALIAS")
     alias = store_command("alias", "point ALIAS at NAME@VERSION (atomic), or --remove it")
     alias.add_argument("ref", help="NAME@VERSION")
-    alias.add_argument("alias")
-    alias.add_argument("--remove", action="store_true")
+    alias.add_argument("alias", help="the alias's name")
+    alias.add_argument("--remove", action="store_true", help="remove the alias instead")
     alias.add_argument("--expect", type=int, default=None,
                        help="only if the alias points at this version now (0 = unset)")
     rm = store_command("rm", "delete NAME@VERSION (refused while aliased or resident)")
-    rm.add_argument("ref")
-    rm.add_argument("--all-versions", action="store_true")
+    rm.add_argument("ref", help="NAME@VERSION")
+    rm.add_argument("--all-versions", action="store_true",
+                    help="delete every version of NAME (give NAME alone)")
     bases = asub.add_parser("base", help="base models that pushes are checked against")
     bsub = bases.add_subparsers(dest="base_command", required=True)
     base = store_command("add", "register a base model: its config.json for shape checks and "
@@ -77,7 +84,7 @@ def add_parser(sub: argparse._SubParsersAction, default_store: str) -> None:
     base.add_argument("--name", action="append", default=[], dest="names",
                       help="another name adapters may give it, e.g. a hub id or a local path "
                            "(repeatable; replaces the names it had)")
-    base.add_argument("--revision", default="")
+    base.add_argument("--revision", default="", help="the base's revision or hash, recorded")
     store_command("list", "registered base models", bsub)
     store_command("stats", "host tier and registry counters of a store")
 
@@ -191,10 +198,15 @@ async def run(args: argparse.Namespace) -> None:
             name=args.name, owner_tenant=args.tenant, source_uri=args.uri,
             metadata=_metadata(args)))
     if command in ("push", "register"):
-        print(f"registered {AdapterRef(info.name, info.version)} (rank {info.rank}, "
+        ref = AdapterRef(info.name, info.version)
+        print(f"registered {ref} (rank {info.rank}, "
               f"{len(info.target_modules)} modules, {info.num_bytes / 2**20:.2f} MiB, "
               f"owner {info.owner_tenant or 'public'}, base {info.base_model}: "
               f"{_base_match(info)})")
+        if info.version > 1:
+            print(f"note: requests naming {info.name} get {ref} within {RESOLVE_TTL_S:g} s "
+                  f"(services reuse a name's resolution that long); name {ref} to have it at "
+                  "once")
     elif command == "list":
         listed = await call("ListAdapters", pb.ListAdaptersRequest(
             tenant=args.tenant, name=args.name, all_versions=args.all_versions))

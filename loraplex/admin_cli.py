@@ -150,7 +150,7 @@ def format_stats(stats: pb.StatsResponse) -> str:
                      f"{'FREE KV':>13s} {'CACHED':>7s} {'STEPS':>8s} {'LOADS':>6s} {'HITS':>6s}")
         for ex in stats.executors:
             kv = f"{ex.free_kv_blocks}/{ex.num_kv_blocks}"
-            lines.append(f"{ex.address:22s} {_state(ex):9s} {ex.running:7d} {ex.queued:6d} "
+            lines.append(f"{ex.address:22s} {state_of(ex):9s} {ex.running:7d} {ex.queued:6d} "
                          f"{kv:>13s} {ex.cached_kv_blocks:7d} {ex.steps:8d} {ex.adapter_loads:6d} "
                          f"{ex.adapter_hits:6d}")
             used = [(i, s) for i, s in enumerate(ex.slots) if s.state != "empty"]
@@ -177,7 +177,8 @@ def format_stats(stats: pb.StatsResponse) -> str:
     return "\n".join(lines)
 
 
-def _state(ex: pb.ExecutorStats) -> str:
+def state_of(ex: pb.ExecutorStats) -> str:
+    """up, down, draining, drained, merging or merged."""
     if not ex.is_up:
         return "down"
     if ex.is_merged or client.ref_text(ex.dedicated_to):

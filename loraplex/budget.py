@@ -32,6 +32,7 @@ import math
 import torch
 
 from common.adapter_pages import padded_pages, plan_pages
+from common.help_format import HelpFormatter
 from common.peft.modules import BLOCK_OF
 from executor.memory_budget import MemoryBudget
 from executor.model_config import NAMED_CONFIGS, ModelConfig
@@ -39,6 +40,7 @@ from executor.shards import Shard
 from executor.slot_pool import page_geometry
 
 GB = 1e9
+MAX_TENSOR_PARALLEL = 16  # the most GPUs `budget` suggests one executor spans
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +123,11 @@ def plan(config: ModelConfig, *, dtype: torch.dtype, gpu_bytes: float, utilizati
                 block_size, num_blocks)
 
 
-def format_plan(p: Plan, *, adapter_slots: int, max_rank: int, seqs: int, context: int) -> str:
+def format_plan(p: Plan, *, adapter_slots: int, max_rank: int, seqs: int, context: int,
+                fewest_gpus: int = 0) -> str:
+    """The plan as `loraplex budget` prints it. `fewest_gpus`: when the weights alone are more
+    than one GPU holds, the fewest GPUs of a tensor-parallel executor that holds them (0: none
+    up to MAX_TENSOR_PARALLEL)."""
     c = p.config
     dtype = str(p.dtype).removeprefix("torch.")
     lines = [
@@ -138,6 +144,14 @@ def format_plan(p: Plan, *, adapter_slots: int, max_rank: int, seqs: int, contex
         f"<= {max_rank}; their weights are in pages of the blocks below)",
         f"  step workspace        {p.workspace_bytes / GB:8.2f} GB   (estimate)",
     ]
+    if p.num_kv_blocks < 1 and p.weights_bytes >= p.usable_bytes and p.tensor_parallel == 1:
+        gpus = (f"run one executor over {fewest_gpus} GPUs: --tensor-parallel {fewest_gpus} "
+                f"(`loraplex budget ... --tensor-parallel {fewest_gpus}` plans each GPU)"
+                if fewest_gpus else f"no executor of up to {MAX_TENSOR_PARALLEL} of these GPUs "
+                                    "holds them: larger GPUs, or a smaller dtype")
+        lines.append(f"  KV cache              does not fit: the weights alone are more than "
+                     f"one GPU holds; {gpus}")
+        return "\n".join(lines)
     if p.num_kv_blocks < 1:
         rest = p.usable_bytes - p.weights_bytes - p.pool_bytes - p.workspace_bytes
         one_block = p.block_size * p.kv_bytes_per_token * (1 + 1 / c.num_hidden_layers)
@@ -183,6 +197,21 @@ def format_plan(p: Plan, *, adapter_slots: int, max_rank: int, seqs: int, contex
     return "\n".join(lines)
 
 
+def _fewest_gpus(config: ModelConfig, plan_args: dict) -> int:
+    """The fewest GPUs (a power of two up to MAX_TENSOR_PARALLEL, that the model splits into)
+    of one executor whose every GPU holds its part with a KV block to spare; 0 when none."""
+    n = 2
+    while n <= MAX_TENSOR_PARALLEL:
+        try:
+            Shard(config, 0, n)
+        except ValueError:
+            break
+        if plan(config, tensor_parallel=n, **plan_args).num_kv_blocks >= 1:
+            return n
+        n *= 2
+    return 0
+
+
 def rank_mix(text: str) -> dict[int, float]:
     """"8:0.7,16:0.2,64:0.1" -> {8: 0.7, 16: 0.2, 64: 0.1} (shares need not add up to 1)."""
     try:
@@ -197,20 +226,21 @@ def rank_mix(text: str) -> dict[int, float]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="loraplex budget", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     names = ", ".join(NAMED_CONFIGS)
     p.add_argument("--model", default="random:llama-3-8b",
                    help=f"HF model directory, or random:<name> ({names})")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="the executor's --dtype")
     p.add_argument("--gpu-gib", type=float, default=80.0, help="GPU memory in GiB")
     p.add_argument("--utilization", type=float, default=0.9,
                    help="share of the GPU memory loraplex may take (the rest: CUDA context, "
                         "allocator slack)")
-    p.add_argument("--adapter-slots", type=int, default=64)
-    p.add_argument("--max-rank", type=int, default=16)
+    p.add_argument("--adapter-slots", type=int, default=64, help="the executor's flag")
+    p.add_argument("--max-rank", type=int, default=16, help="the executor's flag")
     p.add_argument("--adapter-ranks", type=rank_mix, default=None, metavar="RANK:SHARE,...",
                    help="the adapters' ranks, e.g. 8:0.7,16:0.2,64:0.1 (default: --max-rank)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-batched-tokens", type=int, default=2048,
                    help="tokens per step (the scheduler's flag of the same name)")
     p.add_argument("--seqs", type=int, default=64,
@@ -241,13 +271,15 @@ def main(argv: list[str] | None = None) -> None:
         Shard(config, 0, args.tensor_parallel)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
-    result = plan(config, dtype=getattr(torch, args.dtype), gpu_bytes=args.gpu_gib * 2**30,
-                  utilization=args.utilization, adapter_slots=args.adapter_slots,
-                  max_rank=args.max_rank, block_size=args.block_size,
-                  max_batched_tokens=args.max_batched_tokens, max_num_seqs=args.seqs,
-                  context=args.context, adapter_ranks=args.adapter_ranks,
-                  tensor_parallel=args.tensor_parallel)
+    plan_args = dict(dtype=getattr(torch, args.dtype), gpu_bytes=args.gpu_gib * 2**30,
+                     utilization=args.utilization, adapter_slots=args.adapter_slots,
+                     max_rank=args.max_rank, block_size=args.block_size,
+                     max_batched_tokens=args.max_batched_tokens, max_num_seqs=args.seqs,
+                     context=args.context, adapter_ranks=args.adapter_ranks)
+    result = plan(config, tensor_parallel=args.tensor_parallel, **plan_args)
     print(format_plan(result, adapter_slots=args.adapter_slots, max_rank=args.max_rank,
-                      seqs=args.seqs, context=args.context))
+                      seqs=args.seqs, context=args.context,
+                      fewest_gpus=_fewest_gpus(config, plan_args)
+                      if result.num_kv_blocks < 1 else 0))
     if result.num_kv_blocks < 1:
         raise SystemExit(2)

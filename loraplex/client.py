@@ -63,10 +63,18 @@ async def push_adapter(store: str, folder: str | pathlib.Path, name: str, tenant
     adapter's base_model_name_or_path is a local model folder here, its fingerprint goes along,
     so the store can match the adapter to the registered base that folder holds."""
     folder = pathlib.Path(folder)
+    if not folder.is_dir():
+        raise NotAnAdapter(f"{folder}: no such folder: give a PEFT adapter's folder (what "
+                           "save_pretrained wrote: adapter_config.json, adapter_model.safetensors)")
+    if not (folder / "adapter_config.json").is_file():
+        raise NotAnAdapter(f"{folder} is not a PEFT adapter folder: it has no "
+                           "adapter_config.json (what save_pretrained writes beside "
+                           "adapter_model.safetensors)")
     config_json = (folder / "adapter_config.json").read_text()
     weights = next((folder / f for f in WEIGHT_FILES if (folder / f).exists()), None)
     if weights is None:
-        raise FileNotFoundError(f"{folder} has no adapter_model.safetensors")
+        raise NotAnAdapter(f"{folder} has adapter_config.json but no weights: "
+                           "adapter_model.safetensors (or a .bin) is missing")
     data = weights.read_bytes()
     header = adapter_store_pb2.PushHeader(
         name=name, owner_tenant=tenant, config_json=config_json, weights_filename=weights.name,
@@ -75,6 +83,10 @@ async def push_adapter(store: str, folder: str | pathlib.Path, name: str, tenant
     async with insecure_channel(store, key) as channel:
         return await push(adapter_store_pb2_grpc.AdapterStoreStub(channel), header, data,
                           progress=progress)
+
+
+class NotAnAdapter(ValueError):
+    """A folder given to push that holds no PEFT adapter."""
 
 
 async def push(stub: adapter_store_pb2_grpc.AdapterStoreStub, header: adapter_store_pb2.PushHeader,

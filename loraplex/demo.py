@@ -152,6 +152,19 @@ def _print_samples(work: Workload) -> None:
         rows = by_adapter[name]
         exact = sum(r.got.text == r.expected for r in rows)
         print(f"{name:16s}{len(rows):9d}{exact:10d} ({exact / max(1, len(rows)):4.0%})")
+    _print_misses(work.results)
+
+
+def _print_misses(results: list[Result]) -> None:
+    """Every answer that was not exact, what it should have been, and which API it came by."""
+    misses = [r for r in results if r.got.text != r.expected]
+    if not misses:
+        print("\nevery answer was exact.")
+        return
+    print(f"\nanswers that were not exact ({len(misses)}):")
+    for r in sorted(misses, key=lambda r: (r.adapter, r.prompt)):
+        print(f"  {r.adapter or BASE:16s}{r.prompt!r:34s} -> {r.got.text!r}, expected "
+              f"{r.expected!r} [{r.via}]")
 
 
 def _print_rows(rows: list[Result]) -> None:

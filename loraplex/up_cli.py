@@ -11,7 +11,8 @@ anything starts. The model (default: the tiny fixture model, made on first use),
 and the logs live under the state directory: --state-dir, else $LORAPLEX_STATE_DIR, else
 $XDG_STATE_HOME/loraplex (~/.local/state/loraplex), never in the checkout. Each run's logs start
 fresh (the run before's are kept in logs/previous/). The model is registered in the store as a
-base model (its id and fingerprint), so adapters made for it match it whatever they call it.
+base model (its id and fingerprint), so adapters made for it match it whatever they call it, and
+the stores take the executors' --max-rank (a push above it is refused: no pool could serve it).
 Each --*-args string is split like a shell line and handed to that kind of service (`loraplex
 serve NAME --help` lists what each takes).
 
@@ -99,6 +100,8 @@ def _run(args: argparse.Namespace) -> None:
     extra = {kind: shlex.split(getattr(args, f"{kind}_args"))
              for kind in ("executor", "scheduler", "store", "gateway")}
     logs = _fresh_logs(state / "logs")
+    # The stores refuse a push above the executors' rank limit (no pool could serve it).
+    extra["store"] = ["--max-rank", str(_executor_max_rank(extra["executor"])), *extra["store"]]
     fleet = Fleet(model=model, store_url=store_url, log_dir=logs, num_executors=args.executors,
                   num_stores=args.stores, base_port=args.base_port,
                   store_args=every + extra["store"], scheduler_args=every + extra["scheduler"],
@@ -139,6 +142,15 @@ def _run(args: argparse.Namespace) -> None:
         fleet.stop()
     _say("stopped: every service `up` started has ended")
     sys.exit(status)
+
+
+def _executor_max_rank(executor_args: list[str]) -> int:
+    """The --max-rank the executors will have (theirs, else their default)."""
+    from executor.config import ExecutorConfig
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--max-rank", type=int, default=ExecutorConfig.max_rank)
+    return parser.parse_known_args(executor_args)[0].max_rank
 
 
 def _watch(fleet):

@@ -57,7 +57,8 @@ def check_adapter(adapter: common_pb2.AdapterInfo, info: executor_pb2.InfoRespon
                                  + same_model_hint(adapter.base_model, info.model_id))
     if adapter.rank > info.max_lora_rank:
         raise InvalidArgument(f"adapter {ref} has rank {adapter.rank}, above this pool's maximum "
-                              f"{info.max_lora_rank}")
+                              f"{info.max_lora_rank}: the executors' --max-rank sets it (loraplex "
+                              f"up --executor-args '--max-rank {adapter.rank}')")
 
 
 @dataclasses.dataclass(frozen=True)

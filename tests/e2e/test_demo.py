@@ -45,3 +45,11 @@ def test_the_demo_runs_and_its_adapters_answer_through_both_faces():
     assert int(faces["gRPC"]) > 0 and int(faces["the gateway's OpenAI"]) > 0
     exact = re.findall(r"(\d+) of (\d+) adapter answers exact", out)
     assert all(int(got) >= 0.8 * int(of) for got, of in exact), out[-2000:]
+    # Every answer that was not exact is shown, with what it should have been (trip 17).
+    table = re.findall(r"^(\S+(?: \S+)*?) +(\d+) +(\d+) \( *\d+%\)$", out, re.M)
+    wrong = sum(int(requests) - int(got) for _, requests, got in table)
+    assert table, out
+    shown = re.findall(r"^  .* -> .*, expected .* \[(grpc|openai)\]$", out, re.M)
+    assert len(shown) == wrong, out[-3000:]
+    assert (f"answers that were not exact ({wrong}):" in out) if wrong else \
+        ("every answer was exact." in out)

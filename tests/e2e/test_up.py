@@ -118,6 +118,41 @@ def test_a_base_model_not_served_here_names_the_one_served(served):
     assert "not a base model served here either (served: base)" in message, message
 
 
+def test_generate_names_the_drained_executor_it_waits_for(served):
+    """Trip 17: open, as `up` runs, the word after a few seconds without a token names the
+    drained executor and the command that admits there again."""
+    from tests.e2e.test_cli_trips import waited_for
+
+    _, base, _ = served
+    scheduler, executor = f"127.0.0.1:{base}", f"127.0.0.1:{base + 2}"
+    assert loraplex("admin", "drain", executor, "--scheduler", scheduler).returncode == 0
+    said = waited_for(["generate", "quiet river", "--scheduler", scheduler], {},
+                      then=lambda: loraplex("admin", "resume", executor, "--scheduler", scheduler))
+    assert said.startswith("no token after ") and f"{executor} drained" in said, said
+    assert "loraplex admin resume HOST:PORT" in said
+
+
+def test_a_rank_no_pool_serves_is_refused_at_push(served, tmp_path):
+    """Trip 10: `up` gives its stores its executors' --max-rank, so a rank-64 adapter is
+    refused when pushed (not on every request after), naming the flag that raises both."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    _, base, _ = served
+    folder = adapter_for(tmp_path / "r64", "loraplex-demo-tiny")
+    tensors = load_file(folder / "adapter_model.safetensors")
+    padded = {name: torch.cat([t, torch.zeros(64 - t.shape[0], t.shape[1])]) if "lora_A" in name
+              else torch.cat([t, torch.zeros(t.shape[0], 64 - t.shape[1])], dim=1)
+              for name, t in tensors.items()}
+    save_file(padded, folder / "adapter_model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, "r": 64}))
+    error = one_error_line(loraplex("adapters", "push", str(folder), "--name", "r64",
+                                    "--store", f"127.0.0.1:{base + 1}"))
+    assert error.startswith("error: INVALID_ARGUMENT: ") and "maximum 32" in error, error
+    assert "--executor-args '--max-rank 64'" in error, error
+
+
 def test_a_second_up_on_the_same_ports_is_one_error_line(served, model_named_base, tmp_path):
     """Trip 4: nothing of the second starts; the first goes on serving."""
     _, base, state = served
