@@ -1,6 +1,7 @@
 """What an executor holds in device memory, computed from its settings without allocating
 anything: base weights, the paged KV cache, the adapter pool's tables (`loraplex budget` and each
-runner's own `memory_budget()` use it)."""
+runner's own `memory_budget()` use it). A quantized base's projections count at their layouts'
+bytes (executor/quant.py), and the budget says what that frees against the dense weights."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from common.peft.modules import BLOCK_OF
 from executor.model_config import ModelConfig
+from executor.quant_config import FP4, FP8, NF4, STATIC, Quantization, WeightScheme
 from executor.shards import Shard
 
 
@@ -27,11 +29,69 @@ def layer_parts(c: ModelConfig) -> tuple[int, int, int]:
     return attention, dense, experts + c.num_experts * c.hidden_size
 
 
+# A layer's quantizable weights: (the projections joined into it, row-parallel), by layout
+JOINED = ((("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), False),
+          (("self_attn.o_proj",), True), (("mlp.gate_proj", "mlp.up_proj"), False),
+          (("mlp.down_proj",), True))
+FUSED = ((("self_attn.qkv_proj",), False), (("self_attn.o_proj",), True),
+         (("mlp.gate_up_proj",), False), (("mlp.down_proj",), True))
+
+
+def quantized_weight_bytes(q: Quantization, full: ModelConfig, local: ModelConfig) -> int:
+    """What a (rank's part of a) quantized model's projections take in executor/quant.py's
+    layouts, and what they would take dense (in elements), summed over the layers:
+    (bytes, elements) of the quantized ones (the others are counted dense by the caller)."""
+    total_bytes = total_elements = 0
+    shapes, full_shapes = local.projection_shapes(), full.projection_shapes()
+    for layer in range(local.num_hidden_layers):
+        for modules, row_parallel in FUSED if local.fused_projections else JOINED:
+            names = [m.split(".")[-1] for m in modules]
+            if local.is_moe_layer(layer) and modules[0].startswith("mlp."):
+                continue  # (experts: never quantized here)
+            scheme = q.scheme_for(f"model.layers.{layer}.{modules[0]}")
+            if scheme is None:
+                continue
+            in_f = shapes[names[0]][0]
+            out_f = sum(shapes[n][1] for n in names)
+            full_in = full_shapes[names[0]][0]
+            total_bytes += scheme_bytes(scheme, out_f, in_f, full_in if row_parallel else in_f)
+            total_elements += out_f * in_f
+    return total_bytes, total_elements
+
+
+def scheme_bytes(scheme: WeightScheme, out_f: int, in_f: int, full_in: int) -> int:
+    """Bytes of one (joined) weight [out, in] of `scheme` as executor/quant.py holds it: codes,
+    fp32 scales, int8 zeros, an act-order g_idx (whose row-parallel part keeps every group's
+    scales: `full_in`), a codebook; FP8: fp8 values and fp32 scales per channel or block."""
+    if scheme.kind == FP8:
+        bn, bk = scheme.block
+        scales = out_f if bn in (0, 1) and bk == 0 else -(-out_f // bn) * -(-in_f // bk)
+        return out_f * in_f + 4 * scales + (4 if scheme.activations == STATIC else 0)
+    groups = -(-(full_in if scheme.act_order else in_f) // scheme.group_size) \
+        if scheme.group_size else 1
+    size = out_f * in_f * scheme.bits // 8 + 4 * out_f * groups
+    if not scheme.symmetric:
+        size += out_f * groups
+    if scheme.act_order:
+        size += 4 * in_f
+    if scheme.kind in (NF4, FP4):
+        size += 4 * 16
+    return size
+
+
 @dataclass(frozen=True)
 class MemoryBudget:
     weights_bytes: int
     kv_cache_bytes: int
     adapter_pool_bytes: int
+    # What the weights would take with every quantized projection dense at the serving dtype
+    # (0: not counted); freed_bytes is the difference, what quantization leaves for KV and
+    # adapters
+    dense_weights_bytes: int = 0
+
+    @property
+    def freed_bytes(self) -> int:
+        return max(0, self.dense_weights_bytes - self.weights_bytes)
 
     @property
     def total_bytes(self) -> int:
@@ -57,6 +117,11 @@ class MemoryBudget:
         weights = (c.num_hidden_layers * per_layer + mlps
                    + heads * shard.vocab_rows * c.hidden_size)
         weights += c.hidden_size
+        dense = weights * size
+        weights_bytes = dense
+        if config.quantization is not None:
+            quantized, elements = quantized_weight_bytes(config.quantization, config, c)
+            weights_bytes += quantized - elements * size
         kv = 2 * c.num_hidden_layers * num_kv_blocks * block_size * c.kv_size
         # The pool's tables (adapters' weights are in pages of the KV blocks): 8-byte offsets of
         # each chunk of each rank row of A and B^T, 4-byte ranks and scales (slot_pool.py).
@@ -67,4 +132,4 @@ class MemoryBudget:
         modules = len(shapes)
         pool = (2 * num_slots * modules * max_rank * chunks * 8
                 + 2 * c.num_hidden_layers * num_slots * modules * 4)
-        return cls(weights * size, kv * size, pool)
+        return cls(weights_bytes, kv * size, pool, dense)
