@@ -7,7 +7,7 @@ request that can start here now (its adapter READY here and within max_adapters_
 preferring adapters already running for up to affinity_max_wait_s), while the step's budget and
 max_num_seqs last. A request starts only when its KV blocks fit (after the prefix cache's hits);
 the fairest one that does not fit stops admission (nobody overtakes it). A tenant whose oldest
-request cannot start has its adapter brought in (residency.py), and so does one whose oldest
+request cannot start has its adapter brought in (residency/), and so does one whose oldest
 request has waited starvation_wait_s even while it has others that can start (the
 anti-starvation rule: a slot drains for it when none is free). No tenant more than
 fairness_window ahead of the least-served one is admitted, unless the executor would otherwise

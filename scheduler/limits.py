@@ -27,9 +27,9 @@ class Limits:
     home_bias_s: float = 2.0  # routing: how much busier a cold adapter's home may be and still win
     popularity_half_life_s: float = 60.0  # eviction: decay of adapters' request counts
     max_reserved_slots: int = 1  # slots per executor that may drain for a waiting adapter
-    # Adapters' pages and KV share each executor's blocks (adapter_memory.py): a load may take
-    # free or cached blocks only while this share of the blocks stays free for KV; KV takes
-    # blocks back from adapters nobody uses or waits for whenever it needs them.
+    # Adapters' pages and KV share each executor's blocks (residency/adapter_memory.py): a load
+    # may take free or cached blocks only while this share of the blocks stays free for KV; KV
+    # takes blocks back from adapters nobody uses or waits for whenever it needs them.
     kv_reserve: float = 0.1
     # Adapter slots per executor that operators' pins (Prewarm with pin) leave to every other
     # adapter: a pin beyond is refused (FAILED_PRECONDITION), so unpinned adapters keep a slot
@@ -58,7 +58,7 @@ class Limits:
     # step is planned and sent while the executor runs this one, so it never waits between
     # steps; 1 = one at a time.
     pipeline_depth: int = 2
-    # Prefix caching (prefix_cache.py): "tenant" reuses KV blocks within a tenant (and adapter
+    # Prefix caching (steps/prefix_cache.py): "tenant" reuses KV blocks within a tenant (and adapter
     # version and cache salt), "pool" across tenants too, "off" never.
     prefix_cache: str = "tenant"
     # Automatic merging (merging.py): an adapter whose share of the pool's tokens stays at least

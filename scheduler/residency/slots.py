@@ -35,7 +35,7 @@ class SlotState(enum.Enum):
     LOADING = "loading"
     READY = "ready"
     # A load that failed, its pages held until the executor says nothing writes them any more
-    # (an UnloadAdapter answered): they are KV blocks (residency.py), and a load's copy may
+    # (an UnloadAdapter answered): they are KV blocks (adapter_memory.py), and a load's copy may
     # still run after its RPC gave up.
     CLEANING = "cleaning"
 

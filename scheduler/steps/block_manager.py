@@ -15,11 +15,11 @@ Every block is in exactly one state:
   page        holding an adapter's weights              (common/adapter_pages.py; taken by
                                                          `take_pages`, back by `give_back_pages`)
 
-KV and adapters share the blocks (residency.py states the policy). Steps write KV in the order
-they are sent, but an adapter's load writes its pages beside them (its own RPC): a block that
-left a sequence's table stays unsettled until every step that may read it is answered (`free`
-takes the sequence's last step, `settle` the last step answered), and only settled blocks become
-pages.
+KV and adapters share the blocks (residency/adapter_memory.py states the policy). Steps write KV
+in the order they are sent, but an adapter's load writes its pages beside them (its own RPC): a
+block that left a sequence's table stays unsettled until every step that may read it is answered
+(`free` takes the sequence's last step, `settle` the last step answered), and only settled blocks
+become pages.
 
 Running example (block_size 4): seq 1 runs tokens [a b c d e f] with table [7, 2] and publishes
 block 7 under h1 = H(root, abcd, key). Seq 1 ends: block 2 is free, block 7 cached. Seq 2 with
