@@ -71,6 +71,22 @@ def build_runner(config: ExecutorConfig,
     return runner, TokenizerFiles.read(config.model)
 
 
+def describe_quantization(config) -> str:
+    """InfoResponse.quantization: the base's quantization in words, "" when it has none."""
+    return config.quantization.describe() if config.quantization else ""
+
+
+def quantization_freed(runner: ModelRunner) -> str:
+    """The start log's note of what a quantized base frees, in KV tokens ("" when not quantized;
+    adapters take pages of the same blocks)."""
+    if runner.config.quantization is None:
+        return ""
+    freed = runner.weights.dense_bytes() - runner.weights.num_bytes()
+    per_token = runner.kv.num_bytes() // max(1, runner.kv.num_blocks * runner.kv.block_size)
+    return (f"; {describe_quantization(runner.config)}: {freed / 2**20:.1f} MiB freed against "
+            f"dense weights, {freed // max(1, per_token):,} KV tokens (or adapters' pages)")
+
+
 class ExecutorMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
@@ -133,7 +149,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             page_geometry=geometry_to_pb(self._runner.pool.geometry,
                                          self._runner.pool.page_bytes),
             tensor_parallel_size=self._runner.tp.world,
-            longrope_switch_len=self._runner.rope_switch_len)
+            longrope_switch_len=self._runner.rope_switch_len,
+            quantization=describe_quantization(c),
+            dense_weight_bytes=self._runner.weights.dense_bytes())
 
     def _check_not_merged(self, slot: int) -> None:
         if slot == self._runner.merged_slot:
@@ -325,10 +343,11 @@ async def serve(config: ExecutorConfig, tp: TensorParallel = SINGLE,
     serve_metrics(config.metrics_port, servicer.metrics.registry)
     await service.mark_serving()
     budget = runner.memory_budget()
-    log.info("executor: model %s, weights %.1f MiB, KV %.1f MiB, adapter pool %.1f MiB%s",
+    log.info("executor: model %s, weights %.1f MiB, KV %.1f MiB, adapter pool %.1f MiB%s%s",
              runner.config.model_id, budget.weights_bytes / 2**20, budget.kv_cache_bytes / 2**20,
              budget.adapter_pool_bytes / 2**20,
-             f" on each of {tp.world} ranks" if tp.world > 1 else "")
+             f" on each of {tp.world} ranks" if tp.world > 1 else "",
+             quantization_freed(runner))
     announce("executor", f"{config.address.rsplit(':', 1)[0]}:{port}")
     await run_until_signalled(service, grace=config.grace_s)
 
