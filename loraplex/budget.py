@@ -21,6 +21,14 @@ whole per rank, so KV heads below N are replicated), its part of every block, an
 tables; the step workspace is rank 0's (it gathers the whole logits).
 
     loraplex budget --model random:llama-3-70b --gpu-gib 80 --tensor-parallel 4
+
+A quantized base (a folder's quantization_config, or --quantization fp8 | int8 | int4 | nf4 for
+the common releases' schemes: FP8 in 128 x 128 blocks, int8 per channel, int4 in groups of 128,
+NF4 in blocks of 64) counts its projections at the bytes the executor holds them in
+(executor/quant.py; the embeddings, lm_head and norms stay at --dtype), and the plan says what
+that frees against --dtype weights, in KV tokens and in adapters of the mix.
+
+    loraplex budget --model random:llama-3-70b --gpu-gib 80 --quantization int4
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from common.help_format import HelpFormatter
 from common.peft.modules import BLOCK_OF
 from executor.memory_budget import MemoryBudget
 from executor.model_config import NAMED_CONFIGS, ModelConfig
+from executor.quant_config import PRESETS, preset
 from executor.shards import Shard
 from executor.slot_pool import page_geometry
 
@@ -61,6 +70,7 @@ class Plan:
     kv_bytes_per_token: int
     block_size: int
     num_kv_blocks: int  # what fits in the rest; < 1 means nothing does
+    dense_weights_bytes: int = 0  # the weights with every quantized projection at `dtype`
 
     @property
     def kv_tokens(self) -> int:
@@ -120,7 +130,7 @@ def plan(config: ModelConfig, *, dtype: torch.dtype, gpu_bytes: float, utilizati
     return Plan(config, tensor_parallel, dtype, usable, fixed.weights_bytes,
                 fixed.adapter_pool_bytes, geometry.page_elems * size, mix_pages,
                 padded_pages(max(mix), geometry), attention_pages, workspace, kv_per_token,
-                block_size, num_blocks)
+                block_size, num_blocks, fixed.dense_weights_bytes)
 
 
 def format_plan(p: Plan, *, adapter_slots: int, max_rank: int, seqs: int, context: int,
@@ -139,7 +149,7 @@ def format_plan(p: Plan, *, adapter_slots: int, max_rank: int, seqs: int, contex
            f"({max(1, c.num_key_value_heads // p.tensor_parallel)} of "
            f"{c.num_key_value_heads})"] if p.tensor_parallel > 1 else []),
         f"  usable GPU memory     {p.usable_bytes / GB:8.2f} GB",
-        f"  base weights          {p.weights_bytes / GB:8.2f} GB",
+        f"  base weights          {p.weights_bytes / GB:8.2f} GB{_freed(p)}",
         f"  adapter pool tables   {p.pool_bytes / GB:8.2f} GB   ({adapter_slots} slots of rank "
         f"<= {max_rank}; their weights are in pages of the blocks below)",
         f"  step workspace        {p.workspace_bytes / GB:8.2f} GB   (estimate)",
@@ -197,6 +207,20 @@ def format_plan(p: Plan, *, adapter_slots: int, max_rank: int, seqs: int, contex
     return "\n".join(lines)
 
 
+def _freed(p: Plan) -> str:
+    """What a quantized base frees against dense weights, in KV tokens and adapters of the mix
+    ("" for a dense one)."""
+    q = p.config.quantization
+    freed = p.dense_weights_bytes - p.weights_bytes
+    if q is None or freed <= 0:
+        return ""
+    dtype = str(p.dtype).removeprefix("torch.")
+    schemes = ", ".join(sorted({s.describe() for _, s in q.groups}))
+    return (f"   ({schemes}: {freed / GB:.2f} GB freed against {dtype} weights, "
+            f"{freed // p.kv_bytes_per_token:,} KV tokens or "
+            f"{int(freed / (p.mix_pages * p.page_bytes)):,} adapters of the rank mix)")
+
+
 def _fewest_gpus(config: ModelConfig, plan_args: dict) -> int:
     """The fewest GPUs (a power of two up to MAX_TENSOR_PARALLEL, that the model splits into)
     of one executor whose every GPU holds its part with a KV block to spare; 0 when none."""
@@ -250,6 +274,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tensor-parallel", type=int, default=1,
                    help="GPUs one executor spans (the executor's flag of the same name): the "
                         "plan is per GPU")
+    p.add_argument("--quantization", choices=("none", *PRESETS), default=None,
+                   help="the base's projections quantized as the common releases are (fp8: "
+                        "128x128 blocks; int8: per channel; int4: groups of 128; nf4: blocks of "
+                        "64); default: the model folder's quantization_config, else none")
     return p.parse_args(argv)
 
 
@@ -267,6 +295,9 @@ def main(argv: list[str] | None = None) -> None:
         config = model_config(args.model)
     except (ValueError, OSError) as err:
         raise SystemExit(f"error: --model {args.model}: {err}") from None
+    if args.quantization:
+        config = config.replace(quantization=None if args.quantization == "none"
+                                else preset(args.quantization))
     try:
         Shard(config, 0, args.tensor_parallel)
     except ValueError as err:

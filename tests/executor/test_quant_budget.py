@@ -75,3 +75,15 @@ def test_a_70b_base_fits_one_80gb_gpu_quantized_only():
     assert budget("llama-3-70b", None, tensor_parallel=2).num_kv_blocks >= 1
     assert budget("llama-3-70b", "fp8").num_kv_blocks >= 1
     assert budget("llama-3-70b", "int4").num_kv_blocks > budget("llama-3-70b", "fp8").num_kv_blocks
+
+
+def test_the_cli_prints_what_quantization_frees(capsys):
+    from loraplex.budget import main
+
+    main(["--model", "random:llama-3-8b", "--quantization", "int4", "--max-rank", "64",
+          "--adapter-ranks", "8:0.7,16:0.2,64:0.1"])
+    out = capsys.readouterr().out
+    assert ("  base weights              5.81 GB   (int4 group 128: 10.25 GB freed against "
+            "bfloat16 weights, 78,208 KV tokens or 122 adapters of the rank mix)") in out
+    main(["--model", "random:llama-3-8b", "--quantization", "none"])
+    assert "freed" not in capsys.readouterr().out
