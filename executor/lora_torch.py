@@ -124,10 +124,15 @@ class TorchLoraBackend:
         segments = LoraSegments.from_row_slots(row_slots).segments
         if self.exact:
             return TorchBatchMeta(segments, ())
-        readable = frozenset(slot for _, _, slot in segments)  # (all the pool may read now)
         # (each slot's tier; those outside the step only size the kept stacks: a load may be
         # rewriting one, and a wrong count there costs a rebuild, never a wrong row)
         tiers = [rank_tile(r) for r in self.pool.rank_table.amax(dim=(0, 2)).tolist()]
+        # Per tier, the step's slots of that tier: the only ones its stacks may read now (a slot
+        # the pool rewrote at another tier's rank goes dormant in this tier's kept stack rather
+        # than growing every group of it to that rank)
+        readable: dict[int, frozenset[int]] = collections.defaultdict(frozenset)
+        for _, _, slot in segments:
+            readable[tiers[slot]] |= {slot}
         by_class: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
         alone = []
         for seg in segments:
@@ -142,7 +147,8 @@ class TorchLoraBackend:
                 largest[tier] = segs
         per_tier = collections.Counter(tiers)
         return TorchBatchMeta(tuple(alone), tuple(
-            _SegmentBatch.build(segs, self._stack_for(segs, tier, per_tier[tier], readable,
+            _SegmentBatch.build(segs, self._stack_for(segs, tier, per_tier[tier],
+                                                      readable[tier],
                                                       keep=segs is largest[tier]),
                                 self.pool.device)
             for (_, tier), segs in sorted(by_class.items())))

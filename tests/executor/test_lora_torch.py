@@ -233,3 +233,22 @@ def test_adapters_of_far_apart_ranks_are_batched_at_their_own_ranks():
     check_against_exact(fast, pool, row_slots)
     again = fast.prepare(torch.tensor(row_slots))
     assert [b.stack for b in again.batches] == [b.stack for b in meta.batches]  # kept, per tier
+
+
+def test_a_slot_reloaded_at_another_tier_goes_dormant_in_its_old_tiers_stack():
+    """32 rank-8 adapters share the rank-16 tier's kept stack; slot 31 is reloaded with a
+    rank-64 adapter and runs in the rank-64 tier's batch: the rank-16 stack must not copy it at
+    rank 64 (every group of it rebuilt at 4x its size); its position goes dormant there."""
+    pool = make_pool(CONFIG, num_slots=33, max_rank=64, num_blocks=4000)
+    for slot in range(32):
+        load(pool, slot, random_adapter(CONFIG, 8, slot, same_rank=True))
+    fast = TorchLoraBackend(pool)
+    step = list(range(32))
+    stack = fast.prepare(torch.tensor(step)).batches[0].stack
+    check_against_exact(fast, pool, step)
+    assert stack.group(0, "qkv", pool.device, pool.dtype).rank == 8
+    load(pool, 31, random_adapter(CONFIG, 64, 99, same_rank=True))
+    meta = fast.prepare(torch.tensor(step))
+    assert meta.batches[0].stack is stack
+    check_against_exact(fast, pool, step, meta)
+    assert stack.group(0, "qkv", pool.device, pool.dtype).rank == 8
