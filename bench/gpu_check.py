@@ -23,7 +23,9 @@ rewritten after each so a cut-off run still leaves one:
      (bench/gpu_sampling.py; run before 7, whose budget takes what is left);
   9. a mixture-of-experts layer at Qwen3-30B-A3B's shapes: the grouped expert matmul kernel vs
      its reference and a per-expert loop, the experts' LoRA on the SGMV kernels vs the torch
-     path (bench/gpu_moe.py; run before 7 too).
+     path (bench/gpu_moe.py; run before 7 too);
+ 10. the quantized GEMM kernels (int4 / int8 / NF4 weight-only, FP8 W8A16 and W8A8) at 8B
+     shapes vs their references and vs bf16 F.linear (bench/gpu_quant.py; run before 7 too).
 `--smoke` runs a tiny version on CPU through the Triton interpreter (checks the script itself).
 """
 
@@ -43,6 +45,7 @@ from executor.lora_triton import TritonLoraBackend
 from executor.slot_pool import LORA_GROUPS, LoraSlotPool
 from gpu_attention import paged_attention_check
 from gpu_moe import moe_check
+from gpu_quant import quant_check
 from gpu_sampling import sampling_check
 from gpu_step import decode_step
 from kernels.reference import TOLERANCES, sgmv_fused_ref, sgmv_shrink_ref
@@ -309,6 +312,7 @@ def main() -> None:
     paged_vs_padded()
     sampling_check()
     moe_check()
+    quant_check()
     kernel_timings(copy_gbs)
     print(f"\nwrote {OPTS.out} in {time.perf_counter() - START:.0f} s")
 

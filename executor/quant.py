@@ -15,10 +15,11 @@ and runs, by device and dtype (measured: bench/results/quantized-cpu.md):
 
     CUDA                  the Triton dequantize-in-the-GEMM kernels (kernels/quant_gemm.py,
                           kernels/quant_fp8_gemm.py), W8A8's fp8 dot where the checkpoint asks
-    CPU, bf16 / fp16      torch's weight-only kernels where the layout fits them (int8 per
-                          channel symmetric: _weight_int8pack_mm; int4 group-wise without
-                          g_idx: _weight_int4pack_mm_for_cpu, with its packed copy beside the
-                          codes), else as fp32
+    CPU, bf16 / fp16      torch's weight-only kernels for steps of up to CPU_KERNEL_MAX_ROWS
+                          rows where the layout fits them (int8 per channel symmetric:
+                          _weight_int8pack_mm; int4 group-wise without g_idx:
+                          _weight_int4pack_mm_for_cpu, with its packed copy beside the codes),
+                          else as fp32
     CPU, fp32 (default)   dequantize + matmul, CHUNK_ROWS output rows at a time (torch's int
                           kernels are 5-30x slower than dense fp32 on CPU)
 
@@ -40,6 +41,9 @@ from kernels.quant_gemm_ref import (
 )
 
 CHUNK_ELEMENTS = 1 << 20  # dequantized at a time on CPU (4 MB of fp32: stays in cache)
+# torch's CPU int kernels on bf16 run decode-sized steps (up to this many rows) 3-30x faster than
+# dequantize + matmul, and larger ones slower (bench/results/quantized-cpu.md)
+CPU_KERNEL_MAX_ROWS = 16
 INT4_CPU_GROUPS = (32, 64, 128, 256)  # the group sizes _weight_int4pack_mm_for_cpu takes
 
 
@@ -77,7 +81,8 @@ class IntWeight:
             from kernels.quant_gemm import int_gemm
 
             out = int_gemm(x, *self._fields(), bits=self.bits, group_size=self.group_size)
-        elif self._cpu is not None and x.dtype == self._cpu[0]:
+        elif self._cpu is not None and x.dtype == self._cpu[0] \
+                and x.shape[0] <= CPU_KERNEL_MAX_ROWS:
             out = self._cpu_kernel(x)
         else:
             out = _chunked_linear(x, self.shape, self.dequantize, align=1)

@@ -54,25 +54,37 @@ def group_index(k: int, group_size: int, g_idx: torch.Tensor | None,
 def dequantize_int(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                    g_idx: torch.Tensor | None, codebook: torch.Tensor | None, *, bits: int,
                    group_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The serving layout above -> W [N, K] in `dtype` (computed in fp32, rounded once)."""
-    if bits == 4:
-        nibbles = unpack_int4(codes)
-        values = (codebook[nibbles.long()] if codebook is not None
-                  else (nibbles - 8).float())  # [N, K]
+    """The serving layout above -> W [N, K] in `dtype` (computed in fp32, rounded once): each
+    value's (code - zero) exact, times its scale (in place, a pass each: this is also the CPU
+    path's dequantization, executor/quant.py)."""
+    n = codes.shape[0]
+    offset = 0
+    if bits == 4 and codebook is not None:
+        values = codebook[unpack_int4(codes).long()]  # [N, K]
+    elif bits == 4:
+        values = torch.empty(n, codes.shape[1], 2, device=codes.device)  # the nibbles, as fp32
+        values[..., 0] = codes & 0x0F
+        values[..., 1] = codes >> 4
+        values, offset = values.view(n, -1), 8  # (a nibble is the value + 8)
     else:
         values = codes.float()
-    n, k = values.shape
+    k = values.shape[1]
     group_size = group_size or k  # (0: one group per row)
-    group = group_index(k, group_size, g_idx, codes.device)
     if g_idx is None and k % group_size == 0:  # (as the tools compute it: per group, broadcast)
-        g = k // group_size
-        grouped = values.view(n, g, group_size)
+        grouped = values.view(n, k // group_size, group_size)
         if zeros is not None:
-            grouped = grouped - zeros.float()[:, :, None]
-        return (grouped * scales[:, :, None]).view(n, k).to(dtype)
+            grouped.sub_(zeros.float()[:, :, None] + offset)
+        elif offset:
+            grouped.sub_(offset)
+        grouped.mul_(scales[:, :, None])
+        return values.to(dtype)
+    group = group_index(k, group_size, g_idx, codes.device)
     if zeros is not None:
-        values = values - zeros.float()[:, group]
-    return (values * scales[:, group]).to(dtype)
+        values.sub_(zeros.float()[:, group] + offset)
+    elif offset:
+        values.sub_(offset)
+    values.mul_(scales[:, group])
+    return values.to(dtype)
 
 
 def int_gemm_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
