@@ -76,8 +76,11 @@ class IntWeight:
                               self.codebook, bits=self.bits, group_size=self.group_size,
                               dtype=dtype)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, tp=None) -> torch.Tensor:
-        if x.device.type == "cuda":
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, tp=None, *,
+               triton: bool | None = None) -> torch.Tensor:
+        """x [T, in] @ W^T (+ bias); triton: the Triton kernel (default: on CUDA; the tests run
+        it under the interpreter)."""
+        if x.device.type == "cuda" if triton is None else triton:
             from kernels.quant_gemm import int_gemm
 
             out = int_gemm(x, *self._fields(), bits=self.bits, group_size=self.group_size)
@@ -180,12 +183,13 @@ class Fp8Weight:
             else self.scales
         return dequantize_fp8(self.weight[rows], scales, self.block, dtype)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, tp=None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, tp=None, *,
+               triton: bool | None = None) -> torch.Tensor:
         """tp: the tensor-parallel group of a row-parallel projection, whose ranks each hold part
         of a row of x: a dynamic per-token scale is the whole row's (its amax all-reduced), so
-        every rank quantizes alike and TP=N computes what TP=1 does."""
+        every rank quantizes alike and TP=N computes what TP=1 does. triton: as IntWeight's."""
         x_scales = self._activation_scales(x, tp)
-        if x.device.type == "cuda":
+        if x.device.type == "cuda" if triton is None else triton:
             from kernels.quant_fp8_gemm import fp8_gemm, fp8_w8a8_gemm
 
             out = (fp8_gemm(x, self.weight, self.scales, self.block)
@@ -263,8 +267,10 @@ class StackedWeight:
         return torch.cat([p.to(dtype) if isinstance(p, torch.Tensor) else p.dequantize(dtype)
                           for p in self.parts])
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, tp=None) -> torch.Tensor:
-        out = torch.cat([project(x, p, tp=tp) for p in self.parts], dim=-1)
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, tp=None, *,
+               triton: bool | None = None) -> torch.Tensor:
+        out = torch.cat([F.linear(x, p) if isinstance(p, torch.Tensor)
+                         else p.linear(x, tp=tp, triton=triton) for p in self.parts], dim=-1)
         return out if bias is None else out + bias
 
     def num_bytes(self) -> int:

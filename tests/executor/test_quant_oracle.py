@@ -24,16 +24,20 @@ dequantize compute), which loraplex's dequantized weights equal bit for bit (che
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
 
-from executor.peft_adapter import parse_peft_adapter
-from executor.quant import Fp8Weight, IntWeight
-from executor.runner import ModelRunner
-from tests.executor import quant_checkpoints as qc
-from tests.oracle import hf_greedy, made_adapters
-from tests.rank_threads import RankThreads
-from tests.runner_driver import BLOCK, load_folders, prompts, read_folder, run
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit is defined
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from executor.peft_adapter import parse_peft_adapter  # noqa: E402
+from executor.quant import Fp8Weight, IntWeight  # noqa: E402
+from executor.runner import ModelRunner  # noqa: E402
+from tests.executor import quant_checkpoints as qc  # noqa: E402
+from tests.oracle import hf_greedy, made_adapters  # noqa: E402
+from tests.rank_threads import RankThreads  # noqa: E402
+from tests.runner_driver import BLOCK, load_folders, prompts, read_folder, run  # noqa: E402
 
 ATOL, W8A8_ATOL, TP_ATOL = 1e-4, 1e-2, 5e-5
 NUM_TOKENS = 6
@@ -172,6 +176,19 @@ def test_each_format_serves_hf_pefts_tokens_alone_and_batched(quantized):
     assert alone[2][0] == batched[2][0]
     base = hf_greedy(hf, requests[0][0], 1)[1][0]
     assert (batched[0][1][0] - base).abs().max() > 1e-2, "the adapter matters"
+
+
+def test_the_triton_kernels_take_each_formats_loaded_layout(quantized):
+    """The GPU path (interpreter): each loaded weight through its Triton kernel gives the CPU
+    path's product (fp32: 2e-5 of the output's max; W8A8 the same, its activations quantized
+    alike on both paths)."""
+    name, folder, adapters, _ = quantized
+    layer = make_runner(folder, {}).weights.layers[1]
+    for w in (layer.wqkv, layer.w_down):
+        x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(7))
+        want = w.linear(x, triton=False)
+        got = w.linear(x, triton=True)
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-5 * float(want.abs().max()))
 
 
 def test_two_tensor_parallel_ranks_give_tp1s_tokens(quantized):
