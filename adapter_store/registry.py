@@ -237,8 +237,8 @@ class Registry(RegistryView):
             if holders:
                 ref = AdapterRef(name, v)
                 raise FailedPrecondition(
-                    f"adapter {ref} is resident on executor{'s' if len(holders) > 1 else ''} "
-                    f"{', '.join(holders)}; it can be deleted once no executor holds it: unload "
+                    f"adapter {ref} is resident on {', '.join(holders)} (executor host:port); "
+                    "it can be deleted once no executor holds it: unload "
                     f"it with `loraplex admin evict {ref}` (an admin key, on the scheduler of "
                     "its pool), or wait for the executors' leases to expire")
 

@@ -152,7 +152,7 @@ def test_deleting_a_resident_adapter_names_the_executor_and_the_evict(fleet, ser
     error = refused(loraplex("adapters", "rm", "r4_attn@1", "--store", fleet.stores[0],
                              "--api-key-file", admin_key_file), "FAILED_PRECONDITION")
     port = address_of(fleet, "executor").rsplit(":", 1)[1]
-    assert f"resident on executor {socket.gethostname()}:{port}" in error, error
+    assert f"resident on {socket.gethostname()}:{port} (executor host:port)" in error, error
     assert "loraplex admin evict r4_attn@1" in error, error
 
 
