@@ -52,8 +52,9 @@ def main() -> None:
         return seconds, [list(o.outputs[0].token_ids) for o in outputs]
 
     run_round(setup.adapter_names(setup.num_adapters))  # warm-up: every adapter loaded once
-    serve(out, run_round, setup, {"engine": f"vLLM {vllm.__version__}",
-                                  "threads": torch.get_num_threads()})
+    setting = (f"vLLM {vllm.__version__}: float32, eager, max_loras {num_loras}, "
+               "LD_PRELOAD of tcmalloc and libiomp unset")
+    serve(out, run_round, setup, {"engine": setting, "threads": torch.get_num_threads()})
 
 
 if __name__ == "__main__":
