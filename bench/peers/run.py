@@ -125,7 +125,8 @@ def report(results: dict, counts: list[int], names: list[str], rounds: int, num_
             "tiny LLaMA (4 layers, hidden 256), float32, CPU; one compute thread per engine "
             "process. tok/s: all generated tokens over the wall time of the call that made them "
             "(loraplex: every request streamed back through the scheduler over gRPC; HF PEFT: "
-            "one generate over the left-padded batch; vLLM: one LLM.generate)."),
+            "one generate over the left-padded batch, EOS no stop token; vLLM: one "
+            "LLM.generate, ignore_eos). Every adapter was used once before the timed rounds."),
            "", *speed_table(results, counts, names, wall_tok_s, "tok/s", True), "",
            ("The same rounds counted in CPU time, which a busy neighbour on these shared cores "
             "does not stretch: tokens per CPU-second of all the engine's processes (loraplex: "
@@ -151,7 +152,8 @@ def report(results: dict, counts: list[int], names: list[str], rounds: int, num_
              f"- 1-minute load average: {loads[0]:.1f} at the start, {loads[1]:.1f} at the end; "
              "before each row: " + ", ".join(f"{n} adapters {results['load'][n]:.1f}"
                                              for n in counts)
-             + " (these 2 cores were shared with other work while it ran: a load of L leaves "
+             + " (it counts this benchmark's own busy processes, 1 to 3 in a round; these 2 "
+             "cores were shared with other work while it ran: a load of L leaves "
              "each runnable process about 2/L of a core, so wall times, and most of all those "
              "of an engine that hands each step between processes, stretch with the load; the "
              "CPU-time table does not)",
