@@ -44,7 +44,9 @@ class Update:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     # Each token's alternatives (ids, logprobs), when its request asks for them; else empty.
     tops: list[tuple[list[int], list[float]]] = dataclasses.field(default_factory=list)
-    timing: tuple[float, float] | None = None  # (queue, first token) seconds, with its first token
+    # With its first token: how it started (queue and first-token seconds, cached prompt tokens,
+    # an activated LoRA that did not activate)
+    start: scheduler_pb2.StreamStart | None = None
     # The prompt's logprobs, with its first token, when its request asks for them.
     prompt_logprobs: common_pb2.TokenLogprobs | None = None
     end: scheduler_pb2.StreamEnd | None = None  # how it ended (after these tokens), if it did
@@ -144,7 +146,7 @@ class CellStream:
             _deliver_tops(response, updates)
         for start in response.starts:
             update = updates.setdefault(start.id, Update())
-            update.timing = (start.queue_seconds, start.time_to_first_token_seconds)
+            update.start = start
             if start.HasField("prompt_logprobs"):
                 update.prompt_logprobs = start.prompt_logprobs
         for end in response.ends:

@@ -211,7 +211,7 @@ class Frontend:
         # _DEADLINE behind the updates already there.
         expiry = asyncio.get_running_loop().call_later(
             max(deadline - time.monotonic(), 0.0), updates.put_nowait, _DEADLINE)
-        timing, prompt_tokens = (0.0, 0.0), len(request.token_ids.ids)
+        started, prompt_tokens = scheduler_pb2.StreamStart(), len(request.token_ids.ids)
         try:
             while True:
                 update = await updates.get()
@@ -222,8 +222,8 @@ class Frontend:
                     if _unreachable(update) and cell.is_up:
                         self._pools.cell_failed(cell, str(update))
                     raise _failed(update, cell, output.num_tokens, cut=True)
-                if update.timing is not None:
-                    timing = update.timing
+                if update.start is not None:
+                    started = update.start
                     self.metrics.first_token.observe(time.monotonic() - start)
                 for i, (token_id, logprob) in enumerate(zip(update.token_ids, update.logprobs,
                                                             strict=True)):
@@ -231,13 +231,15 @@ class Frontend:
                             if update.tops and update.tops[i][0] else ())
                     text, finish = output.append(token_id)
                     message = scheduler_pb2.GenerateResponse(
-                        token_id=token_id, logprob=logprob, text=text, top_logprobs=tops)
+                        token_id=token_id, logprob=logprob, text=text, top_logprobs=tops,
+                        adapter_inactive=update.start is not None and not i
+                        and update.start.adapter_inactive)
                     if update.prompt_logprobs is not None and not i:  # (with the first token)
                         message.prompt_tokens.extend(prompt_tokens_pb(
                             route.model.tokenizer, request.token_ids.ids, update.prompt_logprobs))
                     yield message
                     if finish is not None:
-                        yield self._last(FINISH_PB[finish], output, route, timing,
+                        yield self._last(FINISH_PB[finish], output, route, started,
                                          prompt_tokens)
                         return
                 if update.end is None:
@@ -247,7 +249,7 @@ class Frontend:
                                                  update.end.retry_after),
                                   cell, output.num_tokens, cut=False)
                 # (Not reached: the scheduler ends a request where our own count ends it.)
-                yield self._last(update.end.finish_reason, output, route, timing, prompt_tokens,
+                yield self._last(update.end.finish_reason, output, route, started, prompt_tokens,
                                  text=output.close())
                 return
         finally:
@@ -260,17 +262,20 @@ class Frontend:
         return cell.stream
 
     def _last(self, reason: int, output: OutputProcessor, route: Route,
-              timing: tuple[float, float], prompt_tokens: int,
+              started: scheduler_pb2.StreamStart, prompt_tokens: int,
               text: str = "") -> scheduler_pb2.GenerateResponse:
-        """The final message: `reason` (a FinishReason) and the usage."""
+        """The final message: `reason` (a FinishReason) and the usage (`started`: how its
+        first token came)."""
         self.metrics.tokens.inc(output.num_tokens)
         adapter = (AdapterRef(route.adapter.name, route.adapter.version).to_pb()
-                   if route.adapter else None)
+                   if route.adapter and not started.adapter_inactive else None)
         return scheduler_pb2.GenerateResponse(
             finish_reason=reason, text=text, usage=scheduler_pb2.Usage(
                 prompt_tokens=prompt_tokens, completion_tokens=output.num_tokens,
-                queue_seconds=timing[0], time_to_first_token_seconds=timing[1],
-                adapter=adapter))
+                queue_seconds=started.queue_seconds,
+                time_to_first_token_seconds=started.time_to_first_token_seconds,
+                adapter=adapter, cached_prompt_tokens=started.cached_prompt_tokens,
+                adapter_inactive=started.adapter_inactive))
 
 
 STREAM_WRITE_S = 30.0  # a cell's scheduler that takes no message of its stream this long is down

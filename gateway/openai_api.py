@@ -159,17 +159,19 @@ class OpenAIApi:
         if first is None:
             raise Unavailable("the pool ended the stream without an answer; retry")
         writer = EventWriter(identity, options.include_usage, options.logprobs, top, echoes,
-                             tool_format)
+                             tool_format, adapter_inactive=first[1].adapter_inactive)
         return SSEResponse(self._events(writer, first, events, prompt_tokens, options))
 
     async def _events(self, writer: EventWriter, first, events, prompt_tokens: int,
                       options: Options):
-        completion_tokens = 0
+        completion_tokens = cached_tokens = 0
         try:
             yield writer.token(*first)
             completion_tokens += first[1].usage.completion_tokens
+            cached_tokens += first[1].usage.cached_prompt_tokens
             async for index, message in events:
                 completion_tokens += message.usage.completion_tokens
+                cached_tokens += message.usage.cached_prompt_tokens
                 yield writer.token(index, message)
         except Exception as exc:  # noqa: BLE001 - an error after the first token is an event
             yield writer.error(exc)
@@ -177,7 +179,7 @@ class OpenAIApi:
         finally:
             await events.aclose()
         if options.include_usage:
-            yield writer.usage(prompt_tokens, completion_tokens)
+            yield writer.usage(prompt_tokens, completion_tokens, cached_tokens)
         yield DONE
 
     async def _merged(self, route: Route, upstreams, tenant: str):

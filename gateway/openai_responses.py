@@ -87,6 +87,8 @@ class Choice:
         self.tool_calls = ToolCallParser(tools) if tools else None
         self.finish_reason: str | None = None
         self.completion_tokens = 0
+        self.cached_prompt_tokens = 0  # its prompt's tokens the prefix cache held
+        self.adapter_inactive = False  # it named an activated LoRA that did not activate
         self.top = top  # alternatives were asked for
         self.echo = echo  # the prompt's text, when it is echoed (None: not)
         self.prompt: list[Entry] = []  # the prompt's tokens, when echoed with logprobs
@@ -109,6 +111,8 @@ class Choice:
         if message.finish_reason:
             self.finish_reason = FINISH[message.finish_reason]
             self.completion_tokens = message.usage.completion_tokens
+            self.cached_prompt_tokens = message.usage.cached_prompt_tokens
+            self.adapter_inactive = message.usage.adapter_inactive
             if self.tool_calls is not None:
                 self.tool_calls.finish()
 
@@ -150,9 +154,17 @@ class Choice:
         return {"content": [e.chat() for e in self.logprobs]}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+# A response's field (and every streamed chunk's) when its model is an activated LoRA whose
+# invocation the prompt does not hold: the base model answered, as PEFT would (docs/api.md).
+ADAPTER_ACTIVATED = "adapter_activated"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage, with prompt_tokens_details.cached_tokens: the prompt's tokens whose KV
+    came from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class Response:
@@ -174,9 +186,13 @@ class Response:
         else:
             out = [{"index": c.index, "text": c.text, "logprobs": c.completion_logprobs(),
                     "finish_reason": c.finish_reason} for c in choices]
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+        body = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": out,
-                "usage": usage(prompt_tokens, completion)}
+                "usage": usage(prompt_tokens, completion,
+                               sum(c.cached_prompt_tokens for c in choices))}
+        if any(c.adapter_inactive for c in choices):
+            body[ADAPTER_ACTIVATED] = False
+        return body
 
 
 class EventWriter:
@@ -184,7 +200,7 @@ class EventWriter:
 
     def __init__(self, response: Response, include_usage: bool, with_logprobs: bool = False,
                  top: bool = False, echoes: dict[int, str] | None = None,
-                 tools: ToolFormat | None = None):
+                 tools: ToolFormat | None = None, adapter_inactive: bool = False):
         self._response = response
         self._tools = tools  # chat deltas carry the tool calls read in this format
         self._calls: dict[int, _StreamedCalls] = {}  # choice -> its calls so far
@@ -195,6 +211,8 @@ class EventWriter:
         head = {"id": response.id,
                 "object": "chat.completion.chunk" if response.chat else "text_completion",
                 "created": response.created, "model": response.model}
+        if adapter_inactive:
+            head[ADAPTER_ACTIVATED] = False
         self._head = json.dumps(head)[:-1]  # '{"id": ..., "model": "..."' (no closing brace)
         self._tail = ', "usage": null}\n\n' if include_usage else "}\n\n"
         self._started: set[int] = set()
@@ -278,10 +296,11 @@ class EventWriter:
             delta["tool_calls"] = calls
         return json.dumps(delta), (_with_calls(finish) if parser.calls else finish)
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> bytes:
         """The last event when stream_options.include_usage: no choices, the usage."""
-        return (f'data: {self._head}, "choices": [], '
-                f'"usage": {json.dumps(usage(prompt_tokens, completion_tokens))}}}\n\n').encode()
+        return (f'data: {self._head}, "choices": [], "usage": '
+                f'{json.dumps(usage(prompt_tokens, completion_tokens, cached_tokens))}}}'
+                '\n\n').encode()
 
     @staticmethod
     def error(exc: BaseException) -> bytes:

@@ -146,6 +146,9 @@ def _describe(d: pb.AdapterDetails) -> str:
              f"  rank       {i.rank} (alpha {i.alpha:g}{', rsLoRA' if i.use_rslora else ''})"
              + (f", patterns {dict(d.rank_pattern)}" if d.rank_pattern else ""),
              f"  targets    {' '.join(i.target_modules)}",
+             *([f"  activated  from its invocation, token ids "
+                f"{list(i.alora_invocation_tokens)} (an activated LoRA)"]
+               if i.alora_invocation_tokens else []),
              f"  weights    {i.num_bytes / 2**20:.2f} MiB {d.dtype}, sha256 {i.sha256[:16]}...",
              f"  dataset    {d.training_dataset or '-'}",
              f"  evals      {evals or '-'}",

@@ -207,16 +207,20 @@ class StreamResponse(_message.Message):
     def __init__(self, token_request_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., starts: _Optional[_Iterable[_Union[StreamStart, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[StreamEnd, _Mapping]]] = ..., token_num_top: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StreamStart(_message.Message):
-    __slots__ = ("id", "queue_seconds", "time_to_first_token_seconds", "prompt_logprobs")
+    __slots__ = ("id", "queue_seconds", "time_to_first_token_seconds", "prompt_logprobs", "cached_prompt_tokens", "adapter_inactive")
     ID_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_INACTIVE_FIELD_NUMBER: _ClassVar[int]
     id: int
     queue_seconds: float
     time_to_first_token_seconds: float
     prompt_logprobs: _common_pb2.TokenLogprobs
-    def __init__(self, id: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
+    cached_prompt_tokens: int
+    adapter_inactive: bool
+    def __init__(self, id: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., cached_prompt_tokens: _Optional[int] = ..., adapter_inactive: _Optional[bool] = ...) -> None: ...
 
 class StreamEnd(_message.Message):
     __slots__ = ("id", "finish_reason", "error_code", "error_message", "retry_after")
@@ -239,7 +243,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_id", "logprob", "text", "finish_reason", "usage", "top_logprobs", "prompt_tokens")
+    __slots__ = ("token_id", "logprob", "text", "finish_reason", "usage", "top_logprobs", "prompt_tokens", "adapter_inactive")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +251,7 @@ class GenerateResponse(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_INACTIVE_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
     text: str
@@ -254,7 +259,8 @@ class GenerateResponse(_message.Message):
     usage: Usage
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprob]
     prompt_tokens: _containers.RepeatedCompositeFieldContainer[PromptToken]
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., prompt_tokens: _Optional[_Iterable[_Union[PromptToken, _Mapping]]] = ...) -> None: ...
+    adapter_inactive: bool
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., prompt_tokens: _Optional[_Iterable[_Union[PromptToken, _Mapping]]] = ..., adapter_inactive: _Optional[bool] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "text")
@@ -279,18 +285,22 @@ class PromptToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., text: _Optional[str] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "queue_seconds", "time_to_first_token_seconds", "adapter")
+    __slots__ = ("prompt_tokens", "completion_tokens", "queue_seconds", "time_to_first_token_seconds", "adapter", "cached_prompt_tokens", "adapter_inactive")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_INACTIVE_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     queue_seconds: float
     time_to_first_token_seconds: float
     adapter: _common_pb2.AdapterRef
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ...) -> None: ...
+    cached_prompt_tokens: int
+    adapter_inactive: bool
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., cached_prompt_tokens: _Optional[int] = ..., adapter_inactive: _Optional[bool] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -114,7 +114,7 @@ def step_request(plan: StepPlan) -> executor_pb2.StepRequest:
             seq_id=seq.seq_id, token_ids=seq.token_ids, slot=seq.slot_index,
             sampling=seq.request.ask.sampling.to_pb(),
             num_generated=len(seq.request.output_token_ids), num_cached=seq.num_cached,
-            request_id=seq.request.ask.request_id)
+            request_id=seq.request.ask.request_id, lora_from=seq.request.ask.lora_from)
             for seq in plan.new],
         row_seq_ids=list(map(_seq_id, rows)),
         row_num_tokens=list(map(_num_tokens, rows)),

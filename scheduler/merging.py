@@ -282,6 +282,9 @@ class MergePolicy:
         per: collections.Counter[AdapterRef | None] = collections.Counter()
         for row in plan.rows:
             ask = row.seq.request.ask
+            if ask.lora_from:  # (an activated LoRA is never merged: it counts as no adapter)
+                per[None] += row.num_tokens
+                continue
             per[ask.adapter] += row.num_tokens
             if ask.adapter:
                 self._bytes[ask.adapter] = ask.adapter_bytes

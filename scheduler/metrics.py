@@ -42,7 +42,14 @@ class SchedulerMetrics:
         self.host_prewarms = Counter(
             "loraplex_host_prewarms", "Adapters a store was asked to bring into RAM while their "
             "requests waited for a slot.", registry=r)
+        self.alora_inactive = Counter(
+            "loraplex_alora_inactive", "Requests that named an activated LoRA whose invocation "
+            "their prompt does not hold (served by the base model, as PEFT would).", ["tenant"],
+            registry=r)
         r.register(_CoreCollector(core, self.tenant))
+
+    def on_alora_inactive(self, tenant: str) -> None:
+        self.alora_inactive.labels(self.tenant(tenant)).inc()
 
     def on_step(self, executor: str, plan: StepPlan, seconds: float) -> None:
         self.step.labels(executor).observe(seconds)

@@ -77,6 +77,12 @@ class Ask:
     adapter_ranks: Mapping[str, int] | None = None
     deadline: float | None = None  # the client's, on the scheduler's clock (None: none given)
     cache_salt: str = ""  # keeps its cached KV blocks apart from requests with another salt
+    # An activated LoRA's activation point in the prompt (common/alora.py): its adapter applies
+    # from this position on, the KV before it is the base model's; 0: every position
+    lora_from: int = 0
+    # It named an activated LoRA whose invocation its prompt does not hold: the base model
+    # serves it (adapter None), as PEFT does, and the client is told
+    adapter_inactive: bool = False
 
 
 @dataclass(slots=True)
@@ -117,6 +123,9 @@ class Request:
     executor_failures: int = 0  # executors lost while it ran there (their step failed or they left)
     executor: Any = None  # the ExecutorState it is queued or running on (Placement's)
     cache_key: bytes = b""  # whose cached KV blocks it may reuse (prefix_cache.py); b"": none
+    # An activated LoRA's blocks before its activation point are named under this, the base
+    # model's key (prefix_cache.py); b"": every block under cache_key
+    base_cache_key: bytes = b""
     # Its runs compute with longrope's long factors (longrope.py): its cache_key is the long one.
     runs_long: bool = False
     # Chained hashes of its full blocks, per block size (executors may differ): prefix_cache.py.

@@ -15,9 +15,11 @@ from tokenizers import Tokenizer
 
 from common import wire
 from common.adapter_ref import AdapterRef
+from common.alora import activation_start
 from common.credentials import DEFAULT_TENANT, Caller, KeyRing, Role, request_tenant
 from common.detokenizer import FINISH_PB, OutputProcessor, check_stops
 from common.errors import (
+    FailedPrecondition,
     InvalidArgument,
     NotFound,
     Unavailable,
@@ -74,7 +76,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         with WriteBound(self._config.timeouts.stream_write_s) as bound:
             async with grpc_errors(context):
                 try:
-                    pending, prompt_sent = events.pending, False
+                    pending, prompt_sent, first_sent = events.pending, False, False
                     while True:
                         if not pending:
                             await events.wait()
@@ -93,6 +95,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                             message.prompt_tokens.extend(prompt_tokens_pb(
                                 self._tokenizer, req.ask.prompt_ids, req.prompt_logprobs))
                             prompt_sent = True
+                        if req.ask.adapter_inactive and not first_sent:
+                            message.adapter_inactive = True
+                        first_sent = True
                         await bound.write(context, message)
                 finally:  # (before the call's status is sent)
                     if req.status is not Status.FINISHED:  # the client left, or stopped reading
@@ -186,9 +191,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         output = OutputProcessor(self._tokenizer if detokenize else None, max_new_tokens=max_new,
                                  stop_token_ids=stop_ids, stop=list(pb.stop))
         deadline = None if timeout_s is None else self._engine.core.clock() + timeout_s
+        lora_from, inactive = 0, False
+        if adapter is not None and adapter.alora_invocation:  # (an activated LoRA)
+            start = activation_start(prompt, adapter.alora_invocation)
+            if start is None:  # its invocation is not in the prompt: the base model's output
+                adapter, inactive = None, True
+                self._engine.metrics.on_alora_inactive(tenant)
+            else:
+                lora_from = start
         ask = Ask(tenant, adapter and adapter.ref, adapter.num_bytes if adapter else 0, prompt,
                   sampling, request_id=request_id, adapter_ranks=adapter and adapter.ranks,
-                  deadline=deadline, cache_salt=pb.cache_salt)
+                  deadline=deadline, cache_salt=pb.cache_salt, lora_from=lora_from,
+                  adapter_inactive=inactive)
         return Request(next(self._ids), ask, output, emit, sink=sink, sink_id=sink_id)
 
     async def _adapter(self, pb: scheduler_pb2.GenerateRequest,
@@ -215,7 +229,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             prompt_tokens=len(req.ask.prompt_ids), completion_tokens=req.output.num_tokens,
             queue_seconds=(req.admitted_at or req.arrival) - req.arrival,
             time_to_first_token_seconds=(req.first_token_at or req.arrival) - req.arrival,
-            adapter=adapter_pb(req.ask.adapter))
+            adapter=adapter_pb(req.ask.adapter),
+            cached_prompt_tokens=req.charges.cached_prompt_tokens,
+            adapter_inactive=req.ask.adapter_inactive)
 
     async def Stats(self, request, context):
         """Everything for admins and services; a tenant key sees its own counters only."""
@@ -278,6 +294,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         async with grpc_errors(context):
             self._check_admin(context)
             adapter = await self._servable(request.adapter)
+            if adapter.alora_invocation:
+                raise FailedPrecondition(f"adapter {adapter.ref} is an activated LoRA: it "
+                                         "applies from its invocation on, which weights with it "
+                                         "merged cannot do; serve it unmerged")
             chosen = self._engine.operators.merge(adapter.ref, adapter.num_bytes,
                                                   request.num_executors or 1, adapter.ranks)
             return scheduler_pb2.MergeResponse(adapter=adapter.ref.to_pb(),

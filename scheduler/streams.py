@@ -227,7 +227,9 @@ class StreamConnection:
         self._outbox.starts.append(scheduler_pb2.StreamStart(
             id=stream_id, queue_seconds=(req.admitted_at or req.arrival) - req.arrival,
             time_to_first_token_seconds=req.first_token_at - req.arrival,
-            prompt_logprobs=req.prompt_logprobs))
+            prompt_logprobs=req.prompt_logprobs,
+            cached_prompt_tokens=req.charges.cached_prompt_tokens,
+            adapter_inactive=req.ask.adapter_inactive))
 
 
 def check_no_stops(request: scheduler_pb2.GenerateRequest) -> None:

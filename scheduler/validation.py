@@ -69,6 +69,8 @@ class Servable:
     num_bytes: int
     ranks: Mapping[str, int] | None  # per module, its largest rank (None: executors keep slots)
     num_pages: int  # the pages it takes on the pool's executors (0: they keep fixed slots)
+    # an activated LoRA's invocation (common/alora.py); (): a plain adapter
+    alora_invocation: tuple[int, ...] = ()
 
 
 class Servables:
@@ -93,7 +95,8 @@ class Servables:
                 except ValueError as err:  # (its modules are not this model's: Phi-3's qkv_proj)
                     raise FailedPrecondition(f"adapter {ref} does not fit this pool's model "
                                              f"{self._info.model_id!r}: {err}") from None
-            known = self._known.put(ref, Servable(ref, adapter.num_bytes, ranks, pages))
+            known = self._known.put(ref, Servable(ref, adapter.num_bytes, ranks, pages,
+                                                  tuple(adapter.alora_invocation_tokens)))
         return known
 
 

@@ -51,6 +51,11 @@ def enter_long(req: Request) -> None:
         return
     req.runs_long = True
     if req.cache_key:
-        req.cache_key = hashlib.blake2b(req.cache_key, digest_size=16,
-                                        person=b"loraplex-long").digest()
+        req.cache_key = _long(req.cache_key)
+        if req.base_cache_key:
+            req.base_cache_key = _long(req.base_cache_key)
         req.block_hashes.clear()  # (chained from the short key)
+
+
+def _long(key: bytes) -> bytes:
+    return hashlib.blake2b(key, digest_size=16, person=b"loraplex-long").digest()

@@ -9,7 +9,11 @@ Scope (the pool's `prefix_cache` limit):
                       hits for a public adapter and common system prompts, at the price of that
                       timing side channel. A request's cache_salt still keeps its blocks apart.
   "off"               nothing is cached.
-Blocks are never shared between adapters: LoRA changes K and V at every layer.
+Blocks are never shared between adapters: LoRA changes K and V at every layer. An activated
+LoRA (common/alora.py) changes none before its activation point: its blocks that lie wholly before
+it are named as the base model's blocks of the same tokens (its base key), shared with base
+requests and other activated LoRAs; from the block holding the activation point on, under its
+adapter's key. The chain runs through both: a block's hash covers every block before it.
 
 A block's hash is BLAKE2b-128 of (the previous block's hash, the key, its token ids): equal
 hashes mean equal prefixes under the same key, with a collision chance no adversary can steer
@@ -43,21 +47,36 @@ def cache_key(scope: str, tenant: str, adapter: AdapterRef | None, salt: str) ->
 
 def name_blocks(req: Request, scope: str) -> None:
     """Give a request just submitted the key its blocks are named under (`scope`: the pool's
-    prefix_cache; "off": none, nothing cached)."""
+    prefix_cache; "off": none, nothing cached), and an activated LoRA's the base key of its
+    blocks before its activation point."""
     if scope != "off":
         ask = req.ask
         req.cache_key = cache_key(scope, ask.tenant, ask.adapter, ask.cache_salt)
+        if ask.lora_from:
+            req.base_cache_key = cache_key(scope, ask.tenant, None, ask.cache_salt)
 
 
-def extend_hashes(hashes: list[bytes], key: bytes, token_ids: list[int], block_size: int) -> None:
-    """Append to `hashes` the hash of every full block of `token_ids` it lacks."""
-    previous = hashes[-1] if hashes else key
+def extend_hashes(hashes: list[bytes], key: bytes, token_ids: list[int], block_size: int,
+                  base_key: bytes = b"", lora_from: int = 0) -> None:
+    """Append to `hashes` the hash of every full block of `token_ids` it lacks; a block that
+    ends at or before `lora_from` under `base_key` (an activated LoRA's), if given."""
+    previous = hashes[-1] if hashes else (base_key if base_key and lora_from >= block_size
+                                          else key)
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        block_key = base_key if base_key and start + block_size <= lora_from else key
         h = hashlib.blake2b(previous, digest_size=16)
-        h.update(key)
+        h.update(block_key)
         h.update(array("I", token_ids[start:start + block_size]).tobytes())
         previous = h.digest()
         hashes.append(previous)
+
+
+def _extend(req: Request, token_ids: list[int], block_size: int) -> list[bytes]:
+    """req's chain of block hashes at `block_size`, extended over `token_ids`."""
+    hashes = req.block_hashes.setdefault(block_size, [])
+    extend_hashes(hashes, req.cache_key, token_ids, block_size, req.base_cache_key,
+                  req.ask.lora_from)
+    return hashes
 
 
 def cached_prefix(blocks: BlockManager, req: Request, tokens: list[int]) -> list[int]:
@@ -68,9 +87,7 @@ def cached_prefix(blocks: BlockManager, req: Request, tokens: list[int]) -> list
     if not req.cache_key or req.needs_prompt_logprobs:
         return []
     bs = blocks.block_size
-    hashes = req.block_hashes.setdefault(bs, [])
-    extend_hashes(hashes, req.cache_key, tokens, bs)
-    return blocks.match(hashes[:(len(tokens) - 1) // bs])
+    return blocks.match(_extend(req, tokens, bs)[:(len(tokens) - 1) // bs])
 
 
 def publish(blocks: BlockManager, seq: Sequence) -> None:
@@ -82,9 +99,11 @@ def publish(blocks: BlockManager, seq: Sequence) -> None:
     else:
         full = min(seq.num_computed, len(seq.token_ids)) // bs
         if full > seq.num_published:
-            hashes = req.block_hashes.setdefault(bs, [])
-            extend_hashes(hashes, req.cache_key, seq.token_ids, bs)
+            hashes = _extend(req, seq.token_ids, bs)
+            base_blocks = req.ask.lora_from // bs if req.base_cache_key else 0
             for index in range(seq.num_published, full):
-                blocks.publish(seq.seq_id, index, hashes[index])
+                # (an adapter's blocks go with it when it is evicted; the base model's stay)
+                owner = req.ask.adapter if index >= base_blocks else None
+                blocks.publish(seq.seq_id, index, hashes[index], owner)
             seq.num_published = full
         seq.publish_at = (seq.num_published + 1) * bs

@@ -19,11 +19,11 @@ SYSTEM = list(range(100, 112))  # a 12-token shared prompt start: 3 blocks of 4
 
 
 def submit(w: World, tenant: str = "t", prompt: list[int] = SYSTEM + [1, 2], adapter=None,
-           max_new: int = 2, salt: str = "") -> Request:
+           max_new: int = 2, salt: str = "", lora_from: int = 0) -> Request:
     rid = next(w._ids)
     w.events[rid] = []
     ask = Ask(tenant, ref(adapter) if adapter else None, 2**20, tuple(prompt), SamplingParams(),
-              cache_salt=salt)
+              cache_salt=salt, lora_from=lora_from)
     req = Request(rid, ask, OutputProcessor(None, max_new_tokens=max_new), w.events[rid].append)
     w.core.submit(req)
     w.requests.append(req)
@@ -76,6 +76,42 @@ def test_blocks_are_shared_within_a_tenant_or_pool_never_across_salts_or_adapter
         w.complete_loads()
         row = first_row(w, req)
         assert row.seq.num_cached == expect, (scope, tenant, salt, adapter)
+
+
+def test_an_activated_lora_shares_the_base_models_blocks_before_its_invocation():
+    """Issue 43: a base request computes a context; an activated LoRA on that context plus its
+    invocation (at position 13: blocks 0-2 lie wholly before it) takes those 3 blocks from the
+    cache and computes only from its activation block on, and is charged for what it computes;
+    a second aLoRA adapter on it shares them too, and its own blocks from the activation on are
+    its adapter's (an ordinary adapter on the same context shares nothing). Its adapter's blocks
+    go when the adapter is evicted, the base model's stay."""
+    invocation = [900, 901]
+    context = SYSTEM + [1]  # 13 tokens; the invocation starts at 13
+    w = World(num_blocks=64, num_slots=3)
+    submit(w, prompt=context + [5])
+    w.run()
+    first = submit(w, prompt=context + invocation + [7], adapter="alora-a@1", lora_from=13)
+    w.complete_loads()
+    row = first_row(w, first)
+    assert row.seq.num_cached == 12 and row.num_tokens == 4
+    assert first.charges.cached_prompt_tokens == 12
+    w.run()
+    second = submit(w, prompt=context + invocation + [8], adapter="alora-b@1", lora_from=13)
+    w.complete_loads()
+    assert first_row(w, second).seq.num_cached == 12
+    plain = submit(w, prompt=context + invocation + [9], adapter="plain@1")
+    w.complete_loads()
+    assert first_row(w, plain).seq.num_cached == 0
+    w.run()
+    again = submit(w, prompt=context + invocation + [7, 1, 2, 3], adapter="alora-a@1",
+                   lora_from=13)
+    w.complete_loads()
+    assert first_row(w, again).seq.num_cached == 16  # (its own block 3, from the activation)
+    w.run()
+    blocks = w.executors[0].blocks
+    assert blocks.drop_cached_of(ref("alora-a@1")) > 0  # (its block from the activation on)
+    base = submit(w, prompt=context + [6])
+    assert first_row(w, base).seq.num_cached == 12  # the base model's blocks stayed
 
 
 def test_fairness_charges_only_the_prompt_tokens_computed():

@@ -35,7 +35,7 @@ REQUEST_PROGRESS = {
     **dict.fromkeys(["status", "arrival", "queued_since", "admitted_at", "finish_reason",
                      "executor_failures"], {"core.py"}),
     "executor": {"placement.py"},
-    **dict.fromkeys(["cache_key", "runs_long", "block_hashes"], NAMING),
+    **dict.fromkeys(["cache_key", "base_cache_key", "runs_long", "block_hashes"], NAMING),
     **dict.fromkeys(["first_token_at", "prompt_logprobs"], {"request.py"}),
     "charges": set(),  # (its fields are Admission's)
 }
