@@ -130,3 +130,26 @@ def test_an_activated_lora_is_refused_where_it_cannot_apply(models):
     runner.add_sequence(2, [1, 7, 8, 9], SamplingParams(), 0, lora_from=1)
     with pytest.raises(ValueError, match="an activated LoRA applies from"):
         runner.merge(0)
+
+
+def test_two_ranks_give_the_oracles_tokens(models):
+    """TP=2 in a gloo group: the activated LoRA's rows split at the same point on every rank."""
+    from executor.tensor_parallel import TensorParallel
+    from tests.rank_threads import RankThreads
+
+    model_dir, folders, _, alora, _ = models
+
+    def make(tp: TensorParallel) -> ModelRunner:
+        return ModelRunner.from_pretrained(model_dir, num_kv_blocks=512, block_size=BLOCK,
+                                           num_slots=2, max_rank=16, lora_backend="torch", tp=tp)
+
+    ranks = RankThreads(2, make)
+    try:
+        load_folders(ranks, [folders["alora"], folders["plain"]])
+        requests = {sid: request(p) for sid, p in enumerate(
+            [PROMPTS["middle"], PROMPTS["straddles"], PROMPTS["absent"]])}
+        got = run(ranks, requests, NUM_TOKENS, chunk=5, admit=3)
+        for sid in (0, 1):
+            assert got[sid][0] == alora_greedy(alora, requests[sid][0], NUM_TOKENS)[0]
+    finally:
+        ranks.close()
