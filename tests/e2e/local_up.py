@@ -4,10 +4,12 @@ checked for services it left behind."""
 
 import os
 import pathlib
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from tests.s3server import is_free_port
@@ -27,15 +29,40 @@ def free_base_port() -> int:
     raise RuntimeError("no free ports")
 
 
-def wait_serving(server: subprocess.Popen, timeout_s: float = 180) -> list[str]:
-    """Until `loraplex up` says it is serving (or timeout_s passed); it must still run. The lines
-    it printed until then."""
-    deadline = time.monotonic() + timeout_s
-    lines = []
-    for line in server.stdout:
+def lines_of(server: subprocess.Popen) -> queue.Queue:
+    """`server`'s stdout lines as they come (None once it closed), read by a thread of their own
+    so that every wait on them has a deadline."""
+    if not hasattr(server, "lines"):
+        server.lines = queue.Queue()
+
+        def read() -> None:
+            for line in server.stdout:
+                server.lines.put(line)
+            server.lines.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+    return server.lines
+
+
+def read_until(server: subprocess.Popen, prefix: str, timeout_s: float = 180) -> list[str]:
+    """The lines `server` printed up to the first that starts with `prefix` (fewer: it ended, or
+    timeout_s passed, and the caller's check on the last line fails)."""
+    deadline, lines = time.monotonic() + timeout_s, []
+    while True:
+        try:
+            line = lines_of(server).get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            return lines
+        if line is None:
+            return lines
         lines.append(line)
-        if line.startswith("serving") or time.monotonic() > deadline:
-            break
+        if line.startswith(prefix):
+            return lines
+
+
+def wait_serving(server: subprocess.Popen, timeout_s: float = 180) -> list[str]:
+    """Until `loraplex up` says it is serving; the lines it printed until then."""
+    lines = read_until(server, "serving", timeout_s)
     assert lines and lines[-1].startswith("serving"), "loraplex up did not serve:\n" + \
         "".join(lines)
     return lines
@@ -77,8 +104,8 @@ def stop(server: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float =
     """Send `sig` to `up`, wait for it to exit; the rest of what it printed."""
     if server.poll() is None:
         server.send_signal(sig)
-    out, _ = server.communicate(timeout=timeout_s)
-    return out or ""
+    server.wait(timeout_s)
+    return "".join(read_until(server, "\0", timeout_s))  # (to the end: no line starts so)
 
 
 def kill_leftovers(*texts: str) -> None:

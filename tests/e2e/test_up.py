@@ -19,6 +19,7 @@ from tests.e2e.local_up import (
     free_base_port,
     kill_leftovers,
     processes_mentioning,
+    read_until,
     start_up,
     stop,
     wait_gone,
@@ -231,11 +232,8 @@ def test_a_service_that_fails_to_start_says_why_from_this_run_only(model_named_b
 
 def starting(server: subprocess.Popen, base: int) -> list[str]:
     """`up`'s lines until it starts the services, once the store and the executor run."""
-    lines = []
-    for line in server.stdout:
-        lines.append(line)
-        if line.startswith("starting the services"):
-            break
+    lines = read_until(server, "starting the services")
+    assert lines and lines[-1].startswith("starting the services"), lines
     deadline = time.monotonic() + 60
     while not all(processes_mentioning(f"--address 127.0.0.1:{base + i}") for i in (1, 2)):
         assert time.monotonic() < deadline and server.poll() is None, "".join(lines)
