@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from common.peft.modules import expert_module
+from executor.lora_stack import SlotCache
 from executor.slot_pool import LoraSlotPool
 from kernels.page_rows import row_index
 
@@ -56,22 +57,15 @@ class ExpertWeights:
 
     def __init__(self, pool: LoraSlotPool) -> None:
         self.pool = pool
-        # slot -> (the pool's write count it was made at, (layer, projection) -> weights)
-        self._kept: dict[int, tuple[int, dict]] = {}
+        self._kept = SlotCache(pool)
 
     def of(self, slot: int, layer: int, projection: str
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(A [E, R, in], B^T [E, R, out], scales [E]) of `slot`'s experts' `projection` at
         `layer`, R their largest rank there; None where none is targeted. `slot` must be one the
         current step runs."""
-        (count,) = self.pool.write_counts([slot])
-        kept = self._kept.get(slot)
-        if kept is None or kept[0] != count:
-            kept = self._kept[slot] = (count, {})
-        key = (layer, projection)
-        if key not in kept[1]:
-            kept[1][key] = self._gather(slot, layer, projection)
-        return kept[1][key]
+        return self._kept.get(slot, (layer, projection),
+                              lambda: self._gather(slot, layer, projection))
 
     def _gather(self, slot: int, layer: int, projection: str):
         pool = self.pool

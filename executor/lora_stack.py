@@ -183,3 +183,24 @@ class StackedGroup:
         ranks = stack.ranks[layer, :len(stack), g.modules_slice]  # [S, n]
         drop = torch.arange(rank) >= ranks.unsqueeze(-1)  # [S, n, R]
         self.drop = drop.unsqueeze(1).to(device) if bool(drop.any()) else None
+
+
+class SlotCache:
+    """Per slot, what was made from its weights (gathered rows, stacked experts), made again
+    once the pool rewrites the slot (its write count moves). Ask it only for slots the current
+    step runs: a load may be rewriting any other."""
+
+    def __init__(self, pool: LoraSlotPool) -> None:
+        self.pool = pool
+        self._kept: dict[int, tuple[int, dict]] = {}  # slot -> (write count, key -> value)
+
+    def get(self, slot: int, key, make):
+        """The value of `key` for `slot`: kept, or `make()` now."""
+        (count,) = self.pool.write_counts([slot])
+        kept = self._kept.get(slot)
+        if kept is None or kept[0] != count:
+            kept = self._kept[slot] = (count, {})
+        if key not in kept[1]:
+            kept[1][key] = make()
+        return kept[1][key]
+

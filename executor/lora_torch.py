@@ -37,7 +37,7 @@ import torch
 
 from executor.lora_experts import ExpertRuns, ExpertWeights, apply_torch
 from executor.lora_segments import LoraSegments
-from executor.lora_stack import AdapterStack
+from executor.lora_stack import AdapterStack, SlotCache
 from executor.slot_pool import LoraSlotPool, SliceGroup
 from kernels.segments import rank_tile
 
@@ -119,6 +119,7 @@ class TorchLoraBackend:
         self.pool, self.exact = pool, exact
         self._stacks: dict[int, AdapterStack] = {}  # rank tier -> its kept stack (lora_stack.py)
         self._experts = ExpertWeights(pool)  # each slot's expert weights (lora_experts.py)
+        self._rows = SlotCache(pool)  # each slot's rows, as long segments read them
 
     def prepare(self, row_slots: torch.Tensor) -> TorchBatchMeta:
         segments = LoraSegments.from_row_slots(row_slots).segments
@@ -200,7 +201,10 @@ class TorchLoraBackend:
             if target is None:
                 continue
             _, scale = target
-            a, b = self.pool.rows(layer, slot, module)  # [r, in], [out, r] (from its pages)
+            # [r, in], [out, r]: gathered from its pages once, not every step (decode over one
+            # adapter's 64 rows read them 28 times a step)
+            a, b = self._rows.get(slot, (layer, module),
+                                  lambda: self.pool.rows(layer, slot, module))
             # Same operation order as PEFT: (B(A(x))) * scale, then added to the base output.
             out[start:end] += (x[start:end] @ a.T) @ b.T * scale
 

@@ -252,3 +252,25 @@ def test_a_slot_reloaded_at_another_tier_goes_dormant_in_its_old_tiers_stack():
     assert meta.batches[0].stack is stack
     check_against_exact(fast, pool, step, meta)
     assert stack.group(0, "qkv", pool.device, pool.dtype).rank == 8
+
+
+def test_a_long_segment_reads_its_rows_from_the_pages_once_until_the_slot_is_rewritten(
+        pool, monkeypatch):
+    """A decode step over one adapter's 40 rows runs its segment on its own: its A and B are
+    gathered from the pages once and kept (not every step), gathered again when the pool
+    rewrites the slot, and the outputs equal the exact path's throughout."""
+    gathered = []
+    rows = pool.rows
+    monkeypatch.setattr(pool, "rows", lambda layer, slot, module: (
+        gathered.append((layer, slot, module)), rows(layer, slot, module))[1])
+    fast = TorchLoraBackend(pool)
+    step = [4] * 40
+    assert fast.prepare(torch.tensor(step)).alone
+    for _ in range(2):
+        for layer, group, *_ in backend_outputs(CONFIG, fast, fast, torch.tensor(step), seed=1):
+            pass
+    once = len(gathered)
+    assert once == len({(layer, module) for layer, _, module in gathered})
+    load(pool, 4, random_adapter(CONFIG, 7, 40))
+    check_against_exact(fast, pool, step)
+    assert len(gathered) > once
