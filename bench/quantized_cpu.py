@@ -174,6 +174,8 @@ def main(argv: list[str] | None = None) -> None:
                      f"{projection_bytes(runner) / 1e6:.1f} |")
     lines += ["", "| distinct adapters | " + " | ".join(f"{f} tok/s" for f in FORMATS)
               + " | int8 / fp32 | int4 / fp32 |", "|---:|" + "---:|" * (len(FORMATS) + 2)]
+    for fmt in FORMATS:  # (a warm-up round each, untimed: first-step allocations)
+        decode(runners[fmt], [(p, i % max(counts)) for i, p in enumerate(prompts)])
     for n in counts:
         reqs = [(p, i % n) for i, p in enumerate(prompts)]
         seconds = {fmt: [] for fmt in FORMATS}

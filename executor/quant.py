@@ -21,7 +21,7 @@ and runs, by device and dtype (measured: bench/results/quantized-cpu.md):
                           _weight_int4pack_mm_for_cpu, with its packed copy beside the codes),
                           else as fp32
     CPU, fp32 (default)   dequantize + matmul, CHUNK_ROWS output rows at a time (torch's int
-                          kernels are 5-30x slower than dense fp32 on CPU)
+                          kernels are 5-60x slower than dense fp32 on CPU)
 
 Activations and adapters stay in full precision: the LoRA of a projection reads the same x.
 """
