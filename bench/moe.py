@@ -38,6 +38,7 @@ from common.sampling import SamplingParams
 from executor import lora_torch, moe
 from executor import model as model_module
 from executor.kv_cache import PagedKVCache
+from executor.model_config import ModelConfig
 from executor.peft_adapter import parse_peft_adapter
 from executor.runner import ModelRunner, Row
 from loraplex import fixtures
@@ -69,15 +70,20 @@ def make_model(out: pathlib.Path, num_adapters: int):
 
 
 def loraplex_runner(model_dir, out, num_adapters: int) -> ModelRunner:
-    runner = ModelRunner.from_pretrained(model_dir, num_kv_blocks=4096, block_size=BLOCK,
-                                         num_slots=num_adapters, max_rank=16,
+    """A runner with blocks for every request's KV and every adapter's pages."""
+    adapters = [parse_peft_adapter((out / f"a{slot}" / "adapter_config.json").read_text(),
+                                   (out / f"a{slot}" / "adapter_model.safetensors").read_bytes(),
+                                   ModelConfig.from_pretrained(model_dir),
+                                   check_base_model=False) for slot in range(num_adapters)]
+    probe = ModelRunner.from_pretrained(model_dir, num_kv_blocks=1, block_size=BLOCK,
+                                        num_slots=1, max_rank=16, lora_backend="torch")
+    pages = probe.pool.pages_for(adapters[0]).num_pages
+    kv = NUM_REQUESTS * -(-(24 + MAX_NEW) // BLOCK)
+    runner = ModelRunner.from_pretrained(model_dir, num_kv_blocks=kv + num_adapters * pages,
+                                         block_size=BLOCK, num_slots=num_adapters, max_rank=16,
                                          lora_backend="torch")
-    for slot in range(num_adapters):
-        folder = out / f"a{slot}"
-        runner.load_adapter(slot, parse_peft_adapter(
-            (folder / "adapter_config.json").read_text(),
-            (folder / "adapter_model.safetensors").read_bytes(), runner.config,
-            check_base_model=False))
+    for slot, weights in enumerate(adapters):
+        runner.load_adapter(slot, weights)
     return runner
 
 
