@@ -5,7 +5,7 @@ bytes (executor/quant.py), and the budget says what that frees against the dense
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -85,9 +85,9 @@ class MemoryBudget:
     kv_cache_bytes: int
     adapter_pool_bytes: int
     # What the weights would take with every quantized projection dense at the serving dtype
-    # (0: not counted); freed_bytes is the difference, what quantization leaves for KV and
-    # adapters
-    dense_weights_bytes: int = 0
+    # (0: not counted; not compared: a runner's own budget leaves it out); freed_bytes is the
+    # difference, what quantization leaves for KV and adapters
+    dense_weights_bytes: int = field(default=0, compare=False)
 
     @property
     def freed_bytes(self) -> int:
