@@ -77,6 +77,11 @@ class AdapterRef:
         return cls(pb.name, pb.version)
 
     @classmethod
+    def of(cls, info: common_pb2.AdapterInfo) -> "AdapterRef":
+        """The version an adapter's registry record is of."""
+        return cls(info.name, info.version)
+
+    @classmethod
     def from_optional_pb(cls, pb: common_pb2.AdapterRef) -> "AdapterRef | None":
         """None for an unset or empty message (no adapter: the base model, an empty slot)."""
         return cls.from_pb(pb) if pb.name or pb.version else None

@@ -118,7 +118,7 @@ class RegistryClient:
                         "old", err, ref[:200], now - answer.at)
             answer.at = now - ttl + self._ttl_s  # used again without asking for resolve_ttl_s
             return answer.info
-        self._versions.put(AdapterRef(info.name, info.version), _Answer(info, self._clock()))
+        self._versions.put(AdapterRef.of(info), _Answer(info, self._clock()))
         if not query.version:
             self._names.put(key, _Answer(info, self._clock()))
         return info

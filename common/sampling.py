@@ -48,10 +48,6 @@ class SamplingParams:
     grammar: Grammar | None = None  # constrained decoding (common/grammar.py); None = free
 
     @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
     def has_penalties(self) -> bool:
         """It penalises tokens the sequence holds (its rows need token counts)."""
         return bool(self.presence_penalty or self.frequency_penalty
@@ -136,11 +132,6 @@ class SamplingParams:
             repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias),
             top_logprobs=self.top_logprobs, prompt_logprobs=self.prompt_logprobs,
             grammar=self.grammar.to_pb() if self.grammar else None)
-
-
-def logit_bias_of(mapping: dict[int, float]) -> tuple[tuple[int, float], ...]:
-    """SamplingParams.logit_bias of a token id -> bias mapping."""
-    return tuple(sorted(mapping.items()))
 
 
 def _check_range(field: str, value: object, low: float, high: float) -> None:

@@ -140,7 +140,7 @@ def _describe(d: pb.AdapterDetails) -> str:
     aliases = f"  (aliases: {', '.join(d.aliases)})" if d.aliases else ""
     revision = f" @ {d.base_model_revision}" if d.base_model_revision else ""
     evals = ", ".join(f"{k}={v:g}" for k, v in sorted(d.eval_scores.items()))
-    lines = [str(AdapterRef(i.name, i.version)) + aliases,
+    lines = [str(AdapterRef.of(i)) + aliases,
              f"  owner      {i.owner_tenant or 'public'}",
              f"  base       {i.base_model}{revision} ({_base_match(i)})",
              f"  rank       {i.rank} (alpha {i.alpha:g}{', rsLoRA' if i.use_rslora else ''})"
@@ -201,7 +201,7 @@ async def run(args: argparse.Namespace) -> None:
             name=args.name, owner_tenant=args.tenant, source_uri=args.uri,
             metadata=_metadata(args)))
     if command in ("push", "register"):
-        ref = AdapterRef(info.name, info.version)
+        ref = AdapterRef.of(info)
         print(f"registered {ref} (rank {info.rank}, "
               f"{len(info.target_modules)} modules, {info.num_bytes / 2**20:.2f} MiB, "
               f"owner {info.owner_tenant or 'public'}, base {info.base_model}: "
@@ -216,7 +216,7 @@ async def run(args: argparse.Namespace) -> None:
         print(f"{'ADAPTER':32s} {'OWNER':10s} {'RANK':>4s} {'MIB':>7s}  {'ALIASES':16s} BASE")
         for d in listed.adapters:
             i = d.info
-            print(f"{str(AdapterRef(i.name, i.version)):32s} {i.owner_tenant or 'public':10s} "
+            print(f"{str(AdapterRef.of(i)):32s} {i.owner_tenant or 'public':10s} "
                   f"{i.rank:4d} {i.num_bytes / 2**20:7.2f}  {','.join(d.aliases) or '-':16s} "
                   f"{i.base_model}")
     elif command == "show":

@@ -210,7 +210,7 @@ async def _push_all(store: str, keys: FleetKeys) -> None:
     for key, tenant in keys.tenants.items():
         for name in TENANTS[tenant]:
             info = await client.push_adapter(store, adapter_dir(name), name, key=key)
-            print(f"  pushed {AdapterRef(info.name, info.version)} for {tenant:9s} "
+            print(f"  pushed {AdapterRef.of(info)} for {tenant:9s} "
                   f"(rank {info.rank:2d}, "
                   f"{len(info.target_modules)} modules, {info.num_bytes / 1024:4.0f} KiB): "
                   f"{TASKS_BY_NAME[name].description}")
