@@ -20,7 +20,7 @@ inverse frequencies and a cos/sin scale.
               So a sequence the executor registers with more tokens than the switch computes
               every position with the long factors, any other one with the short factors, and
               the scheduler recomputes a sequence that outgrows the switch
-              (scheduler/longrope.py).
+              (scheduler/steps/longrope.py).
 
 A model with sliding-window layers may give them their own base (Gemma 3's rope_local_base_freq):
 its local rope is default RoPE at that base.

@@ -55,7 +55,7 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 class Driver:
     """A stand-in scheduler: shuffled (reused) block ids, chunked prefill, rows sorted by slot;
     on a longrope model, a sequence that outgrows the switch is recomputed from all its tokens
-    (as scheduler/longrope.py has it)."""
+    (as scheduler/steps/longrope.py has it)."""
 
     def __init__(self, runner: ModelRunner, seed: int = 0):
         self.runner, self.free = runner, runner.free_blocks()  # (not its adapters' pages)
