@@ -9,9 +9,12 @@ lm_head must be dense.
 
 from __future__ import annotations
 
+import contextlib
 import re
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from executor.model_config import ModelConfig
 from executor.quant_formats import describe, read_weight
@@ -23,14 +26,16 @@ _HEADS = ("model.embed_tokens.", "lm_head.")
 
 
 class QuantizedParts:
-    """The projections' tensors of a quantized checkpoint, gathered file by file."""
+    """Where each projection's tensors of a quantized checkpoint are, gathered file by file; then
+    each projection read and made one weight at a time (a host holds one projection's tensors
+    at once beside what it keeps: a rank of a tensor-parallel executor its part only)."""
 
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
-        self._parts: dict[str, dict[str, torch.Tensor]] = {}
+        self._parts: dict[str, dict[str, tuple[Path, str]]] = {}  # module -> suffix -> where
 
-    def take(self, name: str, read) -> bool:
-        """Keep tensor `name` (its text model's name; `read()` gives it) if it is part of a
+    def take(self, name: str, path: Path, stored: str) -> bool:
+        """Note tensor `name` (its text model's name; `stored` in file `path`) if it is part of a
         projection (but its bias); False: the caller loads it as a dense tensor."""
         if name.startswith(_HEADS) and not name.endswith(".weight"):
             raise ValueError(f"tensor {name!r}: a quantized {name.split('.')[-2]} is not served "
@@ -41,18 +46,25 @@ class QuantizedParts:
         module, suffix = match.groups()
         if suffix in self._parts.setdefault(module, {}):
             raise ValueError(f"the checkpoint holds {name!r} twice")
-        self._parts[module][suffix] = read()
+        self._parts[module][suffix] = (path, stored)
         return True
 
     def build(self, expected_shape, shard: Shard | None, device, dtype: torch.dtype) -> dict:
         """Each gathered projection as `{module}.weight` -> its weight (a rank's part, on the
         device)."""
         out = {}
-        for module in list(self._parts):
-            tensors = self._parts.pop(module)
-            name = f"{module}.weight"
-            out[name] = self._one(module, tensors, expected_shape(self.config, name), shard,
-                                  device, dtype)
+        with contextlib.ExitStack() as files:
+            opened = {}
+            for module in list(self._parts):
+                tensors = {}
+                for suffix, (path, stored) in self._parts.pop(module).items():
+                    if path not in opened:
+                        opened[path] = files.enter_context(safe_open(str(path), framework="pt",
+                                                                     device="cpu"))
+                    tensors[suffix] = opened[path].get_tensor(stored)
+                name = f"{module}.weight"
+                out[name] = self._one(module, tensors, expected_shape(self.config, name), shard,
+                                      device, dtype)
         return out
 
     def _one(self, module: str, tensors: dict[str, torch.Tensor], shape: tuple[int, int],

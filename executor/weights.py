@@ -235,7 +235,7 @@ def load_weights(model_dir: str | Path, config: ModelConfig, *, dtype: torch.dty
                 if name is None or name.endswith("rotary_emb.inv_freq"):
                     continue  # a vision tower's; or a buffer some old checkpoints saved
                 name = expert_name(name) if config.num_experts else name
-                if quantized and quantized.take(name, lambda s=stored: f.get_tensor(s)):
+                if quantized and quantized.take(name, path, stored):
                     continue  # (a projection's: made one weight once every file is read)
                 if name.endswith("_blocks") and config.moe_bias:  # (gpt-oss's MXFP4 experts)
                     name, tensor = dequantized(f, stored, name, _expected_shape(

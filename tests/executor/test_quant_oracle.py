@@ -25,12 +25,15 @@ dequantize compute), which loraplex's dequantized weights equal bit for bit (che
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit is defined
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 
 from executor.peft_adapter import parse_peft_adapter  # noqa: E402
 from executor.quant import Fp8Weight, IntWeight  # noqa: E402
@@ -190,6 +193,24 @@ def test_the_triton_kernels_take_each_formats_loaded_layout(quantized):
         want = w.linear(x, triton=False)
         got = w.linear(x, triton=True)
         torch.testing.assert_close(got, want, rtol=0, atol=2e-5 * float(want.abs().max()))
+
+
+def test_a_checkpoint_in_shards_loads_as_in_one_file(quantized, tmp_path):
+    """Tensors dealt across two shard files (a projection's codes and scales apart) and an
+    index: the same weights."""
+    _, folder, _, _ = quantized
+    shutil.copytree(folder, tmp_path / "sharded")
+    tensors = load_file(folder / "model.safetensors")
+    (tmp_path / "sharded" / "model.safetensors").unlink()
+    files = {n: f"model-0000{i % 2 + 1}-of-00002.safetensors" for i, n in enumerate(tensors)}
+    for shard in set(files.values()):
+        save_file({n: t for n, t in tensors.items() if files[n] == shard},
+                  tmp_path / "sharded" / shard, metadata={"format": "pt"})
+    (tmp_path / "sharded" / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": files}))
+    one, two = (make_runner(f, {}).weights.layers[1] for f in (folder, tmp_path / "sharded"))
+    for attr in ("wqkv", "wo", "w_gate_up", "w_down"):
+        assert torch.equal(getattr(one, attr).dequantize(), getattr(two, attr).dequantize())
 
 
 def test_two_tensor_parallel_ranks_give_tp1s_tokens(quantized):
