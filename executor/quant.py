@@ -161,9 +161,10 @@ class Fp8Weight:
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, block: tuple[int, int],
                  activations: str = NO_ACTIVATIONS, input_scale: torch.Tensor | None = None, *,
-                 label: str) -> None:
+                 label: str, scale_ub: float = 0.0) -> None:
         self.weight, self.scales, self.block = weight, scales, block
         self.activations, self.input_scale, self.label = activations, input_scale, label
+        self.scale_ub = scale_ub  # DYNAMIC: each row's amax clamped to this (0: not; fbgemm)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -211,7 +212,7 @@ class Fp8Weight:
         amax = x.abs().amax(-1).float()  # [T]
         if tp is not None and tp.world > 1:
             amax = tp.all_reduce_max(amax)
-        return row_scales(amax)
+        return row_scales(amax.clamp(max=self.scale_ub) if self.scale_ub else amax)
 
     def prepare(self, dtype: torch.dtype) -> None:
         """(Nothing to make: the CPU path dequantizes, CUDA's kernels read the fp8 as stored.)"""
@@ -226,21 +227,23 @@ class Fp8Weight:
         scales = self.scales
         if scales.shape[dim] > 1:
             scales = scales.narrow(dim, start // per, -(-end // per) - start // per)
-        return Fp8Weight(self.weight.narrow(dim, start, end - start).contiguous(),
-                         scales.contiguous(), self.block, self.activations, self.input_scale,
-                         label=self.label)
+        return self._with(self.weight.narrow(dim, start, end - start).contiguous(),
+                          scales.contiguous(), self.input_scale)
+
+    def _with(self, weight, scales, input_scale) -> Fp8Weight:
+        return Fp8Weight(weight, scales, self.block, self.activations, input_scale,
+                         label=self.label, scale_ub=self.scale_ub)
 
     def to(self, device: torch.device | str) -> Fp8Weight:
-        return Fp8Weight(self.weight.to(device), self.scales.to(device), self.block,
-                         self.activations, None if self.input_scale is None
-                         else self.input_scale.to(device), label=self.label)
+        return self._with(self.weight.to(device), self.scales.to(device),
+                          None if self.input_scale is None else self.input_scale.to(device))
 
     def joins(self, other: object) -> bool:
         """Whether `other`'s rows can stack under this one's (this one's rows end a block)."""
         return (isinstance(other, Fp8Weight) and other.shape[1] == self.shape[1]
                 and other.block == self.block and self.block[0] > 0
                 and self.shape[0] % self.block[0] == 0 and other.activations == self.activations
-                and _same(other.input_scale, self.input_scale))
+                and other.scale_ub == self.scale_ub and _same(other.input_scale, self.input_scale))
 
     def num_bytes(self) -> int:
         tensors = (self.weight, self.scales, self.input_scale)
@@ -311,8 +314,8 @@ def join(parts: list, dim: int = 0):
         return first._with(torch.cat([p.codes for p in parts]),
                            torch.cat([p.scales for p in parts]), zeros, first.g_idx)
     if isinstance(first, Fp8Weight) and all(a.joins(b) for a, b in zip(parts, parts[1:])):
-        return Fp8Weight(torch.cat([p.weight for p in parts]), torch.cat([p.scales for p in parts]),
-                         first.block, first.activations, first.input_scale, label=first.label)
+        return first._with(torch.cat([p.weight for p in parts]),
+                           torch.cat([p.scales for p in parts]), first.input_scale)
     flat = [q for p in parts for q in (p.parts if isinstance(p, StackedWeight) else [p])]
     return StackedWeight(flat)
 

@@ -11,6 +11,8 @@ method, bit width or layout loraplex does not serve is refused here, at executor
                          releases): served W8A16 (their dynamic per-token-group activation
                          quantization is not emulated: activations stay at the serving dtype, as
                          transformers' dequantized model computes)
+    fbgemm_fp8           FP8 weights per channel, activations per token with an amax bound
+                         (Meta's Llama FP8 releases)
     gptq                 4 / 8 bit, group or channel, desc_act (g_idx), sym or not, v1 (zeros
                          stored minus one) or v2 checkpoint format
     awq                  4 bit GEMM packing, zero points
@@ -29,7 +31,7 @@ from typing import Any
 
 INT, FP8, NF4, FP4 = "int", "fp8", "nf4", "fp4"  # how a weight's values are coded
 NO_ACTIVATIONS, DYNAMIC, STATIC = "none", "dynamic", "static"  # FP8 activation quantization
-METHODS = ("compressed-tensors", "fp8", "gptq", "awq", "bitsandbytes")
+METHODS = ("compressed-tensors", "fp8", "fbgemm_fp8", "gptq", "awq", "bitsandbytes")
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class WeightScheme:
     act_order: bool = False  # each column's group is named by a g_idx (GPTQ desc_act)
     block: tuple[int, int] = (1, 0)  # FP8: (rows, columns) per scale; 0: the whole dimension
     activations: str = NO_ACTIVATIONS  # FP8: the activations quantized too (W8A8), and how
+    activation_scale_ub: float = 0.0  # DYNAMIC: each row's amax clamped to this first (0: not)
 
     def describe(self) -> str:
         if self.kind == FP8:
@@ -51,6 +54,8 @@ class WeightScheme:
                       else f"{rows}x{cols} blocks")
             acts = {NO_ACTIVATIONS: "W8A16", DYNAMIC: "W8A8 dynamic per token",
                     STATIC: "W8A8 static"}[self.activations]
+            if self.activation_scale_ub:
+                acts += f" (amax bound {self.activation_scale_ub:g})"
             return f"fp8 e4m3 {scales} {acts}"
         name = f"{self.kind}{self.bits}" if self.kind == INT else self.kind
         parts = [name, f"group {self.group_size}" if self.group_size else "per channel"]
@@ -112,7 +117,7 @@ def parse_quantization(raw: Any, model_type: str) -> Quantization | None:
         raise ValueError(f"model config: quantization_config {method!r} is not supported "
                          f"(served: {', '.join(METHODS)}; mxfp4 on gpt-oss)")
     return {"compressed-tensors": _compressed_tensors, "fp8": _fp8_blocks, "gptq": _gptq,
-            "awq": _awq, "bitsandbytes": _bitsandbytes}[method](raw)
+            "awq": _awq, "bitsandbytes": _bitsandbytes, "fbgemm_fp8": _fbgemm_fp8}[method](raw)
 
 
 def _refuse(method: str, what: str) -> ValueError:
@@ -215,6 +220,18 @@ def _fp8_blocks(raw: dict) -> Quantization:
         raise _refuse("fp8", f"activation_scheme {raw.get('activation_scheme')!r}")
     scheme = WeightScheme(FP8, 8, block=(int(block[0]), int(block[1])))
     return Quantization("fp8", "fp8-blocks", ((("Linear",), scheme),),
+                        tuple(raw.get("modules_to_not_convert") or ()))
+
+
+def _fbgemm_fp8(raw: dict) -> Quantization:
+    """Meta's FP8 releases (Llama 3.1 405B FP8): FP8 weights per channel, activations per token
+    with each row's amax clamped to activation_scale_ub, as fbgemm's quantize_fp8_per_row."""
+    bound = raw.get("activation_scale_ub", 1200.0)
+    if not isinstance(bound, (int, float)) or isinstance(bound, bool) or not bound > 0:
+        raise _refuse("fbgemm_fp8", f"activation_scale_ub {bound!r}")
+    scheme = WeightScheme(FP8, 8, block=(1, 0), activations=DYNAMIC,
+                          activation_scale_ub=float(bound))
+    return Quantization("fbgemm_fp8", "fbgemm-fp8", ((("Linear",), scheme),),
                         tuple(raw.get("modules_to_not_convert") or ()))
 
 

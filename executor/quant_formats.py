@@ -10,6 +10,7 @@ zeros or g_idx do not fit its weights is refused, never served wrong.
                         float-quantized weight fp8 [out, in], weight_scale [1] / [out, 1] /
                         [out / BN, in / BK], input_scale [1] (static activations)
     fp8 (blocks)        weight fp8 [out, in], weight_scale_inv fp32 [out / BN, in / BK]
+    fbgemm_fp8          weight fp8 [out, in], weight_scale fp32 [out, 1]
     gptq                qweight int32 [in * bits / 32, out] (packed along the inputs), qzeros
                         int32 [G, out * bits / 32], scales [G, out], g_idx [in]; v1 checkpoints
                         store each zero minus one
@@ -166,6 +167,8 @@ def _fp8(tensors, q: Quantization, scheme: WeightScheme, shape, label) -> Fp8Wei
     bn, bk = scheme.block
     if q.method == "fp8":
         scales = _take(tensors, "weight_scale_inv", (-(-out_f // bn), -(-in_f // bk)), FLOATS)
+    elif q.method == "fbgemm_fp8":
+        scales = _take(tensors, "weight_scale", (out_f, 1), FLOATS)
     elif scheme.block == (0, 0):  # per tensor: kept per channel (a fused q|k|v joins)
         scales = _take(tensors, "weight_scale", None, FLOATS)
         if scales.numel() != 1:
@@ -181,7 +184,8 @@ def _fp8(tensors, q: Quantization, scheme: WeightScheme, shape, label) -> Fp8Wei
         if input_scale.numel() != 1 or not input_scale.item() > 0:
             raise ValueError("its input_scale must be one positive value")
     return Fp8Weight(weight.contiguous(), scales.float().contiguous(), (bn, bk),
-                     scheme.activations, input_scale, label=label)
+                     scheme.activations, input_scale, label=label,
+                     scale_ub=scheme.activation_scale_ub)
 
 
 def _bitsandbytes(tensors, q: Quantization, shape, label) -> IntWeight:

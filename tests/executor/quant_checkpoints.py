@@ -156,6 +156,33 @@ def fp8_blocks(base: Path, out: Path, *, block: int = 16) -> Path:
     return _with_config(base, out / "fp8-blocks", tensors, config)
 
 
+def fbgemm_fp8(base: Path, out: Path, *, bound: float) -> tuple[Path, Path]:
+    """(a checkpoint in the layout of Meta's FP8 releases (quant_method fbgemm_fp8: fp8 weights,
+    an fp32 scale per row, activations quantized per token, each row's amax clamped to
+    activation_scale_ub), the dense model of its dequantized weights)."""
+    tensors, dense = {}, {}
+    for name, t in load_file(base / "model.safetensors").items():
+        if name not in _projection_names({name: t}):
+            tensors[name] = dense[name] = t
+            continue
+        scale = (t.float().abs().amax(1, keepdim=True) / 448.0).clamp(min=1e-12)  # [out, 1]
+        tensors[name] = (t.float() / scale).to(torch.float8_e4m3fn)
+        tensors[name.removesuffix("weight") + "weight_scale"] = scale
+        dense[name] = tensors[name].float() * scale
+    config = {"quant_method": "fbgemm_fp8", "activation_scale_ub": bound,
+              "modules_to_not_convert": ["lm_head"]}
+    return (_with_config(base, out / "fbgemm", tensors, config),
+            _with_config(base, out / "fbgemm-dense", dense, None))
+
+
+def fbgemm_fake_quantize(x: torch.Tensor, bound: float) -> torch.Tensor:
+    """fbgemm's quantize_fp8_per_row, then back: each row times 448 / min(amax, bound), clamped,
+    rounded to e4m3, divided back."""
+    inverse = 448.0 / x.abs().amax(-1, keepdim=True).clamp(min=1e-12, max=bound)
+    q = (x * inverse).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q.to(x.dtype) / inverse
+
+
 def compressed_tensors(base: Path, out: Path, name: str, weights: dict,
                        activations: dict | None = None, calibration: list[int] | None = None
                        ) -> Path:

@@ -4,9 +4,11 @@ alone and batched beside base rows gives HF + PEFT's greedy tokens and logits wi
 2 tensor-parallel ranks give TP=1's tokens (logits within TP_ATOL).
 
 The reference: transformers loading the same checkpoint with its own quantizer (compressed-
-tensors decompressed, FP8 weight_scale_inv dequantized, bitsandbytes' Linear4bit) or, for GPTQ
-and AWQ (no CPU loader), the dense model of the weights the encoder's own codes, zeros and scales
-make. PEFT adds each adapter in fp32 on the activations the base projection reads.
+tensors decompressed, FP8 weight_scale_inv dequantized, bitsandbytes' Linear4bit) or, for GPTQ,
+AWQ and fbgemm_fp8 (no CPU loader), the dense model of the weights the encoder's own codes, zeros
+and scales make (fbgemm_fp8: with fbgemm's per-row activation quantization, its amax bound, as a
+hook on every projection). PEFT adds each adapter in fp32 on the activations the base projection
+reads.
 
 Tolerances: loraplex dequantizes every format exactly (the same fp32 products of code, zero and
 scale as the reference), so what is left is the order of fp32 sums: ~1e-6 measured, ATOL 1e-4 as
@@ -65,6 +67,7 @@ FORMATS = {  # name -> (family, checkpoint maker (base, out) -> (folder, dense o
     "ct-fp8-block": ("llama", lambda b, o: (qc.compressed_tensors(
         b, o, "fp8block", {**FP8, "strategy": "block", "block_structure": [16, 16]}), None)),
     "fp8-scale-inv": ("qwen3", lambda b, o: (qc.fp8_blocks(b, o), None)),
+    "fbgemm-fp8-bound": ("llama", lambda b, o: qc.fbgemm_fp8(b, o, bound=FBGEMM_BOUND)),
     "gptq-int4-act-order": ("qwen2", lambda b, o: qc.gptq(b, o, desc_act=True)),
     "gptq-int8-sym-v2": ("llama", lambda b, o: qc.gptq(b, o, bits=8, group=32, sym=True,
                                                        v1=False)),
@@ -72,7 +75,8 @@ FORMATS = {  # name -> (family, checkpoint maker (base, out) -> (folder, dense o
     "bnb-nf4-double-quant": ("llama", lambda b, o: (qc.bitsandbytes(b, o, "nf4", True), None)),
     "bnb-fp4": ("llama", lambda b, o: (qc.bitsandbytes(b, o, "fp4", False), None)),
 }
-W8A8 = ("ct-fp8-dynamic", "ct-fp8-static")
+W8A8 = ("ct-fp8-dynamic", "ct-fp8-static", "fbgemm-fp8-bound")
+FBGEMM_BOUND = 0.5  # (below the tiny model's activations' amax: the bound clamps)
 
 
 def reference(name: str, folder, dense):
@@ -80,7 +84,13 @@ def reference(name: str, folder, dense):
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig, FineGrainedFP8Config
 
     if dense is not None:
-        return AutoModelForCausalLM.from_pretrained(dense)
+        model = AutoModelForCausalLM.from_pretrained(dense)
+        if name.startswith("fbgemm"):  # (fbgemm's own row quantization, on every projection)
+            for path, module in model.named_modules():
+                if path.endswith(qc.PROJECTIONS):
+                    module.register_forward_pre_hook(
+                        lambda m, a: (qc.fbgemm_fake_quantize(a[0], FBGEMM_BOUND),))
+        return model
     if name.startswith("ct-"):
         model = AutoModelForCausalLM.from_pretrained(
             folder, quantization_config=CompressedTensorsConfig(run_compressed=False))

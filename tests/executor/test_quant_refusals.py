@@ -49,6 +49,8 @@ REFUSED = {  # quantization_config -> what the message names
                  "fmt 'e5m2'"),
     "fp8-no-blocks": ({"quant_method": "fp8", "activation_scheme": "dynamic"},
                       "weight_block_size None"),
+    "fbgemm-bound": ({"quant_method": "fbgemm_fp8", "activation_scale_ub": -1.0},
+                     "activation_scale_ub -1.0"),
     "ct-nvfp4": (ct(format="nvfp4-pack-quantized"), "format 'nvfp4-pack-quantized'"),
     "ct-int2": (ct({**INT4, "num_bits": 2}), "int2 weights"),
     "ct-w8a8-int": (ct({**INT4, "num_bits": 8}, {"num_bits": 8, "type": "int"}),
