@@ -14,7 +14,10 @@ belongs to one of them.
     wire          metadata keys and values the protos do not carry
     registry_client  cached adapter resolution (scheduler and gateway)
     ratelimit     per-tenant token buckets (scheduler and gateway)
-    prompt_bounds the fewest tokens a text can be, known before tokenizing it
+    prompt_bounds a model's prompts as token ids, checked to fit its context (ModelPrompts;
+                  the gateway's and a scheduler's); the fewest tokens a text can be
+    generate_pb   a Generate request's max_new_tokens, output processor (stop ids with EOS)
+                  and Usage: one reading for the gateway and a scheduler's own Generate
 
 Layers point down only: protos/ and common/ import no service; scheduler/, executor/ and
 adapter_store/, gateway/ import protos, common and their own package (the executor also

@@ -129,6 +129,20 @@ def is_same_base(adapter: common_pb2.AdapterInfo, model_id: str, model_fingerpri
     return bool(adapter.base_fingerprint) and adapter.base_fingerprint == model_fingerprint
 
 
+def same_model_hint(named: str, served: str | None = None) -> str:
+    """What to do when an adapter's base, `named`, may be a served model under another name: the
+    pool's model `served`, or (None) one of a gateway's pools."""
+    hint = (f"If they are one model, register it as {served!r}" if served is not None else
+            "If it is one of those under another name, register that model")
+    hint += (f" with the name the adapter gives it (loraplex adapters base add MODEL_DIR --id "
+             f"{served or 'ID'} --name {named}; `loraplex up` registers its model) and push the "
+             "adapter again")
+    if not named.startswith(("/", ".", "~")):  # (an id, not a path: a pool may take it)
+        hint += (f", or {'start the pool' if served is not None else 'serve the model'} under "
+                 f"that id (--model-id {named})")
+    return hint
+
+
 def _add(digest, piece: bytes) -> None:
     """Length-prefixed, so no two sequences of pieces hash alike."""
     digest.update(len(piece).to_bytes(8, "little"))

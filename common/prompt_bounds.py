@@ -1,12 +1,17 @@
-"""Whether a prompt fits the context, checked the same way wherever it is checked: the gateway
-refuses what cannot fit before sending it to a pool (each HTTP API in its own error format), and
-the scheduler, which knows its executors' context, is the authority for every caller. A bound on
-how few tokens a text can be, known before tokenizing it, refuses a text too long without
-spending the time (and the event loop) to tokenize it."""
+"""A prompt as token ids, and whether it fits the context, made and checked the same way wherever
+it is (ModelPrompts): the gateway refuses what cannot fit before sending it to a pool (each HTTP
+API in its own error format), and the scheduler, which knows its executors' context, is the
+authority for every caller. A bound on how few tokens a text can be, known before tokenizing it,
+refuses a text too long without spending the time (and the event loop) to tokenize it."""
+
+import asyncio
+from collections.abc import Sequence
 
 from tokenizers import Tokenizer
 
 from common.errors import InvalidArgument
+
+THREAD_TOKENIZE_CHARS = 20_000  # longer texts are tokenized off the event loop
 
 
 def max_chars_per_token(tokenizer: Tokenizer) -> int:
@@ -58,3 +63,36 @@ def check_fits(num_tokens: int, max_new_tokens: int, limit: int,
             + (f"shorten the {prompt_field}" if param == prompt_field else
                f"ask for at most {limit - num_tokens} tokens or shorten the {prompt_field}"),
             param)
+
+
+class ModelPrompts:
+    """One model's prompts as token ids, refused when they cannot fit its context of `limit`
+    tokens: a gateway's for each pool, a scheduler's for its own."""
+
+    def __init__(self, model_id: str, tokenizer: Tokenizer | None, limit: int):
+        self.model_id = model_id
+        self.tokenizer = tokenizer
+        self.limit = limit
+        self.chars_per_token = max_chars_per_token(tokenizer) if tokenizer else 1
+
+    async def ids(self, text: str | None, ids: Sequence[int] | None, max_new_tokens: int,
+                  chat: bool = False, field: str = "max_new_tokens") -> Sequence[int]:
+        """The prompt, `text` tokenized (a chat's, whose template placed the special tokens,
+        without adding any) or `ids` as given, checked to be non-empty and to fit the context
+        with `max_new_tokens` (named `field` in the request's API) to generate."""
+        prompt_field = "messages" if chat else "prompt"
+        if text is not None:
+            if self.tokenizer is None:
+                raise InvalidArgument(f"model {self.model_id!r} has no tokenizer: send the "
+                                      "prompt as token ids")
+            encode = self.tokenizer.encode
+            if len(text) > THREAD_TOKENIZE_CHARS:  # (shorter ones: the real count, below)
+                check_text_fits(text, max_new_tokens, self.chars_per_token, self.limit, field,
+                                prompt_field)
+                ids = (await asyncio.to_thread(encode, text, add_special_tokens=not chat)).ids
+            else:
+                ids = encode(text, add_special_tokens=not chat).ids
+        if not ids:
+            raise InvalidArgument("the prompt is empty: give text or at least one token id")
+        check_fits(len(ids), max_new_tokens, self.limit, field, prompt_field)
+        return ids

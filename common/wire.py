@@ -19,11 +19,12 @@ TOKENS_DELIVERED = "loraplex-tokens-delivered"
 PUSH_ACCEPTED = ("loraplex-push", "header-accepted")
 
 # What a Generate request whose max_new_tokens is 0 (unset) generates at most (scheduler.proto),
-# on a scheduler and on a gateway alike. (An HTTP API that documents its own default uses that
-# API's: see gateway/tgi_api.py and gateway/openai_api.py.)
+# on a scheduler and on a gateway alike (common/generate_pb.py). (An HTTP API that documents its
+# own default uses that API's: see gateway/tgi_api.py and gateway/openai_api.py.)
 DEFAULT_MAX_NEW_TOKENS = 16
 # Stop strings a request may carry, and the longest one: the scheduler's defaults
-# (--max-stop-strings, --max-stop-chars), and what a gateway, which applies them, accepts.
+# (SchedulerConfig.max_stop_strings, max_stop_chars), and what a gateway, which applies them,
+# accepts.
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 # Longest cache_salt a Generate request (or an OpenAI request body) may carry.

@@ -1,6 +1,10 @@
-"""The gateway's Stream to a cell's scheduler (scheduler.proto): every request the gateway sends
-that cell travels on it, and its tokens come back as ids in batches, about one message per
-executor step for all requests together, instead of a message per token per request.
+"""A pool's cell (one scheduler: its channel, whether it is up) and the gateway's Stream to it
+(scheduler.proto). Pools (pools.py) make cells and find them up or down; the frontend sends
+requests on their streams.
+
+Every request the gateway sends a cell travels on its stream, and its tokens come back as ids in
+batches, about one message per executor step for all requests together, instead of a message per
+token per request.
 
 Submits and cancels queue up and leave together at the next write (at most MAX_WRITE_BYTES of
 submits per message). Each request gets a queue of its updates; the reader hands each its part of
@@ -26,14 +30,42 @@ import time
 import grpc
 
 from common.errors import LoraplexError, Unavailable, relayed, relayed_status
-from gateway.pools import Cell
-from protos import common_pb2, scheduler_pb2
+from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 MAX_WRITE_BYTES = 4 << 20  # submits per message (long prompts queued together stay well below
 # the channel's message limit)
 _LIVE: set["CellStream"] = set()  # (asyncio holds tasks weakly: a retired stream is kept here)
+
+
+@dataclasses.dataclass(eq=False)
+class Cell:
+    """One scheduler of a pool."""
+
+    address: str
+    channel: grpc.aio.Channel
+    stub: scheduler_pb2_grpc.SchedulerStub
+    # The service key as call metadata: passed per call rather than by a channel interceptor,
+    # which would cost a Python task per call and a wrapper around every streamed message.
+    auth: tuple[tuple[str, str], ...] = ()
+    is_up: bool = False
+    problem: str = "not asked yet"  # why it is down
+    # Set while down: requests still waiting for its first answer move to another cell.
+    lost: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    stream: "CellStream | None" = None  # the gateway's requests to it
+
+    def up(self) -> None:
+        self.is_up, self.problem = True, ""
+        self.lost.clear()
+
+    def down(self, problem: str) -> None:
+        self.is_up, self.problem = False, problem
+        self.lost.set()
+
+    def close_stream(self) -> None:
+        if self.stream is not None:
+            self.stream.close(Unavailable(f"scheduler {self.address} left the pool"))
 
 
 @dataclasses.dataclass

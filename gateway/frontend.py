@@ -4,9 +4,11 @@ token stream from the pool: from the cell that ranks first for the adapter, or f
 when a cell cannot be reached, or is found down, before its first token (after that, the stream's
 error is the client's: its tokens so far cannot be taken back).
 
-The gateway tokenizes (the scheduler then does not): the tenant's token rate limit counts real
-tokens, a prompt too long for the pool is refused before it travels, and chat prompts, whose
-template already placed the special tokens, are tokenized without adding any.
+The gateway tokenizes (the scheduler then does not), with its pool's PoolModel.prompts: the
+tenant's token rate limit counts real tokens, a prompt too long for the pool is refused before it
+travels, and chat prompts, whose template already placed the special tokens, are tokenized
+without adding any. Prompts (common/prompt_bounds.py), output and usage (common/generate_pb.py)
+are made by the same code as in a scheduler's own Generate.
 """
 
 import asyncio
@@ -20,6 +22,7 @@ import grpc
 
 from common import wire
 from common.adapter_ref import AdapterRef
+from common.base_fingerprint import same_model_hint
 from common.credentials import KeyRing, Role, request_tenant
 from common.detokenizer import FINISH_PB, OutputProcessor, check_stops
 from common.errors import (
@@ -31,18 +34,16 @@ from common.errors import (
     Unavailable,
     relayed_status,
 )
-from common.prompt_bounds import check_fits, check_text_fits
+from common.generate_pb import max_new_tokens, output_processor, usage_pb
 from common.ratelimit import RateLimiter
 from common.registry_client import RegistryClient
 from common.token_logprobs import prompt_tokens_pb, top_logprobs_pb
-from gateway.cell_stream import CellStream
+from gateway.cell_stream import Cell, CellStream
 from gateway.metrics import GatewayMetrics
-from gateway.pools import Cell, Pool, PoolModel, Pools
+from gateway.pools import Pool, PoolModel, Pools
 from protos import common_pb2, scheduler_pb2
 
 log = logging.getLogger(__name__)
-
-_THREAD_TOKENIZE_CHARS = 20_000  # longer texts are tokenized off the event loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,13 +55,16 @@ class Route:
     adapter: common_pb2.AdapterInfo | None  # None: the base model alone
 
     @property
+    def ref(self) -> AdapterRef | None:
+        """The exact adapter version (None: the base model)."""
+        return AdapterRef.of(self.adapter) if self.adapter is not None else None
+
+    @property
     def adapter_ref(self) -> common_pb2.AdapterRef | None:
         """What the scheduler is asked for (GenerateRequest.adapter_ref): the exact version, so
         every cell and every retry serves the version resolved here (an alias moved meanwhile
         changes nothing) and no scheduler resolves the name again."""
-        if self.adapter is None:
-            return None
-        return AdapterRef(self.adapter.name, self.adapter.version).to_pb()
+        return self.ref.to_pb() if self.adapter is not None else None
 
 
 class Frontend:
@@ -85,30 +89,29 @@ class Frontend:
         return request_tenant(caller, self._keys.is_open, on_behalf_of, f"a service key names "
                               f"the tenant it calls for in '{wire.ON_BEHALF_OF}'")
 
-    async def route(self, model: str, tenant: str) -> Route:
-        """`model`: a base model id (a pool's), or an adapter reference the tenant may use
-        ("name", "name@3", "name@prod")."""
+    async def route(self, model: str | AdapterRef, tenant: str) -> Route:
+        """`model`: a base model id (a pool's), an adapter reference the tenant may use
+        ("name", "name@3", "name@prod"), or an exact version (a gRPC request's adapter_ref)."""
         if not model:
             raise InvalidArgument(f"model is required: a base model ({self._served()}) or an "
                                   "adapter (name, name@VERSION or name@ALIAS)")
         adapter = None
-        pool = self._pools.get(model)
+        pool = None if isinstance(model, AdapterRef) else self._pools.get(model)
         if pool is None:
-            try:
-                adapter = await self._registry.resolve(model, tenant)  # NOT_FOUND if not its own
+            try:  # (NOT_FOUND if the tenant may not see it)
+                if isinstance(model, AdapterRef):
+                    adapter = await self._registry.lookup(model, tenant)
+                else:
+                    adapter = await self._registry.resolve(model, tenant)
             except NotFound as err:
                 raise NotFound(f"{err}; it is not a base model served here either "
                                f"({self._served()})") from None
             pool = self._pools.get(adapter.base_model)
             if pool is None:
                 raise FailedPrecondition(
-                    f"adapter {adapter.name}@{adapter.version} is for base model "
+                    f"adapter {AdapterRef.of(adapter)} is for base model "
                     f"{adapter.base_model!r}, which no pool behind this gateway serves "
-                    f"({self._served()}). If it is one of those under another name, register "
-                    "that model with the name the adapter gives it (loraplex adapters base add "
-                    f"MODEL_DIR --id ID --name {adapter.base_model}; `loraplex up` registers "
-                    "its model) and push the adapter again, or serve the model under the "
-                    "adapter's name for it (--model-id)")
+                    f"({self._served()}). " + same_model_hint(adapter.base_model))
         if pool.model is None or not any(c.is_up for c in pool.cells.values()):
             raise Unavailable(f"the pool serving {pool.model_id!r} is down ({pool.why_down()}); "
                               "retry later")
@@ -125,31 +128,6 @@ class Frontend:
 
     def _served(self) -> str:
         return "served: " + (", ".join(self._pools.model_ids()) or "none")
-
-    async def prompt_ids(self, route: Route, text: str | None, ids: list[int] | None,
-                         max_new_tokens: int, chat: bool = False,
-                         field: str = "max_new_tokens") -> list[int]:
-        """The prompt as token ids, refused when it cannot fit the pool's context (the scheduler
-        checks again, the same way: common/prompt_bounds.py); `field` names the request's
-        max_new_tokens in its API."""
-        model = route.model
-        prompt_field = "messages" if chat else "prompt"
-        if text is not None:
-            if model.tokenizer is None:
-                raise InvalidArgument(f"model {model.model_id!r} has no tokenizer: send the "
-                                      "prompt as token ids")
-            if len(text) > _THREAD_TOKENIZE_CHARS:  # (shorter ones: the real count, below)
-                check_text_fits(text, max_new_tokens, model.chars_per_token,
-                                model.max_model_len, field, prompt_field)
-            encode = model.tokenizer.encode
-            if len(text) > _THREAD_TOKENIZE_CHARS:
-                ids = (await asyncio.to_thread(encode, text, add_special_tokens=not chat)).ids
-            else:
-                ids = encode(text, add_special_tokens=not chat).ids
-        if not ids:
-            raise InvalidArgument("the prompt is empty")
-        check_fits(len(ids), max_new_tokens, model.max_model_len, field, prompt_field)
-        return ids
 
     def admit(self, tenant: str, num_tokens: int) -> None:
         """Charge the tenant's rate limit (RESOURCE_EXHAUSTED with retry-after when over)."""
@@ -192,20 +170,15 @@ class Frontend:
         request at the scheduler; tokens past it are never shown). _NothingDelivered when the
         cell fails the request before its first token."""
         check_stops(request.stop)
-        max_new = request.max_new_tokens or wire.DEFAULT_MAX_NEW_TOKENS
-        eos = () if request.ignore_eos else route.model.answer.eos_token_ids
-        output = OutputProcessor(route.model.tokenizer, max_new_tokens=max_new,
-                                 stop_token_ids=[*request.stop_token_ids, *eos],
-                                 stop=list(request.stop))
+        output = output_processor(request, route.model.tokenizer,
+                                  route.model.answer.eos_token_ids)
         upstream = scheduler_pb2.GenerateRequest()
         upstream.CopyFrom(request)
         del upstream.stop[:]
-        upstream.max_new_tokens = max_new
+        upstream.max_new_tokens = max_new_tokens(request)
         stream = self._stream_to(cell)
         log.debug("request %s (tenant %s, %s) to scheduler %s", request.request_id, tenant,
-                  AdapterRef(route.adapter.name, route.adapter.version) if route.adapter
-                  else "base model",
-                  cell.address)
+                  route.ref or "base model", cell.address)
         stream_id, updates = stream.submit(upstream, tenant, deadline - time.monotonic())
         # One timer for the whole request, not one per token: at the deadline it queues
         # _DEADLINE behind the updates already there.
@@ -267,15 +240,9 @@ class Frontend:
         """The final message: `reason` (a FinishReason) and the usage (`started`: how its
         first token came)."""
         self.metrics.tokens.inc(output.num_tokens)
-        adapter = (AdapterRef(route.adapter.name, route.adapter.version).to_pb()
-                   if route.adapter and not started.adapter_inactive else None)
         return scheduler_pb2.GenerateResponse(
-            finish_reason=reason, text=text, usage=scheduler_pb2.Usage(
-                prompt_tokens=prompt_tokens, completion_tokens=output.num_tokens,
-                queue_seconds=started.queue_seconds,
-                time_to_first_token_seconds=started.time_to_first_token_seconds,
-                adapter=adapter, cached_prompt_tokens=started.cached_prompt_tokens,
-                adapter_inactive=started.adapter_inactive))
+            finish_reason=reason, text=text,
+            usage=usage_pb(started, prompt_tokens, output.num_tokens, route.ref))
 
 
 STREAM_WRITE_S = 30.0  # a cell's scheduler that takes no message of its stream this long is down

@@ -11,6 +11,7 @@ from common import wire
 from common.adapter_ref import AdapterRef
 from common.credentials import bearer
 from common.errors import InvalidArgument, WriteBound, grpc_errors
+from common.generate_pb import max_new_tokens
 from common.request_ids import REQUEST_ID_KEY, checked_request_id
 from gateway.frontend import CLIENT_WRITE_S, Frontend, Route
 from protos import scheduler_pb2, scheduler_pb2_grpc
@@ -29,8 +30,8 @@ class GatewayServicer(scheduler_pb2_grpc.SchedulerServicer):
                 route = await self._frontend.route(self._model(request), tenant)
                 upstream = await self._upstream(route, request,
                                                 dict(metadata).get(REQUEST_ID_KEY, ""))
-                self._frontend.admit(tenant, len(upstream.token_ids.ids)
-                                     + (request.max_new_tokens or wire.DEFAULT_MAX_NEW_TOKENS))
+                self._frontend.admit(tenant,
+                                     len(upstream.token_ids.ids) + upstream.max_new_tokens)
                 # (closed, its request cancelled at the pool, before the call's status is sent)
                 async with contextlib.aclosing(self._frontend.generate(
                         route, upstream, tenant, context.time_remaining())) as messages:
@@ -42,24 +43,25 @@ class GatewayServicer(scheduler_pb2_grpc.SchedulerServicer):
                 raise
             self._frontend.metrics.finished("grpc")
 
-    def _model(self, request: scheduler_pb2.GenerateRequest) -> str:
-        """What the request asks for: its adapter (as a reference, or an exact adapter_ref), a
+    def _model(self, request: scheduler_pb2.GenerateRequest) -> str | AdapterRef:
+        """What the request asks for: its adapter (a reference, or the exact adapter_ref), a
         base model id, or the one base model this gateway serves."""
         if request.HasField("adapter_ref"):
             if request.adapter:
                 raise InvalidArgument("set adapter or adapter_ref, not both")
-            return str(AdapterRef.from_pb(request.adapter_ref))
+            return AdapterRef.from_pb(request.adapter_ref)
         return request.adapter or self._frontend.only_model("adapter")
 
     async def _upstream(self, route: Route, request: scheduler_pb2.GenerateRequest,
                         metadata_id: str) -> scheduler_pb2.GenerateRequest:
-        """The request as the pool's scheduler gets it: token ids, the exact adapter, and its id
-        (the request's own, else its x-request-id metadata, else a new one)."""
+        """The request as the pool's scheduler gets it: token ids, max_new_tokens, the exact
+        adapter, and its id (the request's own, else its x-request-id metadata, else a new
+        one)."""
         kind = request.WhichOneof("prompt")
-        ids = await self._frontend.prompt_ids(
-            route, request.text if kind == "text" else None,
-            list(request.token_ids.ids) if kind == "token_ids" else None,
-            request.max_new_tokens or wire.DEFAULT_MAX_NEW_TOKENS)
+        max_new = max_new_tokens(request)
+        ids = await route.model.prompts.ids(request.text if kind == "text" else None,
+                                            request.token_ids.ids if kind == "token_ids" else None,
+                                            max_new)
         upstream = scheduler_pb2.GenerateRequest()
         upstream.CopyFrom(request)
         upstream.ClearField("adapter")
@@ -67,6 +69,7 @@ class GatewayServicer(scheduler_pb2_grpc.SchedulerServicer):
         if route.adapter_ref is not None:
             upstream.adapter_ref.CopyFrom(route.adapter_ref)
         upstream.token_ids.ids[:] = ids
+        upstream.max_new_tokens = max_new
         upstream.request_id = checked_request_id(request.request_id or metadata_id)
         return upstream
 

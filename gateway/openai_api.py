@@ -63,9 +63,9 @@ class OpenAIApi:
         options.check_vocab(route.model.vocab_size)
         max_new = OPENAI_DEFAULT_MAX_TOKENS if options.max_tokens is None else max(
             options.max_tokens, 1)  # (max_tokens 0 with echo: one token, not shown)
-        prompts = [await self._frontend.prompt_ids(
-            route, p if isinstance(p, str) else None, None if isinstance(p, str) else list(p),
-            max_new, field="max_tokens") for p in parsed.prompts]
+        prompts = [await route.model.prompts.ids(
+            p if isinstance(p, str) else None, None if isinstance(p, str) else list(p), max_new,
+            field="max_tokens") for p in parsed.prompts]
         return await self._respond(route, tenant, options, prompts, max_new, request_id,
                                    chat=False)
 
@@ -84,9 +84,9 @@ class OpenAIApi:
                 await grammar.prepare()  # (compiled off the loop; checked finds it)
                 options = dataclasses.replace(options, sampling=dataclasses.replace(
                     options.sampling, grammar=checked(grammar, "tools")))
-        ids = await self._frontend.prompt_ids(route, chat_prompt(route, parsed.conversation), None,
-                                              options.max_tokens or 1, chat=True,
-                                              field="max_tokens")
+        ids = await route.model.prompts.ids(chat_prompt(route, parsed.conversation), None,
+                                            options.max_tokens or 1, chat=True,
+                                            field="max_tokens")
         max_new = options.max_tokens or route.model.max_model_len - len(ids)
         return await self._respond(route, tenant, options, [ids], max_new, request_id,
                                    chat=True, tool_format=tool_format, chat_echo=parsed.echo)

@@ -28,20 +28,16 @@ import logging
 import os
 import random
 import socket
-from typing import TYPE_CHECKING
 
 import grpc
 from tokenizers import Tokenizer
 
 from common.credentials import metadata
-from common.errors import Unavailable
-from common.prompt_bounds import max_chars_per_token
+from common.prompt_bounds import ModelPrompts
 from common.server import insecure_channel
+from gateway.cell_stream import Cell
 from gateway.chat import ChatTemplate
 from protos import scheduler_pb2, scheduler_pb2_grpc
-
-if TYPE_CHECKING:
-    from gateway.cell_stream import CellStream
 
 log = logging.getLogger(__name__)
 
@@ -56,37 +52,8 @@ class PoolModel:
         self.vocab_size = answer.vocab_size
         self.tokenizer = (Tokenizer.from_str(answer.tokenizer_json) if answer.tokenizer_json
                           else None)
-        self.chars_per_token = max_chars_per_token(self.tokenizer) if self.tokenizer else 1
+        self.prompts = ModelPrompts(answer.model_id, self.tokenizer, answer.max_model_len)
         self.chat = ChatTemplate(answer.chat_template, dict(answer.special_tokens))
-
-
-@dataclasses.dataclass(eq=False)
-class Cell:
-    """One scheduler of a pool."""
-
-    address: str
-    channel: grpc.aio.Channel
-    stub: scheduler_pb2_grpc.SchedulerStub
-    # The service key as call metadata: passed per call rather than by a channel interceptor,
-    # which would cost a Python task per call and a wrapper around every streamed message.
-    auth: tuple[tuple[str, str], ...] = ()
-    is_up: bool = False
-    problem: str = "not asked yet"  # why it is down
-    # Set while down: requests still waiting for its first answer move to another cell.
-    lost: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-    stream: "CellStream | None" = None  # the gateway's requests to it (cell_stream.py)
-
-    def up(self) -> None:
-        self.is_up, self.problem = True, ""
-        self.lost.clear()
-
-    def down(self, problem: str) -> None:
-        self.is_up, self.problem = False, problem
-        self.lost.set()
-
-    def close_stream(self) -> None:
-        if self.stream is not None:
-            self.stream.close(Unavailable(f"scheduler {self.address} left the pool"))
 
 
 @dataclasses.dataclass(eq=False)

@@ -81,7 +81,7 @@ class TgiApi:
             raise InvalidArgument("parameters: must be an object")
         route = await self._frontend.route(self._model(params), tenant)
         max_new = _int(params, "max_new_tokens", TGI_DEFAULT_MAX_NEW_TOKENS, 1)
-        ids = await self._frontend.prompt_ids(route, inputs, None, max_new)
+        ids = await route.model.prompts.ids(inputs, None, max_new)
         truncate = params.get("truncate")
         if truncate is not None:
             ids = ids[-_int(params, "truncate", 0, 1):]

@@ -17,7 +17,7 @@ from common import wire
 from common.adapter_ref import AdapterRef
 from common.alora import activation_start
 from common.credentials import DEFAULT_TENANT, Caller, KeyRing, Role, request_tenant
-from common.detokenizer import FINISH_PB, OutputProcessor, check_stops
+from common.detokenizer import FINISH_PB, check_stops
 from common.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -26,8 +26,9 @@ from common.errors import (
     WriteBound,
     grpc_errors,
 )
+from common.generate_pb import max_new_tokens, output_processor, usage_pb
 from common.metrics import serve_metrics
-from common.prompt_bounds import check_fits, check_text_fits, max_chars_per_token
+from common.prompt_bounds import ModelPrompts
 from common.ratelimit import RateLimiter
 from common.registry_client import RegistryClient
 from common.request_ids import checked_request_id
@@ -41,8 +42,8 @@ from scheduler.engine import Engine
 from scheduler.request import Ask, ErrorEvent, Event, FinishEvent, Request, Status, TokenSink
 from scheduler.residency import prewarm
 from scheduler.stats import PoolStats
-from scheduler.stats_pb import adapter_pb, stats_pb
-from scheduler.streams import StreamConnection, check_no_stops
+from scheduler.stats_pb import stats_pb
+from scheduler.streams import StreamConnection, check_no_stops, started_pb
 from scheduler.timings import TimingLog
 
 log = logging.getLogger(__name__)
@@ -57,12 +58,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._registry = registry
         self._info = info = engine.first_info.result()
         self._tokenizer = Tokenizer.from_str(info.tokenizer_json) if info.tokenizer_json else None
-        self._chars_per_token = (max_chars_per_token(self._tokenizer)
-                                 if self._tokenizer else 1)
         self._ids = itertools.count(1)
         self._rate_limiter = RateLimiter(config.rate_limits, config.default_rate_limit)
         self._model = _model_pb(info)
-        self._context = validation.context_limit(info)
+        self._prompts = ModelPrompts(info.model_id, self._tokenizer, self._model.max_model_len)
         self._servables = validation.Servables(info)
 
     async def Generate(self, request, context):
@@ -85,7 +84,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                             raise event.error
                         if isinstance(event, FinishEvent):
                             await bound.write(context, scheduler_pb2.GenerateResponse(
-                                finish_reason=FINISH_PB[event.reason], usage=self._usage(req)))
+                                finish_reason=FINISH_PB[event.reason], usage=usage_pb(
+                                    started_pb(req), len(req.ask.prompt_ids),
+                                    req.output.num_tokens, req.ask.adapter)))
                             return
                         message = scheduler_pb2.GenerateResponse(
                             token_id=event.token_id, logprob=event.logprob, text=event.text,
@@ -172,24 +173,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         check_stops(pb.stop, self._config.max_stop_strings, self._config.max_stop_chars)
         validation.check_cache_salt(pb.cache_salt)
         adapter = await self._adapter(pb, tenant)
-        max_new = pb.max_new_tokens or wire.DEFAULT_MAX_NEW_TOKENS
-        if pb.WhichOneof("prompt") == "text":
-            if self._tokenizer is None:
-                raise InvalidArgument("this model has no tokenizer: send prompt token ids")
-            # Tokenizing holds the event loop (and the GIL): a text that cannot fit is refused
-            # first.
-            check_text_fits(pb.text, max_new, self._chars_per_token, self._context)
-            prompt = self._tokenizer.encode(pb.text).ids
-        else:
-            prompt = pb.token_ids.ids  # copied once checked: it may hold millions of ids
-        check_fits(len(prompt), max_new, self._context)
+        max_new = max_new_tokens(pb)
+        is_text = pb.WhichOneof("prompt") == "text"
+        prompt = await self._prompts.ids(pb.text if is_text else None,
+                                         None if is_text else pb.token_ids.ids, max_new)
         if adapter is not None:
             validation.check_pages(len(prompt) + max_new, adapter.ref, adapter.num_pages, info)
-        validation.check_prompt(prompt, info.vocab_size)
-        prompt = tuple(prompt)
-        stop_ids = list(pb.stop_token_ids) + ([] if pb.ignore_eos else list(info.eos_token_ids))
-        output = OutputProcessor(self._tokenizer if detokenize else None, max_new_tokens=max_new,
-                                 stop_token_ids=stop_ids, stop=list(pb.stop))
+        validation.check_vocabulary(prompt, info.vocab_size)
+        prompt = tuple(prompt)  # (copied once checked: it may hold millions of ids)
+        output = output_processor(pb, self._tokenizer if detokenize else None,
+                                  info.eos_token_ids)
         deadline = None if timeout_s is None else self._engine.core.clock() + timeout_s
         lora_from, inactive = 0, False
         if adapter is not None and adapter.alora_invocation:  # (an activated LoRA)
@@ -222,16 +215,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         else:
             return None
         return self._servables.of(found)
-
-    @staticmethod
-    def _usage(req: Request) -> scheduler_pb2.Usage:
-        return scheduler_pb2.Usage(
-            prompt_tokens=len(req.ask.prompt_ids), completion_tokens=req.output.num_tokens,
-            queue_seconds=(req.admitted_at or req.arrival) - req.arrival,
-            time_to_first_token_seconds=(req.first_token_at or req.arrival) - req.arrival,
-            adapter=adapter_pb(req.ask.adapter),
-            cached_prompt_tokens=req.charges.cached_prompt_tokens,
-            adapter_inactive=req.ask.adapter_inactive)
 
     async def Stats(self, request, context):
         """Everything for admins and services; a tenant key sees its own counters only."""
@@ -278,8 +261,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         async with grpc_errors(context):
             self._check_admin(context)
             found = await self._registry.resolve(request.adapter, "")
-            num = self._engine.operators.evict(AdapterRef(found.name, found.version),
-                                               request.executor)
+            num = self._engine.operators.evict(AdapterRef.of(found), request.executor)
             return scheduler_pb2.EvictResponse(num_evicted=num)
 
     async def Drain(self, request, context):
@@ -309,7 +291,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             key = None
             if request.adapter:
                 found = await self._registry.resolve(request.adapter, "")
-                key = AdapterRef(found.name, found.version)
+                key = AdapterRef.of(found)
             if request.executor:
                 self._engine.operators.find_executor(request.executor)
             released = self._engine.operators.unmerge(key, request.executor)

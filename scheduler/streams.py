@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from common import wire
 from common.detokenizer import FINISH_PB, Finish
 from common.errors import InvalidArgument, Unavailable, status_for
-from protos import scheduler_pb2
+from protos import common_pb2, scheduler_pb2
 from scheduler.core import Scheduler
 from scheduler.metrics import SchedulerMetrics
 from scheduler.request import ErrorEvent, Event, FinishEvent, Request, TokenSink
@@ -224,12 +224,19 @@ class StreamConnection:
             self._start(stream_id, self._requests[stream_id])  # (an ended one left _unstarted)
 
     def _start(self, stream_id: int, req: Request) -> None:
-        self._outbox.starts.append(scheduler_pb2.StreamStart(
-            id=stream_id, queue_seconds=(req.admitted_at or req.arrival) - req.arrival,
-            time_to_first_token_seconds=req.first_token_at - req.arrival,
-            prompt_logprobs=req.prompt_logprobs,
-            cached_prompt_tokens=req.charges.cached_prompt_tokens,
-            adapter_inactive=req.ask.adapter_inactive))
+        self._outbox.starts.append(started_pb(req, stream_id, req.prompt_logprobs))
+
+
+def started_pb(req: Request, stream_id: int = 0,
+               prompt_logprobs: common_pb2.TokenLogprobs | None = None
+               ) -> scheduler_pb2.StreamStart:
+    """How `req` started (a Stream's StreamStart for it, as `stream_id`; for a Generate, what
+    its Usage says of it: common/generate_pb.py)."""
+    return scheduler_pb2.StreamStart(
+        id=stream_id, queue_seconds=(req.admitted_at or req.arrival) - req.arrival,
+        time_to_first_token_seconds=(req.first_token_at or req.arrival) - req.arrival,
+        prompt_logprobs=prompt_logprobs, cached_prompt_tokens=req.charges.cached_prompt_tokens,
+        adapter_inactive=req.ask.adapter_inactive)
 
 
 def check_no_stops(request: scheduler_pb2.GenerateRequest) -> None:

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 
 from common.adapter_pages import module_ranks, plan_pages
 from common.adapter_ref import AdapterRef
-from common.base_fingerprint import is_same_base
+from common.base_fingerprint import is_same_base, same_model_hint
 from common.errors import FailedPrecondition, InvalidArgument
 from common.lru import Lru
 from common.page_geometry_pb import geometry_from_pb
@@ -15,9 +15,8 @@ from common.wire import MAX_CACHE_SALT_CHARS
 from protos import common_pb2, executor_pb2
 
 
-def check_prompt(ids: Sequence[int], vocab_size: int) -> None:
-    if not ids:
-        raise InvalidArgument("prompt is empty: give text or at least one token id")
+def check_vocabulary(ids: Sequence[int], vocab_size: int) -> None:
+    """Every prompt token id is in the model's vocabulary."""
     bad = next((i for i in ids if i >= vocab_size), None)
     if bad is not None:
         raise InvalidArgument(f"prompt token id {bad} is outside the vocabulary "
@@ -35,21 +34,11 @@ def check_cache_salt(salt: str) -> None:
                               f"got {len(salt)}")
 
 
-def same_model_hint(named: str, served: str) -> str:
-    """What to do when an adapter's base, `named`, is the `served` model under another name."""
-    hint = (f"If they are one model, register it as {served!r} with the name the adapter gives "
-            f"it (loraplex adapters base add MODEL_DIR --id {served} --name {named}; `loraplex "
-            "up` registers its model) and push the adapter again")
-    if not named.startswith(("/", ".", "~")):  # (an id, not a path: a pool may take it)
-        hint += f", or start the pool under that id (--model-id {named})"
-    return hint
-
-
 def check_adapter(adapter: common_pb2.AdapterInfo, info: executor_pb2.InfoResponse) -> None:
     """The adapter fits the pool: made for its base (the registered base the store matched it
     to is the pool's model id, or has the fingerprint of the executors' model folder), within
     its rank."""
-    ref = AdapterRef(adapter.name, adapter.version)
+    ref = AdapterRef.of(adapter)
     if not is_same_base(adapter, info.model_id, info.base_fingerprint):
         raise FailedPrecondition(f"adapter {ref} was trained for base model "
                                  f"{adapter.base_model!r}, but this pool serves "
@@ -82,7 +71,7 @@ class Servables:
 
     def of(self, adapter: common_pb2.AdapterInfo) -> Servable:
         check_adapter(adapter, self._info)
-        ref = AdapterRef(adapter.name, adapter.version)
+        ref = AdapterRef.of(adapter)
         known = self._known.get(ref)
         if known is None:
             ranks, pages = None, 0

@@ -8,8 +8,7 @@ import asyncio
 import grpc
 
 from common.errors import Unavailable
-from gateway.cell_stream import CellStream, Update
-from gateway.pools import Cell
+from gateway.cell_stream import Cell, CellStream, Update
 from protos import scheduler_pb2, scheduler_pb2_grpc
 
 WRITE_S = 1.0

@@ -21,7 +21,7 @@ from loraplex import client
 from loraplex.demo import MODEL_DIR as DEMO_MODEL_DIR
 from loraplex.fixtures import MODEL_ID as FIXTURE_MODEL
 from loraplex.launch import Fleet, FleetKeys, start_gateway
-from protos import adapter_store_pb2, scheduler_pb2, scheduler_pb2_grpc
+from protos import adapter_store_pb2, common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 DEMO_MODEL = "loraplex-demo-tiny"
 DEMO_ADAPTERS = DEMO_MODEL_DIR.parent / "adapters"
@@ -307,6 +307,14 @@ async def test_grpc_generate_through_the_gateway_equals_the_pool(adapters):
         out = await client.generate(stub, client.generate_request("tiny-attn", "The little cat",
                                                                   8), KEYS["acme"])
         assert out.text == expected and out.usage.adapter.name == "tiny-attn"
+        exact = client.generate_request("", "The little cat", 8)  # (an exact version, passed on)
+        exact.adapter_ref.CopyFrom(common_pb2.AdapterRef(name="tiny-attn", version=1))
+        out = await client.generate(stub, exact, KEYS["acme"])
+        assert out.text == expected and client.ref_text(out.usage.adapter) == "tiny-attn@1"
+        exact.adapter_ref.version = 2
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.generate(stub, exact, KEYS["acme"])
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await client.generate(stub, client.generate_request("", "hi", 2), KEYS["acme"])
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # two pools: name one

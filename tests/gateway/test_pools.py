@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from gateway.pools import Cell, Pool, Pools, parse_pool, read_roster
+from gateway.cell_stream import Cell
+from gateway.pools import Pool, Pools, parse_pool, read_roster
 
 
 def test_pool_flags_and_roster_lines(tmp_path):
