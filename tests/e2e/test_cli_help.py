@@ -1,7 +1,7 @@
 """`--help` as a newcomer reads it (issue 46, trip 16): `loraplex serve --help` lists the four
 services and exits 0, the top-level help names the gateway among them, each service's help is
-under its `loraplex serve NAME` name, and the options of loraplex's own commands and of the
-gateway, executor and adapter store each say what they do and their default."""
+under its `loraplex serve NAME` name, and the options of loraplex's own commands and of every
+service each say what they do and their default."""
 
 import concurrent.futures
 import functools
@@ -12,11 +12,10 @@ import sys
 import pytest
 
 SERVICES = ("scheduler", "executor", "adapter-store", "gateway")
-# Commands whose every option must have help; the scheduler's flags are its own module's
-# (scheduler/config.py, not covered here).
+# Commands whose every option must have help.
 COMMANDS = [["up"], ["generate"], ["adapters", "push"], ["adapters", "list"], ["admin", "stats"],
             ["admin", "prewarm"], ["budget"], ["demo"], ["serve", "gateway"],
-            ["serve", "executor"], ["serve", "adapter-store"]]
+            ["serve", "scheduler"], ["serve", "executor"], ["serve", "adapter-store"]]
 
 
 @functools.cache
@@ -81,6 +80,8 @@ def test_every_option_says_what_it_does_and_its_default(command):
     (["up"], "--http-port", "8000"), (["generate"], "--max-new-tokens", "32"),
     (["serve", "gateway"], "--grace-s", "30.0"), (["serve", "executor"], "--max-rank", "32"),
     (["serve", "adapter-store"], "--grace-s", "30.0"), (["budget"], "--gpu-gib", "80.0"),
+    (["serve", "scheduler"], "--max-num-seqs", "64"),
+    (["serve", "scheduler"], "--step-floor-s", "10.0"),
     (["admin", "prewarm"], "--executors", "1")], ids=lambda v: v if isinstance(v, str) else "")
 def test_defaults_are_shown(command, option, default):
     text = options(help_of(*command).stdout)[option]
