@@ -3,6 +3,7 @@ fewer requests): every service as a process, the workload over gRPC and through 
 OpenAI API, and every adapter answering its task. The block's `make test` is this suite itself:
 what it would run is checked, not run."""
 
+import os
 import pathlib
 import re
 import subprocess
@@ -23,9 +24,12 @@ def make_targets() -> list[str]:
 
 def make(target: str, *flags: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """`make TARGET` with this test's virtual environment (installed already: its stamp is taken
-    as up to date, so nothing is installed)."""
+    as up to date, so nothing is installed). Run as a newcomer runs it: under CI's `make test` this
+    suite is itself inside a make, whose level and flags would make this one a sub-make (printing
+    "Entering directory" lines); they are left out."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
     return subprocess.run(["make", "-o", f"{VENV}/.installed", f"VENV={VENV}", target, *flags],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
 def test_the_readmes_make_lines_are_demo_and_test():
