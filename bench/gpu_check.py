@@ -135,8 +135,8 @@ def check_group(pool, backend, meta, torch_backend, torch_meta, group, num_rows,
     m = g.modules_slice
     rank_block = work.rank_block(g.first_module, len(g.modules))
     rows = dict(first_module=g.first_module, layer_base=0, chunk=pool.chunk)
-    store = pool.kv.flat
-    sgmv_fused_ref(x, store, pool.a_offsets, pool.b_offsets, ref, work.items, work.ranks[0, m],
+    store, (a_offsets, b_offsets) = pool.kv.flat, pool.offsets(0)
+    sgmv_fused_ref(x, store, a_offsets, b_offsets, ref, work.items, work.ranks[0, m],
                    work.scales[0, m], g.out_sizes, rank_block=rank_block, **rows)
     rtol, atol = TOLERANCES[dtype]
     scale = float(ref.float().abs().max())
@@ -147,9 +147,9 @@ def check_group(pool, backend, meta, torch_backend, torch_meta, group, num_rows,
 
     e_ref, e_torch = err(got, ref), err(got, via_torch, 4.0)
     if backend.fused_max_rows == 0:  # the shrink's fp32 intermediate too
-        t = sgmv_shrink(x, store, pool.a_offsets, work.items, work.ranks[0, m],
+        t = sgmv_shrink(x, store, a_offsets, work.items, work.ranks[0, m],
                         block_m=work.block_m, rank_block=rank_block, **rows)
-        t_ref = sgmv_shrink_ref(x, store, pool.a_offsets, work.items, work.ranks[0, m],
+        t_ref = sgmv_shrink_ref(x, store, a_offsets, work.items, work.ranks[0, m],
                                 rank_block=rank_block, **rows)
         done = torch.cat([torch.arange(s, e) for s, e in work.items[:2].t().tolist()])
         e_ref = max(e_ref, err(t[done], t_ref[done]))

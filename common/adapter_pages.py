@@ -18,6 +18,11 @@ rank_pattern naming layers) leaves its rows unread.
 So an adapter takes pages in proportion to the rank rows it really has, module by module: a
 rank-8 adapter about an eighth of a rank-64 one, nothing padded to a maximum rank.
 
+Where sliding-window layers keep KV of their own (common/kv_layout.py), a block holds fewer layers
+than the model has (`num_layers` is then the block's layer slots): an adapter takes its layout's
+pages once per group of that many layers (`layer_groups`), layer l in group l // num_layers, at
+slot l % num_layers; PageLayout.num_pages counts them all.
+
 Running example: regions of 2048 elements (chunks 2048), q_proj 256 -> 256 at rank 2: four rows
 of 256 (A0, A1, B0, B1) fill 1024 elements of region 0 (page 0, K half); 1 page.
 """
@@ -36,16 +41,18 @@ from common.peft.modules import TEXT_LAYERS, module_path
 class PageGeometry:
     """An executor's memory as adapters see it (its InfoResponse carries it)."""
 
-    num_layers: int
+    num_layers: int  # layer slots of a block (the model's layers, but for window blocks)
     region_elems: int  # elements of one layer's K (or V) region of one block
     # module -> (in_features, out_features), in the model's order (common.peft.modules: the
     # LLaMA layout's LORA_MODULES or the fused layout's FUSED_MODULES)
     module_shapes: Mapping[str, tuple[int, int]]
+    layer_groups: int = 1  # groups of num_layers layers the model's layers make
 
     def __post_init__(self) -> None:
-        if self.num_layers < 1 or self.region_elems < 1:
-            raise ValueError(f"page geometry needs layers >= 1 and region_elems >= 1, got "
-                             f"{self.num_layers} and {self.region_elems}")
+        if self.num_layers < 1 or self.region_elems < 1 or self.layer_groups < 1:
+            raise ValueError(f"page geometry needs layers >= 1, region_elems >= 1 and "
+                             f"layer_groups >= 1, got {self.num_layers}, {self.region_elems} "
+                             f"and {self.layer_groups}")
 
     @property
     def chunk_elems(self) -> int:
@@ -62,7 +69,7 @@ class PageGeometry:
 class Place:
     """Where one chunk of a rank row sits within an adapter's pages, in every layer."""
 
-    page: int  # index into the adapter's pages (the scheduler gives it a block id per page)
+    page: int  # index into a group's pages (the scheduler gives it a block id per page)
     half: int  # 0: the K region, 1: the V region
     offset: int  # elements into the region
 
@@ -78,15 +85,25 @@ class ModulePlaces:
 
 @dataclasses.dataclass(frozen=True)
 class PageLayout:
-    num_pages: int
+    num_pages: int  # pages the adapter takes: pages_per_group in each layer group
     modules: Mapping[str, ModulePlaces]  # targeted modules only
     used_elems: int  # elements of rank rows (per layer); the rest of its pages is slack
+    pages_per_group: int = -1  # (-1: num_pages, one group)
+
+    def __post_init__(self) -> None:
+        if self.pages_per_group < 0:
+            object.__setattr__(self, "pages_per_group", self.num_pages)
 
     def fill(self, geometry: PageGeometry) -> float:
         """The share of its pages' elements its rows use (1.0: no slack)."""
         if not self.num_pages:
             return 1.0
-        return self.used_elems * geometry.num_layers / (self.num_pages * geometry.page_elems)
+        return self.used_elems * geometry.num_layers / (self.pages_per_group
+                                                        * geometry.page_elems)
+
+    def group_pages(self, pages: tuple[int, ...], group: int) -> tuple[int, ...]:
+        """The blocks of layer group `group` among the adapter's `pages` (group-major)."""
+        return pages[group * self.pages_per_group:(group + 1) * self.pages_per_group]
 
 
 NO_PAGES = PageLayout(0, MappingProxyType({}), 0)
@@ -141,7 +158,9 @@ def plan_pages(module_ranks: Mapping[str, int], geometry: PageGeometry) -> PageL
                 for kind, length in (("a", in_f), ("b", out_f))}
         modules[m] = ModulePlaces(rank, rows["a"], rows["b"])
     used = sum(size for size, *_ in items)
-    return PageLayout(-(-len(free) // 2), MappingProxyType(modules), used)
+    per_group = -(-len(free) // 2)
+    return PageLayout(per_group * geometry.layer_groups, MappingProxyType(modules), used,
+                      per_group)
 
 
 def module_ranks(config: LoraConfig, target_modules: tuple[str, ...] | list[str],

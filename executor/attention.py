@@ -17,7 +17,8 @@ path takes the model's score scale and soft cap (Gemma 2: scores -> cap * tanh(s
       contexts, not rows x longest context (one long sequence no longer slows every row), in a
       handful of calls; a bucket whose rows all have the same length needs no mask. (Measured
       on 64-row batches: a flat per-key segment softmax, exact too, was 2-9x slower.)
-    - prefill chunks (many queries) get one SDPA each over their gathered context.
+    - prefill chunks (many queries) get one SDPA each over their gathered context (from the
+      first query's window on, on a layer with a window).
     With a soft cap the SDPA is written out as HF's eager attention computes it (SDPA has no cap).
 """
 
@@ -58,7 +59,7 @@ class DecodeBucket:
 class PrefillChunk:
     start: int  # first row in the step
     end: int
-    ctx_slots: torch.Tensor  # [C] flat KV slots of positions 0..C-1
+    ctx_slots: torch.Tensor  # [C] flat KV slots of the keys its first query's window starts at
     mask: torch.Tensor  # [n, C] bool, True = may attend
 
 
@@ -79,12 +80,15 @@ class TorchAttentionMeta:
         prefills = []
         for s in (s for s, n in enumerate(query_lens) if n > 1):  # few chunks per step
             c, start, n = context_lens[s], query_starts[s], query_lens[s]
-            table = torch.tensor(tables[s][: -(-c // block_size)])  # [blocks]
-            k_pos = torch.arange(c)  # [C]
+            # keys from the first query's window on (the blocks before it may hold another
+            # sequence's KV by now: window blocks, common/kv_layout.py)
+            first = 0 if sliding_window is None else max(0, c - n - sliding_window + 1)
+            table = torch.tensor(tables[s][first // block_size: -(-c // block_size)])
+            k_pos = torch.arange(first, c)  # [C]
+            k_blocks = k_pos // block_size - first // block_size
             prefills.append(PrefillChunk(
                 start=start, end=start + n,
-                ctx_slots=(table[k_pos // block_size] * block_size
-                           + k_pos % block_size).to(device),
+                ctx_slots=(table[k_blocks] * block_size + k_pos % block_size).to(device),
                 mask=visible_keys(torch.arange(c - n, c)[:, None], k_pos[None, :],
                                   sliding_window).to(device)))
         return cls(buckets, tuple(prefills))

@@ -37,7 +37,7 @@ class BenchmarkRunner(ModelRunner):
         sampled = []
         for r in rows:
             seq = self._seqs[r.seq_id]
-            seq.block_table.extend(r.new_block_ids)
+            self._extend_tables(seq, r)
             seq.num_computed += r.num_tokens
             if seq.num_computed == len(seq.token_ids):
                 token = benchmark_token(len(seq.token_ids), r.seq_id, self.config.vocab_size)

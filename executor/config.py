@@ -30,8 +30,11 @@ class ExecutorConfig:
     # A fetch from a store that stalls mid-stream this long (no next chunk) fails over to the next
     # store, from byte 0: a frozen store replica costs a load this, not the load's deadline.
     fetch_chunk_timeout_s: float = FETCH_CHUNK_TIMEOUT_S
-    num_kv_blocks: int = 512
+    num_kv_blocks: int = 512  # KV memory, in blocks of every layer
     block_size: int = 16
+    # Sliding-window layers keep KV of their own, only for their window (common/kv_layout.py);
+    # off: every layer keeps the whole context in one table.
+    window_blocks: bool = True
     adapter_slots: int = 8
     max_rank: int = 32
     lora_backend: str = "auto"
@@ -127,8 +130,12 @@ class ExecutorConfig:
         p.add_argument("--grace-s", type=float, default=30.0,
                        help="on SIGTERM, time to finish in-flight work")
         p.add_argument("--kv-blocks", type=int, default=512, dest="num_kv_blocks",
-                       help="blocks of the KV cache, shared with adapters' weights in pages "
-                            "(`loraplex budget` sizes it for a GPU)")
+                       help="KV cache memory, in blocks of every layer, shared with adapters' "
+                            "weights in pages (`loraplex budget` sizes it for a GPU); with "
+                            "window blocks the same memory is cut into blocks of fewer layers")
+        p.add_argument("--no-window-blocks", action="store_false", dest="window_blocks",
+                       help="sliding-window layers keep the whole context's KV, as global "
+                            "layers do (default: only their window's, in blocks of their own)")
         p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
         p.add_argument("--adapter-slots", type=int, default=8,
                        help="adapters resident at once")
@@ -164,7 +171,8 @@ class ExecutorConfig:
                    resolve_base_s=a.resolve_base_s, fetch_chunk_timeout_s=a.fetch_chunk_timeout_s,
                    metrics_port=a.metrics_port, grace_s=a.grace_s,
                    num_kv_blocks=a.num_kv_blocks, block_size=a.block_size,
-                   adapter_slots=a.adapter_slots, max_rank=a.max_rank,
+                   window_blocks=a.window_blocks, adapter_slots=a.adapter_slots,
+                   max_rank=a.max_rank,
                    lora_backend=a.lora_backend, dtype=a.dtype, device=a.device, seed=a.seed,
                    threads=a.threads, staging_mb=a.staging_mb,
                    benchmark_step_s=a.benchmark_step_s, step_idle_s=a.step_idle_s,

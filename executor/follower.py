@@ -52,7 +52,8 @@ def follow(runner: ModelRunner, channel: Connection, silence_s: float,
             continue
         if kind == "step":
             try:
-                run_step(runner, command.step, step_rows(command.step))
+                kinds = len(runner.kv_layout.kinds)
+                run_step(runner, command.step, step_rows(command.step, kinds))
             except (ValueError, LoraplexError) as err:
                 log.debug("a step refused, as on rank 0: %s", err)
         elif kind == "end_stream":

@@ -8,7 +8,9 @@ flat slot is `block_id * block_size + offset`.
 Running example (block_size 4, table [7, 2]): positions 0..3 -> slots 28..31, 4..5 -> slots 8..9.
 
 K and V are the two halves of one tensor [2, layers, blocks, block_size, kv heads, head_dim]: a
-block's K (or V) in one layer is a region of block_size x kv heads x head_dim elements. A block the
+block's K (or V) in one layer is a region of block_size x kv heads x head_dim elements. Its
+"layers" are a block's layer slots: the model's layers, but where sliding-window layers keep KV
+of their own (common/kv_layout.py), the layers of one kind's column, each at its slot. A block the
 scheduler gives an adapter holds that adapter's weights instead, in its regions of every layer
 (common/adapter_pages.py, executor/slot_pool.py): the cache only reads and writes the blocks of
 sequences' tables, so adapters' pages and KV never meet.

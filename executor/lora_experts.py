@@ -78,7 +78,7 @@ class ExpertWeights:
         keep = (torch.arange(rank) < ranks[:, None]).to(pool.device)  # [E, R]
         in_f, out_f = pool.config.module_shape(expert_module(0, projection))
         base, out = pool.layer_base(layer), []
-        for offsets, length in ((pool.a_offsets, in_f), (pool.b_offsets, out_f)):
+        for offsets, length in zip(pool.offsets(layer), (in_f, out_f)):
             at = offsets[slot, modules.to(pool.device), :rank]  # [E, R, chunks]
             rows = pool.kv.flat[row_index(at.flatten(0, 1), length, pool.chunk) + base]
             out.append(rows.view(len(modules), rank, length).masked_fill(~keep[..., None], 0.0))
@@ -145,12 +145,13 @@ def apply_triton(pool: LoraSlotPool, layer: int, projection: str, x: torch.Tenso
     w = work.works[projection]
     if w.num_items == 0 or w.rank_block(0, 1) == 0:
         return
-    flat = (-1, 1, *pool.a_offsets.shape[2:])  # [slots * M, 1, R, chunks]
+    a_offsets, b_offsets = pool.offsets(layer)
+    flat = (-1, 1, *a_offsets.shape[2:])  # [slots * M, 1, R, chunks]
     rows = dict(first_module=0, layer_base=pool.layer_base(layer), chunk=pool.chunk,
                 block_m=w.block_m, target_ctas=target_ctas)
     ranks, scales = w.ranks[layer], w.scales[layer]  # [1, S] each
     for tile, items in w.tiers[(0, 1)]:
-        t = sgmv_shrink(x, pool.kv.flat, pool.a_offsets.view(flat), items, ranks,
+        t = sgmv_shrink(x, pool.kv.flat, a_offsets.view(flat), items, ranks,
                         rank_block=tile, **rows)
-        sgmv_expand(t, pool.kv.flat, pool.b_offsets.view(flat), out, items, ranks, scales,
+        sgmv_expand(t, pool.kv.flat, b_offsets.view(flat), out, items, ranks, scales,
                     (out.shape[1],), **rows)

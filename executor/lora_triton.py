@@ -87,12 +87,12 @@ class TritonLoraBackend:
         ranks, scales = work.ranks[layer, m], work.scales[layer, m]  # [n, S] each
         rows = dict(first_module=g.first_module, layer_base=pool.layer_base(layer),
                     chunk=pool.chunk, block_m=work.block_m, target_ctas=self.target_ctas)
-        store = pool.kv.flat
+        store, (a_offsets, b_offsets) = pool.kv.flat, pool.offsets(layer)
         if meta.is_fused:
-            self._fused(x, store, pool.a_offsets, pool.b_offsets, out, work.items, ranks, scales,
+            self._fused(x, store, a_offsets, b_offsets, out, work.items, ranks, scales,
                         g.out_sizes, rank_block=rank_block, **rows)
         else:
             for tile, items in work.tiers[(g.first_module, len(g.modules))]:
-                t = self._shrink(x, store, pool.a_offsets, items, ranks, rank_block=tile, **rows)
-                self._expand(t, store, pool.b_offsets, out, items, ranks, scales, g.out_sizes,
+                t = self._shrink(x, store, a_offsets, items, ranks, rank_block=tile, **rows)
+                self._expand(t, store, b_offsets, out, items, ranks, scales, g.out_sizes,
                              **rows)

@@ -16,7 +16,9 @@ backend adds the adapters of its segments with one call per fused output. Attent
 sequence's context back through its block table (executor/attention.py): on CUDA one Triton
 kernel reads K/V in place for every row group; on CPU decode rows are batched in a few SDPA
 calls by context length and prefill chunks get one SDPA call each. A layer with a sliding window
-reads the step's metadata for its window; global layers read the whole context.
+reads the step's metadata for its window; global layers read the whole context. Where sliding
+layers keep KV of their own (window blocks, common/kv_layout.py), each kind's column of blocks
+has tables of its own: a layer writes and reads its K/V at its slot of its column's blocks.
 
 Per layer (Gemma's extra norms in brackets):
 
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from common.kv_layout import KVLayout, single_layout
 from executor.attention import AttentionMeta, attend, build_attention_meta
 from executor.kv_cache import PagedKVCache
 from executor.layer_ops import activation, rms_norm, soft_cap
@@ -55,7 +58,9 @@ class RowSpec:
 
     start_pos: int
     num_tokens: int
-    block_table: list[int]
+    # its block table of each column of each kind (KVLayout, kinds in order, then columns): one
+    # table but with window blocks
+    tables: tuple[list[int], ...]
     is_long: bool = False  # its sequence computes with longrope's long factors (rope.py)
 
 
@@ -64,42 +69,52 @@ class StepMetadata:
     """Built once per step, read by every layer."""
 
     positions: torch.Tensor  # [T]
-    write_slots: torch.Tensor  # [T] where each row's k/v goes
+    # [T] where each row's k/v goes, per table column (RowSpec.tables)
+    write_slots: tuple[torch.Tensor, ...]
     # [T] 1 where a row's RoPE takes longrope's long factors, 0 the short ones; None: no row does
     long_rows: torch.Tensor | None
-    # the attention path's own metadata (executor/attention.py), per sliding window (None: the
-    # whole context) among the model's layers
-    attention: Mapping[int | None, AttentionMeta]
+    # the attention path's own metadata (executor/attention.py), per (table column, sliding
+    # window (None: the whole context)) among the model's layers
+    attention: Mapping[tuple[int, int | None], AttentionMeta]
     lora: LoraBatchMeta
     sample_rows: torch.Tensor  # [S] rows whose logits are returned
     # [T] long, host: each row's adapter slot (-1: none), for the experts' LoRA (executor/moe.py)
     row_slots: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, groups: list[RowSpec], *, kv: PagedKVCache, windows: set[int | None],
-              lora: LoraBatchMeta, sample_rows: list[int], device: str | torch.device,
-              attention: str = "auto", row_slots: torch.Tensor | None = None) -> StepMetadata:
-        """windows: the layers' sliding windows (Transformer.windows); attention: the attention
-        backend (executor/attention.py), 'auto' by device."""
-        positions, write_slots, starts = [], [], []
+    def build(cls, groups: list[RowSpec], *, kv: PagedKVCache,
+              windows: Mapping[int, set[int | None]], lora: LoraBatchMeta,
+              sample_rows: list[int], device: str | torch.device, attention: str = "auto",
+              row_slots: torch.Tensor | None = None) -> StepMetadata:
+        """windows: each table column's layers' sliding windows (Transformer.windows);
+        attention: the attention backend (executor/attention.py), 'auto' by device."""
+        positions, starts = [], []
+        write_slots: list[list[int]] = [[] for _ in windows]
         row = 0
         for g in groups:  # plain ints: no small tensors per row (a decode step is many rows)
             end_pos = g.start_pos + g.num_tokens
             positions.extend(range(g.start_pos, end_pos))
-            write_slots.extend(kv.slots(g.block_table, g.start_pos, end_pos))
+            for column, table in zip(write_slots, g.tables):
+                column.extend(kv.slots(table, g.start_pos, end_pos))
             starts.append(row)
             row += g.num_tokens
         long_rows = None
         if any(g.is_long for g in groups):  # (longrope past its switch: rope.py)
             long_rows = torch.tensor([int(g.is_long) for g in groups for _ in range(g.num_tokens)],
                                      dtype=torch.long, device=device)  # [T]
-        attention_meta = build_attention_meta(
-            [g.block_table for g in groups], [g.start_pos + g.num_tokens for g in groups], starts,
-            [g.num_tokens for g in groups], block_size=kv.block_size,
-            windows=windows, backend=attention, device=device)
+        context_lens = [g.start_pos + g.num_tokens for g in groups]
+        query_lens = [g.num_tokens for g in groups]
+        attention_meta = {}
+        for column, column_windows in windows.items():
+            metas = build_attention_meta(
+                [g.tables[column] for g in groups], context_lens, starts, query_lens,
+                block_size=kv.block_size, windows=column_windows, backend=attention,
+                device=device)
+            attention_meta.update({(column, w): meta for w, meta in metas.items()})
         return cls(
             positions=torch.tensor(positions, dtype=torch.long, device=device),
-            write_slots=torch.tensor(write_slots, dtype=torch.long, device=device),
+            write_slots=tuple(torch.tensor(slots, dtype=torch.long, device=device)
+                              for slots in write_slots),
             long_rows=long_rows, attention=attention_meta, lora=lora,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
             row_slots=row_slots)
@@ -107,8 +122,16 @@ class StepMetadata:
 
 class Transformer:
     def __init__(self, config: ModelConfig, weights: ModelWeights, lora: LoraBackend,
-                 tp: TensorParallel = SINGLE) -> None:
+                 tp: TensorParallel = SINGLE, kv_layout: KVLayout | None = None) -> None:
+        """kv_layout: where each layer's K and V lie (None: every layer in every block)."""
         self.config, self.weights, self.lora, self.tp = config, weights, lora, tp
+        layout = kv_layout or single_layout(config.num_hidden_layers)
+        # each layer's (table column, slot): columns numbered over the kinds in order
+        first = [sum(kind.columns for kind in layout.kinds[:k]) for k in range(len(layout.kinds))]
+        self.kv_places = []
+        for layer in range(config.num_hidden_layers):
+            kind, column, slot = layout.place(layer)
+            self.kv_places.append((first[kind] + column, slot))
         device = weights.embed.device
         # the experts' grouped matmul (executor/moe.py): one Triton launch on CUDA
         self.moe_matmul = grouped_matmul_for(device) if config.num_experts else None
@@ -119,9 +142,12 @@ class Transformer:
                           for rope in map(config.layer_rope, range(config.num_hidden_layers))}
 
     @property
-    def windows(self) -> set[int | None]:
-        """The sliding windows of the layers (None: a global layer)."""
-        return set(map(self.config.layer_window, range(self.config.num_hidden_layers)))
+    def windows(self) -> dict[int, set[int | None]]:
+        """Each table column's layers' sliding windows (None: a global layer)."""
+        out: dict[int, set[int | None]] = {}
+        for layer, (column, _) in enumerate(self.kv_places):
+            out.setdefault(column, set()).add(self.config.layer_window(layer))
+        return dict(sorted(out.items()))
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -174,10 +200,12 @@ class Transformer:
         if c.qk_norm:  # (Qwen3, Gemma 3: each head normalised over head_dim, before RoPE)
             q, k = self._norm(q, w.q_norm), self._norm(k, w.k_norm)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        kv.write(i, meta.write_slots, k, v.reshape(t, c.num_key_value_heads, c.head_dim))
+        column, slot = self.kv_places[i]
+        kv.write(slot, meta.write_slots[column], k, v.reshape(t, c.num_key_value_heads, c.head_dim))
 
-        attn = attend(q, kv, i, meta.attention[c.layer_window(i)], scale=c.attention_scale,
-                      softcap=c.attn_logit_softcap, sinks=w.sinks)  # [T, H, D]
+        attn = attend(q, kv, slot, meta.attention[column, c.layer_window(i)],
+                      scale=c.attention_scale, softcap=c.attn_logit_softcap,
+                      sinks=w.sinks)  # [T, H, D]
         attn = attn.reshape(t, c.q_size)  # [T, H * D]
         out = project(attn, w.wo, w.bo, self.tp)  # [T, hidden] (bo: on one rank of a TP group)
         self.lora.apply(i, "o", attn, out, meta.lora)

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from common.kv_layout import KVLayout
 from common.peft.modules import projection_shapes
 from executor.quant_config import Quantization
 from executor.rope import LinearRopeScaling, Llama3RopeScaling, Rope, RopeScaling
@@ -173,6 +174,12 @@ class ModelConfig:
     def layer_window(self, layer: int) -> int | None:
         """The keys a query of `layer` sees: its last sliding_window, or all (None)."""
         return self.sliding_window if self.is_sliding(layer) else None
+
+    def kv_layout(self, window_blocks: bool = True) -> KVLayout:
+        """Which KV each layer keeps and where (common/kv_layout.py): with `window_blocks`, the
+        sliding layers' own, for their window only."""
+        return KVLayout.of([self.layer_window(layer) for layer in range(self.num_hidden_layers)],
+                           window_blocks)
 
     @property
     def rope(self) -> Rope:

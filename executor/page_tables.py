@@ -9,6 +9,9 @@ The storage is one tensor [2 (K, V), layers, blocks, region_elems], read flat. A
 
 and in layer l at that plus l * num_blocks * region_elems (`layer_base`): one table serves every
 layer. Element c of a row whose chunks start at o[0], o[1], ... is at o[c // chunk] + c % chunk.
+Where a block holds fewer layer slots than the model has layers (window blocks: the geometry's
+layer_groups > 1), layer l lies at slot l % num_layers of its group l // num_layers's pages: one
+table per group, and layer_base counts the slot.
 
 Running example: regions of 96 elements (chunk 64), 3 layers, 10 blocks, an adapter in blocks
 (7, 2): a row of A of 200 elements in chunks (page 0, K, 0), (page 0, V, 0), (page 1, K, 0),
@@ -24,8 +27,8 @@ from common.adapter_pages import PageGeometry, PageLayout, Place
 
 
 def layer_base(layer: int, num_blocks: int, geometry: PageGeometry) -> int:
-    """Elements from layer 0's copy of a place to layer `layer`'s."""
-    return layer * num_blocks * geometry.region_elems
+    """Elements from slot 0's copy of a place in `layer`'s group to `layer`'s."""
+    return layer % geometry.num_layers * num_blocks * geometry.region_elems
 
 
 def place_offset(place: Place, pages: tuple[int, ...], num_blocks: int,
@@ -39,22 +42,25 @@ def slot_tables(layout: PageLayout, pages: tuple[int, ...], num_blocks: int,
                 geometry: PageGeometry, *, max_rank: int,
                 num_chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One slot's rows of the offset tables the kernels read (executor/slot_pool.py keeps them
-    for every slot): a, b int64 [the model's modules (geometry.module_shapes), max_rank,
-    num_chunks], the layer-0 offset of chunk c of row r of A, and of B^T (B's column r), of each
-    module; 0 where the adapter has no such row or chunk."""
+    for every slot): a, b int64 [layer groups, the model's modules (geometry.module_shapes),
+    max_rank, num_chunks], the slot-0 offset in each group of chunk c of row r of A, and of B^T
+    (B's column r), of each module; 0 where the adapter has no such row or chunk."""
     if len(pages) != layout.num_pages:
         raise ValueError(f"the layout takes {layout.num_pages} pages, {len(pages)} given")
     order = list(geometry.module_shapes)
-    shape = (len(order), max_rank, num_chunks)
+    shape = (geometry.layer_groups, len(order), max_rank, num_chunks)
     a, b = torch.zeros(shape, dtype=torch.int64), torch.zeros(shape, dtype=torch.int64)
-    for module, places in layout.modules.items():
-        m = order.index(module)
-        if places.rank > max_rank:
-            raise ValueError(f"{module} has rank {places.rank} > max_rank {max_rank}")
-        for table, rows in ((a, places.a), (b, places.b)):
-            if len(rows[0]) > num_chunks:
-                raise ValueError(f"{module}'s rows take {len(rows[0])} chunks > {num_chunks}")
-            table[m, :places.rank, :len(rows[0])] = torch.tensor(
-                [[place_offset(p, pages, num_blocks, geometry) for p in chunks]
-                 for chunks in rows])
+    for group in range(geometry.layer_groups):
+        group_pages = layout.group_pages(pages, group)
+        for module, places in layout.modules.items():
+            m = order.index(module)
+            if places.rank > max_rank:
+                raise ValueError(f"{module} has rank {places.rank} > max_rank {max_rank}")
+            for table, rows in ((a, places.a), (b, places.b)):
+                if len(rows[0]) > num_chunks:
+                    raise ValueError(f"{module}'s rows take {len(rows[0])} chunks > "
+                                     f"{num_chunks}")
+                table[group, m, :places.rank, :len(rows[0])] = torch.tensor(
+                    [[place_offset(p, group_pages, num_blocks, geometry) for p in chunks]
+                     for chunks in rows])
     return a, b

@@ -40,6 +40,9 @@ class Row:
     seq_id: int
     num_tokens: int
     new_block_ids: tuple[int, ...] = ()
+    # With window blocks (common/kv_layout.py): how many of new_block_ids each kind takes, in
+    # kind order (each token block's columns together); () on a layout of one kind.
+    num_new_by_kind: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,9 @@ class Sampled:
 class _Sequence:
     token_ids: list[int]  # prompt + tokens sampled so far
     num_computed: int
-    block_table: list[int]  # mirror of the scheduler's table
+    # mirror of the scheduler's tables: one per column of each kind (one but with window
+    # blocks); -1 where the scheduler sent no block (outside every window of the first row)
+    tables: list[list[int]]
     sampling: SamplingParams
     slot: int
     draws: DrawStream
@@ -74,20 +79,28 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, weights: ModelWeights, *, num_kv_blocks: int,
                  block_size: int, num_slots: int, max_rank: int, lora_backend: str = "auto",
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 tp: TensorParallel = SINGLE) -> None:
-        """`weights`: the rank's part (load_weights / random_weights with its shard)."""
+                 tp: TensorParallel = SINGLE, window_blocks: bool = False) -> None:
+        """`weights`: the rank's part (load_weights / random_weights with its shard);
+        `window_blocks`: sliding-window layers keep KV of their own, only for their window
+        (common/kv_layout.py; what the executor serves with), else every layer keeps the whole
+        context in one table per sequence."""
         self.config, self.weights, self.device = config, weights, torch.device(device)
         self.tp, self.shard = tp, Shard(config, tp.rank, tp.world)
         local = self.shard.config  # (config itself on one rank)
-        self.kv = PagedKVCache(num_layers=local.num_hidden_layers, num_blocks=num_kv_blocks,
-                               block_size=block_size, num_kv_heads=local.num_key_value_heads,
-                               head_dim=local.head_dim, dtype=dtype, device=device)
-        self.pool = LoraSlotPool(local, num_slots=num_slots, max_rank=max_rank, kv=self.kv)
+        self.kv_layout = config.kv_layout(window_blocks)
+        self._first_column = [sum(kind.columns for kind in self.kv_layout.kinds[:k])
+                              for k in range(len(self.kv_layout.kinds))]
+        self.kv = PagedKVCache(num_layers=self.kv_layout.layers_per_block,
+                               num_blocks=num_kv_blocks, block_size=block_size,
+                               num_kv_heads=local.num_key_value_heads, head_dim=local.head_dim,
+                               dtype=dtype, device=device)
+        self.pool = LoraSlotPool(local, num_slots=num_slots, max_rank=max_rank, kv=self.kv,
+                                 layout=self.kv_layout)
         # Held while a slot is written (a load's copy, an unload) or merged: a merge and a write
         # into the merged slot never interleave (the step thread merges, a loader thread copies).
         self.slot_writes = threading.Lock()
         self.lora = make_lora_backend(lora_backend, self.pool)
-        self.model = Transformer(local, weights, self.lora, tp)
+        self.model = Transformer(local, weights, self.lora, tp, self.kv_layout)
         self.sampler = Sampler(config.vocab_size, self.device)  # (rank 0's alone samples)
         self._seqs: dict[int, _Sequence] = {}
         self._num_prompt_logprobs = 0  # sequences whose prompt logprobs are being made
@@ -152,7 +165,8 @@ class ModelRunner:
 
     def free_blocks(self) -> list[int]:
         """Blocks in no sequence's table and no slot's pages, in order."""
-        used = self.pool.page_blocks() | {b for s in self._seqs.values() for b in s.block_table}
+        used = self.pool.page_blocks() | {b for s in self._seqs.values() for t in s.tables
+                                          for b in t}
         return [b for b in range(self.kv.num_blocks) if b not in used]
 
     @property
@@ -193,7 +207,7 @@ class ModelRunner:
 
     def add_sequence(self, seq_id: int, token_ids: Sequence[int], sampling: SamplingParams,
                      slot: int, num_generated: int = 0, num_cached: int = 0,
-                     lora_from: int = 0) -> None:
+                     lora_from: int = 0, first_blocks: Sequence[int] = ()) -> None:
         """Register a sequence (prompt token ids; after a preemption or failover, prompt and the
         `num_generated` tokens sampled so far); slot -1 = base model only. The KV of its first
         `num_cached` tokens is in the blocks its first rows bring (a prefix cache hit): its
@@ -204,7 +218,9 @@ class ModelRunner:
         the switch: one that outgrows it is recomputed (freed, and registered again with all its
         tokens), as transformers' generate() recomputes its cache. Its adapter's LoRA applies
         from position `lora_from` on (an activated LoRA's activation point; rows before it are
-        the base model's, within the same step)."""
+        the base model's, within the same step). With window blocks, `first_blocks` gives each
+        kind's first token block its rows bring (a window kind's earlier ones lie outside every
+        window from num_cached on: never read); () all 0."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already exists")
         if not token_ids:
@@ -233,6 +249,7 @@ class ModelRunner:
             raise ValueError(f"sequence {seq_id}: num_cached {num_cached} must be below its "
                              f"{len(token_ids)} tokens (the last one is computed for a sample)")
         sampling.validate(self.config.vocab_size)
+        tables = self._first_tables(seq_id, first_blocks, num_cached)
         prompt_logprobs = None
         if sampling.prompt_logprobs is not None and num_generated == 0:
             if num_cached:
@@ -244,11 +261,29 @@ class ModelRunner:
             self._grammar_rows().add(seq_id, sampling.grammar,
                                      token_ids[len(token_ids) - num_generated:])
         switch = self.rope_switch_len
-        self._seqs[seq_id] = _Sequence(list(token_ids), num_cached, [], sampling, slot,
+        self._seqs[seq_id] = _Sequence(list(token_ids), num_cached, tables, sampling, slot,
                                        DrawStream(sampling.seed, num_generated, self.device),
                                        0 < switch < len(token_ids), prompt_logprobs, lora_from)
         if self.tp.is_first:
             self.sampler.add(seq_id, list(token_ids), num_generated, sampling)
+
+    def _first_tables(self, seq_id: int, first_blocks: Sequence[int],
+                      num_cached: int) -> list[list[int]]:
+        """A new sequence's tables: -1 for each kind's token blocks before `first_blocks`."""
+        kinds = self.kv_layout.kinds
+        first_blocks = tuple(first_blocks) or (0,) * len(kinds)
+        if len(first_blocks) != len(kinds):
+            raise ValueError(f"sequence {seq_id}: first_blocks {list(first_blocks)} needs one "
+                             f"count per KV kind ({len(kinds)})")
+        tables = []
+        for kind, first in zip(kinds, first_blocks):
+            if first > kind.first_needed(num_cached, self.kv.block_size):
+                raise ValueError(f"sequence {seq_id}: its first rows read token block "
+                                 f"{kind.first_needed(num_cached, self.kv.block_size)} of "
+                                 f"its layers of window {kind.window}, but its tables start at "
+                                 f"{first}")
+            tables += [[-1] * first for _ in range(kind.columns)]
+        return tables
 
     def prepare_grammars(self) -> bool:
         """Build the grammar engine's tokenizer now (seconds for a vocabulary of 100k+ tokens)
@@ -306,8 +341,9 @@ class ModelRunner:
         row = 0
         for r in rows:
             seq = self._seqs[r.seq_id]
-            seq.block_table.extend(r.new_block_ids)
-            groups.append(RowSpec(seq.num_computed, r.num_tokens, seq.block_table, seq.is_long))
+            self._extend_tables(seq, r)
+            groups.append(RowSpec(seq.num_computed, r.num_tokens, tuple(seq.tables),
+                                  seq.is_long))
             row += r.num_tokens
             if seq.num_computed + r.num_tokens == len(seq.token_ids):
                 sample_rows.append(row - 1)
@@ -356,6 +392,19 @@ class ModelRunner:
             else:
                 sampled.append(Sampled(seq_id, token, logprob, top))
         return sampled, logits
+
+    def _extend_tables(self, seq: _Sequence, row: Row) -> None:
+        """Append a row's new blocks to its sequence's tables: each kind's share, each token
+        block's columns together (validated)."""
+        if not row.num_new_by_kind:
+            seq.tables[0].extend(row.new_block_ids)
+            return
+        at = 0
+        for kind, first, n in zip(self.kv_layout.kinds, self._first_column, row.num_new_by_kind):
+            ids = row.new_block_ids[at:at + n]
+            for column in range(kind.columns):
+                seq.tables[first + column].extend(ids[column::kind.columns])
+            at += n
 
     def _before_activation(self, rows: Sequence[Row], row_slots: torch.Tensor) -> None:
         """An activated LoRA's rows before its activation point run as the base model's
@@ -416,6 +465,7 @@ class ModelRunner:
                 raise ValueError(f"sequence {r.seq_id}: a new block of it holds its own "
                                  f"adapter's weights (a page of slot {seq.slot}), not KV")
             end = seq.num_computed + r.num_tokens
+            self._validate_blocks(r, seq, end)
             if end > self.config.max_position_embeddings:
                 raise ValueError(f"sequence {r.seq_id}: position {end - 1} is beyond "
                                  f"max_position_embeddings {self.config.max_position_embeddings}")
@@ -423,12 +473,26 @@ class ModelRunner:
                 raise ValueError(f"sequence {r.seq_id}: position {end - 1} is past the longrope "
                                  f"switch {switch} of a sequence registered within it (short "
                                  "factors): free it and register it again with all its tokens")
-            num_blocks = len(seq.block_table) + len(r.new_block_ids)
-            if num_blocks * self.kv.block_size < end:
-                raise ValueError(f"sequence {r.seq_id}: {num_blocks} blocks of "
-                                 f"{self.kv.block_size} cannot hold positions up to {end - 1}")
             if seq.slot >= 0 and not self.pool.is_loaded(seq.slot):
                 raise ValueError(f"sequence {r.seq_id}: adapter slot {seq.slot} holds no adapter")
             if self._merged is not None and seq.slot != self._merged.slot:
                 raise ValueError(f"sequence {r.seq_id}: the adapter of slot {self._merged.slot} "
                                  "is merged into the weights; only its rows may run here")
+
+    def _validate_blocks(self, r: Row, seq: _Sequence, end: int) -> None:
+        """Each kind's share of the row's new blocks is whole token blocks, and its tables then
+        hold positions up to `end`."""
+        kinds = self.kv_layout.kinds
+        counts = r.num_new_by_kind or (len(r.new_block_ids),)
+        if len(counts) != len(kinds) or sum(counts) != len(r.new_block_ids):
+            raise ValueError(f"sequence {r.seq_id}: {len(r.new_block_ids)} new blocks in "
+                             f"{len(counts)} kinds' counts {list(counts)}; the cache has "
+                             f"{len(kinds)} kinds of layers")
+        for kind, first, n in zip(kinds, self._first_column, counts):
+            if n % kind.columns:
+                raise ValueError(f"sequence {r.seq_id}: {n} new blocks for layers of window "
+                                 f"{kind.window}, not whole token blocks of {kind.columns}")
+            num_blocks = len(seq.tables[first]) + n // kind.columns
+            if num_blocks * self.kv.block_size < end:
+                raise ValueError(f"sequence {r.seq_id}: {num_blocks} blocks of "
+                                 f"{self.kv.block_size} cannot hold positions up to {end - 1}")

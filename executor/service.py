@@ -24,7 +24,7 @@ from common.allocator import keep_freed_memory
 from common.credentials import KeyRing, Role
 from common.errors import FailedPrecondition, grpc_errors
 from common.metrics import serve_metrics
-from common.page_geometry_pb import geometry_to_pb
+from common.page_geometry_pb import geometry_to_pb, kinds_to_pb
 from common.server import Service, announce, configure_logging, run, run_until_signalled
 from executor.adapter_loader import FETCH_TIMEOUT_S, AdapterLoader
 from executor.benchmark_runner import BenchmarkRunner
@@ -54,21 +54,34 @@ def build_runner(config: ExecutorConfig,
     kw = dict(num_kv_blocks=config.num_kv_blocks, block_size=config.block_size,
               num_slots=config.adapter_slots, max_rank=config.max_rank,
               lora_backend=config.lora_backend, dtype=getattr(torch, config.dtype),
-              device=rank_device(config.device, tp.rank, tp.world), tp=tp)
+              device=rank_device(config.device, tp.rank, tp.world), tp=tp,
+              window_blocks=config.window_blocks)
     if config.benchmark_step_s:
         log.warning("executor: BENCHMARK MODE: no forward pass, made-up tokens, %.3fs steps",
                     config.benchmark_step_s)
-        runner = BenchmarkRunner.random(config.random_config, seed=config.seed,
-                                        step_s=config.benchmark_step_s, **kw)
+        model = ModelConfig.named(config.random_config)
+        kw["num_kv_blocks"] = kv_blocks(config, model)
+        runner = BenchmarkRunner.random(model, seed=config.seed, step_s=config.benchmark_step_s,
+                                        **kw)
         return runner, TokenizerFiles()
     if config.random_config is not None:
-        runner = ModelRunner.random(config.random_config, seed=config.seed, **kw)
+        model = ModelConfig.named(config.random_config)
+        kw["num_kv_blocks"] = kv_blocks(config, model)
+        runner = ModelRunner.random(model, seed=config.seed, **kw)
         return runner, TokenizerFiles()
+    kw["num_kv_blocks"] = kv_blocks(config, ModelConfig.from_pretrained(config.model))
     runner = ModelRunner.from_pretrained(config.model, model_id=config.model_id, **kw)
     if tp.is_first and runner.tokenizer_json and not runner.prepare_grammars():  # (rank 0 samples)
         log.warning("executor: the grammar engine (llguidance) is not installed: requests with "
                     "a grammar (structured outputs, tools) will fail here")
     return runner, TokenizerFiles.read(config.model)
+
+
+def kv_blocks(config: ExecutorConfig, model: ModelConfig) -> int:
+    """The cache's blocks: --kv-blocks blocks of every layer's memory, in the layout's blocks
+    (with window blocks, of fewer layers: as many as that memory holds)."""
+    layout = model.kv_layout(config.window_blocks)
+    return config.num_kv_blocks * layout.num_layers // layout.layers_per_block
 
 
 def describe_quantization(config) -> str:
@@ -132,7 +145,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         c, budget = self._runner.config, self._runner.memory_budget()
         return executor_pb2.InfoResponse(
             model_id=c.model_id, vocab_size=c.vocab_size, max_model_len=c.max_position_embeddings,
-            eos_token_ids=c.eos_token_ids, num_kv_blocks=self._config.num_kv_blocks,
+            eos_token_ids=c.eos_token_ids, num_kv_blocks=self._runner.kv.num_blocks,
             block_size=self._config.block_size, num_adapter_slots=self._config.adapter_slots,
             max_lora_rank=self._config.max_rank, tokenizer_json=self._tokenizer.tokenizer_json,
             chat_template=self._tokenizer.chat_template,
@@ -148,6 +161,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             merged_adapter=self._merged_adapter(),
             page_geometry=geometry_to_pb(self._runner.pool.geometry,
                                          self._runner.pool.page_bytes),
+            kv_kinds=kinds_to_pb(self._runner.kv_layout),
             tensor_parallel_size=self._runner.tp.world,
             longrope_switch_len=self._runner.rope_switch_len,
             quantization=describe_quantization(c),
@@ -217,7 +231,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
     def _step(self, req: executor_pb2.StepRequest) -> executor_pb2.StepResponse:
         start = time.perf_counter()
-        rows = step_rows(req)  # (checked before anything changes)
+        # (checked before anything changes)
+        rows = step_rows(req, len(self._runner.kv_layout.kinds))
         if self._followers is not None:
             self._followers.step(req)  # (they run it beside this rank)
         samples = run_step(self._runner, req, rows)

@@ -18,12 +18,13 @@ the pool; none keeps a copy.
     clear(slot)                 empty: nothing recorded (its pages are left as they are: they are
                                 the scheduler's blocks again, and may hold KV by now)
 
-Offsets. Per slot and module, `a_offsets` / `b_offsets` [num_slots, modules, max_rank, chunks]
-int64 (the model's modules: the LLaMA layout's 7, or the fused layout's 4, config.lora_modules),
-on the pool's device, give the element offset in the KV storage (layer 0) of each chunk of each
-row of A, and of B^T (a column of B); layer l adds `layer_base(l)` (executor/page_tables.py defines
-both). The Triton kernels read rows through them; the torch backend and merging gather rows with
-`rows`.
+Offsets. Per layer group (one but with window blocks, common/kv_layout.py), slot and module,
+`a_offsets` / `b_offsets` [layer groups, num_slots, modules, max_rank, chunks] int64 (the model's
+modules: the LLaMA layout's 7, or the fused layout's 4, config.lora_modules), on the pool's
+device, give the element offset in the KV storage (the group's slot 0) of each chunk of each row
+of A, and of B^T (a column of B); layer l reads its group's (`offsets(l)`) and adds
+`layer_base(l)` (executor/page_tables.py defines both). The Triton kernels read rows through
+them; the torch backend and merging gather rows with `rows`.
 
 A slot counts as loaded only once whoever waited for the copy says so: ModelRunner.load_adapter at
 once (the copy is on the step's stream), the AdapterLoader once SlotCopier waited for its side
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.adapter_pages import PageGeometry, PageLayout, plan_pages
+from common.kv_layout import KVLayout, single_layout
 from executor.kv_cache import PagedKVCache
 from executor.model_config import ModelConfig
 from executor.page_tables import layer_base, slot_tables
@@ -122,11 +124,14 @@ class SlotContents:
 EMPTY_SLOT = SlotContents(targets=MappingProxyType({}))
 
 
-def page_geometry(config: ModelConfig, block_size: int) -> PageGeometry:
-    """How adapters' pages lie in a KV cache of `block_size`-token blocks of `config`."""
-    return PageGeometry(config.num_hidden_layers,
+def page_geometry(config: ModelConfig, block_size: int,
+                  layout: KVLayout | None = None) -> PageGeometry:
+    """How adapters' pages lie in a KV cache of `block_size`-token blocks of `config`, laid out
+    by `layout` (None: every layer in every block)."""
+    layout = layout or single_layout(config.num_hidden_layers)
+    return PageGeometry(layout.layers_per_block,
                         block_size * config.num_key_value_heads * config.head_dim,
-                        MappingProxyType(config.projection_shapes()))
+                        MappingProxyType(config.projection_shapes()), layout.layer_groups)
 
 
 class LoraSlotPool:
@@ -138,14 +143,18 @@ class LoraSlotPool:
     """
 
     def __init__(self, config: ModelConfig, *, num_slots: int, max_rank: int,
-                 kv: PagedKVCache) -> None:
+                 kv: PagedKVCache, layout: KVLayout | None = None) -> None:
+        """`layout`: the KV cache's (its blocks' layer slots); None: every layer in a block."""
         if num_slots < 0 or max_rank <= 0:
             raise ValueError(f"adapter pool needs num_slots >= 0 and max_rank > 0, "
                              f"got {num_slots} and {max_rank}")
         self.config, self.num_slots, self.max_rank, self.kv = config, num_slots, max_rank, kv
         self.device, self.dtype = kv.storage.device, kv.storage.dtype
         num_layers = config.num_hidden_layers
-        self.geometry = page_geometry(config, kv.block_size)
+        self.geometry = page_geometry(config, kv.block_size, layout)
+        if self.geometry.num_layers != kv.num_layers:
+            raise ValueError(f"the KV cache's blocks hold {kv.num_layers} layers, the layout "
+                             f"{self.geometry.num_layers}")
         shapes = self.geometry.module_shapes
         self.chunk = self.geometry.chunk_elems
         self.modules = tuple(shapes)  # the model's, in the tables' order
@@ -155,8 +164,9 @@ class LoraSlotPool:
                                         tuple(shapes[m][1] for m in modules))
                        for name, modules in lora_groups(config).items()}
         self.num_chunks = max(-(-n // self.chunk) for shape in shapes.values() for n in shape)
-        table = (num_slots, len(self.modules), max_rank, self.num_chunks)
-        self.a_offsets = torch.zeros(table, dtype=torch.int64, device=self.device)  # layer 0
+        table = (self.geometry.layer_groups, num_slots, len(self.modules), max_rank,
+                 self.num_chunks)
+        self.a_offsets = torch.zeros(table, dtype=torch.int64, device=self.device)  # slot 0
         self.b_offsets = torch.zeros(table, dtype=torch.int64, device=self.device)
         self.rank_table = torch.zeros(num_layers, num_slots, len(self.modules), dtype=torch.int32)
         self.scale_table = torch.zeros(num_layers, num_slots, len(self.modules))
@@ -187,8 +197,13 @@ class LoraSlotPool:
         return self._index[module]
 
     def layer_base(self, layer: int) -> int:
-        """Elements from a place in layer 0 to the same place in `layer`."""
+        """Elements from a place in slot 0 of `layer`'s group to the same place in `layer`."""
         return layer_base(layer, self.kv.num_blocks, self.geometry)
+
+    def offsets(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The offset tables of `layer`'s group: a, b [num_slots, modules, max_rank, chunks]."""
+        group = layer // self.geometry.num_layers
+        return self.a_offsets[group], self.b_offsets[group]
 
     # ----- what each slot holds -----
 
@@ -242,8 +257,9 @@ class LoraSlotPool:
             return None
         in_f, out_f = self.geometry.module_shapes[module]
         base = self.layer_base(layer)
-        a = self.kv.flat[row_index(self.a_offsets[slot, m, :rank], in_f, self.chunk) + base]
-        bt = self.kv.flat[row_index(self.b_offsets[slot, m, :rank], out_f, self.chunk) + base]
+        a_offsets, b_offsets = self.offsets(layer)
+        a = self.kv.flat[row_index(a_offsets[slot, m, :rank], in_f, self.chunk) + base]
+        bt = self.kv.flat[row_index(b_offsets[slot, m, :rank], out_f, self.chunk) + base]
         return a, bt.T  # [r, in], [out, r]
 
     # ----- writing -----
@@ -286,14 +302,14 @@ class LoraSlotPool:
         self._owner.update(dict.fromkeys(pages, slot))
         a, b = slot_tables(layout, pages, self.kv.num_blocks, self.geometry,
                            max_rank=self.max_rank, num_chunks=self.num_chunks)
-        self.a_offsets[slot], self.b_offsets[slot] = a, b  # (host -> device)
-        flat = self.kv.flat
+        self.a_offsets[:, slot], self.b_offsets[:, slot] = a, b  # (host -> device)
+        flat, per_group = self.kv.flat, self.geometry.num_layers
         for (layer, module), w in weights.modules.items():
-            m, r = self._index[module], w.a.shape[0]
+            m, r, group = self._index[module], w.a.shape[0], layer // per_group
             in_f, out_f = self.config.module_shape(module)
             base = self.layer_base(layer)
-            a_at = row_index(a[m, :r], in_f, self.chunk).to(self.device) + base
-            b_at = row_index(b[m, :r], out_f, self.chunk).to(self.device) + base
+            a_at = row_index(a[group, m, :r], in_f, self.chunk).to(self.device) + base
+            b_at = row_index(b[group, m, :r], out_f, self.chunk).to(self.device) + base
             flat.index_copy_(0, a_at.flatten(), w.a.to(self.device, self.dtype).flatten())
             flat.index_copy_(0, b_at.flatten(),
                              w.b.T.to(self.device, self.dtype).contiguous().flatten())
@@ -335,6 +351,6 @@ class LoraSlotPool:
         self._writes[slot] += 1
         self.rank_table[:, slot] = 0
         self.scale_table[:, slot] = 0.0
-        self.a_offsets[slot] = 0
-        self.b_offsets[slot] = 0
+        self.a_offsets[:, slot] = 0
+        self.b_offsets[:, slot] = 0
         self._slots[slot] = EMPTY_SLOT

@@ -14,19 +14,29 @@ from protos import executor_pb2
 log = logging.getLogger(__name__)
 
 
-def step_rows(req: executor_pb2.StepRequest) -> list[Row]:
-    """A step's rows, from their columns (executor.proto); INVALID_ARGUMENT when they differ."""
+def step_rows(req: executor_pb2.StepRequest, num_kinds: int = 1) -> list[Row]:
+    """A step's rows, from their columns (executor.proto), on a runner whose KV has `num_kinds`
+    kinds of layers (ModelRunner.kv_layout); INVALID_ARGUMENT when the columns differ."""
     seq_ids, counts, num_blocks = req.row_seq_ids, req.row_num_tokens, req.row_num_new_blocks
-    if not len(seq_ids) == len(counts) == len(num_blocks):
+    if not len(seq_ids) == len(counts) == len(num_blocks) // num_kinds \
+            or len(num_blocks) % num_kinds:
         raise InvalidArgument(f"a step's row columns differ in length: {len(seq_ids)} seq ids, "
-                              f"{len(counts)} token counts, {len(num_blocks)} block counts")
+                              f"{len(counts)} token counts, {len(num_blocks)} block counts "
+                              f"({num_kinds} per row)")
     blocks = list(req.new_block_ids)
     if sum(num_blocks) != len(blocks):
         raise InvalidArgument(f"the rows add {sum(num_blocks)} KV blocks but new_block_ids has "
                               f"{len(blocks)}")
     rows, at = [], 0
-    for seq_id, num_tokens, k in zip(seq_ids, counts, num_blocks):
-        rows.append(Row(seq_id, num_tokens, tuple(blocks[at:at + k])))
+    if num_kinds == 1:
+        for seq_id, num_tokens, k in zip(seq_ids, counts, num_blocks):
+            rows.append(Row(seq_id, num_tokens, tuple(blocks[at:at + k])))
+            at += k
+        return rows
+    for i, (seq_id, num_tokens) in enumerate(zip(seq_ids, counts)):
+        by_kind = tuple(num_blocks[i * num_kinds:(i + 1) * num_kinds])
+        k = sum(by_kind)
+        rows.append(Row(seq_id, num_tokens, tuple(blocks[at:at + k]), by_kind))
         at += k
     return rows
 
@@ -40,7 +50,8 @@ def run_step(runner: ModelRunner, req: executor_pb2.StepRequest,
         runner.unmerge()
     for new in req.new_sequences:
         runner.add_sequence(new.seq_id, list(new.token_ids), SamplingParams.from_pb(new.sampling),
-                            new.slot, new.num_generated, new.num_cached, new.lora_from)
+                            new.slot, new.num_generated, new.num_cached, new.lora_from,
+                            list(new.first_blocks))
         log.debug("sequence %d of request %s: %d tokens (%d cached), slot %d", new.seq_id,
                   new.request_id, len(new.token_ids), new.num_cached, new.slot)
     if req.HasField("merge_slot"):

@@ -12,7 +12,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "max_model_len", "eos_token_ids", "num_kv_blocks", "block_size", "num_adapter_slots", "max_lora_rank", "tokenizer_json", "weight_bytes", "kv_cache_bytes", "adapter_pool_bytes", "lora_backend", "device", "slot_adapters", "num_sequences", "chat_template", "special_tokens", "base_fingerprint", "merged_adapter", "page_geometry", "tensor_parallel_size", "longrope_switch_len", "quantization", "dense_weight_bytes")
+    __slots__ = ("model_id", "vocab_size", "max_model_len", "eos_token_ids", "num_kv_blocks", "block_size", "num_adapter_slots", "max_lora_rank", "tokenizer_json", "weight_bytes", "kv_cache_bytes", "adapter_pool_bytes", "lora_backend", "device", "slot_adapters", "num_sequences", "chat_template", "special_tokens", "base_fingerprint", "merged_adapter", "page_geometry", "tensor_parallel_size", "longrope_switch_len", "quantization", "dense_weight_bytes", "kv_kinds")
     class SpecialTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class InfoResponse(_message.Message):
     LONGROPE_SWITCH_LEN_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     DENSE_WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_KINDS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     max_model_len: int
@@ -70,19 +71,32 @@ class InfoResponse(_message.Message):
     longrope_switch_len: int
     quantization: str
     dense_weight_bytes: int
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_adapter_slots: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., adapter_pool_bytes: _Optional[int] = ..., lora_backend: _Optional[str] = ..., device: _Optional[str] = ..., slot_adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., num_sequences: _Optional[int] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., base_fingerprint: _Optional[str] = ..., merged_adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., page_geometry: _Optional[_Union[PageGeometry, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., longrope_switch_len: _Optional[int] = ..., quantization: _Optional[str] = ..., dense_weight_bytes: _Optional[int] = ...) -> None: ...
+    kv_kinds: _containers.RepeatedCompositeFieldContainer[KVKind]
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_adapter_slots: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., adapter_pool_bytes: _Optional[int] = ..., lora_backend: _Optional[str] = ..., device: _Optional[str] = ..., slot_adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., num_sequences: _Optional[int] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., base_fingerprint: _Optional[str] = ..., merged_adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., page_geometry: _Optional[_Union[PageGeometry, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., longrope_switch_len: _Optional[int] = ..., quantization: _Optional[str] = ..., dense_weight_bytes: _Optional[int] = ..., kv_kinds: _Optional[_Iterable[_Union[KVKind, _Mapping]]] = ...) -> None: ...
+
+class KVKind(_message.Message):
+    __slots__ = ("window", "layers", "columns")
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    window: int
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    columns: int
+    def __init__(self, window: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., columns: _Optional[int] = ...) -> None: ...
 
 class PageGeometry(_message.Message):
-    __slots__ = ("num_layers", "region_elements", "modules", "page_bytes")
+    __slots__ = ("num_layers", "region_elements", "modules", "page_bytes", "layer_groups")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     REGION_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
     MODULES_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_GROUPS_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     region_elements: int
     modules: _containers.RepeatedCompositeFieldContainer[ModuleShape]
     page_bytes: int
-    def __init__(self, num_layers: _Optional[int] = ..., region_elements: _Optional[int] = ..., modules: _Optional[_Iterable[_Union[ModuleShape, _Mapping]]] = ..., page_bytes: _Optional[int] = ...) -> None: ...
+    layer_groups: int
+    def __init__(self, num_layers: _Optional[int] = ..., region_elements: _Optional[int] = ..., modules: _Optional[_Iterable[_Union[ModuleShape, _Mapping]]] = ..., page_bytes: _Optional[int] = ..., layer_groups: _Optional[int] = ...) -> None: ...
 
 class ModuleShape(_message.Message):
     __slots__ = ("module", "in_features", "out_features")
@@ -95,7 +109,7 @@ class ModuleShape(_message.Message):
     def __init__(self, module: _Optional[str] = ..., in_features: _Optional[int] = ..., out_features: _Optional[int] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "sampling", "slot", "num_generated", "num_cached", "request_id", "lora_from")
+    __slots__ = ("seq_id", "token_ids", "sampling", "slot", "num_generated", "num_cached", "request_id", "lora_from", "first_blocks")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +118,7 @@ class NewSequence(_message.Message):
     NUM_CACHED_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LORA_FROM_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -112,7 +127,8 @@ class NewSequence(_message.Message):
     num_cached: int
     request_id: str
     lora_from: int
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., slot: _Optional[int] = ..., num_generated: _Optional[int] = ..., num_cached: _Optional[int] = ..., request_id: _Optional[str] = ..., lora_from: _Optional[int] = ...) -> None: ...
+    first_blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., slot: _Optional[int] = ..., num_generated: _Optional[int] = ..., num_cached: _Optional[int] = ..., request_id: _Optional[str] = ..., lora_from: _Optional[int] = ..., first_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("freed_seq_ids", "new_sequences", "row_seq_ids", "row_num_tokens", "row_num_new_blocks", "new_block_ids", "merge_slot", "unmerge")

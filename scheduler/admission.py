@@ -130,7 +130,9 @@ class Admission:
                 enter_long(req)  # (its blocks named apart from short runs': longrope.py)
             hits = cached_prefix(ex.blocks, req, tokens)
             if not part.make_kv_room(  # (adapters' pages back to KV first)
-                    lambda: ex.blocks.can_start(hits, len(tokens) + 1),
+                    lambda: ex.blocks.can_start(
+                        hits, len(tokens) + 1,
+                        min(len(tokens), len(hits) * ex.blocks.block_size + budget) + 1),
                     wanted_too=True, keep=req.ask.adapter):
                 break  # the fairest request does not fit: admit nobody behind it
             row = start(req, tokens, hits, budget)

@@ -34,7 +34,7 @@ from scheduler.residency.executor_residency import ExecutorResidency
 from scheduler.residency.hooks import Hooks, Load
 from scheduler.residency.residency import Residency
 from scheduler.stats import TenantTotals
-from scheduler.steps.block_manager import BlockManager
+from scheduler.steps.block_manager import BlockManager, Hits
 from scheduler.steps.fast_steps import FastSteps
 from scheduler.steps.longrope import run_end
 from scheduler.steps.prefix_cache import name_blocks
@@ -64,7 +64,7 @@ class Scheduler:
             observe_load=lambda ex, num_bytes, seconds: ex.rates.observe_load(num_bytes, seconds),
             wanted=lambda ex: self.placement.wanted(ex),
             popularity=lambda ex, now: self.placement.popularity(ex, now),
-            kv_growth=lambda ex: self._steps[ex].blocks_to_grow(ex.blocks.block_size)))
+            kv_growth=lambda ex: self._steps[ex].blocks_to_grow(ex.blocks)))
         self.placement = Placement(limits, fair, self.residency, wake,
                                    lambda ex: self.merges.dedicated_to(ex))
         self.admission = Admission(limits, fair, self.placement, self.residency, clock)
@@ -187,11 +187,12 @@ class Scheduler:
         start = functools.partial(self._start, ex)
         return self.admission.admit(ex, self._steps[ex].running, budget, start)
 
-    def _start(self, ex: ExecutorState, req: Request, tokens: list[int], hits: list[int],
+    def _start(self, ex: ExecutorState, req: Request, tokens: list[int], hits: list[int] | Hits,
                budget: int) -> ScheduledRow:
         """Run req on ex, its first blocks `hits` found in the prefix cache: its first row."""
         seq_id = next(self._seq_ids)
-        table = ex.blocks.start(seq_id, hits, len(tokens))
+        first_end = min(len(tokens), len(hits) * ex.blocks.block_size + budget)
+        table = ex.blocks.start(seq_id, hits, len(tokens), first_end)
         self.placement.start(ex, req, len(hits) * ex.blocks.block_size)
         slot = self.residency.of(ex).pin(req) if req.ask.adapter else -1
         row = self._steps[ex].start(seq_id, req, slot, tokens, table, len(hits), ex.blocks,
@@ -262,7 +263,8 @@ class Scheduler:
         """A new (or reconnected) executor: a fresh view of it from its Info's facts (a view of
         it from before is forgotten), up and admitting; it takes its place and the work that
         had nowhere to go. A departing executor stays departing (`is_leaving`)."""
-        ex = ExecutorState(address, BlockManager(shape.num_blocks, shape.block_size),
+        ex = ExecutorState(address, BlockManager(shape.num_blocks, shape.block_size,
+                                                 shape.kv_layout),
                            shape.rope_switch_len, is_leaving=is_leaving)
         self._steps[ex] = self._new_steps()
         self.residency.add(ex, shape)
@@ -306,7 +308,7 @@ class Scheduler:
         self.placement.evacuate(ex)
         steps.forget_frees()
         self.residency.of(ex).reset()
-        ex.blocks = BlockManager(ex.blocks.num_blocks, ex.blocks.block_size)
+        ex.blocks = BlockManager(ex.blocks.num_blocks, ex.blocks.block_size, ex.blocks.layout)
         self.merges.forget(ex)
         self._wake()
 

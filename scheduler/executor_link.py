@@ -54,7 +54,7 @@ class ExecutorLink:
     async def send(self, plan: StepPlan, seconds: float) -> None:
         """Write a step to the step stream (UNAVAILABLE past `seconds`: the stream does not take
         it, its executor is not reading)."""
-        await self._write(step_request(plan), seconds)
+        await self._write(step_request(plan, len(self.info.kv_kinds) or 1), seconds)
 
     async def receive(self, plan: StepPlan, seconds: float) -> tuple[Samples, float]:
         """The answer to the oldest step sent, `plan` (UNAVAILABLE past `seconds`, or when it
@@ -104,21 +104,29 @@ class ExecutorLink:
             self._call = None
 
 
-def step_request(plan: StepPlan) -> executor_pb2.StepRequest:
-    """The step stream's message for `plan` (its columns made by map in C: a row each)."""
+def step_request(plan: StepPlan, num_kinds: int = 1) -> executor_pb2.StepRequest:
+    """The step stream's message for `plan` (its columns made by map in C: a row each), to an
+    executor whose KV has `num_kinds` kinds of layers (several: each row's blocks per kind)."""
     rows = plan.rows
     new_blocks = list(map(_new_block_ids, rows))
+    if num_kinds == 1:
+        counts = list(map(len, new_blocks))
+    else:  # (a row's KindBlocks, or () when it takes none)
+        counts = [len(kind) for new in new_blocks
+                  for kind in (new or itertools.repeat((), num_kinds))]
+        new_blocks = [block_ids for new in new_blocks for block_ids in new]
     return executor_pb2.StepRequest(
         freed_seq_ids=plan.freed,
         new_sequences=[executor_pb2.NewSequence(
             seq_id=seq.seq_id, token_ids=seq.token_ids, slot=seq.slot_index,
             sampling=seq.request.ask.sampling.to_pb(),
             num_generated=len(seq.request.output_token_ids), num_cached=seq.num_cached,
-            request_id=seq.request.ask.request_id, lora_from=seq.request.ask.lora_from)
+            request_id=seq.request.ask.request_id, lora_from=seq.request.ask.lora_from,
+            first_blocks=seq.first_blocks)
             for seq in plan.new],
         row_seq_ids=list(map(_seq_id, rows)),
         row_num_tokens=list(map(_num_tokens, rows)),
-        row_num_new_blocks=list(map(len, new_blocks)),
+        row_num_new_blocks=counts,
         new_block_ids=list(itertools.chain.from_iterable(new_blocks)),
         merge_slot=plan.merge_slot, unmerge=plan.unmerge)
 

@@ -20,10 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.adapter_pages import PageGeometry
-from common.page_geometry_pb import geometry_from_pb
+from common.kv_layout import KVLayout
+from common.page_geometry_pb import geometry_from_pb, layout_from_pb
 from protos import executor_pb2
 from scheduler.routing import Rates
-from scheduler.steps.block_manager import BlockManager, blocks_for
+from scheduler.steps.block_manager import BlockManager
 
 
 @dataclass(frozen=True)
@@ -38,12 +39,13 @@ class ExecutorShape:
     geometry: PageGeometry | None = None
     page_bytes: int = 0
     rope_switch_len: int = 0  # its model's longrope switch (steps/longrope.py; 0: none)
+    kv_layout: KVLayout | None = None  # which KV its layers keep (None: one kind, the whole)
 
     @classmethod
     def from_info(cls, info: executor_pb2.InfoResponse) -> ExecutorShape:
         return cls(info.num_kv_blocks, info.block_size, info.num_adapter_slots,
                    geometry_from_pb(info), info.page_geometry.page_bytes,
-                   info.longrope_switch_len)
+                   info.longrope_switch_len, layout_from_pb(info))
 
 
 @dataclass(eq=False)
@@ -67,8 +69,8 @@ class ExecutorState:
         """An operator may let it admit again: it is up and neither leaving nor stopping."""
         return self.is_up and not (self.is_leaving or self.is_stopping)
 
-    def can_hold(self, num_tokens: int, adapter_pages: int = 0) -> bool:
-        """A sequence of `num_tokens` tokens fits this executor's blocks whole, beside its
-        adapter's `adapter_pages` pages."""
-        return blocks_for(num_tokens, self.blocks.block_size) + adapter_pages \
+    def can_hold(self, num_tokens: int, adapter_pages: int = 0, chunk: int = 0) -> bool:
+        """A sequence of `num_tokens` tokens, computed in rows of up to `chunk` tokens, fits
+        this executor's blocks whole, beside its adapter's `adapter_pages` pages."""
+        return self.blocks.most_blocks(num_tokens, chunk) + adapter_pages \
             <= self.blocks.num_blocks

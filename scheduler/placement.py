@@ -143,7 +143,8 @@ class Placement:
         adapter, dedicated_to = req.ask.adapter, self._dedicated_to
         candidates = [ex for ex in self._executors if ex.is_admitting
                       and dedicated_to(ex) in (None, adapter)
-                      and ex.can_hold(req.max_tokens, self._residency.of(ex).pages_of(req))]
+                      and ex.can_hold(req.max_tokens, self._residency.of(ex).pages_of(req),
+                                      self.limits.max_batched_tokens)]
         if not candidates:
             return None
         if any(dedicated_to(ex) is not None for ex in candidates):

@@ -9,7 +9,7 @@ from common.adapter_ref import AdapterRef
 from common.base_fingerprint import is_same_base, same_model_hint
 from common.errors import FailedPrecondition, InvalidArgument
 from common.lru import Lru
-from common.page_geometry_pb import geometry_from_pb
+from common.page_geometry_pb import geometry_from_pb, layout_from_pb
 from common.peft.config import parse_config
 from common.wire import MAX_CACHE_SALT_CHARS
 from protos import common_pb2, executor_pb2
@@ -67,6 +67,7 @@ class Servables:
 
     def __init__(self, info: executor_pb2.InfoResponse, max_entries: int = 10_000):
         self._info, self._geometry = info, geometry_from_pb(info)
+        self._num_layers = layout_from_pb(info).num_layers  # (the model's)
         self._known: Lru[AdapterRef, Servable] = Lru(max_entries)
 
     def of(self, adapter: common_pb2.AdapterInfo) -> Servable:
@@ -78,7 +79,7 @@ class Servables:
             if self._geometry is not None:
                 ranks = dict(adapter.module_ranks) or module_ranks(
                     parse_config(adapter.config_json), adapter.target_modules,
-                    self._geometry.num_layers, adapter.layers_path)
+                    self._num_layers, adapter.layers_path)
                 try:
                     pages = plan_pages(ranks, self._geometry).num_pages
                 except ValueError as err:  # (its modules are not this model's: Phi-3's qkv_proj)
@@ -91,8 +92,10 @@ class Servables:
 
 def check_pages(num_tokens: int, adapter: AdapterRef, num_pages: int,
                 info: executor_pb2.InfoResponse) -> None:
-    """The request's KV and its adapter's pages fit an executor's blocks together."""
-    blocks = -(-num_tokens // info.block_size)
+    """The request's KV and its adapter's pages fit an executor's blocks together (under window
+    blocks, its window kinds' at most: its window and its prompt's, common/kv_layout.py)."""
+    layout = layout_from_pb(info)
+    blocks = layout.most_blocks(num_tokens, info.block_size, chunk=num_tokens)
     if num_pages and blocks + num_pages > info.num_kv_blocks:
         raise InvalidArgument(
             f"the prompt with max_new_tokens ({num_tokens} tokens: {blocks} KV blocks) and "

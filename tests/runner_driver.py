@@ -55,7 +55,9 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 class Driver:
     """A stand-in scheduler: shuffled (reused) block ids, chunked prefill, rows sorted by slot;
     on a longrope model, a sequence that outgrows the switch is recomputed from all its tokens
-    (as scheduler/steps/longrope.py has it)."""
+    (as scheduler/steps/longrope.py has it); with window blocks (ModelRunner.kv_layout), each
+    kind's tables, a window kind's token blocks given back (and reused) once behind the window
+    of a sequence's next row."""
 
     def __init__(self, runner: ModelRunner, seed: int = 0):
         self.runner, self.free = runner, runner.free_blocks()  # (not its adapters' pages)
@@ -63,6 +65,7 @@ class Driver:
         self.state: dict[int, dict] = {}
         self.samples: dict[int, list[Sampled]] = {}  # every sample of each sequence, in order
         self.num_recomputed = 0  # sequences recomputed past the longrope switch
+        self.most_held: dict[int, int] = {}  # seq_id -> the most blocks its tables held
 
     def add(self, seq_id, prompt, slot, sampling: SamplingParams | None = None,
             num_generated: int = 0, lora_from: int = 0):
@@ -70,18 +73,17 @@ class Driver:
         sampling = sampling or SamplingParams()
         self.runner.add_sequence(seq_id, prompt, sampling, slot, num_generated,
                                  lora_from=lora_from)
-        self.state[seq_id] = {"computed": 0, "total": len(prompt), "blocks": [], "slot": slot,
+        self.state[seq_id] = {"computed": 0, "total": len(prompt), "slot": slot,
                               "sampling": sampling, "generated": num_generated,
-                              "lora_from": lora_from}
+                              "lora_from": lora_from,
+                              "tables": [[] for _ in self.runner.kv_layout.kinds]}
+        self.most_held.setdefault(seq_id, 0)
 
     def step(self, chunk: int) -> dict[int, tuple[int, torch.Tensor]]:
         rows = []
         for sid, st in sorted(self.state.items(), key=lambda item: item[1]["slot"]):
             n = min(chunk, st["total"] - st["computed"])
-            need = -(-(st["computed"] + n) // BLOCK) - len(st["blocks"])
-            new = tuple(self.free.pop() for _ in range(need))
-            st["blocks"] += new
-            rows.append(Row(sid, n, new))
+            rows.append(self._row(sid, st, n))
         sampled, logits = self.runner.step_with_logits(rows)
         for r in rows:
             self.state[r.seq_id]["computed"] += r.num_tokens
@@ -103,18 +105,40 @@ class Driver:
         self.add(seq_id, tokens, st["slot"], st["sampling"], st["generated"], st["lora_from"])
         self.num_recomputed += 1
 
+    def _row(self, seq_id: int, st: dict, n: int) -> Row:
+        """seq_id's next row of n tokens: each kind's blocks behind the row's window back, and
+        the token blocks it needs taken (one block per column each)."""
+        kinds = self.runner.kv_layout.kinds
+        counts, new = [], []
+        for kind, table in zip(kinds, st["tables"]):
+            for i in range(kind.first_needed(st["computed"], BLOCK)):
+                if table[i] is not None:
+                    self.free += table[i]
+                    table[i] = None
+            need = -(-(st["computed"] + n) // BLOCK) - len(table)
+            taken = [tuple(self.free.pop() for _ in range(kind.columns)) for _ in range(need)]
+            table += taken
+            counts.append(need * kind.columns)
+            new += [b for entry in taken for b in entry]
+        held = sum(len(e) for table in st["tables"] for e in table if e is not None)
+        self.most_held[seq_id] = max(self.most_held[seq_id], held)
+        return Row(seq_id, n, tuple(new), tuple(counts) if len(kinds) > 1 else ())
+
     def finish(self, seq_id: int) -> None:
         self.runner.free_sequence(seq_id)
-        self.free += self.state.pop(seq_id)["blocks"]
+        self.free += [b for table in self.state.pop(seq_id)["tables"] for e in table
+                      if e is not None for b in e]
 
 
 def run(runner, requests: dict, num_tokens: int, chunk: int = 8, admit: int = 100, seed: int = 0,
-        samples: dict | None = None):
+        samples: dict | None = None, most_held: dict | None = None):
     """requests: seq_id -> (prompt, slot[, sampling[, lora_from]]) -> seq_id -> (tokens,
     logits [n, vocab]);
-    `samples`, when given, gets each sequence's Sampled records (logprobs, alternatives)."""
+    `samples`, when given, gets each sequence's Sampled records (logprobs, alternatives);
+    `most_held`, the most blocks each sequence's tables held at once."""
     driver, pending = Driver(runner, seed), list(requests.items())
     driver.samples = driver.samples if samples is None else samples
+    driver.most_held = driver.most_held if most_held is None else most_held
     out = {sid: ([], []) for sid in requests}
     while pending or driver.state:
         for sid, req in pending[:admit]:

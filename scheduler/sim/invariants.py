@@ -51,16 +51,16 @@ def check_invariants(core: Scheduler, live: Iterable[Request] = ()) -> None:
         blocks = ex.blocks
         assert set(blocks.tables) == set(running), f"{where}: blocks of unknown sequences"
         blocks.check()  # every block free, cached or referenced, by as many as hold it
-        in_tables = {b for t in blocks.tables.values() for b in t}
+        in_tables = {b for seq_id in blocks.tables for b in blocks.held(seq_id)}
         assert len(in_tables) == blocks.num_allocated(), f"{where}: blocks leaked"
         holder: dict[int, Request] = {}
         for seq in running.values():
-            held = len(blocks.tables[seq.seq_id]) * blocks.block_size
+            held = blocks.capacity(seq.seq_id)
             num_computed, _, _ = steps.counters(seq)
             assert num_computed <= seq.capacity <= held, \
                 f"{where}: seq {seq.seq_id} computes past its blocks, or believes it holds more"
             key = seq.request.cache_key
-            for block in blocks.tables[seq.seq_id]:
+            for block in blocks.held(seq.seq_id):
                 other = holder.setdefault(block, seq.request)
                 assert other is seq.request or key and other.cache_key == key, \
                     f"{where}: block {block} shared across cache keys"

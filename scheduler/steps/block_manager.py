@@ -21,6 +21,15 @@ block that left a sequence's table stays unsettled until every step that may rea
 (`free` takes the sequence's last step, `settle` the last step answered), and only settled blocks
 become pages.
 
+Window blocks (the executor's KV layout, common/kv_layout.py): a sequence has a table per kind of
+layers. A token block of a kind takes `columns` blocks together (an entry: named by its first
+block, cached, shared and evicted as one). A window kind's table holds entries only from the
+first token block its next row reads: `grow` gives back the ones behind (to the cache when
+hashed, as `free` does), and a new sequence's window table starts past the prefix's blocks that
+lie behind its first row's window (-1 there; the executor's NewSequence.first_blocks). A prefix
+matches where every global kind holds its whole chain and every window kind the blocks its
+window reads.
+
 Running example (block_size 4): seq 1 runs tokens [a b c d e f] with table [7, 2] and publishes
 block 7 under h1 = H(root, abcd, key). Seq 1 ends: block 2 is free, block 7 cached. Seq 2 with
 the same key and tokens [a b c d x] matches [7], takes it (refs 1) plus one free block, and
@@ -29,6 +38,9 @@ computes from position 4.
 
 import heapq
 from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from common.kv_layout import KVLayout, single_layout
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -36,26 +48,53 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+@dataclass(frozen=True)
+class Hits:
+    """A prefix found in the cache under window blocks: each kind's entries (-1 where a window
+    kind needs none)."""
+
+    tables: tuple[list[int], ...]
+
+    def __len__(self) -> int:
+        """Token blocks of the prefix."""
+        return len(self.tables[0])
+
+
+class KindBlocks(tuple):
+    """A row's new blocks under several kinds: each kind's, every entry's blocks together (the
+    step message counts them per kind)."""
+
+
 class BlockManager:
-    """Free list, prefix cache and the block table of each sequence.
+    """Free list, prefix cache and the block tables of each sequence.
 
     Predicates come in pairs with their actions: `can_grow`/`grow`, `can_start`/`start`.
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, layout: KVLayout | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("need num_blocks >= 1 and block_size >= 1, got "
                              f"{num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.layout = layout or single_layout(1)
+        self._kinds = self.layout.kinds
+        self._columns = tuple(kind.columns for kind in self._kinds)
         self._free: deque[int] = deque(range(num_blocks))
         self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced hashed, LRU first
-        self._block_of: dict[bytes, int] = {}  # hash -> block
-        self._hash_of: dict[int, bytes] = {}  # block -> hash
-        self._refs: dict[int, int] = {}  # block -> tables holding it (absent: 0)
-        self.tables: dict[int, list[int]] = {}  # seq_id -> block ids, in position order
+        self._cached_blocks = 0  # blocks of the cached entries
+        self._block_of: dict[bytes, int] = {}  # hash (a window kind's: + its index) -> entry
+        self._hash_of: dict[int, bytes] = {}  # entry -> hash
+        self._refs: dict[int, int] = {}  # entry -> tables holding it (absent: 0)
+        self._rest: dict[int, tuple[int, ...]] = {}  # entry -> its other blocks (columns > 1)
+        self._head_of: dict[int, int] = {}  # such a block -> its entry
+        # per kind: seq_id -> entries in position order (-1: none there); and for a window
+        # kind, seq_id -> its first entry that is not -1
+        self._tables: tuple[dict[int, list[int]], ...] = tuple({} for _ in self._kinds)
+        self._live_from: tuple[dict[int, int], ...] = tuple({} for _ in self._kinds)
+        self.tables = self._tables[0]  # (the only kind's, without window blocks)
         self._pages: set[int] = set()  # blocks holding adapters' weights
-        self._owner: dict[int, object] = {}  # hashed block -> the adapter whose KV it holds
+        self._owner: dict[int, object] = {}  # hashed entry -> the adapter whose KV it holds
         # Blocks that left a table in a step not answered yet: block -> that step (and a heap of
         # (step, block) to settle them in step order; an entry whose step moved is stale).
         self._unsettled: dict[int, int] = {}
@@ -64,7 +103,7 @@ class BlockManager:
     @property
     def num_free(self) -> int:
         """Blocks a sequence can take now: free ones and unreferenced cached ones."""
-        return len(self._free) + len(self._cached)
+        return len(self._free) + self._cached_blocks
 
     @property
     def num_pages(self) -> int:
@@ -74,54 +113,140 @@ class BlockManager:
     @property
     def num_cached(self) -> int:
         """Blocks holding a published prefix, referenced or not."""
-        return len(self._hash_of)
+        return sum(1 + len(self._rest.get(entry, ())) for entry in self._hash_of)
 
     def num_allocated(self) -> int:
         """Blocks in sequences' tables."""
         return self.num_blocks - self.num_free - len(self._pages)
 
+    def capacity(self, seq_id: int) -> int:
+        """Tokens seq_id's tables hold (every kind's)."""
+        if len(self._tables) == 1:
+            return len(self.tables[seq_id]) * self.block_size
+        return min(len(t[seq_id]) for t in self._tables) * self.block_size
+
+    def most_blocks(self, num_tokens: int, chunk: int = 0) -> int:
+        """Blocks a sequence of `num_tokens` tokens holds at most, computed in rows of up to
+        `chunk` tokens (KVLayout.most_blocks)."""
+        return self.layout.most_blocks(num_tokens, self.block_size, chunk)
+
+    def held(self, seq_id: int) -> list[int]:
+        """The blocks seq_id's tables hold, every kind's."""
+        return [b for tables in self._tables for entry in tables.get(seq_id, ()) if entry >= 0
+                for b in self._blocks_of(entry)]
+
+    def first_blocks(self, seq_id: int) -> tuple[int, ...]:
+        """Each kind's first entry of seq_id's tables that is not -1."""
+        return tuple(live.get(seq_id, 0) for live in self._live_from)
+
     # ---- the prefix cache -------------------------------------------------------------------
-    def match(self, hashes: list[bytes]) -> list[int]:
-        """The blocks of the longest cached chain that starts `hashes`."""
+    def match(self, hashes: list[bytes]) -> list[int] | Hits:
+        """The entries of the longest cached prefix that starts `hashes`: a list without window
+        blocks, else Hits."""
+        if self.layout.is_single:
+            return self._chain(hashes, 0)
+        num = len(hashes)
+        for k, kind in enumerate(self._kinds):  # every global kind's whole chain
+            if kind.window is None:
+                num = len(self._chain(hashes[:num], k))
+        for k, kind in enumerate(self._kinds):  # every window kind's blocks behind its end
+            if kind.window is not None:
+                num = self._window_match(k, hashes[:num])
+        return Hits(tuple(
+            [-1] * kind.first_needed(num * self.block_size, self.block_size)
+            + [self._block_of[self._key(h, k)]
+               for h in hashes[kind.first_needed(num * self.block_size, self.block_size):num]]
+            for k, kind in enumerate(self._kinds)))
+
+    def _key(self, block_hash: bytes, kind: int) -> bytes:
+        return block_hash + bytes((kind,)) if kind else block_hash
+
+    def _chain(self, hashes: list[bytes], kind: int) -> list[int]:
         hits = []
         for h in hashes:
-            block = self._block_of.get(h)
-            if block is None:
+            entry = self._block_of.get(self._key(h, kind))
+            if entry is None:
                 break
-            hits.append(block)
+            hits.append(entry)
         return hits
+
+    def _window_match(self, kind: int, hashes: list[bytes]) -> int:
+        """The longest prefix of `hashes` whose blocks a row after it reads are cached in
+        window kind `kind`."""
+        run, runs = 0, []  # cached entries ending at each block
+        for h in hashes:
+            run = run + 1 if self._key(h, kind) in self._block_of else 0
+            runs.append(run)
+        window = self._kinds[kind]
+        for num in range(len(hashes), 0, -1):
+            if runs[num - 1] >= num - window.first_needed(num * self.block_size,
+                                                          self.block_size):
+                return num
+        return 0
 
     def publish(self, seq_id: int, index: int, block_hash: bytes, owner: object = None) -> None:
         """Block `index` of seq_id's table is full and computed: cache it under `block_hash`,
-        as KV computed with adapter `owner` (None: the base model). When another block already
-        holds that hash (two sequences computed the same prefix at once), this one stays
-        unhashed and is freed as usual."""
-        block = self.tables[seq_id][index]
-        if block_hash not in self._block_of and block not in self._hash_of:
-            self._block_of[block_hash] = block
-            self._hash_of[block] = block_hash
-            if owner is not None:
-                self._owner[block] = owner
+        as KV computed with adapter `owner` (None: the base model); every kind's that seq_id
+        still holds. When another entry already holds that hash (two sequences computed the
+        same prefix at once), this one stays unhashed and is freed as usual."""
+        for kind, tables in enumerate(self._tables):
+            table = tables[seq_id]
+            if index >= len(table) or table[index] < 0:
+                continue
+            block, key = table[index], self._key(block_hash, kind)
+            if key not in self._block_of and block not in self._hash_of:
+                self._block_of[key] = block
+                self._hash_of[block] = key
+                if owner is not None:
+                    self._owner[block] = owner
 
     def drop_cached_of(self, owner: object) -> int:
         """Forget the cached blocks of adapter `owner` (it left the executor: useless without
         it): they are free now, taken before any other. How many."""
         dropped = [b for b, o in self._owner.items() if o == owner and b in self._cached]
-        for block in dropped:
-            del self._cached[block]
-            del self._block_of[self._hash_of.pop(block)]
-            del self._owner[block]
-            self._free.appendleft(block)
-        return len(dropped)
+        count = 0
+        for entry in dropped:
+            blocks = self._evict(entry)
+            self._free.extendleft(reversed(blocks))
+            count += len(blocks)
+        return count
+
+    def _evict(self, entry: int) -> tuple[int, ...]:
+        """A cached entry forgotten: its blocks (now in no state: the caller places them)."""
+        del self._cached[entry]
+        del self._block_of[self._hash_of.pop(entry)]
+        self._owner.pop(entry, None)
+        blocks = self._blocks_of(entry)
+        self._cached_blocks -= len(blocks)
+        self._forget_rest(entry)
+        return blocks
+
+    def _blocks_of(self, entry: int) -> tuple[int, ...]:
+        rest = self._rest.get(entry)
+        return (entry,) if rest is None else (entry, *rest)
+
+    def _forget_rest(self, entry: int) -> None:
+        for block in self._rest.pop(entry, ()):
+            del self._head_of[block]
 
     # ---- adapter pages ----------------------------------------------------------------------
     def num_settled(self) -> int:
-        """Free and cached blocks that may become pages now."""
-        return self.num_free - sum(1 for b in self._unsettled if b not in self._refs)
+        """Free and cached blocks that may become pages now (a cached entry only whole)."""
+        unsettled_free, unsettled_entries = 0, set()
+        for block in self._unsettled:
+            entry = self._head_of.get(block, block)
+            if entry in self._refs:
+                continue
+            if entry in self._cached:
+                unsettled_entries.add(entry)
+            else:
+                unsettled_free += 1
+        return self.num_free - unsettled_free - sum(
+            len(self._blocks_of(entry)) for entry in unsettled_entries)
 
     def take_pages(self, num_pages: int) -> list[int] | None:
         """`num_pages` settled blocks for an adapter's weights, free ones first, then the least
-        recently used cached ones (their prefixes forgotten); None (nothing taken) when fewer
+        recently used cached entries (their prefixes forgotten); None (nothing taken) when fewer
         are settled."""
         if num_pages > self.num_settled():
             return None
@@ -133,14 +258,15 @@ class BlockManager:
                 pages.append(block)
         for block in pages:
             self._free.remove(block)
-        for block in list(self._cached):
+        for entry in list(self._cached):
             if len(pages) == num_pages:
                 break
-            if block not in self._unsettled:
-                del self._cached[block]
-                del self._block_of[self._hash_of.pop(block)]
-                self._owner.pop(block, None)
-                pages.append(block)
+            blocks = self._blocks_of(entry)
+            if not any(b in self._unsettled for b in blocks):
+                self._evict(entry)
+                taken = blocks[:num_pages - len(pages)]
+                pages += taken
+                self._free.extendleft(reversed(blocks[len(taken):]))
         self._pages.update(pages)
         return pages
 
@@ -161,96 +287,194 @@ class BlockManager:
     # ---- tables -----------------------------------------------------------------------------
     def num_missing(self, seq_id: int, num_tokens: int) -> int:
         """Blocks `seq_id` still lacks to hold `num_tokens` tokens."""
-        have = len(self.tables.get(seq_id, ()))
-        return max(0, -(-num_tokens // self.block_size) - have)  # (blocks_for, inlined: per row)
+        need = -(-num_tokens // self.block_size)  # (blocks_for, inlined: per row)
+        if len(self._tables) == 1:
+            return max(0, need - len(self.tables.get(seq_id, ())))
+        return sum(columns * max(0, need - len(tables.get(seq_id, ())))
+                   for columns, tables in zip(self._columns, self._tables))
 
     def can_grow(self, seq_id: int, num_tokens: int) -> bool:
         return self.num_missing(seq_id, num_tokens) <= self.num_free
 
-    def grow(self, seq_id: int, num_tokens: int) -> list[int]:
-        """Extend the table of `seq_id` to cover `num_tokens` tokens; returns the new block ids."""
-        new = self.try_grow(seq_id, num_tokens)
+    def grow(self, seq_id: int, num_tokens: int, start: int = 0,
+             last_step: int = 0) -> list[int] | KindBlocks:
+        """Extend the tables of `seq_id` to cover `num_tokens` tokens for a row from position
+        `start` (its last row in plan `last_step`); returns the new blocks."""
+        new = self.try_grow(seq_id, num_tokens, start, last_step)
         if new is None:
             raise RuntimeError(f"seq {seq_id}: needs {self.num_missing(seq_id, num_tokens)} "
                                f"blocks, {self.num_free} free")
         return new
 
-    def try_grow(self, seq_id: int, num_tokens: int) -> list[int] | None:
+    def try_grow(self, seq_id: int, num_tokens: int, start: int = 0,
+                 last_step: int = 0) -> list[int] | KindBlocks | None:
         """`grow`, or None (nothing taken) when too few blocks are free: `can_grow` and `grow` in
-        one look at the table (the scheduler asks for every row of every step)."""
-        table = self.tables.get(seq_id)
-        have = 0 if table is None else len(table)
-        missing = -(-num_tokens // self.block_size) - have  # (blocks_for, inlined)
-        if missing <= 0:  # (most decode steps)
-            return []
-        if missing > len(self._free) + len(self._cached):
+        one look at the table (the scheduler asks for every row of every step). Under window
+        blocks, a window kind first gives back the entries behind the window of a row from
+        `start` (its last row in plan `last_step`): they are what may be taken."""
+        if self.layout.is_single:
+            table = self.tables.get(seq_id)
+            have = 0 if table is None else len(table)
+            missing = -(-num_tokens // self.block_size) - have  # (blocks_for, inlined)
+            if missing <= 0:  # (most decode steps)
+                return []
+            if missing > len(self._free) + self._cached_blocks:
+                return None
+            new = [self._take(0) for _ in range(missing)]
+            self.tables.setdefault(seq_id, []).extend(new)
+            return new
+        self._leave_behind(seq_id, start, last_step)
+        if self.num_missing(seq_id, num_tokens) > self.num_free:
             return None
-        new = [self._take() for _ in range(missing)]
-        self.tables.setdefault(seq_id, []).extend(new)
-        return new
+        need = -(-num_tokens // self.block_size)
+        grown = []
+        for kind, tables in enumerate(self._tables):
+            table = tables.setdefault(seq_id, [])
+            new = [self._take(kind) for _ in range(need - len(table))]
+            table.extend(new)
+            grown.append([b for entry in new for b in self._blocks_of(entry)])
+        return grown[0] if len(grown) == 1 else KindBlocks(grown)
 
-    def can_start(self, hits: list[int], num_tokens: int) -> bool:
-        """A new sequence could hold `num_tokens` tokens, its first blocks being `hits`."""
-        fresh = blocks_for(num_tokens, self.block_size) - len(hits)
-        taken_from_cache = sum(1 for b in hits if b in self._cached)
+    def _leave_behind(self, seq_id: int, start: int, last_step: int) -> None:
+        """Each window kind's entries of seq_id behind the window of a row from `start` go."""
+        for kind, tables, live in zip(self._kinds, self._tables, self._live_from):
+            first = kind.first_needed(start, self.block_size)
+            table = tables.get(seq_id)
+            if table is None or first <= live.get(seq_id, 0):
+                continue
+            for index in range(live.get(seq_id, 0), min(first, len(table))):
+                self._drop(table[index], last_step)
+                table[index] = -1
+            live[seq_id] = first
+
+    def can_start(self, hits: list[int] | Hits, num_tokens: int,
+                  first_end: int | None = None) -> bool:
+        """A new sequence could hold `num_tokens` tokens, its first blocks being `hits`, its
+        window kinds' only up to `first_end` (its first row's end; None: num_tokens)."""
+        fresh = taken_from_cache = 0
+        for kind, columns, entries in zip(self._kinds, self._columns, self._per_kind(hits)):
+            end = num_tokens if kind.window is None or first_end is None else first_end
+            fresh += columns * (blocks_for(end, self.block_size) - len(entries))
+            taken_from_cache += sum(len(self._blocks_of(b)) for b in entries
+                                    if b in self._cached)
         return fresh <= self.num_free - taken_from_cache
 
-    def start(self, seq_id: int, hits: list[int], num_tokens: int) -> list[int]:
-        """A new sequence's table: the matched blocks `hits` (shared, not copied), then fresh
-        ones up to `num_tokens` tokens. Returns the whole table."""
+    def _per_kind(self, hits: list[int] | Hits) -> tuple[list[int], ...]:
+        """Each kind's hits (a list: the one kind's; empty: none of any kind)."""
+        if isinstance(hits, Hits):
+            return hits.tables
+        return (hits,) if hits else tuple([] for _ in self._kinds)
+
+    def start(self, seq_id: int, hits: list[int] | Hits, num_tokens: int,
+              first_end: int | None = None) -> list[int] | KindBlocks:
+        """A new sequence's tables: the matched entries `hits` (shared, not copied), then fresh
+        ones up to `num_tokens` tokens (a window kind's up to `first_end`, None: num_tokens).
+        Returns its blocks as its first row brings them (a window kind's from its first block,
+        `first_blocks`)."""
         if seq_id in self.tables:
             raise RuntimeError(f"seq {seq_id} already has a block table")
-        for block in hits:
-            self._cached.pop(block, None)
-            self._refs[block] = self._refs.get(block, 0) + 1
-        self.tables[seq_id] = list(hits)
-        self.grow(seq_id, num_tokens)
-        return list(self.tables[seq_id])
+        for kind, (tables, entries) in enumerate(zip(self._tables, self._per_kind(hits))):
+            for entry in entries:
+                if entry >= 0:
+                    if entry in self._cached:
+                        del self._cached[entry]
+                        self._cached_blocks -= len(self._blocks_of(entry))
+                    self._refs[entry] = self._refs.get(entry, 0) + 1
+            tables[seq_id] = list(entries)
+            if self._kinds[kind].window is not None:
+                self._live_from[kind][seq_id] = entries.count(-1)
+        if self.layout.is_single:
+            self.grow(seq_id, num_tokens)
+            return list(self.tables[seq_id])
+        for kind, tables in enumerate(self._tables):
+            end = num_tokens if self._kinds[kind].window is None or first_end is None \
+                else first_end
+            table = tables[seq_id]
+            table.extend(self._take(kind) for _ in range(blocks_for(end, self.block_size)
+                                                          - len(table)))
+        out = [[b for entry in tables[seq_id] if entry >= 0 for b in self._blocks_of(entry)]
+               for tables in self._tables]
+        return out[0] if len(out) == 1 else KindBlocks(out)
 
     def free(self, seq_id: int, last_step: int = 0) -> None:
-        """Drop `seq_id`'s table (idempotent): its blocks in no other table become free, or
+        """Drop `seq_id`'s tables (idempotent): their entries in no other table become free, or
         cached (most recently used) when hashed, unsettled until step `last_step` (the last with
-        a row of it; 0: none was sent) is answered. Its last block goes first: eviction then
-        takes a chain's tail before its head, which every longer match needs."""
-        for block in reversed(self.tables.pop(seq_id, ())):
-            refs = self._refs[block] - 1
-            if refs:
-                self._refs[block] = refs
-                continue
-            del self._refs[block]
-            if last_step:
+        a row of it; 0: none was sent) is answered. A table's last entry goes first: eviction
+        then takes a chain's tail before its head, which every longer match needs."""
+        for tables, live in zip(self._tables, self._live_from):
+            for entry in reversed(tables.pop(seq_id, ())):
+                if entry >= 0:
+                    self._drop(entry, last_step)
+            live.pop(seq_id, None)
+
+    def _drop(self, entry: int, last_step: int) -> None:
+        """One table lets go of `entry` (read up to plan `last_step`)."""
+        refs = self._refs[entry] - 1
+        if refs:
+            self._refs[entry] = refs
+            return
+        del self._refs[entry]
+        blocks = self._blocks_of(entry)
+        if last_step:
+            for block in blocks:
                 self._unsettled[block] = last_step
                 heapq.heappush(self._to_settle, (last_step, block))
-            if block in self._hash_of:
-                self._cached[block] = None
-            else:
-                self._free.append(block)
-
-    def _take(self) -> int:
-        """A block for a table: a free one, else the least recently used cached one."""
-        if self._free:
-            block = self._free.popleft()
+        if entry in self._hash_of:
+            self._cached[entry] = None
+            self._cached_blocks += len(blocks)
         else:
-            block, _ = self._cached.popitem(last=False)
-            del self._block_of[self._hash_of.pop(block)]
-            self._owner.pop(block, None)
-        self._refs[block] = 1
-        return block
+            self._forget_rest(entry)
+            self._free.extend(blocks)
+
+    def _take(self, kind: int) -> int:
+        """An entry of `kind` for a table: free blocks, else the least recently used cached
+        entries' (evicted)."""
+        columns = self._columns[kind]
+        while len(self._free) < columns:
+            entry = next(iter(self._cached))
+            self._free.extendleft(reversed(self._evict(entry)))
+        entry = self._free.popleft()
+        if columns > 1:
+            rest = tuple(self._free.popleft() for _ in range(columns - 1))
+            self._rest[entry] = rest
+            self._head_of.update(dict.fromkeys(rest, entry))
+        self._refs[entry] = 1
+        return entry
+
+    def to_grow(self, seq_id: int, max_tokens: int) -> int:
+        """Blocks seq_id will still take to reach `max_tokens` tokens, at most (a window kind's
+        held up to KVKind.most_held)."""
+        out = 0
+        for kind, tables, live in zip(self._kinds, self._tables, self._live_from):
+            table = tables.get(seq_id, ())
+            held = len(table) - live.get(seq_id, 0)
+            out += kind.columns * max(0, kind.most_held(max_tokens, self.block_size) - held)
+        return out
 
     def check(self) -> None:
         """Assert the invariants (for tests): every block in exactly one state, reference counts
-        equal to table membership, the hash maps inverse of each other."""
+        equal to table membership, the hash maps inverse of each other, window tables -1 just
+        before their first live entry."""
         counts: dict[int, int] = {}
-        for table in self.tables.values():
-            for block in table:
-                counts[block] = counts.get(block, 0) + 1
+        for tables, live in zip(self._tables, self._live_from):
+            for seq_id, table in tables.items():
+                first = live.get(seq_id, 0)
+                assert all(e == -1 for e in table[:first]) and -1 not in table[first:], table
+                for entry in table[first:]:
+                    counts[entry] = counts.get(entry, 0) + 1
         assert counts == self._refs, (counts, self._refs)
         free, cached = set(self._free), set(self._cached)
-        assert len(free) == len(self._free) and not free & cached and not free & set(counts)
+        entries = set(counts) | cached
+        in_entries = {b for e in entries for b in self._blocks_of(e)}
+        assert len(in_entries) == sum(len(self._blocks_of(e)) for e in entries)
+        assert set(self._rest) <= entries
+        assert self._head_of == {b: e for e, rest in self._rest.items() for b in rest}
+        assert self._cached_blocks == sum(len(self._blocks_of(e)) for e in cached)
+        assert len(free) == len(self._free) and not free & in_entries
         assert not cached & set(counts) and cached <= set(self._hash_of)
-        assert not free & set(self._hash_of)
+        assert not free & set(self._hash_of) and set(self._hash_of) <= entries
         pages = self._pages
-        assert not pages & (free | cached | set(counts) | set(self._hash_of))
-        assert len(free) + len(cached) + len(counts) + len(pages) == self.num_blocks
+        assert not pages & (free | in_entries)
+        assert len(free) + len(in_entries) + len(pages) == self.num_blocks
         assert set(self._owner) <= set(self._hash_of)
         assert {b: h for h, b in self._block_of.items()} == self._hash_of

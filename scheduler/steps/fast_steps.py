@@ -161,7 +161,8 @@ class FastSteps(StepBuilder):
             if end <= seq.capacity:
                 new_blocks = ()
             else:
-                new_blocks = blocks.try_grow(seq.seq_id, end)
+                new_blocks = blocks.try_grow(seq.seq_id, end, seq.num_computed,
+                                             seq.last_step)
                 if new_blocks is None:
                     num_running = len(running)
                     is_room = make_room(seq, end)
@@ -169,7 +170,7 @@ class FastSteps(StepBuilder):
                     if not is_room:
                         continue
                     new_blocks = blocks.grow(seq.seq_id, end)
-                seq.hold(len(blocks.tables[seq.seq_id]) * blocks.block_size)
+                seq.hold(blocks.capacity(seq.seq_id))
             rows.append(ScheduledRow(seq, n, new_blocks, end == known))
             budget -= n
         if preempted:  # drop the rows of sequences preempted after their row was made

@@ -92,16 +92,18 @@ class ReferenceSteps(StepBuilder):
             if n <= 0:
                 continue
             end = seq.num_computed + n
-            new_blocks: list[int] | tuple[()] = ()
+            new_blocks = ()
             if end > seq.capacity:
-                if not blocks.can_grow(seq.seq_id, end):
+                # (its window kinds' blocks behind the row given back first: block_manager.py)
+                new_blocks = blocks.try_grow(seq.seq_id, end, seq.num_computed, seq.last_step)
+                if new_blocks is None:
                     num_running = len(running)
                     is_room = make_room(seq, end)  # preempts others, or seq itself
                     preempted = preempted or len(running) != num_running
                     if not is_room:
                         continue
-                new_blocks = blocks.grow(seq.seq_id, end)
-                seq.hold(len(blocks.tables[seq.seq_id]) * blocks.block_size)
+                    new_blocks = blocks.grow(seq.seq_id, end)
+                seq.hold(blocks.capacity(seq.seq_id))
             rows.append(ScheduledRow(seq, n, new_blocks, end == known))
             left -= n
         if preempted:  # their rows go, and the budget they took comes back

@@ -41,6 +41,9 @@ class Sequence:
     # outputs), or, for a longrope model's short run, it outgrew the switch and is recomputed
     # (longrope.py: run_end).
     max_tokens: int = field(init=False)
+    # Under window blocks, each kind's first token block its first row brings (a window kind's
+    # earlier ones lie behind its window: block_manager.py); () without.
+    first_blocks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         req = self.request
@@ -59,7 +62,9 @@ class ScheduledRow:
 
     seq: Sequence
     num_tokens: int
-    new_block_ids: list[int] | tuple[()]  # () for most decode rows (nothing allocated)
+    # () for most decode rows (nothing allocated); under several kinds of KV, each kind's
+    # (block_manager.KindBlocks)
+    new_block_ids: list[int] | tuple[()]
     samples: bool = False  # it reaches the sequence's last known token: a sample comes back
     seq_id: int = field(init=False)  # its sequence's (at hand for the step message's columns)
     slot_index: int = field(init=False)  # its sequence's slot, -1 on the base model: sorts rows

@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping
 from common.adapter_ref import AdapterRef
 from common.detokenizer import Finish
 from scheduler.request import Request
-from scheduler.steps.block_manager import BlockManager
+from scheduler.steps.block_manager import BlockManager, KindBlocks
 from scheduler.steps.sequence import NO_EXTRAS, SampleExtras, ScheduledRow, Sequence, StepPlan
 
 # The scheduler's side of a plan: admit with the budget left -> rows of new sequences; preempt
@@ -67,7 +67,7 @@ class StepBuilder(ABC):
 
     # ---- the running set --------------------------------------------------------------------
     def start(self, seq_id: int, req: Request, slot_index: int, tokens: list[int],
-              table: list[int], num_hits: int, blocks: BlockManager, budget: int,
+              table: list[int] | KindBlocks, num_hits: int, blocks: BlockManager, budget: int,
               max_tokens: int) -> ScheduledRow:
         """Run `req` as `seq_id` in its adapter's slot `slot_index` (-1: the base model) with the
         block table `table`, its first `num_hits` blocks found in the prefix cache, up to
@@ -76,7 +76,9 @@ class StepBuilder(ABC):
         seq = self._sequence(seq_id, req, slot_index, list(tokens), num_computed=cached,
                              num_cached=cached, num_published=num_hits)
         seq.max_tokens = max_tokens
-        seq.hold(len(table) * blocks.block_size)
+        seq.hold(blocks.capacity(seq_id))
+        if not blocks.layout.is_single:
+            seq.first_blocks = blocks.first_blocks(seq_id)
         self.running[seq_id] = seq
         self._joined(seq)
         n = min(len(tokens) - cached, budget)
@@ -100,8 +102,12 @@ class StepBuilder(ABC):
         """Every running sequence is of `adapter`."""
         return all(seq.request.ask.adapter == adapter for seq in self.running.values())
 
-    def blocks_to_grow(self, block_size: int) -> int:
+    def blocks_to_grow(self, blocks: BlockManager) -> int:
         """Blocks the running sequences will still take, each up to its max_tokens."""
+        if not blocks.layout.is_single:
+            return sum(blocks.to_grow(seq.seq_id, seq.max_tokens)
+                       for seq in self.running.values())
+        block_size = blocks.block_size
         return sum(-(-seq.max_tokens // block_size) - seq.capacity // block_size
                    for seq in self.running.values())
 

@@ -90,8 +90,9 @@ def make_case(seed, *, num_adapters, rank, num_slices, dtype, block_m=4, max_row
     b_off = torch.zeros_like(a_off)
     for slot, layout in enumerate(layouts):
         pages = tuple(free.pop() for _ in range(layout.num_pages))
-        a_off[slot], b_off[slot] = slot_tables(layout, pages, num_blocks, geometry,
-                                               max_rank=max_rank, num_chunks=num_chunks)
+        a, b = slot_tables(layout, pages, num_blocks, geometry, max_rank=max_rank,
+                           num_chunks=num_chunks)
+        a_off[slot], b_off[slot] = a[0], b[0]  # (one layer group)
     rank_table = torch.zeros(LAYERS, num_slots, len(LORA_MODULES), dtype=torch.int32)
     for slot, ranks in enumerate(module_ranks):
         for i, r in enumerate(ranks):

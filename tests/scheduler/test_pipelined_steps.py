@@ -17,6 +17,7 @@ import zlib
 import pytest
 
 from common.detokenizer import OutputProcessor
+from common.kv_layout import single_layout
 from common.sampling import SamplingParams
 from scheduler.limits import Limits
 from scheduler.request import Ask, FinishEvent, Request, TokenEvent
@@ -29,16 +30,22 @@ EOS, STOP = 0, 1
 
 class StandInExecutor:
     """Runs each plan as an executor does, in the order sent: its own copy of every sequence's
-    tokens and block table, a sample whenever a row reaches the last of them. Its KV cache holds,
+    tokens and block tables, a sample whenever a row reaches the last of them. Its KV cache holds,
     for each position written, what a model's KV there depends on (the tokens up to it, the
     adapter, and on a longrope model whether the sequence came with more tokens than the switch:
     long factors); before each sample the sequence's whole context is read back through its
     table and must be its own (prefix-cached blocks included), of the kind transformers'
-    generate() has at that length (long iff past the switch)."""
+    generate() has at that length (long iff past the switch). Under window blocks
+    (`layout`, common/kv_layout.py), every kind's tables are kept and written (a token block's
+    columns alike), a global kind's whole context read back at a sample, and a window kind's
+    window of every row's queries at each row: blocks the scheduler gave back behind a window
+    may hold another sequence's KV by then, the ones a row reads may not."""
 
-    def __init__(self, block_size: int, switch: int = 0) -> None:
+    def __init__(self, block_size: int, switch: int = 0, layout=None) -> None:
         self.block_size, self.switch = block_size, switch
-        self.seqs: dict[int, list] = {}  # seq_id -> [tokens, computed, block table, is long]
+        self.layout = layout or single_layout(1)
+        # seq_id -> [tokens, computed, each kind's table (each token block's blocks), is long]
+        self.seqs: dict[int, list] = {}
         self.slots: dict[int, object] = {}  # slot index -> its adapter (None: being written)
         # (block, offset) -> (tokens so far, adapter, long)
         self.kv: dict[tuple[int, int], tuple] = {}
@@ -47,9 +54,12 @@ class StandInExecutor:
     def run(self, plan) -> list[Sample]:
         for seq_id in plan.freed:
             del self.seqs[seq_id]
+        kinds = self.layout.kinds
         for seq in plan.new:
             is_long = 0 < self.switch < len(seq.token_ids)
-            self.seqs[seq.seq_id] = [list(seq.token_ids), seq.num_cached, [], is_long]
+            first = seq.first_blocks or (0,) * len(kinds)
+            self.seqs[seq.seq_id] = [list(seq.token_ids), seq.num_cached,
+                                     [[None] * f for f in first], is_long]
             self.kinds[seq.request.serial].add(is_long)
         samples = []
         for row in plan.rows:
@@ -58,31 +68,51 @@ class StandInExecutor:
             if row.seq.slot_index >= 0:
                 assert self.slots.get(row.seq.slot_index) == adapter, \
                     "a row read a slot being loaded or holding another adapter"
-            tokens, computed, table, is_long = self.seqs[row.seq.seq_id]
-            table.extend(row.new_block_ids)
+            tokens, computed, tables, is_long = self.seqs[row.seq.seq_id]
+            new = row.new_block_ids
+            for kind, table, blocks in zip(kinds, tables, new if len(kinds) > 1 and new
+                                           else (new,) if len(kinds) == 1 else [()] * len(kinds)):
+                c = kind.columns
+                table.extend(tuple(blocks[i:i + c]) for i in range(0, len(blocks), c))
             assert 1 <= row.num_tokens <= len(tokens) - computed, "a row past the known tokens"
             assert is_long or not self.switch or computed + row.num_tokens <= self.switch, \
                 "a short run computed past the longrope switch"
-            for p in range(computed, computed + row.num_tokens):
-                self.kv[self._at(table, p)] = (tuple(tokens[:p + 1]), adapter, is_long)
-            computed += row.num_tokens
+            start, end = computed, computed + row.num_tokens
+            for p in range(start, end):
+                for block in self._at(tables, p):
+                    self.kv[block] = (tuple(tokens[:p + 1]), adapter, is_long)
+            for kind, table in zip(kinds, tables):
+                if kind.window is not None:
+                    for p in range(max(0, start - kind.window + 1), end):
+                        self._check(row.seq.seq_id, tokens, adapter, is_long, kind, table, p)
+            computed = end
             assert computed <= len(req.ask.prompt_ids) + req.output.max_new_tokens - 1, \
                 "computed past the request's last position"
             self.seqs[row.seq.seq_id][1] = computed
             if computed == len(tokens):
                 assert is_long == (0 < self.switch < len(tokens)), \
                     f"seq {row.seq.seq_id} sampled from {len(tokens)} tokens of the wrong kind"
-                for p in range(computed):
-                    expected = (tuple(tokens[:p + 1]), adapter, is_long)
-                    assert self.kv.get(self._at(table, p)) == expected, \
-                        f"seq {row.seq.seq_id} read another context's KV at position {p}"
+                for kind, table in zip(kinds, tables):
+                    if kind.window is None:
+                        for p in range(computed):
+                            self._check(row.seq.seq_id, tokens, adapter, is_long, kind, table, p)
                 token = next_token(tokens)
                 tokens.append(token)
                 samples.append(Sample(row.seq.seq_id, token, -0.5))
         return samples
 
-    def _at(self, table: list[int], position: int) -> tuple[int, int]:
-        return table[position // self.block_size], position % self.block_size
+    def _check(self, seq_id, tokens, adapter, is_long, kind, table, p) -> None:
+        entry = table[p // self.block_size]
+        assert entry is not None, f"seq {seq_id} reads position {p} of a block it gave back"
+        for block in entry:
+            assert self.kv.get((block, p % self.block_size)) == (
+                tuple(tokens[:p + 1]), adapter, is_long), \
+                f"seq {seq_id} read another context's KV at position {p} (window {kind.window})"
+
+    def _at(self, tables: list, position: int) -> list[tuple[int, int]]:
+        """Where every kind's KV of `position` is written."""
+        offset = position % self.block_size
+        return [(block, offset) for table in tables for block in table[position // self.block_size]]
 
 
 def next_token(history: list[int]) -> int:

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from common.adapter_pages import plan_pages
 from common.detokenizer import OutputProcessor
+from common.kv_layout import KVLayout
 from common.sampling import SamplingParams
 from scheduler.limits import Limits
 from scheduler.request import Ask, Request, Status
@@ -41,11 +42,13 @@ class Twin:
     """One world, its executor's stand-in and the plans in flight."""
 
     def __init__(self, steps, num_blocks: int, limits: Limits, block_size: int = 4,
-                 geometry=None, switch: int = 0) -> None:
+                 geometry=None, switch: int = 0, layout=None) -> None:
         self.w = World(num_blocks=num_blocks, block_size=block_size, num_slots=2,
-                       limits=limits, steps=steps, geometry=geometry, rope_switch_len=switch)
+                       limits=limits, steps=steps, geometry=geometry, rope_switch_len=switch,
+                       kv_layout=layout)
         self.ex = self.w.executors[0]
-        self.executor = StandInExecutor(block_size, switch)
+        self.layout = layout
+        self.executor = StandInExecutor(block_size, switch, layout)
         self.in_flight: collections.deque = collections.deque()
         self.sinks = [Sink(), Sink()]
 
@@ -74,7 +77,7 @@ class Twin:
             self.in_flight.append(plan)
         self._loads_started()
         return (plan.step, sorted(plan.freed), [seq.seq_id for seq in plan.new],
-                sorted((row.slot_index, row.seq_id, row.num_tokens, tuple(row.new_block_ids),
+                sorted((row.slot_index, row.seq_id, row.num_tokens, repr(row.new_block_ids),
                         row.samples) for row in plan.rows),
                 plan.num_tokens, plan.num_samples)
 
@@ -100,7 +103,8 @@ class Twin:
         """The executor is lost with its steps in flight, and comes back empty."""
         self.w.core.on_executor_lost(self.ex)
         self.in_flight.clear()
-        self.executor = StandInExecutor(self.ex.blocks.block_size, self.executor.switch)
+        self.executor = StandInExecutor(self.ex.blocks.block_size, self.executor.switch,
+                                        self.layout)
         self.ex = self.w.executors[0] = self.w.core.add_executor(self.ex.address, self.w.shape)
         check_invariants(self.w.core, self.w.requests)
 
@@ -131,18 +135,26 @@ def random_events(rng: random.Random, num_events: int) -> list[tuple]:
     return events
 
 
+# KV layouts (common/kv_layout.py): one kind, the whole context; every layer of a 6-key window;
+# a global layer beside three of a 6-key window (3 blocks per token block of the window's)
+LAYOUTS = [None, KVLayout.of([6, 6]), KVLayout.of([6, None, 6, 6])]
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32), num_blocks=st.integers(10, 40),
        geometry=st.sampled_from([None, GEOMETRY]), switch=st.sampled_from([0, 16]),
+       layout=st.sampled_from(LAYOUTS),
        limits=st.builds(Limits, max_num_seqs=st.integers(1, 8),
                         max_batched_tokens=st.integers(1, 24), pipeline_depth=st.integers(1, 2),
                         fairness_window=st.sampled_from([0.0, 50.0]),
                         prefix_cache=st.sampled_from(["tenant", "pool", "off"])))
 def test_the_fast_builder_makes_the_reference_builders_plans(seed, num_blocks, geometry, switch,
-                                                             limits):
-    """(`switch`: a longrope model's, where runs end and are recomputed: longrope.py.)"""
-    reference = Twin(ReferenceSteps, num_blocks, limits, geometry=geometry, switch=switch)
-    fast = Twin(FastSteps, num_blocks, limits, geometry=geometry, switch=switch)
+                                                             layout, limits):
+    """(`switch`: a longrope model's, where runs end and are recomputed: longrope.py; `layout`:
+    window blocks, which a window kind gives back as rows move on.)"""
+    reference = Twin(ReferenceSteps, num_blocks, limits, geometry=geometry, switch=switch,
+                     layout=layout)
+    fast = Twin(FastSteps, num_blocks, limits, geometry=geometry, switch=switch, layout=layout)
     twins = (reference, fast)
     for kind, *args in random_events(random.Random(seed), 400):
         if kind == "arrive":
@@ -150,7 +162,8 @@ def test_the_fast_builder_makes_the_reference_builders_plans(seed, num_blocks, g
             prompt = PREFIXES[prefix] + tail
             ranks = RANKS.get(ADAPTERS[adapter])
             pages = plan_pages(ranks, geometry).num_pages if geometry and ranks else 0
-            if len(prompt) + max_new <= (num_blocks - pages) * 4:  # (the service refuses more)
+            most = fast.ex.blocks.most_blocks(len(prompt) + max_new, limits.max_batched_tokens)
+            if most + pages <= num_blocks:  # (the service refuses more)
                 for twin in twins:
                     twin.arrive(tenant, ADAPTERS[adapter], prompt, max_new, sink)
         elif kind == "plan":
