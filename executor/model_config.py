@@ -297,6 +297,11 @@ NAMED_CONFIGS: Mapping[str, ModelConfig] = MappingProxyType({
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, vocab_size=32768, rms_norm_eps=1e-5, rope_theta=1000000.0,
         max_position_embeddings=32768, eos_token_ids=(2,), model_id="mistralai/Mistral-7B-v0.3"),
+    "mistral-7b-v0.1": ModelConfig(  # (v0.1: every layer slides over 4096 keys)
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=32000, rms_norm_eps=1e-5, rope_theta=10000.0,
+        max_position_embeddings=32768, sliding_window=4096, eos_token_ids=(2,),
+        model_id="mistralai/Mistral-7B-v0.1"),
     "qwen3-8b": ModelConfig(
         hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
         num_key_value_heads=8, vocab_size=151936, head_dim=128, rms_norm_eps=1e-6,

@@ -29,6 +29,12 @@ NF4 in blocks of 64) counts its projections at the bytes the executor holds them
 that frees against --dtype weights, in KV tokens and in adapters of the mix.
 
     loraplex budget --model random:llama-3-70b --gpu-gib 80 --quantization int4
+
+A model with sliding-window layers (Gemma 2 and 3, Mistral 7B v0.1, gpt-oss) keeps their KV only
+for the window, in blocks of its own (the executor's window blocks, common/kv_layout.py): a
+sequence holds the window layers' KV of at most their window and a row, the global layers' of
+its whole context, and the plan says what that saves per sequence and in sequences that fit
+(--no-window-blocks: the executor's flag, every layer keeping the whole context).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import torch
 
 from common.adapter_pages import padded_pages, plan_pages
 from common.help_format import HelpFormatter
+from common.kv_layout import KVLayout
 from common.peft.modules import BLOCK_OF
 from executor.memory_budget import MemoryBudget
 from executor.model_config import NAMED_CONFIGS, ModelConfig
@@ -71,10 +78,20 @@ class Plan:
     block_size: int
     num_kv_blocks: int  # what fits in the rest; < 1 means nothing does
     dense_weights_bytes: int = 0  # the weights with every quantized projection at `dtype`
+    layout: KVLayout | None = None  # which KV the layers keep (None: every layer, the whole)
 
     @property
     def kv_tokens(self) -> int:
         return self.num_kv_blocks * self.block_size
+
+    def seq_blocks(self, context: int) -> float:
+        """A sequence of `context` tokens' KV while it decodes, in blocks of every layer (under
+        window blocks, its window layers' at most their window's)."""
+        whole = math.ceil(context / self.block_size)
+        if self.layout is None or self.layout.is_single:
+            return whole
+        slots = self.layout.most_blocks(context, self.block_size) * self.layout.layers_per_block
+        return slots / self.layout.num_layers
 
 
 def model_config(model: str) -> ModelConfig:
@@ -97,7 +114,7 @@ def step_bytes(c: ModelConfig, size: int, *, max_batched_tokens: int, max_num_se
 def plan(config: ModelConfig, *, dtype: torch.dtype, gpu_bytes: float, utilization: float,
          adapter_slots: int, max_rank: int, block_size: int, max_batched_tokens: int,
          max_num_seqs: int, context: int, adapter_ranks: dict[int, float] | None = None,
-         tensor_parallel: int = 1) -> Plan:
+         tensor_parallel: int = 1, window_blocks: bool = True) -> Plan:
     """The plan of one GPU (of `tensor_parallel`: rank 0's, the others' the same or less)."""
     size = torch.empty((), dtype=dtype).element_size()
     fixed = MemoryBudget.estimate(config, num_kv_blocks=0, block_size=block_size,
@@ -130,7 +147,8 @@ def plan(config: ModelConfig, *, dtype: torch.dtype, gpu_bytes: float, utilizati
     return Plan(config, tensor_parallel, dtype, usable, fixed.weights_bytes,
                 fixed.adapter_pool_bytes, geometry.page_elems * size, mix_pages,
                 padded_pages(max(mix), geometry), attention_pages, workspace, kv_per_token,
-                block_size, num_blocks, fixed.dense_weights_bytes)
+                block_size, num_blocks, fixed.dense_weights_bytes,
+                config.kv_layout(window_blocks))
 
 
 def format_plan(p: Plan, *, adapter_slots: int, max_rank: int, seqs: int, context: int,
@@ -176,18 +194,23 @@ def format_plan(p: Plan, *, adapter_slots: int, max_rank: int, seqs: int, contex
         f" GB   ({p.num_kv_blocks:,} blocks of {p.block_size} tokens = {p.kv_tokens:,} tokens, "
         f"{p.kv_bytes_per_token / 1024:.0f} KiB per token; a block is {p.page_bytes / 1e6:.2f} MB "
         "of KV or of an adapter's weights)")
-    per_seq = math.ceil(context / p.block_size) * p.block_size
-    need = seqs * per_seq
+    per_seq = p.seq_blocks(context) * p.block_size  # (KV tokens of every layer)
+    need = math.ceil(seqs * per_seq)
+    windows = p.layout is not None and not p.layout.is_single
     lines.append(f"start the executor with: --kv-blocks {p.num_kv_blocks} --block-size "
                  f"{p.block_size} --adapter-slots {adapter_slots} --max-rank {max_rank} "
                  f"--dtype {dtype}"
-                 + (f" --tensor-parallel {p.tensor_parallel}" if p.tensor_parallel > 1 else ""))
+                 + (f" --tensor-parallel {p.tensor_parallel}" if p.tensor_parallel > 1 else "")
+                 + ("" if windows or p.layout is None or not c.sliding_window
+                    else " --no-window-blocks"))
+    if windows:
+        lines.append(_window_saving(p, context))
     if need <= p.kv_tokens:
         verdict = (f"fits: {need:,} of {p.kv_tokens:,} KV tokens "
                    f"({100 * need / p.kv_tokens:.0f}%)")
     else:
         verdict = (f"does NOT fit: {need:,} KV tokens wanted, {p.kv_tokens:,} held; at "
-                   f"{context} tokens {p.kv_tokens // per_seq} sequences fit at once (the "
+                   f"{context} tokens {int(p.kv_tokens // per_seq)} sequences fit at once (the "
                    "scheduler queues the rest)")
     lines.append(f"traffic: {seqs} sequences of {context} tokens at once {verdict}")
     spare = max(0, p.num_kv_blocks - min(need, p.kv_tokens) // p.block_size)
@@ -205,6 +228,21 @@ def format_plan(p: Plan, *, adapter_slots: int, max_rank: int, seqs: int, contex
         lines.append(f"warning: --context {context} exceeds the model's max_position_embeddings "
                      f"{c.max_position_embeddings}")
     return "\n".join(lines)
+
+
+def _window_saving(p: Plan, context: int) -> str:
+    """What window blocks save a sequence of `context` tokens, and in sequences that fit."""
+    layout, whole = p.layout, math.ceil(context / p.block_size)
+    windows = sorted({kind.window for kind in layout.kinds if kind.window is not None})
+    global_layers = sum(len(kind.layers) for kind in layout.kinds if kind.window is None)
+    held = p.seq_blocks(context)
+    return (f"window blocks: {layout.num_layers - global_layers} of {layout.num_layers} layers "
+            f"slide over {', '.join(map(str, windows))} keys and keep only that: a sequence of "
+            f"{context} tokens holds {held * p.block_size * p.kv_bytes_per_token / 2**20:,.0f} "
+            f"MiB of KV ({held * p.block_size:,.0f} tokens of every layer's) against "
+            f"{whole * p.block_size * p.kv_bytes_per_token / 2**20:,.0f} MiB "
+            f"({100 * (1 - held / whole):.0f}% less); {int(p.num_kv_blocks // held):,} such "
+            f"sequences fit in the blocks against {p.num_kv_blocks // whole:,}")
 
 
 def _freed(p: Plan) -> str:
@@ -274,6 +312,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tensor-parallel", type=int, default=1,
                    help="GPUs one executor spans (the executor's flag of the same name): the "
                         "plan is per GPU")
+    p.add_argument("--no-window-blocks", action="store_false", dest="window_blocks",
+                   help="plan the executor's flag of that name: sliding-window layers keeping "
+                        "the whole context's KV, as global layers do")
     p.add_argument("--quantization", choices=("none", *PRESETS), default=None,
                    help="the base's projections quantized as the common releases are (fp8: "
                         "128x128 blocks; int8: per channel; int4: groups of 128; nf4: blocks of "
@@ -306,7 +347,8 @@ def main(argv: list[str] | None = None) -> None:
                      utilization=args.utilization, adapter_slots=args.adapter_slots,
                      max_rank=args.max_rank, block_size=args.block_size,
                      max_batched_tokens=args.max_batched_tokens, max_num_seqs=args.seqs,
-                     context=args.context, adapter_ranks=args.adapter_ranks)
+                     context=args.context, adapter_ranks=args.adapter_ranks,
+                     window_blocks=args.window_blocks)
     result = plan(config, tensor_parallel=args.tensor_parallel, **plan_args)
     print(format_plan(result, adapter_slots=args.adapter_slots, max_rank=args.max_rank,
                       seqs=args.seqs, context=args.context,

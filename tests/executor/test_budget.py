@@ -181,3 +181,21 @@ def test_a_70b_base_fits_four_80gb_gpus_and_not_one():
     assert one.weights_bytes / 4 < four.weights_bytes < one.weights_bytes / 4 * 1.001
     assert "--tensor-parallel 4" in format_plan(four, adapter_slots=64, max_rank=16, seqs=64,
                                                  context=4096)
+
+
+def test_window_blocks_say_what_a_sliding_model_saves():
+    """Gemma 3 12B at 32k tokens: 40 of its 48 layers slide over 1,024 keys. A sequence holds
+    2,048 blocks of its 8 global layers and at most 5 x 65 of its window layers' (blocks of 8
+    layers): 395.5 blocks of every layer against 2,048."""
+    p = make_plan(ModelConfig.named("gemma-3-12b"), dtype=torch.bfloat16, gpu_bytes=80 * GIB,
+                  context=32768)
+    assert p.seq_blocks(32768) == (2048 + 5 * 65) * 8 / 48
+    assert make_plan(ModelConfig.named("gemma-3-12b"), window_blocks=False).seq_blocks(
+        32768) == 2048
+    args = ("--model", "random:gemma-3-12b", "--context", "32768", "--seqs", "16")
+    on, off = budget(*args), budget(*args, "--no-window-blocks")
+    assert on.returncode == off.returncode == 0, on.stderr + off.stderr
+    assert "window blocks: 40 of 48 layers slide over 1024 keys" in on.stdout
+    assert "(81% less)" in on.stdout and "at once fits" in on.stdout
+    assert "window blocks" not in off.stdout and "--no-window-blocks" in off.stdout
+    assert "at once does NOT fit" in off.stdout

@@ -6,6 +6,8 @@ and Mistral (every layer windowed), prompts four windows long, alone, batched, c
 a cached prefix: greedy tokens and logits equal HF + PEFT's, and equal the runner's without
 window blocks exactly."""
 
+import functools
+
 import pytest
 import torch
 
@@ -154,3 +156,24 @@ def test_bad_window_tables_are_refused(family):
     if window.columns > 1:
         with pytest.raises(ValueError, match="not whole token blocks"):
             runner.step([Row(2, 4, (0, 1), (1, 1))])
+
+
+def test_triton_attention_reads_each_columns_tables(family, monkeypatch):
+    """The paged-attention kernel (the Triton interpreter here, as on CUDA) through each kind's
+    column tables, blocks behind the window reused by others: the torch path's tokens."""
+    pytest.importorskip("triton")
+    from executor import runner as runner_module
+    from kernels.sgmv_tiles import is_interpreted
+
+    if not is_interpreted():
+        pytest.skip("needs TRITON_INTERPRET=1 before triton is imported")
+    _, model_dir, folder, _ = family
+    requests = {sid: (long_prompt(sid, 3 * WINDOW + sid), 0 if sid != 1 else -1)
+                for sid in range(3)}
+    torch_path = run(make_runner(model_dir, folder, True), requests, 4, chunk=5, seed=2)
+    monkeypatch.setattr(runner_module.StepMetadata, "build", functools.partial(
+        runner_module.StepMetadata.build, attention="triton"))
+    got = run(make_runner(model_dir, folder, True), requests, 4, chunk=5, seed=2)
+    for sid in requests:
+        assert got[sid][0] == torch_path[sid][0]
+        torch.testing.assert_close(got[sid][1], torch_path[sid][1], atol=1e-4, rtol=0)
