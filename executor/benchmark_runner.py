@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from executor.runner import ModelRunner, Row, Sampled
+from executor.runner_checks import check_rows
 
 
 def benchmark_token(num_tokens: int, seq_id: int, vocab_size: int) -> int:
@@ -33,11 +34,11 @@ class BenchmarkRunner(ModelRunner):
 
     def step_with_logits(self, rows: Sequence[Row]) -> tuple[list[Sampled], torch.Tensor]:
         start = time.perf_counter()
-        self._validate(rows)
+        check_rows(self, self._seqs, rows)
         sampled = []
         for r in rows:
             seq = self._seqs[r.seq_id]
-            self._extend_tables(seq, r)
+            self.kv_tables.extend(seq.tables, r.new_block_ids, r.num_new_by_kind)
             seq.num_computed += r.num_tokens
             if seq.num_computed == len(seq.token_ids):
                 token = benchmark_token(len(seq.token_ids), r.seq_id, self.config.vocab_size)

@@ -22,12 +22,14 @@ import torch
 from common.sampling import SamplingParams
 from executor.grammar import GrammarRows
 from executor.kv_cache import PagedKVCache
+from executor.kv_tables import KVTables
 from executor.logprobs import PromptLogprobs, TopLogprobs
 from executor.lora import make_lora_backend
 from executor.memory_budget import MemoryBudget
 from executor.merge import Merged, merge, unmerge
 from executor.model import RowSpec, StepMetadata, Transformer
 from executor.model_config import ModelConfig
+from executor.runner_checks import check_new_sequence, check_rows
 from executor.sampling import DrawStream, Sampler
 from executor.shards import Shard
 from executor.slot_pool import LoraSlotPool, LoraWeights
@@ -88,12 +90,11 @@ class ModelRunner:
         self.tp, self.shard = tp, Shard(config, tp.rank, tp.world)
         local = self.shard.config  # (config itself on one rank)
         self.kv_layout = config.kv_layout(window_blocks)
-        self._first_column = [sum(kind.columns for kind in self.kv_layout.kinds[:k])
-                              for k in range(len(self.kv_layout.kinds))]
         self.kv = PagedKVCache(num_layers=self.kv_layout.layers_per_block,
                                num_blocks=num_kv_blocks, block_size=block_size,
                                num_kv_heads=local.num_key_value_heads, head_dim=local.head_dim,
                                dtype=dtype, device=device)
+        self.kv_tables = KVTables(self.kv_layout, block_size)
         self.pool = LoraSlotPool(local, num_slots=num_slots, max_rank=max_rank, kv=self.kv,
                                  layout=self.kv_layout)
         # Held while a slot is written (a load's copy, an unload) or merged: a merge and a write
@@ -221,35 +222,10 @@ class ModelRunner:
         the base model's, within the same step). With window blocks, `first_blocks` gives each
         kind's first token block its rows bring (a window kind's earlier ones lie outside every
         window from num_cached on: never read); () all 0."""
-        if seq_id in self._seqs:
-            raise ValueError(f"sequence {seq_id} already exists")
-        if not token_ids:
-            raise ValueError(f"sequence {seq_id}: empty prompt")
-        bad = [t for t in token_ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"sequence {seq_id}: token id {bad[0]} out of range "
-                             f"[0, {self.config.vocab_size})")
-        if len(token_ids) > self.config.max_position_embeddings:
-            raise ValueError(f"sequence {seq_id}: prompt of {len(token_ids)} tokens exceeds "
-                             f"max_position_embeddings {self.config.max_position_embeddings}")
-        if not -1 <= slot < self.pool.num_slots:
-            raise ValueError(f"sequence {seq_id}: adapter slot {slot} out of range "
-                             f"[-1, {self.pool.num_slots})")
-        if not 0 <= num_generated < len(token_ids):
-            raise ValueError(f"sequence {seq_id}: num_generated {num_generated} must be below "
-                             f"its {len(token_ids)} tokens (a prompt comes first)")
-        if not 0 <= lora_from < len(token_ids) or (lora_from and slot < 0):
-            raise ValueError(f"sequence {seq_id}: lora_from {lora_from} must lie within its "
-                             f"{len(token_ids)} tokens, with an adapter slot")
-        if lora_from and slot == self.merged_slot:
-            raise ValueError(f"sequence {seq_id}: adapter slot {slot} is merged into the "
-                             "weights, and an activated LoRA's rows before its activation "
-                             "need the base weights")
-        if not 0 <= num_cached < len(token_ids):
-            raise ValueError(f"sequence {seq_id}: num_cached {num_cached} must be below its "
-                             f"{len(token_ids)} tokens (the last one is computed for a sample)")
+        check_new_sequence(self, self._seqs, seq_id, token_ids, slot, num_generated,
+                           num_cached, lora_from)
         sampling.validate(self.config.vocab_size)
-        tables = self._first_tables(seq_id, first_blocks, num_cached)
+        tables = self.kv_tables.new(seq_id, first_blocks, num_cached)
         prompt_logprobs = None
         if sampling.prompt_logprobs is not None and num_generated == 0:
             if num_cached:
@@ -266,24 +242,6 @@ class ModelRunner:
                                        0 < switch < len(token_ids), prompt_logprobs, lora_from)
         if self.tp.is_first:
             self.sampler.add(seq_id, list(token_ids), num_generated, sampling)
-
-    def _first_tables(self, seq_id: int, first_blocks: Sequence[int],
-                      num_cached: int) -> list[list[int]]:
-        """A new sequence's tables: -1 for each kind's token blocks before `first_blocks`."""
-        kinds = self.kv_layout.kinds
-        first_blocks = tuple(first_blocks) or (0,) * len(kinds)
-        if len(first_blocks) != len(kinds):
-            raise ValueError(f"sequence {seq_id}: first_blocks {list(first_blocks)} needs one "
-                             f"count per KV kind ({len(kinds)})")
-        tables = []
-        for kind, first in zip(kinds, first_blocks):
-            if first > kind.first_needed(num_cached, self.kv.block_size):
-                raise ValueError(f"sequence {seq_id}: its first rows read token block "
-                                 f"{kind.first_needed(num_cached, self.kv.block_size)} of "
-                                 f"its layers of window {kind.window}, but its tables start at "
-                                 f"{first}")
-            tables += [[-1] * first for _ in range(kind.columns)]
-        return tables
 
     def prepare_grammars(self) -> bool:
         """Build the grammar engine's tokenizer now (seconds for a vocabulary of 100k+ tokens)
@@ -335,13 +293,13 @@ class ModelRunner:
         """Run one step; also return the last-position logits [S, vocab] (fp32) of the sampled
         sequences, row i belonging to the i-th Sampled (on a rank but the first of a
         tensor-parallel group: none, [0, vocab])."""
-        self._validate(rows)
+        check_rows(self, self._seqs, rows)
         self._give_up_pages(rows)
         groups, sample_rows, sampled_seqs = [], [], []
         row = 0
         for r in rows:
             seq = self._seqs[r.seq_id]
-            self._extend_tables(seq, r)
+            self.kv_tables.extend(seq.tables, r.new_block_ids, r.num_new_by_kind)
             groups.append(RowSpec(seq.num_computed, r.num_tokens, tuple(seq.tables),
                                   seq.is_long))
             row += r.num_tokens
@@ -393,19 +351,6 @@ class ModelRunner:
                 sampled.append(Sampled(seq_id, token, logprob, top))
         return sampled, logits
 
-    def _extend_tables(self, seq: _Sequence, row: Row) -> None:
-        """Append a row's new blocks to its sequence's tables: each kind's share, each token
-        block's columns together (validated)."""
-        if not row.num_new_by_kind:
-            seq.tables[0].extend(row.new_block_ids)
-            return
-        at = 0
-        for kind, first, n in zip(self.kv_layout.kinds, self._first_column, row.num_new_by_kind):
-            ids = row.new_block_ids[at:at + n]
-            for column in range(kind.columns):
-                seq.tables[first + column].extend(ids[column::kind.columns])
-            at += n
-
     def _before_activation(self, rows: Sequence[Row], row_slots: torch.Tensor) -> None:
         """An activated LoRA's rows before its activation point run as the base model's
         (row_slots [T] -1 there), in place."""
@@ -444,55 +389,3 @@ class ModelRunner:
         if self.pool.holders(blocks):
             with self.slot_writes:  # (not beside a load's copy)
                 self.pool.give_up(blocks)
-
-    def _validate(self, rows: Sequence[Row]) -> None:
-        """Check the whole step before changing anything."""
-        seen: set[int] = set()
-        switch = self.rope_switch_len
-        for r in rows:
-            if r.seq_id not in self._seqs:
-                raise ValueError(f"unknown sequence id {r.seq_id}")
-            if r.seq_id in seen:
-                raise ValueError(f"sequence {r.seq_id} appears in more than one row of the step")
-            seen.add(r.seq_id)
-            seq = self._seqs[r.seq_id]
-            remaining = len(seq.token_ids) - seq.num_computed
-            if not 1 <= r.num_tokens <= remaining:
-                raise ValueError(f"sequence {r.seq_id}: num_tokens {r.num_tokens} out of range "
-                                 f"[1, {remaining}] ({remaining} tokens not yet computed)")
-            self.kv.check_block_ids(r.new_block_ids, r.seq_id)
-            if seq.slot >= 0 and seq.slot in self.pool.holders(r.new_block_ids):
-                raise ValueError(f"sequence {r.seq_id}: a new block of it holds its own "
-                                 f"adapter's weights (a page of slot {seq.slot}), not KV")
-            end = seq.num_computed + r.num_tokens
-            self._validate_blocks(r, seq, end)
-            if end > self.config.max_position_embeddings:
-                raise ValueError(f"sequence {r.seq_id}: position {end - 1} is beyond "
-                                 f"max_position_embeddings {self.config.max_position_embeddings}")
-            if switch and not seq.is_long and end > switch:
-                raise ValueError(f"sequence {r.seq_id}: position {end - 1} is past the longrope "
-                                 f"switch {switch} of a sequence registered within it (short "
-                                 "factors): free it and register it again with all its tokens")
-            if seq.slot >= 0 and not self.pool.is_loaded(seq.slot):
-                raise ValueError(f"sequence {r.seq_id}: adapter slot {seq.slot} holds no adapter")
-            if self._merged is not None and seq.slot != self._merged.slot:
-                raise ValueError(f"sequence {r.seq_id}: the adapter of slot {self._merged.slot} "
-                                 "is merged into the weights; only its rows may run here")
-
-    def _validate_blocks(self, r: Row, seq: _Sequence, end: int) -> None:
-        """Each kind's share of the row's new blocks is whole token blocks, and its tables then
-        hold positions up to `end`."""
-        kinds = self.kv_layout.kinds
-        counts = r.num_new_by_kind or (len(r.new_block_ids),)
-        if len(counts) != len(kinds) or sum(counts) != len(r.new_block_ids):
-            raise ValueError(f"sequence {r.seq_id}: {len(r.new_block_ids)} new blocks in "
-                             f"{len(counts)} kinds' counts {list(counts)}; the cache has "
-                             f"{len(kinds)} kinds of layers")
-        for kind, first, n in zip(kinds, self._first_column, counts):
-            if n % kind.columns:
-                raise ValueError(f"sequence {r.seq_id}: {n} new blocks for layers of window "
-                                 f"{kind.window}, not whole token blocks of {kind.columns}")
-            num_blocks = len(seq.tables[first]) + n // kind.columns
-            if num_blocks * self.kv.block_size < end:
-                raise ValueError(f"sequence {r.seq_id}: {num_blocks} blocks of "
-                                 f"{self.kv.block_size} cannot hold positions up to {end - 1}")

@@ -108,14 +108,14 @@ class Driver:
     def _row(self, seq_id: int, st: dict, n: int) -> Row:
         """seq_id's next row of n tokens: each kind's blocks behind the row's window back, and
         the token blocks it needs taken (one block per column each)."""
-        kinds = self.runner.kv_layout.kinds
+        kinds, block_size = self.runner.kv_layout.kinds, self.runner.kv.block_size
         counts, new = [], []
         for kind, table in zip(kinds, st["tables"]):
-            for i in range(kind.first_needed(st["computed"], BLOCK)):
+            for i in range(kind.first_needed(st["computed"], block_size)):
                 if table[i] is not None:
                     self.free += table[i]
                     table[i] = None
-            need = -(-(st["computed"] + n) // BLOCK) - len(table)
+            need = -(-(st["computed"] + n) // block_size) - len(table)
             taken = [tuple(self.free.pop() for _ in range(kind.columns)) for _ in range(need)]
             table += taken
             counts.append(need * kind.columns)
