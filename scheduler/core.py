@@ -268,7 +268,7 @@ class Scheduler:
                            shape.rope_switch_len, is_leaving=is_leaving)
         self._steps[ex] = self._new_steps()
         self.residency.add(ex, shape)
-        self.merges.add(ex)
+        self.merges.add(ex, shape.quantization)
         ex.is_up, ex.is_draining = True, False
         for old in self.placement.add(ex):
             self._forget(old)

@@ -40,12 +40,14 @@ class ExecutorShape:
     page_bytes: int = 0
     rope_switch_len: int = 0  # its model's longrope switch (steps/longrope.py; 0: none)
     kv_layout: KVLayout | None = None  # which KV its layers keep (None: one kind, the whole)
+    # Its base's quantization in words ("": 16-bit): no adapter merges into a quantized base.
+    quantization: str = ""
 
     @classmethod
     def from_info(cls, info: executor_pb2.InfoResponse) -> ExecutorShape:
         return cls(info.num_kv_blocks, info.block_size, info.num_adapter_slots,
                    geometry_from_pb(info), info.page_geometry.page_bytes,
-                   info.longrope_switch_len, layout_from_pb(info))
+                   info.longrope_switch_len, layout_from_pb(info), info.quantization)
 
 
 @dataclass(eq=False)

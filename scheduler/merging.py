@@ -20,7 +20,8 @@ No request fails or waits unboundedly for a merge: queued work moves, running wo
 Routing (placement.py) never sends another adapter's request to a dedicated executor, and
 prefers dedicated executors for their own adapter. At least one executor that is up serves
 everyone: a dedication that would leave none is refused, and when the last one is lost the
-dedicated executors are released.
+dedicated executors are released. An executor whose base is quantized (ExecutorShape.quantization)
+never merges: folding B @ A into its weights would requantize them (the executor refuses it too).
 
 MergePolicy merges automatically (Limits.merge_share > 0): an adapter with at least merge_share
 of the pool's computed tokens over the last merge_window_s is merged into one more executor
@@ -71,6 +72,7 @@ class Merges:
         self._policy = MergePolicy(limits)
         self._placement, self._residency, self._wake = placement, residency, wake
         self._state: dict[ExecutorState, MergeState] = {}
+        self._quantized: dict[ExecutorState, str] = {}  # executors that cannot merge: why
 
     # ---- what the others ask ----------------------------------------------------------------
     def dedicated_to(self, ex: ExecutorState) -> AdapterRef | None:
@@ -94,11 +96,15 @@ class Merges:
         return [ex for ex in self._placement.admitting() if self._state[ex].dedicated_to is None]
 
     # ---- executors joining and leaving ------------------------------------------------------
-    def add(self, ex: ExecutorState) -> None:
+    def add(self, ex: ExecutorState, quantization: str = "") -> None:
+        """A new executor; `quantization`: its base's, in words ("": none, it can merge)."""
         self._state[ex] = MergeState()
+        if quantization:
+            self._quantized[ex] = quantization
 
     def remove(self, ex: ExecutorState) -> None:
         self._state.pop(ex, None)
+        self._quantized.pop(ex, None)
 
     def forget(self, ex: ExecutorState) -> None:
         """Ex was lost: its weights are restored when its stream ends; it serves everyone when
@@ -125,6 +131,10 @@ class Merges:
         if state.dedicated_to is not None:
             raise FailedPrecondition(f"executor {ex.address} is dedicated to "
                                      f"{state.dedicated_to}; unmerge it first")
+        if ex in self._quantized:
+            raise FailedPrecondition(
+                f"executor {ex.address} serves a quantized base ({self._quantized[ex]}): merging "
+                f"{adapter} would requantize it; it serves the adapter unmerged")
         if not ex.is_admitting:
             raise Unavailable(f"executor {ex.address} is down or draining: it cannot take a "
                               "merge")
@@ -206,7 +216,7 @@ class Merges:
               ranks: Mapping[str, int] | None = None) -> list[ExecutorState]:
         """Dedicate `num_executors` executors to `adapter` (those dedicated already count),
         choosing where it is resident and the least loaded first; at least one up executor
-        keeps serving everyone."""
+        keeps serving everyone. Executors of a quantized base are never chosen."""
         up = self._placement.admitting()
         have = [ex for ex in up if self._state[ex].dedicated_to == adapter]
         free = [ex for ex in up if self._state[ex].dedicated_to is None]
@@ -215,6 +225,13 @@ class Merges:
             raise FailedPrecondition(
                 f"cannot merge {adapter} into {num_executors} executors: {len(have)} are merged "
                 f"with it, {len(free)} up serve everyone, and one of those must keep doing so")
+        quantized = [ex for ex in free if ex in self._quantized]
+        if want > len(free) - len(quantized):
+            raise FailedPrecondition(
+                f"cannot merge {adapter} into {num_executors} executors: "
+                f"{', '.join(ex.address for ex in quantized)} serve a quantized base "
+                f"({self._quantized[quantized[0]]}), which merging would requantize")
+        free = [ex for ex in free if ex not in self._quantized]
         free.sort(key=lambda ex: (not self._residency.of(ex).holds(adapter),
                                   score(self._placement.work_tokens(ex), ex.rates, True, True,
                                         adapter_bytes, 0.0)))
@@ -247,6 +264,8 @@ class Merges:
         if decision is None:
             return
         adapter, num_executors = decision
+        if num_executors and all(ex in self._quantized for ex in self.serving_everyone()):
+            return  # (each executor that could take it serves a quantized base)
         if num_executors:
             self.merge(adapter, self._policy.adapter_bytes(adapter), num_executors,
                        self._policy.adapter_ranks(adapter))

@@ -28,11 +28,12 @@ class World:
 
     def __init__(self, num_executors=1, num_blocks=64, block_size=4, num_slots=2,
                  limits=Limits(), weights=FairnessWeights(), steps=FastSteps, geometry=None,
-                 rope_switch_len=0, kv_layout=None):
+                 rope_switch_len=0, kv_layout=None, quantization=""):
         """`geometry`: the executors keep adapters in pages of their KV blocks (a
         common.adapter_pages.PageGeometry); None: in fixed slots beside them.
         `rope_switch_len`: their model's longrope switch (scheduler/steps/longrope.py; 0: none).
-        `kv_layout`: their KV's kinds of layers (common/kv_layout.py; None: one, the whole)."""
+        `kv_layout`: their KV's kinds of layers (common/kv_layout.py; None: one, the whole).
+        `quantization`: their base's, in words ("": 16-bit)."""
         self.loads: list = []  # (executor, its Load) of every load under way
         self.unloads: list = []  # (executor, slot index, adapter) of every UnloadAdapter
         self.stages: list = []  # adapters being staged (fetched ahead of taking a slot)
@@ -46,7 +47,8 @@ class World:
             steps=steps)
         self.operators = Operators(self.core)
         self.shape = ExecutorShape(num_blocks, block_size, num_slots, geometry,
-                                   rope_switch_len=rope_switch_len, kv_layout=kv_layout)
+                                   rope_switch_len=rope_switch_len, kv_layout=kv_layout,
+                                   quantization=quantization)
         self.executors = [self.core.add_executor(f"ex{i}", self.shape)
                           for i in range(num_executors)]
         self.events: dict[int, list] = {}

@@ -110,18 +110,23 @@ def test_losing_the_executor_that_serves_everyone_releases_the_merged_ones():
     assert w.finished(b_req) and b_req.executor is dedicated
 
 
+def traffic_on(w: World, adapter: str, seconds: float) -> None:
+    """A request for `adapter` every 0.1 s of w's clock, for `seconds`, each run as it comes."""
+    end = w.now + seconds
+    while w.now < end:
+        w.request(adapter=adapter, max_new=2)
+        w.complete_loads()
+        w.step()  # (advances the clock 0.01 s)
+        w.now += 0.09
+        w.core.expire()
+
+
 def test_traffic_merges_a_hot_adapter_after_a_window_and_unmerges_it_when_it_cools():
     limits = Limits(merge_share=0.6, unmerge_share=0.3, merge_window_s=5.0)
     w = World(num_executors=2, num_slots=3, limits=limits)
 
     def traffic(adapter: str, seconds: float) -> None:
-        end = w.now + seconds
-        while w.now < end:
-            w.request(adapter=adapter, max_new=2)
-            w.complete_loads()
-            w.step()  # (advances the clock 0.01 s)
-            w.now += 0.09
-            w.core.expire()
+        traffic_on(w, adapter, seconds)
 
     traffic("a@1", 3.0)
     dedicated = w.core.merges.dedicated_to
@@ -134,6 +139,21 @@ def test_traffic_merges_a_hot_adapter_after_a_window_and_unmerges_it_when_it_coo
     assert A not in [dedicated(ex) for ex in w.executors], "cooled below unmerge_share"
     traffic("b@1", 6.0)
     assert [dedicated(ex) for ex in w.executors].count(B) == 1, "now b is the hot one"
+    w.run()
+    assert all(w.finished(r) for r in w.requests)
+
+
+def test_executors_of_a_quantized_base_are_never_merged():
+    """Folding B @ A into quantized weights would requantize them: neither an operator's merge
+    nor the traffic policy dedicates such an executor, and its traffic runs on."""
+    w = World(num_executors=3, num_slots=3, quantization="gptq (int4, group 128)",
+              limits=Limits(merge_share=0.6, unmerge_share=0.3, merge_window_s=5.0))
+    with pytest.raises(FailedPrecondition, match=r"quantized base \(gptq \(int4, group 128\)\)"):
+        w.operators.merge(A, 2**20, 1)
+    with pytest.raises(FailedPrecondition, match="would requantize"):
+        w.core.merges.dedicate(w.executors[0], A, 2**20)
+    traffic_on(w, "a@1", 12.0)  # (a's share is 1: two windows past merge_share)
+    assert not any(w.core.merges.dedicated_to(ex) for ex in w.executors)
     w.run()
     assert all(w.finished(r) for r in w.requests)
 
