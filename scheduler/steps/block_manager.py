@@ -135,6 +135,13 @@ class BlockManager:
         return [b for tables in self._tables for entry in tables.get(seq_id, ()) if entry >= 0
                 for b in self._blocks_of(entry)]
 
+    def num_behind_windows(self) -> int:
+        """Blocks the sequences' window kinds do not hold where every layer would keep the whole
+        context: their entries behind the window, given back or never taken (a prefix's)."""
+        return sum(kind.columns * sum(entry < 0 for entry in table)
+                   for kind, tables in zip(self._kinds, self._tables) if kind.window is not None
+                   for table in tables.values())
+
     def first_blocks(self, seq_id: int) -> tuple[int, ...]:
         """Each kind's first entry of seq_id's tables that is not -1."""
         return tuple(live.get(seq_id, 0) for live in self._live_from)

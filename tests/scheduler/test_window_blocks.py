@@ -51,6 +51,9 @@ def test_a_window_kind_holds_only_the_blocks_its_rows_read(chunk):
             window = blocks._tables[1][seq_id]  # (the window kind's entries)
             most["window"] = max(most["window"], sum(e >= 0 for e in window))
             most["global"] = max(most["global"], len(blocks.tables[seq_id]))
+            # (what Stats reports: the window kind's entries behind it, 3 blocks each)
+            assert blocks.num_behind_windows() == 3 * sum(e < 0 for e in window)
+            most["behind"] = max(most["behind"], blocks.num_behind_windows())
 
     run(w, executor, watch)
     assert w.finished(req) and len(req.output.token_ids) == 30
@@ -59,6 +62,8 @@ def test_a_window_kind_holds_only_the_blocks_its_rows_read(chunk):
     # the window's blocks behind a row's first query, and the row's own: at most 2 + chunk's
     assert most["window"] <= -(-(WINDOW - 1) // BS) + 1 + -(-min(chunk, 40) // BS)
     assert most["window"] < whole  # (a window kind keeping the whole context fails here)
+    assert most["behind"] >= 3 * (whole - most["window"])
+    assert blocks.num_behind_windows() == 0  # (nothing runs)
     blocks.check()
 
 
