@@ -30,8 +30,8 @@ def free_base_port() -> int:
 
 
 def lines_of(server: subprocess.Popen) -> queue.Queue:
-    """`server`'s stdout lines as they come (None once it closed), read by a thread of their own
-    so that every wait on them has a deadline."""
+    """`server`'s stdout lines as they come (None once it closed, for every reader after), read
+    by a thread of their own so that every wait on them has a deadline."""
     if not hasattr(server, "lines"):
         server.lines = queue.Queue()
 
@@ -54,6 +54,7 @@ def read_until(server: subprocess.Popen, prefix: str, timeout_s: float = 180) ->
         except queue.Empty:
             return lines
         if line is None:
+            lines_of(server).put(None)  # (it stays closed for the next reader: no wait)
             return lines
         lines.append(line)
         if line.startswith(prefix):
