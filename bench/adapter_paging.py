@@ -32,9 +32,9 @@ import torch  # noqa: E402
 from common.adapter_pages import padded_pages, plan_pages  # noqa: E402
 from common.peft.modules import LORA_MODULES  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
-from executor.model_config import ModelConfig  # noqa: E402
+from executor.lora.slot_pool import LoraModuleWeights, LoraWeights, page_geometry  # noqa: E402
+from executor.model.config import ModelConfig  # noqa: E402
 from executor.runner import ModelRunner, Row  # noqa: E402
-from executor.slot_pool import LoraModuleWeights, LoraWeights, page_geometry  # noqa: E402
 
 MIX = {8: 0.7, 16: 0.2, 64: 0.1}  # rank -> share of adapters
 BLOCK = 16

@@ -39,8 +39,8 @@ def worker(steps: int) -> None:
     import torch.nn.functional as F
 
     from common.sampling import SamplingParams
-    from executor.kv_cache import PagedKVCache
-    from executor.model_config import ModelConfig
+    from executor.model.config import ModelConfig
+    from executor.model.kv_cache import PagedKVCache
     from executor.runner import ModelRunner, Row
 
     torch.set_num_threads(1)

@@ -7,8 +7,8 @@ rewritten after each so a cut-off run still leaves one:
   2. every kernel vs its torch reference, bf16 and fp16, at Llama-3-8B shapes;
   3. a whole executor decode step of a random-weight 8B model, 64 rows: base only, one rank-16
      adapter, 64 distinct rank-16 adapters, with the memory floor beside it;
-  4. the last hop of an adapter load as the executor makes it (executor/slot_copy.py): views into
-     a pinned staging buffer copied into a slot on a side stream, bf16 and fp32 files; checked
+  4. the last hop of an adapter load as the executor makes it (executor/lora/slot_copy.py): views
+     into a pinned staging buffer copied into a slot on a side stream, bf16 and fp32 files; checked
      bit for bit; its time against a plain pinned copy of the same bytes; decode steps timed
      while loads run beside them (the step loop must not wait on a load);
   5. the paged-attention kernel vs its torch reference at 8B attention shapes (64 decode rows of
@@ -39,10 +39,10 @@ from gpu_harness import (ADAPTERS, BLOCK_SIZE, CFG, DEVICE, OPTS, RANKS, REPORT,
 import torch
 import torch.nn.functional as F
 from common.peft.modules import LORA_MODULES
-from executor.lora_torch import TorchLoraBackend
-from executor.kv_cache import PagedKVCache
-from executor.lora_triton import TritonLoraBackend
-from executor.slot_pool import LORA_GROUPS, LoraSlotPool
+from executor.lora.torch_backend import TorchLoraBackend
+from executor.model.kv_cache import PagedKVCache
+from executor.lora.triton_backend import TritonLoraBackend
+from executor.lora.slot_pool import LORA_GROUPS, LoraSlotPool
 from gpu_attention import paged_attention_check
 from gpu_moe import moe_check
 from gpu_quant import quant_check

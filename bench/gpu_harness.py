@@ -35,8 +35,8 @@ if "safetensors" not in sys.modules:
         sys.modules["safetensors"] = types.SimpleNamespace(safe_open=None)
 
 from common.adapter_pages import plan_pages  # noqa: E402
-from executor.model_config import ModelConfig  # noqa: E402
-from executor.slot_pool import LoraModuleWeights, LoraWeights, page_geometry  # noqa: E402
+from executor.model.config import ModelConfig  # noqa: E402
+from executor.lora.slot_pool import LoraModuleWeights, LoraWeights, page_geometry  # noqa: E402
 
 DEVICE = "cpu" if OPTS.smoke else "cuda"
 MODEL = "tiny" if OPTS.smoke else "llama-3-8b"

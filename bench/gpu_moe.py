@@ -1,8 +1,8 @@
 """Section 9 of the GPU check: a mixture-of-experts layer at Qwen3-30B-A3B's shapes (128 experts
 of 768, top 8, hidden 2048), bf16: the grouped expert matmul (kernels/moe_gemm.py) against its
-torch reference and against a per-expert loop of torch matmuls (what executor/moe.py runs on
+torch reference and against a per-expert loop of torch matmuls (what executor/model/moe.py runs on
 CPU), and the experts' LoRA (rank 16 on both expert weights, the SGMV kernels over the pool's
-flat offset tables, executor/lora_experts.py) against the torch path, for 1, 16 and 64 distinct
+flat offset tables, executor/lora/experts.py) against the torch path, for 1, 16 and 64 distinct
 adapters over 64 decode rows and a 2048-row prefill.
 """
 
@@ -11,13 +11,13 @@ from __future__ import annotations
 from gpu_harness import DEVICE, OPTS, REPORT, bench_ms, section, sync, table  # first
 
 import torch
-from executor.kv_cache import PagedKVCache
-from executor.lora_experts import ExpertRuns
-from executor.lora_torch import TorchLoraBackend
-from executor.lora_triton import TritonLoraBackend
-from executor.model_config import ModelConfig
-from executor.moe import Routing, grouped_matmul
-from executor.slot_pool import LoraModuleWeights, LoraSlotPool, LoraWeights
+from executor.model.kv_cache import PagedKVCache
+from executor.lora.experts import ExpertRuns
+from executor.lora.torch_backend import TorchLoraBackend
+from executor.lora.triton_backend import TritonLoraBackend
+from executor.model.config import ModelConfig
+from executor.model.moe import Routing, grouped_matmul
+from executor.lora.slot_pool import LoraModuleWeights, LoraSlotPool, LoraWeights
 from kernels.moe_gemm import moe_gemm
 from kernels.moe_gemm_ref import moe_gemm_ref
 from kernels.reference import TOLERANCES

@@ -13,10 +13,10 @@ from gpu_harness import (BLOCK_SIZE, DEVICE, MODEL, OPTS, REPORT, bench_ms,  # f
 
 import torch
 from common.peft.modules import LORA_MODULES
-from executor.lora_torch import TorchLoraBackend
-from executor.lora_triton import TritonLoraBackend
-from executor.model_config import ModelConfig
-from executor.slot_pool import LoraModuleWeights, LoraSlotPool, LoraWeights
+from executor.lora.torch_backend import TorchLoraBackend
+from executor.lora.triton_backend import TritonLoraBackend
+from executor.model.config import ModelConfig
+from executor.lora.slot_pool import LoraModuleWeights, LoraSlotPool, LoraWeights
 
 
 class Driver:
@@ -167,7 +167,7 @@ def plain_copy_ms(host: torch.Tensor) -> float:
 def adapter_load(runner, rank: int, steps: int) -> None:
     import threading
 
-    from executor.slot_copy import SlotCopier, StagingBuffers
+    from executor.lora.slot_copy import SlotCopier, StagingBuffers
     pool, slot, copier = runner.pool, runner.pool.num_slots - 1, SlotCopier(runner.pool)
     staging = StagingBuffers(pin_memory=DEVICE == "cuda")
     rows, loaded = [], {}

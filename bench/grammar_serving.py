@@ -36,7 +36,7 @@ from serving import machine_line
 from common.grammar import Grammar, GrammarKind
 from common.sampling import SamplingParams
 from executor.grammar import GrammarRows
-from executor.model_config import ModelConfig
+from executor.model.config import ModelConfig
 from executor.runner import ModelRunner, Row
 from loraplex import fixtures
 

@@ -27,10 +27,10 @@ from serving import machine_line, make_adapters
 
 from common.adapter_pages import padded_pages
 from common.sampling import SamplingParams
-from executor.model_config import ModelConfig
-from executor.peft_adapter import parse_peft_adapter
+from executor.lora.peft_adapter import parse_peft_adapter
+from executor.lora.slot_pool import page_geometry
+from executor.model.config import ModelConfig
 from executor.runner import ModelRunner, Row
-from executor.slot_pool import page_geometry
 from loraplex import fixtures
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -35,11 +35,11 @@ import torch
 from step_breakdown import _Timers
 
 from common.sampling import SamplingParams
-from executor import lora_torch, moe
-from executor import model as model_module
-from executor.kv_cache import PagedKVCache
-from executor.model_config import ModelConfig
-from executor.peft_adapter import parse_peft_adapter
+from executor.lora import torch_backend
+from executor.lora.peft_adapter import parse_peft_adapter
+from executor.model import moe, transformer
+from executor.model.config import ModelConfig
+from executor.model.kv_cache import PagedKVCache
 from executor.runner import ModelRunner, Row
 from loraplex import fixtures
 
@@ -118,9 +118,9 @@ def run_loraplex(runner: ModelRunner, reqs: list[tuple[list[int], int]], *,
 def _timed(stack: contextlib.ExitStack, timers: _Timers, runner: ModelRunner) -> None:
     timers.wrap(stack, moe.Routing, "route", "router")
     timers.wrap(stack, runner.model, "moe_matmul", "experts")
-    timers.wrap(stack, lora_torch.TorchLoraBackend, "apply_experts", "expert LoRA")
-    timers.wrap(stack, lora_torch.TorchLoraBackend, "prepare_experts", "expert LoRA")
-    timers.wrap(stack, model_module.F, "scaled_dot_product_attention", "attention")
+    timers.wrap(stack, torch_backend.TorchLoraBackend, "apply_experts", "expert LoRA")
+    timers.wrap(stack, torch_backend.TorchLoraBackend, "prepare_experts", "expert LoRA")
+    timers.wrap(stack, transformer.F, "scaled_dot_product_attention", "attention")
     timers.wrap(stack, PagedKVCache, "gather", "attention")
 
 

@@ -4,14 +4,14 @@
     .venv/bin/python bench/quantized_cpu.py [--quick] [--out [PATH]]
 
 The model: 4 layers, hidden 1024 (16 heads of 64, 4 KV heads), intermediate 2816, vocab 2048,
-random weights; its projections quantized round-to-nearest into executor/quant.py's layouts:
+random weights; its projections quantized round-to-nearest into executor/model/quant.py's layouts:
 INT8 per channel, symmetric (W8A16); INT4 in groups of 128 with zero points (W4A16, GPTQ / AWQ's
 shape). 64 requests, request i on adapter i mod N, prompts of 8-24 tokens, 32 greedy tokens
 each: all prefilled, then one decode step over all of them per token (as bench/moe.py drives a
 runner). The three bases alternate round by round, one torch thread; tokens/s is every generated
 token over the wall time, the median of the rounds.
 
-Then the choice of the CPU path (executor/quant.py), measured on the gate|up projection: dense
+Then the choice of the CPU path (executor/model/quant.py), measured on the gate|up projection: dense
 F.linear, dequantize + matmul (a million elements at a time) and torch's weight-only kernels
 (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu), for fp32 and bf16 activations.
 """
@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 
 from common.sampling import SamplingParams
-from executor.model_config import ModelConfig
-from executor.quant import IntWeight
+from executor.lora.slot_pool import LoraModuleWeights, LoraWeights
+from executor.model.config import ModelConfig
+from executor.model.quant import IntWeight
 from executor.runner import ModelRunner, Row
-from executor.slot_pool import LoraModuleWeights, LoraWeights
 from kernels.quant_gemm_ref import pack_int4
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 
 from common.adapter_pages import padded_pages
 from common.sampling import SamplingParams
-from executor import model as model_module
-from executor.kv_cache import PagedKVCache
-from executor.lora_torch import TorchLoraBackend
-from executor.model_config import ModelConfig
-from executor.peft_adapter import parse_peft_adapter
+from executor.lora.peft_adapter import parse_peft_adapter
+from executor.lora.slot_pool import page_geometry
+from executor.lora.torch_backend import TorchLoraBackend
+from executor.model import transformer
+from executor.model.config import ModelConfig
+from executor.model.kv_cache import PagedKVCache
 from executor.runner import ModelRunner, Row
-from executor.slot_pool import page_geometry
 
 PARTS = ("base matmuls", "LoRA", "attention", "metadata", "rest")
 BLOCK = 16
@@ -77,12 +77,12 @@ def decode_breakdown(model_dir: str, adapters: list[tuple[str, bytes]],
     runner.step(decode)  # warm-up: the LoRA stack is built here, as in serving
     timers = _Timers()
     with contextlib.ExitStack() as stack:
-        timers.wrap(stack, model_module.F, "linear", "base matmuls")
-        timers.wrap(stack, model_module.F, "scaled_dot_product_attention", "attention")
+        timers.wrap(stack, transformer.F, "linear", "base matmuls")
+        timers.wrap(stack, transformer.F, "scaled_dot_product_attention", "attention")
         timers.wrap(stack, PagedKVCache, "gather", "attention")
         timers.wrap(stack, TorchLoraBackend, "apply", "LoRA")
         timers.wrap(stack, TorchLoraBackend, "prepare", "LoRA")
-        timers.wrap(stack, model_module.StepMetadata, "build", "metadata")
+        timers.wrap(stack, transformer.StepMetadata, "build", "metadata")
         start = time.perf_counter()
         for _ in range(num_steps):
             runner.step(decode)

@@ -57,9 +57,9 @@ from common.adapter_ref import AdapterRef  # noqa: E402
 from common.allocator import keep_freed_memory  # noqa: E402
 from common.server import insecure_channel  # noqa: E402
 from executor.adapter_loader import AdapterLoader  # noqa: E402
-from executor.model_config import ModelConfig  # noqa: E402
+from executor.lora.slot_pool import page_geometry  # noqa: E402
+from executor.model.config import ModelConfig  # noqa: E402
 from executor.runner import ModelRunner  # noqa: E402
-from executor.slot_pool import page_geometry  # noqa: E402
 from loraplex import client  # noqa: E402
 from loraplex.launch import start_service  # noqa: E402
 from protos import adapter_store_pb2 as pb  # noqa: E402

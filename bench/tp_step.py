@@ -1,6 +1,6 @@
 """Executor step timing through the tensor-parallel code path: a random-weight model (8B shapes)
 on 1, 2, 4, ... ranks, one process per GPU (torch.distributed, NCCL), each rank a ModelRunner of
-its part (executor/shards.py) running the same steps in lockstep, as the ranks of
+its part (executor/tp/shards.py) running the same steps in lockstep, as the ranks of
 `loraplex serve executor --tensor-parallel N` do. Run it with `bench/tp_step.sh`.
 
 Per rank count (those the machine has GPUs for; the others are listed as not measured) and
@@ -30,11 +30,11 @@ import torch.multiprocessing as mp  # noqa: E402
 from common.adapter_pages import plan_pages  # noqa: E402
 from common.peft.modules import LORA_MODULES  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
-from executor.model_config import ModelConfig  # noqa: E402
+from executor.lora.slot_pool import LoraModuleWeights, LoraWeights, page_geometry  # noqa: E402
+from executor.model.config import ModelConfig  # noqa: E402
 from executor.runner import ModelRunner, Row  # noqa: E402
-from executor.shards import Shard  # noqa: E402
-from executor.slot_pool import LoraModuleWeights, LoraWeights, page_geometry  # noqa: E402
-from executor.tensor_parallel import TensorParallel  # noqa: E402
+from executor.tp.collectives import TensorParallel  # noqa: E402
+from executor.tp.shards import Shard  # noqa: E402
 
 BLOCK_SIZE = 16
 

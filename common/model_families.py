@@ -1,5 +1,5 @@
 """The base-model families loraplex serves, by config.json's `model_type`, defined once: executors
-read a model's numerics through it (executor/model_families.py), adapter stores the shapes a
+read a model's numerics through it (executor/model/family_quirks.py), adapter stores the shapes a
 pushed adapter must fit (adapter_store/base_models.py).
 
 A config.json leaves out what its transformers config class assumes, and the classes assume
@@ -12,7 +12,7 @@ Generation, model_type "gemma3") is served as its language model, text in and te
 config.json nests that model's fields under "text_config", often only those that differ from
 Gemma3TextConfig's defaults (gemma-3-4b states no heads), and `read_config` reads it as the text
 model it holds. Its vision tower is never run (no request carries an image), so its config and
-weights (executor/weights.py) and any LoRA on them (common/peft/modules.py) are skipped.
+weights (executor/model/weights.py) and any LoRA on them (common/peft/modules.py) are skipped.
 """
 
 from __future__ import annotations

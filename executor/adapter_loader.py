@@ -22,9 +22,9 @@ The path, and why each step sits where it does:
    thread; the step loop (its own thread, default stream) never waits on a load. On CPU it is a
    plain copy. The slot reads as empty until the copy is complete.
 On rank 0 of a tensor-parallel executor, once its own copy (or clear) is done, the other ranks are
-told (`followers`, executor/followers.py: each gets its part of the adapter) before the slot counts
-as loaded.
-What each slot holds is the pool's record (executor/slot_pool.py): the loader marks a slot
+told (`followers`, executor/tp/followers.py: each gets its part of the adapter) before the slot
+counts as loaded.
+What each slot holds is the pool's record (executor/lora/slot_pool.py): the loader marks a slot
 unloaded before its copy and loaded, as the AdapterRef, once the copy completed; `slot_adapters`
 reads it back.
 The measured seconds from request to slot ready go back in LoadAdapterResponse.load_seconds.
@@ -54,13 +54,13 @@ from common.errors import (
 )
 from common.server import insecure_channel
 from executor.config import FETCH_CHUNK_TIMEOUT_S
-from executor.followers import Followers
-from executor.peft_adapter import parse_peft_adapter
+from executor.lora.peft_adapter import parse_peft_adapter
+from executor.lora.slot_copy import SlotCopier, StagingBuffers
+from executor.lora.slot_pool import LoraWeights
+from executor.lora.staged import Staged, StagedAdapters
 from executor.runner import ModelRunner
-from executor.slot_copy import SlotCopier, StagingBuffers
-from executor.slot_pool import LoraWeights
-from executor.staged import Staged, StagedAdapters
 from executor.store_fetch import FIRST_ANSWER_S, StoreFetcher
+from executor.tp.followers import Followers
 from protos import adapter_store_pb2, adapter_store_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
@@ -117,8 +117,9 @@ class AdapterLoader:
                                   f"{self._pool.num_slots})")
 
     async def stage(self, adapter: AdapterRef, timeout_s: float = FETCH_TIMEOUT_S) -> LoadResult:
-        """Fetch, check and parse `adapter` onto the host, touching no slot (see staged.py);
-        concurrent calls for one adapter share one fetch. was_resident: it was staged already."""
+        """Fetch, check and parse `adapter` onto the host, touching no slot (see
+        executor/lora/staged.py); concurrent calls for one adapter share one fetch. was_resident:
+        it was staged already."""
         if adapter in self._staged:
             return LoadResult(0, 0.0, True)
         flight = self._stagings.get(adapter)
@@ -174,7 +175,7 @@ class AdapterLoader:
                 try:
                     await _thread_to_its_end(self._write, slot, stream_id, self._copier.copy,
                                              self._runner.shard.lora(weights), tuple(pages))
-                    if self._followers is not None:  # (outside slot_writes: see followers.py)
+                    if self._followers is not None:  # (outside slot_writes: see tp/followers.py)
                         await _thread_to_its_end(self._followers.load, slot, weights,
                                                  tuple(pages))
                 except BaseException:

@@ -51,7 +51,7 @@ class ExecutorConfig:
     # 2 s): a scheduler whose event loop hangs (it still answers keepalive pings) cannot hold the
     # executor, and the scheduler that replaces it can connect.
     step_idle_s: float = 60.0
-    # Ranks (GPUs) the executor spans, with tensor parallelism (executor/rank_group.py); 1: one
+    # Ranks (GPUs) the executor spans, with tensor parallelism (executor/tp/rank_group.py); 1: one
     # process on one device.
     tensor_parallel: int = 1
     # A rank of the group that does not meet a collective, or answer rank 0, this long is taken

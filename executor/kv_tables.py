@@ -7,7 +7,7 @@ together: with Gemma 3's kinds (global: 1 column; window: 5), a row adding one t
 each brings 6 blocks, counted (1, 5), the window's split over its 5 column tables. A window kind's
 table starts at the first token block its first rows read (NewSequence.first_blocks), -1 before
 it; the blocks the scheduler gives back behind a window later stay in the table, never read
-again (attention reads only a window's keys: executor/attention.py).
+again (attention reads only a window's keys: executor/model/attention.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What an executor holds in device memory, computed from its settings without allocating
 anything: base weights, the paged KV cache, the adapter pool's tables (`loraplex budget` and each
 runner's own `memory_budget()` use it). A quantized base's projections count at their layouts'
-bytes (executor/quant.py), and the budget says what that frees against the dense weights."""
+bytes (executor/model/quant.py), and the budget says what that frees against the dense weights."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 import torch
 
 from common.peft.modules import BLOCK_OF
-from executor.model_config import ModelConfig
-from executor.quant_config import FP4, FP8, NF4, STATIC, Quantization, WeightScheme
-from executor.shards import Shard
+from executor.model.config import ModelConfig
+from executor.model.quant_config import FP4, FP8, NF4, STATIC, Quantization, WeightScheme
+from executor.tp.shards import Shard
 
 
 def layer_parts(c: ModelConfig) -> tuple[int, int, int]:
@@ -38,7 +38,7 @@ FUSED = ((("self_attn.qkv_proj",), False), (("self_attn.o_proj",), True),
 
 
 def quantized_weight_bytes(q: Quantization, full: ModelConfig, local: ModelConfig) -> int:
-    """What a (rank's part of a) quantized model's projections take in executor/quant.py's
+    """What a (rank's part of a) quantized model's projections take in executor/model/quant.py's
     layouts, and what they would take dense (in elements), summed over the layers:
     (bytes, elements) of the quantized ones (the others are counted dense by the caller)."""
     total_bytes = total_elements = 0
@@ -60,8 +60,8 @@ def quantized_weight_bytes(q: Quantization, full: ModelConfig, local: ModelConfi
 
 
 def scheme_bytes(scheme: WeightScheme, out_f: int, in_f: int, full_in: int) -> int:
-    """Bytes of one (joined) weight [out, in] of `scheme` as executor/quant.py holds it: codes,
-    fp32 scales, int8 zeros, an act-order g_idx (whose row-parallel part keeps every group's
+    """Bytes of one (joined) weight [out, in] of `scheme` as executor/model/quant.py holds it:
+    codes, fp32 scales, int8 zeros, an act-order g_idx (whose row-parallel part keeps every group's
     scales: `full_in`), a codebook; FP8: fp8 values and fp32 scales per channel or block."""
     if scheme.kind == FP8:
         bn, bk = scheme.block
@@ -124,7 +124,7 @@ class MemoryBudget:
             weights_bytes += quantized - elements * size
         kv = 2 * c.num_hidden_layers * num_kv_blocks * block_size * c.kv_size
         # The pool's tables (adapters' weights are in pages of the KV blocks): 8-byte offsets of
-        # each chunk of each rank row of A and B^T, 4-byte ranks and scales (slot_pool.py).
+        # each chunk of each rank row of A and B^T, 4-byte ranks and scales (lora/slot_pool.py).
         region = block_size * c.num_key_value_heads * c.head_dim
         chunk = 1 << (region.bit_length() - 1)
         shapes = c.projection_shapes()

@@ -1,10 +1,10 @@
 """ModelRunner: the executor's plain-Python core. It executes exactly the step it is given and
 keeps no policy: the scheduler owns block tables (the runner mirrors them), slot placement and
 batching; no gRPC here. What each adapter slot holds is the slot pool's record (`pool`,
-executor/slot_pool.py): the runner asks it whether a step's slots are loaded.
+executor/lora/slot_pool.py): the runner asks it whether a step's slots are loaded.
 
-On a rank of a tensor-parallel executor (`tp`, executor/tensor_parallel.py) the runner holds the
-rank's part (`shard`, executor/shards.py): weights, KV heads, and adapters cut to it as they are
+On a rank of a tensor-parallel executor (`tp`, executor/tp/collectives.py) the runner holds the
+rank's part (`shard`, executor/tp/shards.py): weights, KV heads, and adapters cut to it as they are
 loaded; `config` stays the whole model's. Every rank runs the same steps; rank 0 alone samples
 (it gathers the logits), and the others take its tokens.
 """
@@ -21,20 +21,20 @@ import torch
 
 from common.sampling import SamplingParams
 from executor.grammar import GrammarRows
-from executor.kv_cache import PagedKVCache
 from executor.kv_tables import KVTables
 from executor.logprobs import PromptLogprobs, TopLogprobs
-from executor.lora import make_lora_backend
+from executor.lora.backend import make_lora_backend
+from executor.lora.merge import Merged, merge, unmerge
+from executor.lora.slot_pool import LoraSlotPool, LoraWeights
 from executor.memory_budget import MemoryBudget
-from executor.merge import Merged, merge, unmerge
-from executor.model import RowSpec, StepMetadata, Transformer
-from executor.model_config import ModelConfig
+from executor.model.config import ModelConfig
+from executor.model.kv_cache import PagedKVCache
+from executor.model.transformer import RowSpec, StepMetadata, Transformer
+from executor.model.weights import ModelWeights, load_weights, random_weights
 from executor.runner_checks import check_new_sequence, check_rows
 from executor.sampling import DrawStream, Sampler
-from executor.shards import Shard
-from executor.slot_pool import LoraSlotPool, LoraWeights
-from executor.tensor_parallel import SINGLE, TensorParallel
-from executor.weights import ModelWeights, load_weights, random_weights
+from executor.tp.collectives import SINGLE, TensorParallel
+from executor.tp.shards import Shard
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ class ModelRunner:
         self.sampler = Sampler(config.vocab_size, self.device)  # (rank 0's alone samples)
         self._seqs: dict[int, _Sequence] = {}
         self._num_prompt_logprobs = 0  # sequences whose prompt logprobs are being made
-        self._merged: Merged | None = None  # the adapter folded into the weights (merge.py)
+        self._merged: Merged | None = None  # the adapter folded into the weights (lora/merge.py)
         self.base_fingerprint = ""  # of the model folder (common/base_fingerprint.py); "": none
         self.tokenizer_json = ""  # the model's tokenizer.json: what grammars compile against
         self._grammars: GrammarRows | None = None  # made at the first constrained sequence
@@ -176,8 +176,8 @@ class ModelRunner:
         return self._merged.slot if self._merged else None
 
     def merge(self, slot: int) -> None:
-        """Fold the adapter in `slot` into the base weights (executor/merge.py): its rows then do
-        no LoRA work; no other adapter's (nor the base model's) rows may run until `unmerge`.
+        """Fold the adapter in `slot` into the base weights (executor/lora/merge.py): its rows then
+        do no LoRA work; no other adapter's (nor the base model's) rows may run until `unmerge`.
         Refused while a sequence of anything else is registered."""
         if self._merged is not None:
             raise ValueError(f"slot {self._merged.slot} is merged already: unmerge it first")

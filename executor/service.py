@@ -3,9 +3,9 @@
 Forward passes and adapter parsing run in worker threads, so adapter loads, Info and health stay
 responsive while a step computes, and a load never stalls the step loop.
 
-With --tensor-parallel N, `main` supervises N rank processes (executor/rank_group.py); rank 0 is
+With --tensor-parallel N, `main` supervises N rank processes (executor/tp/rank_group.py); rank 0 is
 this service, on its part of the model, and tells the other ranks each step, load and unload
-(executor/followers.py): the scheduler sees one executor.
+(executor/tp/followers.py): the scheduler sees one executor.
 """
 
 import asyncio
@@ -29,17 +29,17 @@ from common.server import Service, announce, configure_logging, run, run_until_s
 from executor.adapter_loader import FETCH_TIMEOUT_S, AdapterLoader
 from executor.benchmark_runner import BenchmarkRunner
 from executor.config import ExecutorConfig
-from executor.followers import Followers
-from executor.lora import resolve_lora_backend
-from executor.model_config import ModelConfig
+from executor.lora.backend import resolve_lora_backend
+from executor.model.config import ModelConfig
 from executor.model_identity import log_identity, resolve_identity
-from executor.rank_group import supervise
 from executor.runner import ModelRunner, Sampled
-from executor.shards import Shard
 from executor.step_request import run_step, step_rows
 from executor.step_worker import StepWorker
-from executor.tensor_parallel import SINGLE, TensorParallel, rank_device
 from executor.tokenizer_files import TokenizerFiles
+from executor.tp.collectives import SINGLE, TensorParallel, rank_device
+from executor.tp.followers import Followers
+from executor.tp.rank_group import supervise
+from executor.tp.shards import Shard
 from protos import common_pb2, executor_pb2, executor_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -332,7 +332,7 @@ def _fetch_timeout(context) -> float:
 async def serve(config: ExecutorConfig, tp: TensorParallel = SINGLE,
                 channels: list[Connection] = ()) -> None:
     """Serve the executor; as rank 0 of a tensor-parallel group (`tp`), with `channels` to
-    ranks 1, 2, ... (executor/rank.py)."""
+    ranks 1, 2, ... (executor/tp/rank.py)."""
     keys = config.keys.load()
     # Which base it serves is asked of the stores while the weights load.
     identity, (runner, tokenizer) = await asyncio.gather(

@@ -1,5 +1,5 @@
 """What a StepRequest does to a ModelRunner, defined once: the executor's Step stream runs it,
-and so does every rank of a tensor-parallel executor on its part (executor/follower.py), the
+and so does every rank of a tensor-parallel executor on its part (executor/tp/follower.py), the
 same request in the same order."""
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ import torch
 from common.adapter_ref import AdapterRef
 from common.errors import DataLoss, LoraplexError, Unavailable, from_rpc_error
 from executor.config import FETCH_CHUNK_TIMEOUT_S
-from executor.slot_copy import StagingBuffers
-from executor.slot_pool import LoraWeights
+from executor.lora.slot_copy import StagingBuffers
+from executor.lora.slot_pool import LoraWeights
 from protos import adapter_store_pb2, adapter_store_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,6 @@
 """Grouped MoE matmul: out[rows_i] = x[rows_i] @ W[e_i]^T for every run i of rows routed to expert
-e_i (executor/moe.py sorts a layer's (row, expert) pairs by expert, so each expert's are one run).
+e_i (executor/model/moe.py sorts a layer's (row, expert) pairs by expert, so each expert's are one
+run).
 
 One program per (M-tile of a run, N-tile): it loads its expert's [BLOCK_N, BLOCK_K] weight tiles
 once for its BLOCK_M rows and accumulates in fp32; every tile of an expert's weight is read by the

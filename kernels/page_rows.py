@@ -2,7 +2,7 @@
 
 A row (of A, or of B^T) of `length` elements is kept in chunks of `chunk` elements (a power of
 two) that may lie anywhere in the flat storage; a table gives each chunk's element offset
-(executor/page_tables.py builds the tables from an adapter's pages). Element c of a row whose
+(executor/lora/page_tables.py builds the tables from an adapter's pages). Element c of a row whose
 chunks start at o[0], o[1], ... is at o[c // chunk] + c % chunk. Pure torch.
 
 Example: chunk 64, a row of 200 elements at offsets (672, 3552, 192, 736): its element 130

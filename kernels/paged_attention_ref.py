@@ -6,7 +6,8 @@
     sequence's keys padded to the longest context and masked), kept as the baseline the GPU check
     times the kernel against and the tests compare with. Decode only (one query per sequence).
 
-For tests, benchmarks and the GPU check, not for serving (executor/attention.py serves on CPU).
+For tests, benchmarks and the GPU check, not for serving (executor/model/attention.py serves on
+CPU).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Pure-torch references of the dequantize-in-the-GEMM kernels (kernels/quant_gemm.py,
 kernels/quant_fp8_gemm.py), same signatures, and the serving layouts' dequantization they and the
-executor's CPU path share (executor/quant.py keeps weights in these layouts, whatever their
+executor's CPU path share (executor/model/quant.py keeps weights in these layouts, whatever their
 checkpoint's).
 
 Integer weights W [N, K] (int4 / int8, group-wise):
@@ -56,7 +56,7 @@ def dequantize_int(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
                    group_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The serving layout above -> W [N, K] in `dtype` (computed in fp32, rounded once): each
     value's (code - zero) exact, times its scale (in place, a pass each: this is also the CPU
-    path's dequantization, executor/quant.py)."""
+    path's dequantization, executor/model/quant.py)."""
     n = codes.shape[0]
     offset = 0
     if bits == 4 and codebook is not None:

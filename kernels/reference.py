@@ -2,8 +2,8 @@
 x @ A^T accumulates in fp32 and is rounded to the activation dtype; the expand accumulates in
 fp32, is scaled, added to the fp32 output and rounded once. A's and B^T's rows are gathered from
 the paged store through the same offset tables (kernels/page_rows.py). Loops over work items: for
-tests and the GPU check, not for serving (executor.lora_torch.TorchLoraBackend is the serving
-reference).
+tests and the GPU check, not for serving (executor.lora.torch_backend.TorchLoraBackend is the
+serving reference).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ of the --adapter-ranks mix (rank:share, on every projection) fit beside that KV,
 padded to the mix's largest rank as vLLM and LoRAX size them.
 
 With --tensor-parallel N the plan is per GPU: each of the N ranks holds its part of the weights
-(executor/shards.py: 1/N of every projection, of the vocabulary, and of the KV heads, which are
+(executor/tp/shards.py: 1/N of every projection, of the vocabulary, and of the KV heads, which are
 whole per rank, so KV heads below N are replicated), its part of every block, and the pool's
 tables; the step workspace is rank 0's (it gathers the whole logits).
 
@@ -25,7 +25,7 @@ tables; the step workspace is rank 0's (it gathers the whole logits).
 A quantized base (a folder's quantization_config, or --quantization fp8 | int8 | int4 | nf4 for
 the common releases' schemes: FP8 in 128 x 128 blocks, int8 per channel, int4 in groups of 128,
 NF4 in blocks of 64) counts its projections at the bytes the executor holds them in
-(executor/quant.py; the embeddings, lm_head and norms stay at --dtype), and the plan says what
+(executor/model/quant.py; the embeddings, lm_head and norms stay at --dtype), and the plan says what
 that frees against --dtype weights, in KV tokens and in adapters of the mix.
 
     loraplex budget --model random:llama-3-70b --gpu-gib 80 --quantization int4
@@ -49,11 +49,11 @@ from common.adapter_pages import padded_pages, plan_pages
 from common.help_format import HelpFormatter
 from common.kv_layout import KVLayout
 from common.peft.modules import BLOCK_OF
+from executor.lora.slot_pool import page_geometry
 from executor.memory_budget import MemoryBudget
-from executor.model_config import NAMED_CONFIGS, ModelConfig
-from executor.quant_config import PRESETS, preset
-from executor.shards import Shard
-from executor.slot_pool import page_geometry
+from executor.model.config import NAMED_CONFIGS, ModelConfig
+from executor.model.quant_config import PRESETS, preset
+from executor.tp.shards import Shard
 
 GB = 1e9
 MAX_TENSOR_PARALLEL = 16  # the most GPUs `budget` suggests one executor spans

@@ -2,7 +2,7 @@
 
 import torch
 
-from executor.slot_pool import LoraModuleWeights, LoraWeights
+from executor.lora.slot_pool import LoraModuleWeights, LoraWeights
 
 
 def random_adapter(config, rank, seed, modules=None, layers=None, same_rank=False):

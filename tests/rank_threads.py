@@ -13,7 +13,7 @@ from typing import Any
 import torch.distributed as dist
 
 from executor.runner import ModelRunner
-from executor.tensor_parallel import TensorParallel
+from executor.tp.collectives import TensorParallel
 
 TIMEOUT = datetime.timedelta(seconds=60)
 

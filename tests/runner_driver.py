@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from common.sampling import SamplingParams
-from executor.peft_adapter import parse_peft_adapter
+from executor.lora.peft_adapter import parse_peft_adapter
 from executor.runner import ModelRunner, Row, Sampled
 
 BLOCK, MAX_RANK = 4, 32

@@ -1,4 +1,5 @@
-"""A longrope model's switch (Phi-3-128k, Phi-3.5: executor/rope.py), as the scheduler plans it.
+"""A longrope model's switch (Phi-3-128k, Phi-3.5: executor/model/rope.py), as the scheduler plans
+it.
 
 transformers' generate() computes a sequence of n tokens with the short RoPE factors while n is at
 most the switch (original_max_position_embeddings), and with the long ones, at every position, once

@@ -5,6 +5,11 @@
     shared layer   common/                                     (no service, no application)
     contracts      protos/                                     (generated code and its generator)
     kernels        kernels/                     (torch and triton only; used by the executor)
+
+Inside the executor, the wings that compute sit below its runner, service and rank processes:
+
+    executor/ top   runner, service, sampling, adapter loads, ...; tp/ rank processes
+    compute wings   executor/model/ executor/lora/ tp/shards.py tp/collectives.py  (only each other)
 """
 
 import ast
@@ -30,6 +35,24 @@ ALLOWED["executor"].add("kernels")  # the LoRA ops it runs on the GPU
 KERNEL_THIRD_PARTY = {"torch", "triton"}
 
 
+# The executor's compute wings: the base model, the LoRA machinery, and what of tensor parallelism
+# the forward and the loaders need (a rank's part, the collectives).
+EXECUTOR_COMPUTE = ("executor.model.", "executor.lora.", "executor.tp.shards",
+                    "executor.tp.collectives")
+
+
+def imported_modules(path: pathlib.Path) -> set[str]:
+    """Full dotted names of every absolute import in `path` (`from a import b`: a.b, as b may be a
+    module), wherever the import statement sits."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
 def imported_packages(path: pathlib.Path) -> set[str]:
     """Top-level names of every module `path` imports, wherever the import statement sits."""
     names = set()
@@ -53,6 +76,20 @@ def test_package_imports_only_layers_below(package):
         for name in sorted(found - ALLOWED[package]):
             wrong.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not wrong, "layers must point down (see this test's docstring):\n" + "\n".join(wrong)
+
+
+def test_executor_compute_wings_import_only_each_other():
+    """The model, LoRA and sharding code never reaches up into the runner, the service, the adapter
+    loads or the rank processes: it is plain compute they drive, testable on its own."""
+    wing_files = [path for path in sources("executor")
+                  if f"{path.relative_to(ROOT).with_suffix('').as_posix().replace('/', '.')}."
+                  .startswith(EXECUTOR_COMPUTE)]
+    assert len(wing_files) > 20
+    wrong = [f"{path.relative_to(ROOT)} imports {name}" for path in wing_files
+             for name in sorted(imported_modules(path))
+             if name.startswith("executor.") and not name.startswith(EXECUTOR_COMPUTE)]
+    assert not wrong, "the compute wings sit below the runner (this test's docstring):\n" + \
+        "\n".join(wrong)
 
 
 def test_kernels_import_only_torch_and_triton():

@@ -3,7 +3,7 @@ HTTP face, and a roster that sends each base model to a scheduler that serves it
 
 from pathlib import PurePosixPath
 
-from executor.model_config import ModelConfig
+from executor.model.config import ModelConfig
 from gateway.pools import read_roster
 from tests.deploy.contract import COMPONENTS, HTTP_PORTS
 from tests.deploy.manifests import by_kind, container, deployments, service_config

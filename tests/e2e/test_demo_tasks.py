@@ -10,10 +10,10 @@ import torch
 
 from common.adapter_pages import padded_pages
 from common.server import insecure_channel
-from executor.model_config import ModelConfig
-from executor.peft_adapter import parse_peft_adapter
+from executor.lora.peft_adapter import parse_peft_adapter
+from executor.lora.slot_pool import page_geometry
+from executor.model.config import ModelConfig
 from executor.runner import ModelRunner
-from executor.slot_pool import page_geometry
 from loraplex import client
 from loraplex.demo import MODEL_DIR, adapter_dir
 from loraplex.demo_tasks import TASKS, held_out

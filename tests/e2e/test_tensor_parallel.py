@@ -127,7 +127,8 @@ def rank_pid(supervisor: ServiceProcess, rank: int) -> int:
     pid = supervisor.process.pid
     for child in pathlib.Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
         argv = pathlib.Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-        if b"executor.rank" in argv and argv[argv.index(b"executor.rank") + 1] == b"%d" % rank:
+        module = b"executor.tp.rank"
+        if module in argv and argv[argv.index(module) + 1] == b"%d" % rank:
             return int(child)
     raise LookupError(f"no rank {rank} under pid {pid}")
 

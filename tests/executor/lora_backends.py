@@ -5,8 +5,8 @@ import random
 
 import torch
 
-from executor.kv_cache import PagedKVCache
-from executor.slot_pool import LoraSlotPool, LoraWeights, lora_groups
+from executor.lora.slot_pool import LoraSlotPool, LoraWeights, lora_groups
+from executor.model.kv_cache import PagedKVCache
 
 
 def make_pool(config, *, num_slots: int, max_rank: int, num_blocks: int = 400,

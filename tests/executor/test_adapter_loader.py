@@ -12,9 +12,9 @@ import torch
 from common.adapter_ref import AdapterRef
 from common.errors import FailedPrecondition
 from executor.adapter_loader import AdapterLoader
-from executor.model_config import ModelConfig
+from executor.lora.staged import Staged
+from executor.model.config import ModelConfig
 from executor.runner import ModelRunner
-from executor.staged import Staged
 from tests.random_adapters import random_adapter
 
 CONFIG = ModelConfig.named("tiny")

@@ -134,7 +134,7 @@ def test_an_activated_lora_is_refused_where_it_cannot_apply(models):
 
 def test_two_ranks_give_the_oracles_tokens(models):
     """TP=2 in a gloo group: the activated LoRA's rows split at the same point on every rank."""
-    from executor.tensor_parallel import TensorParallel
+    from executor.tp.collectives import TensorParallel
     from tests.rank_threads import RankThreads
 
     model_dir, folders, _, alora, _ = models

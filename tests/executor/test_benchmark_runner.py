@@ -9,7 +9,7 @@ from common.sampling import SamplingParams
 from common.server import insecure_channel
 from executor.benchmark_runner import BenchmarkRunner, benchmark_token
 from executor.config import ExecutorConfig
-from executor.model_config import ModelConfig
+from executor.model.config import ModelConfig
 from executor.runner import Row
 from loraplex import client
 from loraplex.launch import Fleet

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from executor.memory_budget import MemoryBudget
-from executor.model_config import ModelConfig
+from executor.model.config import ModelConfig
 from executor.runner import ModelRunner
 from loraplex.budget import format_plan, plan
 from tests.random_adapters import random_adapter

@@ -1,9 +1,9 @@
-"""Rank 0 telling the other ranks of a tensor-parallel executor what to do (executor/followers.py,
-executor/follower.py, protos/rank_group.proto), over real sockets: a follower given the steps,
-loads and clears rank 0 did holds what rank 0 holds and the pair samples TP=1's tokens; only a
-rank's part of an adapter travels to it; a follower that is gone, silent or fails a copy, a
-collective a rank never meets (it froze), and a rank 0 whose heartbeats stop (it froze), break
-the group within the timeout."""
+"""Rank 0 telling the other ranks of a tensor-parallel executor what to do
+(executor/tp/followers.py, executor/tp/follower.py, protos/rank_group.proto), over real sockets: a
+follower given the steps, loads and clears rank 0 did holds what rank 0 holds and the pair samples
+TP=1's tokens; only a rank's part of an adapter travels to it; a follower that is gone, silent or
+fails a copy, a collective a rank never meets (it froze), and a rank 0 whose heartbeats stop (it
+froze), break the group within the timeout."""
 
 import datetime
 import socket
@@ -15,14 +15,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from executor.follower import follow
-from executor.followers import Followers, load_command, shard_weights
-from executor.model_config import ModelConfig
-from executor.peft_adapter import parse_peft_adapter
+from executor.lora.peft_adapter import parse_peft_adapter
+from executor.model.config import ModelConfig
 from executor.runner import ModelRunner
-from executor.shards import Shard
 from executor.step_request import run_step, step_rows
-from executor.tensor_parallel import GroupBroken, TensorParallel
+from executor.tp.collectives import GroupBroken, TensorParallel
+from executor.tp.follower import follow
+from executor.tp.followers import Followers, load_command, shard_weights
+from executor.tp.shards import Shard
 from protos import common_pb2, executor_pb2, rank_group_pb2
 from tests.rank_threads import TIMEOUT
 from tests.runner_driver import BLOCK, MAX_RANK, make_runner, prompts, read_adapter

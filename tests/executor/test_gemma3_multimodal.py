@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from common.peft.modules import LAYERS_PATHS
-from executor.model_config import NAMED_CONFIGS, ModelConfig
-from executor.peft_adapter import parse_peft_adapter
+from executor.lora.peft_adapter import parse_peft_adapter
+from executor.model.config import NAMED_CONFIGS, ModelConfig
 from executor.runner import ModelRunner
 from loraplex import fixtures
 from tests import multimodal

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from executor import runner as runner_module
-from executor.model_config import FULL, SLIDING, ModelConfig
-from executor.rope import LinearRopeScaling, Rope
+from executor.model.config import FULL, SLIDING, ModelConfig
+from executor.model.rope import LinearRopeScaling, Rope
 from executor.runner import ModelRunner
 from loraplex import fixtures
 from tests.oracle import assert_matches_hf, hf_greedy, made_adapters

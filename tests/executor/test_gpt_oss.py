@@ -1,6 +1,6 @@
 """gpt-oss bases (issue 41): its published checkpoints keep the experts in MXFP4
-(executor/mxfp4.py). A tiny gpt-oss whose experts are written in MXFP4 by an encoder that follows
-the format's published layout (16 bytes of E2M1 pairs, low nibble first, and a power-of-two
+(executor/model/mxfp4.py). A tiny gpt-oss whose experts are written in MXFP4 by an encoder that
+follows the format's published layout (16 bytes of E2M1 pairs, low nibble first, and a power-of-two
 scale per group of 32): loraplex dequantizes exactly what transformers dequantizes (bit for bit)
 and serves HF's greedy tokens (logits 1e-4); an adapter on an expert's own gate / up is refused
 (gpt-oss interleaves them); another quantization_config is refused by name."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from executor.model_config import ModelConfig
-from executor.mxfp4 import E2M1, dequantize_mxfp4
+from executor.model.config import ModelConfig
+from executor.model.mxfp4 import E2M1, dequantize_mxfp4
 from executor.runner import ModelRunner
 from loraplex import fixtures
 from tests.executor.test_moe_oracle import FAMILIES, SHAPE

@@ -1,7 +1,7 @@
 """Phi-3's longrope (Phi-3-128k, Phi-3.5) served past its original context, as transformers'
 generate() serves it: a sequence of up to original_max_position_embeddings tokens (the switch)
 with the short factors, a longer one with the long factors at every position, its KV computed
-again whole when it outgrows the switch (executor/rope.py, scheduler/steps/longrope.py).
+again whole when it outgrows the switch (executor/model/rope.py, scheduler/steps/longrope.py).
 
 A tiny random Phi-3 (switch 32, context 256, distinct short and long factors) with a PEFT adapter
 on qkv_proj and o_proj: greedy tokens and logits equal HF + PEFT generate()'s for a prompt past
@@ -19,8 +19,8 @@ import torch
 
 from common.detokenizer import OutputProcessor
 from common.sampling import SamplingParams
-from executor.model_config import ModelConfig
-from executor.rope import LongRopeScaling
+from executor.model.config import ModelConfig
+from executor.model.rope import LongRopeScaling
 from executor.runner import ModelRunner
 from executor.step_request import run_step, step_rows
 from loraplex import fixtures

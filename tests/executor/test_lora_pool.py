@@ -11,11 +11,11 @@ import torch
 from common.adapter_ref import AdapterRef
 from common.peft.modules import LORA_MODULES
 from common.sampling import SamplingParams
-from executor.lora_torch import TorchLoraBackend
-from executor.lora_triton import TritonLoraBackend
-from executor.model_config import ModelConfig
+from executor.lora.slot_pool import EMPTY_SLOT, LoraModuleWeights, LoraSlotPool, LoraWeights
+from executor.lora.torch_backend import TorchLoraBackend
+from executor.lora.triton_backend import TritonLoraBackend
+from executor.model.config import ModelConfig
 from executor.runner import ModelRunner, Row
-from executor.slot_pool import EMPTY_SLOT, LoraModuleWeights, LoraSlotPool, LoraWeights
 from tests.executor.lora_backends import backend_outputs, load
 from tests.executor.lora_backends import make_pool as make_backend_pool
 from tests.random_adapters import random_adapter

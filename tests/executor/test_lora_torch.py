@@ -5,10 +5,10 @@ import threading
 import pytest
 import torch
 
-from executor.lora_stack import StackedGroup
-from executor.lora_torch import TorchLoraBackend
-from executor.model_config import ModelConfig
-from executor.slot_copy import SlotCopier
+from executor.lora.slot_copy import SlotCopier
+from executor.lora.stack import StackedGroup
+from executor.lora.torch_backend import TorchLoraBackend
+from executor.model.config import ModelConfig
 from tests.executor.lora_backends import backend_outputs, free_pages, load, make_pool
 from tests.random_adapters import random_adapter
 

@@ -1,4 +1,4 @@
-"""Merging an adapter into the base weights (executor/merge.py, ModelRunner.merge): the merged
+"""Merging an adapter into the base weights (executor/lora/merge.py, ModelRunner.merge): the merged
 executor gives HF PEFT's tokens for that adapter with no LoRA work, and unmerging restores every
 base weight bit for bit."""
 

@@ -1,4 +1,4 @@
-"""A model's family from its config.json (executor/model_families.py): for every served
+"""A model's family from its config.json (executor/model/family_quirks.py): for every served
 model_type, what ModelConfig reads is what transformers' own model of that config does, layer by
 layer (its attention's window and scale, its rotary frequencies, its tied head); a model_type
 loraplex does not serve is refused when the executor starts, naming it."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from common.model_families import MODEL_TYPES
-from executor.model_config import ModelConfig
+from executor.model.config import ModelConfig
 from loraplex import fixtures
 
 # Per family, a config with every quirk away from its default (tf5 layout, as transformers

@@ -18,10 +18,10 @@ from common.peft.config import parse_config
 from common.peft.layout import plan_adapter
 from common.peft.safetensors_header import parse_header
 from common.sampling import SamplingParams
-from executor.lora_segments import LoraSegments
+from executor.lora.peft_adapter import parse_peft_adapter
+from executor.lora.segments import LoraSegments
 from executor.memory_budget import MemoryBudget
-from executor.model_config import ModelConfig
-from executor.peft_adapter import parse_peft_adapter
+from executor.model.config import ModelConfig
 from executor.runner import ModelRunner, Row
 from executor.sampling import DrawStream, filtered_probs, sample
 from loraplex import fixtures

@@ -9,8 +9,8 @@ alone and batched beside base rows and each other: greedy tokens equal HF + PEFT
 import pytest
 import torch
 
-from executor import lora_experts
-from executor.lora_experts import ExpertRuns
+from executor.lora import experts as lora_experts
+from executor.lora.experts import ExpertRuns
 from executor.runner import ModelRunner
 from loraplex import fixtures
 from tests.executor.moe_oracle import Oracles, as_per_expert
@@ -196,7 +196,7 @@ def test_tensor_parallel_ranks_give_tp1s_tokens(moe, world):
     """2 and 4 ranks in gloo groups, each expert's gate / up rows and down columns split as the
     dense MLP's (and its LoRA's B / A with them), the router replicated: every adapter mixed
     with base rows gives TP=1's greedy tokens, logits within 5e-5 (the partial sums' order)."""
-    from executor.tensor_parallel import TensorParallel
+    from executor.tp.collectives import TensorParallel
     from tests.rank_threads import RankThreads
 
     _, model_dir, folders, _ = moe

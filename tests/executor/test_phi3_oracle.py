@@ -16,9 +16,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from common.errors import FailedPrecondition  # noqa: E402
-from executor.peft_adapter import parse_peft_adapter  # noqa: E402
+from executor.lora.peft_adapter import parse_peft_adapter  # noqa: E402
+from executor.lora.slot_pool import LoraWeights  # noqa: E402
 from executor.runner import ModelRunner  # noqa: E402
-from executor.slot_pool import LoraWeights  # noqa: E402
 from loraplex import fixtures  # noqa: E402
 from tests.oracle import assert_matches_hf, hf_greedy, made_adapters  # noqa: E402
 from tests.runner_driver import BLOCK, load_folders, prompts, read_folder, run  # noqa: E402

@@ -1,5 +1,5 @@
 """The memory a quantized base takes and frees (issue 44): MemoryBudget.estimate counts each
-projection at its layout's bytes (executor/quant.py), exactly what a runner loading the
+projection at its layout's bytes (executor/model/quant.py), exactly what a runner loading the
 checkpoint holds, whole and per tensor-parallel rank; `loraplex budget --quantization` plans an
 8B and a 70B base in bf16, FP8 and INT4 with the KV tokens and adapters that frees."""
 
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from executor.memory_budget import MemoryBudget
-from executor.model_config import ModelConfig
-from executor.quant_config import preset
+from executor.model.config import ModelConfig
+from executor.model.quant_config import preset
+from executor.model.weights import load_weights
 from executor.runner import ModelRunner
-from executor.shards import Shard
-from executor.weights import load_weights
+from executor.tp.shards import Shard
 from loraplex.budget import plan
 from tests.executor import quant_checkpoints as qc
 

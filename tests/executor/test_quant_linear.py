@@ -1,5 +1,5 @@
-"""executor/quant.py's weights on their own: a dense weight's projection is F.linear bit for bit;
-dequantize + matmul a chunk of rows at a time gives the whole product; a tensor-parallel cut
+"""executor/model/quant.py's weights on their own: a dense weight's projection is F.linear bit for
+bit; dequantize + matmul a chunk of rows at a time gives the whole product; a tensor-parallel cut
 (narrow) and a fused join give what cutting and joining the dequantized weights give; parts that
 cannot share a layout stack; torch's CPU int8 / int4 kernels take bf16 activations where the
 layout fits (bf16 tolerance: one rounding of the output, 1.6e-2 of its max)."""
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from executor import quant
-from executor.quant import Fp8Weight, IntWeight, StackedWeight, join, project
+from executor.model import quant
+from executor.model.quant import Fp8Weight, IntWeight, StackedWeight, join, project
 from kernels.quant_gemm_ref import pack_int4
 
 

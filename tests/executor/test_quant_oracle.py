@@ -37,8 +37,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from executor.peft_adapter import parse_peft_adapter  # noqa: E402
-from executor.quant import Fp8Weight, IntWeight  # noqa: E402
+from executor.lora.peft_adapter import parse_peft_adapter  # noqa: E402
+from executor.model.quant import Fp8Weight, IntWeight  # noqa: E402
 from executor.runner import ModelRunner  # noqa: E402
 from tests.executor import quant_checkpoints as qc  # noqa: E402
 from tests.oracle import hf_greedy, made_adapters  # noqa: E402

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from executor.model_config import ModelConfig
+from executor.model.config import ModelConfig
+from executor.model.weights import load_weights
 from executor.runner import ModelRunner
-from executor.shards import Shard
-from executor.weights import load_weights
+from executor.tp.shards import Shard
 from tests.executor import quant_checkpoints as qc
 from tests.oracle import made_adapters
 from tests.runner_driver import BLOCK, load_folders

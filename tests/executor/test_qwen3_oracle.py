@@ -6,7 +6,7 @@ the q/k norms the tokens differ, so the test can fail."""
 
 import pytest
 
-from executor.model_config import ModelConfig
+from executor.model.config import ModelConfig
 from executor.runner import ModelRunner
 from loraplex import fixtures
 from tests.oracle import assert_matches_hf, hf_greedy, made_adapters

@@ -1,4 +1,4 @@
-"""What part of the model each rank of a tensor-parallel executor holds (executor/shards.py): the
+"""What part of the model each rank of a tensor-parallel executor holds (executor/tp/shards.py): the
 parts of every projection cover it whole, heads stay whole (KV heads replicated when fewer than
 the ranks), fused projections cut as their parts, checkpoints are read part by part, and
 adapters are cut the way the base is."""
@@ -6,10 +6,10 @@ adapters are cut the way the base is."""
 import pytest
 import torch
 
-from executor.model_config import ModelConfig
-from executor.shards import FUSED_PARTS, Shard
-from executor.slot_pool import LoraModuleWeights, LoraWeights
-from executor.weights import load_weights, random_weights
+from executor.lora.slot_pool import LoraModuleWeights, LoraWeights
+from executor.model.config import ModelConfig
+from executor.model.weights import load_weights, random_weights
+from executor.tp.shards import FUSED_PARTS, Shard
 
 TINY = ModelConfig.named("tiny")  # hidden 256, 4 heads / 2 KV heads of 64, intermediate 688
 

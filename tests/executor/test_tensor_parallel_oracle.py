@@ -18,10 +18,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from common.sampling import SamplingParams  # noqa: E402
-from executor.model_config import ModelConfig  # noqa: E402
-from executor.peft_adapter import parse_peft_adapter  # noqa: E402
+from executor.lora.peft_adapter import parse_peft_adapter  # noqa: E402
+from executor.model.config import ModelConfig  # noqa: E402
 from executor.runner import ModelRunner, Row  # noqa: E402
-from executor.tensor_parallel import TensorParallel  # noqa: E402
+from executor.tp.collectives import TensorParallel  # noqa: E402
 from tests.executor.test_merge import weights_digest  # noqa: E402
 from tests.executor.test_prefix_reuse import decode  # noqa: E402
 from tests.oracle import assert_matches_hf  # noqa: E402

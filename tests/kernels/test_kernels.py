@@ -22,10 +22,10 @@ pytest.importorskip("triton")
 
 from common.adapter_pages import PageGeometry, plan_pages  # noqa: E402
 from common.peft.modules import LORA_MODULES  # noqa: E402
-from executor.lora_torch import TorchLoraBackend  # noqa: E402
-from executor.lora_triton import TritonLoraBackend  # noqa: E402
-from executor.model_config import ModelConfig  # noqa: E402
-from executor.page_tables import layer_base, slot_tables  # noqa: E402
+from executor.lora.page_tables import layer_base, slot_tables  # noqa: E402
+from executor.lora.torch_backend import TorchLoraBackend  # noqa: E402
+from executor.lora.triton_backend import TritonLoraBackend  # noqa: E402
+from executor.model.config import ModelConfig  # noqa: E402
 from kernels.page_rows import row_index  # noqa: E402
 from kernels.reference import (  # noqa: E402
     TOLERANCES,

@@ -11,11 +11,11 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from executor.lora_experts import ExpertRuns  # noqa: E402
-from executor.lora_torch import TorchLoraBackend  # noqa: E402
-from executor.lora_triton import TritonLoraBackend  # noqa: E402
-from executor.model_config import ModelConfig  # noqa: E402
-from executor.moe import grouped_matmul  # noqa: E402
+from executor.lora.experts import ExpertRuns  # noqa: E402
+from executor.lora.torch_backend import TorchLoraBackend  # noqa: E402
+from executor.lora.triton_backend import TritonLoraBackend  # noqa: E402
+from executor.model.config import ModelConfig  # noqa: E402
+from executor.model.moe import grouped_matmul  # noqa: E402
 from kernels.moe_gemm import moe_gemm, moe_tiles  # noqa: E402
 from kernels.moe_gemm_ref import moe_gemm_ref  # noqa: E402
 from kernels.reference import TOLERANCES  # noqa: E402

@@ -19,14 +19,14 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from executor import runner as runner_module  # noqa: E402
-from executor.attention import (  # noqa: E402
+from executor.model.attention import (  # noqa: E402
     MIN_BUCKET_KEYS,
     TorchAttentionMeta,
     attend,
     build_attention_meta,
     decode_buckets,
 )
-from executor.kv_cache import PagedKVCache  # noqa: E402
+from executor.model.kv_cache import PagedKVCache  # noqa: E402
 from kernels.attention_work import PagedAttentionWork  # noqa: E402
 from kernels.paged_attention import paged_attention  # noqa: E402
 from kernels.paged_attention_ref import (  # noqa: E402

@@ -18,7 +18,7 @@ from adapter_store.blobs import BlobStore
 from adapter_store.config import StoreConfig
 from adapter_store.service import start_store
 from common.server import insecure_channel
-from executor.peft_adapter import parse_peft_adapter
+from executor.lora.peft_adapter import parse_peft_adapter
 from loraplex import client
 from protos import adapter_store_pb2 as pb
 from protos import adapter_store_pb2_grpc, common_pb2

@@ -16,8 +16,8 @@ from adapter_store.blob_backends import open_blob_store
 from adapter_store.config import StoreConfig, parse_args
 from common.errors import InvalidArgument, Unavailable
 from common.server import insecure_channel
-from executor.model_config import ModelConfig
-from executor.peft_adapter import parse_peft_adapter
+from executor.lora.peft_adapter import parse_peft_adapter
+from executor.model.config import ModelConfig
 from protos import adapter_store_pb2 as pb
 from protos import adapter_store_pb2_grpc
 from tests.store.helpers import (

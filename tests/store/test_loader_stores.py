@@ -14,7 +14,7 @@ import safetensors.torch
 from common.adapter_ref import AdapterRef
 from common.server import insecure_channel
 from executor.adapter_loader import AdapterLoader
-from executor.slot_copy import StagingBuffers
+from executor.lora.slot_copy import StagingBuffers
 from executor.store_fetch import StoreFetcher
 from loraplex import client
 from loraplex.fixtures import MODEL_ID

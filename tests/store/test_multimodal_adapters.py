@@ -15,8 +15,8 @@ from common.adapter_pages import module_ranks
 from common.model_families import base_shapes
 from common.peft.config import parse_config
 from common.peft.modules import LAYERS_PATHS
-from executor.model_config import ModelConfig
-from executor.peft_adapter import parse_peft_adapter
+from executor.lora.peft_adapter import parse_peft_adapter
+from executor.model.config import ModelConfig
 from loraplex import client
 from protos import adapter_store_pb2 as pb
 from tests import multimodal

@@ -22,9 +22,9 @@ from common.adapter_ref import AdapterRef
 from common.errors import DataLoss
 from common.server import insecure_channel
 from executor.adapter_loader import AdapterLoader
-from executor.peft_adapter import parse_peft_adapter
-from executor.slot_copy import StagingBuffers
-from executor.staged import Staged, StagedAdapters
+from executor.lora.peft_adapter import parse_peft_adapter
+from executor.lora.slot_copy import StagingBuffers
+from executor.lora.staged import Staged, StagedAdapters
 from loraplex.fixtures import MODEL_ID
 from protos import adapter_store_pb2 as pb
 from protos import adapter_store_pb2_grpc, common_pb2
