@@ -6,10 +6,18 @@ A step admits in fair order: the backlogged tenant with the smallest counter fir
 request that can start here now (its adapter READY here and within max_adapters_per_batch,
 preferring adapters already running for up to affinity_max_wait_s), while the step's budget and
 max_num_seqs last. A request starts only when its KV blocks fit (after the prefix cache's hits);
-the fairest one that does not fit stops admission (nobody overtakes it). A tenant whose oldest
-request cannot start has its adapter brought in (residency/), and so does one whose oldest
-request has waited starvation_wait_s even while it has others that can start (the
-anti-starvation rule: a slot drains for it when none is free). No tenant more than
+the fairest one that does not fit stops admission (nobody overtakes it). Under adapter
+pressure (adapters that queued requests want sit idle in pages, which KV would take back:
+ExecutorResidency.keeps_wanted_idle), while sequences run, a request starts only when its whole
+run fits beside the blocks the running sequences will still grow into, and takes no pages of
+wanted adapters: the resident adapters' requests are served before their adapters are evicted,
+and nobody's growth evicts them (they would load twice in a wave). With nothing running, the
+fairest request starts as soon as its prompt fits, taking wanted adapters' pages if it must
+(else it could wait for good).
+
+A tenant whose oldest request cannot start has its adapter brought in (residency/), and so does
+one whose oldest request has waited starvation_wait_s even while it has others that can start
+(the anti-starvation rule: a slot drains for it when none is free). No tenant more than
 fairness_window ahead of the least-served one is admitted, unless the executor would otherwise
 sit idle with nothing on its way in.
 
@@ -37,6 +45,7 @@ from scheduler.residency.residency import Residency
 from scheduler.steps.longrope import enter_long, is_long
 from scheduler.steps.prefix_cache import cached_prefix
 from scheduler.steps.sequence import ScheduledRow, Sequence
+from scheduler.steps.step_builder import blocks_to_grow
 
 # The scheduler's side of an admission: start req on the executor with its tokens and prefix
 # cache hits, within the budget left -> its first row.
@@ -106,7 +115,7 @@ class Admission:
         heapq.heapify(heap)
         active = {seq.request.ask.adapter for seq in running.values()
                   if seq.request.ask.adapter}
-        is_fairest = True
+        is_fairest, room = True, _KvRoom(ex, part, running)
         # An executor that runs nothing and brings nothing in takes anyone: held idle for a
         # tenant whose adapter waits for slots that the queued requests of tenants ahead keep
         # wanted, it would wait for good (a load on its way keeps the window).
@@ -129,13 +138,10 @@ class Admission:
             if is_long(len(tokens), ex.rope_switch_len):
                 enter_long(req)  # (its blocks named apart from short runs': longrope.py)
             hits = cached_prefix(ex.blocks, req, tokens)
-            if not part.make_kv_room(  # (adapters' pages back to KV first)
-                    lambda: ex.blocks.can_start(
-                        hits, len(tokens) + 1,
-                        min(len(tokens), len(hits) * ex.blocks.block_size + budget) + 1),
-                    wanted_too=True, keep=req.ask.adapter):
+            if not room.make(req, tokens, hits, budget):
                 break  # the fairest request does not fit: admit nobody behind it
             row = start(req, tokens, hits, budget)
+            room.started(row.seq)
             rows.append(row)
             budget -= row.num_tokens
             if req.ask.adapter:
@@ -196,6 +202,43 @@ class Admission:
                          if not part.waits_on_a_failing_load(q.oldest(t))]
         servable += [self.fair.counter(r.ask.tenant) for r in self._placement.orphans]
         return min(servable) + window if servable else math.inf
+
+
+class _KvRoom:
+    """The KV blocks for the requests one admission pass starts on an executor (the module's
+    doc: under adapter pressure, whole runs)."""
+
+    def __init__(self, ex: ExecutorState, part: ExecutorResidency,
+                 running: Mapping[int, Sequence]):
+        self._blocks, self._part, self._running = ex.blocks, part, running
+        self._is_pressed: bool | None = None  # (asked once a pass: admissions only pin)
+        self._growth = 0  # blocks the running sequences will still grow into, once pressed
+
+    def make(self, req: Request, tokens: list[int], hits: list[int], budget: int) -> bool:
+        """Room for req to start with `tokens`, its first blocks `hits`, its first row within
+        `budget` tokens: pages of adapters nobody runs go back to KV first (of adapters queued
+        requests want too, unless pressed). Whether req can start."""
+        blocks, keep = self._blocks, req.ask.adapter
+        first_end = min(len(tokens), len(hits) * blocks.block_size + budget) + 1
+        if self._running and self._pressed():
+            whole = max(req.max_tokens, len(tokens) + 1)
+            return self._part.make_kv_room(
+                lambda: blocks.can_start(hits, len(tokens) + 1, first_end, whole, self._growth),
+                keep=keep)
+        return self._part.make_kv_room(
+            lambda: blocks.can_start(hits, len(tokens) + 1, first_end),
+            wanted_too=True, keep=keep)
+
+    def started(self, seq: Sequence) -> None:
+        if self._is_pressed:
+            self._growth += blocks_to_grow((seq,), self._blocks)
+
+    def _pressed(self) -> bool:
+        if self._is_pressed is None:
+            self._is_pressed = self._part.keeps_wanted_idle()
+            if self._is_pressed:
+                self._growth = blocks_to_grow(self._running.values(), self._blocks)
+        return self._is_pressed
 
 
 _tenant_of = operator.attrgetter("request.ask.tenant")

@@ -64,7 +64,7 @@ class Scheduler:
             observe_load=lambda ex, num_bytes, seconds: ex.rates.observe_load(num_bytes, seconds),
             wanted=lambda ex: self.placement.wanted(ex),
             popularity=lambda ex, now: self.placement.popularity(ex, now),
-            kv_growth=lambda ex: self._steps[ex].blocks_to_grow(ex.blocks)))
+            kv_ahead=lambda ex, adapter: self.placement.kv_ahead(ex, adapter, self._steps[ex])))
         self.placement = Placement(limits, fair, self.residency, wake,
                                    lambda ex: self.merges.dedicated_to(ex))
         self.admission = Admission(limits, fair, self.placement, self.residency, clock)

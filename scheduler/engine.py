@@ -47,6 +47,12 @@ WARM_AGAIN_S = 30.0  # an adapter waiting for a slot is brought into a store's R
 # Warms at once: best effort, so a burst of cold adapters neither flushes hot ones from a store's
 # RAM tier nor queues its reads ahead of the loads executors are waiting for.
 MAX_WARMS_IN_FLIGHT = 4
+# Requests that arrive together start together: an idle executor's first step waits while
+# requests keep coming (each at most GATHER_QUIET_S after the one before), for at most
+# GATHER_MAX_S, so that a burst's prompts are computed in one step and its requests end together
+# (started a step apart, the last would end that many steps after the first).
+GATHER_QUIET_S = 0.005
+GATHER_MAX_S = 0.05
 
 
 class _Sent(NamedTuple):
@@ -241,6 +247,8 @@ class Engine:
         whether one was sent (a plan with nothing to do is not)."""
         if len(in_flight) >= self.core.limits.pipeline_depth or self.core.is_retired(ex):
             return False
+        if not in_flight and not self.core.steps_of(ex).running:
+            await self._gather(ex)
         planning = time.monotonic()
         plan = self.core.schedule(ex)
         if not plan.needs_sending:
@@ -250,6 +258,17 @@ class Engine:
         await link.send(plan, ahead + self._step_deadline(ex, plan))
         in_flight.append(_Sent(plan, planning, time.monotonic()))
         return True
+
+    async def _gather(self, ex: ExecutorState) -> None:
+        """Ex is idle: while requests keep being queued for it, let the rest of their burst come
+        (GATHER_QUIET_S, GATHER_MAX_S)."""
+        num_queued, deadline = self.core.placement.num_queued, time.monotonic() + GATHER_MAX_S
+        seen = num_queued(ex)
+        while seen and ex.is_admitting and time.monotonic() < deadline:
+            await asyncio.sleep(GATHER_QUIET_S)
+            if num_queued(ex) == seen:
+                return
+            seen = num_queued(ex)
 
     async def _take_answer(self, link: ExecutorLink, ex: ExecutorState, sent: _Sent) -> None:
         """The answer to the oldest step in flight, `sent`: its samples to the core."""

@@ -83,6 +83,10 @@ class _CoreCollector:
             "loraplex_adapter_hits": ("Admissions that found their adapter resident.",
                                       "num_hits"),
             "loraplex_adapter_evictions": ("Adapters evicted to make room.", "num_evictions"),
+            "loraplex_adapter_early_evictions": (
+                "Adapters evicted before they served anyone since their load (churn: loaded "
+                "again for the requests they were loaded for).",
+                "num_early_evictions"),
             "loraplex_steps": ("Steps run.", "num_steps"),
         }
         for name, (doc, attr) in per_executor.items():

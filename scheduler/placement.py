@@ -13,6 +13,8 @@ What the others ask: `queue(ex)` (admission reads it), `wanted(ex)` and `popular
 `admitting()`, `expected_wait()`.
 """
 
+import itertools
+import operator
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
@@ -26,6 +28,7 @@ from scheduler.request import Request
 from scheduler.residency.residency import Residency
 from scheduler.routing import Popularity, home, score
 from scheduler.steps.sequence import Sequence
+from scheduler.steps.step_builder import StepBuilder
 
 # A merged executor wins its adapter's requests unless its expected wait is this much longer
 # than another's: it runs them without LoRA work, a gain not worth a long queue.
@@ -88,6 +91,26 @@ class Placement:
 
     def work_tokens(self, ex: ExecutorState) -> float:
         return self._at[ex].work_tokens
+
+    def kv_ahead(self, ex: ExecutorState, adapter: AdapterRef | None, steps: StepBuilder) -> int:
+        """KV blocks the work ahead of a load of `adapter` on ex will take: the running
+        sequences (`steps`, ex's step builder) as they grow, and whole, the requests queued
+        ahead of `adapter`'s oldest (all of them, when none waits for it) whose adapter may
+        start here now or once loaded (the base model's too), as many as max_num_seqs leaves
+        seats for. The load leaves them these blocks (residency/adapter_memory.py): taken from
+        them, they would take the pages of adapters that are waited for, loaded again later
+        (churn). (They all start in time: they can; the oldest's own are not counted, for what
+        it waits for might be pages of adapters that only it could make leave.)"""
+        queue = self._at[ex].queue
+        seats = self.limits.max_num_seqs - len(steps)
+        heads = [queue.head(t, adapter) for t in queue.tenants()] if adapter else []
+        first = min(filter(None, heads), key=_arrival, default=None)
+        blocks = steps.blocks_to_grow(ex.blocks)
+        serves = self._residency.of(ex).serves
+        ahead = queue.ahead(lambda a: a != adapter and serves(a), first)
+        for req in itertools.islice(ahead, max(seats, 0)):
+            blocks += ex.blocks.most_blocks(req.max_tokens)
+        return blocks
 
     # ---- executors joining and leaving ------------------------------------------------------
     def add(self, ex: ExecutorState) -> list[ExecutorState]:
@@ -223,3 +246,6 @@ class Placement:
         rate = sum(ex.rates.tokens_per_second for ex in up)
         seconds = sum(self._at[ex].work_tokens for ex in up) / rate if rate else 60.0
         return min(60.0, max(1.0, seconds))
+
+
+_arrival = operator.attrgetter("arrival")

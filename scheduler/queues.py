@@ -9,9 +9,11 @@ request overall, whose adapter is the one to bring in next.
     tenant "acme":  groups {bot@3: [r7, r9], None: [r8]}   fifo [r7, r8, r9]
 """
 
+import heapq
 import itertools
+import math
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Protocol
 
 from common.adapter_ref import AdapterRef
@@ -34,6 +36,9 @@ class QueueView(Protocol):
     def head(self, tenant: str, adapter: AdapterRef | None) -> Request | None: ...
 
     def oldest(self, tenant: str) -> Request | None: ...
+
+    def ahead(self, is_ready: Callable[[AdapterRef | None], bool],
+              before: Request | None) -> Iterator[Request]: ...
 
 
 class ExecutorQueue:
@@ -104,7 +109,22 @@ class ExecutorQueue:
             fifo.popleft()  # removed since it was queued
         return None
 
+    def ahead(self, is_ready: Callable[[AdapterRef | None], bool],
+              before: Request | None) -> Iterator[Request]:
+        """Queued requests that arrived before `before` (None: all) for adapters that
+        `is_ready` (None: the base model), the oldest first."""
+        end = (math.inf, 0) if before is None else _place(before)
+        return heapq.merge(*(itertools.takewhile(lambda r: _place(r) < end, group)
+                             for groups in self._groups.values()
+                             for adapter, group in groups.items() if is_ready(adapter)),
+                           key=_place)
+
     def __iter__(self) -> Iterator[Request]:
         for groups in self._groups.values():
             for group in groups.values():
                 yield from group
+
+
+def _place(req: Request) -> tuple[float, int]:
+    """Where req stands in line: by arrival (ties broken by the scheduler's number for it)."""
+    return req.arrival, req.serial

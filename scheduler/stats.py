@@ -51,6 +51,7 @@ class ExecutorStats:
     adapter_pages: int = 0
     page_bytes: int = 0
     num_evictions: int = 0
+    num_early_evictions: int = 0  # (residency/hooks.py: AdapterCounters)
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,16 @@ def kv_victims(slots: SlotTable, wanted: Collection[AdapterRef | None],
     unwanted = [s for s in slots.evictable(wanted, popularity) if s.pages and s.adapter != keep]
     if not wanted_too:
         return unwanted
-    others = [s for s in slots.evictable((), popularity)
-              if s.pages and s not in unwanted and s.adapter != keep]
-    return unwanted + others
+    gone = set(map(id, unwanted))
+    return unwanted + [s for s in slots.evictable((), popularity)
+                       if s.pages and id(s) not in gone and s.adapter != keep]
+
+
+def has_wanted_idle(slots: SlotTable, wanted: Collection[AdapterRef | None]) -> bool:
+    """An adapter that queued requests want is READY in pages that KV could take back: nothing
+    runs it, nobody pinned or reserved its slot."""
+    return any(s.pages and s.adapter in wanted for s in slots.evictable((), _unranked))
+
+
+def _unranked(adapter: AdapterRef) -> float:
+    return 0.0

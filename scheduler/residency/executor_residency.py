@@ -2,120 +2,29 @@
 slots holds, which adapters are staged on its host, the pages each takes there (adapter_memory.py),
 the fetches under way or failing (fetches.py), the unpins that wait for steps in flight, and its
 counters. All of it private: the other managers ask (`holds`, `admissible`, `is_bringing_in`,
-`can_place`, `pages_of`, ...) and tell (`bring_in`, `pin`, `unpin`, `make_kv_room`, ...).
+`can_place`, `pages_of`, ...: view.py) and tell (`bring_in`, `pin`, `unpin`, `make_kv_room`,
+...: here).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Collection, Mapping
 
-from common.adapter_pages import PageGeometry
 from common.adapter_ref import AdapterRef
 from common.errors import Aborted, FailedPrecondition, LoraplexError
-from scheduler.executor_state import ExecutorState
 from scheduler.request import Request
 from scheduler.residency import adapter_memory
-from scheduler.residency.fetches import Fetches, LoadFailure
-from scheduler.residency.hooks import AdapterCounters, Hooks, Load
-from scheduler.residency.slots import Slot, SlotState, SlotStats, SlotTable
+from scheduler.residency.hooks import Load
+from scheduler.residency.slots import Slot, SlotState
+from scheduler.residency.view import ResidencyView
 
 # An adapter staged on an executor and not taken into a slot within this long is staged again
 # when wanted (executors drop staged bytes after EXECUTOR_STAGED_TTL_S, which is longer).
 STAGED_TTL_S = 60.0
 
 
-class ExecutorResidency:
-    def __init__(self, ex: ExecutorState, num_slots: int, geometry: PageGeometry | None,
-                 page_bytes: int, counters: AdapterCounters, hooks: Hooks):
-        self._ex, self._hooks = ex, hooks
-        self._slots = SlotTable(num_slots)
-        self._pages, self._page_bytes = adapter_memory.AdapterPages(geometry), page_bytes
-        self._fetches = Fetches(hooks.limits, hooks.clock, ex.address)
-        self._counters = counters
-
-    # ---- questions --------------------------------------------------------------------------
-    def holds(self, adapter: AdapterRef) -> bool:
-        """A slot holds `adapter` or is loading it."""
-        return self._slots.find(adapter) is not None
-
-    def ready_slot(self, adapter: AdapterRef) -> int | None:
-        """The slot holding `adapter` READY, if any."""
-        slot = self._slots.find(adapter)
-        return slot.index if slot is not None and slot.state is SlotState.READY else None
-
-    def adapter_in(self, index: int) -> AdapterRef | None:
-        return self._slots.slots[index].adapter
-
-    def admissible(self) -> list[AdapterRef]:
-        """The adapters a new sequence may run with now (READY, their slots not reserved)."""
-        return [slot.adapter for slot in self._slots.admissible()]
-
-    def is_staged(self, adapter: AdapterRef) -> bool:
-        """Its bytes are staged on the host, or being staged."""
-        return self._slots.staged(adapter) is not None
-
-    def is_bringing_in(self) -> bool:
-        """A load into a slot, or a staging onto the host, is under way."""
-        return self._slots.is_bringing_in()
-
-    def fetching_since(self, adapter: AdapterRef | None) -> float | None:
-        """Since when `adapter` is being fetched here (a staging or a load under way, or failing
-        and backing off), if it is."""
-        return self._fetches.since(adapter)
-
-    def load_failure(self, adapter: AdapterRef | None) -> LoadFailure | None:
-        return self._fetches.failure(adapter)
-
-    def has_failing_loads(self) -> bool:
-        return self._fetches.has_failures()
-
-    def waits_on_a_failing_load(self, req: Request | None) -> bool:
-        """Its adapter's fetches here failed and none has succeeded since (a retry may be under
-        way: it fails as long as the outage lasts)."""
-        return req is not None and req.ask.adapter is not None \
-            and self._fetches.failure(req.ask.adapter) is not None
-
-    def pages_for(self, adapter: AdapterRef | None, ranks: Mapping[str, int] | None) -> int:
-        """Pages `adapter` (with these per-module ranks) takes here."""
-        return self._pages.of(adapter, ranks)
-
-    def planned_pages(self) -> dict[AdapterRef, int]:
-        """The pages of every adapter planned here so far."""
-        return self._pages.all_planned()
-
-    def pages_of(self, req: Request) -> int:
-        """The pages req's adapter takes here."""
-        return self.pages_for(req.ask.adapter, req.ask.adapter_ranks)
-
-    def can_place(self, adapter: AdapterRef, num_pages: int = 0) -> bool:
-        """A slot could take `adapter` now (an empty one, or one nobody pins or wants), and its
-        `num_pages` pages could be found (adapter_memory.py)."""
-        popularity, wanted = self._popularity(), self._hooks.wanted(self._ex)
-        victim = self._slots.victim(adapter, wanted, popularity)
-        if victim is None:
-            return False
-        need = num_pages - len(victim.pages if victim.state is SlotState.READY else ())
-        return adapter_memory.evictions_for(self._slots, need, self._free_for_pages(), victim,
-                                            wanted, popularity) is not None
-
-    def could_never_load(self, adapter: AdapterRef) -> bool:
-        """`adapter` is in no slot and every slot is pinned by an operator."""
-        return not self.holds(adapter) and self._slots.are_all_admin_pinned()
-
-    def counters(self) -> AdapterCounters:
-        return dataclasses.replace(self._counters)
-
-    @property
-    def page_bytes(self) -> int:
-        return self._page_bytes
-
-    def slot_stats(self) -> tuple[SlotStats, ...]:
-        return self._slots.stats()
-
-    def when_loaded(self, adapter: AdapterRef, callback: Callable[[bool], None]) -> None:
-        """Call `callback(is_ready)` once `adapter`'s load here ends (slots.py)."""
-        self._slots.when_loaded(adapter, callback)
+class ExecutorResidency(ResidencyView):
+    """What the other managers tell an executor's residency (what they ask: view.py)."""
 
     # ---- bringing adapters in ---------------------------------------------------------------
     def bring_closer(self, req: Request) -> None:
@@ -152,7 +61,8 @@ class ExecutorResidency:
         """Before admitting: reservations nobody waits for lapse, and a slot reserved for a
         staged adapter, once drained, takes it at once (its requests may no longer be any
         tenant's oldest, and nothing else would start the load)."""
-        self._slots.drop_reservations(self._hooks.wanted(self._ex))
+        wanted = self._hooks.wanted(self._ex)
+        self._slots.drop_reservations(wanted)
         for slot in self._slots.slots:
             adapter = slot.reserved_for
             if adapter is None or slot.pins or slot.state is not SlotState.READY:
@@ -160,6 +70,20 @@ class ExecutorResidency:
             staged = self._slots.staged(adapter)
             if staged is not None and staged.staged_at is not None:
                 self._load_on(adapter, staged.num_bytes, staged.num_pages)
+        if self._pages.is_paged:
+            self._load_staged(wanted)
+
+    def _load_staged(self, wanted: Collection[AdapterRef | None]) -> None:
+        """Adapters in pages: those staged here that queued requests want and no slot took yet
+        (pages were short when their bytes came) take slots as soon as they can, in the order
+        they were staged: a wave's adapters load as the one before leaves, each once. The first
+        that cannot holds the others back (they would take what it waits for)."""
+        for adapter, staged in self._slots.waiting_staged():
+            if adapter not in wanted:
+                continue
+            if not self.can_place(adapter, staged.num_pages) or self._load_on(
+                    adapter, staged.num_bytes, staged.num_pages) is None:
+                return
 
     def make_kv_room(self, enough: Callable[[], bool], wanted_too: bool = False,
                      keep: AdapterRef | None = None) -> bool:
@@ -190,7 +114,7 @@ class ExecutorResidency:
         bytes are staged on the host, starting the staging when it is not. The slot claimed."""
         slots = self._slots
         staged = slots.staged(adapter)
-        fits = slots.has_empty() and self._free_for_pages() >= num_pages
+        fits = slots.has_empty() and self._free_for_pages(adapter) >= num_pages
         if fits or (staged is not None and staged.staged_at is not None
                     and self.can_place(adapter, num_pages)):
             return self._load_on(adapter, num_bytes, num_pages)
@@ -212,14 +136,16 @@ class ExecutorResidency:
             return None
         own = victim.pages if victim.state is SlotState.READY else ()
         evictions = adapter_memory.evictions_for(self._slots, num_pages - len(own),
-                                                 self._free_for_pages(), victim, wanted,
+                                                 self._free_for_pages(adapter), victim, wanted,
                                                  popularity)
         if evictions is None:
             return None
         for slot in evictions:
             self._evict(slot)
+        is_early = victim.state is SlotState.READY and self._is_early(victim)
         self._slots.place(adapter, victim, num_bytes)
         self._counters.evictions += bool(victim.evicted)
+        self._counters.early_evictions += is_early
         if victim.evicted_pages:
             self._release_pages(victim.evicted, victim.evicted_pages)
         blocks = self._ex.blocks
@@ -240,6 +166,7 @@ class ExecutorResidency:
     def _evict(self, slot: Slot, by_operator: bool = False) -> None:
         """Free an unused adapter's slot and pages (for a load, for KV, or an operator's)."""
         adapter, pages = slot.adapter, slot.pages
+        self._counters.early_evictions += not by_operator and self._is_early(slot)
         self._slots.clear(slot)
         self._release_pages(adapter, pages)
         self._counters.evictions += not by_operator
@@ -251,13 +178,6 @@ class ExecutorResidency:
         if pages:
             self._ex.blocks.give_back_pages(pages)
             self._ex.blocks.drop_cached_of(adapter)
-
-    def _free_for_pages(self) -> int:
-        return adapter_memory.free_for_pages(self._ex.blocks, self._hooks.limits.kv_reserve,
-                                             self._hooks.kv_growth(self._ex))
-
-    def _popularity(self) -> Callable[[AdapterRef], float]:
-        return self._hooks.popularity(self._ex, self._hooks.clock())
 
     # ---- pins -------------------------------------------------------------------------------
     def pin(self, req: Request) -> int:
@@ -364,14 +284,6 @@ class ExecutorResidency:
         self._slots.reset()
 
     # ---- operators --------------------------------------------------------------------------
-    def admin_pinned(self) -> set[AdapterRef]:
-        """Adapters an operator pinned here, their slots pinned or to be once loaded."""
-        return self._slots.admin_pinned()
-
-    @property
-    def num_slots(self) -> int:
-        return len(self._slots.slots)
-
     def pin_by_operator(self, adapter: AdapterRef) -> None:
         self._slots.pin_by_operator(adapter)
 
@@ -387,11 +299,3 @@ class ExecutorResidency:
     def evict(self, adapter: AdapterRef) -> None:
         """An operator frees `adapter`'s slot (check_evict first)."""
         self._evict(self._slots.find(adapter), by_operator=True)
-
-    # ---- for tests and the simulator --------------------------------------------------------
-    def check(self, where: str, pins: Mapping[int, int], answered: int,
-              running: Collection[int]) -> None:
-        """Assert its bookkeeping (slots.py: SlotTable.check)."""
-        self._slots.check(where, pins, answered, running,
-                          self._pages.planned if self._pages.is_paged else None,
-                          self._ex.blocks.num_pages)

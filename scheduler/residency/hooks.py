@@ -18,6 +18,9 @@ class AdapterCounters:
     loads: int = 0  # loads completed
     hits: int = 0  # admissions that found their adapter resident
     evictions: int = 0  # adapters evicted to make room (not by an operator)
+    # Of those, adapters evicted before they served anyone since their load: loaded too soon,
+    # or given up too early (churn: the requests they were loaded for load them again).
+    early_evictions: int = 0
 
 
 @dataclass(frozen=True)
@@ -52,5 +55,7 @@ class Hooks:
     # at a time.
     wanted: Callable[[ExecutorState], Collection[AdapterRef | None]]
     popularity: Callable[[ExecutorState, float], Callable[[AdapterRef], float]]
-    # The executor's step builder: the blocks its running sequences will still grow into.
-    kv_growth: Callable[[ExecutorState], int]
+    # The KV blocks a load of an adapter leaves to others: those the executor's running
+    # sequences will still grow into (its step builder's), and those the requests queued ahead
+    # of the adapter's will take (Placement.kv_ahead).
+    kv_ahead: Callable[[ExecutorState, AdapterRef | None], int]

@@ -159,6 +159,10 @@ class SlotTable:
     def staged(self, adapter: AdapterRef) -> Staged | None:
         return self._staged.get(adapter)
 
+    def waiting_staged(self) -> list[tuple[AdapterRef, Staged]]:
+        """Adapters staged on the host and in no slot yet, in the order their staging began."""
+        return [(a, s) for a, s in self._staged.items() if s.staged_at is not None]
+
     def is_bringing_in(self) -> bool:
         """A load into a slot, or a staging onto the host, is under way."""
         return (any(s.state is SlotState.LOADING for s in self.slots)

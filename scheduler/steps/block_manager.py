@@ -354,17 +354,23 @@ class BlockManager:
                 table[index] = -1
             live[seq_id] = first
 
-    def can_start(self, hits: list[int] | Hits, num_tokens: int,
-                  first_end: int | None = None) -> bool:
+    def can_start(self, hits: list[int] | Hits, num_tokens: int, first_end: int | None = None,
+                  max_tokens: int = 0, reserved: int = 0) -> bool:
         """A new sequence could hold `num_tokens` tokens, its first blocks being `hits`, its
-        window kinds' only up to `first_end` (its first row's end; None: num_tokens)."""
+        window kinds' only up to `first_end` (its first row's end; None: num_tokens); given
+        `max_tokens`, and grow to that many (a window kind's up to KVKind.most_held, as
+        `to_grow` counts), with `reserved` blocks left free beside it."""
         fresh = taken_from_cache = 0
         for kind, columns, entries in zip(self._kinds, self._columns, self._per_kind(hits)):
             end = num_tokens if kind.window is None or first_end is None else first_end
-            fresh += columns * (blocks_for(end, self.block_size) - len(entries))
+            num = blocks_for(end, self.block_size)
+            fresh += columns * (num - len(entries))
+            if max_tokens:  # (then it holds num entries, but those behind its window)
+                held = num - entries.count(-1)
+                fresh += columns * max(0, kind.most_held(max_tokens, self.block_size) - held)
             taken_from_cache += sum(len(self._blocks_of(b)) for b in entries
                                     if b in self._cached)
-        return fresh <= self.num_free - taken_from_cache
+        return fresh + reserved <= self.num_free - taken_from_cache
 
     def _per_kind(self, hits: list[int] | Hits) -> tuple[list[int], ...]:
         """Each kind's hits (a list: the one kind's; empty: none of any kind)."""

@@ -34,13 +34,23 @@ KV the running sequences will still take), `runs_only` (merging), `running` (adm
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from common.adapter_ref import AdapterRef
 from common.detokenizer import Finish
 from scheduler.request import Request
 from scheduler.steps.block_manager import BlockManager, KindBlocks
 from scheduler.steps.sequence import NO_EXTRAS, SampleExtras, ScheduledRow, Sequence, StepPlan
+
+
+def blocks_to_grow(running: Iterable[Sequence], blocks: BlockManager) -> int:
+    """Blocks the `running` sequences (their tables in `blocks`) will still take, each up to its
+    max_tokens (a window kind's up to what it holds at most: BlockManager.to_grow)."""
+    if not blocks.layout.is_single:
+        return sum(blocks.to_grow(seq.seq_id, seq.max_tokens) for seq in running)
+    block_size = blocks.block_size
+    return sum(-(-seq.max_tokens // block_size) - seq.capacity // block_size for seq in running)
+
 
 # The scheduler's side of a plan: admit with the budget left -> rows of new sequences; preempt
 # until a sequence's blocks can hold `num_tokens` (False if it went itself); finish a sequence;
@@ -104,12 +114,7 @@ class StepBuilder(ABC):
 
     def blocks_to_grow(self, blocks: BlockManager) -> int:
         """Blocks the running sequences will still take, each up to its max_tokens."""
-        if not blocks.layout.is_single:
-            return sum(blocks.to_grow(seq.seq_id, seq.max_tokens)
-                       for seq in self.running.values())
-        block_size = blocks.block_size
-        return sum(-(-seq.max_tokens // block_size) - seq.capacity // block_size
-                   for seq in self.running.values())
+        return blocks_to_grow(self.running.values(), blocks)
 
     def counters(self, seq: Sequence) -> tuple[int, int, int]:
         """A running sequence's (num_computed, num_known, last_step) now."""
