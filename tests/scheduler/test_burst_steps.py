@@ -6,6 +6,7 @@ step gathers them, GATHER_QUIET_S)."""
 
 import asyncio
 import random
+import time
 
 from common.detokenizer import OutputProcessor
 from common.sampling import SamplingParams
@@ -63,10 +64,11 @@ class AnsweringLink:
 
     async def receive(self, plan, seconds: float) -> tuple[Samples, float]:
         await asyncio.sleep(0)  # (the executor's step: others run meanwhile)
+        self.answered_at = time.monotonic()
         return self._answers.pop(0), 0.001
 
     async def probe(self) -> None:
-        pass
+        self.answered_at = time.monotonic()  # (else the idle loop probes again at once)
 
 
 async def test_a_burst_arriving_one_by_one_at_an_idle_executor_starts_in_one_step():
