@@ -9,6 +9,7 @@ import collections
 import pytest
 
 from common.adapter_pages import PageGeometry, plan_pages
+from scheduler.fairness import FairnessWeights
 from scheduler.limits import Limits
 from scheduler.metrics import SchedulerMetrics
 from scheduler.stats_pb import stats_pb
@@ -150,3 +151,27 @@ def test_loads_are_still_charged_to_the_tenants_that_cause_them():
         tokens = (fair.weights.input_weight * t.prompt_tokens
                   + fair.weights.output_weight * t.completion_tokens)
         assert fair.counter(tenant) > tokens  # (the loads' charge on top)
+
+
+def test_under_pressure_nobody_overtakes_the_fairest_request_that_does_not_fit():
+    """A base request runs and grows; c loads for t1's r1, whose whole run does not fit beside
+    that growth: c sits idle and wanted (pressure), r1 waits. t2's later, small request r2
+    would fit, but t2 was served before (its counter is ahead) and r1 is first in fair order:
+    r2 does not start before it. Once the base request ends (nothing runs), r1 starts on its
+    prompt: nobody waits for good."""
+    w = World(num_slots=2, num_blocks=40, geometry=GEOMETRY, weights=FairnessWeights(
+        load_weight=0.0), limits=Limits(kv_reserve=0.0))
+    base = w.request(tenant="t0", prompt_len=4, max_new=40)  # 11 blocks at its end
+    served = w.request(tenant="t2", prompt_len=4, max_new=1)
+    w.step()
+    r1 = w.request(tenant="t1", adapter="c@1", ranks=QV, prompt_len=4, max_new=100)
+    w.complete_loads()
+    r2 = w.request(tenant="t2", prompt_len=4, max_new=4)
+    part = w.core.residency.of(w.executors[0])
+    w.step()
+    assert w.finished(served) and part.keeps_wanted_idle()
+    assert r1.admitted_at is None and r2.admitted_at is None
+    w.run()
+    assert all(w.finished(r) for r in (base, r1, r2))
+    assert base.admitted_at < r1.admitted_at <= r2.admitted_at
+    assert part.counters().evictions == 0

@@ -163,3 +163,21 @@ def test_the_step_message_counts_each_kinds_blocks():
     msg = step_request(plan, num_kinds=2)
     assert list(msg.row_num_new_blocks) == [3, 9]  # 3 token blocks: 3 global, 3 x 3 window
     assert len(msg.new_block_ids) == 12 and list(msg.new_sequences[0].first_blocks) == [0, 0]
+
+
+@pytest.mark.parametrize("layout", [LAYOUT, None], ids=["window", "whole"])
+@pytest.mark.parametrize("prompt_len,first_end", [(40, 41), (40, 9), (3, 4)])
+def test_a_whole_run_is_what_a_start_takes_and_then_to_grow(layout, prompt_len, first_end):
+    """can_start(max_tokens=) (admission under adapter pressure) counts what `start` takes and
+    what `to_grow` then says the sequence will still take, no more: a window kind up to its
+    window, not the whole run."""
+    blocks = BlockManager(400, BS, layout)
+    max_tokens = 90
+    cost = max(r for r in range(401) if blocks.can_start([], prompt_len + 1, first_end,
+                                                        max_tokens, reserved=r))
+    cost = blocks.num_free - cost
+    free = blocks.num_free
+    blocks.start(1, [], prompt_len + 1, first_end)
+    assert cost == free - blocks.num_free + blocks.to_grow(1, max_tokens)
+    every_kind_whole = -(-max_tokens // BS) * sum(kind.columns for kind in blocks.layout.kinds)
+    assert cost == every_kind_whole if layout is None else cost < every_kind_whole
