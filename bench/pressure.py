@@ -9,9 +9,15 @@ code (the same code on both sides), with 1,024 blocks each (the adapters' pages:
 adapter, 64 of them 1,216: they cannot all stay beside the KV); one scheduler runs its code, the
 other this checkout's. A round sends every request at once (request i on adapter a{i mod 64},
 prompts 8-24 tokens, 32 greedy tokens, EOS ignored) to one scheduler, then the other, and reads
-each scheduler's Stats before and after: the adapter loads, early evictions (evicted within 16
-steps of their load; counted by this checkout's scheduler only) and steps of the round. One
-untimed round each first. Results: bench/results/pressure-cpu.md (with --write).
+each scheduler's Stats before and after: the adapter loads, early evictions (adapters evicted
+before they served anyone since their load; counted by schedulers that have
+ExecutorStats.adapter_early_evictions) and steps of the round. One untimed round each first.
+`--kv-blocks 2560` runs the same work without pressure (every adapter fits beside the KV).
+Results: bench/results/pressure-cpu.md (with --write).
+
+Run it with this checkout first on the path (`PYTHONPATH=.`) when the virtual environment's
+editable install points at another checkout: the script itself reads Stats with this checkout's
+protos.
 """
 
 from __future__ import annotations
@@ -135,8 +141,9 @@ def report(sides: list[Side], args, load: float, old_commit: str) -> str:
          f"a{{i mod {NUM_ADAPTERS}}} ({NUM_ADAPTERS} distinct, rank 16 on all 7 projections: "
          f"19 pages each); prompts 8-24 tokens, {MAX_NEW_TOKENS} greedy tokens each, EOS "
          f"ignored; tiny LLaMA (4 layers, hidden 256), float32, one CPU executor per scheduler "
-         f"with {KV_BLOCKS} blocks for KV and adapters' pages alike (the executors and the store "
-         "run the old commit's code: only the scheduler differs). Medians over the rounds."),
+         f"with {args.kv_blocks} blocks for KV and adapters' pages alike (the executors and the "
+         "store run the old commit's code: only the scheduler differs). Medians over the "
+         "rounds."),
         "", *rows, "",
         f"- new / old tok/s: {ratio:.2f}",
         f"- every request's tokens equal between the two schedulers, round by round: "
@@ -155,6 +162,9 @@ def main() -> None:
                              "serve both sides)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--kv-blocks", type=int, default=KV_BLOCKS,
+                        help="each executor's blocks (2,560 hold every adapter beside the KV: "
+                             "the same work without pressure)")
     parser.add_argument("--write", action="store_true", help=f"write {RESULTS.name}")
     parser.add_argument("--shapes", action="store_true",
                         help="print each side's last round, step by step")
@@ -183,7 +193,7 @@ def main() -> None:
                                  ["--model", manifest["model_dir"], "--address", "127.0.0.1:0",
                                   "--store", store.address, "--adapter-slots",
                                   str(NUM_ADAPTERS), "--max-rank", "32", "--kv-blocks",
-                                  str(KV_BLOCKS), "--threads", "1"], tmp / "logs")
+                                  str(args.kv_blocks), "--threads", "1"], tmp / "logs")
                 services.append(executor)
                 scheduler = start(root, f"scheduler-{name}", "scheduler.service",
                                   ["--address", "127.0.0.1:0", "--store", store.address,

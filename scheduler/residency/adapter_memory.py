@@ -7,7 +7,9 @@ in the pages its real ranks take. The scheduler decides which block is what:
 
   - A load takes settled free blocks, then cached prefix blocks (least recently used first),
     as long as `kv_reserve` of the executor's blocks, and every block the running sequences
-    will still grow into, stays free for KV (a load never preempts anyone); past that, it evicts
+    will still grow into and the requests queued ahead of its own will take (Placement.kv_ahead),
+    stays free for KV (a load never preempts anyone, nor takes what the requests before its own
+    need: they would evict adapters that are waited for); past that, it evicts
     adapters nobody runs, pins, reserves or waits for (least popular first). Evicting for a
     load happens only once its bytes are staged (stage before evict, slots.py). When nothing
     frees enough, the load waits: its requests wait, bounded (max_load_wait_s, max_queue_s).
@@ -17,6 +19,9 @@ in the pages its real ranks take. The scheduler decides which block is what:
     sequence is preempted (so a request that fits an executor with its adapter always finishes),
     and so does the request admission stops at (its adapter excepted): those adapters' requests
     are behind it in fair order, and kept, their pages could hold it, and so them, for good.
+    While sequences run and such adapters sit idle (`has_wanted_idle`), admission does not take
+    them: it waits until a request's whole run fits without (admission.py), for the running
+    sequences will end and free their blocks, and the adapters' requests may start before.
   - An adapter that runs (a sequence pins it), that an operator pinned, or that queued requests
     want is never taken. An evicted adapter's cached prefix blocks (its KV, useless without it)
     are freed with its pages.
