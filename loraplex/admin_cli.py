@@ -160,7 +160,10 @@ def format_stats(stats: pb.StatsResponse) -> str:
             pages = (f"; adapters' pages {ex.adapter_pages} blocks "
                      f"({ex.adapter_pages * ex.page_bytes / 2**20:.1f} MiB)"
                      if ex.page_bytes else "")
-            lines.append(f"  {len(used)} of {len(ex.slots)} slots in use{pages}")
+            evicted = (f"; {ex.adapter_evictions} adapters evicted for room, "
+                       f"{ex.adapter_early_evictions} before they served anyone"
+                       if ex.adapter_evictions else "")
+            lines.append(f"  {len(used)} of {len(ex.slots)} slots in use{pages}{evicted}")
             lines.extend(f"  slot {i:<3d} {_slot(s)}" for i, s in used)
     else:
         lines.append("EXECUTORS: none shown (a tenant key sees its own counters only)")

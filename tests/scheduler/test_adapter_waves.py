@@ -9,6 +9,7 @@ import collections
 import pytest
 
 from common.adapter_pages import PageGeometry, plan_pages
+from loraplex.admin_cli import format_stats
 from scheduler.fairness import FairnessWeights
 from scheduler.limits import Limits
 from scheduler.metrics import SchedulerMetrics
@@ -131,8 +132,10 @@ def test_evictions_before_an_adapter_served_anyone_are_counted_in_stats_and_metr
     w.run()
     stats = w.operators.stats().executors[0]
     assert (stats.num_evictions, stats.num_early_evictions) == (2, 1)
-    pb = stats_pb(w.operators.stats()).executors[0]
+    response = stats_pb(w.operators.stats())
+    pb = response.executors[0]
     assert (pb.adapter_evictions, pb.adapter_early_evictions) == (2, 1)
+    assert "2 adapters evicted for room, 1 before they served anyone" in format_stats(response)
     scraped = {m.name: m for m in SchedulerMetrics(w.core).registry.collect()}
     sample = scraped["loraplex_adapter_early_evictions"].samples[0]
     assert sample.value == 1 and sample.labels == {"executor": ex.address}
