@@ -163,7 +163,9 @@ def format_stats(stats: pb.StatsResponse) -> str:
             evicted = (f"; {ex.adapter_evictions} adapters evicted for room, "
                        f"{ex.adapter_early_evictions} before they served anyone"
                        if ex.adapter_evictions else "")
-            lines.append(f"  {len(used)} of {len(ex.slots)} slots in use{pages}{evicted}")
+            behind = (f"; {ex.kv_blocks_behind_windows} KV blocks not held behind sliding "
+                      "windows" if ex.kv_blocks_behind_windows else "")
+            lines.append(f"  {len(used)} of {len(ex.slots)} slots in use{pages}{evicted}{behind}")
             lines.extend(f"  slot {i:<3d} {_slot(s)}" for i, s in used)
     else:
         lines.append("EXECUTORS: none shown (a tenant key sees its own counters only)")

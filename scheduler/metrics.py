@@ -109,6 +109,9 @@ class _CoreCollector:
         page_bytes = GaugeMetricFamily("loraplex_adapter_page_bytes", "Bytes of adapters' pages "
                                        "(over resident adapters: bytes per adapter).",
                                        labels=["executor"])
+        behind = GaugeMetricFamily("loraplex_kv_blocks_behind_windows", "KV blocks the running "
+                                   "sequences do not hold because sliding-window layers keep "
+                                   "only their window.", labels=["executor"])
         for ex in executors:
             running.add_metric([ex.address], ex.running)
             queued.add_metric([ex.address], ex.queued)
@@ -118,7 +121,8 @@ class _CoreCollector:
             resident.add_metric([ex.address], sum(
                 1 for slot in ex.slots if slot.state in (SlotState.LOADING, SlotState.READY)))
             page_bytes.add_metric([ex.address], ex.adapter_pages * ex.page_bytes)
-        yield from (running, queued, free, cached, pages, resident, page_bytes)
+            behind.add_metric([ex.address], ex.kv_blocks_behind_windows)
+        yield from (running, queued, free, cached, pages, resident, page_bytes, behind)
         hit_rate = GaugeMetricFamily(
             "loraplex_prefix_cache_hit_rate", "Of the prompt tokens of each tenant's ended "
             "requests, the fraction the prefix cache held.", labels=["tenant"])

@@ -76,4 +76,5 @@ class Operators:
             num_hits=counters.hits, is_up=ex.is_up, is_draining=ex.is_draining,
             is_drained=core.is_drained(ex), slots=part.slot_stats(),
             adapter_pages=blocks.num_pages, page_bytes=part.page_bytes,
-            num_evictions=counters.evictions, num_early_evictions=counters.early_evictions)
+            num_evictions=counters.evictions, num_early_evictions=counters.early_evictions,
+            kv_blocks_behind_windows=blocks.num_behind_windows())

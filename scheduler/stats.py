@@ -52,6 +52,7 @@ class ExecutorStats:
     page_bytes: int = 0
     num_evictions: int = 0
     num_early_evictions: int = 0  # (residency/hooks.py: AdapterCounters)
+    kv_blocks_behind_windows: int = 0  # (steps/block_manager.py: num_behind_windows)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ def _executor_pb(ex: ExecutorStats) -> scheduler_pb2.ExecutorStats:
                                        num_pages=s.num_pages)
                for s in ex.slots],
         adapter_pages=ex.adapter_pages, page_bytes=ex.page_bytes,
-        adapter_evictions=ex.num_evictions, adapter_early_evictions=ex.num_early_evictions)
+        adapter_evictions=ex.num_evictions, adapter_early_evictions=ex.num_early_evictions,
+        kv_blocks_behind_windows=ex.kv_blocks_behind_windows)
 
 
 def _tenant_pb(t: TenantStats) -> scheduler_pb2.TenantStats:
