@@ -14,7 +14,6 @@ What the others ask: `queue(ex)` (admission reads it), `wanted(ex)` and `popular
 """
 
 import itertools
-import operator
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
@@ -23,7 +22,7 @@ from common.errors import FailedPrecondition
 from scheduler.executor_state import ExecutorState
 from scheduler.fairness import FairShare
 from scheduler.limits import Limits
-from scheduler.queues import ExecutorQueue, QueueView
+from scheduler.queues import ExecutorQueue, QueueView, in_line
 from scheduler.request import Request
 from scheduler.residency.residency import Residency
 from scheduler.routing import Popularity, home, score
@@ -100,16 +99,20 @@ class Placement:
         seats for. The load leaves them these blocks (residency/adapter_memory.py): taken from
         them, they would take the pages of adapters that are waited for, loaded again later
         (churn). (They all start in time: they can; the oldest's own are not counted, for what
-        it waits for might be pages of adapters that only it could make leave.)"""
-        queue = self._at[ex].queue
+        it waits for might be pages of adapters that only it could make leave.) A request whose
+        run would need pages that KV cannot take (a slot's reserved for a load, `adapter`'s
+        maybe, or pinned by an operator) is not counted: held back for it, the load could wait
+        for good."""
+        queue, part = self._at[ex].queue, self._residency.of(ex)
         seats = self.limits.max_num_seqs - len(steps)
         heads = [queue.head(t, adapter) for t in queue.tenants()] if adapter else []
-        first = min(filter(None, heads), key=_arrival, default=None)
+        first = min(filter(None, heads), key=in_line, default=None)
         blocks = steps.blocks_to_grow(ex.blocks)
-        serves = self._residency.of(ex).serves
-        ahead = queue.ahead(lambda a: a != adapter and serves(a), first)
+        room = ex.blocks.num_blocks - part.pages_kv_cannot_take()
+        ahead = queue.ahead(lambda a: a != adapter and part.serves(a), first)
         for req in itertools.islice(ahead, max(seats, 0)):
-            blocks += ex.blocks.most_blocks(req.max_tokens)
+            most = ex.blocks.most_blocks(req.max_tokens)
+            blocks += most if most <= room else 0
         return blocks
 
     # ---- executors joining and leaving ------------------------------------------------------
@@ -247,5 +250,3 @@ class Placement:
         seconds = sum(self._at[ex].work_tokens for ex in up) / rate if rate else 60.0
         return min(60.0, max(1.0, seconds))
 
-
-_arrival = operator.attrgetter("arrival")

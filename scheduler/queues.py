@@ -113,11 +113,11 @@ class ExecutorQueue:
               before: Request | None) -> Iterator[Request]:
         """Queued requests that arrived before `before` (None: all) for adapters that
         `is_ready` (None: the base model), the oldest first."""
-        end = (math.inf, 0) if before is None else _place(before)
-        return heapq.merge(*(itertools.takewhile(lambda r: _place(r) < end, group)
+        end = (math.inf, 0) if before is None else in_line(before)
+        return heapq.merge(*(itertools.takewhile(lambda r: in_line(r) < end, group)
                              for groups in self._groups.values()
                              for adapter, group in groups.items() if is_ready(adapter)),
-                           key=_place)
+                           key=in_line)
 
     def __iter__(self) -> Iterator[Request]:
         for groups in self._groups.values():
@@ -125,6 +125,6 @@ class ExecutorQueue:
                 yield from group
 
 
-def _place(req: Request) -> tuple[float, int]:
+def in_line(req: Request) -> tuple[float, int]:
     """Where req stands in line: by arrival (ties broken by the scheduler's number for it)."""
     return req.arrival, req.serial

@@ -40,6 +40,11 @@ class ResidencyView:
         return adapter is None or slot is not None and (
             slot.state is SlotState.LOADING or not slot.reserved_for)
 
+    def pages_kv_cannot_take(self) -> int:
+        """Pages of slots reserved for a load or pinned by an operator: no sequence's KV may
+        take them until that load comes, or ever."""
+        return sum(len(s.pages) for s in self._slots.slots if s.reserved_for or s.is_admin_pinned)
+
     def ready_slot(self, adapter: AdapterRef) -> int | None:
         """The slot holding `adapter` READY, if any."""
         slot = self._slots.find(adapter)

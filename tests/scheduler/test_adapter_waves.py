@@ -178,3 +178,21 @@ def test_under_pressure_nobody_overtakes_the_fairest_request_that_does_not_fit()
     assert all(w.finished(r) for r in (base, r1, r2))
     assert base.admitted_at < r1.admitted_at <= r2.admitted_at
     assert part.counters().evictions == 0
+
+
+def test_a_load_is_not_held_back_for_a_request_that_needs_its_reserved_slots_pages():
+    """Nothing runs. c (7 pages) is READY in one of two slots and t0 queues for it; t2's base
+    request, queued first, will need 14 of the 20 blocks, 13 free beside c's pages. t1, the
+    fairest, waits for a: a's load may not take the blocks of the requests queued ahead, so a is
+    staged and c's slot reserved for it; t2's request cannot take the pages of a reserved slot.
+    Held back for that request, a's load would wait for good, and every request with it."""
+    w = World(num_slots=2, num_blocks=20, geometry=GEOMETRY, limits=Limits(kv_reserve=0.0))
+    w.request(tenant="t0", adapter="c@1", ranks=QV, prompt_len=8, max_new=8)
+    w.request(tenant="t2", prompt_len=4, max_new=2)
+    w.run()  # (c loaded; t0 served more than t2, t1 nothing)
+    base = w.request(tenant="t2", prompt_len=4, max_new=4 * 14 - 4)
+    w.now += 1.0
+    for_c = w.request(tenant="t0", adapter="c@1", ranks=QV, prompt_len=4, max_new=4)
+    for_a = w.request(tenant="t1", adapter="a@1", ranks=QV, prompt_len=4, max_new=4)
+    w.run()
+    assert all(w.finished(r) for r in (base, for_c, for_a))

@@ -15,7 +15,7 @@ first)."""
 import collections
 import random
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from common.adapter_pages import plan_pages
@@ -148,6 +148,12 @@ LAYOUTS = [None, KVLayout.of([6, 6]), KVLayout.of([6, None, 6, 6])]
                         max_batched_tokens=st.integers(1, 24), pipeline_depth=st.integers(1, 2),
                         fairness_window=st.sampled_from([0.0, 50.0]),
                         prefix_cache=st.sampled_from(["tenant", "pool", "off"])))
+# (Once a deadlock: nothing running, a base request short of one block that c's pages would
+# give, c's slot reserved for a, and a's load holding back KV for that request, ahead of a's
+# oldest by a tie of arrival times: Placement.kv_ahead.)
+@example(seed=2789, num_blocks=10, geometry=GEOMETRY, switch=16, layout=None,
+         limits=Limits(max_num_seqs=3, max_batched_tokens=3, pipeline_depth=1,
+                       fairness_window=0.0, prefix_cache="tenant"))
 def test_the_fast_builder_makes_the_reference_builders_plans(seed, num_blocks, geometry, switch,
                                                              layout, limits):
     """(`switch`: a longrope model's, where runs end and are recomputed: longrope.py; `layout`:
