@@ -7,19 +7,9 @@ block's hash, its own token ids and a cache key (adapter version, tenant or pool
 A finished sequence's hashed blocks stay cached; a new sequence whose leading blocks hash the same
 takes them into its table without a copy and computes only the rest.
 
-Every block is in exactly one state:
-  free        no hash, in no table                      (taken first by `grow`)
-  cached      a hash, in no table, in LRU order         (reused by a match, or evicted by `grow`
-                                                         when no free block is left)
-  referenced  in `refs` tables, hashed or not           (never evicted)
-  page        holding an adapter's weights              (common/adapter_pages.py; taken by
-                                                         `take_pages`, back by `give_back_pages`)
-
-KV and adapters share the blocks (residency/adapter_memory.py states the policy). Steps write KV
-in the order they are sent, but an adapter's load writes its pages beside them (its own RPC): a
-block that left a sequence's table stays unsettled until every step that may read it is answered
-(`free` takes the sequence's last step, `settle` the last step answered), and only settled blocks
-become pages.
+The blocks' states (free, cached, referenced, page) and when a block that left a table may
+become an adapter's page are the BlockPool's (block_pool.py), which this class extends with the
+tables.
 
 Window blocks (the executor's KV layout, common/kv_layout.py): a sequence has a table per kind of
 layers. A token block of a kind takes `columns` blocks together (an entry: named by its first
@@ -36,11 +26,10 @@ the same key and tokens [a b c d x] matches [7], takes it (refs 1) plus one free
 computes from position 4.
 """
 
-import heapq
-from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from common.kv_layout import KVLayout, single_layout
+from scheduler.steps.block_pool import BlockPool
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -65,8 +54,9 @@ class KindBlocks(tuple):
     step message counts them per kind)."""
 
 
-class BlockManager:
-    """Free list, prefix cache and the block tables of each sequence.
+class BlockManager(BlockPool):
+    """The block tables of each sequence (per kind of layers) and the prefix cache, over the
+    pool's blocks.
 
     Predicates come in pairs with their actions: `can_grow`/`grow`, `can_start`/`start`.
     """
@@ -75,49 +65,16 @@ class BlockManager:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("need num_blocks >= 1 and block_size >= 1, got "
                              f"{num_blocks}, {block_size}")
-        self.num_blocks = num_blocks
+        super().__init__(num_blocks)
         self.block_size = block_size
         self.layout = layout or single_layout(1)
         self._kinds = self.layout.kinds
         self._columns = tuple(kind.columns for kind in self._kinds)
-        self._free: deque[int] = deque(range(num_blocks))
-        self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced hashed, LRU first
-        self._cached_blocks = 0  # blocks of the cached entries
-        self._block_of: dict[bytes, int] = {}  # hash (a window kind's: + its index) -> entry
-        self._hash_of: dict[int, bytes] = {}  # entry -> hash
-        self._refs: dict[int, int] = {}  # entry -> tables holding it (absent: 0)
-        self._rest: dict[int, tuple[int, ...]] = {}  # entry -> its other blocks (columns > 1)
-        self._head_of: dict[int, int] = {}  # such a block -> its entry
         # per kind: seq_id -> entries in position order (-1: none there); and for a window
         # kind, seq_id -> its first entry that is not -1
         self._tables: tuple[dict[int, list[int]], ...] = tuple({} for _ in self._kinds)
         self._live_from: tuple[dict[int, int], ...] = tuple({} for _ in self._kinds)
         self.tables = self._tables[0]  # (the only kind's, without window blocks)
-        self._pages: set[int] = set()  # blocks holding adapters' weights
-        self._owner: dict[int, object] = {}  # hashed entry -> the adapter whose KV it holds
-        # Blocks that left a table in a step not answered yet: block -> that step (and a heap of
-        # (step, block) to settle them in step order; an entry whose step moved is stale).
-        self._unsettled: dict[int, int] = {}
-        self._to_settle: list[tuple[int, int]] = []
-
-    @property
-    def num_free(self) -> int:
-        """Blocks a sequence can take now: free ones and unreferenced cached ones."""
-        return len(self._free) + self._cached_blocks
-
-    @property
-    def num_pages(self) -> int:
-        """Blocks holding adapters' weights."""
-        return len(self._pages)
-
-    @property
-    def num_cached(self) -> int:
-        """Blocks holding a published prefix, referenced or not."""
-        return sum(1 + len(self._rest.get(entry, ())) for entry in self._hash_of)
-
-    def num_allocated(self) -> int:
-        """Blocks in sequences' tables."""
-        return self.num_blocks - self.num_free - len(self._pages)
 
     def capacity(self, seq_id: int) -> int:
         """Tokens seq_id's tables hold (every kind's)."""
@@ -200,96 +157,7 @@ class BlockManager:
             table = tables[seq_id]
             if index >= len(table) or table[index] < 0:
                 continue
-            block, key = table[index], self._key(block_hash, kind)
-            if key not in self._block_of and block not in self._hash_of:
-                self._block_of[key] = block
-                self._hash_of[block] = key
-                if owner is not None:
-                    self._owner[block] = owner
-
-    def drop_cached_of(self, owner: object) -> int:
-        """Forget the cached blocks of adapter `owner` (it left the executor: useless without
-        it): they are free now, taken before any other. How many."""
-        dropped = [b for b, o in self._owner.items() if o == owner and b in self._cached]
-        count = 0
-        for entry in dropped:
-            blocks = self._evict(entry)
-            self._free.extendleft(reversed(blocks))
-            count += len(blocks)
-        return count
-
-    def _evict(self, entry: int) -> tuple[int, ...]:
-        """A cached entry forgotten: its blocks (now in no state: the caller places them)."""
-        del self._cached[entry]
-        del self._block_of[self._hash_of.pop(entry)]
-        self._owner.pop(entry, None)
-        blocks = self._blocks_of(entry)
-        self._cached_blocks -= len(blocks)
-        self._forget_rest(entry)
-        return blocks
-
-    def _blocks_of(self, entry: int) -> tuple[int, ...]:
-        rest = self._rest.get(entry)
-        return (entry,) if rest is None else (entry, *rest)
-
-    def _forget_rest(self, entry: int) -> None:
-        for block in self._rest.pop(entry, ()):
-            del self._head_of[block]
-
-    # ---- adapter pages ----------------------------------------------------------------------
-    def num_settled(self) -> int:
-        """Free and cached blocks that may become pages now (a cached entry only whole)."""
-        unsettled_free, unsettled_entries = 0, set()
-        for block in self._unsettled:
-            entry = self._head_of.get(block, block)
-            if entry in self._refs:
-                continue
-            if entry in self._cached:
-                unsettled_entries.add(entry)
-            else:
-                unsettled_free += 1
-        return self.num_free - unsettled_free - sum(
-            len(self._blocks_of(entry)) for entry in unsettled_entries)
-
-    def take_pages(self, num_pages: int) -> list[int] | None:
-        """`num_pages` settled blocks for an adapter's weights, free ones first, then the least
-        recently used cached entries (their prefixes forgotten); None (nothing taken) when fewer
-        are settled."""
-        if num_pages > self.num_settled():
-            return None
-        pages: list[int] = []
-        for block in list(self._free):
-            if len(pages) == num_pages:
-                break
-            if block not in self._unsettled:
-                pages.append(block)
-        for block in pages:
-            self._free.remove(block)
-        for entry in list(self._cached):
-            if len(pages) == num_pages:
-                break
-            blocks = self._blocks_of(entry)
-            if not any(b in self._unsettled for b in blocks):
-                self._evict(entry)
-                taken = blocks[:num_pages - len(pages)]
-                pages += taken
-                self._free.extendleft(reversed(blocks[len(taken):]))
-        self._pages.update(pages)
-        return pages
-
-    def give_back_pages(self, pages: list[int] | tuple[int, ...]) -> None:
-        """An adapter's pages are free again (no step or load may touch them any more)."""
-        for block in pages:
-            self._pages.remove(block)
-            self._free.append(block)
-
-    def settle(self, answered: int) -> None:
-        """Every step up to `answered` is answered: blocks that left tables in them may become
-        pages."""
-        while self._to_settle and self._to_settle[0][0] <= answered:
-            step, block = heapq.heappop(self._to_settle)
-            if self._unsettled.get(block) == step:
-                del self._unsettled[block]
+            self._cache_as(table[index], self._key(block_hash, kind), owner)
 
     # ---- tables -----------------------------------------------------------------------------
     def num_missing(self, seq_id: int, num_tokens: int) -> int:
@@ -389,10 +257,7 @@ class BlockManager:
         for kind, (tables, entries) in enumerate(zip(self._tables, self._per_kind(hits))):
             for entry in entries:
                 if entry >= 0:
-                    if entry in self._cached:
-                        del self._cached[entry]
-                        self._cached_blocks -= len(self._blocks_of(entry))
-                    self._refs[entry] = self._refs.get(entry, 0) + 1
+                    self._hold(entry)
             tables[seq_id] = list(entries)
             if self._kinds[kind].window is not None:
                 self._live_from[kind][seq_id] = entries.count(-1)
@@ -420,39 +285,9 @@ class BlockManager:
                     self._drop(entry, last_step)
             live.pop(seq_id, None)
 
-    def _drop(self, entry: int, last_step: int) -> None:
-        """One table lets go of `entry` (read up to plan `last_step`)."""
-        refs = self._refs[entry] - 1
-        if refs:
-            self._refs[entry] = refs
-            return
-        del self._refs[entry]
-        blocks = self._blocks_of(entry)
-        if last_step:
-            for block in blocks:
-                self._unsettled[block] = last_step
-                heapq.heappush(self._to_settle, (last_step, block))
-        if entry in self._hash_of:
-            self._cached[entry] = None
-            self._cached_blocks += len(blocks)
-        else:
-            self._forget_rest(entry)
-            self._free.extend(blocks)
-
     def _take(self, kind: int) -> int:
-        """An entry of `kind` for a table: free blocks, else the least recently used cached
-        entries' (evicted)."""
-        columns = self._columns[kind]
-        while len(self._free) < columns:
-            entry = next(iter(self._cached))
-            self._free.extendleft(reversed(self._evict(entry)))
-        entry = self._free.popleft()
-        if columns > 1:
-            rest = tuple(self._free.popleft() for _ in range(columns - 1))
-            self._rest[entry] = rest
-            self._head_of.update(dict.fromkeys(rest, entry))
-        self._refs[entry] = 1
-        return entry
+        """An entry of `kind` for a table (BlockPool._take_entry)."""
+        return self._take_entry(self._columns[kind])
 
     def to_grow(self, seq_id: int, max_tokens: int) -> int:
         """Blocks seq_id will still take to reach `max_tokens` tokens, at most (a window kind's
@@ -465,9 +300,8 @@ class BlockManager:
         return out
 
     def check(self) -> None:
-        """Assert the invariants (for tests): every block in exactly one state, reference counts
-        equal to table membership, the hash maps inverse of each other, window tables -1 just
-        before their first live entry."""
+        """Assert the invariants (for tests): window tables -1 just before their first live
+        entry, and the pool's (BlockPool._check_states) with the tables' entries."""
         counts: dict[int, int] = {}
         for tables, live in zip(self._tables, self._live_from):
             for seq_id, table in tables.items():
@@ -475,19 +309,4 @@ class BlockManager:
                 assert all(e == -1 for e in table[:first]) and -1 not in table[first:], table
                 for entry in table[first:]:
                     counts[entry] = counts.get(entry, 0) + 1
-        assert counts == self._refs, (counts, self._refs)
-        free, cached = set(self._free), set(self._cached)
-        entries = set(counts) | cached
-        in_entries = {b for e in entries for b in self._blocks_of(e)}
-        assert len(in_entries) == sum(len(self._blocks_of(e)) for e in entries)
-        assert set(self._rest) <= entries
-        assert self._head_of == {b: e for e, rest in self._rest.items() for b in rest}
-        assert self._cached_blocks == sum(len(self._blocks_of(e)) for e in cached)
-        assert len(free) == len(self._free) and not free & in_entries
-        assert not cached & set(counts) and cached <= set(self._hash_of)
-        assert not free & set(self._hash_of) and set(self._hash_of) <= entries
-        pages = self._pages
-        assert not pages & (free | in_entries)
-        assert len(free) + len(in_entries) + len(pages) == self.num_blocks
-        assert set(self._owner) <= set(self._hash_of)
-        assert {b: h for h, b in self._block_of.items()} == self._hash_of
+        self._check_states(counts)
