@@ -100,9 +100,9 @@ class Placement:
         them, they would take the pages of adapters that are waited for, loaded again later
         (churn). (They all start in time: they can; the oldest's own are not counted, for what
         it waits for might be pages of adapters that only it could make leave.) A request whose
-        run would need pages that KV cannot take (a slot's reserved for a load, `adapter`'s
-        maybe, or pinned by an operator) is not counted: held back for it, the load could wait
-        for good."""
+        run would need pages that its KV cannot take (its own adapter's, a slot's reserved for a
+        load, `adapter`'s maybe, or pinned by an operator) is not counted: held back for it, the
+        load could wait for good."""
         queue, part = self._at[ex].queue, self._residency.of(ex)
         seats = self.limits.max_num_seqs - len(steps)
         heads = [queue.head(t, adapter) for t in queue.tenants()] if adapter else []
@@ -112,7 +112,8 @@ class Placement:
         ahead = queue.ahead(lambda a: a != adapter and part.serves(a), first)
         for req in itertools.islice(ahead, max(seats, 0)):
             most = ex.blocks.most_blocks(req.max_tokens)
-            blocks += most if most <= room else 0
+            own = part.pages_of(req) if req.ask.adapter else 0
+            blocks += most if most + own <= room else 0
         return blocks
 
     # ---- executors joining and leaving ------------------------------------------------------

@@ -154,6 +154,10 @@ LAYOUTS = [None, KVLayout.of([6, 6]), KVLayout.of([6, None, 6, 6])]
 @example(seed=2789, num_blocks=10, geometry=GEOMETRY, switch=16, layout=None,
          limits=Limits(max_num_seqs=3, max_batched_tokens=3, pipeline_depth=1,
                        fairness_window=0.0, prefix_cache="tenant"))
+# (And: b's request short of one block beside b's own pages and a's, reserved for c.)
+@example(seed=20, num_blocks=10, geometry=GEOMETRY, switch=0, layout=None,
+         limits=Limits(max_num_seqs=1, max_batched_tokens=13, pipeline_depth=1,
+                       fairness_window=0.0, prefix_cache="tenant"))
 def test_the_fast_builder_makes_the_reference_builders_plans(seed, num_blocks, geometry, switch,
                                                              layout, limits):
     """(`switch`: a longrope model's, where runs end and are recomputed: longrope.py; `layout`:
