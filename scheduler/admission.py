@@ -13,7 +13,8 @@ run fits beside the blocks the running sequences will still grow into, and takes
 wanted adapters: the resident adapters' requests are served before their adapters are evicted,
 and nobody's growth evicts them (they would load twice in a wave). With nothing running, the
 fairest request starts as soon as its prompt fits, taking wanted adapters' pages if it must
-(else it could wait for good).
+(else it could wait for good); and a pass that starts nobody on an executor that runs nothing
+and brings nothing in leaves it stalled: its next load keeps no KV for the requests ahead.
 
 A tenant whose oldest request cannot start has its adapter brought in (residency/), and so does
 one whose oldest request has waited starvation_wait_s even while it has others that can start
@@ -111,6 +112,7 @@ class Admission:
         part.prepare_admission()
         heap = [(self.fair.counter(t), t) for t in q.tenants()]
         if not heap:
+            part.admitted(False, False)
             return rows
         heapq.heapify(heap)
         active = {seq.request.ask.adapter for seq in running.values()
@@ -148,6 +150,7 @@ class Admission:
                 active.add(req.ask.adapter)
             if q.queued(tenant):
                 heapq.heappush(heap, (self.fair.counter(tenant), tenant))
+        part.admitted(bool(rows), is_stuck and not part.is_bringing_in())
         return rows
 
     def _pick(self, q: QueueView, part: ExecutorResidency, tenant: str,

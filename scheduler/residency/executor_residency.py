@@ -57,6 +57,12 @@ class ExecutorResidency(ResidencyView):
                 slots.num_reserved() < self._hooks.limits.max_reserved_slots:
             slots.reserve(adapter)
 
+    def admitted(self, started_anyone: bool, was_idle: bool) -> None:
+        """An admission pass ended: whether it started anyone, and whether ex ran nothing and
+        brought nothing in (view.py: stalled, a load leaves no KV for the requests ahead: the
+        liveness of every wait for a load under adapter pressure, whatever held it back)."""
+        self._is_stalled = was_idle and not started_anyone
+
     def prepare_admission(self) -> None:
         """Before admitting: reservations nobody waits for lapse, and a slot reserved for a
         staged adapter, once drained, takes it at once (its requests may no longer be any

@@ -28,6 +28,9 @@ class ResidencyView:
         self._pages, self._page_bytes = adapter_memory.AdapterPages(geometry), page_bytes
         self._fetches = Fetches(hooks.limits, hooks.clock, ex.address)
         self._counters = counters
+        # Its last admission started nobody while it ran nothing and brought nothing in: a load
+        # then leaves no KV for the requests queued ahead (they could not start either).
+        self._is_stalled = False
 
     def holds(self, adapter: AdapterRef) -> bool:
         """A slot holds `adapter` or is loading it."""
@@ -147,8 +150,9 @@ class ResidencyView:
         """Blocks a load of `adapter` may take without evicting anyone (adapter_memory.py)."""
         if not self._pages.is_paged:
             return 0  # (its adapters take no pages)
+        ahead = 0 if self._is_stalled else self._hooks.kv_ahead(self._ex, adapter)
         return adapter_memory.free_for_pages(self._ex.blocks, self._hooks.limits.kv_reserve,
-                                             self._hooks.kv_ahead(self._ex, adapter))
+                                             ahead)
 
     def _popularity(self) -> Callable[[AdapterRef], float]:
         return self._hooks.popularity(self._ex, self._hooks.clock())
