@@ -102,18 +102,23 @@ class Placement:
         it waits for might be pages of adapters that only it could make leave.) A request whose
         run would need pages that its KV cannot take (its own adapter's, a slot's reserved for a
         load, `adapter`'s maybe, or pinned by an operator) is not counted: held back for it, the
-        load could wait for good."""
-        queue, part = self._at[ex].queue, self._residency.of(ex)
+        load could wait for good. Counted up to the free blocks only: beyond them a load is left
+        none either way (adapter_memory.free_for_pages), and the queue need not be walked."""
+        blocks, free = steps.blocks_to_grow(ex.blocks), ex.blocks.num_free
         seats = self.limits.max_num_seqs - len(steps)
+        if blocks >= free or seats <= 0:
+            return blocks
+        queue, part = self._at[ex].queue, self._residency.of(ex)
         heads = [queue.head(t, adapter) for t in queue.tenants()] if adapter else []
         first = min(filter(None, heads), key=in_line, default=None)
-        blocks = steps.blocks_to_grow(ex.blocks)
         room = ex.blocks.num_blocks - part.pages_kv_cannot_take()
         ahead = queue.ahead(lambda a: a != adapter and part.serves(a), first)
-        for req in itertools.islice(ahead, max(seats, 0)):
+        for req in itertools.islice(ahead, seats):
             most = ex.blocks.most_blocks(req.max_tokens)
             own = part.pages_of(req) if req.ask.adapter else 0
             blocks += most if most + own <= room else 0
+            if blocks >= free:
+                break
         return blocks
 
     # ---- executors joining and leaving ------------------------------------------------------
