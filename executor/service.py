@@ -95,7 +95,9 @@ def quantization_freed(runner: ModelRunner) -> str:
     if runner.config.quantization is None:
         return ""
     freed = runner.weights.dense_bytes() - runner.weights.num_bytes()
-    per_token = runner.kv.num_bytes() // max(1, runner.kv.num_blocks * runner.kv.block_size)
+    layout = runner.kv_layout  # (a token of every layer: num_layers / layers_per_block slots)
+    per_token = runner.kv.num_bytes() * layout.num_layers // max(
+        1, runner.kv.num_blocks * runner.kv.block_size * layout.layers_per_block)
     return (f"; {describe_quantization(runner.config)}: {freed / 2**20:.1f} MiB freed against "
             f"dense weights, {freed // max(1, per_token):,} KV tokens (or adapters' pages)")
 

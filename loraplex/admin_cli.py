@@ -166,6 +166,11 @@ def format_stats(stats: pb.StatsResponse) -> str:
             behind = (f"; {ex.kv_blocks_behind_windows} KV blocks not held behind sliding "
                       "windows" if ex.kv_blocks_behind_windows else "")
             lines.append(f"  {len(used)} of {len(ex.slots)} slots in use{pages}{evicted}{behind}")
+            if ex.quantization:
+                lines.append(f"  quantized base ({ex.quantization}): "
+                             f"{ex.quantized_freed_bytes / 1e9:.2f} GB freed against 16-bit "
+                             f"weights = {ex.quantized_freed_kv_tokens:,} KV tokens, or "
+                             f"{ex.quantized_freed_blocks:,} blocks of KV or adapters' pages")
             lines.extend(f"  slot {i:<3d} {_slot(s)}" for i, s in used)
     else:
         lines.append("EXECUTORS: none shown (a tenant key sees its own counters only)")

@@ -265,10 +265,11 @@ class Scheduler:
         had nowhere to go. A departing executor stays departing (`is_leaving`)."""
         ex = ExecutorState(address, BlockManager(shape.num_blocks, shape.block_size,
                                                  shape.kv_layout),
-                           shape.rope_switch_len, is_leaving=is_leaving)
+                           shape.rope_switch_len, is_leaving=is_leaving,
+                           quantized=shape.quantized)
         self._steps[ex] = self._new_steps()
         self.residency.add(ex, shape)
-        self.merges.add(ex, shape.quantization)
+        self.merges.add(ex)
         ex.is_up, ex.is_draining = True, False
         for old in self.placement.add(ex):
             self._forget(old)

@@ -40,14 +40,36 @@ class ExecutorShape:
     page_bytes: int = 0
     rope_switch_len: int = 0  # its model's longrope switch (steps/longrope.py; 0: none)
     kv_layout: KVLayout | None = None  # which KV its layers keep (None: one kind, the whole)
-    # Its base's quantization in words ("": 16-bit): no adapter merges into a quantized base.
-    quantization: str = ""
+    quantized: QuantizedBase | None = None  # (None: a 16-bit base)
 
     @classmethod
     def from_info(cls, info: executor_pb2.InfoResponse) -> ExecutorShape:
+        layout = layout_from_pb(info)
         return cls(info.num_kv_blocks, info.block_size, info.num_adapter_slots,
                    geometry_from_pb(info), info.page_geometry.page_bytes,
-                   info.longrope_switch_len, layout_from_pb(info), info.quantization)
+                   info.longrope_switch_len, layout, QuantizedBase.of(info, layout))
+
+
+@dataclass(frozen=True)
+class QuantizedBase:
+    """An executor's quantized base: its quantization in words, and what its smaller weights
+    free against the same model in 16 bits: bytes, and those bytes in KV tokens (of every
+    layer) or blocks (each a block of KV or an adapter's page). No adapter merges into it."""
+
+    description: str
+    freed_bytes: int = 0
+    freed_kv_tokens: int = 0
+    freed_blocks: int = 0
+
+    @classmethod
+    def of(cls, info: executor_pb2.InfoResponse, layout: KVLayout) -> QuantizedBase | None:
+        if not info.quantization:
+            return None
+        freed = max(0, info.dense_weight_bytes - info.weight_bytes)
+        block_bytes = info.kv_cache_bytes // info.num_kv_blocks if info.num_kv_blocks else 0
+        blocks = freed // block_bytes if block_bytes else 0
+        tokens = blocks * info.block_size * layout.layers_per_block // layout.num_layers
+        return cls(info.quantization, freed, tokens, blocks)
 
 
 @dataclass(eq=False)
@@ -61,6 +83,7 @@ class ExecutorState:
     is_leaving: bool = False  # gone from discovery: forget it once drained
     is_stopping: bool = False  # its health said NOT_SERVING: release it once drained
     steps_since_up: int = 0  # steps answered since it came up (this connection): its warm-up
+    quantized: QuantizedBase | None = None  # its base's quantization (None: 16-bit)
 
     @property
     def is_admitting(self) -> bool:

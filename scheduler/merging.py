@@ -20,7 +20,7 @@ No request fails or waits unboundedly for a merge: queued work moves, running wo
 Routing (placement.py) never sends another adapter's request to a dedicated executor, and
 prefers dedicated executors for their own adapter. At least one executor that is up serves
 everyone: a dedication that would leave none is refused, and when the last one is lost the
-dedicated executors are released. An executor whose base is quantized (ExecutorShape.quantization)
+dedicated executors are released. An executor whose base is quantized (ExecutorState.quantized)
 never merges: folding B @ A into its weights would requantize them (the executor refuses it too).
 
 MergePolicy merges automatically (Limits.merge_share > 0): an adapter with at least merge_share
@@ -72,7 +72,6 @@ class Merges:
         self._policy = MergePolicy(limits)
         self._placement, self._residency, self._wake = placement, residency, wake
         self._state: dict[ExecutorState, MergeState] = {}
-        self._quantized: dict[ExecutorState, str] = {}  # executors that cannot merge: why
 
     # ---- what the others ask ----------------------------------------------------------------
     def dedicated_to(self, ex: ExecutorState) -> AdapterRef | None:
@@ -96,15 +95,11 @@ class Merges:
         return [ex for ex in self._placement.admitting() if self._state[ex].dedicated_to is None]
 
     # ---- executors joining and leaving ------------------------------------------------------
-    def add(self, ex: ExecutorState, quantization: str = "") -> None:
-        """A new executor; `quantization`: its base's, in words ("": none, it can merge)."""
+    def add(self, ex: ExecutorState) -> None:
         self._state[ex] = MergeState()
-        if quantization:
-            self._quantized[ex] = quantization
 
     def remove(self, ex: ExecutorState) -> None:
         self._state.pop(ex, None)
-        self._quantized.pop(ex, None)
 
     def forget(self, ex: ExecutorState) -> None:
         """Ex was lost: its weights are restored when its stream ends; it serves everyone when
@@ -131,10 +126,10 @@ class Merges:
         if state.dedicated_to is not None:
             raise FailedPrecondition(f"executor {ex.address} is dedicated to "
                                      f"{state.dedicated_to}; unmerge it first")
-        if ex in self._quantized:
+        if ex.quantized is not None:
             raise FailedPrecondition(
-                f"executor {ex.address} serves a quantized base ({self._quantized[ex]}): merging "
-                f"{adapter} would requantize it; it serves the adapter unmerged")
+                f"executor {ex.address} serves a quantized base ({ex.quantized.description}): "
+                f"merging {adapter} would requantize it; it serves the adapter unmerged")
         if not ex.is_admitting:
             raise Unavailable(f"executor {ex.address} is down or draining: it cannot take a "
                               "merge")
@@ -225,13 +220,13 @@ class Merges:
             raise FailedPrecondition(
                 f"cannot merge {adapter} into {num_executors} executors: {len(have)} are merged "
                 f"with it, {len(free)} up serve everyone, and one of those must keep doing so")
-        quantized = [ex for ex in free if ex in self._quantized]
+        quantized = [ex for ex in free if ex.quantized is not None]
         if want > len(free) - len(quantized):
             raise FailedPrecondition(
                 f"cannot merge {adapter} into {num_executors} executors: "
                 f"{', '.join(ex.address for ex in quantized)} serve a quantized base "
-                f"({self._quantized[quantized[0]]}), which merging would requantize")
-        free = [ex for ex in free if ex not in self._quantized]
+                f"({quantized[0].quantized.description}), which merging would requantize")
+        free = [ex for ex in free if ex.quantized is None]
         free.sort(key=lambda ex: (not self._residency.of(ex).holds(adapter),
                                   score(self._placement.work_tokens(ex), ex.rates, True, True,
                                         adapter_bytes, 0.0)))
@@ -264,7 +259,7 @@ class Merges:
         if decision is None:
             return
         adapter, num_executors = decision
-        if num_executors and all(ex in self._quantized for ex in self.serving_everyone()):
+        if num_executors and all(ex.quantized for ex in self.serving_everyone()):
             return  # (each executor that could take it serves a quantized base)
         if num_executors:
             self.merge(adapter, self._policy.adapter_bytes(adapter), num_executors,

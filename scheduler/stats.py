@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from common.adapter_ref import AdapterRef
+from scheduler.executor_state import QuantizedBase
 from scheduler.fairness import FairShare
 from scheduler.request import Request
 from scheduler.residency.slots import SlotStats
@@ -53,6 +54,7 @@ class ExecutorStats:
     num_evictions: int = 0
     num_early_evictions: int = 0  # (residency/hooks.py: AdapterCounters)
     kv_blocks_behind_windows: int = 0  # (steps/block_manager.py: num_behind_windows)
+    quantized: QuantizedBase | None = None  # its base's quantization, what it frees
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 
 from common.adapter_ref import AdapterRef
 from protos import common_pb2, scheduler_pb2
+from scheduler.executor_state import QuantizedBase
 from scheduler.stats import ExecutorStats, PoolStats, TenantStats
 
 
@@ -29,7 +30,14 @@ def _executor_pb(ex: ExecutorStats) -> scheduler_pb2.ExecutorStats:
                for s in ex.slots],
         adapter_pages=ex.adapter_pages, page_bytes=ex.page_bytes,
         adapter_evictions=ex.num_evictions, adapter_early_evictions=ex.num_early_evictions,
-        kv_blocks_behind_windows=ex.kv_blocks_behind_windows)
+        kv_blocks_behind_windows=ex.kv_blocks_behind_windows, **_quantized_pb(ex.quantized))
+
+
+def _quantized_pb(q: QuantizedBase | None) -> dict:
+    if q is None:
+        return {}
+    return dict(quantization=q.description, quantized_freed_bytes=q.freed_bytes,
+                quantized_freed_kv_tokens=q.freed_kv_tokens, quantized_freed_blocks=q.freed_blocks)
 
 
 def _tenant_pb(t: TenantStats) -> scheduler_pb2.TenantStats:

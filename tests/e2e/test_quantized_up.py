@@ -53,7 +53,8 @@ def quantized(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def up(quantized, tmp_path_factory):
-    """`loraplex up --model DIR` running; (store address, executor address, OpenAI client)."""
+    """`loraplex up --model DIR` running; (store address, executor address, OpenAI client,
+    scheduler address)."""
     state = tmp_path_factory.mktemp("quantized-up-state")
     base, http = free_base_port(), free_base_port() + 1
     server = subprocess.Popen(
@@ -65,7 +66,7 @@ def up(quantized, tmp_path_factory):
         wait_serving(server)
         yield (f"127.0.0.1:{base + 1}", f"127.0.0.1:{base + 2}",
                openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="sk-local",
-                             timeout=120))
+                             timeout=120), f"127.0.0.1:{base}")
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(60)
@@ -86,10 +87,15 @@ def executor_info(address: str) -> executor_pb2.InfoResponse:
 
 def test_a_quantized_folder_serves_a_pushed_adapter_through_the_openai_api(quantized, up):
     _, hf, tokenizer, adapter_dir = quantized
-    store, executor, api = up
+    store, executor, api, scheduler = up
     info = executor_info(executor)
     assert info.quantization == "compressed-tensors (pack-quantized): int4 group 32 zero points"
     assert info.dense_weight_bytes > 1.5 * info.weight_bytes
+    stats = subprocess.run([sys.executable, "-m", "loraplex.cli", "admin", "stats", "--scheduler",
+                            scheduler], capture_output=True, text=True, timeout=60)
+    freed = (info.dense_weight_bytes - info.weight_bytes) / 1e9
+    assert f"  quantized base ({info.quantization}): {freed:.2f} GB freed" in stats.stdout, \
+        stats.stdout + stats.stderr
     pushed = subprocess.run(
         [sys.executable, "-m", "loraplex.cli", "adapters", "push", str(adapter_dir), "--name",
          "w4a16-chat", "--store", store], capture_output=True, text=True, timeout=120)

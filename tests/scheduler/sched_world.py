@@ -7,7 +7,7 @@ from common.adapter_ref import AdapterRef
 from common.detokenizer import OutputProcessor
 from common.sampling import SamplingParams
 from scheduler.core import Scheduler
-from scheduler.executor_state import ExecutorShape
+from scheduler.executor_state import ExecutorShape, QuantizedBase
 from scheduler.fairness import FairnessWeights
 from scheduler.limits import Limits
 from scheduler.operators import Operators
@@ -48,7 +48,8 @@ class World:
         self.operators = Operators(self.core)
         self.shape = ExecutorShape(num_blocks, block_size, num_slots, geometry,
                                    rope_switch_len=rope_switch_len, kv_layout=kv_layout,
-                                   quantization=quantization)
+                                   quantized=QuantizedBase(quantization) if quantization
+                                   else None)
         self.executors = [self.core.add_executor(f"ex{i}", self.shape)
                           for i in range(num_executors)]
         self.events: dict[int, list] = {}

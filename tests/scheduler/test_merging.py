@@ -5,6 +5,9 @@ policy's hysteresis. No request is lost or fails because of a merge."""
 import pytest
 
 from common.errors import FailedPrecondition, InvalidArgument
+from common.kv_layout import KVLayout
+from protos import executor_pb2
+from scheduler.executor_state import QuantizedBase
 from scheduler.limits import Limits
 from scheduler.request import Status
 from scheduler.steps.sequence import Sample, Samples
@@ -156,6 +159,20 @@ def test_executors_of_a_quantized_base_are_never_merged():
     assert not any(w.core.merges.dedicated_to(ex) for ex in w.executors)
     w.run()
     assert all(w.finished(r) for r in w.requests)
+
+
+def test_a_quantized_base_says_what_it_frees_in_kv_tokens_and_blocks():
+    """From an executor's Info: 3 MiB freed, blocks of 64 KiB holding 16 tokens of 2 of its 8
+    layers (window blocks): 48 blocks, each 4 tokens of every layer; a 16-bit base: None."""
+    layout = KVLayout.of([4, None, 4, 4, None, 4, 4, 4])
+    info = executor_pb2.InfoResponse(quantization="awq (int4, group 128)", num_kv_blocks=100,
+                                     block_size=16, kv_cache_bytes=100 * 2**16,
+                                     weight_bytes=2**20, dense_weight_bytes=4 * 2**20)
+    assert layout.layers_per_block == 2
+    assert QuantizedBase.of(info, layout) == QuantizedBase("awq (int4, group 128)", 3 * 2**20,
+                                                           48 * 4, 48)
+    info.quantization = ""
+    assert QuantizedBase.of(info, layout) is None
 
 
 def test_an_adapter_that_cannot_load_releases_its_dedicated_executor():
