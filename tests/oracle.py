@@ -34,6 +34,15 @@ def made_adapters(base, out: Path, specs: Mapping[str, dict], seed: int) -> Peft
     return with_adapters(base, {name: out / name for name in specs})
 
 
+def tiny_family(out: Path, model_type: str, config: Mapping, seed: int,
+                adapters: Mapping[str, dict], adapter_seed: int) -> tuple[str, PeftModel]:
+    """A tiny `model_type` model of `config`'s overrides saved in out/model, and its `adapters`
+    made on it (made_adapters): (its folder, HF + PEFT with them all loaded)."""
+    model_dir = fixtures.save_tiny_model(out / "model", model_type, seed=seed, **config)
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    return model_dir, made_adapters(base, out, adapters, seed=adapter_seed)
+
+
 def assert_matches_hf(hf, requests: dict, names: list, got: dict, num_tokens: int, *,
                       atol: float, adapter_matters: bool = True, what: str = "") -> None:
     """Each request's greedy tokens and logits (`got`, from tests.runner_driver.run) equal HF's

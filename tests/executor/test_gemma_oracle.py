@@ -19,7 +19,7 @@ from executor.model.config import FULL, SLIDING, ModelConfig
 from executor.model.rope import LinearRopeScaling, Rope
 from executor.runner import ModelRunner
 from loraplex import fixtures
-from tests.oracle import assert_matches_hf, hf_greedy, made_adapters
+from tests.oracle import assert_matches_hf, hf_greedy, tiny_family
 from tests.runner_driver import BLOCK, load_folders, prompts, run
 
 ALL = fixtures.ATTN + fixtures.MLP
@@ -45,13 +45,9 @@ FAMILIES = {  # (head_dim x heads above and below hidden 256, as Gemma 2 9B's an
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def gemma(request, tmp_path_factory):
     """A tiny Gemma of the family, its adapters, and HF + PEFT with all of them loaded."""
-    from transformers import AutoModelForCausalLM
-
     out = tmp_path_factory.mktemp(request.param)
-    model_dir = fixtures.save_tiny_model(out / "model", request.param, seed=5,
-                                         **FAMILIES[request.param])
-    base = AutoModelForCausalLM.from_pretrained(model_dir)
-    return request.param, model_dir, out, made_adapters(base, out, ADAPTERS, seed=60)
+    model_dir, hf = tiny_family(out, request.param, FAMILIES[request.param], 5, ADAPTERS, 60)
+    return request.param, model_dir, out, hf
 
 
 def make_runner(model_dir, folder) -> ModelRunner:

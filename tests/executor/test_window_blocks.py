@@ -15,7 +15,7 @@ from common.kv_layout import KVKind, KVLayout
 from common.sampling import SamplingParams
 from executor.runner import ModelRunner, Row
 from loraplex import fixtures
-from tests.oracle import assert_matches_hf, made_adapters
+from tests.oracle import assert_matches_hf, tiny_family
 from tests.runner_driver import BLOCK, load_folders, prompts, run
 
 WINDOW, NUM_TOKENS = 6, 10
@@ -30,13 +30,9 @@ FAMILIES = {
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
     out = tmp_path_factory.mktemp(request.param)
-    model_dir = fixtures.save_tiny_model(out / "model", request.param, seed=7,
-                                         **FAMILIES[request.param])
-    base = AutoModelForCausalLM.from_pretrained(model_dir)
-    return request.param, model_dir, out, made_adapters(base, out, ADAPTERS, seed=70)
+    model_dir, hf = tiny_family(out, request.param, FAMILIES[request.param], 7, ADAPTERS, 70)
+    return request.param, model_dir, out, hf
 
 
 def make_runner(model_dir, folder, window_blocks: bool) -> ModelRunner:
