@@ -2,6 +2,7 @@
 ports and a state folder of the test's, read until it says it serves, stopped, and the machine
 checked for services it left behind."""
 
+import contextlib
 import os
 import pathlib
 import queue
@@ -78,6 +79,20 @@ def start_up(*args: str, state: pathlib.Path, base: int, http: int,
          "--http-port", str(http)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
         start_new_session=True, env=env)
+
+
+@contextlib.contextmanager
+def serving(model_dir, state: pathlib.Path):
+    """`loraplex up --model DIR` (one executor thread) serving, stopped after: (its base port,
+    its HTTP port)."""
+    base, http = free_base_port(), free_base_port() + 1
+    server = start_up("--model", str(model_dir), "--executor-args", "--threads 1", state=state,
+                      base=base, http=http)
+    try:
+        wait_serving(server)
+        yield base, http
+    finally:
+        stop(server)
 
 
 def processes_mentioning(*texts: str) -> list[str]:

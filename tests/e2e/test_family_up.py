@@ -11,7 +11,6 @@ OpenAI API: a chat's prompt is transformers' apply_chat_template of the messages
 and a base-model completion are HF + PEFT's; Gemma 2's template refuses a system message: 400."""
 
 import json
-import signal
 import subprocess
 import sys
 
@@ -20,7 +19,7 @@ import pytest
 import torch
 
 from loraplex import fixtures
-from tests.e2e.test_readme_gateway import free_base_port, wait_serving
+from tests.e2e.local_up import serving
 from tests.executor.test_longrope_oracle import LONGROPE
 from tests.family_templates import GEMMA2, GEMMA3, GEMMA_TOKENS, PHI3, PHI3_TOKENS
 from tests.multimodal import TEXT
@@ -88,20 +87,9 @@ def family(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def up(family, tmp_path_factory):
     """`loraplex up --model DIR` running; (store address, OpenAI client)."""
-    state = tmp_path_factory.mktemp("family-up-state")
-    base, http = free_base_port(), free_base_port() + 1
-    server = subprocess.Popen(
-        [sys.executable, "-m", "loraplex.cli", "up", "--model", str(family[2]), "--state-dir",
-         str(state), "--base-port", str(base), "--http-port", str(http),
-         "--executor-args", "--threads 1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        wait_serving(server)
+    with serving(family[2], tmp_path_factory.mktemp("family-up-state")) as (base, http):
         yield f"127.0.0.1:{base + 1}", openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1",
                                                      api_key="sk-local", timeout=120)
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(60)
 
 
 def chat_ids(model_type: str, tokenizer) -> list[int]:

@@ -8,7 +8,6 @@ The executor's Info says what the base is and what it frees."""
 
 import asyncio
 import shutil
-import signal
 import subprocess
 import sys
 
@@ -19,7 +18,7 @@ import torch
 from common.server import insecure_channel
 from loraplex import fixtures
 from protos import executor_pb2, executor_pb2_grpc
-from tests.e2e.local_up import free_base_port, wait_serving
+from tests.e2e.local_up import serving
 from tests.executor import quant_checkpoints as qc
 from tests.oracle import hf_generate, made_adapters
 
@@ -55,21 +54,10 @@ def quantized(tmp_path_factory):
 def up(quantized, tmp_path_factory):
     """`loraplex up --model DIR` running; (store address, executor address, OpenAI client,
     scheduler address)."""
-    state = tmp_path_factory.mktemp("quantized-up-state")
-    base, http = free_base_port(), free_base_port() + 1
-    server = subprocess.Popen(
-        [sys.executable, "-m", "loraplex.cli", "up", "--model", str(quantized[0]), "--state-dir",
-         str(state), "--base-port", str(base), "--http-port", str(http),
-         "--executor-args", "--threads 1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        wait_serving(server)
+    with serving(quantized[0], tmp_path_factory.mktemp("quantized-up-state")) as (base, http):
         yield (f"127.0.0.1:{base + 1}", f"127.0.0.1:{base + 2}",
                openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="sk-local",
                              timeout=120), f"127.0.0.1:{base}")
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(60)
 
 
 def greedy_text(hf, tokenizer, ids, adapter=None) -> str:
