@@ -263,10 +263,7 @@ class Scheduler:
         """A new (or reconnected) executor: a fresh view of it from its Info's facts (a view of
         it from before is forgotten), up and admitting; it takes its place and the work that
         had nowhere to go. A departing executor stays departing (`is_leaving`)."""
-        ex = ExecutorState(address, BlockManager(shape.num_blocks, shape.block_size,
-                                                 shape.kv_layout),
-                           shape.rope_switch_len, is_leaving=is_leaving,
-                           quantized=shape.quantized)
+        ex = ExecutorState.of(address, shape, is_leaving)
         self._steps[ex] = self._new_steps()
         self.residency.add(ex, shape)
         self.merges.add(ex)

@@ -85,6 +85,12 @@ class ExecutorState:
     steps_since_up: int = 0  # steps answered since it came up (this connection): its warm-up
     quantized: QuantizedBase | None = None  # its base's quantization (None: 16-bit)
 
+    @classmethod
+    def of(cls, address: str, shape: ExecutorShape, is_leaving: bool = False) -> ExecutorState:
+        """A fresh view of the executor at `address` from its Info's facts: empty blocks."""
+        return cls(address, BlockManager(shape.num_blocks, shape.block_size, shape.kv_layout),
+                   shape.rope_switch_len, is_leaving=is_leaving, quantized=shape.quantized)
+
     @property
     def is_admitting(self) -> bool:
         return self.is_up and not self.is_draining
