@@ -1,7 +1,10 @@
 """The engines bench/peers/run.py times, behind one call: `await engine.round(n)` ->
 (seconds, greedy token ids per request), request i on adapter a{i mod n} (n = 0: the base
 model); `timed` adds the CPU seconds of the engine's processes (and their children) during the
-round, user + system time from /proc: on shared cores it counts the work, not the wait for a core.
+round, user + system time from /proc: on shared cores it counts the work, not the wait for a core,
+and the CPU seconds the other engines' processes took meanwhile. A peer idle between its rounds
+is paused (SIGSTOP) while another engine runs one: vLLM's engine core and worker poll while they
+wait for work, and on these 2 cores took CPU from whichever engine was timed.
 
 - WorkerEngine: a peer in a process of its own, spoken to by bench/peers/worker_loop.py's lines.
 - Loraplex: the services bench/serving.py starts, through the scheduler's Generate stream.
@@ -13,6 +16,7 @@ import json
 import os
 import pathlib
 import select
+import signal
 import subprocess
 import time
 
@@ -54,14 +58,25 @@ def cpu_seconds(pids: list[int]) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-async def timed(engine, num_adapters: int) -> tuple[float, list[list[int]], float, dict]:
-    """One round of an engine: (seconds, tokens, CPU seconds of all its processes, CPU seconds
-    of each of them by name)."""
+async def timed(engine, num_adapters: int,
+                others: list) -> tuple[float, list[list[int]], float, dict, float]:
+    """One round of an engine, the `others` idle beside it (peers paused meanwhile): (seconds,
+    tokens, CPU seconds of all its processes, CPU seconds of each of them by name, CPU seconds
+    of the others' processes)."""
     pids = engine.pids()
+    other_pids = [pid for other in others for pid in other.pids().values()]
     before = {label: cpu_seconds([pid]) for label, pid in pids.items()}
-    seconds, tokens = await engine.round(num_adapters)
+    others_before = cpu_seconds(other_pids)
+    paused = [other for other in others if isinstance(other, WorkerEngine)]
+    for other in paused:
+        other.signal(signal.SIGSTOP)
+    try:
+        seconds, tokens = await engine.round(num_adapters)
+    finally:
+        for other in paused:
+            other.signal(signal.SIGCONT)
     cpu = {label: cpu_seconds([pid]) - before[label] for label, pid in pids.items()}
-    return seconds, tokens, sum(cpu.values()), cpu
+    return seconds, tokens, sum(cpu.values()), cpu, cpu_seconds(other_pids) - others_before
 
 
 def process_name(pid: int) -> str:
@@ -108,6 +123,14 @@ class WorkerEngine:
             name = process_name(pid).removeprefix("VLLM::").replace("EngineCor", "engine core")
             named[name if name not in named else f"{name} {pid}"] = pid
         return named
+
+    def signal(self, signum: int) -> None:
+        """Send `signum` to the worker and every process under it."""
+        for pid in process_tree(self.process.pid):
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass  # ended meanwhile
 
     def log_tail(self, num_lines: int = 25) -> str:
         lines = self.log_path.read_text(errors="replace").splitlines()

@@ -74,7 +74,8 @@ async def measure(engines: dict, counts: list[int], rounds: int) -> dict:
         for r in range(rounds):
             names = list(engines)
             for name in names[r % len(names):] + names[:r % len(names)]:
-                per_engine[name].append(await timed(engines[name], n))
+                others = [engine for other, engine in engines.items() if other != name]
+                per_engine[name].append(await timed(engines[name], n, others))
         results[n] = per_engine
         print(f"{n} adapters: " + ", ".join(f"{name} {wall_tok_s(v):.0f} tok/s, "
                                             f"{cpu_tok_s(v):.0f} per CPU-s"
@@ -144,6 +145,11 @@ def report(results: dict, counts: list[int], names: list[str], rounds: int, num_
                  f"{n} adapters: " + ", ".join(f"{name} ({cpu_split(results[n][name])})"
                                                for name in names if name != "HF PEFT")
                  for n in counts),
+             ("- CPU seconds the other engines' processes took during an engine's round "
+              "(median over its rounds; the peers are paused then, loraplex's idle services "
+              "are not): " + "; ".join(f"{n} adapters: " + ", ".join(
+                  f"{name} {statistics.median(r[4] for r in results[n][name]):.3f}"
+                  for name in names) for n in counts)),
              "- rounds' wall times (s, per row and engine, min / median / max): "
              + "; ".join(f"{n} adapters: " + ", ".join(
                  f"{name} {min(s):.2f} / {statistics.median(s):.2f} / {max(s):.2f}"
