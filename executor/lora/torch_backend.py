@@ -22,7 +22,8 @@ Decode steps run nearly the same adapters step after step, so one stack per rank
 updated in place: a new adapter of the step is appended, a slot rewritten since is copied again,
 the rest is not touched. A batch whose adapters, once appended, are at least STACK_REUSE_FRACTION
 of its tier's kept stack runs over all of it, the absent slots' rows masked off; otherwise it gets
-a stack of its own for the step, and the tier's largest batch's replaces the kept one. A tier's
+a stack of its own for the step, and the tier's largest decode batch's replaces the kept one (a
+batch of prefill chunks never does: its stack serves one step). A tier's
 kept stack has room for the pool's slots of that tier (or a step's segments, if more; a stack
 that fills is built again, larger): in all about one more copy of the pool's rows, each padded at
 most to twice its rank.
@@ -56,10 +57,11 @@ STACK_REUSE_FRACTION = 0.5
 
 @dataclass(frozen=True)
 class _SegmentBatch:
-    """Segments the torch backend handles together, one row of [S, Lmax] per slot of `stack`
-    (padded to the longest segment; a slot of the stack without a segment is all padding)."""
+    """Segments the torch backend handles together, one row of [S, Lmax] per position it reads
+    of `stack` (padded to the longest segment; a position without a segment is all padding):
+    the stack's first S positions, or the S positions `positions` gathers."""
 
-    size: int  # S: the batch reads the stack's first S positions
+    size: int  # S
     rows: torch.Tensor  # [S * Lmax] long: each segment's row indices, padding repeats a row
     # [N] long: the positions in `rows` that are not padding (None: there is none, e.g. decode
     # with a row per adapter, and `rows` is `flat_rows`)
@@ -69,18 +71,23 @@ class _SegmentBatch:
     # (start, end) when flat_rows is start..end-1 in order (decode over distinct adapters in the
     # stack's order; a single segment): x and out are read and written in place, no gather
     span: tuple[int, int] | None
+    # [S] long: the stack positions the batch reads, one per segment (None: the first S)
+    positions: torch.Tensor | None = None
 
     @classmethod
     def build(cls, segments: list[tuple[int, int, int]], stack: AdapterStack,
-              device: torch.device) -> _SegmentBatch:
+              device: torch.device, gather: bool = False) -> _SegmentBatch:
+        """`gather`: read only the segments' positions of the stack, not its first S."""
         longest = max(end - start for start, end, _ in segments)
-        starts = [0] * len(stack)
-        lens = [0] * len(stack)
         taken = collections.Counter()
-        for start, end, slot in segments:
-            i = stack.index[slot][taken[slot]]
+        at = []  # each segment's position in the stack
+        for _, _, slot in segments:
+            at.append(stack.index[slot][taken[slot]])
             taken[slot] += 1
-            starts[i], lens[i] = start, end - start
+        size = len(segments) if gather else len(stack)
+        starts, lens = [0] * size, [0] * size
+        for i, (start, end, _) in enumerate(segments):
+            starts[i if gather else at[i]], lens[i if gather else at[i]] = start, end - start
         offsets = torch.arange(longest)
         starts_t = torch.tensor(starts).unsqueeze(1)
         valid = offsets < torch.tensor(lens).unsqueeze(1)
@@ -91,7 +98,8 @@ class _SegmentBatch:
         span = (first, first + len(flat)) if dense and torch.equal(
             flat, torch.arange(first, first + len(flat))) else None
         picks = None if dense else valid.flatten().nonzero().flatten().to(device)
-        return cls(len(stack), flat.to(device), picks, rows[valid].to(device), stack, span)
+        positions = torch.tensor(at, device=device) if gather else None
+        return cls(size, flat.to(device), picks, rows[valid].to(device), stack, span, positions)
 
 
 @dataclass(frozen=True)
@@ -142,36 +150,42 @@ class TorchLoraBackend:
                 alone.append(seg)
             else:
                 by_class.setdefault((_length_class(rows), tiers[seg[2]]), []).append(seg)
-        largest = {}  # rank tier -> its largest batch (the one that keeps its stack)
-        for (_, tier), segs in by_class.items():
-            if len(segs) > len(largest.get(tier, ())):
+        # rank tier -> its largest decode batch (the one that keeps its stack): a prefill
+        # chunk's batch is gone next step, and replacing the decode rows' kept stack with it
+        # had the next decode step copy every adapter again (each round of bench/serving.py)
+        largest = {}
+        for (length, tier), segs in by_class.items():
+            if length == 0 and len(segs) > len(largest.get(tier, ())):
                 largest[tier] = segs
         per_tier = collections.Counter(tiers)
-        return TorchBatchMeta(tuple(alone), tuple(
-            _SegmentBatch.build(segs, self._stack_for(segs, tier, per_tier[tier],
-                                                      readable[tier],
-                                                      keep=segs is largest[tier]),
-                                self.pool.device)
-            for (_, tier), segs in sorted(by_class.items())))
+        batches = []
+        for (_, tier), segs in sorted(by_class.items()):
+            stack, gather = self._stack_for(segs, tier, per_tier[tier], readable[tier],
+                                            keep=segs is largest.get(tier))
+            batches.append(_SegmentBatch.build(segs, stack, self.pool.device, gather))
+        return TorchBatchMeta(tuple(alone), tuple(batches))
 
     def _stack_for(self, segments: list[tuple[int, int, int]], tier: int, tier_slots: int,
-                   readable: frozenset[int], keep: bool) -> AdapterStack:
-        """The tier's kept stack, brought up to date for these segments' slots, if they would be
-        at least STACK_REUSE_FRACTION of it; else a new one (kept from now on if `keep`, with
-        room for the `tier_slots` slots of the pool in the tier). `readable`: the step's slots,
-        the only ones whose weights may be read now (stack.py)."""
+                   readable: frozenset[int], keep: bool) -> tuple[AdapterStack, bool]:
+        """The stack the segments' batch reads, and whether it gathers its positions from it
+        (else it reads the stack's first positions). The tier's kept stack, brought up to date
+        for these segments' slots (the missing ones appended), if they fit in it: read whole
+        when they are at least STACK_REUSE_FRACTION of it, else their positions gathered. Else
+        a new stack (kept from now on if `keep`, with room for the `tier_slots` slots of the
+        pool in the tier). `readable`: the step's slots, the only ones whose weights may be read
+        now (stack.py)."""
         slots = [slot for _, _, slot in segments]
         kept = self._stacks.get(tier)
         if kept is not None:
             size = len(kept) + len(kept.missing(slots))
-            if size <= kept.capacity and len(slots) >= STACK_REUSE_FRACTION * size:
+            if size <= kept.capacity:
                 kept.update(slots, readable)
-                return kept
+                return kept, len(slots) < STACK_REUSE_FRACTION * size
         if not keep:
-            return AdapterStack(self.pool, slots, capacity=len(slots), readable=readable)
+            return AdapterStack(self.pool, slots, capacity=len(slots), readable=readable), False
         self._stacks[tier] = AdapterStack(self.pool, slots, capacity=max(tier_slots, len(slots)),
                                           readable=readable)
-        return self._stacks[tier]
+        return self._stacks[tier], False
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor,
               meta: TorchBatchMeta) -> None:
@@ -219,11 +233,19 @@ class TorchLoraBackend:
             xs = x[segs.span[0]:segs.span[1]].reshape(num, -1, x.shape[-1])  # [S, Lmax, in]
         else:
             xs = x.index_select(0, segs.rows).view(num, -1, x.shape[-1])
-        t = (xs @ stacked.a_t[:num]).view(num, -1, n, stacked.rank)  # [S, Lmax, n, R]
-        if stacked.drop is not None:
-            t = t.masked_fill(stacked.drop[:num], 0.0)
-        pieces = [(t[:, :, s] @ bt[:num]).mul_(stacked.scales[:num, s])  # [S, Lmax, out] each
-                  for s, bt in enumerate(stacked.bt)]
+        at = segs.positions
+        a_t, bts, scales, drop = ((stacked.a_t[:num], [bt[:num] for bt in stacked.bt],
+                                   stacked.scales[:num], stacked.drop) if at is None else
+                                  (stacked.a_t.index_select(0, at),
+                                   [bt.index_select(0, at) for bt in stacked.bt],
+                                   stacked.scales.index_select(0, at),
+                                   None if stacked.drop is None
+                                   else stacked.drop.index_select(0, at)))
+        t = (xs @ a_t).view(num, -1, n, stacked.rank)  # [S, Lmax, n, R]
+        if drop is not None:
+            t = t.masked_fill(drop[:num], 0.0)
+        pieces = [(t[:, :, s] @ bt).mul_(scales[:, s])  # [S, Lmax, out] each
+                  for s, bt in enumerate(bts)]
         if segs.span is not None:
             start, end = segs.span
             for y, out_s in zip(pieces, out.split(g.out_sizes, dim=-1)):

@@ -68,7 +68,7 @@ def test_decode_steps_keep_one_stack_and_copy_only_what_changed(pool, monkeypatc
     """Decode steps over the same adapters read one stacked copy of them, not a copy per step. A
     step over half of them or more reads the whole stack; a new adapter is appended to it and a
     slot written since (another adapter loaded into it) is copied again, each alone; a step over
-    few of them gets a stack of its own. Every step's output equals the exact path's."""
+    few of them gathers their positions of it. Every step's output equals the exact path's."""
     copied = []
     original = StackedGroup.copy
     monkeypatch.setattr(StackedGroup, "copy", lambda self, layer, g, stack, positions: (
@@ -90,9 +90,10 @@ def test_decode_steps_keep_one_stack_and_copy_only_what_changed(pool, monkeypatc
     # 3 of 5, e.g. the decode rows of a step whose other adapters run prefill chunks: reading
     # the whole stack costs less than copying a new one (and then the old one again)
     assert fast.prepare(torch.tensor([0, 2, 4])).batches[0].stack is first
-    prefill_step = [0] * 12 + [1, 2, 3, 4]  # the chunk's batch (slot 0) gets a stack of its own
+    prefill_step = [0] * 12 + [1, 2, 3, 4]  # the chunk's batch (slot 0) gathers its position
     meta = fast.prepare(torch.tensor(prefill_step))
-    assert [b.stack is first for b in meta.batches] == [True, False]
+    assert [b.stack is first for b in meta.batches] == [True, True]
+    assert [b.positions is None for b in meta.batches] == [True, False]  # (decode first)
     check_against_exact(fast, pool, prefill_step)
     assert fast.prepare(torch.tensor(every)).batches[0].stack is first  # still kept
     copied.clear()
@@ -108,13 +109,39 @@ def test_decode_steps_keep_one_stack_and_copy_only_what_changed(pool, monkeypatc
     assert set(copied) == {0, 3}
     check_against_exact(fast, pool, every)
 
-    few = [3, 4]
-    assert fast.prepare(torch.tensor(few)).batches[0].stack is not first
+    copied.clear()
+    few = [4, 3]  # gathered from the kept stack, in the step's order; nothing copied
+    batch = fast.prepare(torch.tensor(few)).batches[0]
+    assert batch.stack is first and batch.positions.tolist() == [4, 3] and copied == []
     check_against_exact(fast, pool, few)
     split = [2, 2, 0, 2]  # slot 2 in two runs: a position of the stack for each
     check_against_exact(fast, pool, split)
     runs = [0, 1, 0, 1, 0, 1, 2, 3, 4]  # more segments than the pool has slots
     check_against_exact(fast, pool, runs)
+
+
+def test_a_step_of_prefill_chunks_alone_leaves_the_decode_stack_kept(pool, monkeypatch):
+    """A new wave's first step is prefill chunks only (no decode rows): their batches gather
+    their adapters' positions of the stack the decode steps keep, and the decode steps after it
+    read that stack again: nothing is copied (the chunks' batches used to copy their adapters
+    from the pages into stacks of their own, the largest replacing the kept one, and the next
+    decode step copied every adapter again)."""
+    copied = []
+    original = StackedGroup.copy
+    monkeypatch.setattr(StackedGroup, "copy", lambda self, layer, g, stack, positions: (
+        copied.extend(positions), original(self, layer, g, stack, positions)))
+    fast = TorchLoraBackend(pool)
+    every = [0, 1, 2, 3, 4]
+    kept = fast.prepare(torch.tensor(every)).batches[0].stack
+    check_against_exact(fast, pool, every)
+    chunks = [0] * 12 + [1] * 12 + [2] * 20  # two length classes, no decode row
+    copied.clear()
+    meta = fast.prepare(torch.tensor(chunks))
+    assert len(meta.batches) == 2 and all(b.stack is kept for b in meta.batches)
+    check_against_exact(fast, pool, chunks, meta)
+    assert fast.prepare(torch.tensor(every)).batches[0].stack is kept
+    check_against_exact(fast, pool, every)
+    assert copied == []
 
 
 class HeldLoad:
