@@ -51,6 +51,10 @@ class DrawStream:
         self.index += 1
         return self._gen
 
+    def skip(self) -> None:
+        """Pass the next draw by: a greedy token takes none (its generator is not seeded)."""
+        self.index += 1
+
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """logits [R, V] -> probabilities [R, V] after each row's temperature, top-k, top-p (nucleus)
@@ -127,9 +131,11 @@ def sample(scores: torch.Tensor, params: list[SamplingParams],
     never fails the step of every other.
     """
     tokens = torch.argmax(scores, dim=-1)  # [S]
-    generators = [stream.next() for stream in streams]
     rows = [i for i, p in enumerate(params) if p.temperature > 0]  # (NaN or +inf scores leave
     # no distribution after filtering: such a row takes its argmax below, with no check first)
+    generators = {i: streams[i].next() for i in rows}
+    for i in set(range(len(streams))).difference(rows):
+        streams[i].skip()
     # (a CPU takes them a few at a time: [rows, vocab] temporaries past its caches cost more than
     # the operations they save; 256 x 128k rows at once took 1.4x as long as one by one)
     at_once = max(len(rows), 1) if scores.is_cuda else CPU_ROWS_AT_ONCE
