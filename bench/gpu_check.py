@@ -25,7 +25,10 @@ rewritten after each so a cut-off run still leaves one:
      its reference and a per-expert loop, the experts' LoRA on the SGMV kernels vs the torch
      path (bench/gpu_moe.py; run before 7 too);
  10. the quantized GEMM kernels (int4 / int8 / NF4 weight-only, FP8 W8A16 and W8A8) at 8B
-     shapes vs their references and vs bf16 F.linear (bench/gpu_quant.py; run before 7 too).
+     shapes vs their references and vs bf16 F.linear (bench/gpu_quant.py; run before 7 too);
+ 11. decode steps replayed from CUDA graphs (executor/decode_graphs.py) vs eager at 8B shapes:
+     the start-up check, then step times and greedy tokens both ways (bench/gpu_graphs.py; run
+     before 7 too).
 `--smoke` runs a tiny version on CPU through the Triton interpreter (checks the script itself).
 """
 
@@ -44,6 +47,7 @@ from executor.model.kv_cache import PagedKVCache
 from executor.lora.triton_backend import TritonLoraBackend
 from executor.lora.slot_pool import LORA_GROUPS, LoraSlotPool
 from gpu_attention import paged_attention_check
+from gpu_graphs import graphs_check
 from gpu_moe import moe_check
 from gpu_quant import quant_check
 from gpu_sampling import sampling_check
@@ -313,6 +317,7 @@ def main() -> None:
     sampling_check()
     moe_check()
     quant_check()
+    graphs_check()
     kernel_timings(copy_gbs)
     print(f"\nwrote {OPTS.out} in {time.perf_counter() - START:.0f} s")
 

@@ -35,6 +35,9 @@ class ExecutorConfig:
     # Sliding-window layers keep KV of their own, only for their window (common/kv_layout.py);
     # off: every layer keeps the whole context in one table.
     window_blocks: bool = True
+    # On CUDA, decode steps replay CUDA graphs, checked against the eager forward at start
+    # (executor/decode_graphs.py); off: every step runs eagerly.
+    cuda_graphs: bool = True
     adapter_slots: int = 8
     max_rank: int = 32
     lora_backend: str = "auto"
@@ -136,6 +139,10 @@ class ExecutorConfig:
         p.add_argument("--no-window-blocks", action="store_false", dest="window_blocks",
                        help="sliding-window layers keep the whole context's KV, as global "
                             "layers do (default: only their window's, in blocks of their own)")
+        p.add_argument("--no-cuda-graphs", action="store_false", dest="cuda_graphs",
+                       help="run every decode step eagerly (default on CUDA: decode steps "
+                            "replay CUDA graphs, each checked against the eager forward at "
+                            "start, and off with a log line if any differs)")
         p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
         p.add_argument("--adapter-slots", type=int, default=8,
                        help="adapters resident at once")
@@ -171,7 +178,8 @@ class ExecutorConfig:
                    resolve_base_s=a.resolve_base_s, fetch_chunk_timeout_s=a.fetch_chunk_timeout_s,
                    metrics_port=a.metrics_port, grace_s=a.grace_s,
                    num_kv_blocks=a.num_kv_blocks, block_size=a.block_size,
-                   window_blocks=a.window_blocks, adapter_slots=a.adapter_slots,
+                   window_blocks=a.window_blocks, cuda_graphs=a.cuda_graphs,
+                   adapter_slots=a.adapter_slots,
                    max_rank=a.max_rank,
                    lora_backend=a.lora_backend, dtype=a.dtype, device=a.device, seed=a.seed,
                    threads=a.threads, staging_mb=a.staging_mb,

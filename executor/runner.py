@@ -15,7 +15,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +27,7 @@ from executor.lora.backend import make_lora_backend
 from executor.lora.merge import Merged, merge, unmerge
 from executor.lora.slot_pool import LoraSlotPool, LoraWeights
 from executor.memory_budget import MemoryBudget
+from executor.model.attention import resolve_attention_backend
 from executor.model.config import ModelConfig
 from executor.model.kv_cache import PagedKVCache
 from executor.model.transformer import RowSpec, StepMetadata, Transformer
@@ -35,6 +36,9 @@ from executor.runner_checks import check_new_sequence, check_rows
 from executor.sampling import DrawStream, Sampler
 from executor.tp.collectives import SINGLE, TensorParallel
 from executor.tp.shards import Shard
+
+if TYPE_CHECKING:
+    from executor.decode_graphs import DecodeGraphs
 
 
 @dataclass(frozen=True)
@@ -81,17 +85,24 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, weights: ModelWeights, *, num_kv_blocks: int,
                  block_size: int, num_slots: int, max_rank: int, lora_backend: str = "auto",
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 tp: TensorParallel = SINGLE, window_blocks: bool = False) -> None:
+                 tp: TensorParallel = SINGLE, window_blocks: bool = False,
+                 attention_backend: str = "auto", scratch_block: bool = False) -> None:
         """`weights`: the rank's part (load_weights / random_weights with its shard);
         `window_blocks`: sliding-window layers keep KV of their own, only for their window
         (common/kv_layout.py; what the executor serves with), else every layer keeps the whole
-        context in one table per sequence."""
+        context in one table per sequence. `attention_backend`: executor/model/attention.py's
+        ('auto': by device). `scratch_block`: one block more than `num_kv_blocks`, never given
+        to a sequence or an adapter (the scheduler places blocks [0, num_kv_blocks)): decode
+        graphs' padding rows write their K/V there (executor/decode_graphs.py)."""
         self.config, self.weights, self.device = config, weights, torch.device(device)
         self.tp, self.shard = tp, Shard(config, tp.rank, tp.world)
         local = self.shard.config  # (config itself on one rank)
         self.kv_layout = config.kv_layout(window_blocks)
+        self.attention_backend = resolve_attention_backend(attention_backend, self.device)
+        self.num_kv_blocks = num_kv_blocks  # the blocks the scheduler places
+        self.scratch_block = num_kv_blocks if scratch_block else None
         self.kv = PagedKVCache(num_layers=self.kv_layout.layers_per_block,
-                               num_blocks=num_kv_blocks, block_size=block_size,
+                               num_blocks=num_kv_blocks + scratch_block, block_size=block_size,
                                num_kv_heads=local.num_key_value_heads, head_dim=local.head_dim,
                                dtype=dtype, device=device)
         self.kv_tables = KVTables(self.kv_layout, block_size)
@@ -109,6 +120,9 @@ class ModelRunner:
         self.base_fingerprint = ""  # of the model folder (common/base_fingerprint.py); "": none
         self.tokenizer_json = ""  # the model's tokenizer.json: what grammars compile against
         self._grammars: GrammarRows | None = None  # made at the first constrained sequence
+        # Decode steps replayed from CUDA graphs (executor/decode_graphs.py: DecodeGraphs.check
+        # sets them up); None: every step runs eagerly.
+        self.graphs: DecodeGraphs | None = None
 
     def set_identity(self, model_id: str, base_fingerprint: str) -> None:
         """Who the served model is: `model_id`, what adapters' base_model must say (the id the
@@ -165,10 +179,11 @@ class ModelRunner:
         self.pool.mark_loaded(slot)
 
     def free_blocks(self) -> list[int]:
-        """Blocks in no sequence's table and no slot's pages, in order."""
+        """Blocks in no sequence's table and no slot's pages, in order (the scratch block
+        never)."""
         used = self.pool.page_blocks() | {b for s in self._seqs.values() for t in s.tables
                                           for b in t}
-        return [b for b in range(self.kv.num_blocks) if b not in used]
+        return [b for b in range(self.num_kv_blocks) if b not in used]
 
     @property
     def merged_slot(self) -> int | None:
@@ -273,6 +288,11 @@ class ModelRunner:
     def num_sequences(self) -> int:
         return len(self._seqs)
 
+    @property
+    def num_prompt_logprobs(self) -> int:
+        """Sequences whose prompt logprobs are being made (their rows need the hidden states)."""
+        return self._num_prompt_logprobs
+
     def free_all(self) -> None:
         """Forget every sequence (the scheduler's stream ended); adapters stay loaded."""
         self._seqs.clear()
@@ -316,15 +336,21 @@ class ModelRunner:
             torch.tensor(slots),
             torch.tensor([r.num_tokens for r in rows]))
         self._before_activation(rows, row_slots)
-        lora_meta = self.lora.prepare(row_slots)
-        meta = StepMetadata.build(groups, kv=self.kv, windows=self.model.windows,
-                                  lora=lora_meta, sample_rows=sample_rows, device=self.device,
-                                  row_slots=row_slots)
-        hidden = self.model.hidden_states(tokens, meta, self.kv)  # [T, hidden]
-        # [S, vocab]; None on a rank but the first (rank 0 gathers the vocabulary and samples)
-        logits = self.model.logits(hidden.index_select(0, meta.sample_rows))
-        if self._num_prompt_logprobs:  # (gathers too: every rank makes them, alike)
-            self._prompt_logprobs(rows, hidden)
+        bucket = self.graphs.takes(rows, self._seqs) if self.graphs is not None else 0
+        if bucket:  # [S, vocab], S = rows (executor/decode_graphs.py)
+            logits = self.graphs.run(bucket, tokens.tolist(), [g.start_pos for g in groups],
+                                     [g.tables[0] for g in groups], row_slots.tolist())
+        else:
+            lora_meta = self.lora.prepare(row_slots)
+            meta = StepMetadata.build(groups, kv=self.kv, windows=self.model.windows,
+                                      lora=lora_meta, sample_rows=sample_rows,
+                                      device=self.device, attention=self.attention_backend,
+                                      row_slots=row_slots)
+            hidden = self.model.hidden_states(tokens, meta, self.kv)  # [T, hidden]
+            # [S, vocab]; None on a rank but the first (rank 0 gathers the vocabulary, samples)
+            logits = self.model.logits(hidden.index_select(0, meta.sample_rows))
+            if self._num_prompt_logprobs:  # (gathers too: every rank makes them, alike)
+                self._prompt_logprobs(rows, hidden)
         for r in rows:
             self._seqs[r.seq_id].num_computed += r.num_tokens
         seqs = [self._seqs[s] for s in sampled_seqs]

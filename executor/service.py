@@ -29,6 +29,7 @@ from common.server import Service, announce, configure_logging, run, run_until_s
 from executor.adapter_loader import FETCH_TIMEOUT_S, AdapterLoader
 from executor.benchmark_runner import BenchmarkRunner
 from executor.config import ExecutorConfig
+from executor.decode_graphs import DecodeGraphs
 from executor.lora.backend import resolve_lora_backend
 from executor.model.config import ModelConfig
 from executor.model_identity import log_identity, resolve_identity
@@ -64,13 +65,19 @@ def build_runner(config: ExecutorConfig,
         runner = BenchmarkRunner.random(model, seed=config.seed, step_s=config.benchmark_step_s,
                                         **kw)
         return runner, TokenizerFiles()
+    graphs = config.cuda_graphs and kw["device"].type == "cuda" and tp.world == 1
+    kw["scratch_block"] = graphs  # (decode graphs' padding rows write their K/V there)
     if config.random_config is not None:
         model = ModelConfig.named(config.random_config)
         kw["num_kv_blocks"] = kv_blocks(config, model)
         runner = ModelRunner.random(model, seed=config.seed, **kw)
+        if graphs:
+            runner.graphs = DecodeGraphs.check(runner)
         return runner, TokenizerFiles()
     kw["num_kv_blocks"] = kv_blocks(config, ModelConfig.from_pretrained(config.model))
     runner = ModelRunner.from_pretrained(config.model, model_id=config.model_id, **kw)
+    if graphs:
+        runner.graphs = DecodeGraphs.check(runner)
     if tp.is_first and runner.tokenizer_json and not runner.prepare_grammars():  # (rank 0 samples)
         log.warning("executor: the grammar engine (llguidance) is not installed: requests with "
                     "a grammar (structured outputs, tools) will fail here")
@@ -147,7 +154,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         c, budget = self._runner.config, self._runner.memory_budget()
         return executor_pb2.InfoResponse(
             model_id=c.model_id, vocab_size=c.vocab_size, max_model_len=c.max_position_embeddings,
-            eos_token_ids=c.eos_token_ids, num_kv_blocks=self._runner.kv.num_blocks,
+            eos_token_ids=c.eos_token_ids, num_kv_blocks=self._runner.num_kv_blocks,
             block_size=self._config.block_size, num_adapter_slots=self._config.adapter_slots,
             max_lora_rank=self._config.max_rank, tokenizer_json=self._tokenizer.tokenizer_json,
             chat_template=self._tokenizer.chat_template,
