@@ -26,6 +26,7 @@ its kernels over the same buffers), or one that differs.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -48,16 +49,17 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 Capture = Callable[[Callable[[], torch.Tensor]], Callable[[], torch.Tensor]]
 
 
-def cuda_capture(run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+def cuda_capture(run: Callable[[], torch.Tensor], pool=None) -> Callable[[], torch.Tensor]:
     """A CUDA graph of `run`, warmed up first on a side stream (Triton compiles its kernels
-    outside the capture)."""
+    outside the capture); `pool`: a memory pool the graphs share (captured largest first, as
+    the smaller ones then fit in what the larger ones took)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         run()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         out = run()
 
     def replay() -> torch.Tensor:
@@ -69,7 +71,8 @@ def cuda_capture(run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
 
 @dataclass
 class _Bucket:
-    """One bucket's static buffers and its replay."""
+    """One bucket's static buffers and its replay: the first B rows of the buffers every
+    bucket shares (DecodeGraphs), and its LoRA work list of its own."""
 
     size: int
     tokens: torch.Tensor  # [B] long
@@ -92,6 +95,18 @@ class DecodeGraphs:
         self.runner, self.capture = runner, capture
         self.buckets = tuple(sorted(buckets))
         self._by_size: dict[int, _Bucket] = {}
+        # The buffers every bucket's first rows are: [Bmax] and block tables [Bmax, width], a
+        # width that holds the model's longest context
+        device, most = runner.device, self.buckets[-1]
+        self.width = -(-runner.config.max_position_embeddings // runner.kv.block_size)
+        scratch = runner.scratch_block
+        self._tokens = torch.zeros(most, dtype=torch.long, device=device)
+        self._positions = torch.zeros(most, dtype=torch.long, device=device)
+        self._write_slots = torch.full((most,), scratch * runner.kv.block_size,
+                                       dtype=torch.long, device=device)
+        self._tables = torch.full((most, self.width), scratch, dtype=torch.int32, device=device)
+        self._context_lens = torch.ones(most, dtype=torch.int32, device=device)
+        self._rows = torch.arange(most, dtype=torch.int32, device=device)
 
     # ----- which steps -----
 
@@ -116,9 +131,11 @@ class DecodeGraphs:
         if (len(rows) > self.buckets[-1] or runner.merged_slot is not None
                 or runner.num_prompt_logprobs):
             return 0
+        longest = self.width * runner.kv.block_size  # (the block tables' width)
         for r in rows:
             seq = seqs[r.seq_id]
-            if r.num_tokens != 1 or seq.is_long or seq.num_computed + 1 != len(seq.token_ids):
+            if (r.num_tokens != 1 or seq.is_long or seq.num_computed + 1 != len(seq.token_ids)
+                    or seq.num_computed >= longest):
                 return 0
         size = next(b for b in self.buckets if b >= len(rows))
         return size if size in self._by_size else 0
@@ -140,12 +157,13 @@ class DecodeGraphs:
         bs = runner.kv.block_size
         pad = size - n
         scratch = runner.scratch_block * bs
-        width = bucket.work.block_tables.shape[1]
-        table = torch.zeros(size, width, dtype=torch.int32)
+        # Only the columns the step's contexts reach: the kernel reads no block past a row's
+        # context, whatever an earlier step left beyond it
+        width = max(p // bs + 1 for p in positions)
+        table = torch.full((size, width), runner.scratch_block, dtype=torch.int32)
         for i, t in enumerate(tables):
             used = t[: positions[i] // bs + 1]
             table[i, :len(used)] = torch.tensor(used, dtype=torch.int32)
-        table[n:] = runner.scratch_block
         ctx = [p + 1 for p in positions] + [1] * pad
         write = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)] + [scratch] * pad
         host_slots = torch.tensor(slots + [-1] * pad)
@@ -153,11 +171,10 @@ class DecodeGraphs:
         index = torch.where(on, host_slots, 0)
         ranks = runner.pool.rank_table[:, index].transpose(1, 2) * on  # [L, M, B]
         scales = runner.pool.scale_table[:, index].transpose(1, 2).float() * on
-        device = bucket.tokens.device
         bucket.tokens.copy_(torch.tensor(tokens + [tokens[0]] * pad), non_blocking=True)
         bucket.positions.copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
         bucket.write_slots.copy_(torch.tensor(write), non_blocking=True)
-        bucket.work.block_tables.copy_(table.to(device), non_blocking=True)
+        bucket.work.block_tables[:, :width].copy_(table, non_blocking=True)
         bucket.work.context_lens.copy_(torch.tensor(ctx, dtype=torch.int32), non_blocking=True)
         bucket.lora.items[2].copy_(index.int(), non_blocking=True)
         bucket.lora.ranks.copy_(ranks.int(), non_blocking=True)
@@ -169,14 +186,10 @@ class DecodeGraphs:
         """A bucket's static buffers and metadata (before its capture)."""
         runner = self.runner
         device, pool = runner.device, runner.pool
-        width = -(-runner.config.max_position_embeddings // runner.kv.block_size)
-        tokens = torch.zeros(size, dtype=torch.long, device=device)
-        positions = torch.zeros(size, dtype=torch.long, device=device)
-        write_slots = torch.zeros(size, dtype=torch.long, device=device)
-        rows = torch.arange(size, dtype=torch.int32, device=device)
+        tokens, positions = self._tokens[:size], self._positions[:size]
+        write_slots, rows = self._write_slots[:size], self._rows[:size]
         work = PagedAttentionWork(
-            block_tables=torch.zeros(size, width, dtype=torch.int32, device=device),
-            context_lens=torch.ones(size, dtype=torch.int32, device=device),
+            block_tables=self._tables[:size], context_lens=self._context_lens[:size],
             query_starts=rows, query_lens=torch.ones(size, dtype=torch.int32, device=device),
             max_query_len=1)
         num_layers, _, num_modules = pool.rank_table.shape
@@ -210,17 +223,18 @@ class DecodeGraphs:
         if why:
             log.info("decode graphs off: %s", why)
             return None
-        graphs = cls(runner, buckets, capture)
-        fits = [b for b in graphs.buckets if graphs._probe_fits(b)]
-        if len(fits) < len(graphs.buckets):
+        fits = tuple(b for b in sorted(buckets) if 2 * b <= runner.num_kv_blocks)
+        if len(fits) < len(buckets):
             log.info("decode graphs: buckets %s only (the KV blocks hold no larger probe)",
-                     fits)
-            graphs.buckets = tuple(fits)
-        if not graphs.buckets:
+                     list(fits))
+        if not fits:
             return None
+        if capture is cuda_capture:  # (one memory pool for every bucket's graph)
+            capture = functools.partial(cuda_capture, pool=torch.cuda.graph_pool_handle())
+        graphs = cls(runner, fits, capture)
         probe = graphs._load_probe_adapter(seed)
         try:
-            for size in graphs.buckets:
+            for size in reversed(graphs.buckets):  # (largest first: see cuda_capture)
                 bucket = graphs._bucket(size)
                 try:
                     bucket.replay = capture(lambda b=bucket: graphs._forward(b))
@@ -240,9 +254,6 @@ class DecodeGraphs:
         log.info("decode graphs on: buckets %s, each equal to the eager forward on a probe",
                  list(graphs.buckets))
         return graphs
-
-    def _probe_fits(self, size: int) -> bool:
-        return size * 2 <= self.runner.num_kv_blocks
 
     def _probe(self, bucket: _Bucket, slot: int | None, seed: int) -> str:
         """Run a probe of bucket.size - 1 rows (size 1: 1) both ways: "" when the logits are

@@ -104,7 +104,7 @@ def graphed_sampling():
 
 
 @pytest.mark.parametrize("capture, says", [(differing, "differs from the eager forward"),
-                                           (failing, "capturing the 1-row bucket failed")])
+                                           (failing, "capturing the 4-row bucket failed")])
 def test_a_capture_that_differs_or_fails_turns_the_graphs_off(tiny, capture, says, caplog):
     runner = graph_runner(tiny)
     with caplog.at_level(logging.INFO, logger="executor.decode_graphs"):
