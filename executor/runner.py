@@ -328,7 +328,7 @@ class ModelRunner:
                 sampled_seqs.append(r.seq_id)
         if not groups:
             return [], torch.empty(0, self.config.vocab_size)
-        tokens = torch.tensor([t for r in rows for t in self._pending(r)], device=self.device)
+        step_tokens = [t for r in rows for t in self._pending(r)]
         slots = [self._seqs[r.seq_id].slot for r in rows]
         if self._merged is not None:  # its rows: the weights hold their adapter, no LoRA
             slots = [-1 if s == self._merged.slot else s for s in slots]
@@ -338,7 +338,7 @@ class ModelRunner:
         self._before_activation(rows, row_slots)
         bucket = self.graphs.takes(rows, self._seqs) if self.graphs is not None else 0
         if bucket:  # [S, vocab], S = rows (executor/decode_graphs.py)
-            logits = self.graphs.run(bucket, tokens.tolist(), [g.start_pos for g in groups],
+            logits = self.graphs.run(bucket, step_tokens, [g.start_pos for g in groups],
                                      [g.tables[0] for g in groups], row_slots.tolist())
         else:
             lora_meta = self.lora.prepare(row_slots)
@@ -346,6 +346,7 @@ class ModelRunner:
                                       lora=lora_meta, sample_rows=sample_rows,
                                       device=self.device, attention=self.attention_backend,
                                       row_slots=row_slots)
+            tokens = torch.tensor(step_tokens, device=self.device)
             hidden = self.model.hidden_states(tokens, meta, self.kv)  # [T, hidden]
             # [S, vocab]; None on a rank but the first (rank 0 gathers the vocabulary, samples)
             logits = self.model.logits(hidden.index_select(0, meta.sample_rows))
