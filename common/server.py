@@ -2,11 +2,12 @@
 
 import asyncio
 import gc
+import inspect
 import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import grpc
@@ -161,9 +162,10 @@ _KINDS = {"adapter_store": "an adapter store", "executor": "an executor",
           "scheduler": "a scheduler", "gateway": "a gateway"}
 
 
-async def _first_message_read(requests, then: Callable[[object], Awaitable[T]]) -> T:
-    """`then(replayed)` once the call's first message arrived (or FIRST_MESSAGE_WAIT_S passed,
-    or the client sent none): `replayed` yields that message, then the rest."""
+async def _first_message(requests) -> tuple[AsyncIterator, asyncio.Future]:
+    """Wait for a call's first message (or FIRST_MESSAGE_WAIT_S, or the client's end): the
+    call's messages from the first on, and the read of the first (to cancel once the handler
+    is over: one that refused without reading)."""
     iterator = requests.__aiter__()
     first = asyncio.ensure_future(anext(iterator, _NO_MESSAGE))
     await asyncio.wait({first}, timeout=FIRST_MESSAGE_WAIT_S)
@@ -175,33 +177,57 @@ async def _first_message_read(requests, then: Callable[[object], Awaitable[T]]) 
             async for message in iterator:
                 yield message
 
+    return replayed(), first
+
+
+async def _first_message_read(requests, then: Callable[[object], Awaitable[T]]) -> T:
+    """`then(replayed)` once the call's first message arrived (_first_message): `replayed`
+    yields that message, then the rest."""
+    replayed, first = await _first_message(requests)
     try:
-        return await then(replayed())
+        return await then(replayed)
     finally:
-        first.cancel()  # (a handler that refused without reading)
+        first.cancel()
 
 
 _NO_MESSAGE = object()
 
 
 class _FirstMessageFirst(grpc.aio.ServerInterceptor):
-    """A client-streaming call (AdapterStore.Push) runs its handler once its first message has
-    arrived. A handler that refuses a call at once (no key, a wrong one) otherwise ends it while
-    the client is still sending that message, and grpc's Python client then reports INTERNAL
-    "Internal error from Core" in place of the refusal (3 pushes without a key in 16); read
-    first, the refusal arrives as itself."""
+    """A call that streams its requests (AdapterStore.Push; Scheduler.Stream and Executor.Step,
+    which stream both ways) runs its handler once its first message has arrived. A handler that
+    refuses a call at once (no key, a wrong one) otherwise ends it while the client is still
+    sending that message, and grpc's Python client then reports INTERNAL "Internal error from
+    Core" in place of the refusal (3 pushes without a key in 16; Streams without a key on one
+    channel too); read first, the refusal arrives as itself."""
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        if handler is None or not handler.request_streaming or handler.response_streaming:
+        if handler is None or not handler.request_streaming:
             return handler
-        behavior = handler.stream_unary
+        if not handler.response_streaming:
+            behavior = handler.stream_unary
 
-        async def after_first(requests, context):
-            return await _first_message_read(requests, lambda r: behavior(r, context))
+            async def after_first(requests, context):
+                return await _first_message_read(requests, lambda r: behavior(r, context))
 
-        return grpc.stream_unary_rpc_method_handler(after_first, handler.request_deserializer,
-                                                    handler.response_serializer)
+            return grpc.stream_unary_rpc_method_handler(
+                after_first, handler.request_deserializer, handler.response_serializer)
+        both = handler.stream_stream
+        if inspect.isasyncgenfunction(both):  # (it yields its responses: Step)
+            async def after_first_both(requests, context):
+                replayed, first = await _first_message(requests)
+                try:
+                    async for response in both(replayed, context):
+                        yield response
+                finally:
+                    first.cancel()
+        else:  # (it writes them: Stream)
+            async def after_first_both(requests, context):
+                return await _first_message_read(requests, lambda r: both(r, context))
+
+        return grpc.stream_stream_rpc_method_handler(
+            after_first_both, handler.request_deserializer, handler.response_serializer)
 
 
 class _UnknownMethod(grpc.GenericRpcHandler):

@@ -17,7 +17,14 @@ import pytest
 
 from loraplex import client
 from loraplex.launch import Fleet, FleetKeys, start_gateway
-from protos import adapter_store_pb2, adapter_store_pb2_grpc
+from protos import (
+    adapter_store_pb2,
+    adapter_store_pb2_grpc,
+    executor_pb2,
+    executor_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
 from tests.e2e.test_cli import ok, refused
 
 TENANT_KEY = "cli-trips-tenant-key-0001"
@@ -113,6 +120,33 @@ def test_client_streaming_refusals_arrive_as_themselves(fleet, tiny):
 
     assert set(asyncio.run(push_many(fleet.stores[0]))) == {"UNAUTHENTICATED"}
     assert set(asyncio.run(push_many(fleet.scheduler))) == {"UNIMPLEMENTED"}
+
+
+def test_bidirectional_stream_refusals_arrive_as_themselves(fleet):
+    """As the client-streaming ones: a scheduler's Stream and an executor's Step without a key,
+    the first message sent (and the stream held open, or closed at once), are UNAUTHENTICATED
+    every time, never INTERNAL."""
+    async def open_many(address: str, stub_class, method: str, message) -> set[str]:
+        codes = set()
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = stub_class(channel)
+            for i in range(REPEATS):
+                async def held_open():
+                    yield message
+                    await asyncio.sleep(0.5)
+
+                try:
+                    async for _ in getattr(stub, method)(held_open() if i % 2 else iter([message])):
+                        pass
+                    codes.add("OK")
+                except grpc.aio.AioRpcError as err:
+                    codes.add(err.code().name)
+        return codes
+
+    assert asyncio.run(open_many(fleet.scheduler, scheduler_pb2_grpc.SchedulerStub, "Stream",
+                                 scheduler_pb2.StreamRequest())) == {"UNAUTHENTICATED"}
+    assert asyncio.run(open_many(address_of(fleet, "executor"), executor_pb2_grpc.ExecutorStub,
+                                 "Step", executor_pb2.StepRequest())) == {"UNAUTHENTICATED"}
 
 
 def test_no_key_tells_a_cli_user_where_the_key_goes(fleet, tmp_path):
