@@ -158,17 +158,21 @@ class Service:
 # How long a call's first message is waited for before its handler runs (_FirstMessageFirst), or
 # before an unknown method is refused (_UnknownMethod); past it the handler runs all the same.
 FIRST_MESSAGE_WAIT_S = 10.0
+# The same for a call that streams both ways: its client may well read before it writes (a
+# second Step stream, refused as "already driven", must be told within its first stream's idle
+# bound), and a first message in flight when a handler refuses arrives well within this.
+BOTH_WAYS_FIRST_MESSAGE_WAIT_S = 1.0
 _KINDS = {"adapter_store": "an adapter store", "executor": "an executor",
           "scheduler": "a scheduler", "gateway": "a gateway"}
 
 
-async def _first_message(requests) -> tuple[AsyncIterator, asyncio.Future]:
-    """Wait for a call's first message (or FIRST_MESSAGE_WAIT_S, or the client's end): the
-    call's messages from the first on, and the read of the first (to cancel once the handler
-    is over: one that refused without reading)."""
+async def _first_message(requests, wait_s: float) -> tuple[AsyncIterator, asyncio.Future]:
+    """Wait for a call's first message (or `wait_s`, or the client's end): the call's messages
+    from the first on, and the read of the first (to cancel once the handler is over: one that
+    refused without reading)."""
     iterator = requests.__aiter__()
     first = asyncio.ensure_future(anext(iterator, _NO_MESSAGE))
-    await asyncio.wait({first}, timeout=FIRST_MESSAGE_WAIT_S)
+    await asyncio.wait({first}, timeout=wait_s)
 
     async def replayed():
         message = await first
@@ -180,10 +184,11 @@ async def _first_message(requests) -> tuple[AsyncIterator, asyncio.Future]:
     return replayed(), first
 
 
-async def _first_message_read(requests, then: Callable[[object], Awaitable[T]]) -> T:
+async def _first_message_read(requests, then: Callable[[object], Awaitable[T]],
+                              wait_s: float = FIRST_MESSAGE_WAIT_S) -> T:
     """`then(replayed)` once the call's first message arrived (_first_message): `replayed`
     yields that message, then the rest."""
-    replayed, first = await _first_message(requests)
+    replayed, first = await _first_message(requests, wait_s)
     try:
         return await then(replayed)
     finally:
@@ -195,7 +200,8 @@ _NO_MESSAGE = object()
 
 class _FirstMessageFirst(grpc.aio.ServerInterceptor):
     """A call that streams its requests (AdapterStore.Push; Scheduler.Stream and Executor.Step,
-    which stream both ways) runs its handler once its first message has arrived. A handler that
+    which stream both ways: BOTH_WAYS_FIRST_MESSAGE_WAIT_S at most) runs its handler once its
+    first message has arrived. A handler that
     refuses a call at once (no key, a wrong one) otherwise ends it while the client is still
     sending that message, and grpc's Python client then reports INTERNAL "Internal error from
     Core" in place of the refusal (3 pushes without a key in 16; Streams without a key on one
@@ -216,7 +222,7 @@ class _FirstMessageFirst(grpc.aio.ServerInterceptor):
         both = handler.stream_stream
         if inspect.isasyncgenfunction(both):  # (it yields its responses: Step)
             async def after_first_both(requests, context):
-                replayed, first = await _first_message(requests)
+                replayed, first = await _first_message(requests, BOTH_WAYS_FIRST_MESSAGE_WAIT_S)
                 try:
                     async for response in both(replayed, context):
                         yield response
@@ -224,7 +230,8 @@ class _FirstMessageFirst(grpc.aio.ServerInterceptor):
                     first.cancel()
         else:  # (it writes them: Stream)
             async def after_first_both(requests, context):
-                return await _first_message_read(requests, lambda r: both(r, context))
+                return await _first_message_read(requests, lambda r: both(r, context),
+                                                 BOTH_WAYS_FIRST_MESSAGE_WAIT_S)
 
         return grpc.stream_stream_rpc_method_handler(
             after_first_both, handler.request_deserializer, handler.response_serializer)
