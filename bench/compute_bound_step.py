@@ -18,6 +18,7 @@ the same greedy tokens at every step (the table says so).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -105,7 +106,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     batches, rounds, steps = ((4,), 2, 4) if args.quick else ((1, 16, 64), args.rounds, args.steps)
-    load = __import__("os").getloadavg()[0]
+    load = os.getloadavg()[0]
     from transformers import LlamaForCausalLM
 
     with tempfile.TemporaryDirectory(prefix="loraplex-compute-bound-") as folder:

@@ -8,7 +8,7 @@ Triton interpreter, and a stand-in capture that replays the recorded forward).
 
 from __future__ import annotations
 
-from gpu_harness import (BLOCK_SIZE, DEVICE, MODEL, OPTS, REPORT, pages_of,  # first
+from gpu_harness import (BLOCK_SIZE, CFG, DEVICE, MODEL, OPTS, REPORT, pages_of,  # first
                          random_adapter, section, sync, table)
 
 import time
@@ -35,7 +35,7 @@ def graphs_check() -> None:
     rows_max = max(BATCHES)
     t0 = time.perf_counter()
     runner = ModelRunner.random(MODEL, dtype=dtype, device=DEVICE,
-                                num_kv_blocks=(rows_max + 2) * pages_of(runner_config(), ranks)
+                                num_kv_blocks=(rows_max + 2) * pages_of(CFG, ranks)
                                 + 1024, block_size=BLOCK_SIZE, num_slots=rows_max + 1,
                                 max_rank=rank, lora_backend="triton",
                                 attention_backend="triton", scratch_block=True)
@@ -76,11 +76,6 @@ def graphs_check() -> None:
     del runner, graphs
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
-
-
-def runner_config():
-    from executor.model.config import ModelConfig
-    return ModelConfig.named(MODEL)
 
 
 if __name__ == "__main__":

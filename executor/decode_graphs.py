@@ -36,7 +36,7 @@ import torch
 from executor.lora.slot_pool import LoraModuleWeights, LoraWeights
 from executor.lora.triton_backend import TritonBatchMeta, TritonLoraBackend
 from executor.model.attention import TritonAttentionMeta
-from executor.model.transformer import StepMetadata
+from executor.model.transformer import RowSpec, StepMetadata
 from kernels.attention_work import PagedAttentionWork
 from kernels.segments import SegmentWork, rank_tile
 
@@ -280,18 +280,9 @@ class DecodeGraphs:
 
     def _eager(self, tokens, positions, tables, slots) -> torch.Tensor:
         """The runner's eager forward of the same decode rows."""
-        from executor.model.transformer import RowSpec
-
-        runner = self.runner
-        row_slots = torch.tensor(slots)
-        meta = StepMetadata.build([RowSpec(p, 1, (t,)) for p, t in zip(positions, tables)],
-                                  kv=runner.kv, windows=runner.model.windows,
-                                  lora=runner.lora.prepare(row_slots),
-                                  sample_rows=list(range(len(tokens))), device=runner.device,
-                                  attention=runner.attention_backend, row_slots=row_slots)
-        hidden = runner.model.hidden_states(torch.tensor(tokens, device=runner.device), meta,
-                                            runner.kv)
-        return runner.model.logits(hidden)
+        groups = [RowSpec(p, 1, (t,)) for p, t in zip(positions, tables)]
+        return self.runner.eager_forward(tokens, groups, torch.tensor(slots),
+                                         list(range(len(tokens))))[0]
 
     def _load_probe_adapter(self, seed: int) -> int | None:
         """A random adapter on every module in the last slot, pages in the highest free

@@ -341,15 +341,7 @@ class ModelRunner:
             logits = self.graphs.run(bucket, step_tokens, [g.start_pos for g in groups],
                                      [g.tables[0] for g in groups], row_slots.tolist())
         else:
-            lora_meta = self.lora.prepare(row_slots)
-            meta = StepMetadata.build(groups, kv=self.kv, windows=self.model.windows,
-                                      lora=lora_meta, sample_rows=sample_rows,
-                                      device=self.device, attention=self.attention_backend,
-                                      row_slots=row_slots)
-            tokens = torch.tensor(step_tokens, device=self.device)
-            hidden = self.model.hidden_states(tokens, meta, self.kv)  # [T, hidden]
-            # [S, vocab]; None on a rank but the first (rank 0 gathers the vocabulary, samples)
-            logits = self.model.logits(hidden.index_select(0, meta.sample_rows))
+            logits, hidden = self.eager_forward(step_tokens, groups, row_slots, sample_rows)
             if self._num_prompt_logprobs:  # (gathers too: every rank makes them, alike)
                 self._prompt_logprobs(rows, hidden)
         for r in rows:
@@ -377,6 +369,19 @@ class ModelRunner:
             else:
                 sampled.append(Sampled(seq_id, token, logprob, top))
         return sampled, logits
+
+    def eager_forward(self, tokens: list[int], groups: list[RowSpec], row_slots: torch.Tensor,
+                      sample_rows: list[int]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The forward of a step's rows, kernel by kernel: the logits [S, vocab] of
+        `sample_rows` (None on a rank but the first: rank 0 gathers the vocabulary and samples)
+        and the hidden states [T, hidden]. tokens [T]; row_slots [T] (host) each row's slot."""
+        meta = StepMetadata.build(groups, kv=self.kv, windows=self.model.windows,
+                                  lora=self.lora.prepare(row_slots), sample_rows=sample_rows,
+                                  device=self.device, attention=self.attention_backend,
+                                  row_slots=row_slots)
+        hidden = self.model.hidden_states(torch.tensor(tokens, device=self.device), meta,
+                                          self.kv)
+        return self.model.logits(hidden.index_select(0, meta.sample_rows)), hidden
 
     def _before_activation(self, rows: Sequence[Row], row_slots: torch.Tensor) -> None:
         """An activated LoRA's rows before its activation point run as the base model's

@@ -70,18 +70,17 @@ def build_runner(config: ExecutorConfig,
     if config.random_config is not None:
         model = ModelConfig.named(config.random_config)
         kw["num_kv_blocks"] = kv_blocks(config, model)
-        runner = ModelRunner.random(model, seed=config.seed, **kw)
-        if graphs:
-            runner.graphs = DecodeGraphs.check(runner)
-        return runner, TokenizerFiles()
-    kw["num_kv_blocks"] = kv_blocks(config, ModelConfig.from_pretrained(config.model))
-    runner = ModelRunner.from_pretrained(config.model, model_id=config.model_id, **kw)
+        runner, files = ModelRunner.random(model, seed=config.seed, **kw), TokenizerFiles()
+    else:
+        kw["num_kv_blocks"] = kv_blocks(config, ModelConfig.from_pretrained(config.model))
+        runner = ModelRunner.from_pretrained(config.model, model_id=config.model_id, **kw)
+        files = TokenizerFiles.read(config.model)
     if graphs:
         runner.graphs = DecodeGraphs.check(runner)
     if tp.is_first and runner.tokenizer_json and not runner.prepare_grammars():  # (rank 0 samples)
         log.warning("executor: the grammar engine (llguidance) is not installed: requests with "
                     "a grammar (structured outputs, tools) will fail here")
-    return runner, TokenizerFiles.read(config.model)
+    return runner, files
 
 
 def kv_blocks(config: ExecutorConfig, model: ModelConfig) -> int:

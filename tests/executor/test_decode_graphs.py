@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 
+from common.sampling import SamplingParams
 from executor.decode_graphs import DecodeGraphs
 from executor.runner import Row
 from tests.runner_driver import make_runner, prompts, run
@@ -82,8 +83,8 @@ def test_decode_steps_replayed_equal_the_eager_runner(runners, slots):
 def test_steps_a_graph_cannot_take_run_eagerly(runners):
     graphed, _ = runners
     graphs = graphed.graphs
-    graphed.add_sequence(900, [5, 6, 7], graphed_sampling(), -1)
-    graphed.add_sequence(901, [5, 6], graphed_sampling(), -1)
+    graphed.add_sequence(900, [5, 6, 7], SamplingParams(), -1)
+    graphed.add_sequence(901, [5, 6], SamplingParams(), -1)
     try:
         prefill = [Row(900, 3, (10,)), Row(901, 2, (11,))]
         assert graphs.takes(prefill, graphed._seqs) == 0
@@ -95,12 +96,6 @@ def test_steps_a_graph_cannot_take_run_eagerly(runners):
     finally:
         graphed.free_sequence(900)
         graphed.free_sequence(901)
-
-
-def graphed_sampling():
-    from common.sampling import SamplingParams
-
-    return SamplingParams()
 
 
 @pytest.mark.parametrize("capture, says", [(differing, "differs from the eager forward"),
