@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +21,7 @@ import torch
 from common.sampling import SamplingParams
 from executor.grammar import GrammarRows
 from executor.kv_tables import KVTables
-from executor.logprobs import PromptLogprobs, TopLogprobs
+from executor.logprobs import PromptLogprobs
 from executor.lora.backend import make_lora_backend
 from executor.lora.merge import Merged, merge, unmerge
 from executor.lora.slot_pool import LoraSlotPool, LoraWeights
@@ -34,51 +33,12 @@ from executor.model.transformer import RowSpec, StepMetadata, Transformer
 from executor.model.weights import ModelWeights, load_weights, random_weights
 from executor.runner_checks import check_new_sequence, check_rows
 from executor.sampling import DrawStream, Sampler
+from executor.sequence_state import Row, Sampled, SequenceState
 from executor.tp.collectives import SINGLE, TensorParallel
 from executor.tp.shards import Shard
 
 if TYPE_CHECKING:
     from executor.decode_graphs import DecodeGraphs
-
-
-@dataclass(frozen=True)
-class Row:
-    seq_id: int
-    num_tokens: int
-    new_block_ids: tuple[int, ...] = ()
-    # With window blocks (common/kv_layout.py): how many of new_block_ids each kind takes, in
-    # kind order (each token block's columns together); () on a layout of one kind.
-    num_new_by_kind: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class Sampled:
-    seq_id: int
-    token_id: int
-    logprob: float
-    top: TopLogprobs | None = None  # its alternatives, when its sampling asks for them
-    prompt: PromptLogprobs | None = None  # with a sequence's first sample, when asked for
-
-
-@dataclass
-class _Sequence:
-    token_ids: list[int]  # prompt + tokens sampled so far
-    num_computed: int
-    # mirror of the scheduler's tables: one per column of each kind (one but with window
-    # blocks); -1 where the scheduler sent no block (outside every window of the first row)
-    tables: list[list[int]]
-    sampling: SamplingParams
-    slot: int
-    draws: DrawStream
-    # It computes with longrope's long factors: registered with more tokens than the model's
-    # switch (ModelConfig.rope_switch_len), as transformers' generate() would have them.
-    is_long: bool = False
-    # Its prompt's logprobs as its prefill makes them, until its first sample takes them (None:
-    # not asked for, or taken).
-    prompt_logprobs: PromptLogprobs | None = None
-    # Its adapter's LoRA applies from this position on (activated LoRA, common/alora.py: earlier
-    # positions are computed as the base model's); 0: every position
-    lora_from: int = 0
 
 
 class ModelRunner:
@@ -114,7 +74,7 @@ class ModelRunner:
         self.lora = make_lora_backend(lora_backend, self.pool)
         self.model = Transformer(local, weights, self.lora, tp, self.kv_layout)
         self.sampler = Sampler(config.vocab_size, self.device)  # (rank 0's alone samples)
-        self._seqs: dict[int, _Sequence] = {}
+        self._seqs: dict[int, SequenceState] = {}
         self._num_prompt_logprobs = 0  # sequences whose prompt logprobs are being made
         self._merged: Merged | None = None  # the adapter folded into the weights (lora/merge.py)
         self.base_fingerprint = ""  # of the model folder (common/base_fingerprint.py); "": none
@@ -252,7 +212,7 @@ class ModelRunner:
             self._grammar_rows().add(seq_id, sampling.grammar,
                                      token_ids[len(token_ids) - num_generated:])
         switch = self.rope_switch_len
-        self._seqs[seq_id] = _Sequence(list(token_ids), num_cached, tables, sampling, slot,
+        self._seqs[seq_id] = SequenceState(list(token_ids), num_cached, tables, sampling, slot,
                                        DrawStream(sampling.seed, num_generated, self.device),
                                        0 < switch < len(token_ids), prompt_logprobs, lora_from)
         if self.tp.is_first:
