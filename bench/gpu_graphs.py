@@ -40,13 +40,12 @@ def graphs_check() -> None:
                                 max_rank=rank, lora_backend="triton",
                                 attention_backend="triton", scratch_block=True)
     capture = (lambda run: run) if OPTS.smoke else cuda_capture
-    graphs = DecodeGraphs.check(runner, buckets=BATCHES, capture=capture)
+    graphs, why = DecodeGraphs.check(runner, buckets=BATCHES, capture=capture)
     check_s = time.perf_counter() - t0
     print(f"model ready and graphs checked in {check_s:.0f} s: "
           f"{'on' if graphs else 'OFF'}", flush=True)
     if graphs is None:
-        REPORT.append("**The start-up check turned the graphs off** (the executor's log line "
-                      "says why; see the output above). Nothing timed.\n")
+        REPORT.append(f"**The start-up check turned the graphs off**: {why}. Nothing timed.\n")
         return
     for s in range(rows_max):
         runner.load_adapter(s, random_adapter(runner.config, ranks, 2000 + s))

@@ -214,21 +214,21 @@ class DecodeGraphs:
 
     @classmethod
     def check(cls, runner, buckets: Sequence[int] = BUCKETS, capture: Capture = cuda_capture,
-              seed: int = 0) -> DecodeGraphs | None:
+              seed: int = 0) -> tuple[DecodeGraphs | None, str]:
         """Capture every bucket and check it against the eager forward on a probe batch (the
-        module docstring); the graphs, or None (logged why) when the model cannot run them, a
-        capture failed or a graph's logits differ from the eager ones. Needs an idle runner: no
-        sequence registered, no adapter in the probe's slot."""
+        module docstring): (the graphs, "") or (None, why not, as logged) when the model cannot
+        run them, a capture failed or a graph's logits differ from the eager ones. Needs an idle
+        runner: no sequence registered, no adapter in the probe's slot."""
         why = cls.supports(runner)
         if why:
             log.info("decode graphs off: %s", why)
-            return None
+            return None, why
         fits = tuple(b for b in sorted(buckets) if 2 * b <= runner.num_kv_blocks)
         if len(fits) < len(buckets):
             log.info("decode graphs: buckets %s only (the KV blocks hold no larger probe)",
                      list(fits))
         if not fits:
-            return None
+            return None, "the KV blocks hold no probe batch"
         if capture is cuda_capture:  # (one memory pool for every bucket's graph)
             capture = functools.partial(cuda_capture, pool=torch.cuda.graph_pool_handle())
         graphs = cls(runner, fits, capture)
@@ -239,21 +239,21 @@ class DecodeGraphs:
                 try:
                     bucket.replay = capture(lambda b=bucket: graphs._forward(b))
                 except Exception as err:  # (any failure to capture: eager serving still works)
-                    log.warning("decode graphs off: capturing the %d-row bucket failed: %s",
-                                size, err)
-                    return None
+                    why = f"capturing the {size}-row bucket failed: {err}"
+                    log.warning("decode graphs off: %s", why)
+                    return None, why
                 graphs._by_size[size] = bucket
                 differ = graphs._probe(bucket, probe, seed + size)
                 if differ:
-                    log.warning("decode graphs off: the %d-row bucket's graph differs from the "
-                                "eager forward on the probe batch (%s); every step runs eagerly",
-                                size, differ)
-                    return None
+                    why = (f"the {size}-row bucket's graph differs from the eager forward on the "
+                           f"probe batch ({differ})")
+                    log.warning("decode graphs off: %s; every step runs eagerly", why)
+                    return None, why
         finally:
             graphs._unload_probe_adapter(probe)
         log.info("decode graphs on: buckets %s, each equal to the eager forward on a probe",
                  list(graphs.buckets))
-        return graphs
+        return graphs, ""
 
     def _probe(self, bucket: _Bucket, slot: int | None, seed: int) -> str:
         """Run a probe of bucket.size - 1 rows (size 1: 1) both ways: "" when the logits are

@@ -81,8 +81,11 @@ class ModelRunner:
         self.tokenizer_json = ""  # the model's tokenizer.json: what grammars compile against
         self._grammars: GrammarRows | None = None  # made at the first constrained sequence
         # Decode steps replayed from CUDA graphs (executor/decode_graphs.py: DecodeGraphs.check
-        # sets them up); None: every step runs eagerly.
+        # sets them up); None: every step runs eagerly, on CUDA for the reason `graphs_off`
+        # gives. graph_steps: the steps replayed so far.
         self.graphs: DecodeGraphs | None = None
+        self.graphs_off = ""
+        self.graph_steps = 0
 
     def set_identity(self, model_id: str, base_fingerprint: str) -> None:
         """Who the served model is: `model_id`, what adapters' base_model must say (the id the
@@ -298,6 +301,7 @@ class ModelRunner:
         self._before_activation(rows, row_slots)
         bucket = self.graphs.takes(rows, self._seqs) if self.graphs is not None else 0
         if bucket:  # [S, vocab], S = rows (executor/decode_graphs.py)
+            self.graph_steps += 1
             logits = self.graphs.run(bucket, step_tokens, [g.start_pos for g in groups],
                                      [g.tables[0] for g in groups], row_slots.tolist())
         else:

@@ -16,7 +16,6 @@ import time
 from multiprocessing.connection import Connection
 
 import torch
-from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from common import wire
 from common.adapter_ref import AdapterRef
@@ -31,6 +30,7 @@ from executor.benchmark_runner import BenchmarkRunner
 from executor.config import ExecutorConfig
 from executor.decode_graphs import DecodeGraphs
 from executor.lora.backend import resolve_lora_backend
+from executor.metrics import ExecutorMetrics
 from executor.model.config import ModelConfig
 from executor.model_identity import log_identity, resolve_identity
 from executor.runner import ModelRunner, Sampled
@@ -65,7 +65,10 @@ def build_runner(config: ExecutorConfig,
         runner = BenchmarkRunner.random(model, seed=config.seed, step_s=config.benchmark_step_s,
                                         **kw)
         return runner, TokenizerFiles()
-    graphs = config.cuda_graphs and kw["device"].type == "cuda" and tp.world == 1
+    is_cuda = kw["device"].type == "cuda"
+    graphs_off = ("" if not is_cuda else "--no-cuda-graphs" if not config.cuda_graphs
+                  else "a tensor-parallel executor" if tp.world > 1 else "")
+    graphs = is_cuda and not graphs_off
     kw["scratch_block"] = graphs  # (decode graphs' padding rows write their K/V there)
     if config.random_config is not None:
         model = ModelConfig.named(config.random_config)
@@ -75,8 +78,9 @@ def build_runner(config: ExecutorConfig,
         kw["num_kv_blocks"] = kv_blocks(config, ModelConfig.from_pretrained(config.model))
         runner = ModelRunner.from_pretrained(config.model, model_id=config.model_id, **kw)
         files = TokenizerFiles.read(config.model)
+    runner.graphs_off = graphs_off
     if graphs:
-        runner.graphs = DecodeGraphs.check(runner)
+        runner.graphs, runner.graphs_off = DecodeGraphs.check(runner)
     if tp.is_first and runner.tokenizer_json and not runner.prepare_grammars():  # (rank 0 samples)
         log.warning("executor: the grammar engine (llguidance) is not installed: requests with "
                     "a grammar (structured outputs, tools) will fail here")
@@ -106,23 +110,6 @@ def quantization_freed(runner: ModelRunner) -> str:
         1, runner.kv.num_blocks * runner.kv.block_size * layout.layers_per_block)
     return (f"; {describe_quantization(runner.config)}: {freed / 2**20:.1f} MiB freed against "
             f"dense weights, {freed // max(1, per_token):,} KV tokens (or adapters' pages)")
-
-
-class ExecutorMetrics:
-    def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
-        self.step = Histogram(
-            "loraplex_executor_step_seconds", "Forward pass and sampling of one step.",
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=r)
-        self.rows = Counter("loraplex_executor_tokens",
-                            "Tokens computed (prefill and decode rows).", registry=r)
-        self.loads = Counter("loraplex_executor_adapter_loads", "Adapters loaded into slots.",
-                             registry=r)
-        self.load = Histogram(
-            "loraplex_executor_adapter_load_seconds", "Fetch, parse and copy of one load.",
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=r)
-        self.load_bytes = Counter("loraplex_executor_adapter_load_bytes", "Adapter bytes fetched.",
-                                  registry=r)
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
@@ -173,7 +160,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             tensor_parallel_size=self._runner.tp.world,
             longrope_switch_len=self._runner.rope_switch_len,
             quantization=describe_quantization(c),
-            dense_weight_bytes=self._runner.weights.dense_bytes())
+            dense_weight_bytes=self._runner.weights.dense_bytes(),
+            decode_graph_buckets=self._runner.graphs.buckets if self._runner.graphs else (),
+            decode_graphs_off=self._runner.graphs_off)
 
     def _check_not_merged(self, slot: int) -> None:
         if slot == self._runner.merged_slot:
@@ -243,8 +232,10 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         rows = step_rows(req, len(self._runner.kv_layout.kinds))
         if self._followers is not None:
             self._followers.step(req)  # (they run it beside this rank)
+        graph_steps = self._runner.graph_steps
         samples = run_step(self._runner, req, rows)
         self.metrics.step.observe(time.perf_counter() - start)
+        self.metrics.graph_steps.inc(self._runner.graph_steps - graph_steps)
         self.metrics.rows.inc(sum(req.row_num_tokens))
         response = executor_pb2.StepResponse(
             sample_seq_ids=[s.seq_id for s in samples],

@@ -171,6 +171,12 @@ def format_stats(stats: pb.StatsResponse) -> str:
                              f"{ex.quantized_freed_bytes / 1e9:.2f} GB freed against 16-bit "
                              f"weights = {ex.quantized_freed_kv_tokens:,} KV tokens, or "
                              f"{ex.quantized_freed_blocks:,} blocks of KV or adapters' pages")
+            if ex.decode_graph_buckets:
+                lines.append(f"  decode steps of up to {max(ex.decode_graph_buckets)} sequences "
+                             "replay CUDA graphs (batch sizes "
+                             f"{', '.join(map(str, ex.decode_graph_buckets))})")
+            elif ex.decode_graphs_off:
+                lines.append(f"  CUDA graphs off, every step eager: {ex.decode_graphs_off}")
             lines.extend(f"  slot {i:<3d} {_slot(s)}" for i, s in used)
     else:
         lines.append("EXECUTORS: none shown (a tenant key sees its own counters only)")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/executor.proto\x12\x0bloraplex.v1\x1a\x13protos/common.proto\"\r\n\x0bInfoRequest\"\xb8\x06\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x19\n\x11num_adapter_slots\x18\x07 \x01(\r\x12\x15\n\rmax_lora_rank\x18\x08 \x01(\r\x12\x16\n\x0etokenizer_json\x18\t \x01(\t\x12\x14\n\x0cweight_bytes\x18\n \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x0b \x01(\x04\x12\x1a\n\x12\x61\x64\x61pter_pool_bytes\x18\x0c \x01(\x04\x12\x14\n\x0clora_backend\x18\r \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0e \x01(\t\x12.\n\rslot_adapters\x18\x10 \x03(\x0b\x32\x17.loraplex.v1.AdapterRef\x12\x15\n\rnum_sequences\x18\x11 \x01(\r\x12\x15\n\rchat_template\x18\x12 \x01(\t\x12\x44\n\x0especial_tokens\x18\x13 \x03(\x0b\x32,.loraplex.v1.InfoResponse.SpecialTokensEntry\x12\x18\n\x10\x62\x61se_fingerprint\x18\x14 \x01(\t\x12/\n\x0emerged_adapter\x18\x15 \x01(\x0b\x32\x17.loraplex.v1.AdapterRef\x12\x30\n\rpage_geometry\x18\x16 \x01(\x0b\x32\x19.loraplex.v1.PageGeometry\x12\x1c\n\x14tensor_parallel_size\x18\x17 \x01(\r\x12\x1b\n\x13longrope_switch_len\x18\x18 \x01(\r\x12\x14\n\x0cquantization\x18\x19 \x01(\t\x12\x1a\n\x12\x64\x65nse_weight_bytes\x18\x1a \x01(\x04\x12%\n\x08kv_kinds\x18\x1b \x03(\x0b\x32\x13.loraplex.v1.KVKind\x1a\x34\n\x12SpecialTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x0f\x10\x10\"9\n\x06KVKind\x12\x0e\n\x06window\x18\x01 \x01(\r\x12\x0e\n\x06layers\x18\x02 \x03(\r\x12\x0f\n\x07\x63olumns\x18\x03 \x01(\r\"\x90\x01\n\x0cPageGeometry\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x17\n\x0fregion_elements\x18\x02 \x01(\r\x12)\n\x07modules\x18\x03 \x03(\x0b\x32\x18.loraplex.v1.ModuleShape\x12\x12\n\npage_bytes\x18\x04 \x01(\x04\x12\x14\n\x0clayer_groups\x18\x05 \x01(\r\"H\n\x0bModuleShape\x12\x0e\n\x06module\x18\x01 \x01(\t\x12\x13\n\x0bin_features\x18\x02 \x01(\r\x12\x14\n\x0cout_features\x18\x03 \x01(\r\"\xd5\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.loraplex.v1.SamplingParams\x12\x0c\n\x04slot\x18\x04 \x01(\x05\x12\x15\n\rnum_generated\x18\x05 \x01(\r\x12\x12\n\nnum_cached\x18\x06 \x01(\r\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x11\n\tlora_from\x18\x08 \x01(\r\x12\x14\n\x0c\x66irst_blocks\x18\t \x03(\r\"\xf4\x01\n\x0bStepRequest\x12\x15\n\rfreed_seq_ids\x18\x01 \x03(\x04\x12/\n\rnew_sequences\x18\x02 \x03(\x0b\x32\x18.loraplex.v1.NewSequence\x12\x13\n\x0brow_seq_ids\x18\x06 \x03(\x04\x12\x16\n\x0erow_num_tokens\x18\x07 \x03(\r\x12\x1a\n\x12row_num_new_blocks\x18\x08 \x03(\r\x12\x15\n\rnew_block_ids\x18\t \x03(\r\x12\x17\n\nmerge_slot\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x0f\n\x07unmerge\x18\x05 \x01(\x08\x42\r\n\x0b_merge_slotJ\x04\x08\x03\x10\x04\"\xf0\x01\n\x0cStepResponse\x12\x16\n\x0esample_seq_ids\x18\x03 \x03(\x04\x12\x18\n\x10sample_token_ids\x18\x04 \x03(\r\x12\x17\n\x0fsample_logprobs\x18\x05 \x03(\x02\x12\x14\n\x0cstep_seconds\x18\x02 \x01(\x01\x12\x16\n\x0esample_num_top\x18\x14 \x03(\r\x12\x15\n\rtop_token_ids\x18\x15 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x16 \x03(\x02\x12\x34\n\x0fprompt_logprobs\x18\x17 \x03(\x0b\x32\x1b.loraplex.v1.PromptLogprobsJ\x04\x08\x01\x10\x02\"L\n\x0ePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12*\n\x06tokens\x18\x02 \x01(\x0b\x32\x1a.loraplex.v1.TokenLogprobs\"?\n\x13StageAdapterRequest\x12(\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x17.loraplex.v1.AdapterRef\"T\n\x14StageAdapterResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\x12\x15\n\rstage_seconds\x18\x02 \x01(\x01\x12\x12\n\nwas_staged\x18\x03 \x01(\x08\"\x8f\x01\n\x12LoadAdapterRequest\x12(\n\x07\x61\x64\x61pter\x18\x04 \x01(\x0b\x32\x17.loraplex.v1.AdapterRef\x12\x0c\n\x04slot\x18\x03 \x01(\r\x12\x13\n\x0bonly_staged\x18\x05 \x01(\x08\x12\r\n\x05pages\x18\x06 \x03(\r\x12\x11\n\tstream_id\x18\x07 \x01(\tJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03\"T\n\x13LoadAdapterResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\x12\x14\n\x0cload_seconds\x18\x02 \x01(\x01\x12\x14\n\x0cwas_resident\x18\x03 \x01(\x08\"g\n\x14UnloadAdapterRequest\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12(\n\x07\x61\x64\x61pter\x18\x03 \x01(\x0b\x32\x17.loraplex.v1.AdapterRef\x12\x11\n\tstream_id\x18\x04 \x01(\tJ\x04\x08\x02\x10\x03\"\x17\n\x15UnloadAdapterResponse2\x87\x03\n\x08\x45xecutor\x12;\n\x04Info\x12\x18.loraplex.v1.InfoRequest\x1a\x19.loraplex.v1.InfoResponse\x12?\n\x04Step\x12\x18.loraplex.v1.StepRequest\x1a\x19.loraplex.v1.StepResponse(\x01\x30\x01\x12S\n\x0cStageAdapter\x12 .loraplex.v1.StageAdapterRequest\x1a!.loraplex.v1.StageAdapterResponse\x12P\n\x0bLoadAdapter\x12\x1f.loraplex.v1.LoadAdapterRequest\x1a .loraplex.v1.LoadAdapterResponse\x12V\n\rUnloadAdapter\x12!.loraplex.v1.UnloadAdapterRequest\x1a\".loraplex.v1.UnloadAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/executor.proto\x12\x0bloraplex.v1\x1a\x13protos/common.proto\"\r\n\x0bInfoRequest\"\xf1\x06\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x19\n\x11num_adapter_slots\x18\x07 \x01(\r\x12\x15\n\rmax_lora_rank\x18\x08 \x01(\r\x12\x16\n\x0etokenizer_json\x18\t \x01(\t\x12\x14\n\x0cweight_bytes\x18\n \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x0b \x01(\x04\x12\x1a\n\x12\x61\x64\x61pter_pool_bytes\x18\x0c \x01(\x04\x12\x14\n\x0clora_backend\x18\r \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0e \x01(\t\x12.\n\rslot_adapters\x18\x10 \x03(\x0b\x32\x17.loraplex.v1.AdapterRef\x12\x15\n\rnum_sequences\x18\x11 \x01(\r\x12\x15\n\rchat_template\x18\x12 \x01(\t\x12\x44\n\x0especial_tokens\x18\x13 \x03(\x0b\x32,.loraplex.v1.InfoResponse.SpecialTokensEntry\x12\x18\n\x10\x62\x61se_fingerprint\x18\x14 \x01(\t\x12/\n\x0emerged_adapter\x18\x15 \x01(\x0b\x32\x17.loraplex.v1.AdapterRef\x12\x30\n\rpage_geometry\x18\x16 \x01(\x0b\x32\x19.loraplex.v1.PageGeometry\x12\x1c\n\x14tensor_parallel_size\x18\x17 \x01(\r\x12\x1b\n\x13longrope_switch_len\x18\x18 \x01(\r\x12\x14\n\x0cquantization\x18\x19 \x01(\t\x12\x1a\n\x12\x64\x65nse_weight_bytes\x18\x1a \x01(\x04\x12%\n\x08kv_kinds\x18\x1b \x03(\x0b\x32\x13.loraplex.v1.KVKind\x12\x1c\n\x14\x64\x65\x63ode_graph_buckets\x18\x1c \x03(\r\x12\x19\n\x11\x64\x65\x63ode_graphs_off\x18\x1d \x01(\t\x1a\x34\n\x12SpecialTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x0f\x10\x10\"9\n\x06KVKind\x12\x0e\n\x06window\x18\x01 \x01(\r\x12\x0e\n\x06layers\x18\x02 \x03(\r\x12\x0f\n\x07\x63olumns\x18\x03 \x01(\r\"\x90\x01\n\x0cPageGeometry\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x17\n\x0fregion_elements\x18\x02 \x01(\r\x12)\n\x07modules\x18\x03 \x03(\x0b\x32\x18.loraplex.v1.ModuleShape\x12\x12\n\npage_bytes\x18\x04 \x01(\x04\x12\x14\n\x0clayer_groups\x18\x05 \x01(\r\"H\n\x0bModuleShape\x12\x0e\n\x06module\x18\x01 \x01(\t\x12\x13\n\x0bin_features\x18\x02 \x01(\r\x12\x14\n\x0cout_features\x18\x03 \x01(\r\"\xd5\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.loraplex.v1.SamplingParams\x12\x0c\n\x04slot\x18\x04 \x01(\x05\x12\x15\n\rnum_generated\x18\x05 \x01(\r\x12\x12\n\nnum_cached\x18\x06 \x01(\r\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x11\n\tlora_from\x18\x08 \x01(\r\x12\x14\n\x0c\x66irst_blocks\x18\t \x03(\r\"\xf4\x01\n\x0bStepRequest\x12\x15\n\rfreed_seq_ids\x18\x01 \x03(\x04\x12/\n\rnew_sequences\x18\x02 \x03(\x0b\x32\x18.loraplex.v1.NewSequence\x12\x13\n\x0brow_seq_ids\x18\x06 \x03(\x04\x12\x16\n\x0erow_num_tokens\x18\x07 \x03(\r\x12\x1a\n\x12row_num_new_blocks\x18\x08 \x03(\r\x12\x15\n\rnew_block_ids\x18\t \x03(\r\x12\x17\n\nmerge_slot\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x0f\n\x07unmerge\x18\x05 \x01(\x08\x42\r\n\x0b_merge_slotJ\x04\x08\x03\x10\x04\"\xf0\x01\n\x0cStepResponse\x12\x16\n\x0esample_seq_ids\x18\x03 \x03(\x04\x12\x18\n\x10sample_token_ids\x18\x04 \x03(\r\x12\x17\n\x0fsample_logprobs\x18\x05 \x03(\x02\x12\x14\n\x0cstep_seconds\x18\x02 \x01(\x01\x12\x16\n\x0esample_num_top\x18\x14 \x03(\r\x12\x15\n\rtop_token_ids\x18\x15 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x16 \x03(\x02\x12\x34\n\x0fprompt_logprobs\x18\x17 \x03(\x0b\x32\x1b.loraplex.v1.PromptLogprobsJ\x04\x08\x01\x10\x02\"L\n\x0ePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12*\n\x06tokens\x18\x02 \x01(\x0b\x32\x1a.loraplex.v1.TokenLogprobs\"?\n\x13StageAdapterRequest\x12(\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x17.loraplex.v1.AdapterRef\"T\n\x14StageAdapterResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\x12\x15\n\rstage_seconds\x18\x02 \x01(\x01\x12\x12\n\nwas_staged\x18\x03 \x01(\x08\"\x8f\x01\n\x12LoadAdapterRequest\x12(\n\x07\x61\x64\x61pter\x18\x04 \x01(\x0b\x32\x17.loraplex.v1.AdapterRef\x12\x0c\n\x04slot\x18\x03 \x01(\r\x12\x13\n\x0bonly_staged\x18\x05 \x01(\x08\x12\r\n\x05pages\x18\x06 \x03(\r\x12\x11\n\tstream_id\x18\x07 \x01(\tJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03\"T\n\x13LoadAdapterResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\x12\x14\n\x0cload_seconds\x18\x02 \x01(\x01\x12\x14\n\x0cwas_resident\x18\x03 \x01(\x08\"g\n\x14UnloadAdapterRequest\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12(\n\x07\x61\x64\x61pter\x18\x03 \x01(\x0b\x32\x17.loraplex.v1.AdapterRef\x12\x11\n\tstream_id\x18\x04 \x01(\tJ\x04\x08\x02\x10\x03\"\x17\n\x15UnloadAdapterResponse2\x87\x03\n\x08\x45xecutor\x12;\n\x04Info\x12\x18.loraplex.v1.InfoRequest\x1a\x19.loraplex.v1.InfoResponse\x12?\n\x04Step\x12\x18.loraplex.v1.StepRequest\x1a\x19.loraplex.v1.StepResponse(\x01\x30\x01\x12S\n\x0cStageAdapter\x12 .loraplex.v1.StageAdapterRequest\x1a!.loraplex.v1.StageAdapterResponse\x12P\n\x0bLoadAdapter\x12\x1f.loraplex.v1.LoadAdapterRequest\x1a .loraplex.v1.LoadAdapterResponse\x12V\n\rUnloadAdapter\x12!.loraplex.v1.UnloadAdapterRequest\x1a\".loraplex.v1.UnloadAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,35 +37,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFOREQUEST']._serialized_start=59
   _globals['_INFOREQUEST']._serialized_end=72
   _globals['_INFORESPONSE']._serialized_start=75
-  _globals['_INFORESPONSE']._serialized_end=899
-  _globals['_INFORESPONSE_SPECIALTOKENSENTRY']._serialized_start=841
-  _globals['_INFORESPONSE_SPECIALTOKENSENTRY']._serialized_end=893
-  _globals['_KVKIND']._serialized_start=901
-  _globals['_KVKIND']._serialized_end=958
-  _globals['_PAGEGEOMETRY']._serialized_start=961
-  _globals['_PAGEGEOMETRY']._serialized_end=1105
-  _globals['_MODULESHAPE']._serialized_start=1107
-  _globals['_MODULESHAPE']._serialized_end=1179
-  _globals['_NEWSEQUENCE']._serialized_start=1182
-  _globals['_NEWSEQUENCE']._serialized_end=1395
-  _globals['_STEPREQUEST']._serialized_start=1398
-  _globals['_STEPREQUEST']._serialized_end=1642
-  _globals['_STEPRESPONSE']._serialized_start=1645
-  _globals['_STEPRESPONSE']._serialized_end=1885
-  _globals['_PROMPTLOGPROBS']._serialized_start=1887
-  _globals['_PROMPTLOGPROBS']._serialized_end=1963
-  _globals['_STAGEADAPTERREQUEST']._serialized_start=1965
-  _globals['_STAGEADAPTERREQUEST']._serialized_end=2028
-  _globals['_STAGEADAPTERRESPONSE']._serialized_start=2030
-  _globals['_STAGEADAPTERRESPONSE']._serialized_end=2114
-  _globals['_LOADADAPTERREQUEST']._serialized_start=2117
-  _globals['_LOADADAPTERREQUEST']._serialized_end=2260
-  _globals['_LOADADAPTERRESPONSE']._serialized_start=2262
-  _globals['_LOADADAPTERRESPONSE']._serialized_end=2346
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=2348
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=2451
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=2453
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=2476
-  _globals['_EXECUTOR']._serialized_start=2479
-  _globals['_EXECUTOR']._serialized_end=2870
+  _globals['_INFORESPONSE']._serialized_end=956
+  _globals['_INFORESPONSE_SPECIALTOKENSENTRY']._serialized_start=898
+  _globals['_INFORESPONSE_SPECIALTOKENSENTRY']._serialized_end=950
+  _globals['_KVKIND']._serialized_start=958
+  _globals['_KVKIND']._serialized_end=1015
+  _globals['_PAGEGEOMETRY']._serialized_start=1018
+  _globals['_PAGEGEOMETRY']._serialized_end=1162
+  _globals['_MODULESHAPE']._serialized_start=1164
+  _globals['_MODULESHAPE']._serialized_end=1236
+  _globals['_NEWSEQUENCE']._serialized_start=1239
+  _globals['_NEWSEQUENCE']._serialized_end=1452
+  _globals['_STEPREQUEST']._serialized_start=1455
+  _globals['_STEPREQUEST']._serialized_end=1699
+  _globals['_STEPRESPONSE']._serialized_start=1702
+  _globals['_STEPRESPONSE']._serialized_end=1942
+  _globals['_PROMPTLOGPROBS']._serialized_start=1944
+  _globals['_PROMPTLOGPROBS']._serialized_end=2020
+  _globals['_STAGEADAPTERREQUEST']._serialized_start=2022
+  _globals['_STAGEADAPTERREQUEST']._serialized_end=2085
+  _globals['_STAGEADAPTERRESPONSE']._serialized_start=2087
+  _globals['_STAGEADAPTERRESPONSE']._serialized_end=2171
+  _globals['_LOADADAPTERREQUEST']._serialized_start=2174
+  _globals['_LOADADAPTERREQUEST']._serialized_end=2317
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=2319
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=2403
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=2405
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=2508
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=2510
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=2533
+  _globals['_EXECUTOR']._serialized_start=2536
+  _globals['_EXECUTOR']._serialized_end=2927
 # @@protoc_insertion_point(module_scope)

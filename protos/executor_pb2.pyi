@@ -12,7 +12,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "max_model_len", "eos_token_ids", "num_kv_blocks", "block_size", "num_adapter_slots", "max_lora_rank", "tokenizer_json", "weight_bytes", "kv_cache_bytes", "adapter_pool_bytes", "lora_backend", "device", "slot_adapters", "num_sequences", "chat_template", "special_tokens", "base_fingerprint", "merged_adapter", "page_geometry", "tensor_parallel_size", "longrope_switch_len", "quantization", "dense_weight_bytes", "kv_kinds")
+    __slots__ = ("model_id", "vocab_size", "max_model_len", "eos_token_ids", "num_kv_blocks", "block_size", "num_adapter_slots", "max_lora_rank", "tokenizer_json", "weight_bytes", "kv_cache_bytes", "adapter_pool_bytes", "lora_backend", "device", "slot_adapters", "num_sequences", "chat_template", "special_tokens", "base_fingerprint", "merged_adapter", "page_geometry", "tensor_parallel_size", "longrope_switch_len", "quantization", "dense_weight_bytes", "kv_kinds", "decode_graph_buckets", "decode_graphs_off")
     class SpecialTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,8 @@ class InfoResponse(_message.Message):
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     DENSE_WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_KINDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_GRAPH_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_GRAPHS_OFF_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     max_model_len: int
@@ -72,7 +74,9 @@ class InfoResponse(_message.Message):
     quantization: str
     dense_weight_bytes: int
     kv_kinds: _containers.RepeatedCompositeFieldContainer[KVKind]
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_adapter_slots: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., adapter_pool_bytes: _Optional[int] = ..., lora_backend: _Optional[str] = ..., device: _Optional[str] = ..., slot_adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., num_sequences: _Optional[int] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., base_fingerprint: _Optional[str] = ..., merged_adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., page_geometry: _Optional[_Union[PageGeometry, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., longrope_switch_len: _Optional[int] = ..., quantization: _Optional[str] = ..., dense_weight_bytes: _Optional[int] = ..., kv_kinds: _Optional[_Iterable[_Union[KVKind, _Mapping]]] = ...) -> None: ...
+    decode_graph_buckets: _containers.RepeatedScalarFieldContainer[int]
+    decode_graphs_off: str
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_adapter_slots: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., adapter_pool_bytes: _Optional[int] = ..., lora_backend: _Optional[str] = ..., device: _Optional[str] = ..., slot_adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., num_sequences: _Optional[int] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., base_fingerprint: _Optional[str] = ..., merged_adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., page_geometry: _Optional[_Union[PageGeometry, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., longrope_switch_len: _Optional[int] = ..., quantization: _Optional[str] = ..., dense_weight_bytes: _Optional[int] = ..., kv_kinds: _Optional[_Iterable[_Union[KVKind, _Mapping]]] = ..., decode_graph_buckets: _Optional[_Iterable[int]] = ..., decode_graphs_off: _Optional[str] = ...) -> None: ...
 
 class KVKind(_message.Message):
     __slots__ = ("window", "layers", "columns")

@@ -41,13 +41,17 @@ class ExecutorShape:
     rope_switch_len: int = 0  # its model's longrope switch (steps/longrope.py; 0: none)
     kv_layout: KVLayout | None = None  # which KV its layers keep (None: one kind, the whole)
     quantized: QuantizedBase | None = None  # (None: a 16-bit base)
+    # The batch sizes its decode steps replay CUDA graphs of (() : eager), and why not on CUDA
+    graph_buckets: tuple[int, ...] = ()
+    graphs_off: str = ""
 
     @classmethod
     def from_info(cls, info: executor_pb2.InfoResponse) -> ExecutorShape:
         layout = layout_from_pb(info)
         return cls(info.num_kv_blocks, info.block_size, info.num_adapter_slots,
                    geometry_from_pb(info), info.page_geometry.page_bytes,
-                   info.longrope_switch_len, layout, QuantizedBase.of(info, layout))
+                   info.longrope_switch_len, layout, QuantizedBase.of(info, layout),
+                   tuple(info.decode_graph_buckets), info.decode_graphs_off)
 
 
 @dataclass(frozen=True)
@@ -84,12 +88,15 @@ class ExecutorState:
     is_stopping: bool = False  # its health said NOT_SERVING: release it once drained
     steps_since_up: int = 0  # steps answered since it came up (this connection): its warm-up
     quantized: QuantizedBase | None = None  # its base's quantization (None: 16-bit)
+    graph_buckets: tuple[int, ...] = ()  # (ExecutorShape's: for Stats)
+    graphs_off: str = ""
 
     @classmethod
     def of(cls, address: str, shape: ExecutorShape, is_leaving: bool = False) -> ExecutorState:
         """A fresh view of the executor at `address` from its Info's facts: empty blocks."""
         return cls(address, BlockManager(shape.num_blocks, shape.block_size, shape.kv_layout),
-                   shape.rope_switch_len, is_leaving=is_leaving, quantized=shape.quantized)
+                   shape.rope_switch_len, is_leaving=is_leaving, quantized=shape.quantized,
+                   graph_buckets=shape.graph_buckets, graphs_off=shape.graphs_off)
 
     @property
     def is_admitting(self) -> bool:

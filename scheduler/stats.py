@@ -55,6 +55,8 @@ class ExecutorStats:
     num_early_evictions: int = 0  # (residency/hooks.py: AdapterCounters)
     kv_blocks_behind_windows: int = 0  # (steps/block_manager.py: num_behind_windows)
     quantized: QuantizedBase | None = None  # its base's quantization, what it frees
+    graph_buckets: tuple[int, ...] = ()  # decode steps replayed from CUDA graphs (() : eager)
+    graphs_off: str = ""  # why not, on a CUDA executor
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,9 @@ def _executor_pb(ex: ExecutorStats) -> scheduler_pb2.ExecutorStats:
                for s in ex.slots],
         adapter_pages=ex.adapter_pages, page_bytes=ex.page_bytes,
         adapter_evictions=ex.num_evictions, adapter_early_evictions=ex.num_early_evictions,
-        kv_blocks_behind_windows=ex.kv_blocks_behind_windows, **_quantized_pb(ex.quantized))
+        kv_blocks_behind_windows=ex.kv_blocks_behind_windows,
+        decode_graph_buckets=ex.graph_buckets, decode_graphs_off=ex.graphs_off,
+        **_quantized_pb(ex.quantized))
 
 
 def _quantized_pb(q: QuantizedBase | None) -> dict:
