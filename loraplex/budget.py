@@ -6,14 +6,17 @@ starts.
 
 Base weights and the adapter pool's tables are exact (MemoryBudget.estimate: what the executor
 allocates, checked against a real runner by the tests). The step workspace is an estimate of the
-largest live tensors of one step: one layer's activations at --max-batched-tokens, the K/V a
-decode step gathers for attention (every running sequence at --context), and the logits. The
-blocks take what is left of --gpu-gib x --utilization, in blocks of --block-size tokens: the
---kv-blocks to start the executor with. KV and adapters share them: an adapter's weights are in
-pages, blocks in proportion to its ranks (common/adapter_pages.py). Then the traffic mix: whether
---seqs sequences of --context tokens fit at once (and if not, how many do), and how many adapters
-of the --adapter-ranks mix (rank:share, on every projection) fit beside that KV, against slots
-padded to the mix's largest rank as vLLM and LoRAX size them.
+largest live tensors of one step: one layer's activations at --max-batched-tokens, the K/V a decode
+step gathers for attention (every running sequence at --context), and the logits. Decode graphs
+(executor/decode_graphs.py) keep the memory of their largest bucket's step beside it, also an
+estimate (--no-cuda-graphs, the executor's flag: none; nor where the executor captures none: tensor
+parallelism, mixture-of-experts layers, window blocks). The blocks take what is left of --gpu-gib x
+--utilization, in blocks of --block-size tokens: the --kv-blocks to start the executor with. KV and
+adapters share them: an adapter's weights are in pages, blocks in proportion to its ranks
+(common/adapter_pages.py). Then the traffic mix: whether --seqs sequences of --context tokens fit at
+once (and if not, how many do), and how many adapters of the --adapter-ranks mix (rank:share, on
+every projection) fit beside that KV, against slots padded to the mix's largest rank as vLLM and
+LoRAX size them.
 
 With --tensor-parallel N the plan is per GPU: each of the N ranks holds its part of the weights
 (executor/tp/shards.py: 1/N of every projection, of the vocabulary, and of the KV heads, which are
@@ -49,6 +52,7 @@ from common.adapter_pages import padded_pages, plan_pages
 from common.help_format import HelpFormatter
 from common.kv_layout import KVLayout
 from common.peft.modules import BLOCK_OF
+from executor.decode_graphs import BUCKETS
 from executor.lora.slot_pool import page_geometry
 from executor.memory_budget import MemoryBudget
 from executor.model.config import NAMED_CONFIGS, ModelConfig
@@ -74,6 +78,7 @@ class Plan:
     # adapters are on every projection, every expert's among them); 0 for a dense model
     attention_pages: float
     workspace_bytes: int  # an estimate: step_bytes + attention's gathered K/V
+    graphs_bytes: int  # an estimate: decode graphs' memory pool (decode_graphs_bytes)
     kv_bytes_per_token: int
     block_size: int
     num_kv_blocks: int  # what fits in the rest; < 1 means nothing does
@@ -111,10 +116,22 @@ def step_bytes(c: ModelConfig, size: int, *, max_batched_tokens: int, max_num_se
     return max_batched_tokens * per_token * size + max_num_seqs * c.vocab_size * 4
 
 
+def decode_graphs_bytes(local: ModelConfig, size: int, layout: KVLayout,
+                        tensor_parallel: int) -> int:
+    """What the decode graphs' memory pool keeps (an estimate): the step of their largest
+    bucket, whose graph is captured first and whose memory the others reuse, its logits in the
+    serving dtype as well as fp32; 0 where the executor captures none (DecodeGraphs.supports)."""
+    if tensor_parallel > 1 or local.num_experts or not layout.is_single:
+        return 0
+    rows = BUCKETS[-1]
+    return (step_bytes(local, size, max_batched_tokens=rows, max_num_seqs=rows)
+            + rows * local.vocab_size * size)
+
+
 def plan(config: ModelConfig, *, dtype: torch.dtype, gpu_bytes: float, utilization: float,
          adapter_slots: int, max_rank: int, block_size: int, max_batched_tokens: int,
          max_num_seqs: int, context: int, adapter_ranks: dict[int, float] | None = None,
-         tensor_parallel: int = 1, window_blocks: bool = True) -> Plan:
+         tensor_parallel: int = 1, window_blocks: bool = True, cuda_graphs: bool = True) -> Plan:
     """The plan of one GPU (of `tensor_parallel`: rank 0's, the others' the same or less)."""
     size = torch.empty((), dtype=dtype).element_size()
     fixed = MemoryBudget.estimate(config, num_kv_blocks=0, block_size=block_size,
@@ -135,7 +152,9 @@ def plan(config: ModelConfig, *, dtype: torch.dtype, gpu_bytes: float, utilizati
     usable = int(gpu_bytes * utilization)
     step = step_bytes(local, size, max_batched_tokens=max_batched_tokens,
                       max_num_seqs=max_num_seqs)
-    rest = usable - fixed.weights_bytes - fixed.adapter_pool_bytes - step
+    layout = config.kv_layout(window_blocks)
+    graphs = decode_graphs_bytes(local, size, layout, tensor_parallel) if cuda_graphs else 0
+    rest = usable - fixed.weights_bytes - fixed.adapter_pool_bytes - step - graphs
     # A decode step gathers the K/V of every running sequence: of all the mix wants, or of all
     # the cache holds when that is less.
     wanted = max_num_seqs * context
@@ -146,13 +165,12 @@ def plan(config: ModelConfig, *, dtype: torch.dtype, gpu_bytes: float, utilizati
     workspace = step + min(wanted, max(num_blocks, 0) * block_size) * gather_per_token
     return Plan(config, tensor_parallel, dtype, usable, fixed.weights_bytes,
                 fixed.adapter_pool_bytes, geometry.page_elems * size, mix_pages,
-                padded_pages(max(mix), geometry), attention_pages, workspace, kv_per_token,
-                block_size, num_blocks, fixed.dense_weights_bytes,
-                config.kv_layout(window_blocks))
+                padded_pages(max(mix), geometry), attention_pages, workspace, graphs,
+                kv_per_token, block_size, num_blocks, fixed.dense_weights_bytes, layout)
 
 
 def format_plan(p: Plan, *, adapter_slots: int, max_rank: int, seqs: int, context: int,
-                fewest_gpus: int = 0) -> str:
+                fewest_gpus: int = 0, cuda_graphs_off: bool = False) -> str:
     """The plan as `loraplex budget` prints it. `fewest_gpus`: when the weights alone are more
     than one GPU holds, the fewest GPUs of a tensor-parallel executor that holds them (0: none
     up to MAX_TENSOR_PARALLEL)."""
@@ -172,6 +190,9 @@ def format_plan(p: Plan, *, adapter_slots: int, max_rank: int, seqs: int, contex
         f"<= {max_rank}; their weights are in pages of the blocks below)",
         f"  step workspace        {p.workspace_bytes / GB:8.2f} GB   (estimate)",
     ]
+    if p.graphs_bytes:
+        lines.append(f"  decode graphs         {p.graphs_bytes / GB:8.2f} GB   (estimate: the "
+                     f"{BUCKETS[-1]}-row bucket's step; --no-cuda-graphs: none)")
     if p.num_kv_blocks < 1 and p.weights_bytes >= p.usable_bytes and p.tensor_parallel == 1:
         gpus = (f"run one executor over {fewest_gpus} GPUs: --tensor-parallel {fewest_gpus} "
                 f"(`loraplex budget ... --tensor-parallel {fewest_gpus}` plans each GPU)"
@@ -181,7 +202,8 @@ def format_plan(p: Plan, *, adapter_slots: int, max_rank: int, seqs: int, contex
                      f"one GPU holds; {gpus}")
         return "\n".join(lines)
     if p.num_kv_blocks < 1:
-        rest = p.usable_bytes - p.weights_bytes - p.pool_bytes - p.workspace_bytes
+        rest = p.usable_bytes - p.weights_bytes - p.pool_bytes - p.workspace_bytes \
+            - p.graphs_bytes
         one_block = p.block_size * p.kv_bytes_per_token * (1 + 1 / c.num_hidden_layers)
         short = (one_block - rest) / GB
         lines.append(f"  KV cache              does not fit: {short:.2f} GB short "
@@ -202,7 +224,8 @@ def format_plan(p: Plan, *, adapter_slots: int, max_rank: int, seqs: int, contex
                  f"--dtype {dtype}"
                  + (f" --tensor-parallel {p.tensor_parallel}" if p.tensor_parallel > 1 else "")
                  + ("" if windows or p.layout is None or not c.sliding_window
-                    else " --no-window-blocks"))
+                    else " --no-window-blocks")
+                 + ("" if not cuda_graphs_off else " --no-cuda-graphs"))
     if windows:
         lines.append(_window_saving(p, context))
     if need <= p.kv_tokens:
@@ -315,6 +338,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-window-blocks", action="store_false", dest="window_blocks",
                    help="plan the executor's flag of that name: sliding-window layers keeping "
                         "the whole context's KV, as global layers do")
+    p.add_argument("--no-cuda-graphs", action="store_false", dest="cuda_graphs",
+                   help="plan the executor's flag of that name: every decode step eager, no "
+                        "memory kept for CUDA graphs")
     p.add_argument("--quantization", choices=("none", *PRESETS), default=None,
                    help="the base's projections quantized as the common releases are (fp8: "
                         "128x128 blocks; int8: per channel; int4: groups of 128; nf4: blocks of "
@@ -348,10 +374,11 @@ def main(argv: list[str] | None = None) -> None:
                      max_rank=args.max_rank, block_size=args.block_size,
                      max_batched_tokens=args.max_batched_tokens, max_num_seqs=args.seqs,
                      context=args.context, adapter_ranks=args.adapter_ranks,
-                     window_blocks=args.window_blocks)
+                     window_blocks=args.window_blocks, cuda_graphs=args.cuda_graphs)
     result = plan(config, tensor_parallel=args.tensor_parallel, **plan_args)
     print(format_plan(result, adapter_slots=args.adapter_slots, max_rank=args.max_rank,
                       seqs=args.seqs, context=args.context,
+                      cuda_graphs_off=not args.cuda_graphs,
                       fewest_gpus=_fewest_gpus(config, plan_args)
                       if result.num_kv_blocks < 1 else 0))
     if result.num_kv_blocks < 1:

@@ -28,11 +28,12 @@ def check_fits_and_is_maximal(p, wanted_tokens: int) -> None:
     """Everything fits; one block more would not (with the K/V a step would gather of it, when
     the cache, not the mix, bounds what a step gathers)."""
     kv = p.num_kv_blocks * p.block_size * p.kv_bytes_per_token
-    assert p.weights_bytes + p.pool_bytes + p.workspace_bytes + kv <= p.usable_bytes
+    held = p.weights_bytes + p.pool_bytes + p.workspace_bytes + p.graphs_bytes + kv
+    assert held <= p.usable_bytes
     one_more = p.block_size * p.kv_bytes_per_token
     if wanted_tokens > p.kv_tokens:
         one_more += p.block_size * p.kv_bytes_per_token // p.config.num_hidden_layers
-    assert p.weights_bytes + p.pool_bytes + p.workspace_bytes + kv + one_more > p.usable_bytes
+    assert held + one_more > p.usable_bytes
 
 
 QWEN3_SHAPED = ModelConfig.named("tiny").replace(qk_norm=True, head_dim=48)  # (head_dim != 64)
@@ -112,6 +113,29 @@ def test_a_rank_mix_fits_more_adapters_in_pages_than_in_padded_slots():
     assert paged > 4 * padded > 0
 
 
+def test_decode_graphs_keep_their_largest_bucket_s_step_where_the_executor_captures_them():
+    """8B in bf16: the 256-row bucket's activations (64 Ki elements a row) and logits (bf16 and
+    fp32) are 0.23 GB, taken from the blocks; none with --no-cuda-graphs, on tensor-parallel
+    ranks, beside mixture-of-experts layers or window blocks (DecodeGraphs.supports)."""
+    config = ModelConfig.named("llama-3-8b")
+    kw = dict(dtype=torch.bfloat16, gpu_bytes=80 * GIB, adapter_slots=64, max_rank=16,
+              max_batched_tokens=2048, max_num_seqs=64, context=4096)
+    on, off = make_plan(config, **kw), make_plan(config, **kw, cuda_graphs=False)
+    assert on.graphs_bytes == 256 * (65536 * 2 + 128256 * (4 + 2)) and off.graphs_bytes == 0
+    assert abs(off.num_kv_blocks - on.num_kv_blocks - on.graphs_bytes / off.page_bytes) < 1
+    assert make_plan(config, **kw, tensor_parallel=2).graphs_bytes == 0
+    small = dict(kw, gpu_bytes=0.05 * GIB, dtype=torch.float32, max_batched_tokens=256)
+    assert make_plan(MOE_SHAPED, **small).graphs_bytes == 0
+    assert make_plan(GEMMA3_SHAPED, **small).graphs_bytes == 0
+    assert make_plan(GEMMA3_SHAPED, **small, window_blocks=False).graphs_bytes > 0
+    text = budget().stdout
+    assert "  decode graphs             0.23 GB   (estimate: the 256-row bucket's step" in text
+    assert f"--kv-blocks {on.num_kv_blocks} " in text
+    text = budget("--no-cuda-graphs").stdout
+    assert "decode graphs" not in text and f"--kv-blocks {off.num_kv_blocks} " in text
+    assert "--dtype bfloat16 --no-cuda-graphs" in text
+
+
 def budget(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "loraplex.cli", "budget", *args],
                           capture_output=True, text=True, timeout=60, check=False)
@@ -137,7 +161,7 @@ def test_a_gpu_short_of_one_block_says_by_how_much():
     kw = dict(dtype=torch.bfloat16, adapter_slots=64, max_rank=16, block_size=4096,
               max_batched_tokens=2048, max_num_seqs=64)
     empty = make_plan(config, gpu_bytes=0, **kw)
-    room = empty.weights_bytes + empty.pool_bytes + empty.workspace_bytes
+    room = empty.weights_bytes + empty.pool_bytes + empty.workspace_bytes + empty.graphs_bytes
     room += 2048 * empty.kv_bytes_per_token  # half a block of 4096 tokens: not one block
     edge = make_plan(config, gpu_bytes=room / 0.9 + 1, **kw)
     assert edge.num_kv_blocks == 0
