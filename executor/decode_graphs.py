@@ -154,16 +154,15 @@ class DecodeGraphs:
     def _fill(self, bucket: _Bucket, tokens: list[int], positions: list[int],
               tables: list[list[int]], slots: list[int]) -> None:
         runner, n, size = self.runner, len(tokens), bucket.size
-        bs = runner.kv.block_size
-        pad = size - n
-        scratch = runner.scratch_block * bs
+        bs, block = runner.kv.block_size, runner.scratch_block
+        pad, scratch = size - n, block * bs
         # Only the columns the step's contexts reach: the kernel reads no block past a row's
-        # context, whatever an earlier step left beyond it
-        width = max(p // bs + 1 for p in positions)
-        table = torch.full((size, width), runner.scratch_block, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            used = t[: positions[i] // bs + 1]
-            table[i, :len(used)] = torch.tensor(used, dtype=torch.int32)
+        # context, whatever an earlier step left beyond it. (One tensor of plain lists: a
+        # tensor per row cost ~9 us a row, 2.3 ms a step of 250 rows.)
+        seen = [t[: p // bs + 1] for t, p in zip(tables, positions)]
+        width = max(map(len, seen))
+        table = torch.tensor([t + [block] * (width - len(t)) for t in seen]
+                             + [[block] * width] * pad, dtype=torch.int32)
         ctx = [p + 1 for p in positions] + [1] * pad
         write = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)] + [scratch] * pad
         host_slots = torch.tensor(slots + [-1] * pad)
