@@ -12,7 +12,8 @@ contiguous. Running example, block_size 4:
     slots   : where each row's k/v is written (from the mirrored block tables)
 
 Every projection is one dense matmul over all T rows (q/k/v fused, gate/up fused; a quantized
-base's through executor/model/quant.py's `project`, which is F.linear for a dense weight), then the
+base's through executor/model/quant.py's `project`, which is F.linear for a dense weight; on CPU
+gate|up may run as its two halves where that is faster, executor/model/split_matmul.py), then the
 LoRA backend adds the adapters of its segments with one call per fused output. Attention reads each
 sequence's context back through its block table (executor/model/attention.py): on CUDA one Triton
 kernel reads K/V in place for every row group; on CPU decode rows are batched in a few SDPA
@@ -49,6 +50,7 @@ from executor.model.layer_ops import activation, rms_norm, soft_cap
 from executor.model.moe import grouped_matmul_for, moe_mlp
 from executor.model.quant import project
 from executor.model.rope import apply_rope, rope_cos_sin
+from executor.model.split_matmul import faster_in_halves, in_halves
 from executor.model.weights import ModelWeights
 from executor.tp.collectives import SINGLE, TensorParallel
 
@@ -136,6 +138,10 @@ class Transformer:
         device = weights.embed.device
         # the experts' grouped matmul (executor/model/moe.py): one Triton launch on CUDA
         self.moe_matmul = grouped_matmul_for(device) if config.num_experts else None
+        # On CPU, gate|up as two matmuls where that is faster here (split_matmul.py)
+        dense = [w.w_gate_up for w in weights.layers if isinstance(w.w_gate_up, torch.Tensor)]
+        self.gate_up_in_halves = bool(dense) and device.type == "cpu" and \
+            faster_in_halves(dense[0])
         # [2, D / 2] fp32 inverse frequencies of each rope the layers use (Gemma 3: local,
         # global), short then long (the same twice but for longrope)
         self.inv_freqs = {rope: torch.stack([rope.inv_freq(config.head_dim, long=False),
@@ -222,7 +228,9 @@ class Transformer:
 
     def _mlp(self, i: int, x: torch.Tensor, lora: LoraBatchMeta) -> torch.Tensor:
         w = self.weights.layers[i]
-        gate_up = project(x, w.w_gate_up)  # [T, 2 * intermediate]
+        gate_up = (in_halves(x, w.w_gate_up) if self.gate_up_in_halves
+                   and isinstance(w.w_gate_up, torch.Tensor)
+                   else project(x, w.w_gate_up))  # [T, 2 * intermediate]
         self.lora.apply(i, "gate_up", x, gate_up, lora)
         gate, up = gate_up.chunk(2, dim=-1)  # [T, intermediate] each
         hidden = activation(self.config.hidden_act)(gate) * up  # [T, intermediate]
