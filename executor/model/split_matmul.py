@@ -32,7 +32,8 @@ def faster_in_halves(weight: torch.Tensor, rows: int = PROBE_ROWS,
                      repeats: int = PROBE_REPEATS) -> bool:
     """Whether x @ weight^T of `rows` rows is faster in halves (in_halves) than fused, on this
     machine (the medians of `repeats` alternating timings), and equal to it bit for bit."""
-    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    g = torch.Generator(device=weight.device).manual_seed(0)  # (the global generator untouched)
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device, generator=g)
     fused, halves = F.linear(x, weight), in_halves(x, weight)  # (warm both up)
     if not torch.equal(fused, halves):
         return False
