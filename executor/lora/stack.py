@@ -2,8 +2,8 @@
 (executor/lora/torch_backend.py).
 
 A stack gives each of its positions one slot of the pool, and per (layer, group) holds the A and
-B of those slots contiguous in the layout the batched matmuls read ([S, in, n * R] and per slice
-[S, R, out]). Decode steps run nearly the same adapters step after step, so the backend keeps one
+B of those slots contiguous in the layout the batched matmuls read ([S, n * R, in] and per slice
+[S, out, R]). Decode steps run nearly the same adapters step after step, so the backend keeps one
 stack and updates it in place instead of copying all of it when the set changes:
 
     - a slot the stack lacks gets the next free position (its weights copied there, nothing else);
@@ -136,8 +136,8 @@ class StackedGroup:
     batch's view."""
 
     rank: int  # R: the group's largest rank over the stack's slots when built
-    a_t: torch.Tensor  # [cap, in, n * R]: each position's A of the group's slices, transposed
-    bt: tuple[torch.Tensor, ...]  # per slice [cap, R, out]
+    a: torch.Tensor  # [cap, n * R, in]: each position's A of the group's slices
+    b: tuple[torch.Tensor, ...]  # per slice [cap, out, R]
     scales: torch.Tensor  # [cap, n, 1, 1] in the activations' dtype
     # [S, 1, n, R] bool: rank at or above the slot's own for that slice (None: every slot has
     # the group's largest rank in every slice, the usual case, and nothing is masked)
@@ -150,8 +150,8 @@ class StackedGroup:
         if rank == 0:
             return None
         n, cap, in_f, pool = len(g.modules), stack.capacity, g.in_features, stack.pool
-        group = cls(rank, torch.empty(cap, in_f, n * rank, device=device, dtype=pool.dtype),
-                    tuple(torch.empty(cap, rank, out, device=device, dtype=pool.dtype)
+        group = cls(rank, torch.empty(cap, n * rank, in_f, device=device, dtype=pool.dtype),
+                    tuple(torch.empty(cap, out, rank, device=device, dtype=pool.dtype)
                           for out in g.out_sizes),
                     torch.zeros(cap, n, 1, 1, device=device, dtype=dtype), None)
         group.copy(layer, g, stack, list(range(len(stack))))
@@ -160,11 +160,11 @@ class StackedGroup:
     def copy(self, layer: int, g: SliceGroup, stack: AdapterStack, positions: list[int]) -> None:
         """Copy the weights of the positions `positions` from the pool at the ranks the stack's
         table gives them (a dormant position's: 0, all zeros); recompute the mask."""
-        n, rank, device, pool = len(g.modules), self.rank, self.a_t.device, stack.pool
+        n, rank, device, pool = len(g.modules), self.rank, self.a.device, stack.pool
         at = torch.tensor(positions, device=device)
         k = len(positions)
         a = torch.zeros(k, n, rank, g.in_features, dtype=pool.dtype, device=device)  # [k,n,R,in]
-        bt = [torch.zeros(k, rank, out, dtype=pool.dtype, device=device) for out in g.out_sizes]
+        b = [torch.zeros(k, out, rank, dtype=pool.dtype, device=device) for out in g.out_sizes]
         ranks = stack.ranks[layer, positions, g.modules_slice].tolist()  # [k][n]
         for j, p in enumerate(positions):  # (each slot's rows from its pages, zero above rank)
             for i, module in enumerate(g.modules):
@@ -175,10 +175,10 @@ class StackedGroup:
                                        "be being rewritten")
                 a_rows, b_rows = pool.rows(layer, stack.slots[p], module)
                 a[j, i, :ranks[j][i]] = a_rows
-                bt[i][j, :ranks[j][i]] = b_rows.T
-        self.a_t.index_copy_(0, at, a.reshape(k, n * rank, -1).transpose(1, 2))
-        for buf, b in zip(self.bt, bt):
-            buf.index_copy_(0, at, b)
+                b[i][j, :, :ranks[j][i]] = b_rows
+        self.a.index_copy_(0, at, a.reshape(k, n * rank, -1))
+        for buf, rows in zip(self.b, b):
+            buf.index_copy_(0, at, rows)
         scales = stack.scales[layer, positions, g.modules_slice]  # [k, n]
         self.scales.index_copy_(0, at, scales[:, :, None, None].to(device, self.scales.dtype))
         ranks = stack.ranks[layer, :len(stack), g.modules_slice]  # [S, n]

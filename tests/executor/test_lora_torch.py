@@ -64,6 +64,26 @@ def check_against_exact(backend, pool, row_slots, meta=None):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_many_decode_rows_of_one_adapter_keep_their_stack(pool, monkeypatch):
+    """16 decode rows of one adapter batch like a prefill chunk of 16 rows (their length
+    class), yet the tier has no kept stack: theirs is kept, and the steps after it copy
+    nothing (each step built and copied one before)."""
+    copied = []
+    original = StackedGroup.copy
+    monkeypatch.setattr(StackedGroup, "copy", lambda self, layer, g, stack, positions: (
+        copied.extend(positions), original(self, layer, g, stack, positions)))
+    fast = TorchLoraBackend(pool)
+    rows = [0] * 16
+    first = fast.prepare(torch.tensor(rows)).batches[0].stack
+    check_against_exact(fast, pool, rows)
+    assert copied
+    copied.clear()
+    for _ in range(2):
+        assert fast.prepare(torch.tensor(rows)).batches[0].stack is first
+        check_against_exact(fast, pool, rows)
+    assert copied == []
+
+
 def test_decode_steps_keep_one_stack_and_copy_only_what_changed(pool, monkeypatch):
     """Decode steps over the same adapters read one stacked copy of them, not a copy per step. A
     step over half of them or more reads the whole stack; a new adapter is appended to it and a
