@@ -31,6 +31,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+import grpc
 import torch
 from step_breakdown import breakdown_table, decode_breakdown
 
@@ -44,6 +45,7 @@ RESULTS = REPO / "bench" / "results" / "serving-cpu.md"
 MAX_NEW_TOKENS = 32
 ADAPTER_COUNTS = (1, 16, 64)
 ROUNDS = 5
+STREAM_ROUND_TIMEOUT_S = 300.0  # (a round takes ~1 s here)
 LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -113,6 +115,38 @@ async def loraplex_round(stub, prompts: list[list[int]],
         client.generate(stub, client.generate_request(n, p, MAX_NEW_TOKENS, ignore_eos=True))
         for p, n in zip(prompts, names)))
     return time.perf_counter() - start, gens
+
+
+async def loraplex_stream_round(stub, prompts: list[list[int]],
+                                names: list[str]) -> tuple[float, list[list[int]]]:
+    """All requests at once on one Stream, as a gateway sends them (scheduler.proto: a message
+    per step carries every request's tokens); (seconds to the last token, token ids per
+    request). RuntimeError on a request that ends in an error."""
+    start = time.perf_counter()
+    call = stub.Stream(timeout=STREAM_ROUND_TIMEOUT_S)
+    tokens: list[list[int]] = [[] for _ in prompts]
+    await call.write(scheduler_pb2.StreamRequest(submits=[
+        scheduler_pb2.StreamSubmit(id=i, tenant="bench", request=client.generate_request(
+            name, prompt, MAX_NEW_TOKENS, ignore_eos=True))
+        for i, (prompt, name) in enumerate(zip(prompts, names))]))
+    left = set(range(len(prompts)))
+    try:
+        while left:
+            message = await call.read()
+            if message is grpc.aio.EOF:
+                raise RuntimeError(f"the scheduler ended the Stream with {len(left)} requests "
+                                   "unfinished")
+            for i, token in zip(message.token_request_ids, message.token_ids):
+                tokens[i].append(token)
+            for end in message.ends:
+                if end.error_code:
+                    raise RuntimeError(f"request {end.id} failed: {end.error_message}")
+                left.discard(end.id)
+        seconds = time.perf_counter() - start
+        await call.done_writing()
+    finally:
+        call.cancel()
+    return seconds, tokens
 
 
 async def one_token_ttfts(stub, names: list[str], prompt: list[int]) -> list[float]:

@@ -7,7 +7,9 @@ is paused (SIGSTOP) while another engine runs one: vLLM's engine core and worker
 wait for work, and on these 2 cores took CPU from whichever engine was timed.
 
 - WorkerEngine: a peer in a process of its own, spoken to by bench/peers/worker_loop.py's lines.
-- Loraplex: the services bench/serving.py starts, through the scheduler's Generate stream.
+- Loraplex: the services bench/serving.py starts, its requests sent to the scheduler on one Stream
+  (as the gateway sends them: a message per step carries every request's tokens), or each on a
+  Generate stream of its own (as loraplex.client does: a message per token).
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ async def timed(engine, num_adapters: int,
     tokens, CPU seconds of all its processes, CPU seconds of each of them by name, CPU seconds
     of the others' processes)."""
     pids = engine.pids()
-    other_pids = [pid for other in others for pid in other.pids().values()]
+    other_pids = [pid for other in others for pid in other.pids().values()
+                  if pid not in pids.values()]  # (two ways into the same services: not others)
     before = {label: cpu_seconds([pid]) for label, pid in pids.items()}
     others_before = cpu_seconds(other_pids)
     paused = [other for other in others if isinstance(other, WorkerEngine)]
@@ -157,8 +160,8 @@ class WorkerEngine:
 
 
 class Loraplex:
-    def __init__(self, stub, prompts: list[list[int]], pids: dict[str, int]):
-        self.stub, self.prompts, self.service_pids = stub, prompts, pids
+    def __init__(self, stub, prompts: list[list[int]], pids: dict[str, int], *, stream: bool):
+        self.stub, self.prompts, self.service_pids, self.stream = stub, prompts, pids, stream
 
     def pids(self) -> dict[str, int]:
         """The services' processes by name (store, executor, scheduler), not this client's."""
@@ -177,6 +180,8 @@ class Loraplex:
         return time.perf_counter() - start
 
     async def round(self, num_adapters: int) -> tuple[float, list[list[int]]]:
-        seconds, gens = await serving.loraplex_round(self.stub, self.prompts,
-                                                     self.names(num_adapters))
+        names = self.names(num_adapters)
+        if self.stream:
+            return await serving.loraplex_stream_round(self.stub, self.prompts, names)
+        seconds, gens = await serving.loraplex_round(self.stub, self.prompts, names)
         return seconds, [g.token_ids for g in gens]

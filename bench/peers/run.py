@@ -12,7 +12,10 @@ timing (so loads are not timed). Per adapter count the engines run in alternatin
 order rotated each round), and each reports its median round by wall time: tokens/s is all
 generated tokens over the wall time of the call that generated them.
 - loraplex: the three services as bench/serving.py starts them (store, one executor with a slot
-  per adapter and --threads 1, scheduler), all requests streamed back over gRPC.
+  per adapter and --threads 1, scheduler), all requests streamed back over gRPC, two ways, each
+  an engine of the table: on one Stream to the scheduler, as the gateway sends its requests (a
+  message per step carries every request's tokens: "loraplex (Stream)"), and each on a Generate
+  stream of its own, as loraplex.client does (a message per token: "loraplex (Generate)").
 - HF PEFT: bench/peers/peft_worker.py; vLLM: bench/peers/vllm_worker.py (in its own venv).
 Greedy tokens are compared across engines request by request, all 32 of them. Without
 --quick the results go to bench/results/peers-cpu.md.
@@ -48,7 +51,8 @@ PEERS = BENCH / "peers"
 VLLM_PYTHON = PEERS / ".venv-vllm" / "bin" / "python"
 RESULTS = BENCH / "results" / "peers-cpu.md"
 ADAPTER_COUNTS = (0, 1, 16, 64)
-ENGINES = ("loraplex", "HF PEFT", "vLLM")
+OURS = ("loraplex (Stream)", "loraplex (Generate)")
+ENGINES = (*OURS, "HF PEFT", "vLLM")
 
 
 def start_vllm(setup_args: list[str], log_dir: pathlib.Path) -> tuple[WorkerEngine | None, str]:
@@ -104,15 +108,16 @@ def cpu_split(rounds: list[tuple]) -> str:
 def speed_table(results: dict, counts: list[int], names: list[str], speed, unit: str,
                 with_tokens: bool) -> list[str]:
     head = "| distinct adapters | " + " | ".join(f"{n} {unit}" for n in names)
-    ratios = [peer for peer in ("HF PEFT", "vLLM") if peer in names]
-    head += "".join(f" | loraplex / {peer}" for peer in ratios)
+    ratios = [(ours, peer) for ours in OURS if ours in names
+              for peer in ("HF PEFT", "vLLM") if peer in names]
+    head += "".join(f" | {ours.removeprefix('loraplex ')} / {peer}" for ours, peer in ratios)
     lines = [head + (" | tokens equal |" if with_tokens else " |"),
              "|---:" * (1 + len(names) + len(ratios)) + ("|:---|" if with_tokens else "|")]
     for n in counts:
         speeds = {name: speed(results[n][name]) for name in names}
         lines.append(f"| {n or 'none (base)'} | " + " | ".join(
             f"{speeds[name]:,.0f}" for name in names)
-            + "".join(f" | {speeds['loraplex'] / speeds[p]:.2f}" for p in ratios)
+            + "".join(f" | {speeds[ours] / speeds[peer]:.2f}" for ours, peer in ratios)
             + (f" | {'yes' if all_equal(results[n], names) else 'no'} |" if with_tokens
                else " |"))
     return lines
@@ -125,7 +130,9 @@ def report(results: dict, counts: list[int], names: list[str], rounds: int, num_
             "ignored); adapters rank 16 on all 7 projections, request i on adapter i mod N; "
             "tiny LLaMA (4 layers, hidden 256), float32, CPU; one compute thread per engine "
             "process. tok/s: all generated tokens over the wall time of the call that made them "
-            "(loraplex: every request streamed back through the scheduler over gRPC; HF PEFT: "
+            "(loraplex: every request streamed back through the scheduler over gRPC, on one "
+            "Stream as the gateway sends them, a message per step, or each on its own Generate "
+            "stream as loraplex.client does, a message per token; HF PEFT: "
             "one generate over the left-padded batch, EOS no stop token; vLLM: one "
             "LLM.generate, ignore_eos). Every adapter was used once before the timed rounds."),
            "", *speed_table(results, counts, names, wall_tok_s, "tok/s", True), "",
@@ -230,10 +237,10 @@ async def run_all(fleet: Fleet, peft: WorkerEngine, vllm: WorkerEngine | None,
         await client.push_adapter(fleet.stores[0], adapter_dir / f"a{i}", f"a{i}")
     async with insecure_channel(fleet.scheduler) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
-        ours = Loraplex(stub, prompts, {s.name.split('-')[0]: s.process.pid
-                                        for s in fleet.services})
-        await ours.warm_up(num_adapters)
-        engines = {"loraplex": ours, "HF PEFT": peft, **({"vLLM": vllm} if vllm else {})}
+        pids = {s.name.split('-')[0]: s.process.pid for s in fleet.services}
+        ours = {name: Loraplex(stub, prompts, pids, stream=name == OURS[0]) for name in OURS}
+        await ours[OURS[0]].warm_up(num_adapters)
+        engines = {**ours, "HF PEFT": peft, **({"vLLM": vllm} if vllm else {})}
         print(f"{rounds} alternating rounds per adapter count ...", flush=True)
         results = await measure(engines, counts, rounds)
     info = {"loraplex": "3 services, executor --threads 1, scheduler --pipeline-depth 2",
