@@ -25,6 +25,7 @@ from executor.model.attention import (  # noqa: E402
     attend,
     build_attention_meta,
     decode_buckets,
+    prefill_batch,
 )
 from executor.model.kv_cache import PagedKVCache  # noqa: E402
 from kernels.attention_work import PagedAttentionWork  # noqa: E402
@@ -40,8 +41,10 @@ from tests.runner_driver import make_runner, prompts, run  # noqa: E402
 PAGE, NUM_KV_HEADS = 8, 2
 # Contexts: 1 key, exactly a block, a block + 1, short ones, and one much longer sequence.
 DECODE_LENS = [1, PAGE, PAGE + 1, 3, 20, 150]
-# Row groups (start_pos, num_tokens) of a mixed step: prefill chunks and decode rows.
-MIXED_GROUPS = [(0, 5), (PAGE, 1), (9, 7), (0, 1), (40, 3), (100, 1)]
+# Row groups (start_pos, num_tokens) of a mixed step: prefill chunks and decode rows. The
+# prompts at position 0 share one padded SDPA on CPU (of 3, 5, 6 and 12 tokens; 12 not under a
+# window of 7).
+MIXED_GROUPS = [(0, 5), (PAGE, 1), (9, 7), (0, 1), (40, 3), (100, 1), (0, 3), (0, 12), (0, 6)]
 
 
 def assert_close(actual, expected, dtype, k=1.0):
@@ -226,6 +229,28 @@ def test_decode_buckets_pad_each_row_to_at_most_twice_its_keys():
     with pytest.raises(ValueError, match="unknown attention backend"):
         build_attention_meta([], [], [], [], block_size=4, windows={None}, backend="flash",
                              device="cpu")
+
+
+def test_prompts_at_position_zero_share_one_padded_sdpa():
+    """On CPU, prompts that start at position 0 (up to 64 tokens, within the window) make one
+    bucket per length class; a chunk over earlier context, a longer prompt or a lone one is
+    an SDPA of its own. (Their output: test_mixed_prefill_and_decode_step and the scores
+    tests.)"""
+    example = prefill_batch([[3, 5], [7]], [0, 6], [6, 3], 4, "cpu")
+    assert example.rows.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 8, 8, 8]
+    assert example.slots.tolist() == [[12, 13, 14, 15, 20, 21], [28, 29, 30, 30, 30, 30]]
+    assert example.real_rows.tolist() == list(range(9)) and example.mask.shape == (6, 6)
+    groups = [*MIXED_GROUPS, (0, 70), (0, 17), (0, 30)]
+    starts = [sum(n for _, n in groups[:i]) for i in range(len(groups))]
+    metas = build_attention_meta([list(range(20))] * len(groups), [s + n for s, n in groups],
+                                 starts, [n for _, n in groups], block_size=PAGE,
+                                 windows={None, 7}, backend="torch", device="cpu")
+    # buckets by length: <= 16 (3, 5, 6, 12), 17-32 (17, 30); 70 alone; under window 7: 3, 5, 6
+    assert {w: [tuple(b.slots.shape) for b in m.prefill_batches] for w, m in metas.items()} == {
+        None: [(4, 12), (2, 30)], 7: [(3, 6)]}
+    # (40, 3) and (9, 7) attend to earlier context
+    assert sorted(p.end - p.start for p in metas[None].prefills) == [3, 7, 70]
+    assert sorted(p.end - p.start for p in metas[7].prefills) == [3, 7, 12, 17, 30, 70]
 
 
 def test_executor_oracle_with_triton_attention(tiny, hf_peft, monkeypatch):
