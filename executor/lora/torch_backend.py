@@ -244,12 +244,12 @@ class TorchLoraBackend:
                                 stacked.scales.index_select(0, at),
                                 None if stacked.drop is None
                                 else stacked.drop.index_select(0, at)))
-        # A [S, nR, in] and B [S, out, R] as PEFT holds them. Over 1-2 rows a segment the shrink
-        # runs as A times x's rows (a dot product along A's contiguous rows), over more as x
-        # times A transposed; the expand as t times B transposed. On this CPU, 4 layers of the
-        # tiny LLaMA's groups: 64 segments of 1 row 4.2 ms against 6.9 ms for x @ A^T stored
-        # transposed and t @ B^T stored transposed; 16 of 4 rows 1.35 ms against 1.2 ms.
-        t = torch.bmm(a, xs.mT).mT if xs.shape[1] <= 2 else xs @ a.mT  # [S, Lmax, nR]
+        # A [S, nR, in] and B [S, out, R] as PEFT holds them: the shrink runs as A times x's
+        # rows (a dot product along A's contiguous rows), the expand as t times B transposed.
+        # Decode step of the tiny LLaMA over 64 adapters (a row each) on this CPU: LoRA 5.5-5.8
+        # ms against 7.6-8.8 ms for x @ A^T and t @ B^T stored transposed; over 16 adapters (4
+        # rows each) 3.3-3.9 ms against 3.6-4.8 ms.
+        t = torch.bmm(a, xs.mT).mT  # [S, Lmax, nR]
         t = t.reshape(num, -1, n, stacked.rank)  # [S, Lmax, n, R]
         if drop is not None:
             t = t.masked_fill(drop[:num], 0.0)
