@@ -101,4 +101,7 @@ def test_executor_matches_hf_peft_on_trained_weights():
     for sid, (prompt, slot) in enumerate(cases):
         tokens, logits = hf_greedy(hf, prompt, 8, TASKS[slot].name if slot >= 0 else None)
         assert got[sid][0] == tokens
-        torch.testing.assert_close(got[sid][1], logits, atol=1e-4, rtol=0)
+        # (fp32 summation orders apart: the trained weights' logits reach ~3.3, and prompts
+        # sharing one prefill SDPA differ from HF's by up to 1.03e-4 there, 9.7e-5 with an
+        # SDPA each)
+        torch.testing.assert_close(got[sid][1], logits, atol=2e-4, rtol=0)
