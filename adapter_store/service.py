@@ -34,6 +34,7 @@ from common.errors import (
     NotFound,
     ResourceExhausted,
     grpc_errors,
+    status_for,
 )
 from common.metrics import serve_metrics
 from common.wire import PUSH_ACCEPTED
@@ -41,6 +42,8 @@ from protos import adapter_store_pb2 as pb
 from protos import adapter_store_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
+
+MAX_QUERIES = 1024  # lookups in one GetAdapters
 
 
 def _ref(pb: common_pb2.AdapterRef, field: str) -> AdapterRef:
@@ -144,6 +147,24 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
             tenant = self._reader(context, request.tenant)
             return record_to_pb(await self._registry.get(
                 request.name, request.version, tenant, request.alias))
+
+    async def GetAdapters(self, request, context) -> pb.GetAdaptersResponse:
+        async with grpc_errors(context):
+            if len(request.queries) > MAX_QUERIES:
+                raise InvalidArgument(f"{len(request.queries)} queries in one GetAdapters; at "
+                                      f"most {MAX_QUERIES}")
+            caller = self._keys.require(context, Role.TENANT, Role.SERVICE, Role.ADMIN)
+            return pb.GetAdaptersResponse(answers=await asyncio.gather(
+                *(self._answer(caller, query) for query in request.queries)))
+
+    async def _answer(self, caller, query: pb.GetAdapterRequest) -> pb.AdapterAnswer:
+        """One query of GetAdapters, as GetAdapter answers it: its record, or its status."""
+        try:
+            return pb.AdapterAnswer(info=record_to_pb(await self._registry.get(
+                query.name, query.version, acting_tenant(caller, query.tenant), query.alias)))
+        except Exception as exc:  # noqa: BLE001 - each query's error is its answer
+            code, message = status_for(exc)
+            return pb.AdapterAnswer(error_code=code.value[0], error_message=message)
 
     async def DescribeAdapter(self, request, context) -> pb.AdapterDetails:
         async with grpc_errors(context):

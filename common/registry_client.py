@@ -16,7 +16,9 @@ AdapterRef for its whole life, so moving an alias never changes a running sequen
                    without each paying the lookup's deadline
     NOT_FOUND      never kept: a push is visible at once
 
-Concurrent lookups of one reference share one question to the stores.
+Concurrent lookups of one reference share one question to the stores, and the questions of one
+turn of the event loop go in one GetAdapters call (a burst of requests over 64 adapters, their
+names' answers expired, waited 25-45 ms for 64 GetAdapter calls on a 2-core machine).
 
 A moved alias is seen by new requests within resolve_ttl_s.
 """
@@ -30,7 +32,7 @@ from collections.abc import Callable
 import grpc
 
 from common.adapter_ref import AdapterQuery, AdapterRef
-from common.errors import LoraplexError, Unavailable, from_rpc_error
+from common.errors import LoraplexError, Unavailable, from_rpc_error, relayed_status
 from common.lru import Lru
 from common.server import insecure_channel
 from protos import adapter_store_pb2, adapter_store_pb2_grpc, common_pb2
@@ -45,6 +47,16 @@ VERSION_TTL_S = 60.0
 class _Answer:
     info: common_pb2.AdapterInfo
     at: float  # clock time of the store's answer (or of its last use while stores failed)
+
+
+@dataclasses.dataclass
+class _Question:
+    request: adapter_store_pb2.GetAdapterRequest
+    answer: asyncio.Future  # -> AdapterInfo
+
+
+# Questions in one GetAdapters call at most (the store's limit).
+MAX_QUERIES = 1024
 
 
 # A name's (or alias's) resolution is reused this long by default: a version pushed or an alias
@@ -65,6 +77,8 @@ class RegistryClient:
         self._versions: Lru[AdapterRef, _Answer] = Lru(max_entries)
         self._names: Lru[tuple[str, AdapterQuery], _Answer] = Lru(max_entries)
         self._asking: dict[tuple[str, AdapterQuery], asyncio.Future] = {}  # lookups under way
+        self._next: list[_Question] = []  # the questions of the next GetAdapters call
+        self._calls: set[asyncio.Task] = set()  # GetAdapters calls under way
 
     async def warm(self, adapter: AdapterRef) -> None:
         """Have the first store that answers bring the version into its RAM tier (best effort:
@@ -123,19 +137,68 @@ class RegistryClient:
             self._names.put(key, _Answer(info, self._clock()))
         return info
 
-    async def _ask(self, query: AdapterQuery, tenant: str) -> common_pb2.AdapterInfo:
-        """The store's answer: replicas in order, the next one when one is UNAVAILABLE."""
-        request = adapter_store_pb2.GetAdapterRequest(name=query.name, version=query.version,
-                                                      tenant=tenant, alias=query.alias)
+    def _ask(self, query: AdapterQuery, tenant: str) -> asyncio.Future:
+        """The store's answer (an AdapterInfo), asked in the next GetAdapters call: every
+        question of this turn of the event loop goes in one."""
+        loop = asyncio.get_running_loop()
+        if not self._next:
+            loop.call_soon(self._send)
+        question = _Question(adapter_store_pb2.GetAdapterRequest(
+            name=query.name, version=query.version, tenant=tenant, alias=query.alias),
+            loop.create_future())
+        self._next.append(question)
+        return question.answer
+
+    def _send(self) -> None:
+        questions, self._next = self._next, []
+        for start in range(0, len(questions), MAX_QUERIES):
+            call = asyncio.ensure_future(self._call(questions[start:start + MAX_QUERIES]))
+            self._calls.add(call)
+            call.add_done_callback(self._calls.discard)
+
+    async def _call(self, questions: list[_Question]) -> None:
+        """Answer `questions` from the stores: replicas in order, the next one for the
+        questions a replica could not answer (UNAVAILABLE: the call, or a question's own)."""
         last: LoraplexError = Unavailable("no adapter store configured")
         for _, stub in self._stores:
             try:
-                return await stub.GetAdapter(request, timeout=self._resolve_s)
+                response = await stub.GetAdapters(adapter_store_pb2.GetAdaptersRequest(
+                    queries=[q.request for q in questions]), timeout=self._resolve_s)
             except grpc.aio.AioRpcError as err:
                 last = from_rpc_error(err, "adapter registry")
-                if not isinstance(last, Unavailable):
-                    raise last from None
-        raise last
+                if isinstance(last, Unavailable):
+                    continue
+                break
+            if len(response.answers) != len(questions):
+                last = Unavailable(f"adapter registry: {len(response.answers)} answers to "
+                                   f"{len(questions)} questions")
+                continue
+            unanswered = []
+            for question, answer in zip(questions, response.answers):
+                if not answer.error_code:
+                    _settle(question.answer, result=answer.info)
+                    continue
+                error = relayed_status(answer.error_code,
+                                       f"adapter registry: {answer.error_message}")
+                if isinstance(error, Unavailable):
+                    last = error
+                    unanswered.append(question)
+                else:
+                    _settle(question.answer, error=error)
+            questions = unanswered
+            if not questions:
+                return
+        for question in questions:
+            _settle(question.answer, error=type(last)(str(last)))
+
+
+def _settle(future: asyncio.Future, *, result=None, error: BaseException | None = None) -> None:
+    if future.done():  # (nobody waits for it any more)
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def _is_visible(info: common_pb2.AdapterInfo, tenant: str) -> bool:

@@ -76,6 +76,28 @@ class GetAdapterRequest(_message.Message):
     alias: str
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., tenant: _Optional[str] = ..., alias: _Optional[str] = ...) -> None: ...
 
+class GetAdaptersRequest(_message.Message):
+    __slots__ = ("queries",)
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    queries: _containers.RepeatedCompositeFieldContainer[GetAdapterRequest]
+    def __init__(self, queries: _Optional[_Iterable[_Union[GetAdapterRequest, _Mapping]]] = ...) -> None: ...
+
+class AdapterAnswer(_message.Message):
+    __slots__ = ("info", "error_code", "error_message")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    info: _common_pb2.AdapterInfo
+    error_code: int
+    error_message: str
+    def __init__(self, info: _Optional[_Union[_common_pb2.AdapterInfo, _Mapping]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+
+class GetAdaptersResponse(_message.Message):
+    __slots__ = ("answers",)
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    answers: _containers.RepeatedCompositeFieldContainer[AdapterAnswer]
+    def __init__(self, answers: _Optional[_Iterable[_Union[AdapterAnswer, _Mapping]]] = ...) -> None: ...
+
 class AdapterDetails(_message.Message):
     __slots__ = ("info", "base_model_revision", "base_config_sha256", "dtype", "rank_pattern", "alpha_pattern", "training_dataset", "eval_scores", "source", "aliases")
     class RankPatternEntry(_message.Message):

@@ -50,6 +50,11 @@ class AdapterStoreStub:
                 request_serializer=protos_dot_adapter__store__pb2.GetAdapterRequest.SerializeToString,
                 response_deserializer=protos_dot_common__pb2.AdapterInfo.FromString,
                 _registered_method=True)
+        self.GetAdapters = channel.unary_unary(
+                '/loraplex.v1.AdapterStore/GetAdapters',
+                request_serializer=protos_dot_adapter__store__pb2.GetAdaptersRequest.SerializeToString,
+                response_deserializer=protos_dot_adapter__store__pb2.GetAdaptersResponse.FromString,
+                _registered_method=True)
         self.DescribeAdapter = channel.unary_unary(
                 '/loraplex.v1.AdapterStore/DescribeAdapter',
                 request_serializer=protos_dot_adapter__store__pb2.GetAdapterRequest.SerializeToString,
@@ -134,6 +139,15 @@ class AdapterStoreServicer:
 
     def GetAdapter(self, request, context):
         """Metadata of one adapter version: exact, by alias, or the latest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetAdapters(self, request, context):
+        """Many lookups at once, each answered as GetAdapter answers it (its record, or its error): a
+        scheduler or gateway resolving the adapters of a burst of requests asks once, not per name.
+        At most 1,024 queries (INVALID_ARGUMENT past that).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -238,6 +252,11 @@ def add_AdapterStoreServicer_to_server(servicer, server):
                     servicer.GetAdapter,
                     request_deserializer=protos_dot_adapter__store__pb2.GetAdapterRequest.FromString,
                     response_serializer=protos_dot_common__pb2.AdapterInfo.SerializeToString,
+            ),
+            'GetAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetAdapters,
+                    request_deserializer=protos_dot_adapter__store__pb2.GetAdaptersRequest.FromString,
+                    response_serializer=protos_dot_adapter__store__pb2.GetAdaptersResponse.SerializeToString,
             ),
             'DescribeAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.DescribeAdapter,
@@ -376,6 +395,33 @@ class AdapterStore:
             '/loraplex.v1.AdapterStore/GetAdapter',
             protos_dot_adapter__store__pb2.GetAdapterRequest.SerializeToString,
             protos_dot_common__pb2.AdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplex.v1.AdapterStore/GetAdapters',
+            protos_dot_adapter__store__pb2.GetAdaptersRequest.SerializeToString,
+            protos_dot_adapter__store__pb2.GetAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

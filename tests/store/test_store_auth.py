@@ -64,11 +64,19 @@ async def push(stub, name: str, owner: str = "") -> common_pb2.AdapterInfo:
 async def code_of(awaitable) -> grpc.StatusCode:
     try:
         result = await awaitable
+        if isinstance(result, grpc.StatusCode):  # (first_answer's)
+            return result
         if hasattr(result, "__aiter__"):
             [_ async for _ in result]
     except grpc.aio.AioRpcError as err:
         return err.code()
     return OK
+
+
+async def first_answer(call) -> grpc.StatusCode:
+    """The status of a GetAdapters call's first answer (an error of the call raises)."""
+    code = (await call).answers[0].error_code
+    return next(c for c in grpc.StatusCode if c.value[0] == code)
 
 
 async def fetch(stub, name, version):
@@ -86,6 +94,11 @@ MATRIX = {
     "GetAdapter for acme": (lambda s, w, src: s.GetAdapter(pb.GetAdapterRequest(name="a-bot",
                                                                            tenant="acme")),
                             (UNAUTH, OK, DENIED, OK, OK)),
+    "GetAdapters own": (lambda s, w, src: first_answer(s.GetAdapters(pb.GetAdaptersRequest(
+        queries=[pb.GetAdapterRequest(name="a-bot")]))), (UNAUTH, OK, NOT_FOUND, OK, OK)),
+    "GetAdapters for acme": (lambda s, w, src: first_answer(s.GetAdapters(pb.GetAdaptersRequest(
+        queries=[pb.GetAdapterRequest(name="a-bot", tenant="acme")]))),
+        (UNAUTH, OK, DENIED, OK, OK)),
     "DescribeAdapter": (lambda s, w, src: s.DescribeAdapter(pb.GetAdapterRequest(name="a-bot")),
                         (UNAUTH, OK, NOT_FOUND, OK, OK)),
     "ListAdapters": (lambda s, w, src: s.ListAdapters(pb.ListAdaptersRequest()),
