@@ -17,13 +17,14 @@ path takes the model's score scale and soft cap (Gemma 2: scores -> cap * tanh(s
       contexts, not rows x longest context (one long sequence no longer slows every row), in a
       handful of calls; a bucket whose rows all have the same length needs no mask. (Measured
       on 64-row batches: a flat per-key segment softmax, exact too, was 2-9x slower.)
-    - prompts that start at position 0 in the step, up to PREFILL_BATCH_MAX_ROWS tokens (within
-      the window, on a layer with one), are put in buckets by length like decode rows; a bucket
-      of two or more is one causal SDPA over them padded to its longest (a padded key comes
-      after every real query's, so the causal mask hides it). 64 prompts of 8-24 tokens: 1.7
-      ms a layer against 4.5-6.7 ms for an SDPA each.
-    - other prefill chunks (many queries) get one SDPA each over their gathered context (from
-      the first query's window on, on a layer with a window).
+    - short prefill chunks (up to PREFILL_BATCH_MAX_ROWS queries over up to
+      PREFILL_BATCH_MAX_KEYS keys, all within the window on a layer with one: a prompt, or its
+      part past a cached prefix) are put in buckets by number of keys like decode rows; a bucket
+      of two or more is one SDPA over them, queries and keys padded to the bucket's longest, a
+      [B, Lq, C] mask letting each query see its own sequence's keys up to its position. 64
+      prompts of 8-24 tokens: 1.7 ms a layer against 4.5-6.7 ms for an SDPA each.
+    - other prefill chunks get one SDPA each over their gathered context (from the first
+      query's window on, on a layer with a window).
     With a soft cap the SDPA is written out as HF's eager attention computes it (SDPA has no cap).
 """
 
@@ -41,8 +42,10 @@ from kernels.attention_work import PagedAttentionWork, visible_keys
 
 ATTENTION_BACKENDS = ("torch", "triton")
 MIN_BUCKET_KEYS = 32  # decode rows with at most this many keys share one bucket
-PREFILL_BATCH_MAX_ROWS = 64  # longer prompts get an SDPA each (its call costs little beside it)
-MIN_PREFILL_BUCKET = 16  # prompts of at most this many tokens share one bucket
+# Longer chunks, or over more keys, get an SDPA each (its call costs little beside them)
+PREFILL_BATCH_MAX_ROWS = 64
+PREFILL_BATCH_MAX_KEYS = 256
+MIN_PREFILL_BUCKET = 16  # chunks over at most this many keys share one bucket
 
 
 def resolve_attention_backend(name: str, device: str | torch.device) -> str:
@@ -72,14 +75,15 @@ class PrefillChunk:
 
 @dataclass(frozen=True)
 class PrefillBatch:
-    """Prompts at position 0 of similar length, one causal SDPA over all of them padded to the
-    longest (L): row b, column j is prompt b's token min(j, its length - 1)."""
+    """Short chunks over similar numbers of keys, one SDPA over all of them: chunk b's queries
+    padded to the longest chunk (Lq; padding repeats its last query), its keys to the most keys
+    (C; padding repeats its last key, which no real query sees)."""
 
-    rows: torch.Tensor  # [B * L] step rows (padding repeats a prompt's last row)
-    slots: torch.Tensor  # [B, L] flat KV slots of those rows' keys
+    rows: torch.Tensor  # [B * Lq] step rows of the queries
+    slots: torch.Tensor  # [B, C] flat KV slots of the keys
     real: torch.Tensor  # [N] the positions of `rows` that are not padding
     real_rows: torch.Tensor  # [N] rows[real]: the step rows it writes
-    mask: torch.Tensor  # [L, L] bool, causal: True = may attend
+    mask: torch.Tensor  # [B, 1, Lq, C] bool: True = may attend
 
 
 @dataclass(frozen=True)
@@ -97,12 +101,13 @@ class TorchAttentionMeta:
         buckets = decode_buckets([tables[s] for s in decode], [context_lens[s] for s in decode],
                                  [query_starts[s] for s in decode], block_size, sliding_window,
                                  device)
-        prompts: dict[int, list[int]] = {}  # prompts at position 0 by length bucket
+        short: dict[int, list[int]] = {}  # short chunks by number of keys
         for s, n in enumerate(query_lens):
-            if 1 < n == context_lens[s] and n <= min(PREFILL_BATCH_MAX_ROWS,
-                                                     sliding_window or n):
-                prompts.setdefault((max(n, MIN_PREFILL_BUCKET) - 1).bit_length(), []).append(s)
-        batched = [sel for sel in prompts.values() if len(sel) > 1]
+            c = context_lens[s]
+            if 1 < n <= PREFILL_BATCH_MAX_ROWS and c <= min(PREFILL_BATCH_MAX_KEYS,
+                                                            sliding_window or c):
+                short.setdefault((max(c, MIN_PREFILL_BUCKET) - 1).bit_length(), []).append(s)
+        batched = [sel for sel in short.values() if len(sel) > 1]
         in_batches = {s for sel in batched for s in sel}
         prefills = []
         for s in (s for s, n in enumerate(query_lens) if n > 1 and s not in in_batches):
@@ -119,29 +124,33 @@ class TorchAttentionMeta:
                 mask=visible_keys(torch.arange(c - n, c)[:, None], k_pos[None, :],
                                   sliding_window).to(device)))
         return cls(buckets, tuple(prefills), tuple(
-            prefill_batch([tables[s] for s in sel], [query_starts[s] for s in sel],
-                          [query_lens[s] for s in sel], block_size, device) for sel in batched))
+            prefill_batch([tables[s] for s in sel], [context_lens[s] for s in sel],
+                          [query_starts[s] for s in sel], [query_lens[s] for s in sel],
+                          block_size, device) for sel in batched))
 
 
-def prefill_batch(tables: list[list[int]], starts: list[int], lens: list[int], block_size: int,
-                  device: str | torch.device) -> PrefillBatch:
-    """Prompts at position 0: prompt b has lens[b] tokens at step rows starts[b]... and block
-    table tables[b].
+def prefill_batch(tables: list[list[int]], context_lens: list[int], starts: list[int],
+                  lens: list[int], block_size: int, device: str | torch.device) -> PrefillBatch:
+    """Chunks of whole context: chunk b has lens[b] queries at step rows starts[b]..., at the
+    last positions of its context_lens[b] keys, through block table tables[b].
 
-    Example, block_size 4: tables [[3, 5], [7]], starts [0, 6], lens [6, 3] -> rows [0 1 2 3 4 5
-    6 7 8 8 8 8], slots [[12 13 14 15 20 21], [28 29 30 30 30 30]], real rows 0-8."""
-    n = torch.tensor(lens)
-    width = max(lens)
+    Example, block_size 4: tables [[3, 5], [7]], contexts [6, 3], starts [0, 2], lens [2, 3] ->
+    rows [0 1 1 2 3 4], slots [[12 13 14 15 20 21], [28 29 30 30 30 30]], real rows 0-4; chunk
+    0's queries (positions 4, 5) see keys 0-4 and 0-5, chunk 1's (0, 1, 2) keys 0, 0-1, 0-2."""
+    n, c = torch.tensor(lens), torch.tensor(context_lens)
+    width, num_keys = max(lens), max(context_lens)
     j = torch.arange(width)
-    key = torch.minimum(j[None, :], (n - 1)[:, None])  # [B, L]: each column's key position
-    blocks = -(-width // block_size)
+    query = torch.minimum(j[None, :], (n - 1)[:, None])  # [B, Lq]: its query of each column
+    k_pos = torch.minimum(torch.arange(num_keys)[None, :], (c - 1)[:, None])  # [B, C]
+    blocks = -(-num_keys // block_size)
     table = torch.tensor([t[:blocks] + [0] * (blocks - len(t[:blocks])) for t in tables])
-    slots = table.gather(1, key // block_size) * block_size + key % block_size
-    rows = (torch.tensor(starts)[:, None] + key).flatten()
+    slots = table.gather(1, k_pos // block_size) * block_size + k_pos % block_size
+    rows = (torch.tensor(starts)[:, None] + query).flatten()
     real = (j[None, :] < n[:, None]).flatten().nonzero().flatten()
+    q_pos = (c - n)[:, None] + query  # [B, Lq]
+    mask = torch.arange(num_keys)[None, None, :] <= q_pos[:, :, None]  # [B, Lq, C]
     return PrefillBatch(rows.to(device), slots.to(device), real.to(device),
-                        rows[real].to(device),
-                        torch.ones(width, width, dtype=torch.bool).tril().to(device))
+                        rows[real].to(device), mask[:, None].to(device))
 
 
 def decode_buckets(tables: list[list[int]], ctx: list[int], rows: list[int], block_size: int,
@@ -246,11 +255,11 @@ def attend(q: torch.Tensor, kv: PagedKVCache, layer: int, meta: AttentionMeta, *
                  b.mask, scale, softcap, sinks)  # [Sb, H, 1, D]
         attn.index_copy_(0, b.rows, o[:, :, 0, :])
     for b in meta.prefill_batches:
-        k, v = kv.gather(layer, b.slots)  # [B, L, Hkv, D]
-        num, width = b.slots.shape
-        qb = q.index_select(0, b.rows).view(num, width, *q.shape[1:])  # [B, L, H, D]
+        k, v = kv.gather(layer, b.slots)  # [B, C, Hkv, D]
+        num, width = b.mask.shape[0], b.mask.shape[2]
+        qb = q.index_select(0, b.rows).view(num, width, *q.shape[1:])  # [B, Lq, H, D]
         o = sdpa(qb.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), b.mask, scale,
-                 softcap, sinks)  # [B, H, L, D]
+                 softcap, sinks)  # [B, H, Lq, D]
         attn.index_copy_(0, b.real_rows,
                          o.transpose(1, 2).reshape(num * width, *q.shape[1:])[b.real])
     for p in meta.prefills:

@@ -41,9 +41,9 @@ from tests.runner_driver import make_runner, prompts, run  # noqa: E402
 PAGE, NUM_KV_HEADS = 8, 2
 # Contexts: 1 key, exactly a block, a block + 1, short ones, and one much longer sequence.
 DECODE_LENS = [1, PAGE, PAGE + 1, 3, 20, 150]
-# Row groups (start_pos, num_tokens) of a mixed step: prefill chunks and decode rows. The
-# prompts at position 0 share one padded SDPA on CPU (of 3, 5, 6 and 12 tokens; 12 not under a
-# window of 7).
+# Row groups (start_pos, num_tokens) of a mixed step: prefill chunks and decode rows. On CPU the
+# chunks over at most 16 keys share one padded SDPA (prompts of 3, 5, 6 and 12 tokens and 7
+# queries after 9 keys; under a window of 7 the three prompts within it).
 MIXED_GROUPS = [(0, 5), (PAGE, 1), (9, 7), (0, 1), (40, 3), (100, 1), (0, 3), (0, 12), (0, 6)]
 
 
@@ -231,26 +231,29 @@ def test_decode_buckets_pad_each_row_to_at_most_twice_its_keys():
                              device="cpu")
 
 
-def test_prompts_at_position_zero_share_one_padded_sdpa():
-    """On CPU, prompts that start at position 0 (up to 64 tokens, within the window) make one
-    bucket per length class; a chunk over earlier context, a longer prompt or a lone one is
-    an SDPA of its own. (Their output: test_mixed_prefill_and_decode_step and the scores
-    tests.)"""
-    example = prefill_batch([[3, 5], [7]], [0, 6], [6, 3], 4, "cpu")
-    assert example.rows.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 8, 8, 8]
+def test_short_chunks_share_one_padded_sdpa():
+    """On CPU, prefill chunks of up to 64 queries over up to 256 keys (all within the window)
+    make one batch per bucket of key counts; a longer chunk, a chunk over more keys or a lone
+    one is an SDPA of its own. (Their output: test_mixed_prefill_and_decode_step and the scores
+    tests, whose groups hold such chunks, prompts and one past earlier context.)"""
+    example = prefill_batch([[3, 5], [7]], [6, 3], [0, 2], [2, 3], 4, "cpu")
+    assert example.rows.tolist() == [0, 1, 1, 2, 3, 4]
     assert example.slots.tolist() == [[12, 13, 14, 15, 20, 21], [28, 29, 30, 30, 30, 30]]
-    assert example.real_rows.tolist() == list(range(9)) and example.mask.shape == (6, 6)
-    groups = [*MIXED_GROUPS, (0, 70), (0, 17), (0, 30)]
+    assert example.real_rows.tolist() == list(range(5))
+    assert example.mask[:, 0].tolist() == [  # chunk 0 at positions 4, 5; chunk 1 at 0, 1, 2
+        [[True] * 5 + [False], [True] * 6, [True] * 6],
+        [[True] + [False] * 5, [True] * 2 + [False] * 4, [True] * 3 + [False] * 3]]
+    groups = [*MIXED_GROUPS, (0, 70), (0, 17), (0, 30), (200, 60)]
     starts = [sum(n for _, n in groups[:i]) for i in range(len(groups))]
-    metas = build_attention_meta([list(range(20))] * len(groups), [s + n for s, n in groups],
+    metas = build_attention_meta([list(range(40))] * len(groups), [s + n for s, n in groups],
                                  starts, [n for _, n in groups], block_size=PAGE,
                                  windows={None, 7}, backend="torch", device="cpu")
-    # buckets by length: <= 16 (3, 5, 6, 12), 17-32 (17, 30); 70 alone; under window 7: 3, 5, 6
+    # [chunks, keys] by key count: <= 16 (contexts 5, 16, 3, 12, 6), 17-32 (17, 30); 43 alone;
+    # 70 queries, 260 keys: SDPAs of their own; under window 7 contexts 5, 3, 6
     assert {w: [tuple(b.slots.shape) for b in m.prefill_batches] for w, m in metas.items()} == {
-        None: [(4, 12), (2, 30)], 7: [(3, 6)]}
-    # (40, 3) and (9, 7) attend to earlier context
-    assert sorted(p.end - p.start for p in metas[None].prefills) == [3, 7, 70]
-    assert sorted(p.end - p.start for p in metas[7].prefills) == [3, 7, 12, 17, 30, 70]
+        None: [(5, 16), (2, 30)], 7: [(3, 6)]}
+    assert sorted(p.end - p.start for p in metas[None].prefills) == [3, 60, 70]
+    assert sorted(p.end - p.start for p in metas[7].prefills) == [3, 7, 12, 17, 30, 60, 70]
 
 
 def test_executor_oracle_with_triton_attention(tiny, hf_peft, monkeypatch):
