@@ -148,7 +148,8 @@ def prefill_batch(tables: list[list[int]], context_lens: list[int], starts: list
     rows = (torch.tensor(starts)[:, None] + query).flatten()
     real = (j[None, :] < n[:, None]).flatten().nonzero().flatten()
     q_pos = (c - n)[:, None] + query  # [B, Lq]
-    mask = torch.arange(num_keys)[None, None, :] <= q_pos[:, :, None]  # [B, Lq, C]
+    mask = visible_keys(q_pos[:, :, None], torch.arange(num_keys)[None, None, :],
+                        None)  # [B, Lq, C] (every key within the window: no clipping)
     return PrefillBatch(rows.to(device), slots.to(device), real.to(device),
                         rows[real].to(device), mask[:, None].to(device))
 
