@@ -34,6 +34,10 @@ from common.peft.patterns import compile_pattern, fullmatches
 # A PEFT config is well under 4 KiB; one of this size still lists thousands of patterns. Bigger
 # ones are refused at the header: the config travels in every Fetch and listing.
 MAX_CONFIG_BYTES = 64 * 1024
+# init_lora_weights whose initialisation rewrites the base weights, which PEFT redoes when it
+# loads the adapter (PiSSA, CorDA: W - B0 A0 from an SVD; OLoRA: from a QR; LoftQ: quantized;
+# LoRA-GA: from gradients): served on the unchanged base, such an adapter answers wrong
+BASE_REWRITING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
 # Modules PEFT may adapt that loraplex never serves: the vocabulary-sized ones (by their paths in
 # a text model and in a multimodal one's language model, for a regex to be checked against).
 _VOCAB_MODULES = ("lm_head", "embed_tokens")
@@ -141,6 +145,12 @@ def parse_config(config_json: str) -> LoraConfig:
                        ("use_qalora", "QALoRA"), ("use_bdlora", "block-diagonal LoRA")):
         if raw.get(flag):
             raise _invalid(f"{flag}: {what} is not supported; push a plain LoRA adapter")
+    init = raw.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(BASE_REWRITING_INITS):
+        raise _invalid(f"init_lora_weights {init!r}: PEFT loads such an adapter on base weights "
+                       "it rewrites from the initial LoRA (W - B0 A0), which loraplex does not "
+                       "do; convert it to a plain LoRA when saving it (PEFT's "
+                       "path_initial_model_for_weight_conversion) and push that")
     if raw.get("modules_to_save"):
         raise _invalid(f"modules_to_save {raw['modules_to_save']!r} is not supported: loraplex "
                        "serves LoRA on the projections only, with the base model's own heads")
@@ -198,18 +208,20 @@ def _invocation(value: object) -> tuple[int, ...]:
 
 def _target_parameters(value: object) -> tuple[str, ...]:
     """PEFT's target_parameters: only a mixture-of-experts layer's fused expert weights
-    (common.peft.modules.EXPERT_PROJECTIONS) are served."""
+    (common.peft.modules.EXPERT_PROJECTIONS) are served, named by a dotted suffix of their path
+    ("experts.down_proj", or bare "down_proj" as PEFT writes it when it converts an MoE adapter's
+    target_modules: a dense MLP's parameter is "mlp.down_proj.weight", which it does not end)."""
     if value is None or value == []:
         return ()
     if not isinstance(value, list) or not all(isinstance(t, str) and t for t in value):
         raise _invalid(f"target_parameters must be a list of parameter names, got {value!r}")
     for target in value:
         parts = target.split(".")
-        if tuple(parts[-2:]) not in {("experts", p) for p in EXPERT_PROJECTIONS} \
+        if parts[-1] not in EXPERT_PROJECTIONS or parts[-2:-1] not in ([], ["experts"]) \
                 or not all(part.isidentifier() or part.isdigit() for part in parts):
             raise _invalid(f"target_parameters entry {target!r} is not supported: only an MoE "
                            "layer's fused expert weights are (experts.gate_up_proj, "
-                           "experts.down_proj)")
+                           "experts.down_proj, or bare gate_up_proj, down_proj)")
     return tuple(sorted(set(value)))
 
 

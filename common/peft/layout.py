@@ -157,13 +157,8 @@ def plan_adapter(config: LoraConfig, entries: Mapping[str, TensorEntry]) -> Adap
         if not is_target:
             raise InvalidArgument(f"{WEIGHTS_FILE} adapts {path}, which target_modules "
                                   f"{_shown(config.target_modules)} does not name")
-    if not isinstance(config.target_modules, str):
-        every = paths + [parse_tensor_key(name).path for name in unserved] + [
-            k.path for k in expert_keys.values() if k.expert is not None]
-        for target in config.target_modules:
-            if not any(p == target or p.endswith("." + target) for p in every):
-                raise InvalidArgument(f"target_modules lists {target!r} but {WEIGHTS_FILE} has no "
-                                      "tensors for it")
+    # (an entry with no tensors adapts nothing, as PEFT reads it: one list written for several
+    # families, or emptied by exclude_modules or layers_to_transform)
     modules, dims = {}, {}  # dims: module -> (in, out), equal across layers
     for key, path, (rank, alpha) in zip(keys, paths, config.ranks_and_alphas(paths)):
         pair = pairs[key]

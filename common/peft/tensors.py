@@ -72,11 +72,15 @@ def expert_tensors(raw: torch.Tensor, layout: AdapterLayout
             continue
         scale = e.scale
         a = torch.cat([a for a, _, _ in pieces])  # [r_gate + r_up, in]
-        b = a.new_zeros(e.out_features, e.rank)  # [2 moe_intermediate, r_gate + r_up]
+        # [2 moe_intermediate, r_gate + r_up]; a scale folded in at fp32 at least (PEFT computes
+        # a 16-bit adapter's LoRA in fp32: the product rounded to 16 bits lost ~4e-3 of logits)
+        folds = any(part.scale != scale for _, _, part in pieces)
+        b = torch.zeros(e.out_features, e.rank, dtype=torch.promote_types(
+            a.dtype, torch.float32) if folds else a.dtype)
         col = 0
         for _, part_b, part in pieces:
             rows, rank = part_b.shape[0], part.rank
-            block = part_b if part.scale == scale else part_b * (part.scale / scale)
+            block = part_b if part.scale == scale else part_b.to(b.dtype) * (part.scale / scale)
             b[part.out_offset:part.out_offset + rows, col:col + rank] = block
             col += rank
         out[key] = (a, b, scale)

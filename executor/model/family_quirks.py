@@ -55,6 +55,9 @@ from executor.model.config import FULL, SLIDING, alternating_layers
 from executor.model.quant_config import parse_quantization
 from executor.model.rope import Rope, parse_rope
 
+# Families whose attention_bias puts a bias on q, k, v and o alike (transformers' modeling code)
+BIAS_FROM_CONFIG = ("llama", "qwen3", "gemma2", "gemma3_text", "qwen3_moe")
+
 
 def config_fields(raw: dict[str, Any], generation_config: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig's fields (all but model_id) of an HF config.json dict."""
@@ -80,6 +83,9 @@ def config_fields(raw: dict[str, Any], generation_config: dict[str, Any]) -> dic
     # (Gemma's MLP reads hidden_activation; its hidden_act is a leftover transformers ignores)
     act = cfg.get("hidden_activation") if is_gemma else cfg.get("hidden_act", "silu")
     heads = cfg["num_attention_heads"]
+    # (these families' q, k, v and o projections all carry a bias with attention_bias; Qwen2's
+    # q, k, v always do, its o never; Mistral, Mixtral and Phi-3 ignore the flag)
+    attention_bias = model_type in BIAS_FROM_CONFIG and bool(cfg.get("attention_bias"))
     fields: dict[str, Any] = dict(
         hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"],
@@ -91,8 +97,8 @@ def config_fields(raw: dict[str, Any], generation_config: dict[str, Any]) -> dic
         rms_norm_eps=float(cfg["rms_norm_eps"]),
         max_position_embeddings=cfg["max_position_embeddings"],
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=model_type in ("qwen2", "gpt_oss") or bool(cfg.get("attention_bias",
-                                                                         False)),
+        attention_bias=model_type in ("qwen2", "gpt_oss") or attention_bias,
+        o_bias=attention_bias,
         qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
         eos_token_ids=_eos_ids(cfg, generation_config),
         hidden_act=act,

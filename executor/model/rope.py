@@ -184,36 +184,38 @@ def parse_rope(params: dict[str, Any], *, theta: float, head_dim: int,
     if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError(f"model config: partial_rotary_factor "
                          f"{params['partial_rotary_factor']} is not supported (only 1.0)")
+    # (llama3, yarn, longrope: transformers takes the config's top-level
+    # original_max_position_embeddings over the rope dict's, else max_position_embeddings)
+    original = (original_max_position_embeddings
+                or params.get("original_max_position_embeddings") or max_position_embeddings)
+    scaled = rope_type in ("llama3", "yarn", "longrope")
+    if scaled and not (isinstance(original, (int, float)) and math.isfinite(original)
+                       and original > 0 and original == int(original)):
+        raise ValueError(f"model config: original_max_position_embeddings must be a positive "
+                         f"integer, got {original!r}")
+    original = int(original) if scaled else 0
     try:
         if rope_type == "default":
             return Rope(theta)
         if rope_type == "linear":
             return Rope(theta, LinearRopeScaling(float(params["factor"])))
         if rope_type == "yarn":
-            return Rope(theta, _yarn_scaling(params, max_position_embeddings,
-                                             original_max_position_embeddings))
+            return Rope(theta, _yarn_scaling(params, max_position_embeddings, original))
         if rope_type == "llama3":
             return Rope(theta, Llama3RopeScaling(
                 factor=float(params["factor"]),
                 low_freq_factor=float(params["low_freq_factor"]),
                 high_freq_factor=float(params["high_freq_factor"]),
-                original_max_position_embeddings=int(params["original_max_position_embeddings"])))
-        # (transformers takes the config's top-level value over the rope dict's)
-        original = original_max_position_embeddings or params.get(
-            "original_max_position_embeddings")
-        if original is None:
-            raise KeyError("original_max_position_embeddings")
-        return Rope(theta, _longrope(params, head_dim, max_position_embeddings, int(original)))
+                original_max_position_embeddings=original))
+        return Rope(theta, _longrope(params, head_dim, max_position_embeddings, original))
     except KeyError as err:
         raise ValueError(f"model config: {rope_type} rope scaling is missing "
                          f"{err.args[0]!r}") from None
 
 
 def _yarn_scaling(params: dict[str, Any], max_position_embeddings: int,
-                  top_level_original: int | None) -> YarnRopeScaling:
-    original = int(params.get("original_max_position_embeddings") or top_level_original
-                   or params["original_max_position_embeddings"])
-    factor = params.get("factor")
+                  original: int) -> YarnRopeScaling:
+    factor = params["factor"]  # (null: the context's growth, as transformers reads it)
     factor = float(factor) if factor is not None else max_position_embeddings / original
     attention = params.get("attention_factor")
     if attention is None:
@@ -237,9 +239,6 @@ def _longrope(params: dict[str, Any], head_dim: int, max_position_embeddings: in
             raise ValueError(f"model config: longrope {name} must be {head_dim // 2} positive "
                              "numbers (head_dim / 2)")
         factors[name] = tuple(float(f) for f in given)
-    if original <= 0:
-        raise ValueError(f"model config: original_max_position_embeddings must be > 0, got "
-                         f"{original}")
     # HF's attention factor: given, else from factor (given, else the context's growth)
     attention = params.get("attention_factor")
     if attention is None:

@@ -36,11 +36,15 @@ QUIRKS = {
 }
 
 
+@pytest.mark.parametrize("attention_bias", [False, True])
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
-def test_each_family_is_read_as_transformers_builds_it(model_type):
+def test_each_family_is_read_as_transformers_builds_it(model_type, attention_bias):
+    """(attention_bias: some families put a bias on q, k, v and o with it, Qwen2 on q, k, v
+    always, others ignore it)"""
     from transformers import AutoModelForCausalLM
 
-    hf_config = fixtures.tiny_config(model_type, **QUIRKS[model_type])
+    hf_config = fixtures.tiny_config(model_type, **QUIRKS[model_type],
+                                     **({"attention_bias": True} if attention_bias else {}))
     ours = ModelConfig.from_hf_dict(json.loads(hf_config.to_json_string()))
     model = AutoModelForCausalLM.from_config(hf_config)
     assert ours.tie_word_embeddings == (model.lm_head.weight is model.model.embed_tokens.weight)
@@ -68,6 +72,10 @@ def test_each_family_is_read_as_transformers_builds_it(model_type):
             assert router.top_k == ours.num_experts_per_tok
             assert getattr(router, "norm_topk_prob", True) == ours.norm_topk_prob or \
                 ours.routing == "topk_softmax"
+    attn = model.model.layers[0].self_attn
+    qkv = getattr(attn, "q_proj", None) or attn.qkv_proj
+    assert ours.attention_bias == (qkv.bias is not None)
+    assert ours.o_bias == (attn.o_proj.bias is not None)
     assert ours.fused_projections == hasattr(model.model.layers[0].self_attn, "qkv_proj")
     assert ours.qk_norm == hasattr(model.model.layers[0].self_attn, "q_norm")
     assert ours.sandwich_norms == hasattr(model.model.layers[0], "post_feedforward_layernorm")
@@ -85,3 +93,40 @@ def test_an_unserved_model_type_is_refused_at_executor_start(tmp_path, config, n
     assert run.returncode == 1
     assert f"model_type {name}" in run.stderr and "is not supported" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "mistral", "phi3"])
+def test_a_config_without_head_dim_means_transformers_default(model_type):
+    """Qwen3's config class says 128 whatever hidden / heads is; the others hidden / heads."""
+    hf_config = fixtures.tiny_config(model_type)
+    raw = json.loads(hf_config.to_json_string())
+    raw.pop("head_dim", None)
+    theirs = type(hf_config)(**raw)
+    assert ModelConfig.from_hf_dict(raw).head_dim == (
+        getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads)
+
+
+ROPES = {"llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+         "yarn": {"factor": 4.0}, "longrope": {"short_factor": [1.0] * 32,
+                                               "long_factor": [2.0] * 32}}
+
+
+@pytest.mark.parametrize("rope_type", list(ROPES))
+@pytest.mark.parametrize("top_level, in_dict", [(None, 64), (16, 64), (16, None), (None, None)])
+def test_original_max_position_embeddings_is_read_as_transformers_reads_it(rope_type, top_level,
+                                                                           in_dict):
+    """The config's top-level value wins over the rope dict's; with neither,
+    max_position_embeddings (transformers' standardize_rope_params)."""
+    from transformers import AutoModelForCausalLM
+
+    rope = {"rope_type": rope_type, "rope_theta": 10000.0, **ROPES[rope_type]}
+    if in_dict is not None:
+        rope["original_max_position_embeddings"] = in_dict
+    extra = {} if top_level is None else {"original_max_position_embeddings": top_level}
+    hf_config = fixtures.tiny_config("llama", rope_parameters=rope, max_position_embeddings=256,
+                                     **extra)
+    ours = ModelConfig.from_hf_dict(json.loads(hf_config.to_json_string()))
+    rotary = AutoModelForCausalLM.from_config(hf_config).model.rotary_emb
+    assert ours.rope.scaling.original_max_position_embeddings == (top_level or in_dict or 256)
+    assert torch.equal(ours.rope.inv_freq(ours.head_dim), rotary.inv_freq)
+    assert ours.rope.attention_factor == pytest.approx(rotary.attention_scaling, rel=1e-12)

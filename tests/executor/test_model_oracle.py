@@ -134,6 +134,8 @@ ADAPTER_ERRORS = [  # (adapter, config changes, tensor change, message)
      "token id 5000, outside the model's vocabulary"),
     ("r16_all", {"layer_replication": [[0, 2], [1, 2]]}, None, "layer_replication"),
     ("r16_all", {"use_qalora": True}, None, "QALoRA"),
+    *(("r16_all", {"init_lora_weights": init}, None, f"init_lora_weights '{init}'")
+      for init in ("pissa", "pissa_niter_4", "olora", "corda", "loftq", "lora_ga")),
     ("r16_all", {}, _retensor(lambda t: t.update({Q0A: torch.zeros(16, 128)})),
      r"q_proj maps 128 -> 256 in other layers"),
     ("r16_all", {}, _retensor(lambda t: t[Q0A].__setitem__((0, 0), math.inf)),
@@ -164,6 +166,23 @@ def test_adapter_validation_errors(fx, name, changes, retensor, match):
     with pytest.raises(LoraplexError, match=match):
         parse_peft_adapter(json.dumps({**json.loads(cfg), **changes}),
                            retensor(data) if retensor else data, config, max_rank=MAX_RANK)
+
+
+@pytest.mark.parametrize("changes", [
+    {"init_lora_weights": True}, {"init_lora_weights": "gaussian"},
+    {"init_lora_weights": "eva"}, {"init_lora_weights": "orthogonal"},
+    # entries with no tensors adapt nothing, as PEFT reads them (a list written for several
+    # families: Phi-3's fused names, a vision tower's)
+    {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                        "down_proj", "qkv_proj", "gate_up_proj", "fc1", "out_proj"]}])
+def test_configs_peft_serves_as_plain_lora_load_the_same_modules(fx, changes):
+    cfg, data = read_adapter(fx, "r16_all")
+    config = ModelConfig.from_pretrained(fx["model_dir"])
+    plain = parse_peft_adapter(cfg, data, config).modules
+    changed = parse_peft_adapter(json.dumps({**json.loads(cfg), **changes}), data, config).modules
+    assert changed.keys() == plain.keys()
+    assert all(torch.equal(changed[k].b, plain[k].b) and changed[k].scale == plain[k].scale
+               for k in plain)
 
 
 def test_a_rank_pattern_that_matches_no_module_does_not_count_against_max_rank(fx):

@@ -1,10 +1,11 @@
 """Mixture-of-experts bases (issue 41): a tiny Qwen3-MoE (a dense layer among MoE ones, q/k
 norms, renormalised top-k) and a tiny Mixtral (sliding window, fp32 routing weights), made with
 transformers, with PEFT adapters on attention only, on the experts only (both weights, or
-gate_up alone), on both with a rank_pattern, rsLoRA; the experts' LoRA in PEFT's target_parameters
-layout and rewritten as per-expert modules (Qwen's and Mixtral's transformers 4 names). Served
-alone and batched beside base rows and each other: greedy tokens equal HF + PEFT's, logits within
-1e-4. A wrong router, a transposed expert B or a dropped expert each fail."""
+gate_up alone), on both with a rank_pattern, rsLoRA, with bare weight names as PEFT converts
+them; the experts' LoRA in PEFT's target_parameters layout and rewritten as per-expert modules
+(Qwen's and Mixtral's transformers 4 names). Served alone and batched beside base rows and each
+other: greedy tokens equal HF + PEFT's, logits within 1e-4. A wrong router, a transposed expert
+B or a dropped expert each fail."""
 
 import pytest
 import torch
@@ -29,6 +30,12 @@ ADAPTERS = {
                      "rank_pattern": {"layers.0.mlp.experts.down_proj": 2, "q_proj": 6}},
     "rslora": {"r": 8, "lora_alpha": 4, "use_rslora": True, "target_modules": ATTN,
                "target_parameters": EXPERTS},
+    # as PEFT writes an adapter whose target_modules name the experts' own projections
+    # (gate_proj, up_proj, down_proj; w1, w3, w2): bare weight names, gate_up's rank doubled
+    "bare_names": {"r": 3, "lora_alpha": 5, "target_modules": ATTN,
+                   "target_parameters": ["gate_up_proj", "down_proj"],
+                   "rank_pattern": {r".*\.gate_up_proj": 6},
+                   "alpha_pattern": {r".*\.gate_up_proj": 10}},
 }
 REWRITTEN = "experts_r4"  # also served as per-expert modules
 NUM_TOKENS = 8

@@ -146,3 +146,27 @@ def test_a_gpt_oss_base_takes_fused_expert_lora_and_refuses_an_experts_own_gate(
         validate(config(["gate_proj", "up_proj"]), per_expert(("gate_proj", "up_proj")),
                  gpt_oss)
     assert validate(config(["down_proj"]), per_expert(("down_proj",)), gpt_oss).module_ranks
+
+
+def test_a_16_bit_experts_gate_and_up_of_different_scales_fold_at_fp32():
+    """An expert's gate and up become one module, each part's scale folded into its block of B
+    where the two differ: at fp32 (PEFT computes a 16-bit adapter's LoRA in fp32), so a bf16 file
+    gives what an fp32 file of the same values gives (rounding the product to bf16 moved logits
+    by ~4e-3)."""
+    from common.peft.config import parse_config
+    from common.peft.layout import plan_adapter
+    from common.peft.safetensors_header import parse_header
+    from common.peft.tensors import as_uint8, expert_tensors
+
+    lora = parse_config(config(["gate_proj", "up_proj"], alpha_pattern={"up_proj": 3.0}))
+    bf16 = {k: v.bfloat16() for k, v in per_expert(("gate_proj", "up_proj")).items()}
+
+    def modules(tensors: dict) -> dict:
+        raw = as_uint8(safetensors.torch.save(tensors))
+        return expert_tensors(raw, plan_adapter(lora, parse_header(raw.numpy())))
+
+    got, want = modules(bf16), modules({k: v.float() for k, v in bf16.items()})
+    assert set(got) == set(want) and len(got) == E
+    for key, (a, b, scale) in want.items():
+        assert scale == 1.0  # (the parts' scales differ: folded into B)
+        assert torch.equal(got[key][0].float(), a) and torch.equal(got[key][1].float(), b)
