@@ -22,7 +22,8 @@ from common.peft.modules import projection_shapes
 from executor.model.quant_config import Quantization
 from executor.model.rope import LinearRopeScaling, Llama3RopeScaling, Rope, RopeScaling
 
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")  # the MLP's act(gate) * up
+# the MLP's act(gate) * up, by transformers' names (layer_ops.activation)
+ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh", "gelu", "gelu_new", "relu")
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types
 
 

@@ -4,6 +4,7 @@ soft-capping. ModelConfig's fields choose them (executor/model/config.py)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -36,12 +37,17 @@ def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.T
 
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """The MLP's activation of its gate (ModelConfig.hidden_act)."""
-    if name == "silu":
+    if name in ("silu", "swish"):
         return F.silu
     if name == "gelu_pytorch_tanh":
         return lambda x: F.gelu(x, approximate="tanh")
     if name == "gelu":
         return F.gelu
+    if name == "gelu_new":  # (transformers' NewGELUActivation, op for op)
+        return lambda x: 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi)
+                                                     * (x + 0.044715 * torch.pow(x, 3.0))))
+    if name == "relu":
+        return F.relu
     raise ValueError(f"activation {name!r} is not supported")
 
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from common.model_families import MODEL_TYPES
-from executor.model.config import ModelConfig
+from executor.model.config import ACTIVATIONS, ModelConfig
+from executor.model.layer_ops import activation
 from loraplex import fixtures
 
 # Per family, a config with every quirk away from its default (tf5 layout, as transformers
@@ -130,3 +131,11 @@ def test_original_max_position_embeddings_is_read_as_transformers_reads_it(rope_
     assert ours.rope.scaling.original_max_position_embeddings == (top_level or in_dict or 256)
     assert torch.equal(ours.rope.inv_freq(ours.head_dim), rotary.inv_freq)
     assert ours.rope.attention_factor == pytest.approx(rotary.attention_scaling, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ACTIVATIONS)
+def test_each_activation_is_transformers_own_bit_for_bit(name):
+    from transformers.activations import ACT2FN
+
+    x = torch.randn(64, 33, generator=torch.Generator().manual_seed(0)) * 4
+    assert torch.equal(activation(name)(x), ACT2FN[name](x))
