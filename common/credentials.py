@@ -192,10 +192,13 @@ def acting_tenant(caller: Caller, requested: str) -> str:
 
 
 def bearer(metadata: Iterable[tuple[str, str | bytes]]) -> str:
-    """The key of an `authorization: Bearer <key>` entry, "" when there is none."""
+    """The key of an `authorization: Bearer <key>` entry, "" when there is none. The scheme is
+    case-insensitive ("bearer", "BEARER": RFC 7235); a value without it is taken as the key."""
     for name, value in metadata:
         if name == wire.AUTHORIZATION and isinstance(value, str):
-            return value.removeprefix(wire.BEARER).strip()
+            if value[:len(wire.BEARER)].lower() == wire.BEARER.lower():
+                value = value[len(wire.BEARER):]
+            return value.strip()
     return ""
 
 

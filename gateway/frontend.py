@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from common import wire
-from common.adapter_ref import AdapterRef
+from common.adapter_ref import AdapterQuery, AdapterRef
 from common.base_fingerprint import same_model_hint
 from common.credentials import KeyRing, Role, request_tenant
 from common.detokenizer import FINISH_PB, OutputProcessor, check_stops
@@ -98,14 +98,7 @@ class Frontend:
         adapter = None
         pool = None if isinstance(model, AdapterRef) else self._pools.get(model)
         if pool is None:
-            try:  # (NOT_FOUND if the tenant may not see it)
-                if isinstance(model, AdapterRef):
-                    adapter = await self._registry.lookup(model, tenant)
-                else:
-                    adapter = await self._registry.resolve(model, tenant)
-            except NotFound as err:
-                raise NotFound(f"{err}; it is not a base model served here either "
-                               f"({self._served()})") from None
+            adapter = await self.adapter(model, tenant)
             pool = self._pools.get(adapter.base_model)
             if pool is None:
                 raise FailedPrecondition(
@@ -116,6 +109,23 @@ class Frontend:
             raise Unavailable(f"the pool serving {pool.model_id!r} is down ({pool.why_down()}); "
                               "retry later")
         return Route(pool, pool.model, adapter)
+
+    async def adapter(self, model: str | AdapterRef, tenant: str) -> common_pb2.AdapterInfo:
+        """The exact adapter version `model` (a reference, or an exact version) names for
+        `tenant`. NOT_FOUND when it names none the tenant may use, also when it is not of an
+        adapter reference's form ("org/model-7b", "my model"): a model that is no base model
+        served here either, unknown like any name nobody has."""
+        try:  # (NOT_FOUND if the tenant may not see it)
+            if isinstance(model, AdapterRef):
+                return await self._registry.lookup(model, tenant)
+            try:
+                AdapterQuery.parse(model)
+            except InvalidArgument as err:
+                raise NotFound(str(err)) from None
+            return await self._registry.resolve(model, tenant)
+        except NotFound as err:
+            raise NotFound(f"{err}; it is not a base model served here either "
+                           f"({self._served()})") from None
 
     def only_model(self, field: str) -> str:
         """The base model of a request that names none: the one this gateway serves

@@ -49,6 +49,25 @@ def error_body(exc: BaseException) -> tuple[int, dict, dict[str, str]]:
         seconds = float(wait)
         headers = {"Retry-After": str(max(1, math.ceil(seconds))),
                    "retry-after-ms": str(max(1, round(seconds * 1000)))}
-    body = {"error": {"message": message, "type": kind, "param": getattr(exc, "param", None),
-                      "code": _CODES.get(status)}}
-    return status, body, headers
+    return status, openai_error(message, kind, getattr(exc, "param", None),
+                                _CODES.get(status)), headers
+
+
+def openai_error(message: str, kind: str, param: str | None = None,
+                 code: str | None = None) -> dict:
+    """OpenAI's error body."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def routing_error_body(method: str, path: str, status: int, detail: str,
+                       allowed: str = "") -> dict:
+    """The body for a request no handler took, as OpenAI answers it: a path no route serves
+    (404), a method its route does not take (405, `allowed` the ones it does), else `detail`."""
+    where = f"({method} {path[:200]})"
+    if status == 404:
+        message = f"Invalid URL {where}: no such endpoint"
+    elif status == 405:
+        message = f"Method not allowed {where}: use {allowed or 'another method'}"
+    else:
+        message = f"{detail} {where}"
+    return openai_error(message, "invalid_request_error" if status < 500 else "internal_error")

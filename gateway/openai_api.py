@@ -3,30 +3,33 @@
     POST /v1/completions        prompt(s) -> n choices each; streamed as server-sent events
     POST /v1/chat/completions   messages, rendered with the base model's chat template
     GET  /v1/models             the base models, and the adapters the caller's tenant may use
-    GET  /v1/models/{model}     one of them
+    GET  /v1/models/{model}     one of them, by any name generation takes ("name@3", "name@prod")
 
 `model` is a base model id or an adapter reference ("name", "name@3", "name@prod"); the key is
 `Authorization: Bearer <key>`. Every choice is one Generate on the pool. A streamed response
 starts (HTTP 200) only once the first token came: an error before it is an HTTP error with its
 own status, one after it an `error` event. A client that goes away cancels its Generate calls.
+A path no route serves, or a method its route does not take, is an error in OpenAI's shape too.
 """
 
 import asyncio
 import dataclasses
 import logging
 
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as HttpRoute
 
+from common.adapter_ref import AdapterRef
 from common.errors import NotFound, Unavailable
 from gateway.catalog import Catalog
 from gateway.frontend import Frontend, Route
 from gateway.guided import checked, parsed_off_loop
 from gateway.http_common import SSEResponse, guarded, json_body, request_id_of, tenant_of
-from gateway.http_errors import error_body
+from gateway.http_errors import error_body, routing_error_body
 from gateway.openai_requests import Conversation, Options, chat_request, completion_request
-from gateway.openai_responses import DONE, Choice, EventWriter
+from gateway.openai_responses import DONE, Choice, EventWriter, cached_prompt_tokens
 from gateway.openai_responses import Response as Identity
 from gateway.tool_calls import ToolFormat
 from protos import scheduler_pb2
@@ -60,7 +63,7 @@ class OpenAIApi:
                                        await json_body(request, self._max_body_bytes))
         options = parsed.options
         route = await self._frontend.route(options.model, tenant)
-        options.check_vocab(route.model.vocab_size)
+        parsed.check_vocab(route.model.vocab_size)
         max_new = OPENAI_DEFAULT_MAX_TOKENS if options.max_tokens is None else max(
             options.max_tokens, 1)  # (max_tokens 0 with echo: one token, not shown)
         prompts = [await route.model.prompts.ids(
@@ -84,9 +87,11 @@ class OpenAIApi:
                 await grammar.prepare()  # (compiled off the loop; checked finds it)
                 options = dataclasses.replace(options, sampling=dataclasses.replace(
                     options.sampling, grammar=checked(grammar, "tools")))
-        ids = await route.model.prompts.ids(chat_prompt(route, parsed.conversation), None,
-                                            options.max_tokens or 1, chat=True,
-                                            field="max_tokens")
+        # (without max_tokens, the reply takes the rest of the context: the prompt must leave
+        # room for its first token, and an error must not name a max_tokens nobody sent)
+        ids = await route.model.prompts.ids(
+            chat_prompt(route, parsed.conversation), None, options.max_tokens or 1, chat=True,
+            field="max_tokens" if options.max_tokens else "the reply's first token")
         max_new = options.max_tokens or route.model.max_model_len - len(ids)
         return await self._respond(route, tenant, options, [ids], max_new, request_id,
                                    chat=True, tool_format=tool_format, chat_echo=parsed.echo)
@@ -96,12 +101,23 @@ class OpenAIApi:
         return JSONResponse({"object": "list", "data": await self._model_cards(tenant)})
 
     async def model(self, request: Request) -> Response:
+        """One model's card, for any name generation takes: a base model, an adapter's name, or
+        one of its versions or aliases ("name@3", "name@prod": the adapter's card, with that id
+        and the version it names as its root)."""
         tenant = tenant_of(request, self._frontend)
         wanted = request.path_params["model"]
-        for card in await self._model_cards(tenant):
+        cards = await self._model_cards(tenant)
+        for card in cards:
             if card["id"] == wanted:
                 return JSONResponse(card)
-        raise NotFound(f"model {wanted!r} not found")
+        adapter = await self._frontend.adapter(wanted, tenant)  # (NOT_FOUND: no such adapter)
+        for card in cards:
+            if card["id"] == adapter.name and card["parent"] == adapter.base_model:
+                return JSONResponse({**card, "id": wanted, "root": str(AdapterRef.of(adapter)),
+                                     "created": int(adapter.created_unix)})
+        raise NotFound(f"model {wanted[:200]!r} not found: adapter {AdapterRef.of(adapter)} "
+                       f"(base model {adapter.base_model!r}) is not among the models this "
+                       "gateway serves")
 
     # ----- the parts -----
 
@@ -154,7 +170,7 @@ class OpenAIApi:
             finally:
                 await events.aclose()
             return JSONResponse(identity.body([choices[i] for i in sorted(choices)],
-                                              prompt_tokens))
+                                              prompt_tokens, options.n))
         first = await anext(events, None)  # an error before the first token is an HTTP error
         if first is None:
             raise Unavailable("the pool ended the stream without an answer; retry")
@@ -164,22 +180,26 @@ class OpenAIApi:
 
     async def _events(self, writer: EventWriter, first, events, prompt_tokens: int,
                       options: Options):
-        completion_tokens = cached_tokens = 0
+        completion_tokens = 0
+        cached: dict[int, int] = {}  # choice -> its prompt's tokens the prefix cache held
         try:
-            yield writer.token(*first)
-            completion_tokens += first[1].usage.completion_tokens
-            cached_tokens += first[1].usage.cached_prompt_tokens
-            async for index, message in events:
-                completion_tokens += message.usage.completion_tokens
-                cached_tokens += message.usage.cached_prompt_tokens
+            index, message = first
+            while True:
                 yield writer.token(index, message)
+                completion_tokens += message.usage.completion_tokens
+                if message.HasField("usage"):  # (a choice's last message)
+                    cached[index] = message.usage.cached_prompt_tokens
+                if (following := await anext(events, None)) is None:
+                    break
+                index, message = following
         except Exception as exc:  # noqa: BLE001 - an error after the first token is an event
             yield writer.error(exc)
             return
         finally:
             await events.aclose()
         if options.include_usage:
-            yield writer.usage(prompt_tokens, completion_tokens, cached_tokens)
+            yield writer.usage(prompt_tokens, completion_tokens,
+                               cached_prompt_tokens(cached, options.n))
         yield DONE
 
     async def _merged(self, route: Route, upstreams, tenant: str):
@@ -219,6 +239,15 @@ class OpenAIApi:
 def error_response(exc: BaseException) -> JSONResponse:
     status, body, headers = error_body(exc)
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def routing_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's own errors, a path no route serves (404) and a method its route does not take
+    (405, with Allow), in OpenAI's error shape (the app's exception handler)."""
+    headers = dict(exc.headers or {})
+    body = routing_error_body(request.method, request.url.path, exc.status_code, exc.detail,
+                              headers.get("Allow", ""))
+    return JSONResponse(body, status_code=exc.status_code, headers=headers)
 
 
 async def _prompt_only(events):

@@ -70,6 +70,18 @@ class CompletionRequest:
     options: Options
     prompts: tuple[str | tuple[int, ...], ...]  # text, or token ids
 
+    def check_vocab(self, vocab_size: int) -> None:
+        """The options fit the model's vocabulary (Options.check_vocab), and so do the prompts
+        given as token ids."""
+        self.options.check_vocab(vocab_size)
+        for i, prompt in enumerate(self.prompts):
+            bad = None if isinstance(prompt, str) else next(
+                (t for t in prompt if t >= vocab_size), None)
+            if bad is not None:
+                which = f" (prompt {i})" if len(self.prompts) > 1 else ""
+                raise BadField("prompt", f"token id {bad}{which} is outside the vocabulary: "
+                                         f"token ids must be in [0, {vocab_size})")
+
 
 @dataclasses.dataclass(frozen=True)
 class Conversation:
@@ -192,7 +204,8 @@ def _options(body: dict, logprobs: bool, top_logprobs: int = 0,
         raise BadField("stream_options", "only with stream: true")
     if stream_options is not None and not isinstance(stream_options, dict):
         raise BadField("stream_options", "must be an object")
-    include_usage = bool(stream_options and boolean(stream_options, "include_usage", False))
+    include_usage = bool(stream_options and boolean(stream_options, "include_usage", False,
+                                                    "stream_options.include_usage"))
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise BadField("user", "must be a string")
@@ -352,13 +365,14 @@ def _integer(body: dict, field: str, default: int | None, low: int, high: int) -
     return value
 
 
-def boolean(body: dict, field: str, default: bool) -> bool:
-    """body[field] as a bool: absent or null is `default`, a non-bool a 400 naming it."""
+def boolean(body: dict, field: str, default: bool, param: str | None = None) -> bool:
+    """body[field] as a bool: absent or null is `default`, a non-bool a 400 naming it (`param`:
+    its path in the request, when `body` is an object within it)."""
     value = body.get(field)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise BadField(field, f"must be true or false, got {value!r}")
+        raise BadField(param or field, f"must be true or false, got {value!r}")
     return value
 
 

@@ -167,6 +167,18 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+def cached_prompt_tokens(cached: dict[int, int], n: int) -> int:
+    """usage's cached_tokens from each choice's (choice index -> its prompt's tokens the prefix
+    cache held), with `n` choices per prompt (choice i * n + j is prompt i's choice j): each
+    prompt counted once, as prompt_tokens counts it, so never more than prompt_tokens. A prompt's
+    count is the least of its choices': what the request found cached (a choice that came after
+    another of the same prompt also finds what that one had just computed)."""
+    per_prompt: dict[int, int] = {}
+    for index, tokens in cached.items():
+        per_prompt[index // n] = min(tokens, per_prompt.get(index // n, tokens))
+    return sum(per_prompt.values())
+
+
 class Response:
     """The identity of one response: id, created, model, object kinds."""
 
@@ -176,8 +188,8 @@ class Response:
         self.created = int(time.time())
         self.model = model
 
-    def body(self, choices: list[Choice], prompt_tokens: int) -> dict:
-        """The whole (not streamed) response."""
+    def body(self, choices: list[Choice], prompt_tokens: int, n: int = 1) -> dict:
+        """The whole (not streamed) response (`n` choices per prompt)."""
         completion = sum(c.completion_tokens for c in choices)
         if self.chat:
             out = [{"index": c.index, "message": message, "logprobs": c.chat_logprobs(),
@@ -188,8 +200,8 @@ class Response:
                     "finish_reason": c.finish_reason} for c in choices]
         body = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": out,
-                "usage": usage(prompt_tokens, completion,
-                               sum(c.cached_prompt_tokens for c in choices))}
+                "usage": usage(prompt_tokens, completion, cached_prompt_tokens(
+                    {c.index: c.cached_prompt_tokens for c in choices}, n))}
         if any(c.adapter_inactive for c in choices):
             body[ADAPTER_ACTIVATED] = False
         return body

@@ -18,6 +18,7 @@ import socket
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.routing import Route as HttpRoute
 
@@ -30,7 +31,7 @@ from gateway.config import GatewayConfig
 from gateway.frontend import Frontend
 from gateway.grpc_service import GatewayServicer
 from gateway.metrics import GatewayMetrics
-from gateway.openai_api import OpenAIApi
+from gateway.openai_api import OpenAIApi, routing_error
 from gateway.pools import Pools
 from gateway.tgi_api import TgiApi
 from gateway.tokenize_api import TokenizeApi
@@ -79,7 +80,8 @@ async def serve(config: GatewayConfig) -> None:
                    max_body).routes(),
         *TgiApi(frontend, max_body).routes(),
         *TokenizeApi(frontend, max_body).routes(),
-        HttpRoute("/health", lambda _: Response(status_code=200), methods=["GET"])])
+        HttpRoute("/health", lambda _: Response(status_code=200), methods=["GET"])],
+        exception_handlers={HTTPException: routing_error})
     sock = _listen(config.http_address)
     http = _HttpServer(uvicorn.Config(app, lifespan="off", log_level="warning",
                                       http="httptools", access_log=False,

@@ -66,7 +66,8 @@ def chat_tools(body: dict) -> Tools | None:
     names = [s["function"]["name"] for s in specs]
     if len(set(names)) != len(names):
         raise BadField("tools", "function names must be unique")
-    parallel = body.get("parallel_tool_calls", True)
+    parallel = body.get("parallel_tool_calls")
+    parallel = True if parallel is None else parallel  # (null: the default, as for every field)
     if not isinstance(parallel, bool):
         raise BadField("parallel_tool_calls", "must be true or false")
     if choice is None or choice in ("none", "auto", "required"):

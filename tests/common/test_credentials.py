@@ -9,6 +9,7 @@ from common.credentials import (
     Caller,
     KeySources,
     Role,
+    bearer,
     request_tenant,
 )
 from common.errors import InvalidArgument
@@ -54,3 +55,10 @@ def test_the_tenant_of_a_request_is_defined_once_for_every_service():
     assert request_tenant(service, False, "globex", "unnamed") == "globex"
     with pytest.raises(InvalidArgument, match="name the tenant"):
         request_tenant(service, False, "", "name the tenant")
+
+
+def test_the_bearer_scheme_is_case_insensitive():
+    """RFC 7235: "bearer" and "BEARER" are "Bearer"; a value without the scheme is the key."""
+    for value in (f"Bearer {A}", f"bearer {A}", f"BEARER  {A} ", A):
+        assert bearer([("authorization", value)]) == A, value
+    assert bearer([("x-api-key", A)]) == "" and bearer([("authorization", b"bytes")]) == ""

@@ -175,6 +175,31 @@ async def test_n_choices_and_seeds(adapters):
     assert [streamed[i] for i in range(4)] == [c.text for c in first.choices]
 
 
+async def test_n_choices_count_each_prompts_cached_tokens_once(adapters):
+    """usage counts each prompt once, its cached tokens too: with the prompt's blocks in the
+    prefix cache, n choices report what one choice reports (they were summed: cached_tokens over
+    prompt_tokens), whole or streamed, completions and chat."""
+    api = openai_client(adapters)
+    words = "The little cat sat on the warm mat by the door " * 4
+    kw = dict(model="tiny-attn", max_tokens=2, temperature=0)
+    messages = [{"role": "user", "content": words}]
+    for create, ask in ((api.chat.completions.create, {"messages": messages}),
+                        (api.completions.create, {"prompt": words})):
+        for _ in range(2):  # (the second finds the first's blocks in the prefix cache)
+            one = (await create(**kw, **ask)).usage
+        counts = (one.prompt_tokens, one.prompt_tokens_details.cached_tokens)
+        assert 0 < counts[1] <= counts[0]
+        many = (await create(**kw, **ask, n=3)).usage
+        assert (many.prompt_tokens, many.prompt_tokens_details.cached_tokens) == counts
+        chunks = [c async for c in await create(**kw, **ask, n=3, stream=True,
+                                                stream_options={"include_usage": True})]
+        streamed = chunks[-1].usage
+        assert (streamed.prompt_tokens, streamed.prompt_tokens_details.cached_tokens) == counts
+    both = (await api.completions.create(**kw, prompt=[words, words], n=2)).usage
+    assert (both.prompt_tokens, both.prompt_tokens_details.cached_tokens) == (
+        2 * counts[0], 2 * counts[1])
+
+
 async def test_models_lists_what_the_tenant_may_use(adapters):
     acme = {m.id for m in (await openai_client(adapters, "acme").models.list()).data}
     globex = {m.id for m in (await openai_client(adapters, "globex").models.list()).data}
@@ -185,6 +210,25 @@ async def test_models_lists_what_the_tenant_may_use(adapters):
     assert card.model_extra["parent"] == FIXTURE_MODEL and card.model_extra["versions"] == [1]
 
 
+async def test_a_model_is_retrieved_by_every_name_generation_takes(adapters):
+    """GET /v1/models/{model} finds an adapter by name@version and name@alias as generation
+    does (its card, with that id and the version as root); another tenant's is still a 404."""
+    await client.store_call(adapters["demo"].stores[0], "SetAlias",
+                            adapter_store_pb2.SetAliasRequest(name="tiny-attn", alias="stable",
+                                                              version=1), key=KEYS["acme"])
+    api = openai_client(adapters)
+    for model in ("tiny-attn@1", "tiny-attn@stable", "tiny-attn@latest"):
+        await api.completions.create(model=model, prompt="hi", max_tokens=1)  # (generation)
+        card = await api.models.retrieve(model)
+        assert (card.id, card.model_extra["root"], card.model_extra["parent"]) == (
+            model, "tiny-attn@1", FIXTURE_MODEL)
+    for model in ("tiny-attn@2", "tiny-attn@nope", "my model"):
+        with pytest.raises(openai.NotFoundError):
+            await api.models.retrieve(model)
+    with pytest.raises(openai.NotFoundError):
+        await openai_client(adapters, "globex").models.retrieve("tiny-attn@1")
+
+
 async def test_unknown_and_other_tenants_models_are_the_same_404(adapters):
     api = openai_client(adapters, "globex")
     texts = []
@@ -193,6 +237,27 @@ async def test_unknown_and_other_tenants_models_are_the_same_404(adapters):
             await api.completions.create(model=model, prompt="hi", max_tokens=2)
         texts.append(err.value.message.replace(model, "NAME"))
     assert texts[0] == texts[1]
+
+
+async def test_a_name_no_adapter_could_have_is_the_404_of_an_unknown_one(adapters):
+    """A model that is no base model served here and not of an adapter's form (a hub id, a name
+    with a space) is unknown like any other name: 404 model_not_found on every HTTP API (it was
+    a 400 with param null), NOT_FOUND on gRPC Generate, as a well-formed name nobody has."""
+    api = openai_client(adapters)
+    for model in ("no-such-adapter", "meta-llama/Llama-3.1-8B-Instruct", "my model"):
+        with pytest.raises(openai.NotFoundError) as err:
+            await api.completions.create(model=model, prompt="hi", max_tokens=2)
+        assert err.value.code == "model_not_found", model
+        with pytest.raises(openai.NotFoundError):
+            await api.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
+        status, _ = await asyncio.to_thread(post, adapters, "/generate", {
+            "inputs": "hi", "parameters": {"adapter_id": model, "max_new_tokens": 2}})
+        assert status == 404, model
+        async with insecure_channel(adapters["gateway"].address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await client.generate(scheduler_pb2_grpc.SchedulerStub(channel),
+                                      client.generate_request(model, "hi", 2), KEYS["acme"])
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND, model
 
 
 async def answers(world, model: str, tenant: str = "acme") -> list:
@@ -273,6 +338,11 @@ async def test_a_context_overflow_names_the_field_and_the_real_counts(adapters, 
         await api.chat.completions.create(model="tiny-attn", max_tokens=8, messages=[
             {"role": "user", "content": "cat " * 3000}])
     assert err.value.body["param"] == "messages" and "shorten the messages" in str(err.value)
+    with pytest.raises(openai.BadRequestError) as err:  # (no max_tokens: none is named)
+        await api.chat.completions.create(model="tiny-attn", messages=[
+            {"role": "user", "content": "cat " * 3000}])
+    assert err.value.body["param"] == "messages" and "shorten the messages" in str(err.value)
+    assert "max_tokens" not in err.value.body["message"]
 
 
 async def test_bad_key_bad_field_and_rate_limit(adapters):
@@ -323,12 +393,12 @@ async def test_grpc_generate_through_the_gateway_equals_the_pool(adapters):
         assert base.text == await direct(adapters, "fixture", "", "hi", 4)
 
 
-def post(world, path: str, body: dict | bytes, tenant: str = "acme",
-         headers: dict | None = None) -> tuple[int, bytes]:
-    """A raw HTTP POST to the gateway, as lorax-client and TGI clients make it."""
+def post(world, path: str, body: dict | bytes | None, tenant: str = "acme",
+         headers: dict | None = None, method: str = "POST") -> tuple[int, bytes]:
+    """A raw HTTP POST (or `method`) to the gateway, as lorax-client and TGI clients make it."""
     url = f"http://{world['gateway'].announced['gateway-http']}{path}"
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(url, data, method="POST", headers={
+    data = body if isinstance(body, bytes | None) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data, method=method, headers={
         "Content-Type": "application/json", "Authorization": f"Bearer {KEYS[tenant]}",
         **(headers or {})})
     try:
@@ -336,6 +406,24 @@ def post(world, path: str, body: dict | bytes, tenant: str = "acme",
             return response.status, response.read()
     except urllib.error.HTTPError as err:
         return err.code, err.read()
+
+
+@pytest.mark.parametrize("method,path,status", [
+    ("GET", "/v1/embeddings", 404), ("POST", "/v1/embeddings", 404), ("POST", "/v2/nope", 404),
+    ("GET", "/v1/completions", 405), ("GET", "/v1/chat/completions", 405),
+    ("DELETE", "/v1/models/tiny-attn", 405), ("GET", "/generate", 405),
+])
+async def test_unknown_routes_and_methods_are_errors_in_openais_shape(adapters, method, path,
+                                                                     status):
+    """A path no route serves (404) and a method a route does not take (405) answer OpenAI's
+    error body, which clients read, not plain text."""
+    got, body = await asyncio.to_thread(post, adapters, path, None, method=method)
+    error = json.loads(body)["error"]
+    assert got == status and set(error) == {"message", "type", "param", "code"}
+    assert f"{method} {path}" in error["message"] and error["type"] == "invalid_request_error"
+    if status == 404 and path == "/v1/embeddings":
+        with pytest.raises(openai.NotFoundError, match="Invalid URL"):
+            await openai_client(adapters).embeddings.create(model="tiny-attn", input="hi")
 
 
 async def test_lorax_and_tgi_clients_requests(adapters):

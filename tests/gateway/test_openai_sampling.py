@@ -252,11 +252,15 @@ async def test_logit_bias_and_penalties_give_the_pools_answer(served, tiny):
     ("/v1/completions", {"max_tokens": 0}, "max_tokens"),  # (0 only with echo)
     ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
+    ("/v1/chat/completions", {"stream": True, "stream_options": {"include_usage": "yes"}},
+     "stream_options.include_usage"),
+    ("/v1/completions", {"prompt": [1, 99_999]}, "prompt"),  # (outside the vocabulary)
+    ("/v1/completions", {"prompt": [[1, 2], [1, 99_999]]}, "prompt"),
 ])
 async def test_bad_sampling_fields_are_400_naming_them(served, path, fields, param):
-    body = {"model": "tiny-attn", "max_tokens": 2, **fields,
+    body = {"model": "tiny-attn", "max_tokens": 2,
             **({"prompt": PROMPT} if path == "/v1/completions" else
-               {"messages": [{"role": "user", "content": "hi"}]})}
+               {"messages": [{"role": "user", "content": "hi"}]}), **fields}
     status, text = await asyncio.to_thread(post, served, path, body)
     assert status == 400 and json.loads(text)["error"]["param"] == param, text
 

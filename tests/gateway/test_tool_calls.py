@@ -113,11 +113,20 @@ def test_required_and_named_grammars_take_their_calls_only(fmt, tiny):
      "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"functions": [{"name": "f"}]}, "functions"),
+    ({"tools": TOOLS, "parallel_tool_calls": "x"}, "parallel_tool_calls"),
 ])
 def test_bad_tool_fields_name_the_field(body, param):
     with pytest.raises(BadField) as err:
         chat_tools(body)
     assert err.value.param == param
+
+
+def test_parallel_tool_calls_null_is_the_default():
+    """null is the default (true), as for every other field; false holds "required" to one
+    call."""
+    assert chat_tools({"tools": TOOLS, "parallel_tool_calls": None}).parallel is True
+    assert chat_tools({"tools": TOOLS}).parallel is True
+    assert chat_tools({"tools": TOOLS, "parallel_tool_calls": False}).parallel is False
 
 
 def streamed_deltas(fmt, pieces: list[str]) -> tuple[list[dict], str]:
