@@ -1,9 +1,11 @@
 """Per-tenant rate limits: token buckets for requests per second and tokens per second.
 
 A request costs 1 from the request bucket and (prompt + max_new_tokens) from the token bucket; it
-passes only when both can pay. A bucket holds `burst_s` seconds of its rate; a full bucket lets
-any single request through (going into debt), so a large request is slowed, never refused forever.
-Limits hold per process: N gateway replicas admit up to N times a tenant's limit in all.
+passes only when both can pay, and gets back the new tokens it did not make when it ends (a chat
+with no max_tokens may reach the end of the context: it pays for what it made). A bucket holds
+`burst_s` seconds of its rate; a full bucket lets any single request through (going into debt),
+so a large request is slowed, never refused forever. Limits hold per process: N gateway
+replicas admit up to N times a tenant's limit in all.
 """
 
 import time
@@ -70,6 +72,10 @@ class TokenBucket:
         if self.rate:
             self.level -= amount
 
+    def give_back(self, amount: float) -> None:
+        if self.rate:
+            self.level = min(self.capacity, self.level + amount)
+
 
 class RateLimiter:
     def __init__(self, limits: dict[str, RateLimit], default: RateLimit = RateLimit(),
@@ -97,3 +103,10 @@ class RateLimiter:
             raise retry_after(err, wait)
         requests.pay(1)
         tokens.pay(num_tokens)
+
+    def refund(self, tenant: str, num_tokens: int) -> None:
+        """Give back tokens a request paid for and did not use (its max_new_tokens past the
+        tokens it made), up to a full bucket."""
+        buckets = self._buckets.get(tenant)
+        if buckets is not None and num_tokens > 0:
+            buckets[1].give_back(num_tokens)

@@ -140,7 +140,9 @@ class Frontend:
         return "served: " + (", ".join(self._pools.model_ids()) or "none")
 
     def admit(self, tenant: str, num_tokens: int) -> None:
-        """Charge the tenant's rate limit (RESOURCE_EXHAUSTED with retry-after when over)."""
+        """Charge the tenant's rate limit (RESOURCE_EXHAUSTED with retry-after when over) for a
+        request's prompt and max_new_tokens; `generate` gives back the new tokens it did not
+        make."""
         self._limiter.admit(tenant, num_tokens)
 
     async def generate(self, route: Route, request: scheduler_pb2.GenerateRequest, tenant: str,
@@ -152,23 +154,30 @@ class Frontend:
         start = time.monotonic()
         deadline = start + (timeout_s or self._request_timeout_s)
         last: LoraplexError | None = None
-        for cell in route.pool.cells_for(route.adapter.name if route.adapter else None):
-            if deadline - time.monotonic() <= 0:
-                break
-            if route.pool.cells.get(cell.address) is not cell:  # it left the pool meanwhile
-                continue
-            try:
-                # (closed at once when our caller stops reading: its request is cancelled there)
-                async with contextlib.aclosing(self._from_cell(cell, route, request, tenant,
-                                                               start, deadline)) as answer:
-                    async for message in answer:
-                        yield message
-                return
-            except _NothingDelivered as failed:
-                log.warning("scheduler %s of pool %s did not serve a request (%s); it moves on",
-                            cell.address, route.pool.model_id, failed.error)
-                self.metrics.failovers.inc()
-                last = failed.error
+        made = 0  # new tokens delivered (the last message's usage counts them all)
+        try:
+            for cell in route.pool.cells_for(route.adapter.name if route.adapter else None):
+                if deadline - time.monotonic() <= 0:
+                    break
+                if route.pool.cells.get(cell.address) is not cell:  # it left the pool meanwhile
+                    continue
+                try:
+                    # (closed at once when our caller stops reading: its request is cancelled
+                    # there)
+                    async with contextlib.aclosing(self._from_cell(
+                            cell, route, request, tenant, start, deadline)) as answer:
+                        async for message in answer:
+                            made = (message.usage.completion_tokens if message.HasField("usage")
+                                    else made + 1)
+                            yield message
+                    return
+                except _NothingDelivered as failed:
+                    log.warning("scheduler %s of pool %s did not serve a request (%s); it moves "
+                                "on", cell.address, route.pool.model_id, failed.error)
+                    self.metrics.failovers.inc()
+                    last = failed.error
+        finally:  # (admit charged max_new_tokens)
+            self._limiter.refund(tenant, request.max_new_tokens - made)
         raise Unavailable(f"no scheduler of the pool serving {route.pool.model_id!r} answered"
                           f"{f' ({last})' if last else ''}; retry later")
 

@@ -30,6 +30,21 @@ def test_a_full_bucket_lets_one_large_request_through_then_makes_it_wait():
     limiter.admit("a", 1)
 
 
+def test_tokens_a_request_did_not_make_come_back_up_to_a_full_bucket():
+    now = [0.0]
+    limiter = RateLimiter({}, default=RateLimit(tokens_per_s=100), clock=lambda: now[0])
+    limiter.admit("a", 90)  # prompt 10 + max_new_tokens 80
+    with pytest.raises(ResourceExhausted):
+        limiter.admit("a", 90)
+    limiter.refund("a", 80)  # it made none of its 80 (its prompt stays paid)
+    limiter.admit("a", 90)
+    limiter.refund("a", 10**6)  # never past a full bucket
+    limiter.admit("a", 100)
+    with pytest.raises(ResourceExhausted):
+        limiter.admit("a", 1)
+    limiter.refund("b", 50)  # (a tenant with no bucket yet: nothing to give back)
+
+
 @pytest.mark.parametrize("text", ["5", "a:b", "-1:3"])
 def test_bad_rate_limit_text_is_refused(text):
     with pytest.raises(ValueError):

@@ -26,7 +26,7 @@ from protos import adapter_store_pb2, common_pb2, scheduler_pb2, scheduler_pb2_g
 DEMO_MODEL = "loraplex-demo-tiny"
 DEMO_ADAPTERS = DEMO_MODEL_DIR.parent / "adapters"
 KEYS = {"acme": secrets.token_hex(16), "globex": secrets.token_hex(16),
-        "limited": secrets.token_hex(16)}
+        "limited": secrets.token_hex(16), "metered": secrets.token_hex(16)}
 EXECUTOR = ["--adapter-slots", "2", "--threads", "1"]
 MESSAGES = [{"role": "system", "content": "Be brief."},
             {"role": "user", "content": "Name a river."}]
@@ -49,7 +49,8 @@ def world(tiny, tmp_path_factory, log_dir):
                         keys=keys, store_addresses=demo.stores, executor_args=EXECUTOR).start()
         gateway = start_gateway({DEMO_MODEL: [demo.scheduler],
                                  FIXTURE_MODEL: [fixture.scheduler]}, demo.stores, logs, keys,
-                                ["--rate-limit", "limited=0.02:1000000"])
+                                ["--rate-limit", "limited=0.02:1000000",
+                                 "--rate-limit", f"metered=0:{METERED_TOKENS_PER_S}"])
         yield {"demo": demo, "fixture": fixture, "gateway": gateway, "keys": keys}
     finally:
         os.environ.pop("LORAPLEX_LOG_LEVEL", None)
@@ -70,6 +71,11 @@ async def adapters(world, tiny):
     await client.push_adapter(store, tiny["adapters"]["r2_q"]["path"], "shared-q",
                               key=world["keys"].admin)  # public
     return world
+
+
+# A bucket of 300 tokens (1 s of its rate); a request of 250 new tokens at most fits it once,
+# twice only with what the first did not make given back
+METERED_TOKENS_PER_S, METERED_MAX_TOKENS = 300, 240
 
 
 def openai_client(world, tenant: str = "acme") -> openai.AsyncOpenAI:
@@ -368,6 +374,18 @@ async def test_bad_key_bad_field_and_rate_limit(adapters):
     with pytest.raises(openai.RateLimitError) as err:
         await limited.completions.create(model=DEMO_MODEL, prompt="a b", max_tokens=2)
     assert int(err.value.response.headers["retry-after"]) >= 1
+
+
+async def test_a_request_pays_for_the_new_tokens_it_made_not_its_max_tokens(adapters):
+    """A request is admitted on its prompt + max_tokens and gets back what it did not make: the
+    demo model echoes a short prompt and stops, far below max_tokens, so requests whose
+    max_tokens is most of the bucket follow each other (without the refund the second waited
+    ~0.7 s for the bucket to refill: a 429)."""
+    metered = openai_client(adapters, "metered")
+    for _ in range(3):
+        answer = await metered.completions.create(model=DEMO_MODEL, prompt="a b", temperature=0,
+                                                  max_tokens=METERED_MAX_TOKENS)
+        assert answer.usage.completion_tokens < 20
 
 
 async def test_grpc_generate_through_the_gateway_equals_the_pool(adapters):
