@@ -36,6 +36,9 @@ def check_stops(stops: Sequence[str], max_strings: int = wire.MAX_STOP_STRINGS,
         raise InvalidArgument(f"at most {max_strings} stop strings, got {len(stops)}")
     if any(len(s) > max_chars for s in stops):
         raise InvalidArgument(f"stop strings must be at most {max_chars} characters")
+    if any(not s for s in stops):
+        raise InvalidArgument("stop strings must not be empty (an empty one would end the "
+                              "output before its first token)")
 
 
 _MORE, _LAST = ("", None), ("", Finish.LENGTH)  # (a token id's answer without text)

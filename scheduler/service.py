@@ -171,6 +171,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if sampling.seed is None:  # one of its own, so a recompute draws the same tokens
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(64))
         check_stops(pb.stop, self._config.max_stop_strings, self._config.max_stop_chars)
+        validation.check_stop_token_ids(pb.stop_token_ids, info.vocab_size)
         validation.check_cache_salt(pb.cache_salt)
         adapter = await self._adapter(pb, tenant)
         max_new = max_new_tokens(pb)

@@ -23,6 +23,15 @@ def check_vocabulary(ids: Sequence[int], vocab_size: int) -> None:
                               f"(size {vocab_size})")
 
 
+def check_stop_token_ids(ids: Sequence[int], vocab_size: int) -> None:
+    """Every stop token id is in the model's vocabulary (one outside it could never end the
+    output: a typo that silently does nothing)."""
+    bad = next((i for i in ids if i >= vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(f"stop_token_ids: token id {bad} is outside the vocabulary "
+                              f"(size {vocab_size})")
+
+
 def context_limit(info: executor_pb2.InfoResponse) -> int:
     """Most tokens (prompt + output) one sequence may hold."""
     return min(info.max_model_len, info.num_kv_blocks * info.block_size)

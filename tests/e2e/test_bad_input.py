@@ -66,6 +66,8 @@ def with_fields(request: scheduler_pb2.GenerateRequest, **fields) -> scheduler_p
     for name, value in fields.items():
         if isinstance(value, str):
             setattr(request, name, value)
+        elif isinstance(value, list):
+            getattr(request, name).extend(value)
         else:
             getattr(request, name).CopyFrom(value)
     return request
@@ -83,6 +85,9 @@ def no_prompt() -> scheduler_pb2.GenerateRequest:
     (client.generate_request("", "hi", 2**32 - 1), "max_new_tokens (4294967295)"),
     (client.generate_request("", "hi", 4, stop=["x"] * 17), "at most 16 stop strings"),
     (client.generate_request("", "hi", 4, stop=["x" * 257]), "at most 256 characters"),
+    (client.generate_request("", "hi", 4, stop=["x", ""]), "stop strings must not be empty"),
+    (with_fields(client.generate_request("", "hi", 4), stop_token_ids=[5, 10**6]),
+     "stop_token_ids: token id 1000000 is outside the vocabulary"),
     (client.generate_request("", "hi", 4, cache_salt="s" * 257), "cache_salt must be at most"),
     (with_fields(client.generate_request("", "hi", 4), request_id="a b\nforged"), "request_id"),
     (with_fields(client.generate_request("", "hi", 4), request_id="x" * 65), "request_id"),
