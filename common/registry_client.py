@@ -130,7 +130,10 @@ class RegistryClient:
                 raise
             log.warning("adapter registry unavailable (%s); resolving %s from an answer %.0fs "
                         "old", err, ref[:200], now - answer.at)
-            answer.at = now - ttl + self._ttl_s  # used again without asking for resolve_ttl_s
+            # used again without asking for resolve_ttl_s from now, the lookup's failure (from
+            # its start, a failure that took the lookup's deadline left nothing to reuse: every
+            # request paid that deadline while the store was frozen)
+            answer.at = self._clock() - ttl + self._ttl_s
             return answer.info
         self._versions.put(AdapterRef.of(info), _Answer(info, self._clock()))
         if not query.version:

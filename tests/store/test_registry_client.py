@@ -46,6 +46,44 @@ async def test_a_turns_lookups_go_in_one_call_past_a_replica_that_is_down(file_s
     assert len(up.calls) == 1  # answers kept resolve_ttl_s: nothing asked
 
 
+class FrozenStub:
+    """A store that answered once, then is frozen: each GetAdapters call ends UNAVAILABLE at its
+    deadline, the clock moved on by that much."""
+
+    def __init__(self, stub, clock: list[float]):
+        self.stub, self.clock, self.calls = stub, clock, 0
+        self.frozen = False
+
+    async def GetAdapters(self, request, timeout):
+        self.calls += 1
+        if not self.frozen:
+            return await self.stub.GetAdapters(request, timeout=timeout)
+        self.clock[0] += timeout
+        raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                   grpc.aio.Metadata(), details="frozen")
+
+
+@in_session_loop
+async def test_a_frozen_store_costs_one_lookup_deadline_per_resolve_ttl_not_per_request(
+        file_store):
+    """Stale-while-error: once a lookup fails, the last answer serves resolve_ttl_s from the
+    failure, even when the failure took the lookup's whole deadline (longer than the TTL)."""
+    config_json, data = make_adapter()
+    await file_store.push("bot", config_json, data)
+    clock = [0.0]
+    registry = RegistryClient((file_store.running.address,), resolve_s=2.0, resolve_ttl_s=1.0,
+                              clock=lambda: clock[0])
+    frozen = FrozenStub(registry._stores[0][1], clock)
+    registry._stores = [(file_store.running.address, frozen)]
+    assert (await registry.resolve("bot", "")).version == 1
+    frozen.frozen, clock[0] = True, 5.0  # the answer is past its TTL: asked again, and failing
+    assert (await registry.resolve("bot", "")).version == 1 and clock[0] == 7.0
+    for _ in range(3):  # within resolve_ttl_s of the failure: the stale answer, nothing asked
+        clock[0] += 0.3
+        assert (await registry.resolve("bot", "")).version == 1
+    assert frozen.calls == 2
+
+
 @in_session_loop
 async def test_get_adapters_answers_each_query_as_get_adapter_would(file_store):
     config_json, data = make_adapter()
