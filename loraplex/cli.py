@@ -63,7 +63,8 @@ async def _generate(args: argparse.Namespace) -> None:
                                       args.temperature, args.top_k, args.top_p, args.seed,
                                       args.stop, args.ignore_eos)
     key = api_key.read(args)
-    async with insecure_channel(args.scheduler) as channel:
+    # (pinging: a scheduler that freezes mid-answer ends the call within ~15 s, not never)
+    async with insecure_channel(args.scheduler, keepalive=True) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         first = asyncio.Event()
         notice = asyncio.create_task(_tell_while_waiting(stub, key, first))

@@ -103,3 +103,54 @@ async def test_a_server_drops_the_call_of_a_frozen_client_within_the_bound():
         client.kill()
         client.wait()
         await server.stop(None)
+
+
+GENERATE_SERVER = """
+import asyncio, grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from protos import scheduler_pb2
+async def generate(request, context):
+    while True:  # a token every 0.1 s, forever
+        yield scheduler_pb2.GenerateResponse(token_id=5, text="t")
+        await asyncio.sleep(0.1)
+async def main():
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "loraplex.v1.Scheduler", {"Generate": grpc.unary_stream_rpc_method_handler(
+            generate, request_deserializer=scheduler_pb2.GenerateRequest.FromString,
+            response_serializer=scheduler_pb2.GenerateResponse.SerializeToString)}),))
+    serving = health.aio.HealthServicer()  # (the CLI asks it first)
+    await serving.set("loraplex.v1.Scheduler", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(serving, server)
+    print(server.add_insecure_port("127.0.0.1:0"), flush=True)
+    await server.start()
+    await server.wait_for_termination()
+asyncio.run(main())
+"""
+
+
+async def test_loraplex_generate_ends_when_its_scheduler_freezes_mid_answer():
+    """The CLI's Generate pings (its own options: a ping every 10 s, 5 s for the answer): a
+    scheduler frozen while it streams ends the command with an error, not a wait forever."""
+    server = spawn(GENERATE_SERVER)
+    cli = None
+    try:
+        port = int(await asyncio.to_thread(server.stdout.readline))
+        cli = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "loraplex.cli", "generate", "--scheduler",
+            f"127.0.0.1:{port}", "--max-new-tokens", "100000", "hi", cwd=REPO,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert await asyncio.wait_for(cli.stdout.readexactly(3), 60) == b"ttt"
+        os.kill(server.pid, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        await asyncio.wait_for(cli.wait(), BOUND_S)
+        assert time.monotonic() - frozen_at < BOUND_S and cli.returncode != 0
+        stderr = (await cli.stderr.read()).decode()
+        assert "UNAVAILABLE" in stderr or "unavailable" in stderr, stderr
+    finally:
+        if cli is not None and cli.returncode is None:
+            cli.kill()
+            await cli.wait()
+        server.kill()
+        server.wait()
