@@ -86,7 +86,7 @@ def test_the_configs_are_read_as_transformers_reads_them():
                         "use_bidirectional_attention"),
                        ({"model_type": "gemma2", "layer_types": ["chunked_attention"] * 6},
                         "chunked_attention"),
-                       ({"model_type": "gemma2", "hidden_activation": "relu"}, "relu")]:
+                       ({"model_type": "gemma2", "hidden_activation": "quick_gelu"}, "quick_gelu")]:
         with pytest.raises(ValueError, match=match):
             ModelConfig.from_hf_dict({**shape, **bad})
 
