@@ -48,6 +48,8 @@ def meta_from_pb(metadata: pb.VersionMetadata) -> tuple[VersionMeta, list[str]]:
         if len(text) > _MAX_METADATA_CHARS:
             raise InvalidArgument(f"metadata.{field} is longer than {_MAX_METADATA_CHARS} "
                                   "characters")
+        if not text.isprintable():  # (a tenant's words on an operator's terminal)
+            raise InvalidArgument(f"metadata.{field} {text[:40]!r} holds a control character")
     for field, items, limit in (("eval_scores", metadata.eval_scores, _MAX_EVAL_SCORES),
                                 ("aliases", metadata.aliases, _MAX_ALIASES)):
         if len(items) > limit:
@@ -57,4 +59,5 @@ def meta_from_pb(metadata: pb.VersionMetadata) -> tuple[VersionMeta, list[str]]:
     meta = VersionMeta(training_dataset=metadata.training_dataset,
                        eval_scores=dict(metadata.eval_scores),
                        base_model_revision=metadata.base_model_revision)
+    meta.check()  # (at the header, before any upload)
     return meta, list(metadata.aliases)

@@ -3,9 +3,11 @@ rules for names and aliases live in common.adapter_ref. Plain data, JSON in and 
 
 import dataclasses
 import json
+import math
 import time
 
 from common.adapter_ref import AdapterRef
+from common.errors import InvalidArgument
 
 ROOT = "adapters/"
 MANIFEST_FILENAME = "manifest.json"
@@ -20,6 +22,12 @@ class VersionMeta:
     eval_scores: dict[str, float] = dataclasses.field(default_factory=dict)
     base_model_revision: str = ""  # overrides adapter_config.json's "revision"
     source: str = ""  # "upload" or the URI the version was registered from
+
+    def check(self) -> None:
+        """INVALID_ARGUMENT for an eval score that is unnamed or not finite."""
+        for metric, score in self.eval_scores.items():
+            if not metric or not math.isfinite(score):
+                raise InvalidArgument(f"eval score {metric!r}={score} must be named and finite")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,7 +34,6 @@ a conditional put, which S3 (and SeaweedFS, tested) and the file store make atom
 import asyncio
 import dataclasses
 import logging
-import math
 import random
 import time
 from collections.abc import Callable
@@ -96,9 +95,7 @@ class Registry(RegistryView):
         `base_fingerprint`: of the local folder the config's base_model_name_or_path names, when
         the pusher has it (see BaseModels.match)."""
         check_name(name)
-        for metric, score in meta.eval_scores.items():
-            if not metric or not math.isfinite(score):
-                raise InvalidArgument(f"eval score {metric!r}={score} must be named and finite")
+        meta.check()
         match = await self.base_models.match(config_json, base_fingerprint)
         base = match.base
         spec = await asyncio.to_thread(validate_adapter, config_json, weights_filename, data,

@@ -17,6 +17,7 @@ rank_pattern / alpha_pattern key (PEFT's rule, see common.peft.patterns), else `
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Sequence
 
 from common.alora import MAX_INVOCATION_TOKENS
@@ -38,6 +39,9 @@ MAX_CONFIG_BYTES = 64 * 1024
 # loads the adapter (PiSSA, CorDA: W - B0 A0 from an SVD; OLoRA: from a QR; LoftQ: quantized;
 # LoRA-GA: from gradients): served on the unchanged base, such an adapter answers wrong
 BASE_REWRITING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
+# The largest lora_alpha served: scales (alpha / r) are fp32 in the store's records and pages
+MAX_ALPHA = 1e30
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")  # a module path's decoder layer
 # Modules PEFT may adapt that loraplex never serves: the vocabulary-sized ones (by their paths in
 # a text model and in a multimodal one's language model, for a regex to be checked against).
 _VOCAB_MODULES = ("lm_head", "embed_tokens")
@@ -82,6 +86,10 @@ class LoraConfig:
     target_parameters: tuple[str, ...] = ()
     # Activated LoRA (common/alora.py): the invocation token ids it applies from; (): always
     alora_invocation_tokens: tuple[int, ...] = ()
+    # PEFT's layers_to_transform: the decoder layers adapted (None: every one)
+    layers_to_transform: frozenset[int] | None = None
+    # PEFT's exclude_modules: module names or dotted suffixes, or one regex, left unadapted
+    exclude_modules: tuple[str, ...] | str = ()
 
     @property
     def lowest_rank(self) -> int:
@@ -95,19 +103,42 @@ class LoraConfig:
         return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
 
     def targets(self, paths: Sequence[str]) -> list[bool]:
-        """Whether each module path ("model.layers.3.mlp.up_proj") is one the adapter targets."""
+        """Whether each module path ("model.layers.3.mlp.up_proj") is one the adapter targets:
+        named by target_modules, and not left out (left_out)."""
         if self.target_modules == ALL_LINEAR:
-            return [p.rsplit(".", 1)[-1] in (*ADAPTABLE_MODULES, *EXPERT_PARTS) for p in paths]
-        if isinstance(self.target_modules, str):
+            hits = [p.rsplit(".", 1)[-1] in (*ADAPTABLE_MODULES, *EXPERT_PARTS) for p in paths]
+        elif isinstance(self.target_modules, str):
             (hits,) = fullmatches([self.target_modules], list(paths),
                                   "adapter_config.json: target_modules regex")
-            return hits
-        return [any(p == t or p.endswith("." + t) for t in self.target_modules) for p in paths]
+        else:
+            hits = [any(p == t or p.endswith("." + t) for t in self.target_modules)
+                    for p in paths]
+        return [hit and not out for hit, out in zip(hits, self.left_out(paths))]
 
     def targets_parameter(self, path: str) -> bool:
         """Whether a parameter's path ("model.layers.3.mlp.experts.down_proj") is one of
-        target_parameters (PEFT's rule: the whole path, or a dotted suffix of it)."""
-        return any(path == t or path.endswith("." + t) for t in self.target_parameters)
+        target_parameters (PEFT's rule: the whole path, or a dotted suffix of it), its module
+        not left out."""
+        return any(path == t or path.endswith("." + t) for t in self.target_parameters) \
+            and not self.left_out([path.rsplit(".", 1)[0]])[0]
+
+    def left_out(self, paths: Sequence[str]) -> list[str]:
+        """Per module path, why the adapter leaves it unadapted whatever target_modules says:
+        "layers_to_transform [...]" or "exclude_modules ..." (PEFT's rules), else ""."""
+        out = [""] * len(paths)
+        if self.layers_to_transform is not None:
+            for i, path in enumerate(paths):
+                layer = _LAYER.search(path)
+                if layer is None or int(layer[1]) not in self.layers_to_transform:
+                    out[i] = f"layers_to_transform {sorted(self.layers_to_transform)}"
+        if isinstance(self.exclude_modules, str):
+            (hits,) = fullmatches([self.exclude_modules], list(paths),
+                                  "adapter_config.json: exclude_modules regex")
+        else:
+            hits = [any(p == e or p.endswith("." + e) for e in self.exclude_modules)
+                    for p in paths]
+        return [why or (f"exclude_modules {shown(self.exclude_modules)}" if hit else "")
+                for why, hit in zip(out, hits)]
 
     def ranks_and_alphas(self, paths: Sequence[str]) -> list[tuple[int, float]]:
         """(rank, alpha) of each module path by PEFT's rule: the first rank_pattern /
@@ -158,8 +189,9 @@ def parse_config(config_json: str) -> LoraConfig:
     if not _is_int(r) or r <= 0:
         raise _invalid(f"r must be a positive integer, got {r!r}")
     alpha = raw.get("lora_alpha")
-    if not _is_number(alpha) or alpha <= 0:
-        raise _invalid(f"lora_alpha must be a positive finite number, got {alpha!r}")
+    if not _is_alpha(alpha):
+        raise _invalid(f"lora_alpha must be a positive number below {MAX_ALPHA:g}, got "
+                       f"{alpha!r}")
     use_rslora = raw.get("use_rslora", False)
     if not isinstance(use_rslora, bool):
         raise _invalid(f"use_rslora must be true or false, got {use_rslora!r}")
@@ -177,12 +209,15 @@ def parse_config(config_json: str) -> LoraConfig:
     if not isinstance(alpha_pattern, dict):
         raise _invalid("alpha_pattern must map module patterns to finite numbers")
     for pattern, value in alpha_pattern.items():
-        if not _is_number(value):
-            raise _invalid(f"alpha_pattern[{pattern!r}] must be a finite number, got {value!r}")
+        if not _is_alpha(value):
+            raise _invalid(f"alpha_pattern[{pattern!r}] must be a positive number below "
+                           f"{MAX_ALPHA:g}, got {value!r}")
         compile_pattern(pattern, "adapter_config.json: alpha_pattern key")
     revision = raw.get("revision") or ""
     if not isinstance(revision, str):
         raise _invalid(f"revision must be a string, got {revision!r}")
+    layers = _layers_to_transform(raw.get("layers_to_transform"), raw.get("layers_pattern"))
+    exclude = _exclude_modules(raw.get("exclude_modules"))
     parameters = _target_parameters(raw.get("target_parameters"))
     invocation = _invocation(raw.get("alora_invocation_tokens"))
     modules = raw.get("target_modules")
@@ -192,7 +227,36 @@ def parse_config(config_json: str) -> LoraConfig:
                       rank_pattern=dict(rank_pattern),
                       alpha_pattern={k: float(v) for k, v in alpha_pattern.items()},
                       revision=revision, target_parameters=parameters,
-                      alora_invocation_tokens=invocation)
+                      alora_invocation_tokens=invocation, layers_to_transform=layers,
+                      exclude_modules=exclude)
+
+
+def _layers_to_transform(value: object, pattern: object) -> frozenset[int] | None:
+    """PEFT's layers_to_transform (an index or a list of them; null: every layer), counted in
+    the decoder's `layers` (layers_pattern, when given, must name them)."""
+    if value is None or value == []:
+        return None
+    indices = [value] if _is_int(value) else value
+    if not isinstance(indices, list) or not all(_is_int(i) and i >= 0 for i in indices):
+        raise _invalid(f"layers_to_transform must be a layer index or a list of them, got "
+                       f"{value!r}")
+    if pattern not in (None, "layers", ["layers"]):
+        raise _invalid(f"layers_pattern {pattern!r} is not supported: the decoder's layers "
+                       "are model.layers (leave it out, or say \"layers\")")
+    return frozenset(indices)
+
+
+def _exclude_modules(value: object) -> tuple[str, ...] | str:
+    """PEFT's exclude_modules: a list of names or dotted suffixes, or one regex."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        compile_pattern(value, "adapter_config.json: exclude_modules regex")
+        return value
+    if not isinstance(value, list) or not all(isinstance(e, str) and e for e in value):
+        raise _invalid(f"exclude_modules must be a list of module names or a regex string, "
+                       f"got {value!r}")
+    return tuple(sorted(set(value)))
 
 
 def _invocation(value: object) -> tuple[int, ...]:
@@ -262,6 +326,17 @@ def _target_modules(value: object) -> tuple[str, ...] | str:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def shown(names: tuple[str, ...] | str) -> str:
+    """target_modules or exclude_modules as the config wrote it: a regex, or a list."""
+    return repr(names) if isinstance(names, str) else str(list(names))
+
+
+def _is_alpha(value: object) -> bool:
+    """A lora_alpha or alpha_pattern value: positive, and a scale fp32 holds (1e300 went into
+    the registry and failed every load)."""
+    return _is_number(value) and 0 < value < MAX_ALPHA
 
 
 def _is_number(value: object) -> bool:

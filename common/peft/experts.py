@@ -124,8 +124,10 @@ def _plan_fused(config: LoraConfig, pairs, keys) -> dict[tuple[int, str], Expert
         for key, pair, projection in _name_weights(config, found):
             path = f"{key.path}.{projection}"
             if not config.targets_parameter(path):
-                raise _invalid(f"it adapts {path}, which target_parameters "
-                               f"{list(config.target_parameters)} does not name")
+                out = config.left_out([key.path])[0]
+                raise _invalid(f"it adapts {path}, which " + (
+                    f"{out} leaves out" if out else
+                    f"target_parameters {list(config.target_parameters)} does not name"))
             ((rank, alpha),) = config.ranks_and_alphas([path])
             a, b = pair["A"], pair["B"]
             experts, rest = divmod(a.shape[0], rank)
@@ -182,9 +184,10 @@ def _name_weights(config: LoraConfig, found: list) -> list[tuple[TensorKey, dict
 def _plan_own(config: LoraConfig, pairs, keys) -> dict[tuple[int, str], ExpertLayout]:
     ordered = sorted(pairs)
     paths = [keys[k].path for k in ordered]
-    for path, hit in zip(paths, config.targets(paths)):
+    for path, hit, out in zip(paths, config.targets(paths), config.left_out(paths)):
         if not hit:
-            raise _invalid(f"it adapts {path}, which target_modules does not name")
+            raise _invalid(f"it adapts {path}, which "
+                           + (f"{out} leaves out" if out else "target_modules does not name"))
     parts: dict[tuple[int, int, str], dict[str, ExpertPart]] = {}
     dims: dict[str, tuple[int, int]] = {}
     for key, path, (rank, alpha) in zip(ordered, paths, config.ranks_and_alphas(paths)):

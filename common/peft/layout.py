@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from common.errors import FailedPrecondition, InvalidArgument
-from common.peft.config import LoraConfig
+from common.peft.config import LoraConfig, shown
 from common.peft.experts import ExpertLayout, plan_experts
 from common.peft.modules import (
     TEXT_LAYERS,
@@ -153,10 +153,11 @@ def plan_adapter(config: LoraConfig, entries: Mapping[str, TensorEntry]) -> Adap
     experts = plan_experts(config, expert_pairs, expert_keys) if expert_pairs else {}
     keys = sorted(pairs)
     paths = [module_path(layer, module, layers) for layer, module in keys]
-    for path, is_target in zip(paths, config.targets(paths)):
+    for path, is_target, out in zip(paths, config.targets(paths), config.left_out(paths)):
         if not is_target:
-            raise InvalidArgument(f"{WEIGHTS_FILE} adapts {path}, which target_modules "
-                                  f"{_shown(config.target_modules)} does not name")
+            raise InvalidArgument(f"{WEIGHTS_FILE} adapts {path}, which " + (
+                f"{out} leaves out" if out else
+                f"target_modules {shown(config.target_modules)} does not name"))
     # (an entry with no tensors adapts nothing, as PEFT reads it: one list written for several
     # families, or emptied by exclude_modules or layers_to_transform)
     modules, dims = {}, {}  # dims: module -> (in, out), equal across layers
@@ -244,7 +245,3 @@ def _check_experts_fit(layout: AdapterLayout, base: BaseShapes) -> None:
                 f"tensor {name!r}: expert {e.expert}'s {e.projection} maps {e.in_features} -> "
                 f"{e.out_features} features, {base.model_id!r}'s {want[0]} -> {want[1]}; was "
                 "it trained on another model?")
-
-
-def _shown(target_modules: tuple[str, ...] | str) -> str:
-    return repr(target_modules) if isinstance(target_modules, str) else str(list(target_modules))

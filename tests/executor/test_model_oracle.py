@@ -136,6 +136,19 @@ ADAPTER_ERRORS = [  # (adapter, config changes, tensor change, message)
     ("r16_all", {"use_qalora": True}, None, "QALoRA"),
     *(("r16_all", {"init_lora_weights": init}, None, f"init_lora_weights '{init}'")
       for init in ("pissa", "pissa_niter_4", "olora", "corda", "loftq", "lora_ga")),
+    # tensors PEFT would not load (it adapts only these layers, never these modules): refused,
+    # not served as if the config did not say so
+    ("r16_all", {"layers_to_transform": [0, 2]}, None,
+     r"adapts model\.layers\.1\.\w+\.\w+, which layers_to_transform \[0, 2\] leaves out"),
+    ("r16_all", {"layers_to_transform": 99}, None, r"layers_to_transform \[99\] leaves out"),
+    ("r16_all", {"exclude_modules": ["self_attn.v_proj"]}, None,
+     r"v_proj, which exclude_modules \['self_attn\.v_proj'\] leaves out"),
+    ("r16_all", {"exclude_modules": r".*\.3\.mlp\.down_proj"}, None,
+     r"layers\.3\.mlp\.down_proj, which exclude_modules"),
+    ("r16_all", {"layers_to_transform": ["0"]}, None, "layers_to_transform must be"),
+    ("r16_all", {"layers_to_transform": [0], "layers_pattern": "h"}, None, "layers_pattern"),
+    ("r16_all", {"lora_alpha": 1e300}, None, "lora_alpha must be a positive number below"),
+    ("r16_all", {"alpha_pattern": {"q_proj": 0}}, None, r"alpha_pattern\['q_proj'\] must be"),
     ("r16_all", {}, _retensor(lambda t: t.update({Q0A: torch.zeros(16, 128)})),
      r"q_proj maps 128 -> 256 in other layers"),
     ("r16_all", {}, _retensor(lambda t: t[Q0A].__setitem__((0, 0), math.inf)),
@@ -171,6 +184,8 @@ def test_adapter_validation_errors(fx, name, changes, retensor, match):
 @pytest.mark.parametrize("changes", [
     {"init_lora_weights": True}, {"init_lora_weights": "gaussian"},
     {"init_lora_weights": "eva"}, {"init_lora_weights": "orthogonal"},
+    {"layers_to_transform": [0, 1, 2, 3]}, {"layers_to_transform": [3, 2, 1, 0, 7]},
+    {"exclude_modules": ["fc1", "lm_head"]}, {"exclude_modules": r".*\.no_such_proj"},
     # entries with no tensors adapt nothing, as PEFT reads them (a list written for several
     # families: Phi-3's fused names, a vision tower's)
     {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",

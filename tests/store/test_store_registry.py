@@ -323,3 +323,19 @@ async def test_bad_push_metadata(replicas, case, metadata, config_json, words):
         num_bytes=len(DATA), metadata=metadata), DATA))
     for word in words:
         assert word in details, details
+
+
+@pytest.mark.parametrize("metadata, words", [
+    (meta(eval_scores={"acc": math.inf}), "eval score 'acc'=inf must be named and finite"),
+    (meta(eval_scores={"": 0.5}), "eval score ''=0.5 must be named"),
+    (meta(training_dataset="tickets\x1b[2J"), "metadata.training_dataset"),
+    (meta(eval_scores={"acc\nowner      mallory": 0.5}), "control character"),
+    (meta(base_model_revision="main\x00"), "metadata.base_model_revision")])
+@in_session_loop
+async def test_push_metadata_is_refused_at_the_header_before_any_upload(replicas, metadata,
+                                                                        words):
+    """(no weights follow the header: a check made after the upload would see a short file)"""
+    details = await expect_error(INVALID, client.push(replicas[0].stub, pb.PushHeader(
+        name="meta", config_json=CONFIG_JSON, weights_filename="adapter_model.safetensors",
+        num_bytes=len(DATA), metadata=metadata), b""))
+    assert words in details, details
