@@ -1,6 +1,7 @@
 """Shared gRPC server plumbing: one place that builds, starts and gracefully stops a service."""
 
 import asyncio
+import dataclasses
 import gc
 import inspect
 import logging
@@ -11,10 +12,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common import wire
+from common.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -113,7 +116,8 @@ class Service:
     def __init__(self, name: str, address: str, add_servicers: Callable[[grpc.aio.Server], None],
                  service_names: Sequence[str] = ()):
         self.name = name
-        self._server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[_FirstMessageFirst()])
+        self._server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[
+            _UndecodableRequests(), _FirstMessageFirst()])
         add_servicers(self._server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -235,6 +239,66 @@ class _FirstMessageFirst(grpc.aio.ServerInterceptor):
 
         return grpc.stream_stream_rpc_method_handler(
             after_first_both, handler.request_deserializer, handler.response_serializer)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Undecodable:
+    """A request message that did not decode, in place of it (_UndecodableRequests)."""
+
+    error: str
+
+
+class _UndecodableRequests(grpc.aio.ServerInterceptor):
+    """A request that does not decode as its message (a string field that is not UTF-8, a
+    truncated message) is INVALID_ARGUMENT naming the method: grpc's own answer was UNKNOWN for
+    a unary call and INTERNAL "this is a bug" for a push. A streamed request's bad message is an
+    InvalidArgument raised where the handler reads it (its grpc_errors gives the status)."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        decode, method = handler.request_deserializer, details.method
+
+        def deserializer(data: bytes):
+            try:
+                return decode(data)
+            except DecodeError as err:
+                return _Undecodable(str(err))
+
+        def refusal(bad: _Undecodable) -> str:
+            return (f"{method}: the request is not a valid message ({bad.error}); is every "
+                    "string field UTF-8?")
+
+        async def checked(requests):
+            async for request in requests:
+                if isinstance(request, _Undecodable):
+                    raise InvalidArgument(refusal(request))
+                yield request
+
+        kind = ("stream" if handler.request_streaming else "unary") + "_" + (
+            "stream" if handler.response_streaming else "unary")
+        behavior = getattr(handler, kind)
+        if handler.request_streaming and inspect.isasyncgenfunction(behavior):
+            async def wrapped(requests, context):
+                async for response in behavior(checked(requests), context):
+                    yield response
+        elif handler.request_streaming:
+            async def wrapped(requests, context):
+                return await behavior(checked(requests), context)
+        elif inspect.isasyncgenfunction(behavior):
+            async def wrapped(request, context):
+                if isinstance(request, _Undecodable):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal(request))
+                async for response in behavior(request, context):
+                    yield response
+        else:
+            async def wrapped(request, context):
+                if isinstance(request, _Undecodable):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal(request))
+                return await behavior(request, context)
+        return getattr(grpc, f"{kind}_rpc_method_handler")(
+            wrapped, deserializer, handler.response_serializer)
 
 
 class _UnknownMethod(grpc.GenericRpcHandler):

@@ -339,3 +339,31 @@ async def test_push_metadata_is_refused_at_the_header_before_any_upload(replicas
         name="meta", config_json=CONFIG_JSON, weights_filename="adapter_model.safetensors",
         num_bytes=len(DATA), metadata=metadata), b""))
     assert words in details, details
+
+
+def _not_utf8(message) -> bytes:
+    """`message` serialized with its "n-a-m-e" string's bytes made invalid UTF-8."""
+    data = message.SerializeToString()
+    assert data.count(b"n-a-m-e") == 1
+    return data.replace(b"n-a-m-e", b"n\xff\xfe\xfdm-e")
+
+
+@in_session_loop
+async def test_a_request_that_does_not_decode_is_invalid_argument_naming_the_method(replicas):
+    """A string field that is not UTF-8 does not decode (proto3): INVALID_ARGUMENT, on a unary
+    call and on a streamed one (grpc's own answers were UNKNOWN and INTERNAL "this is a bug")."""
+    channel = replicas[0].channel
+    get = channel.unary_unary("/loraplex.v1.AdapterStore/GetAdapter")
+    details = await expect_error(INVALID, get(_not_utf8(pb.GetAdapterRequest(name="n-a-m-e"))))
+    assert "GetAdapter: the request is not a valid message" in details, details
+    push = channel.stream_unary("/loraplex.v1.AdapterStore/Push")
+    header = pb.PushRequest(header=pb.PushHeader(name="n-a-m-e", config_json=CONFIG_JSON,
+                                                 weights_filename="adapter_model.safetensors",
+                                                 num_bytes=len(DATA)))
+
+    async def requests():
+        yield _not_utf8(header)
+
+    details = await expect_error(INVALID, push(requests()))
+    assert "Push: the request is not a valid message" in details, details
+    assert (await replicas[0].stub.ListAdapters(pb.ListAdaptersRequest())).adapters == []
