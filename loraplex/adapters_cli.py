@@ -230,6 +230,9 @@ async def run(args: argparse.Namespace) -> None:
                                      version=0 if args.remove else version)
         if not args.remove and not version:
             sys.exit("error: give the version to point at: NAME@VERSION (or --remove)")
+        if args.remove and (version or query.alias):
+            sys.exit(f"error: --remove takes the adapter's NAME alone ({name}), not "
+                     f"{args.ref}: the alias is removed whatever it points at")
         if args.expect is not None:
             request.expected_version = args.expect
         answer = await call("SetAlias", request)
@@ -241,6 +244,9 @@ async def run(args: argparse.Namespace) -> None:
         name, version = query.name, query.version
         if query.alias or (not version and not args.all_versions):
             sys.exit("error: name the version to delete (NAME@VERSION), or --all-versions")
+        if version and args.all_versions:
+            sys.exit(f"error: --all-versions deletes every version of {name}: give NAME alone, "
+                     f"or NAME@VERSION without --all-versions")
         answer = await call("DeleteAdapter", pb.DeleteAdapterRequest(
             name=name, version=version, tenant=args.tenant))
         print(f"deleted {name} versions {', '.join(map(str, answer.versions))}")

@@ -252,3 +252,18 @@ def waited_for(args: list[str], env: dict[str, str], then) -> str:
     assert waiting.returncode == 0 and out.endswith("\n"), out
     assert said, "nothing said on stderr within 60 s"
     return said[0]
+
+
+@pytest.mark.parametrize("args, words", [
+    (("rm", "r4_attn@1", "--all-versions"), "--all-versions deletes every version of r4_attn"),
+    (("alias", "r4_attn@1", "prod", "--remove"), "--remove takes the adapter's NAME alone")])
+def test_a_version_with_a_flag_for_every_version_is_refused_not_half_done(fleet, served,
+                                                                          admin_key_file, args,
+                                                                          words):
+    """`rm NAME@1 --all-versions` deleted version 1 alone; `alias NAME@V A --remove` ignored V."""
+    done = loraplex("adapters", *args, "--store", fleet.stores[0], "--api-key-file",
+                    admin_key_file)
+    assert done.returncode != 0 and words in done.stderr, done.stderr
+    listed = loraplex("adapters", "list", "--store", fleet.stores[0], "--api-key-file",
+                      admin_key_file)
+    assert "r4_attn" in listed.stdout, listed.stdout
