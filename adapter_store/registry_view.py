@@ -214,10 +214,10 @@ class RegistryView:
         return self._blobs.description
 
     def counts(self) -> tuple[int, int]:
-        """(names, live versions) known to this replica."""
-        live = [v for name, versions in self._versions.items() for v in versions
+        """(names with a live version, live versions) known to this replica."""
+        live = [(name, v) for name, versions in self._versions.items() for v in versions
                 if v not in self._indexes.get(name, NameIndex()).deleted]
-        return len({n for n, vs in self._versions.items() if vs}), len(live)
+        return len({name for name, _ in live}), len(live)
 
     def weights_in_use(self, name: str) -> set[str] | None:
         """The weights keys of `name`'s live versions, as last refreshed; None when a manifest of

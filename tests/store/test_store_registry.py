@@ -178,6 +178,22 @@ async def test_delete_is_refused_while_aliased_or_resident_and_never_reuses_vers
 
 
 @in_session_loop
+async def test_stats_count_the_names_that_have_a_live_version(replicas):
+    """A name whose every version was deleted is no adapter in Stats (it was counted)."""
+    a, _ = replicas
+    before = await a.stub.Stats(pb.StoreStatsRequest())
+    await push(a, "short-lived", "acme")
+    during = await a.stub.Stats(pb.StoreStatsRequest())
+    assert (during.num_adapters, during.num_versions) == (before.num_adapters + 1,
+                                                          before.num_versions + 1)
+    await a.stub.DeleteAdapter(pb.DeleteAdapterRequest(name="short-lived", version=1,
+                                                       tenant="acme"))
+    after = await a.stub.Stats(pb.StoreStatsRequest())
+    assert (after.num_adapters, after.num_versions) == (before.num_adapters,
+                                                        before.num_versions)
+
+
+@in_session_loop
 async def test_another_tenants_adapter_is_not_found_on_every_rpc(replicas):
     a, _ = replicas
     await push(a, "secret", "acme")
