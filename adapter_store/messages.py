@@ -1,11 +1,13 @@
 """The store's records as protobuf messages and back: AdapterRecord and BaseModel out, a pusher's
 VersionMetadata in (checked). Plain conversions, no I/O."""
 
+import bisect
 import dataclasses
+from collections.abc import Callable, Sequence
 
 from adapter_store.base_models import BaseModel, MatchKind
 from adapter_store.records import AdapterRecord, VersionMeta
-from common.adapter_ref import check_alias
+from common.adapter_ref import AdapterRef, check_alias
 from common.errors import InvalidArgument
 from protos import adapter_store_pb2 as pb
 from protos import common_pb2
@@ -61,3 +63,35 @@ def meta_from_pb(metadata: pb.VersionMetadata) -> tuple[VersionMeta, list[str]]:
                        base_model_revision=metadata.base_model_revision)
     meta.check()  # (at the header, before any upload)
     return meta, list(metadata.aliases)
+
+
+LIST_PAGE_VERSIONS = 1000  # versions in one ListAdapters answer at most
+LIST_PAGE_BYTES = 4 << 20  # and its messages' bytes (a version's config alone may be 64 KiB)
+
+
+def list_page(records: Sequence[AdapterRecord], aliases_of: Callable[[AdapterRecord], list[str]],
+              page_size: int, page_token: str) -> pb.ListAdaptersResponse:
+    """One page of `records` (sorted by name, then version): those after `page_token` (the last
+    one of the page before, "name@version"), up to page_size versions (0: the most) and
+    LIST_PAGE_BYTES, with the token of its last if more follow."""
+    start = 0
+    if page_token:
+        try:
+            last = AdapterRef.parse(page_token)
+        except InvalidArgument:
+            raise InvalidArgument(f"page_token {page_token[:100]!r} is not one a ListAdapters "
+                                  "answer gave") from None
+        start = bisect.bisect_right([(r.name, r.version) for r in records],
+                                    (last.name, last.version))
+    size = min(page_size or LIST_PAGE_VERSIONS, LIST_PAGE_VERSIONS)
+    page, num_bytes = pb.ListAdaptersResponse(), 0
+    for record in records[start:start + size]:
+        details = record_to_details(record, aliases_of(record))
+        num_bytes += details.ByteSize()
+        if page.adapters and num_bytes > LIST_PAGE_BYTES:
+            break
+        page.adapters.append(details)
+    end = start + len(page.adapters)
+    if end < len(records):
+        page.next_page_token = str(AdapterRef(records[end - 1].name, records[end - 1].version))
+    return page

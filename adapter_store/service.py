@@ -18,7 +18,13 @@ from adapter_store.blobs import BlobStore
 from adapter_store.config import StoreConfig, parse_args
 from adapter_store.host_cache import RESTART, HostCache
 from adapter_store.leases import LeaseBook
-from adapter_store.messages import base_to_pb, meta_from_pb, record_to_details, record_to_pb
+from adapter_store.messages import (
+    base_to_pb,
+    list_page,
+    meta_from_pb,
+    record_to_details,
+    record_to_pb,
+)
 from adapter_store.metrics import store_registry
 from adapter_store.push_receive import receive_push
 from adapter_store.records import AdapterRecord
@@ -178,8 +184,8 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
             tenant = self._reader(context, request.tenant)
             records = await self._registry.list_visible(tenant, request.name,
                                                         request.all_versions)
-            return pb.ListAdaptersResponse(adapters=[
-                record_to_details(r, self._registry.aliases_of(r)) for r in records])
+            return list_page(records, self._registry.aliases_of, request.page_size,
+                             request.page_token)
 
     async def SetAlias(self, request, context) -> pb.SetAliasResponse:
         async with grpc_errors(context):

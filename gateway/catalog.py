@@ -34,9 +34,8 @@ class Catalog:
     async def adapters(self, tenant: str, base_models: set[str]) -> list[AdapterEntry]:
         """The adapters `tenant` may use whose base model is in `base_models`, by name."""
         request = adapter_store_pb2.ListAdaptersRequest(tenant=tenant, all_versions=True)
-        listed = await self._list(request)
         entries: dict[str, AdapterEntry] = {}
-        for details in listed.adapters:
+        for details in await self._list(request):
             info = details.info
             if info.base_model not in base_models:
                 continue
@@ -49,11 +48,18 @@ class Catalog:
                          **{alias: info.version for alias in details.aliases}})
         return sorted(entries.values(), key=lambda e: e.name)
 
-    async def _list(self, request) -> adapter_store_pb2.ListAdaptersResponse:
+    async def _list(self, request) -> list[adapter_store_pb2.AdapterDetails]:
+        """Every page of the listing, from the first store that answers them all."""
         last: LoraplexError = Unavailable("no adapter store configured")
         for address, stub in self._stubs:
             try:
-                return await stub.ListAdapters(request, timeout=self._rpc_s)
+                listed, request.page_token = [], ""
+                while True:
+                    page = await stub.ListAdapters(request, timeout=self._rpc_s)
+                    listed += page.adapters
+                    if not page.next_page_token:
+                        return listed
+                    request.page_token = page.next_page_token
             except grpc.aio.AioRpcError as err:
                 last = from_rpc_error(err, f"adapter registry {address}")
                 if not isinstance(last, Unavailable):

@@ -135,6 +135,13 @@ def _base_match(info: common_pb2.AdapterInfo) -> str:
     return "pushed before bases were matched"
 
 
+def _print_listed(d: pb.AdapterDetails) -> None:
+    i = d.info
+    print(f"{str(AdapterRef.of(i)):32s} {i.owner_tenant or 'public':10s} "
+          f"{i.rank:4d} {i.num_bytes / 2**20:7.2f}  {','.join(d.aliases) or '-':16s} "
+          f"{i.base_model}")
+
+
 def _describe(d: pb.AdapterDetails) -> str:
     i = d.info
     aliases = f"  (aliases: {', '.join(d.aliases)})" if d.aliases else ""
@@ -211,14 +218,16 @@ async def run(args: argparse.Namespace) -> None:
                   f"(services reuse a name's resolution that long); name {ref} to have it at "
                   "once")
     elif command == "list":
-        listed = await call("ListAdapters", pb.ListAdaptersRequest(
-            tenant=args.tenant, name=args.name, all_versions=args.all_versions))
+        request = pb.ListAdaptersRequest(tenant=args.tenant, name=args.name,
+                                         all_versions=args.all_versions)
         print(f"{'ADAPTER':32s} {'OWNER':10s} {'RANK':>4s} {'MIB':>7s}  {'ALIASES':16s} BASE")
-        for d in listed.adapters:
-            i = d.info
-            print(f"{str(AdapterRef.of(i)):32s} {i.owner_tenant or 'public':10s} "
-                  f"{i.rank:4d} {i.num_bytes / 2**20:7.2f}  {','.join(d.aliases) or '-':16s} "
-                  f"{i.base_model}")
+        while True:  # page by page
+            listed = await call("ListAdapters", request)
+            for d in listed.adapters:
+                _print_listed(d)
+            if not listed.next_page_token:
+                break
+            request.page_token = listed.next_page_token
     elif command == "show":
         query = _query(args.ref)
         print(_describe(await call("DescribeAdapter", pb.GetAdapterRequest(

@@ -144,20 +144,26 @@ class AdapterDetails(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.AdapterInfo, _Mapping]] = ..., base_model_revision: _Optional[str] = ..., base_config_sha256: _Optional[str] = ..., dtype: _Optional[str] = ..., rank_pattern: _Optional[_Mapping[str, int]] = ..., alpha_pattern: _Optional[_Mapping[str, float]] = ..., training_dataset: _Optional[str] = ..., eval_scores: _Optional[_Mapping[str, float]] = ..., source: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListAdaptersRequest(_message.Message):
-    __slots__ = ("tenant", "name", "all_versions")
+    __slots__ = ("tenant", "name", "all_versions", "page_size", "page_token")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ALL_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     name: str
     all_versions: bool
-    def __init__(self, tenant: _Optional[str] = ..., name: _Optional[str] = ..., all_versions: _Optional[bool] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    def __init__(self, tenant: _Optional[str] = ..., name: _Optional[str] = ..., all_versions: _Optional[bool] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListAdaptersResponse(_message.Message):
-    __slots__ = ("adapters",)
+    __slots__ = ("adapters", "next_page_token")
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterDetails]
-    def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterDetails, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterDetails, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class SetAliasRequest(_message.Message):
     __slots__ = ("name", "alias", "version", "tenant", "expected_version")
