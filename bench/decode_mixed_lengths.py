@@ -39,9 +39,14 @@ def worker(steps: int) -> None:
     import torch.nn.functional as F
 
     from common.sampling import SamplingParams
-    from executor.model.config import ModelConfig
-    from executor.model.kv_cache import PagedKVCache
     from executor.runner import ModelRunner, Row
+
+    try:  # (the executor's layout since its modules moved into executor/model/)
+        from executor.model.config import ModelConfig
+        from executor.model.kv_cache import PagedKVCache
+    except ModuleNotFoundError:  # (a tree from before: the --before side of issue 16's change)
+        from executor.kv_cache import PagedKVCache
+        from executor.model_config import ModelConfig
 
     torch.set_num_threads(1)
     seconds = {"attention": 0.0}
@@ -86,7 +91,9 @@ def worker(steps: int) -> None:
 def run_side(tree: Path, steps: int) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, __file__, "--worker", "--steps", str(steps)],
-                         env=env, cwd=tree, capture_output=True, text=True, check=True)
+                         env=env, cwd=tree, capture_output=True, text=True, check=False)
+    if out.returncode:
+        raise SystemExit(f"the side in {tree} failed:\n{out.stderr[-3000:]}")
     results = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     for r in results:
         if Path(r["executor"]) != tree / "executor":

@@ -39,6 +39,9 @@ from executor.model.config import ModelConfig  # noqa: E402
 from executor.lora.slot_pool import LoraModuleWeights, LoraWeights, page_geometry  # noqa: E402
 
 DEVICE = "cpu" if OPTS.smoke else "cuda"
+if DEVICE == "cuda" and not torch.cuda.is_available():
+    sys.exit("error: the GPU check needs a CUDA GPU, and this machine's torch sees none "
+             f"(torch {torch.__version__}); --smoke runs every section on the CPU")
 MODEL = "tiny" if OPTS.smoke else "llama-3-8b"
 CFG = ModelConfig.named(MODEL)
 TOKENS = (4,) if OPTS.smoke else (1, 16, 64, 256, 2048)

@@ -134,6 +134,9 @@ def main() -> None:
     opts = options()
     wanted = [int(n) for n in opts.ranks.split(",")]
     gpus = 8 if opts.smoke else torch.cuda.device_count()  # (smoke: CPU ranks)
+    if not gpus:
+        sys.exit("error: the tensor-parallel step needs CUDA GPUs, and this machine's torch sees "
+                 f"none (torch {torch.__version__}); --smoke runs it on CPU ranks")
     start, report, measured, skipped = time.perf_counter(), [], {}, []
     context = mp.get_context("spawn")
     for world in wanted:
