@@ -91,6 +91,8 @@ class Engine:
         # the executors gone from discovery (before they connected, too).
         self._views: dict[str, ExecutorState] = {}
         self._leaving: set[str] = set()
+        # (executor, slot) -> its UnloadAdapter on its way: a load into the slot waits for it
+        self._unloads: dict[tuple[str, int], asyncio.Task] = {}
 
     def start(self) -> None:
         self._spawn(self._discover())
@@ -309,6 +311,13 @@ class Engine:
     async def _load(self, link: ExecutorLink, stream_id: str, ex: ExecutorState,
                     load: Load) -> None:
         adapter = load.adapter
+        unloading = self._unloads.get((link.address, load.slot))
+        if unloading is not None:
+            # Sent after it, the load could still run first: an unload of the same adapter (an
+            # evicted one loaded again into its slot) then emptied the slot under running
+            # sequences, and the next step failed ("adapter slot 4 holds no adapter"; the churn
+            # soak, 1 in 2 runs). The unload is bounded by its own deadline.
+            await asyncio.wait({unloading})
         try:
             resp = await link.stub.LoadAdapter(executor_pb2.LoadAdapterRequest(
                 adapter=adapter.to_pb(), slot=load.slot, only_staged=load.is_from_staged,
@@ -366,7 +375,10 @@ class Engine:
         else:  # (the answer waits for a copy that may still run: a load's time)
             request = executor_pb2.UnloadAdapterRequest(slot=slot, stream_id=link.stream_id)
             timeout = self.timeouts.load(0, ex.rates)
-        self._spawn(self._unload(link, request, timeout, done))
+        key, task = (ex.address, slot), self._spawn(self._unload(link, request, timeout, done))
+        self._unloads[key] = task
+        task.add_done_callback(
+            lambda _: self._unloads.pop(key) if self._unloads.get(key) is task else None)
 
     @staticmethod
     async def _unload(link: ExecutorLink, request: executor_pb2.UnloadAdapterRequest,
