@@ -31,8 +31,14 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
 # Clients spread calls over every address a name resolves to (dns:///stores.ns.svc:50052 with a
-# headless Service): gRPC's own resolver re-resolves, its round_robin policy balances.
-CLIENT_OPTIONS = CHANNEL_OPTIONS + [("grpc.lb_policy_name", "round_robin")]
+# headless Service): gRPC's own resolver re-resolves, its round_robin policy balances. Each
+# channel keeps its own connections (grpc.use_local_subchannel_pool): with the process-wide pool,
+# a new channel to a service back on an address took over the backoff of an older channel's
+# failed connection there and failed at once, "connections to all backends failing", until that
+# backoff ran out (up to 2 minutes; a test's new channel met a port an earlier test's dead
+# scheduler had used).
+CLIENT_OPTIONS = CHANNEL_OPTIONS + [("grpc.lb_policy_name", "round_robin"),
+                                    ("grpc.use_local_subchannel_pool", 1)]
 # A server pings the peers of its open calls every 30 s and drops a connection whose peer does not
 # answer within 10 s: a frozen or vanished client (a scheduler holding an executor's only step
 # stream, an executor in the middle of a Fetch) releases what its calls held.
