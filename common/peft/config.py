@@ -107,12 +107,8 @@ class LoraConfig:
         named by target_modules, and not left out (left_out)."""
         if self.target_modules == ALL_LINEAR:
             hits = [p.rsplit(".", 1)[-1] in (*ADAPTABLE_MODULES, *EXPERT_PARTS) for p in paths]
-        elif isinstance(self.target_modules, str):
-            (hits,) = fullmatches([self.target_modules], list(paths),
-                                  "adapter_config.json: target_modules regex")
         else:
-            hits = [any(p == t or p.endswith("." + t) for t in self.target_modules)
-                    for p in paths]
+            hits = _named(self.target_modules, paths, "target_modules")
         return [hit and not out for hit, out in zip(hits, self.left_out(paths))]
 
     def targets_parameter(self, path: str) -> bool:
@@ -131,12 +127,7 @@ class LoraConfig:
                 layer = _LAYER.search(path)
                 if layer is None or int(layer[1]) not in self.layers_to_transform:
                     out[i] = f"layers_to_transform {sorted(self.layers_to_transform)}"
-        if isinstance(self.exclude_modules, str):
-            (hits,) = fullmatches([self.exclude_modules], list(paths),
-                                  "adapter_config.json: exclude_modules regex")
-        else:
-            hits = [any(p == e or p.endswith("." + e) for e in self.exclude_modules)
-                    for p in paths]
+        hits = _named(self.exclude_modules, paths, "exclude_modules")
         return [why or (f"exclude_modules {shown(self.exclude_modules)}" if hit else "")
                 for why, hit in zip(out, hits)]
 
@@ -326,6 +317,16 @@ def _target_modules(value: object) -> tuple[str, ...] | str:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _named(names: tuple[str, ...] | str, paths: Sequence[str], field: str) -> list[bool]:
+    """Whether PEFT's list-or-regex `field` (target_modules, exclude_modules) names each module
+    path: the regex matching the whole path, or a list entry that is the path or a dotted
+    suffix of it."""
+    if isinstance(names, str):
+        (hits,) = fullmatches([names], list(paths), f"adapter_config.json: {field} regex")
+        return hits
+    return [any(p == n or p.endswith("." + n) for n in names) for p in paths]
 
 
 def shown(names: tuple[str, ...] | str) -> str:

@@ -184,8 +184,9 @@ def _name_weights(config: LoraConfig, found: list) -> list[tuple[TensorKey, dict
 def _plan_own(config: LoraConfig, pairs, keys) -> dict[tuple[int, str], ExpertLayout]:
     ordered = sorted(pairs)
     paths = [keys[k].path for k in ordered]
-    for path, hit, out in zip(paths, config.targets(paths), config.left_out(paths)):
+    for path, hit in zip(paths, config.targets(paths)):
         if not hit:
+            out = config.left_out([path])[0]
             raise _invalid(f"it adapts {path}, which "
                            + (f"{out} leaves out" if out else "target_modules does not name"))
     parts: dict[tuple[int, int, str], dict[str, ExpertPart]] = {}

@@ -153,8 +153,9 @@ def plan_adapter(config: LoraConfig, entries: Mapping[str, TensorEntry]) -> Adap
     experts = plan_experts(config, expert_pairs, expert_keys) if expert_pairs else {}
     keys = sorted(pairs)
     paths = [module_path(layer, module, layers) for layer, module in keys]
-    for path, is_target, out in zip(paths, config.targets(paths), config.left_out(paths)):
+    for path, is_target in zip(paths, config.targets(paths)):
         if not is_target:
+            out = config.left_out([path])[0]
             raise InvalidArgument(f"{WEIGHTS_FILE} adapts {path}, which " + (
                 f"{out} leaves out" if out else
                 f"target_modules {shown(config.target_modules)} does not name"))
