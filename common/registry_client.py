@@ -32,7 +32,14 @@ from collections.abc import Callable
 import grpc
 
 from common.adapter_ref import AdapterQuery, AdapterRef
-from common.errors import LoraplexError, Unavailable, from_rpc_error, relayed_status
+from common.errors import (
+    InvalidArgument,
+    LoraplexError,
+    NotFound,
+    Unavailable,
+    from_rpc_error,
+    relayed_status,
+)
 from common.lru import Lru
 from common.server import insecure_channel
 from protos import adapter_store_pb2, adapter_store_pb2_grpc, common_pb2
@@ -97,6 +104,16 @@ class RegistryClient:
     async def resolve(self, ref: str, tenant: str) -> common_pb2.AdapterInfo:
         """The exact adapter version `ref` names for `tenant` (NOT_FOUND if it may not see it)."""
         return await self._resolve(AdapterQuery.parse(ref), tenant, ref)
+
+    async def resolve_model(self, ref: str, tenant: str) -> common_pb2.AdapterInfo:
+        """`resolve`, as a generation request's model name is read: a name not of an adapter
+        reference's form ("org/model-7b", "my model") is NOT_FOUND, unknown like any name nobody
+        has (vLLM and OpenAI answer an unknown model so), not INVALID_ARGUMENT."""
+        try:
+            query = AdapterQuery.parse(ref)
+        except InvalidArgument as err:
+            raise NotFound(str(err)) from None
+        return await self._resolve(query, tenant, ref)
 
     async def lookup(self, ref: AdapterRef, tenant: str) -> common_pb2.AdapterInfo:
         """The record of the exact version `ref` (one a gateway resolved already), as `tenant`

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from common import wire
-from common.adapter_ref import AdapterQuery, AdapterRef
+from common.adapter_ref import AdapterRef
 from common.base_fingerprint import same_model_hint
 from common.credentials import KeyRing, Role, request_tenant
 from common.detokenizer import FINISH_PB, OutputProcessor, check_stops
@@ -118,11 +118,7 @@ class Frontend:
         try:  # (NOT_FOUND if the tenant may not see it)
             if isinstance(model, AdapterRef):
                 return await self._registry.lookup(model, tenant)
-            try:
-                AdapterQuery.parse(model)
-            except InvalidArgument as err:
-                raise NotFound(str(err)) from None
-            return await self._registry.resolve(model, tenant)
+            return await self._registry.resolve_model(model, tenant)
         except NotFound as err:
             raise NotFound(f"{err}; it is not a base model served here either "
                            f"({self._served()})") from None
