@@ -25,6 +25,7 @@ Medians over the steps; one process, one torch thread. --out writes bench/result
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import pathlib
@@ -258,6 +259,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--out", action="store_true", help=f"write {RESULTS.relative_to(REPO)}")
     args = parser.parse_args()
+    if importlib.util.find_spec("xgrammar") is None:
+        raise SystemExit("xgrammar is not installed (it is no dependency of loraplex): "
+                         "`.venv/bin/pip install xgrammar`, then run this again")
     torch.set_num_threads(1)
     load = os.getloadavg()[0]
     tokenizer_json = synthetic_tokenizer(args.vocab)
