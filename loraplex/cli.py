@@ -121,11 +121,10 @@ def _call(action: Callable[[argparse.Namespace], Awaitable[None]],
         address, wanted = getattr(args, "scheduler", None), service_wait.SCHEDULER
 
     async def when_serving() -> None:
-        if address and args.wait_s > 0 and not await service_wait.wait_for_service(
-                address, wanted, args.wait_s):
-            sys.exit(f"error: UNAVAILABLE: nothing serving at {address} within {args.wait_s:g}s "
-                     "(--wait-s): "
-                     "is `loraplex up` running? (its services log under its state directory)")
+        if address and args.wait_s > 0:
+            why = await service_wait.wait_for_service(address, wanted, args.wait_s)
+            if why is not None:
+                sys.exit(f"error: {why}")
         await action(args)
 
     try:

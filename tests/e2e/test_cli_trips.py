@@ -83,6 +83,20 @@ def test_a_wait_says_what_it_waits_for(fleet):
     assert error.startswith("error: UNAVAILABLE: nothing serving at"), error
 
 
+def test_a_frozen_service_is_told_from_an_absent_one():
+    """A process that takes connections and never answers (a service stopped with SIGSTOP: the
+    kernel still accepts) is named as such after --wait-s, not taken for nothing running."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+        done = loraplex("--wait-s", "3", "adapters", "list", "--store", address)
+    error = done.stderr.splitlines()[-1]
+    assert done.returncode == 1 and error.startswith(
+        f"error: DEADLINE_EXCEEDED: a process at {address} takes connections but did not "
+        "answer within 3s"), error
+
+
 def test_a_command_at_another_service_names_what_is_there(fleet, admin_key_file, tiny):
     """Trip 8: `Method not found!` becomes which service answered."""
     error = refused(loraplex("generate", "hi", "--scheduler", fleet.stores[0], key=TENANT_KEY),
