@@ -51,16 +51,20 @@ class Cell:
     auth: tuple[tuple[str, str], ...] = ()
     is_up: bool = False
     problem: str = "not asked yet"  # why it is down
+    # Found down by a call (its stream broke), not by a probe, and no probe has answered since:
+    # a stream breaks also when the scheduler is fine (it cut one that this gateway, frozen,
+    # left unanswered), so requests wait for that probe before they are refused (pools.py)
+    unprobed: bool = False
     # Set while down: requests still waiting for its first answer move to another cell.
     lost: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     stream: "CellStream | None" = None  # the gateway's requests to it
 
     def up(self) -> None:
-        self.is_up, self.problem = True, ""
+        self.is_up, self.problem, self.unprobed = True, "", False
         self.lost.clear()
 
-    def down(self, problem: str) -> None:
-        self.is_up, self.problem = False, problem
+    def down(self, problem: str, by_call: bool = False) -> None:
+        self.is_up, self.problem, self.unprobed = False, problem, by_call
         self.lost.set()
 
     def close_stream(self) -> None:

@@ -105,6 +105,8 @@ class Frontend:
                     f"adapter {AdapterRef.of(adapter)} is for base model "
                     f"{adapter.base_model!r}, which no pool behind this gateway serves "
                     f"({self._served()}). " + same_model_hint(adapter.base_model))
+        if not any(c.is_up for c in pool.cells.values()):
+            await self._pools.settle(pool)  # (a cell a broken stream took down: its probe)
         if pool.model is None or not any(c.is_up for c in pool.cells.values()):
             raise Unavailable(f"the pool serving {pool.model_id!r} is down ({pool.why_down()}); "
                               "retry later")
@@ -146,32 +148,38 @@ class Frontend:
                        ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
         """The pool's stream for `request` (prompt as token ids, adapter as route.adapter_ref),
         as Generate's messages: from the cell that ranks first, or the next one while nothing
-        was delivered."""
+        was delivered; when every cell failed it so, once more on those a probe then finds up
+        (a stream that broke under a healthy scheduler)."""
         start = time.monotonic()
         deadline = start + (timeout_s or self._request_timeout_s)
         last: LoraplexError | None = None
         made = 0  # new tokens delivered (the last message's usage counts them all)
         try:
-            for cell in route.pool.cells_for(route.adapter.name if route.adapter else None):
-                if deadline - time.monotonic() <= 0:
-                    break
-                if route.pool.cells.get(cell.address) is not cell:  # it left the pool meanwhile
-                    continue
-                try:
-                    # (closed at once when our caller stops reading: its request is cancelled
-                    # there)
-                    async with contextlib.aclosing(self._from_cell(
-                            cell, route, request, tenant, start, deadline)) as answer:
-                        async for message in answer:
-                            made = (message.usage.completion_tokens if message.HasField("usage")
-                                    else made + 1)
-                            yield message
-                    return
-                except _NothingDelivered as failed:
-                    log.warning("scheduler %s of pool %s did not serve a request (%s); it moves "
-                                "on", cell.address, route.pool.model_id, failed.error)
-                    self.metrics.failovers.inc()
-                    last = failed.error
+            for again in (False, True):
+                if again:
+                    if last is None or not any(c.unprobed for c in route.pool.cells.values()):
+                        break
+                    await self._pools.settle(route.pool)
+                for cell in route.pool.cells_for(route.adapter.name if route.adapter else None):
+                    if deadline - time.monotonic() <= 0:
+                        break
+                    if route.pool.cells.get(cell.address) is not cell:  # it left the pool
+                        continue
+                    try:
+                        # (closed at once when our caller stops reading: its request is
+                        # cancelled there)
+                        async with contextlib.aclosing(self._from_cell(
+                                cell, route, request, tenant, start, deadline)) as answer:
+                            async for message in answer:
+                                made = (message.usage.completion_tokens
+                                        if message.HasField("usage") else made + 1)
+                                yield message
+                        return
+                    except _NothingDelivered as failed:
+                        log.warning("scheduler %s of pool %s did not serve a request (%s); it "
+                                    "moves on", cell.address, route.pool.model_id, failed.error)
+                        self.metrics.failovers.inc()
+                        last = failed.error
         finally:  # (admit charged max_new_tokens)
             self._limiter.refund(tenant, request.max_new_tokens - made)
         raise Unavailable(f"no scheduler of the pool serving {route.pool.model_id!r} answered"

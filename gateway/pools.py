@@ -114,6 +114,7 @@ class Pools:
         self._pools: dict[str, Pool] = {}
         self._resolved: dict[str, list[str]] = {}  # host:port -> the addresses it resolved to
         self._wake = asyncio.Event()
+        self._refreshed = asyncio.Event()  # set (and replaced) as each refresh ends
         self._task: asyncio.Task | None = None
 
     def get(self, model_id: str) -> Pool | None:
@@ -137,9 +138,23 @@ class Pools:
                 await cell.channel.close()
 
     def cell_failed(self, cell: Cell, problem: str) -> None:
-        """A call found `cell` unreachable: no requests go to it until it answers a probe."""
-        cell.down(problem)
+        """A call found `cell` unreachable: no requests go to it until it answers a probe (one
+        starts now)."""
+        cell.down(problem, by_call=True)
         self._wake.set()
+
+    async def settle(self, pool: Pool) -> None:
+        """Wait until every cell of `pool` that a call found unreachable has answered a probe or
+        failed one, at most two probes' time: a broken stream is not always a scheduler down
+        (the scheduler's keepalive cuts a stream this gateway left unanswered while frozen), and
+        the request that met it, or one that comes right after, may be served."""
+        try:
+            async with asyncio.timeout(2 * self._rpc_s + 1.0):
+                while any(c.unprobed for c in pool.cells.values()):
+                    self._wake.set()
+                    await self._refreshed.wait()
+        except TimeoutError:
+            pass
 
     async def _refresh_forever(self) -> None:
         while True:
@@ -166,6 +181,8 @@ class Pools:
             self._place(self._pools.pop(model_id), [])
         await asyncio.gather(*(self._probe(pool, cell) for pool in self._pools.values()
                                for cell in pool.cells.values()))
+        self._refreshed.set()
+        self._refreshed = asyncio.Event()
 
     def _read_roster(self) -> dict[str, list[str]]:
         if not self._roster:
