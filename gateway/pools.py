@@ -22,6 +22,7 @@ wait for its first answer: they go to the next cell (gateway/frontend.py).
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import ipaddress
 import logging
@@ -230,9 +231,18 @@ class Pools:
 
     async def _probe(self, pool: Pool, cell: Cell) -> None:
         known = pool.model.answer.fingerprint if pool.model else ""
+        ask = functools.partial(cell.stub.Model, scheduler_pb2.ModelRequest(
+            known_fingerprint=known), metadata=cell.auth, timeout=self._rpc_s)
         try:
-            answer = await cell.stub.Model(scheduler_pb2.ModelRequest(known_fingerprint=known),
-                                           metadata=cell.auth, timeout=self._rpc_s)
+            try:
+                answer = await ask()
+            except grpc.aio.AioRpcError as err:
+                # A cell up till now, or one a broken call took down, is asked again (waiting
+                # for a new connection) when that fails at once: a connection its scheduler cut
+                # (keepalive, while this gateway was frozen) fails the first call made on it
+                if not (cell.is_up or cell.unprobed) or err.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                answer = await ask(wait_for_ready=True)
         except grpc.aio.AioRpcError as err:
             if cell.is_up:
                 log.warning("scheduler %s of pool %s is down: %s", cell.address, pool.model_id,
