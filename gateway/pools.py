@@ -237,12 +237,13 @@ class Pools:
             try:
                 answer = await ask()
             except grpc.aio.AioRpcError as err:
-                # A cell up till now, or one a broken call took down, is asked again (waiting
-                # for a new connection) when that fails at once: a connection its scheduler cut
-                # (keepalive, while this gateway was frozen) fails the first call made on it
+                # A cell up till now, or one a broken call took down, is asked once more when
+                # that fails at once: a connection its scheduler cut (keepalive, while this
+                # gateway was frozen) fails the first call made on it; the next connects anew
+                # (a scheduler that is stopping refuses both at once)
                 if not (cell.is_up or cell.unprobed) or err.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
-                answer = await ask(wait_for_ready=True)
+                answer = await ask()
         except grpc.aio.AioRpcError as err:
             if cell.is_up:
                 log.warning("scheduler %s of pool %s is down: %s", cell.address, pool.model_id,
