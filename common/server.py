@@ -37,8 +37,13 @@ CHANNEL_OPTIONS = [
 # failed connection there and failed at once, "connections to all backends failing", until that
 # backoff ran out (up to 2 minutes; a test's new channel met a port an earlier test's dead
 # scheduler had used).
+# A channel whose service went away tries to connect again at most every 2 s
+# (grpc.max_reconnect_backoff_ms; gRPC's default grows to 2 minutes): between tries its calls fail
+# at once, so after a 60 s store outage executors' fetches failed for another 15-30 s with the
+# store back, and a request for a cold adapter ran out its 30 s load wait.
 CLIENT_OPTIONS = CHANNEL_OPTIONS + [("grpc.lb_policy_name", "round_robin"),
-                                    ("grpc.use_local_subchannel_pool", 1)]
+                                    ("grpc.use_local_subchannel_pool", 1),
+                                    ("grpc.max_reconnect_backoff_ms", 2_000)]
 # A server pings the peers of its open calls every 30 s and drops a connection whose peer does not
 # answer within 10 s: a frozen or vanished client (a scheduler holding an executor's only step
 # stream, an executor in the middle of a Fetch) releases what its calls held.
