@@ -106,6 +106,17 @@ def module_path(layer: int, module: str, layers: str = TEXT_LAYERS) -> str:
     return f"{layers}.{layer}.{BLOCK_OF[module]}.{module}"
 
 
+def _why_not_lora(name: str) -> str:
+    """What PEFT option saves a tensor like `name` that is no LoRA weight, where one does."""
+    if name.endswith(".bias"):
+        return (" (a trained bias, saved by PEFT's bias='lora_only' or 'all': it rewrites the "
+                "base model's bias, which loraplex does not do; train with bias='none')")
+    if "trainable_tokens" in name:
+        return (" (PEFT's trainable_token_indices, new embedding rows, which loraplex does not "
+                "serve)")
+    return ""
+
+
 def parse_tensor_key(name: str) -> TensorKey:
     """Where LoRA tensor `name` applies; INVALID_ARGUMENT for a name that is neither a decoder
     projection's nor a vision tower's or projector's."""
@@ -121,8 +132,8 @@ def parse_tensor_key(name: str) -> TensorKey:
         if vision is not None:
             path = vision[1]
             return TensorKey(path, vision[2], path.rsplit(".", 1)[-1])
-        raise InvalidArgument(f"tensor {name!r} is not a LoRA weight of a decoder projection; "
-                              f"expected {TENSOR_KEY_FORMAT}")
+        raise InvalidArgument(f"tensor {name!r} is not a LoRA weight of a decoder projection"
+                              f"{_why_not_lora(name)}; expected {TENSOR_KEY_FORMAT}")
     layers, layer, block, module, which = (match[1], int(match[2]), match[3], match[4],
                                            match[5])
     if BLOCK_OF.get(module) != block:

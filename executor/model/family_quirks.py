@@ -23,6 +23,8 @@ fields mean what they mean to transformers (common/model_families.py fills in it
                             moe_intermediate_size, top num_experts_per_tok by softmax, renormalised
                             with norm_topk_prob, weights cast to the activations' dtype; every
                             layer slides when use_sliding_window is set
+    qwen2, qwen3            with use_sliding_window, a window on the layers layer_types names
+                            (by default those from max_window_layers on)
     mixtral                 the LLaMA layout's attention (sliding when sliding_window is set);
                             every MLP is num_local_experts experts of intermediate_size, top
                             num_experts_per_tok by softmax, renormalised, weights kept in fp32
@@ -59,12 +61,22 @@ from executor.model.rope import Rope, parse_rope
 BIAS_FROM_CONFIG = ("llama", "qwen3", "gemma2", "gemma3_text", "qwen3_moe")
 
 
+def _qwen_window(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2's and Qwen3's window, as transformers reads it: none without use_sliding_window;
+    with it, on the layers layer_types says slide, by default those from max_window_layers
+    (28) on."""
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    if window is None:
+        return {"sliding_window": None}
+    first = cfg.get("max_window_layers", 28)
+    return {"sliding_window": window, "layer_types": tuple(cfg.get("layer_types") or (
+        SLIDING if i >= first else FULL for i in range(cfg["num_hidden_layers"])))}
+
+
 def config_fields(raw: dict[str, Any], generation_config: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig's fields (all but model_id) of an HF config.json dict."""
     cfg = read_config(raw)
     model_type = cfg["model_type"]
-    if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
-        raise ValueError(f"model config: {model_type} use_sliding_window=true is not supported")
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "vocab_size"):
         if cfg.get(key) is None:
@@ -109,7 +121,9 @@ def config_fields(raw: dict[str, Any], generation_config: dict[str, Any]) -> dic
     if model_type == "qwen3_moe":  # (every layer slides, with use_sliding_window only)
         fields["sliding_window"] = cfg.get("sliding_window") if cfg.get("use_sliding_window") \
             else None
-    elif model_type not in ("qwen2", "qwen3"):  # (Qwen's applies only with use_sliding_window)
+    elif model_type in ("qwen2", "qwen3"):
+        fields.update(_qwen_window(cfg))
+    else:
         fields["sliding_window"] = cfg.get("sliding_window")
     if num_experts(cfg):
         fields.update(_experts(cfg))

@@ -20,8 +20,10 @@ from loraplex import fixtures
 QUIRKS = {
     "llama": {"tie_word_embeddings": True, "head_dim": 48},
     "mistral": {"sliding_window": 7},
-    "qwen2": {"tie_word_embeddings": True},
-    "qwen3": {"head_dim": 48},
+    "qwen2": {"tie_word_embeddings": True, "use_sliding_window": True, "sliding_window": 6,
+              "max_window_layers": 2},
+    "qwen3": {"head_dim": 48, "use_sliding_window": True, "sliding_window": 5,
+              "max_window_layers": 1},
     "gemma2": {"sliding_window": 5, "query_pre_attn_scalar": 40, "head_dim": 32,
                "layer_types": ["full_attention", "sliding_attention"] * 2},
     "gemma3_text": {"sliding_window": 9, "sliding_window_pattern": 3, "rope_local_base_freq": 77.0,

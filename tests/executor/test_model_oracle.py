@@ -69,6 +69,9 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
 VARIANTS = {
     "qwen2_bias": {"model_type": "qwen2"},
     "mistral_sliding": {"model_type": "mistral", "sliding_window": 6},
+    # (its layers from max_window_layers on slide, the first does not)
+    "qwen2_sliding": {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 6,
+                      "max_window_layers": 1},
     "llama3_rope_tied": {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0,
                              "tie_word_embeddings": True},
     "sharded": {"max_shard_size": "500KB"},
@@ -83,6 +86,8 @@ def test_loader_variant_matches_hf(tmp_path, variant):
                                          num_slots=0, max_rank=8)
     c = runner.config
     expect = {"qwen2_bias": c.attention_bias, "mistral_sliding": c.sliding_window == 6,
+              "qwen2_sliding": [c.layer_window(i) for i in range(c.num_hidden_layers)] == [
+                  None] + [6] * (c.num_hidden_layers - 1),
               "llama3_rope_tied": c.rope_scaling is not None and c.tie_word_embeddings,
               "sharded": (model_dir / "model.safetensors.index.json").exists(),
               "qwen3_head_dim": c.qk_norm and c.head_dim == 48}
@@ -223,6 +228,15 @@ def test_adapter_base_mismatch_scales_and_infix(fx):
     infix = save_st({k.replace(".weight", ".default.weight"): v for k, v in load_st(data).items()})
     with pytest.raises(InvalidArgument, match="is not a LoRA weight"):
         parse_peft_adapter(cfg, infix, config)
+    # What PEFT's bias="lora_only" / "all" and trainable_token_indices save is named as such
+    tensors = load_st(data)
+    some = next(iter(tensors.values())).clone()
+    for extra, why in (("base_model.model.model.layers.0.self_attn.q_proj.base_layer.bias",
+                        "bias='none'"),
+                       ("base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta",
+                        "trainable_token_indices")):
+        with pytest.raises(InvalidArgument, match=why):
+            parse_peft_adapter(cfg, save_st({**tensors, extra: some.clone()}), config)
 
 
 @pytest.mark.parametrize("params,match", [
