@@ -57,6 +57,7 @@ class OutputProcessor:
         self.token_ids: list[int] = []  # output tokens that count toward the text
         self.is_stopped = False  # it ended on a stop token (not in token_ids)
         self.text = ""
+        self.token_text = ""  # what the last token appended added to `text`
         self._prefix = 0  # window start (token index) for decoding
         self._read = 0  # tokens already turned into text
         # The same window, kept natively (None: decoded here, from the indices above).
@@ -71,7 +72,15 @@ class OutputProcessor:
         return len(self.token_ids) + self.is_stopped
 
     def append(self, token_id: int) -> tuple[str, Finish | None]:
-        """Record a sampled token; returns (text to stream now, finish reason or None)."""
+        """Record a sampled token; returns (text to stream now, finish reason or None). Its
+        own text, what it added to the decoded output whatever is held back for stop strings
+        or cut by one, is `token_text` until the next."""
+        start = len(self.text)
+        answer = self._append(token_id)
+        self.token_text = self.text[start:]
+        return answer
+
+    def _append(self, token_id: int) -> tuple[str, Finish | None]:
         if token_id in self.stop_ids:
             self.is_stopped = True
             self._decode(final=True)

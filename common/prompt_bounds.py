@@ -27,14 +27,18 @@ def min_tokens(text: str, chars_per_token: int) -> int:
     return -(-len(text) // chars_per_token)
 
 
-class ContextExceeded(InvalidArgument):
-    """INVALID_ARGUMENT: the prompt and the tokens asked for exceed the context. `param` names
-    the request field to change (an HTTP API's error says it): the tokens asked for when the
-    prompt alone fits, else the prompt."""
+class BadPrompt(InvalidArgument):
+    """INVALID_ARGUMENT about a prompt; `param` names the request field to change (an HTTP API's
+    error says it)."""
 
     def __init__(self, message: str, param: str):
         super().__init__(message)
         self.param = param
+
+
+class ContextExceeded(BadPrompt):
+    """The prompt and the tokens asked for exceed the context: `param` is the tokens asked for
+    when the prompt alone fits, else the prompt."""
 
 
 def check_text_fits(text: str, max_new_tokens: int, chars_per_token: int, limit: int,
@@ -93,6 +97,7 @@ class ModelPrompts:
             else:
                 ids = encode(text, add_special_tokens=not chat).ids
         if not ids:
-            raise InvalidArgument("the prompt is empty: give text or at least one token id")
+            raise BadPrompt("the prompt is empty: give text or at least one token id",
+                            prompt_field)
         check_fits(len(ids), max_new_tokens, self.limit, field, prompt_field)
         return ids

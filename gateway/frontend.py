@@ -227,7 +227,8 @@ class Frontend:
                             if update.tops and update.tops[i][0] else ())
                     text, finish = output.append(token_id)
                     message = scheduler_pb2.GenerateResponse(
-                        token_id=token_id, logprob=logprob, text=text, top_logprobs=tops,
+                        token_id=token_id, logprob=logprob, text=text,
+                        token_text=output.token_text, top_logprobs=tops,
                         adapter_inactive=update.start is not None and not i
                         and update.start.adapter_inactive)
                     if update.prompt_logprobs is not None and not i:  # (with the first token)

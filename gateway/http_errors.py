@@ -1,7 +1,7 @@
 """Errors over HTTP, in OpenAI's shape: {"error": {"message", "type", "param", "code"}} with the
 HTTP status OpenAI clients expect for each kind (their exception classes follow the status), and
 `Retry-After` (whole seconds, plus `retry-after-ms`) when the gateway or a pool says when to come
-back."""
+back, 1 s on any other 503 (a pool down, a store unreachable)."""
 
 import math
 
@@ -17,7 +17,7 @@ _HTTP = {
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),  # (OpenAI's, model_not_found)
     grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
     grpc.StatusCode.ABORTED: (409, "conflict_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
@@ -36,6 +36,8 @@ class BadField(InvalidArgument):
         self.param = param
 
 
+UNAVAILABLE_RETRY_S = 1.0  # Retry-After of a 503 that says no time of its own
+
 _CODES = {401: "invalid_api_key", 404: "model_not_found", 429: "rate_limit_exceeded"}
 
 
@@ -45,6 +47,8 @@ def error_body(exc: BaseException) -> tuple[int, dict, dict[str, str]]:
     status, kind = _HTTP.get(code, (500, "internal_error"))
     headers = {}
     wait = dict(getattr(exc, "trailers", ())).get(wire.RETRY_AFTER)
+    if wait is None and status == 503:
+        wait = UNAVAILABLE_RETRY_S  # (a pool down: soon, not a client's own longer backoff)
     if wait is not None:
         seconds = float(wait)
         headers = {"Retry-After": str(max(1, math.ceil(seconds))),

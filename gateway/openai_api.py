@@ -29,7 +29,7 @@ from gateway.guided import checked, parsed_off_loop
 from gateway.http_common import SSEResponse, guarded, json_body, request_id_of, tenant_of
 from gateway.http_errors import error_body, routing_error_body
 from gateway.openai_requests import Conversation, Options, chat_request, completion_request
-from gateway.openai_responses import DONE, Choice, EventWriter, cached_prompt_tokens
+from gateway.openai_responses import DONE, Choice, EventWriter, cached_prompt_tokens, usage
 from gateway.openai_responses import Response as Identity
 from gateway.tool_calls import ToolFormat
 from protos import scheduler_pb2
@@ -157,12 +157,11 @@ class OpenAIApi:
                   } if options.echo else {}
         if chat_echo is not None:
             echoes = {index: chat_echo for index, _ in upstreams}
-        top = bool(options.sampling.top_logprobs)
         events = self._merged(route, upstreams, tenant)
         if options.max_tokens == 0:
             events = _prompt_only(events)
         if not options.stream:
-            choices = {index: Choice(index, options.logprobs, top, echoes.get(index), tool_format)
+            choices = {index: Choice(index, options.logprobs, echoes.get(index), tool_format)
                        for index, _ in upstreams}
             try:
                 async for index, message in events:
@@ -174,17 +173,20 @@ class OpenAIApi:
         first = await anext(events, None)  # an error before the first token is an HTTP error
         if first is None:
             raise Unavailable("the pool ended the stream without an answer; retry")
-        writer = EventWriter(identity, options.include_usage, options.logprobs, top, echoes,
+        writer = EventWriter(identity, options.include_usage, options.logprobs, echoes,
                              tool_format, adapter_inactive=first[1].adapter_inactive)
         return SSEResponse(self._events(writer, first, events, prompt_tokens, options))
 
     async def _events(self, writer: EventWriter, first, events, prompt_tokens: int,
                       options: Options):
-        completion_tokens = 0
+        completion_tokens = made = 0
         cached: dict[int, int] = {}  # choice -> its prompt's tokens the prefix cache held
         try:
             index, message = first
             while True:
+                made += message.HasField("token_id")
+                if options.continuous_usage:
+                    writer.usage_so_far = usage(prompt_tokens, made)
                 yield writer.token(index, message)
                 completion_tokens += message.usage.completion_tokens
                 if message.HasField("usage"):  # (a choice's last message)
@@ -258,11 +260,11 @@ async def _prompt_only(events):
             if message.prompt_tokens:
                 yield index, scheduler_pb2.GenerateResponse(prompt_tokens=message.prompt_tokens)
             if message.finish_reason:
-                usage = scheduler_pb2.Usage()
-                usage.CopyFrom(message.usage)
-                usage.completion_tokens = 0
+                scored = scheduler_pb2.Usage()
+                scored.CopyFrom(message.usage)
+                scored.completion_tokens = 0
                 yield index, scheduler_pb2.GenerateResponse(
-                    finish_reason=scheduler_pb2.FINISH_REASON_LENGTH, usage=usage)
+                    finish_reason=scheduler_pb2.FINISH_REASON_LENGTH, usage=scored)
     finally:
         await events.aclose()
 

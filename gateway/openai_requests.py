@@ -43,6 +43,8 @@ class Options:
     include_usage: bool
     logprobs: bool
     ignore_eos: bool
+    # stream_options.continuous_usage_stats (vLLM's): every chunk carries the usage so far
+    continuous_usage: bool = False
     cache_salt: str = ""  # vLLM's extension: prefix-cached KV is reused only with the same salt
     stop_token_ids: tuple[int, ...] = ()  # vLLM's: these end the output as EOS does (unshown)
     echo: bool = False  # completions: the prompt comes first in each choice
@@ -118,8 +120,8 @@ def completion_request(body: dict) -> CompletionRequest:
         raise BadField("suffix", "is not supported")
     prompts = _prompts(body.get("prompt"))
     if len(prompts) * options.n > MAX_N:
-        raise BadField("n", f"prompts x n must be at most {MAX_N}, got {len(prompts)} x "
-                            f"{options.n}")
+        raise BadField("prompt" if options.n == 1 else "n",
+                       f"prompts x n must be at most {MAX_N}, got {len(prompts)} x {options.n}")
     return CompletionRequest(options, prompts)
 
 
@@ -189,14 +191,13 @@ def _options(body: dict, logprobs: bool, top_logprobs: int = 0,
         seed %= MAX_SEED
     sampling = SamplingParams(
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0), top_k=max(top_k, 0), seed=seed,
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), top_k=max(top_k, 0),
+        seed=seed,
         min_p=_real(body, "min_p", 0.0), presence_penalty=_real(body, "presence_penalty", 0.0),
         frequency_penalty=_real(body, "frequency_penalty", 0.0),
         repetition_penalty=_real(body, "repetition_penalty", 1.0),
         logit_bias=_logit_bias(body.get("logit_bias")), top_logprobs=top_logprobs,
         prompt_logprobs=prompt_logprobs, grammar=guided[0] if guided else None)
-    if sampling.top_p == 0:
-        raise BadField("top_p", "must be in (0, 1]")
     _checked(sampling, dict(params))
     stream = boolean(body, "stream", False)
     stream_options = body.get("stream_options")
@@ -206,6 +207,8 @@ def _options(body: dict, logprobs: bool, top_logprobs: int = 0,
         raise BadField("stream_options", "must be an object")
     include_usage = bool(stream_options and boolean(stream_options, "include_usage", False,
                                                     "stream_options.include_usage"))
+    continuous_usage = bool(stream_options and boolean(
+        stream_options, "continuous_usage_stats", False, "stream_options.continuous_usage_stats"))
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise BadField("user", "must be a string")
@@ -215,6 +218,7 @@ def _options(body: dict, logprobs: bool, top_logprobs: int = 0,
                                      "characters")
     return Options(model=model, n=n, max_tokens=max_tokens, sampling=sampling,
                    stop=_stop(body.get("stop")), stream=stream, include_usage=include_usage,
+                   continuous_usage=continuous_usage,
                    logprobs=logprobs, ignore_eos=boolean(body, "ignore_eos", False),
                    cache_salt=cache_salt, echo=echo, params=params,
                    stop_token_ids=_stop_token_ids(body.get("stop_token_ids")))
@@ -336,13 +340,16 @@ def _stop(stop) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _number(body: dict, field: str, default: float, low: float, high: float) -> float:
+def _number(body: dict, field: str, default: float, low: float, high: float,
+            low_open: bool = False) -> float:
+    """A number in [low, high] ((low, high] when `low_open`)."""
     value = body.get(field)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            low <= value <= high):
-        raise BadField(field, f"must be a number in [{low:g}, {high:g}], got {value!r}")
+            low <= value <= high) or (low_open and value == low):
+        raise BadField(field, f"must be a number in {'(' if low_open else '['}{low:g}, "
+                              f"{high:g}], got {value!r}")
     return float(value)
 
 

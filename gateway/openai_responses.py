@@ -40,10 +40,12 @@ class Entry:
 
     @classmethod
     def of(cls, token: scheduler_pb2.GenerateResponse | scheduler_pb2.PromptToken) -> "Entry":
-        logprob = token.logprob
-        if isinstance(token, scheduler_pb2.PromptToken) and not token.HasField("logprob"):
-            logprob = None
-        return cls(token.text, logprob, token.token_id, tuple(token.top_logprobs))
+        """A prompt token, or a sampled one (named by its own text, not what the message
+        streams: stop strings may hold some back)."""
+        if isinstance(token, scheduler_pb2.PromptToken):
+            logprob = token.logprob if token.HasField("logprob") else None
+            return cls(token.text, logprob, token.token_id, tuple(token.top_logprobs))
+        return cls(token.token_text, token.logprob, token.token_id, tuple(token.top_logprobs))
 
     def completion_top(self) -> dict | None:
         """Its top alternatives and itself, text -> logprob (None for a prompt's first)."""
@@ -65,22 +67,23 @@ def _chat_token(token: str, logprob: float) -> dict:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 
-def completion_logprobs(entries: list[Entry], top: bool, offset: int = 0) -> dict:
-    """Completions' logprobs of `entries`, their text offsets from `offset`."""
+def completion_logprobs(entries: list[Entry], offset: int = 0) -> dict:
+    """Completions' logprobs of `entries`, their text offsets from `offset`; each token's
+    top_logprobs hold it and its alternatives (it alone with logprobs 0, as vLLM answers)."""
     offsets = []
     for entry in entries:
         offsets.append(offset)
         offset += len(entry.text)
     return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [e.completion_top() for e in entries] if top else None,
+            "top_logprobs": [e.completion_top() for e in entries],
             "text_offset": offsets}
 
 
 class Choice:
     """One choice's tokens, as they arrive."""
 
-    def __init__(self, index: int, with_logprobs: bool = False, top: bool = False,
-                 echo: str | None = None, tools: ToolFormat | None = None):
+    def __init__(self, index: int, with_logprobs: bool = False, echo: str | None = None,
+                 tools: ToolFormat | None = None):
         self.index = index
         self.texts: list[str] = []
         # The output read for tool calls (a chat with tools), or None.
@@ -89,7 +92,6 @@ class Choice:
         self.completion_tokens = 0
         self.cached_prompt_tokens = 0  # its prompt's tokens the prefix cache held
         self.adapter_inactive = False  # it named an activated LoRA that did not activate
-        self.top = top  # alternatives were asked for
         self.echo = echo  # the prompt's text, when it is echoed (None: not)
         self.prompt: list[Entry] = []  # the prompt's tokens, when echoed with logprobs
         self.logprobs: list[Entry] | None = [] if with_logprobs else None
@@ -142,11 +144,11 @@ class Choice:
 
     def completion_logprobs(self) -> dict | None:
         """Completions' logprobs: per token its text, logprob and offset (the prompt's first
-        when echoed), and with `top` its alternatives."""
+        when echoed), and its alternatives."""
         if self.logprobs is None:
             return None
         prompt = self.prompt if self.echo is not None else []
-        return completion_logprobs(prompt + self.logprobs, self.top)
+        return completion_logprobs(prompt + self.logprobs)
 
     def chat_logprobs(self) -> dict | None:
         if self.logprobs is None:
@@ -211,13 +213,12 @@ class EventWriter:
     """Server-sent events of one streamed response."""
 
     def __init__(self, response: Response, include_usage: bool, with_logprobs: bool = False,
-                 top: bool = False, echoes: dict[int, str] | None = None,
+                 echoes: dict[int, str] | None = None,
                  tools: ToolFormat | None = None, adapter_inactive: bool = False):
         self._response = response
         self._tools = tools  # chat deltas carry the tool calls read in this format
         self._calls: dict[int, _StreamedCalls] = {}  # choice -> its calls so far
         self._with_logprobs = with_logprobs
-        self._top = top
         self._echoes = echoes or {}  # choice -> its prompt's text, when echoed
         self._offsets: dict[int, int] = {}  # choice -> its text's length so far (text_offset)
         head = {"id": response.id,
@@ -227,6 +228,8 @@ class EventWriter:
             head[ADAPTER_ACTIVATED] = False
         self._head = json.dumps(head)[:-1]  # '{"id": ..., "model": "..."' (no closing brace)
         self._tail = ', "usage": null}\n\n' if include_usage else "}\n\n"
+        # Set, the usage every event carries (stream_options.continuous_usage_stats)
+        self.usage_so_far: dict | None = None
         self._started: set[int] = set()
 
     def token(self, index: int, message: scheduler_pb2.GenerateResponse) -> bytes:
@@ -240,13 +243,14 @@ class EventWriter:
             self._started.add(index)
             return echo  # (a message of the prompt alone: max_tokens 0)
         logprobs = "null"
-        offset = self._offsets.get(index, 0)
-        self._offsets[index] = offset + len(message.text)
+        offset = self._offsets.get(index, 0)  # (the tokens' own texts index the output)
+        self._offsets[index] = offset + len(message.token_text if message.HasField("token_id")
+                                            else message.text)
         if self._with_logprobs and message.HasField("token_id"):
             entry = Entry.of(message)
             logprobs = json.dumps(
                 {"content": [entry.chat()]} if self._response.chat else
-                completion_logprobs([entry], self._top, offset))
+                completion_logprobs([entry], offset))
         if self._response.chat and self._tools is not None:
             delta, finish = self._tool_delta(index, message, finish)
         elif self._response.chat:
@@ -278,15 +282,17 @@ class EventWriter:
         entries = [Entry.of(t) for t in message.prompt_tokens]
         text = "".join(e.text for e in entries) if entries else self._echoes[index]
         self._offsets[index] = len(text)
-        logprobs = (json.dumps(completion_logprobs(entries, self._top))
+        logprobs = (json.dumps(completion_logprobs(entries))
                     if self._with_logprobs and entries else "null")
         return self._event(f'{{"index": {index}, "text": {json.dumps(text)}, '
                            f'"logprobs": {logprobs}', None)
 
     def _event(self, choice: str, finish: str | None) -> bytes:
         reason = f'"{finish}"' if finish else "null"
+        tail = (self._tail if self.usage_so_far is None else
+                f', "usage": {json.dumps(self.usage_so_far)}}}\n\n')
         return (f'data: {self._head}, "choices": [{choice}, "finish_reason": {reason}}}]'
-                f"{self._tail}").encode()
+                f"{tail}").encode()
 
     def _tool_delta(self, index: int, message: scheduler_pb2.GenerateResponse,
                     finish: str | None) -> tuple[str, str | None]:

@@ -175,7 +175,7 @@ class _Alternatives:
         self.alternative_tokens = params.get("return_k_alternatives") is not None
 
     def token(self, message: scheduler_pb2.GenerateResponse) -> dict:
-        token = {"id": message.token_id, "text": message.text, "logprob": message.logprob,
+        token = {"id": message.token_id, "text": message.token_text, "logprob": message.logprob,
                  "special": False}
         if self.alternative_tokens:
             token["alternative_tokens"] = [

@@ -243,7 +243,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_id", "logprob", "text", "finish_reason", "usage", "top_logprobs", "prompt_tokens", "adapter_inactive")
+    __slots__ = ("token_id", "logprob", "text", "finish_reason", "usage", "top_logprobs", "prompt_tokens", "adapter_inactive", "token_text")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +252,7 @@ class GenerateResponse(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_INACTIVE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_TEXT_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
     text: str
@@ -260,7 +261,8 @@ class GenerateResponse(_message.Message):
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprob]
     prompt_tokens: _containers.RepeatedCompositeFieldContainer[PromptToken]
     adapter_inactive: bool
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., prompt_tokens: _Optional[_Iterable[_Union[PromptToken, _Mapping]]] = ..., adapter_inactive: _Optional[bool] = ...) -> None: ...
+    token_text: str
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., prompt_tokens: _Optional[_Iterable[_Union[PromptToken, _Mapping]]] = ..., adapter_inactive: _Optional[bool] = ..., token_text: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "text")

@@ -17,7 +17,8 @@ from protos import common_pb2, scheduler_pb2
 class TokenEvent:
     token_id: int
     logprob: float
-    text: str
+    text: str  # to stream now (stop strings may hold some back)
+    token_text: str  # its own (GenerateResponse.token_text)
     # Its alternatives, with their texts, when its request asks for them.
     top_logprobs: Sequence[scheduler_pb2.TopLogprob] = ()
 
@@ -167,7 +168,7 @@ class Request:
         if self.sink is None:
             tops = top_logprobs_pb(self.output, top, extras.top_logprobs) if top else ()
             text, finish = self.output.append(token_id)  # (after the alternatives' texts)
-            self.emit(TokenEvent(token_id, logprob, text, tops))
+            self.emit(TokenEvent(token_id, logprob, text, self.output.token_text, tops))
             return finish
         text, finish = self.output.append(token_id)
         if top:

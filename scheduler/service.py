@@ -90,7 +90,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                             return
                         message = scheduler_pb2.GenerateResponse(
                             token_id=event.token_id, logprob=event.logprob, text=event.text,
-                            top_logprobs=event.top_logprobs)
+                            token_text=event.token_text, top_logprobs=event.top_logprobs)
                         # (its prompt's logprobs come with its first token, and go once)
                         if req.prompt_logprobs is not None and not prompt_sent:
                             message.prompt_tokens.extend(prompt_tokens_pb(

@@ -49,6 +49,21 @@ def test_stop_string_is_cut_and_never_streamed(tokenizer):
     assert "".join(deltas) == text[: text.index("many ad")]
 
 
+def test_a_tokens_own_text_is_what_it_adds_whatever_stop_strings_hold_back(tokenizer):
+    text = " the model serves many adapters quickly"
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    plain = OutputProcessor(tokenizer, max_new_tokens=len(ids))
+    held = OutputProcessor(tokenizer, max_new_tokens=len(ids), stop=["zzz quickly!"])
+    own, streamed = [], []
+    for token in ids:
+        plain.append(token)
+        streamed.append(held.append(token)[0])
+        assert held.token_text == plain.token_text
+        own.append(held.token_text)
+    assert "".join(own) == "".join(streamed) == text
+    assert own != streamed  # (the stop string held text back: the two differ token by token)
+
+
 def test_stop_token_ends_without_text(tokenizer):
     ids = tokenizer.encode(" hello there", add_special_tokens=False).ids
     deltas, finish = stream(tokenizer, ids + [1, 5, 6], stop_token_ids=[1], max_new_tokens=100)

@@ -255,6 +255,7 @@ async def test_a_name_no_adapter_could_have_is_the_404_of_an_unknown_one(adapter
         with pytest.raises(openai.NotFoundError) as err:
             await api.completions.create(model=model, prompt="hi", max_tokens=2)
         assert err.value.code == "model_not_found", model
+        assert err.value.type == "invalid_request_error"  # (OpenAI's, for an unknown model)
         with pytest.raises(openai.NotFoundError):
             await api.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
         status, _ = await asyncio.to_thread(post, adapters, "/generate", {
@@ -607,6 +608,7 @@ async def test_a_pool_down_is_503_for_its_models_while_the_other_serves(adapters
     with pytest.raises(openai.InternalServerError) as err:
         await api.completions.create(model="reverse-words", prompt="a b", max_tokens=2)
     assert err.value.status_code == 503
+    assert err.value.response.headers["retry-after"] == "1"  # (a client's backoff, bounded)
     done = await api.completions.create(model="tiny-attn", prompt="The cat", max_tokens=4)
     assert done.choices[0].finish_reason in ("length", "stop")
     url = f"http://{adapters['gateway'].announced['gateway-http']}/health"

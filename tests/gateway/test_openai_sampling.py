@@ -109,6 +109,50 @@ async def test_completions_top_logprobs_streamed_and_not_equal_the_pools(served)
     assert [s.tokens[0] for s in streamed] == lp.tokens
 
 
+async def test_logprobs_name_each_token_by_its_own_text_whatever_the_stop_strings(served):
+    """A stop string holds back text that could begin it, and a match cuts the output; logprobs
+    still name each sampled token by its own text, the key of its top_logprobs entry (they
+    named what the stream released with it: 'a', 'na', 'na', 'nan' for 'an' x 4, and a key no
+    token has). With logprobs 0 top_logprobs holds the sampled token alone, as vLLM answers.
+    A token forced by logit_bias."""
+    forced = {"model": "tiny-attn", "prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+              "logit_bias": {"271": 100}}
+    plain = await api(served).completions.create(**forced, logprobs=0)
+    lp = plain.choices[0].logprobs
+    token = lp.tokens[0]
+    assert len(token) > 1 and lp.tokens == [token] * 4 and plain.choices[0].text == token * 4
+    assert lp.top_logprobs == [{token: p} for p in lp.token_logprobs]
+    for stop, text, num in (("X" + token, token * 4, 4), (token[1:] + token, token[0], 2)):
+        out = await api(served).completions.create(**forced, logprobs=1, stop=[stop])
+        lp = out.choices[0].logprobs
+        assert out.choices[0].text == text and lp.tokens == [token] * num, stop
+        assert [top[token] for top in lp.top_logprobs] == lp.token_logprobs
+        chunks = [c async for c in await api(served).completions.create(
+            **forced, logprobs=1, stop=[stop], stream=True)]
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+        assert [t for c in chunks if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.tokens] == [token] * num
+        chat = await api(served).chat.completions.create(
+            model="tiny-attn", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+            temperature=0, logit_bias={"271": 100}, logprobs=True, top_logprobs=1, stop=[stop])
+        content = chat.choices[0].logprobs.content
+        assert [(t.token, bytes(t.bytes)) for t in content] == [(token, token.encode())] * num
+
+
+async def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(served):
+    """vLLM's stream_options.continuous_usage_stats: each chunk's usage counts the tokens
+    streamed so far; the last, with include_usage, all of them."""
+    chunks = [c async for c in await api(served).completions.create(
+        model="tiny-attn", prompt=PROMPT, max_tokens=6, temperature=0, stream=True, n=2,
+        extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True})]
+    *tokens, last = chunks
+    counts = [c.usage.completion_tokens for c in tokens]  # (a choice's end: a chunk of its own)
+    assert counts == sorted(counts) and sorted(set(counts)) == list(range(1, 13))
+    assert {c.usage.prompt_tokens for c in chunks} == {last.usage.prompt_tokens}
+    assert last.usage.completion_tokens == 12 and not last.choices
+
+
 async def test_echo_returns_the_prompt_and_its_logprobs(served, tiny, hf_peft):
     ids = prompt_ids(tiny)
     whole = await api(served).completions.create(model="tiny-attn", prompt=PROMPT,
@@ -256,6 +300,10 @@ async def test_logit_bias_and_penalties_give_the_pools_answer(served, tiny):
      "stream_options.include_usage"),
     ("/v1/completions", {"prompt": [1, 99_999]}, "prompt"),  # (outside the vocabulary)
     ("/v1/completions", {"prompt": [[1, 2], [1, 99_999]]}, "prompt"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": ["a"] * 17}, "prompt"),  # (more than 16 choices)
+    ("/v1/completions", {"prompt": ["a"] * 2, "n": 9}, "n"),
+    ("/v1/completions", {"top_p": 0}, "top_p"),
 ])
 async def test_bad_sampling_fields_are_400_naming_them(served, path, fields, param):
     body = {"model": "tiny-attn", "max_tokens": 2,
