@@ -270,6 +270,7 @@ class Scheduler:
         ex.is_up, ex.is_draining = True, False
         for old in self.placement.add(ex):
             self._forget(old)
+        self.residency.restore_pins(ex)
         self.placement.place_work()
         return ex
 

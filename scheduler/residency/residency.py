@@ -3,7 +3,9 @@ pins them. Residency keeps one ExecutorResidency (executor_residency.py) per exe
 that executor's part privately; the other managers ask it (`residency.of(ex)`). Residency itself
 keeps each executor's counters for the scheduler's life (an executor that reconnects gets a
 fresh part that carries them on, so what Stats and /metrics count never goes back) and does
-what spans executors: an operator's pre-warm and eviction.
+what spans executors: an operator's pre-warm and eviction. An operator's pin stands until that
+adapter is evicted there: an executor that restarts (an empty part) has its pinned adapters
+brought in and pinned again when it reconnects (`restore_pins`).
 
 An adapter is brought closer as soon as a request for it is queued (prefetch): into an empty
 slot at once; into another adapter's slot only once its bytes are staged on the executor's host
@@ -15,6 +17,7 @@ pins its adapter's slot until no step in flight has a row of it. How adapters' p
 KV blocks: adapter_memory.py.
 """
 
+import logging
 from collections.abc import Callable, Mapping
 
 from common.adapter_ref import AdapterRef
@@ -24,12 +27,16 @@ from scheduler.residency.executor_residency import ExecutorResidency
 from scheduler.residency.hooks import AdapterCounters, Hooks
 from scheduler.routing import score
 
+log = logging.getLogger(__name__)
+
 
 class Residency:
     def __init__(self, hooks: Hooks):
         self._hooks = hooks
         self._of: dict[ExecutorState, ExecutorResidency] = {}
         self._counters: dict[str, AdapterCounters] = {}  # by address, for the process's life
+        # An operator's pins, by executor address: adapter -> (its bytes, its ranks)
+        self._pins: dict[str, dict[AdapterRef, tuple[int, Mapping[str, int] | None]]] = {}
 
     def add(self, ex: ExecutorState, shape: ExecutorShape) -> None:
         """A view of an executor that (re)connected: its slots all empty."""
@@ -75,7 +82,29 @@ class Residency:
                 part.bring_in(adapter, adapter_bytes, ranks)  # slot is claimed yet)
             if pin:
                 part.pin_by_operator(adapter)
+                self._pins.setdefault(ex.address, {})[adapter] = (adapter_bytes, ranks)
         return chosen
+
+    def restore_pins(self, ex: ExecutorState) -> None:
+        """ex (re)connected with its slots empty: bring in and pin again what an operator pinned
+        there and did not evict; one that no longer fits (the executor came back smaller) is
+        logged and forgotten."""
+        pins = self._pins.get(ex.address, {})
+        for adapter, (num_bytes, ranks) in list(pins.items()):
+            part = self._of[ex]
+            try:
+                if not part.can_place(adapter, part.pages_for(adapter, ranks)):
+                    raise FailedPrecondition("no slot or pages are free for it")
+                self._check_pin(ex, adapter)
+            except FailedPrecondition as err:
+                log.warning("executor %s came back without room for %s, pinned there by an "
+                            "operator: not pinned again (%s)", ex.address, adapter, err)
+                del pins[adapter]
+                continue
+            part.bring_in(adapter, num_bytes, ranks)
+            part.pin_by_operator(adapter)
+            log.info("executor %s came back: bringing in %s, pinned there by an operator",
+                     ex.address, adapter)
 
     def _check_pin(self, ex: ExecutorState, adapter: AdapterRef) -> None:
         """FAILED_PRECONDITION when pinning `adapter` on ex would leave fewer than
@@ -96,4 +125,6 @@ class Residency:
             part.check_evict(adapter)
         for part in holding:
             part.evict(adapter)
+        for ex in targets:  # (an operator's pin ends with the eviction, held now or not)
+            self._pins.get(ex.address, {}).pop(adapter, None)
         return len(holding)

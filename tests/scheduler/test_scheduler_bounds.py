@@ -201,6 +201,28 @@ def test_pins_leave_unpinned_slots_to_the_other_adapters():
     assert w.core.residency.of(w.executors[0]).admin_pinned() == {ref("a@1"), ref("b@1")}
 
 
+def test_an_operators_pin_survives_its_executors_restart_until_evicted():
+    """An executor that restarts comes back empty; what an operator pinned there is brought in
+    and pinned again (it was silently gone: scheduler.proto's Prewarm pin keeps an adapter
+    resident until evicted); an eviction ends the pin, also for the next restart."""
+    w = World(num_slots=3)
+    w.operators.prewarm(ref("a@1"), 1 << 20, 1, pin=True)
+    w.operators.prewarm(ref("b@1"), 1 << 20, 1, pin=False)
+    w.complete_loads()
+
+    def restart():
+        w.core.on_executor_lost(w.executors[0])
+        w.executors[0] = w.core.add_executor("ex0", w.shape)
+        w.complete_loads()
+        return w.core.residency.of(w.executors[0])
+
+    part = restart()
+    assert part.admin_pinned() == {ref("a@1")} and w.slot("a@1").is_admin_pinned
+    assert w.slot("b@1") is None  # (not pinned: gone with the restart)
+    assert w.operators.evict(ref("a@1")) == 1
+    assert restart().admin_pinned() == set() and w.slot("a@1") is None
+
+
 def test_a_pin_promised_while_its_bytes_are_staged_counts_against_the_cap():
     w = World(num_slots=2)
     for adapter in ("a@1", "b@1"):  # both slots READY, unpinned, used
