@@ -57,8 +57,9 @@ def check_config_rank(config: LoraConfig, max_rank: int | None) -> None:
     only when r and every rank_pattern value are (LoraConfig.lowest_rank). A bigger value may
     name no module of the adapter; check_rank checks the rank itself once the tensors are here."""
     if max_rank is not None and config.lowest_rank > max_rank:
-        raise InvalidArgument(f"adapter_config.json: rank {config.lowest_rank} (the smallest of "
-                              f"r and rank_pattern) exceeds this store's maximum {max_rank}"
+        raise InvalidArgument(f"adapter_config.json: rank {config.lowest_rank} exceeds this "
+                              f"store's maximum {max_rank} (r and every rank_pattern value "
+                              "do)"
                               + _RAISE_MAX_RANK.format(rank=config.lowest_rank))
 
 
