@@ -27,10 +27,13 @@ def record_to_pb(record: AdapterRecord) -> common_pb2.AdapterInfo:
     return common_pb2.AdapterInfo(**{k: fields[k] for k in _INFO_FIELDS})
 
 
-def base_to_pb(base: BaseModel) -> pb.BaseModelInfo:
+def base_to_pb(base: BaseModel, for_tenant: bool = False) -> pb.BaseModelInfo:
+    """`for_tenant`: without the names that are paths on the servers' disks (a folder `loraplex
+    up` or an operator registered), which tell a tenant of the servers and serve it nothing."""
+    names = [n for n in base.names if not (for_tenant and n.startswith(("/", "~", ".")))]
     return pb.BaseModelInfo(model_id=base.model_id, revision=base.revision,
                             config_sha256=base.config_sha256, num_layers=base.num_layers,
-                            fingerprint=base.fingerprint, names=base.names)
+                            fingerprint=base.fingerprint, names=names)
 
 
 def record_to_details(record: AdapterRecord, aliases: list[str]) -> pb.AdapterDetails:

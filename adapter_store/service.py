@@ -266,7 +266,7 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
 
     async def GetBaseModel(self, request, context) -> pb.BaseModelInfo:
         async with grpc_errors(context):
-            self._keys.require(context, Role.TENANT, Role.SERVICE, Role.ADMIN)
+            caller = self._keys.require(context, Role.TENANT, Role.SERVICE, Role.ADMIN)
             key = request.WhichOneof("key")
             if key is None:
                 raise InvalidArgument("give a base model's name (its id or another name) or its "
@@ -279,13 +279,14 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
             if base is None:
                 raise NotFound(f"no registered base model has {key} {getattr(request, key)!r}; "
                                "register it with loraplex adapters base add MODEL_DIR --id ID")
-            return base_to_pb(base)
+            return base_to_pb(base, caller.role is Role.TENANT)
 
     async def ListBaseModels(self, request, context) -> pb.ListBaseModelsResponse:
         async with grpc_errors(context):
-            self._keys.require(context, Role.TENANT, Role.SERVICE, Role.ADMIN)
+            caller = self._keys.require(context, Role.TENANT, Role.SERVICE, Role.ADMIN)
             return pb.ListBaseModelsResponse(base_models=[
-                base_to_pb(b) for b in await self._registry.base_models.all()])
+                base_to_pb(b, caller.role is Role.TENANT)
+                for b in await self._registry.base_models.all()])
 
     async def ReportResidency(self, request, context) -> pb.ResidencyAck:
         async with grpc_errors(context):

@@ -209,3 +209,17 @@ async def test_a_wrong_key_is_unauthenticated_and_names_no_key(world, tmp_path):
             await stubs["none"].GetAdapter(pb.GetAdapterRequest(name="pub"),
                                            metadata=(("authorization", f"Bearer {bad}"),))
         assert err.value.code() == UNAUTH and bad not in err.value.details()
+
+
+async def test_tenants_are_not_shown_the_servers_model_paths(world):
+    """A base model's names include the folder it was registered from (`loraplex up`'s, an
+    operator's): a path on the servers' disks, which admins and services see and tenants not."""
+    stubs, _ = world
+    await stubs["admin"].RegisterBaseModel(pb.RegisterBaseModelRequest(
+        model_id="org/tiny", config_json=json.dumps(TINY_BASE), fingerprint="1f" * 32,
+        names=["/srv/models/tiny", "hf-org/tiny"]))
+    for who, names in (("a", ["hf-org/tiny"]), ("service", ["/srv/models/tiny", "hf-org/tiny"]),
+                       ("admin", ["/srv/models/tiny", "hf-org/tiny"])):
+        (listed,) = (await stubs[who].ListBaseModels(pb.ListBaseModelsRequest())).base_models
+        one = await stubs[who].GetBaseModel(pb.GetBaseModelRequest(name="org/tiny"))
+        assert sorted(listed.names) == sorted(one.names) == names, who
