@@ -59,7 +59,10 @@ class Operators:
         running = collections.Counter(seq.request.ask.tenant for ex in executors
                                       for seq in core.steps_of(ex).running.values())
         queues = [core.placement.queue(ex) for ex in executors]
-        queued = {t: sum(q.queued(t) for q in queues) for t in core.fair.backlog}
+        queued = collections.Counter({t: sum(q.queued(t) for q in queues)
+                                      for t in core.fair.backlog})
+        # (with no executor admitting, every executor drained or down, requests wait here)
+        queued.update(req.ask.tenant for req in core.placement.orphans)
         return PoolStats(tuple(map(self._executor_stats, executors)),
                          tenant_stats(core.fair, core.totals, running, queued))
 

@@ -76,8 +76,8 @@ class PoolStats:
 
 def tenant_stats(fair: FairShare, totals: Mapping[str, TenantTotals], running: Counter[str],
                  queued: Mapping[str, int]) -> tuple[TenantStats, ...]:
-    """Every tenant charged or counted so far, by name: `running` and `queued` requests per
-    tenant (in executors' queues)."""
-    tenants = sorted(set(fair.counters) | set(totals))
+    """Every tenant charged, counted or waiting so far, by name: `running` and `queued` requests
+    per tenant (in executors' queues, and those waiting for an executor to take work)."""
+    tenants = sorted(set(fair.counters) | set(totals) | {t for t, n in queued.items() if n})
     return tuple(TenantStats(t, queued.get(t, 0), running[t], fair.counter(t),
                              replace(totals.get(t, TenantTotals()))) for t in tenants)

@@ -148,8 +148,10 @@ def test_resume_undoes_drain_and_queued_work_moves_back():
     assert all(w.finished(r) for r in reqs)
     for ex in w.executors:  # every executor drained: requests wait with nowhere to go ...
         w.core.drain(ex)
-    waiting = w.request(prompt_len=4, max_new=3)
+    waiting = w.request(prompt_len=4, max_new=3, tenant="late")
     assert waiting.executor is None
+    (late,) = [t for t in w.operators.stats().tenants if t.tenant == "late"]
+    assert late.queued == 1  # (Stats shows it waiting: it counted no queue of an executor)
     w.core.resume(second)  # ... until one admits again
     assert waiting.executor is second
     w.run()
