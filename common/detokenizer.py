@@ -48,10 +48,16 @@ class OutputProcessor:
     """Per request: decodes output tokens and decides when generation finishes."""
 
     def __init__(self, tokenizer: Tokenizer | None, *, max_new_tokens: int,
-                 stop_token_ids: Sequence[int] = (), stop: Sequence[str] = ()):
+                 stop_token_ids: Sequence[int] = (), stop: Sequence[str] = (),
+                 eos_token_ids: Sequence[int] = ()):
+        """`stop_token_ids` and `eos_token_ids` alike end it (the first are the request's own:
+        `stop_reason` names them, as it does a stop string, and never EOS)."""
         self._tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
-        self.stop_ids = frozenset(stop_token_ids)
+        self._eos_ids = frozenset(eos_token_ids)
+        self.stop_ids = frozenset(stop_token_ids) | self._eos_ids
+        # What ended it, where the request named it: its stop string, or its stop token id
+        self.stop_reason: str | int | None = None
         self._stops = tuple(s for s in stop if s)
         self._holdback = max((len(s) for s in self._stops), default=1) - 1
         self.token_ids: list[int] = []  # output tokens that count toward the text
@@ -83,6 +89,8 @@ class OutputProcessor:
     def _append(self, token_id: int) -> tuple[str, Finish | None]:
         if token_id in self.stop_ids:
             self.is_stopped = True
+            if token_id not in self._eos_ids:
+                self.stop_reason = token_id
             self._decode(final=True)
             return self._flush(len(self.text)), Finish.STOP
         self.token_ids.append(token_id)
@@ -92,9 +100,10 @@ class OutputProcessor:
         self._decode(final=is_last)
         if self._stops:
             start = max(0, self._emitted - self._holdback)
-            hits = [i for i in (self.text.find(s, start) for s in self._stops) if i >= 0]
+            hits = [(i, s) for s in self._stops if (i := self.text.find(s, start)) >= 0]
             if hits:
-                return self._flush(min(hits)), Finish.STOP
+                at, self.stop_reason = min(hits)
+                return self._flush(at), Finish.STOP
         if is_last:
             return self._flush(len(self.text)), Finish.LENGTH
         return self._flush(len(self.text) - self._holdback), None

@@ -22,10 +22,17 @@ def output_processor(request: scheduler_pb2.GenerateRequest, tokenizer: Tokenize
     """What reads its output tokens (into text, with `tokenizer`; None: ids only) and ends it: at
     max_new_tokens, at one of its stop_token_ids or the model's `eos_token_ids` (unless it
     ignores EOS), at one of its stop strings."""
-    eos = () if request.ignore_eos else eos_token_ids
     return OutputProcessor(tokenizer, max_new_tokens=max_new_tokens(request),
-                           stop_token_ids=[*request.stop_token_ids, *eos],
-                           stop=list(request.stop))
+                           stop_token_ids=request.stop_token_ids, stop=list(request.stop),
+                           eos_token_ids=() if request.ignore_eos else eos_token_ids)
+
+
+def stop_fields(output: OutputProcessor) -> dict:
+    """A last GenerateResponse's stop_string or stop_token_id: what of the request ended it."""
+    reason = output.stop_reason
+    if reason is None:
+        return {}
+    return {"stop_string": reason} if isinstance(reason, str) else {"stop_token_id": reason}
 
 
 def usage_pb(start: scheduler_pb2.StreamStart, prompt_tokens: int, completion_tokens: int,

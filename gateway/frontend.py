@@ -34,7 +34,7 @@ from common.errors import (
     Unavailable,
     relayed_status,
 )
-from common.generate_pb import max_new_tokens, output_processor, usage_pb
+from common.generate_pb import max_new_tokens, output_processor, stop_fields, usage_pb
 from common.ratelimit import RateLimiter
 from common.registry_client import RegistryClient
 from common.token_logprobs import prompt_tokens_pb, top_logprobs_pb
@@ -266,7 +266,8 @@ class Frontend:
         self.metrics.tokens.inc(output.num_tokens)
         return scheduler_pb2.GenerateResponse(
             finish_reason=reason, text=text,
-            usage=usage_pb(started, prompt_tokens, output.num_tokens, route.ref))
+            usage=usage_pb(started, prompt_tokens, output.num_tokens, route.ref),
+            **stop_fields(output))
 
 
 STREAM_WRITE_S = 30.0  # a cell's scheduler that takes no message of its stream this long is down

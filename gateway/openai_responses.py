@@ -67,6 +67,14 @@ def _chat_token(token: str, logprob: float) -> dict:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 
+def stop_reason(message: scheduler_pb2.GenerateResponse) -> str | int | None:
+    """vLLM's stop_reason of a last message: the stop string or stop token id that ended it
+    (None: EOS, or the length)."""
+    if message.stop_string:
+        return message.stop_string
+    return message.stop_token_id if message.HasField("stop_token_id") else None
+
+
 def completion_logprobs(entries: list[Entry], offset: int = 0) -> dict:
     """Completions' logprobs of `entries`, their text offsets from `offset`; each token's
     top_logprobs hold it and its alternatives (it alone with logprobs 0, as vLLM answers)."""
@@ -89,6 +97,7 @@ class Choice:
         # The output read for tool calls (a chat with tools), or None.
         self.tool_calls = ToolCallParser(tools) if tools else None
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None  # (vLLM's: the stop string or token id)
         self.completion_tokens = 0
         self.cached_prompt_tokens = 0  # its prompt's tokens the prefix cache held
         self.adapter_inactive = False  # it named an activated LoRA that did not activate
@@ -112,6 +121,7 @@ class Choice:
             self.tool_calls.feed(message.text)
         if message.finish_reason:
             self.finish_reason = FINISH[message.finish_reason]
+            self.stop_reason = stop_reason(message)
             self.completion_tokens = message.usage.completion_tokens
             self.cached_prompt_tokens = message.usage.cached_prompt_tokens
             self.adapter_inactive = message.usage.adapter_inactive
@@ -195,11 +205,12 @@ class Response:
         completion = sum(c.completion_tokens for c in choices)
         if self.chat:
             out = [{"index": c.index, "message": message, "logprobs": c.chat_logprobs(),
-                    "finish_reason": reason}
+                    "finish_reason": reason, "stop_reason": c.stop_reason}
                    for c in choices for message, reason in (c.chat_message(),)]
         else:
             out = [{"index": c.index, "text": c.text, "logprobs": c.completion_logprobs(),
-                    "finish_reason": c.finish_reason} for c in choices]
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                   for c in choices]
         body = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": out,
                 "usage": usage(prompt_tokens, completion, cached_prompt_tokens(
@@ -267,7 +278,7 @@ class EventWriter:
             self._started.add(index)
             choice = f'{{"index": {index}, "text": {json.dumps(message.text)}, ' \
                      f'"logprobs": {logprobs}'
-        return echo + self._event(choice, finish)
+        return echo + self._event(choice, finish, stop_reason(message) if finish else None)
 
     def _echo(self, index: int, message: scheduler_pb2.GenerateResponse) -> bytes:
         """The prompt's event of an echoed choice (with its first message's prompt tokens); in
@@ -287,12 +298,13 @@ class EventWriter:
         return self._event(f'{{"index": {index}, "text": {json.dumps(text)}, '
                            f'"logprobs": {logprobs}', None)
 
-    def _event(self, choice: str, finish: str | None) -> bytes:
+    def _event(self, choice: str, finish: str | None,
+               stopped_by: str | int | None = None) -> bytes:
         reason = f'"{finish}"' if finish else "null"
         tail = (self._tail if self.usage_so_far is None else
                 f', "usage": {json.dumps(self.usage_so_far)}}}\n\n')
-        return (f'data: {self._head}, "choices": [{choice}, "finish_reason": {reason}}}]'
-                f"{tail}").encode()
+        return (f'data: {self._head}, "choices": [{choice}, "finish_reason": {reason}, '
+                f'"stop_reason": {json.dumps(stopped_by)}}}]{tail}').encode()
 
     def _tool_delta(self, index: int, message: scheduler_pb2.GenerateResponse,
                     finish: str | None) -> tuple[str, str | None]:

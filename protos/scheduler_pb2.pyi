@@ -243,7 +243,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_id", "logprob", "text", "finish_reason", "usage", "top_logprobs", "prompt_tokens", "adapter_inactive", "token_text")
+    __slots__ = ("token_id", "logprob", "text", "finish_reason", "usage", "top_logprobs", "prompt_tokens", "adapter_inactive", "token_text", "stop_string", "stop_token_id")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +253,8 @@ class GenerateResponse(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_INACTIVE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_TEXT_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
     text: str
@@ -262,7 +264,9 @@ class GenerateResponse(_message.Message):
     prompt_tokens: _containers.RepeatedCompositeFieldContainer[PromptToken]
     adapter_inactive: bool
     token_text: str
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., prompt_tokens: _Optional[_Iterable[_Union[PromptToken, _Mapping]]] = ..., adapter_inactive: _Optional[bool] = ..., token_text: _Optional[str] = ...) -> None: ...
+    stop_string: str
+    stop_token_id: int
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., prompt_tokens: _Optional[_Iterable[_Union[PromptToken, _Mapping]]] = ..., adapter_inactive: _Optional[bool] = ..., token_text: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "text")

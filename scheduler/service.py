@@ -26,7 +26,7 @@ from common.errors import (
     WriteBound,
     grpc_errors,
 )
-from common.generate_pb import max_new_tokens, output_processor, usage_pb
+from common.generate_pb import max_new_tokens, output_processor, stop_fields, usage_pb
 from common.metrics import serve_metrics
 from common.prompt_bounds import ModelPrompts
 from common.ratelimit import RateLimiter
@@ -86,7 +86,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                             await bound.write(context, scheduler_pb2.GenerateResponse(
                                 finish_reason=FINISH_PB[event.reason], usage=usage_pb(
                                     started_pb(req), len(req.ask.prompt_ids),
-                                    req.output.num_tokens, req.ask.adapter)))
+                                    req.output.num_tokens, req.ask.adapter),
+                                **stop_fields(req.output)))
                             return
                         message = scheduler_pb2.GenerateResponse(
                             token_id=event.token_id, logprob=event.logprob, text=event.text,

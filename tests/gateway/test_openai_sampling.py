@@ -123,9 +123,10 @@ async def test_logprobs_name_each_token_by_its_own_text_whatever_the_stop_string
     assert len(token) > 1 and lp.tokens == [token] * 4 and plain.choices[0].text == token * 4
     assert lp.top_logprobs == [{token: p} for p in lp.token_logprobs]
     for stop, text, num in (("X" + token, token * 4, 4), (token[1:] + token, token[0], 2)):
-        out = await api(served).completions.create(**forced, logprobs=1, stop=[stop])
+        out = await api(served).completions.create(**forced, logprobs=1, stop=["zz", stop])
         lp = out.choices[0].logprobs
         assert out.choices[0].text == text and lp.tokens == [token] * num, stop
+        assert out.choices[0].stop_reason == (stop if num == 2 else None)  # (vLLM's)
         assert [top[token] for top in lp.top_logprobs] == lp.token_logprobs
         chunks = [c async for c in await api(served).completions.create(
             **forced, logprobs=1, stop=[stop], stream=True)]
@@ -137,6 +138,7 @@ async def test_logprobs_name_each_token_by_its_own_text_whatever_the_stop_string
             temperature=0, logit_bias={"271": 100}, logprobs=True, top_logprobs=1, stop=[stop])
         content = chat.choices[0].logprobs.content
         assert [(t.token, bytes(t.bytes)) for t in content] == [(token, token.encode())] * num
+        assert chat.choices[0].stop_reason == (stop if num == 2 else None)
 
 
 async def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(served):
@@ -448,6 +450,13 @@ async def test_stop_token_ids_end_the_output_as_eos_does(served):
     choice = stopped.choices[0]
     assert choice.finish_reason == "stop" and stopped.usage.completion_tokens == first + 1
     assert choice.text == "".join(m.text for m in messages[:first])
+    assert choice.stop_reason == stop_id  # (vLLM's: the id that ended it)
+    chunks = [c async for c in await completions.create(
+        model="tiny-attn", prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+        extra_body={"stop_token_ids": [stop_id]})]
+    assert [c.choices[0].stop_reason for c in chunks] == [None] * (len(chunks) - 1) + [stop_id]
+    plain = await completions.create(model="tiny-attn", prompt=PROMPT, max_tokens=2)
+    assert plain.choices[0].finish_reason == "length" and plain.choices[0].stop_reason is None
     with pytest.raises(openai.BadRequestError, match="stop_token_ids"):
         await completions.create(model="tiny-attn", prompt=PROMPT, max_tokens=2,
                                  extra_body={"stop_token_ids": [10**7]})
