@@ -49,10 +49,14 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Tokenizer | None, *, max_new_tokens: int,
                  stop_token_ids: Sequence[int] = (), stop: Sequence[str] = (),
-                 eos_token_ids: Sequence[int] = ()):
+                 eos_token_ids: Sequence[int] = (), include_stop_str: bool = False,
+                 skip_special_tokens: bool = True):
         """`stop_token_ids` and `eos_token_ids` alike end it (the first are the request's own:
-        `stop_reason` names them, as it does a stop string, and never EOS)."""
+        `stop_reason` names them, as it does a stop string, and never EOS). With
+        `include_stop_str` the stop string that ends it stays in the text."""
         self._tokenizer = tokenizer
+        self._include_stop = include_stop_str
+        self._skip_special = skip_special_tokens
         self.max_new_tokens = max_new_tokens
         self._eos_ids = frozenset(eos_token_ids)
         self.stop_ids = frozenset(stop_token_ids) | self._eos_ids
@@ -67,7 +71,8 @@ class OutputProcessor:
         self._prefix = 0  # window start (token index) for decoding
         self._read = 0  # tokens already turned into text
         # The same window, kept natively (None: decoded here, from the indices above).
-        self._stream = DecodeStream(skip_special_tokens=True) if tokenizer is not None else None
+        self._stream = (DecodeStream(skip_special_tokens=skip_special_tokens)
+                        if tokenizer is not None else None)
         self._emitted = 0  # characters of self.text already returned
         # No text to make (token ids only: a scheduler's Stream): only stop ids and the length.
         self.is_ids_only = tokenizer is None and not self._stops
@@ -103,7 +108,7 @@ class OutputProcessor:
             hits = [(i, s) for s in self._stops if (i := self.text.find(s, start)) >= 0]
             if hits:
                 at, self.stop_reason = min(hits)
-                return self._flush(at), Finish.STOP
+                return self._flush(at + len(self.stop_reason) * self._include_stop), Finish.STOP
         if is_last:
             return self._flush(len(self.text)), Finish.LENGTH
         return self._flush(len(self.text) - self._holdback), None
@@ -117,11 +122,10 @@ class OutputProcessor:
         if self._tokenizer is None:
             return [""] * len(token_ids)
         window = self.token_ids[self._prefix:]
-        before = self._tokenizer.decode(self.token_ids[self._prefix:self._read],
-                                        skip_special_tokens=True)
+        before = self._text(self.token_ids[self._prefix:self._read])
         texts = []
         for token_id in token_ids:
-            after = self._tokenizer.decode([*window, token_id], skip_special_tokens=True)
+            after = self._text([*window, token_id])
             texts.append(after[len(before):])
         return texts
 
@@ -147,11 +151,14 @@ class OutputProcessor:
                     self._prefix, self._read = self._read, len(ids)
                 return
         self._stream = None  # (the window moves here from now on)
-        before = self._tokenizer.decode(ids[self._prefix:self._read], skip_special_tokens=True)
-        after = self._tokenizer.decode(ids[self._prefix:], skip_special_tokens=True)
+        before = self._text(ids[self._prefix:self._read])
+        after = self._text(ids[self._prefix:])
         if len(after) > len(before) and (final or not after.endswith("\ufffd")):
             self.text += after[len(before):]
             self._prefix, self._read = self._read, len(ids)
+
+    def _text(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 
     def _flush(self, end: int) -> str:
         """Return text[emitted:end] and move the emitted mark; the text is cut at `end` on

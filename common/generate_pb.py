@@ -24,7 +24,9 @@ def output_processor(request: scheduler_pb2.GenerateRequest, tokenizer: Tokenize
     ignores EOS), at one of its stop strings."""
     return OutputProcessor(tokenizer, max_new_tokens=max_new_tokens(request),
                            stop_token_ids=request.stop_token_ids, stop=list(request.stop),
-                           eos_token_ids=() if request.ignore_eos else eos_token_ids)
+                           eos_token_ids=() if request.ignore_eos else eos_token_ids,
+                           include_stop_str=request.include_stop_str,
+                           skip_special_tokens=not request.show_special_tokens)
 
 
 def stop_fields(output: OutputProcessor) -> dict:

@@ -145,7 +145,8 @@ class OpenAIApi:
                         adapter_ref=route.adapter_ref, token_ids=scheduler_pb2.TokenIds(ids=ids),
                         sampling=options.choice_seed(j).to_pb(), max_new_tokens=max_new,
                         stop=options.stop, stop_token_ids=options.stop_token_ids,
-                        ignore_eos=options.ignore_eos,
+                        ignore_eos=options.ignore_eos, include_stop_str=options.include_stop_str,
+                        show_special_tokens=options.show_special_tokens,
                         cache_salt=options.cache_salt,
                         request_id=f"{request_id}-{index}" if many else request_id))
                      for i, ids in enumerate(prompts) for j in range(options.n)

@@ -22,8 +22,7 @@ MAX_STOP_TOKEN_IDS = 1024
 # silently ignored. (Ignored as they change nothing here: guided_decoding_backend, a hint;
 # spaces_between_special_tokens, as special tokens are never shown; length_penalty, beam search's.)
 UNSUPPORTED_EXTRAS = {
-    "min_tokens": 0, "include_stop_str_in_output": False, "skip_special_tokens": True,
-    "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": [],
+    "min_tokens": 0, "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": [],
     "use_beam_search": False,
     "prompt_logprobs": None, "guided_whitespace_pattern": None,
     "return_tokens_as_token_ids": False, "priority": 0, "documents": None,
@@ -45,6 +44,8 @@ class Options:
     ignore_eos: bool
     # stream_options.continuous_usage_stats (vLLM's): every chunk carries the usage so far
     continuous_usage: bool = False
+    include_stop_str: bool = False  # vLLM's include_stop_str_in_output
+    show_special_tokens: bool = False  # vLLM's skip_special_tokens false
     cache_salt: str = ""  # vLLM's extension: prefix-cached KV is reused only with the same salt
     stop_token_ids: tuple[int, ...] = ()  # vLLM's: these end the output as EOS does (unshown)
     echo: bool = False  # completions: the prompt comes first in each choice
@@ -219,6 +220,8 @@ def _options(body: dict, logprobs: bool, top_logprobs: int = 0,
     return Options(model=model, n=n, max_tokens=max_tokens, sampling=sampling,
                    stop=_stop(body.get("stop")), stream=stream, include_usage=include_usage,
                    continuous_usage=continuous_usage,
+                   include_stop_str=boolean(body, "include_stop_str_in_output", False),
+                   show_special_tokens=not boolean(body, "skip_special_tokens", True),
                    logprobs=logprobs, ignore_eos=boolean(body, "ignore_eos", False),
                    cache_salt=cache_salt, echo=echo, params=params,
                    stop_token_ids=_stop_token_ids(body.get("stop_token_ids")))

@@ -141,7 +141,7 @@ class ResumeResponse(_message.Message):
     def __init__(self, queued: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("adapter", "text", "token_ids", "sampling", "max_new_tokens", "stop", "stop_token_ids", "ignore_eos", "cache_salt", "adapter_ref", "request_id")
+    __slots__ = ("adapter", "text", "token_ids", "sampling", "max_new_tokens", "stop", "stop_token_ids", "ignore_eos", "cache_salt", "adapter_ref", "request_id", "include_stop_str", "show_special_tokens")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,8 @@ class GenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_REF_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STR_FIELD_NUMBER: _ClassVar[int]
+    SHOW_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     adapter: str
     text: str
     token_ids: TokenIds
@@ -164,7 +166,9 @@ class GenerateRequest(_message.Message):
     cache_salt: str
     adapter_ref: _common_pb2.AdapterRef
     request_id: str
-    def __init__(self, adapter: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., adapter_ref: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    include_stop_str: bool
+    show_special_tokens: bool
+    def __init__(self, adapter: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., adapter_ref: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., request_id: _Optional[str] = ..., include_stop_str: _Optional[bool] = ..., show_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
     __slots__ = ("submits", "cancels")

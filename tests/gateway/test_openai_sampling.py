@@ -141,6 +141,28 @@ async def test_logprobs_name_each_token_by_its_own_text_whatever_the_stop_string
         assert chat.choices[0].stop_reason == (stop if num == 2 else None)
 
 
+async def test_include_stop_str_in_output_and_skip_special_tokens(served):
+    """vLLM's include_stop_str_in_output keeps the stop string that ended the output at its end;
+    skip_special_tokens false shows special tokens (BOS here, forced by logit_bias) in the
+    text. Streamed and not."""
+    completions = api(served).completions
+    forced = {"model": "tiny-attn", "prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+              "logit_bias": {"271": 100}}
+    token = (await completions.create(**forced)).choices[0].text[:2]  # (token 271 alone)
+    stop = token[1:] + token
+    for extra, text in (({}, token[0]), ({"include_stop_str_in_output": True}, token[0] + stop)):
+        whole = await completions.create(**forced, stop=[stop], extra_body=extra)
+        assert (whole.choices[0].text, whole.choices[0].stop_reason) == (text, stop), extra
+        chunks = [c async for c in await completions.create(**forced, stop=[stop], stream=True,
+                                                            extra_body=extra)]
+        assert "".join(c.choices[0].text for c in chunks) == text, extra
+    bos = {**forced, "logit_bias": {"0": 100}, "max_tokens": 3}
+    shown = await completions.create(**bos, extra_body={"skip_special_tokens": False,
+                                                        "ignore_eos": True})
+    hidden = await completions.create(**bos, extra_body={"ignore_eos": True})
+    assert (shown.choices[0].text, hidden.choices[0].text) == ("<s>" * 3, "")
+
+
 async def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(served):
     """vLLM's stream_options.continuous_usage_stats: each chunk's usage counts the tokens
     streamed so far; the last, with include_usage, all of them."""
