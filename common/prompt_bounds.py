@@ -80,10 +80,12 @@ class ModelPrompts:
         self.chars_per_token = max_chars_per_token(tokenizer) if tokenizer else 1
 
     async def ids(self, text: str | None, ids: Sequence[int] | None, max_new_tokens: int,
-                  chat: bool = False, field: str = "max_new_tokens") -> Sequence[int]:
+                  chat: bool = False, field: str = "max_new_tokens",
+                  keep_last: int | None = None) -> Sequence[int]:
         """The prompt, `text` tokenized (a chat's, whose template placed the special tokens,
-        without adding any) or `ids` as given, checked to be non-empty and to fit the context
-        with `max_new_tokens` (named `field` in the request's API) to generate."""
+        without adding any) or `ids` as given, its last `keep_last` tokens only when set
+        (vLLM's truncate_prompt_tokens), checked to be non-empty and to fit the context with
+        `max_new_tokens` (named `field` in the request's API) to generate."""
         prompt_field = "messages" if chat else "prompt"
         if text is not None:
             if self.tokenizer is None:
@@ -91,11 +93,14 @@ class ModelPrompts:
                                       "prompt as token ids")
             encode = self.tokenizer.encode
             if len(text) > THREAD_TOKENIZE_CHARS:  # (shorter ones: the real count, below)
-                check_text_fits(text, max_new_tokens, self.chars_per_token, self.limit, field,
-                                prompt_field)
+                if keep_last is None:
+                    check_text_fits(text, max_new_tokens, self.chars_per_token, self.limit,
+                                    field, prompt_field)
                 ids = (await asyncio.to_thread(encode, text, add_special_tokens=not chat)).ids
             else:
                 ids = encode(text, add_special_tokens=not chat).ids
+        if keep_last is not None:
+            ids = ids[-keep_last:]
         if not ids:
             raise BadPrompt("the prompt is empty: give text or at least one token id",
                             prompt_field)

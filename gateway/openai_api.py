@@ -68,7 +68,7 @@ class OpenAIApi:
             options.max_tokens, 1)  # (max_tokens 0 with echo: one token, not shown)
         prompts = [await route.model.prompts.ids(
             p if isinstance(p, str) else None, None if isinstance(p, str) else list(p), max_new,
-            field="max_tokens") for p in parsed.prompts]
+            field="max_tokens", keep_last=options.keep_last) for p in parsed.prompts]
         return await self._respond(route, tenant, options, prompts, max_new, request_id,
                                    chat=False)
 
@@ -91,7 +91,8 @@ class OpenAIApi:
         # room for its first token, and an error must not name a max_tokens nobody sent)
         ids = await route.model.prompts.ids(
             chat_prompt(route, parsed.conversation), None, options.max_tokens or 1, chat=True,
-            field="max_tokens" if options.max_tokens else "the reply's first token")
+            field="max_tokens" if options.max_tokens else "the reply's first token",
+            keep_last=options.keep_last)
         max_new = options.max_tokens or route.model.max_model_len - len(ids)
         return await self._respond(route, tenant, options, [ids], max_new, request_id,
                                    chat=True, tool_format=tool_format, chat_echo=parsed.echo)

@@ -22,7 +22,7 @@ MAX_STOP_TOKEN_IDS = 1024
 # silently ignored. (Ignored as they change nothing here: guided_decoding_backend, a hint;
 # spaces_between_special_tokens, as special tokens are never shown; length_penalty, beam search's.)
 UNSUPPORTED_EXTRAS = {
-    "min_tokens": 0, "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": [],
+    "min_tokens": 0, "allowed_token_ids": None, "bad_words": [],
     "use_beam_search": False,
     "prompt_logprobs": None, "guided_whitespace_pattern": None,
     "return_tokens_as_token_ids": False, "priority": 0, "documents": None,
@@ -46,6 +46,7 @@ class Options:
     continuous_usage: bool = False
     include_stop_str: bool = False  # vLLM's include_stop_str_in_output
     show_special_tokens: bool = False  # vLLM's skip_special_tokens false
+    keep_last: int | None = None  # vLLM's truncate_prompt_tokens: the prompt's last tokens only
     cache_salt: str = ""  # vLLM's extension: prefix-cached KV is reused only with the same salt
     stop_token_ids: tuple[int, ...] = ()  # vLLM's: these end the output as EOS does (unshown)
     echo: bool = False  # completions: the prompt comes first in each choice
@@ -222,9 +223,19 @@ def _options(body: dict, logprobs: bool, top_logprobs: int = 0,
                    continuous_usage=continuous_usage,
                    include_stop_str=boolean(body, "include_stop_str_in_output", False),
                    show_special_tokens=not boolean(body, "skip_special_tokens", True),
+                   keep_last=_truncate_prompt_tokens(body.get("truncate_prompt_tokens")),
                    logprobs=logprobs, ignore_eos=boolean(body, "ignore_eos", False),
                    cache_salt=cache_salt, echo=echo, params=params,
                    stop_token_ids=_stop_token_ids(body.get("stop_token_ids")))
+
+
+def _truncate_prompt_tokens(value) -> int | None:
+    if value is None:
+        return None
+    if not _is_int(value) or not 1 <= value < 2**31:
+        raise BadField("truncate_prompt_tokens", f"must be a positive integer (the prompt's last "
+                                                 f"tokens kept), got {value!r}")
+    return value
 
 
 def _stop_token_ids(ids) -> tuple[int, ...]:

@@ -163,6 +163,21 @@ async def test_include_stop_str_in_output_and_skip_special_tokens(served):
     assert (shown.choices[0].text, hidden.choices[0].text) == ("<s>" * 3, "")
 
 
+async def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(served):
+    """vLLM's truncate_prompt_tokens: only the last k prompt tokens are used, also of a prompt
+    longer than the context."""
+    completions = api(served).completions
+    short = await completions.create(model="tiny-attn", prompt=[8, 9, 10], max_tokens=4,
+                                     temperature=0)
+    for prompt in ([5, 6, 7, 8, 9, 10], [5] * 5000 + [8, 9, 10]):
+        cut = await completions.create(model="tiny-attn", prompt=prompt, max_tokens=4,
+                                       temperature=0, extra_body={"truncate_prompt_tokens": 3})
+        assert cut.choices[0].text == short.choices[0].text and cut.usage.prompt_tokens == 3
+    with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+        await completions.create(model="tiny-attn", prompt=[5], max_tokens=2,
+                                 extra_body={"truncate_prompt_tokens": 0})
+
+
 async def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(served):
     """vLLM's stream_options.continuous_usage_stats: each chunk's usage counts the tokens
     streamed so far; the last, with include_usage, all of them."""
