@@ -98,11 +98,11 @@ class Grammar:
             raise GrammarError("choices go with a choice grammar, and it needs at least one")
         if len(self.choices) > MAX_CHOICES:
             raise GrammarError(f"at most {MAX_CHOICES} choices, got {len(self.choices)}")
-        bad = next((c for c in self.choices if not isinstance(c, str) or not c
+        bad = next((c for c in self.choices if not isinstance(c, str)
                     or len(c) > MAX_CHOICE_CHARS), None)
         if bad is not None:
-            raise GrammarError(f"choices must be non-empty strings of at most "
-                               f"{MAX_CHOICE_CHARS} characters, got {bad!r:.80}")
+            raise GrammarError(f"choices must be strings of at most {MAX_CHOICE_CHARS} "
+                               f"characters, got {bad!r:.80}")
 
     def _compile_error(self) -> str:
         """The engine compiler's complaint ("" when it compiles); on the engine's thread."""

@@ -2,8 +2,9 @@
 (common/grammar.py): OpenAI's `response_format` ({"type": "json_object"}, {"type": "json_schema",
 "json_schema": {"name", "schema", "strict"}}) and vLLM's extras, sent in the body (the `openai`
 client's extra_body): `guided_json` (a schema), `guided_regex`, `guided_choice` (a list of
-strings), `guided_grammar` (Lark or GBNF). At most one of them; a grammar that does not compile is
-a 400 naming its field."""
+strings), `guided_grammar` (Lark or GBNF), or the same in vLLM's newer `structured_outputs` object
+({"json" | "regex" | "choice" | "grammar": ..., or "json_object": true}). At most one of them; a
+grammar that does not compile is a 400 naming its field."""
 
 import asyncio
 import json
@@ -31,7 +32,8 @@ async def parsed_off_loop(parse: Callable[[dict], T], body: dict) -> T:
 def request_grammar(body: dict) -> tuple[Grammar, str] | None:
     """(the grammar the body asks for, the field that asked), or None: free output."""
     found = [g for g in (_response_format(body.get("response_format")),
-                         *(_guided(field, body.get(field)) for field in GUIDED)) if g]
+                         *(_guided(field, body.get(field)) for field in GUIDED),
+                         *_structured_outputs(body.get("structured_outputs"))) if g]
     if len(found) > 1:
         raise BadField(found[1][1], f"only one of response_format, {', '.join(GUIDED)} may "
                                     f"constrain the output (and {found[0][1]} does)")
@@ -76,20 +78,49 @@ def _response_format(fmt) -> tuple[Grammar, str] | None:
             "response_format.json_schema.schema")
 
 
-def _guided(field: str, value) -> tuple[Grammar, str] | None:
+# vLLM's newer structured_outputs object: its kinds, as the guided_* fields they replace
+STRUCTURED_OUTPUTS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
+                      "grammar": "guided_grammar"}
+_STRUCTURED_HINTS = ("disable_fallback", "disable_any_whitespace")  # (change no output here)
+
+
+def _structured_outputs(value) -> list[tuple[Grammar, str] | None]:
+    """vLLM's `structured_outputs` ({"json" | "regex" | "choice" | "grammar": ..., or
+    "json_object": true}) as the grammars it asks for; a 400 naming any other field it sets."""
+    if value is None:
+        return []
+    if not isinstance(value, dict):
+        raise BadField("structured_outputs", "must be an object")
+    found = []
+    for key, item in value.items():
+        param = f"structured_outputs.{key}"
+        if key in STRUCTURED_OUTPUTS:
+            found.append(_guided(STRUCTURED_OUTPUTS[key], item, param))
+        elif key == "json_object":
+            if item not in (None, False, True):
+                raise BadField(param, "must be true or false")
+            found.append((Grammar(GrammarKind.JSON_OBJECT), param) if item else None)
+        elif key not in _STRUCTURED_HINTS and item not in (None, False, "", [], {}):
+            raise BadField(param, "is not supported")
+    return found
+
+
+def _guided(field: str, value, param: str = "") -> tuple[Grammar, str] | None:
+    """A guided_* field's grammar (`param`: where the request said it, if not that field)."""
+    param = param or field
     if value is None:
         return None
     if field == "guided_json":
         if isinstance(value, str):
-            return Grammar(GrammarKind.JSON_SCHEMA, value), field
+            return Grammar(GrammarKind.JSON_SCHEMA, value), param
         if isinstance(value, dict):
-            return Grammar(GrammarKind.JSON_SCHEMA, json.dumps(value)), field
-        raise BadField(field, "must be a JSON Schema (an object, or its text)")
+            return Grammar(GrammarKind.JSON_SCHEMA, json.dumps(value)), param
+        raise BadField(param, "must be a JSON Schema (an object, or its text)")
     if field == "guided_choice":
         if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
-            raise BadField(field, "must be a list of strings")
-        return Grammar(GrammarKind.CHOICE, choices=tuple(value)), field
+            raise BadField(param, "must be a list of strings")
+        return Grammar(GrammarKind.CHOICE, choices=tuple(value)), param
     if not isinstance(value, str):
-        raise BadField(field, "must be a string")
+        raise BadField(param, "must be a string")
     return Grammar(GrammarKind.REGEX if field == "guided_regex" else GrammarKind.LARK,
-                   value), field
+                   value), param

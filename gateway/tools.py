@@ -18,7 +18,8 @@ from gateway.tool_calls import ToolFormat
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-_NO_PARAMETERS = {"type": "object", "properties": {}}
+# A function that states no parameters is called with {} (OpenAI's), not any object
+_NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -138,6 +138,42 @@ async def test_regex_choice_and_any_object(world):
     assert out.choices[0].message.content.startswith("{")  # (cut by max_tokens or whole)
 
 
+async def test_vllms_structured_outputs_object_and_an_empty_choice(world):
+    """vLLM's newer structured_outputs ({"json" | "regex" | "choice" | "grammar": ...}) does what
+    the guided_* fields do (it was ignored: free output); a field of it loraplex does not do is
+    a 400 naming it. An empty string is a choice like any other (vLLM's)."""
+    client_ = api(world)
+    for seed in range(3):
+        out = await client_.completions.create(
+            model="attn", prompt="Code:", temperature=1.0, seed=seed, max_tokens=30,
+            extra_body={"structured_outputs": {"regex": r"[A-Z]{3}-[0-9]{3}"}})
+        assert __import__("re").fullmatch(r"[A-Z]{3}-[0-9]{3}", out.choices[0].text)
+        out = await client_.chat.completions.create(
+            model="mlp", messages=MESSAGES, temperature=1.0, seed=seed, max_tokens=30,
+            extra_body={"structured_outputs": {"choice": ["sunny", "", "snow"]}})
+        assert out.choices[0].message.content in ("sunny", "", "snow")
+        out = await client_.chat.completions.create(
+            model="all", messages=MESSAGES, temperature=1.0, seed=seed, max_tokens=200,
+            extra_body={"structured_outputs": {"json": PARAMETERS["add"]}})
+        if out.choices[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(out.choices[0].message.content), PARAMETERS["add"])
+    with pytest.raises(openai.BadRequestError) as err:
+        await client_.completions.create(model="attn", prompt="x", max_tokens=2, extra_body={
+            "structured_outputs": {"structural_tag": "{}"}})
+    assert err.value.body["param"] == "structured_outputs.structural_tag"
+
+
+async def test_a_function_without_parameters_is_called_with_an_empty_object(world):
+    """(OpenAI's; any object allowed, a sampled model wrote keys until max_tokens)"""
+    ping = {"type": "function", "function": {"name": "ping", "description": "Ping."}}
+    for seed in range(3):
+        out = await api(world).chat.completions.create(
+            model="attn", messages=MESSAGES, tools=[ping], temperature=1.0, seed=seed,
+            tool_choice={"type": "function", "function": {"name": "ping"}}, max_tokens=60)
+        (call,) = out.choices[0].message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == ("ping", {})
+
+
 @pytest.mark.parametrize("body,param", [
     ({"response_format": {"type": "json_schema",
                           "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
