@@ -210,7 +210,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             found = await self._registry.lookup(AdapterRef.from_pb(pb.adapter_ref), tenant)
         elif pb.adapter:
             try:
-                found = await self._registry.resolve_model(pb.adapter, tenant)
+                found = await self._registry.resolve(pb.adapter, tenant)
             except NotFound as err:
                 raise NotFound(f"{err}; this pool serves base model {self._model.model_id!r} "
                                "(for it, name no adapter)") from None
