@@ -14,6 +14,7 @@ logits were NaN), the mask allows only the end-of-sequence tokens. The engine (l
 imported on the first grammar, so an executor that never sees one runs without the package.
 
     rows = GrammarRows(tokenizer_json, vocab_size, eos_token_ids, device)
+    rows.compile(grammar)             # ahead, off the step path (PrepareGrammar): seconds
     rows.add(seq_id, grammar, generated_token_ids)
     rows.constrain(logits, seq_ids)   # logits [S, V], row i is seq_ids[i]; in place
     rows.advance(seq_ids, token_ids)  # after sampling
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 from collections.abc import Sequence
 
 import torch
@@ -55,6 +58,7 @@ class GrammarRows:
             eos_token=list(eos_token_ids))
         self._executor = llguidance.LLExecutor(num_threads=num_threads or torch.get_num_threads())
         self._compiled: Lru[Grammar, object] = Lru(MAX_COMPILED)
+        self._lock = threading.Lock()  # (compiled from PrepareGrammar's threads, read by steps)
         self._matchers: dict[int, object] = {}  # seq_id -> its matcher
         self._bits = byte_bits(self.device)  # [256, 8]
 
@@ -106,15 +110,27 @@ class GrammarRows:
                 log.warning("sequence %d: its grammar refused token %d (%s); only EOS may "
                             "follow", seq_id, token, matcher.get_error())
 
+    def compile(self, grammar: Grammar) -> float:
+        """Compile `grammar` now, if it is not (any thread); the seconds it took (0: it was
+        compiled already). ValueError when it does not compile."""
+        start = time.perf_counter()
+        with self._lock:
+            if self._compiled.get(grammar) is not None:
+                return 0.0
+        self._fresh(grammar)
+        return time.perf_counter() - start
+
     def _fresh(self, grammar: Grammar):
         """A matcher at the grammar's start, compiled once per grammar (LRU)."""
-        matcher = self._compiled.get(grammar)
-        if matcher is None:
+        with self._lock:
+            matcher = self._compiled.get(grammar)
+        if matcher is None:  # (compiled outside the lock: a step needs only its own grammars)
             matcher = in_engine(lambda: self._llg.LLMatcher(self._tokenizer, grammar.engine_text(),
                                                             log_level=0))
             if matcher.is_error():
                 raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
-            self._compiled.put(grammar, matcher)
+            with self._lock:
+                self._compiled.put(grammar, matcher)
         return matcher
 
 

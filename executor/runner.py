@@ -38,6 +38,7 @@ from executor.tp.collectives import SINGLE, TensorParallel
 from executor.tp.shards import Shard
 
 if TYPE_CHECKING:
+    from common.grammar import Grammar
     from executor.decode_graphs import DecodeGraphs
 
 
@@ -232,6 +233,16 @@ class ModelRunner:
         except ValueError:  # (the engine is not installed)
             return False
         return True
+
+    def prepare_grammar(self, grammar: Grammar) -> float:
+        """Compile `grammar` for the sequences that will use it (any thread; PrepareGrammar):
+        the seconds it took, 0 when compiled already or on a rank that does not sample.
+        ValueError when it does not compile, or this executor cannot constrain."""
+        if not self.tp.is_first:
+            return 0.0
+        if not self.tokenizer_json:
+            raise ValueError("a grammar needs the model's tokenizer, and this executor has none")
+        return self._grammar_rows().compile(grammar)
 
     def _grammar_rows(self) -> GrammarRows:
         if self._grammars is None:

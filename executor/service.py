@@ -21,7 +21,8 @@ from common import wire
 from common.adapter_ref import AdapterRef
 from common.allocator import keep_freed_memory
 from common.credentials import KeyRing, Role
-from common.errors import FailedPrecondition, grpc_errors
+from common.errors import FailedPrecondition, InvalidArgument, grpc_errors
+from common.grammar import Grammar
 from common.metrics import serve_metrics
 from common.page_geometry_pb import geometry_to_pb, kinds_to_pb
 from common.server import Service, announce, configure_logging, run, run_until_signalled
@@ -277,6 +278,20 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             await self._loader.unload(request.slot, AdapterRef.from_optional_pb(request.adapter),
                                       request.stream_id)
             return executor_pb2.UnloadAdapterResponse()
+
+    async def PrepareGrammar(self, request, context):
+        """Compile a grammar off the step path (the step thread goes on meanwhile)."""
+        async with grpc_errors(context):
+            self._keys.require(context, Role.SERVICE, Role.ADMIN)
+            grammar = Grammar.from_pb(request.grammar)
+            try:
+                seconds = await asyncio.to_thread(self._runner.prepare_grammar, grammar)
+            except ValueError as err:
+                raise InvalidArgument(f"grammar: {err}") from None
+            if seconds:
+                log.info("grammar (%s, %d characters) compiled ahead in %.3fs",
+                         grammar.kind.name.lower(), len(grammar.value), seconds)
+            return executor_pb2.PrepareGrammarResponse(compile_seconds=seconds)
 
 
 def _add_logprobs(response: executor_pb2.StepResponse, samples: list[Sampled]) -> None:

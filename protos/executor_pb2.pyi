@@ -235,3 +235,15 @@ class UnloadAdapterRequest(_message.Message):
 class UnloadAdapterResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class PrepareGrammarRequest(_message.Message):
+    __slots__ = ("grammar",)
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    grammar: _common_pb2.Grammar
+    def __init__(self, grammar: _Optional[_Union[_common_pb2.Grammar, _Mapping]] = ...) -> None: ...
+
+class PrepareGrammarResponse(_message.Message):
+    __slots__ = ("compile_seconds",)
+    COMPILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    compile_seconds: float
+    def __init__(self, compile_seconds: _Optional[float] = ...) -> None: ...

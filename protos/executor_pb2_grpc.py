@@ -59,6 +59,11 @@ class ExecutorStub:
                 request_serializer=protos_dot_executor__pb2.UnloadAdapterRequest.SerializeToString,
                 response_deserializer=protos_dot_executor__pb2.UnloadAdapterResponse.FromString,
                 _registered_method=True)
+        self.PrepareGrammar = channel.unary_unary(
+                '/loraplex.v1.Executor/PrepareGrammar',
+                request_serializer=protos_dot_executor__pb2.PrepareGrammarRequest.SerializeToString,
+                response_deserializer=protos_dot_executor__pb2.PrepareGrammarResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -105,6 +110,16 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareGrammar(self, request, context):
+        """Compile a grammar for the constrained sequences that will use it, off the step path, and
+        answer once it is ready: the scheduler starts a constrained request on an executor only
+        then, so a grammar that takes seconds to compile holds up no other sequence's steps.
+        Idempotent (compiled grammars are kept, most recently used first).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -132,6 +147,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.UnloadAdapter,
                     request_deserializer=protos_dot_executor__pb2.UnloadAdapterRequest.FromString,
                     response_serializer=protos_dot_executor__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
+            'PrepareGrammar': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareGrammar,
+                    request_deserializer=protos_dot_executor__pb2.PrepareGrammarRequest.FromString,
+                    response_serializer=protos_dot_executor__pb2.PrepareGrammarResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -269,6 +289,33 @@ class Executor:
             '/loraplex.v1.Executor/UnloadAdapter',
             protos_dot_executor__pb2.UnloadAdapterRequest.SerializeToString,
             protos_dot_executor__pb2.UnloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareGrammar(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplex.v1.Executor/PrepareGrammar',
+            protos_dot_executor__pb2.PrepareGrammarRequest.SerializeToString,
+            protos_dot_executor__pb2.PrepareGrammarResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -37,6 +37,7 @@ from common.adapter_ref import AdapterRef
 from common.errors import ResourceExhausted, retry_after
 from scheduler.executor_state import ExecutorState
 from scheduler.fairness import FairShare
+from scheduler.grammar_prep import GrammarPrep
 from scheduler.limits import Limits
 from scheduler.placement import Placement
 from scheduler.queues import QueueView
@@ -55,9 +56,9 @@ Start = Callable[[Request, list[int], list[int], int], ScheduledRow]
 
 class Admission:
     def __init__(self, limits: Limits, fair: FairShare, placement: Placement,
-                 residency: Residency, clock: Callable[[], float]):
+                 residency: Residency, clock: Callable[[], float], grammars: GrammarPrep):
         self.limits, self.fair, self.clock = limits, fair, clock
-        self._placement, self._residency = placement, residency
+        self._placement, self._residency, self._grammars = placement, residency, grammars
 
     # ---- charges ----------------------------------------------------------------------------
     def charge_load(self, req: Request, ex: ExecutorState) -> None:
@@ -132,7 +133,7 @@ class Admission:
                 continue
             if counter > ceiling:
                 break  # everyone left is too far ahead of a tenant still waiting
-            req = self._pick(q, part, tenant, active, is_fairest)
+            req = self._pick(ex, q, part, tenant, active, is_fairest)
             is_fairest = False
             if req is None:
                 continue  # nothing of this tenant can start here yet
@@ -153,17 +154,18 @@ class Admission:
         part.admitted(bool(rows), is_stuck and not part.is_bringing_in())
         return rows
 
-    def _pick(self, q: QueueView, part: ExecutorResidency, tenant: str,
+    def _pick(self, ex: ExecutorState, q: QueueView, part: ExecutorResidency, tenant: str,
               active: set[AdapterRef], is_fairest: bool) -> Request | None:
         """The tenant's oldest request that can start now (its adapter READY here, within the
-        distinct-adapter limit, preferring running adapters for up to affinity_max_wait_s).
-        When none can, bring in the adapter of its oldest request."""
+        distinct-adapter limit, preferring running adapters for up to affinity_max_wait_s; its
+        grammar, if any, compiled here: grammar_prep.py). When none can, bring in the adapter
+        of its oldest request."""
         max_adapters = self.limits.max_adapters_per_batch
         heads = [q.head(tenant, None)]
         heads += [q.head(tenant, adapter) for adapter in part.admissible()]
         heads = [r for r in heads if r is not None and (
             not max_adapters or not r.ask.adapter or r.ask.adapter in active
-            or len(active) < max_adapters)]
+            or len(active) < max_adapters) and self._grammars.is_ready(ex, r)]
         if heads:
             heads.sort(key=lambda r: r.arrival)
             wait = self.limits.affinity_max_wait_s

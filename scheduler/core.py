@@ -21,11 +21,13 @@ from collections.abc import Callable
 
 from common.adapter_ref import AdapterRef
 from common.detokenizer import Finish
-from common.errors import FailedPrecondition, LoraplexError, Unavailable
+from common.errors import FailedPrecondition, InvalidArgument, LoraplexError, Unavailable
+from common.grammar import Grammar
 from scheduler.admission import Admission
 from scheduler.deadlines import Deadlines, Due, expiry_error
 from scheduler.executor_state import ExecutorShape, ExecutorState
 from scheduler.fairness import FairnessWeights, FairShare
+from scheduler.grammar_prep import GrammarPrep
 from scheduler.limits import Limits
 from scheduler.merging import Merges
 from scheduler.placement import Placement
@@ -53,8 +55,11 @@ class Scheduler:
                  warm_host: Callable[[AdapterRef], None] = lambda adapter: None,
                  start_stage: Callable[[ExecutorState, AdapterRef, int], None] = (
                      lambda ex, adapter, num_bytes: None),
-                 steps: Callable[[], StepBuilder] = FastSteps):
-        """`steps`: makes each executor's step builder (steps/step_builder.py)."""
+                 steps: Callable[[], StepBuilder] = FastSteps,
+                 start_grammar: Callable[[ExecutorState, Grammar], None] | None = None):
+        """`steps`: makes each executor's step builder (steps/step_builder.py).
+        `start_grammar(ex, grammar)`: ask ex to compile a grammar ahead (grammar_prep.py;
+        None: executors compile on their step path)."""
         self.limits, self.clock, self._wake = limits, clock, wake
         fair = FairShare(weights)
         # (What one manager asks of another made after it is bound late, through `self`.)
@@ -65,9 +70,11 @@ class Scheduler:
             wanted=lambda ex: self.placement.wanted(ex),
             popularity=lambda ex, now: self.placement.popularity(ex, now),
             kv_ahead=lambda ex, adapter: self.placement.kv_ahead(ex, adapter, self._steps[ex])))
+        self.grammars = GrammarPrep(start_grammar, wake)
         self.placement = Placement(limits, fair, self.residency, wake,
-                                   lambda ex: self.merges.dedicated_to(ex))
-        self.admission = Admission(limits, fair, self.placement, self.residency, clock)
+                                   lambda ex: self.merges.dedicated_to(ex), self.grammars)
+        self.admission = Admission(limits, fair, self.placement, self.residency, clock,
+                                   self.grammars)
         self.merges = Merges(limits, self.placement, self.residency, wake)
         self.deadlines = Deadlines(limits.max_queue_s, limits.max_load_wait_s)
         self.totals: dict[str, TenantTotals] = {}  # per tenant, of its ended requests
@@ -281,7 +288,19 @@ class Scheduler:
         self.placement.remove(ex)
         self._forget(ex)
 
+    def on_grammar_prepared(self, ex: ExecutorState, grammar: Grammar,
+                            error: LoraplexError | None = None) -> None:
+        """ex compiled `grammar`, or failed to: one it refuses (INVALID_ARGUMENT) fails the
+        requests queued there for it; after any other failure (a timeout, a restart) they
+        start, and ex compiles it on its step path."""
+        refused = isinstance(error, InvalidArgument)
+        if refused:
+            for req in [r for r in self.placement.queue(ex) if r.ask.sampling.grammar == grammar]:
+                self._fail(req, error)
+        self.grammars.prepared(ex, grammar, ready=not refused)
+
     def _forget(self, ex: ExecutorState) -> None:
+        self.grammars.forget(ex)
         self.residency.remove(ex)
         self.merges.remove(ex)
         self._steps.pop(ex, None)
@@ -307,6 +326,7 @@ class Scheduler:
         self.placement.evacuate(ex)
         steps.forget_frees()
         self.residency.of(ex).reset()
+        self.grammars.forget(ex)  # (one that comes back has compiled nothing)
         ex.blocks = BlockManager(ex.blocks.num_blocks, ex.blocks.block_size, ex.blocks.layout)
         self.merges.forget(ex)
         self._wake()

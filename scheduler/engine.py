@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.adapter_ref import AdapterRef
 from common.errors import LoraplexError, Unavailable, from_rpc_error
+from common.grammar import Grammar
 from protos import executor_pb2
 from scheduler.core import Scheduler
 from scheduler.discovery import resolve
@@ -47,6 +48,8 @@ WARM_AGAIN_S = 30.0  # an adapter waiting for a slot is brought into a store's R
 # Warms at once: best effort, so a burst of cold adapters neither flushes hot ones from a store's
 # RAM tier nor queues its reads ahead of the loads executors are waiting for.
 MAX_WARMS_IN_FLIGHT = 4
+# A grammar's compile on an executor (PrepareGrammar) past this lets its requests start anyway
+PREPARE_GRAMMAR_S = 30.0
 # Requests that arrive together start together: an idle executor's first step waits while
 # requests keep coming (each at most GATHER_QUIET_S after the one before), for at most
 # GATHER_MAX_S, so that a burst's prompts are computed in one step and its requests end together
@@ -75,7 +78,8 @@ class Engine:
         self.timeouts = timeouts
         self.timings = timings
         self.core = Scheduler(weights, limits, self._start_load, self._wake, self._start_unload,
-                              warm_host=self._warm_host, start_stage=self._start_stage)
+                              warm_host=self._warm_host, start_stage=self._start_stage,
+                              start_grammar=self._start_grammar)
         self.operators = Operators(self.core)
         self._warm = warm_host
         self._warmed: dict[AdapterRef, float] = {}  # adapter -> when last asked for (monotonic)
@@ -348,6 +352,21 @@ class Engine:
             self.core.on_stage_done(ex, adapter, error)
         else:
             self.core.on_stage_done(ex, adapter, None, resp.num_bytes, resp.stage_seconds)
+
+    def _start_grammar(self, ex: ExecutorState, grammar: Grammar) -> None:
+        self._spawn(self._prepare_grammar(self.links[ex.address], ex, grammar))
+
+    async def _prepare_grammar(self, link: ExecutorLink, ex: ExecutorState,
+                               grammar: Grammar) -> None:
+        error = None
+        try:
+            await link.stub.PrepareGrammar(
+                executor_pb2.PrepareGrammarRequest(grammar=grammar.to_pb()),
+                timeout=PREPARE_GRAMMAR_S)
+        except grpc.aio.AioRpcError as err:
+            error = from_rpc_error(err, f"compiling a grammar on executor {link.address}")
+            log.warning("%s", error)
+        self.core.on_grammar_prepared(ex, grammar, error)
 
     def _warm_host(self, adapter: AdapterRef) -> None:
         """Ask the store to bring `adapter` into its RAM tier: at most once per WARM_AGAIN_S, and

@@ -21,6 +21,7 @@ from common.adapter_ref import AdapterRef
 from common.errors import FailedPrecondition
 from scheduler.executor_state import ExecutorState
 from scheduler.fairness import FairShare
+from scheduler.grammar_prep import GrammarPrep
 from scheduler.limits import Limits
 from scheduler.queues import ExecutorQueue, QueueView, in_line
 from scheduler.request import Request
@@ -46,7 +47,8 @@ class _Waiting:
 class Placement:
     def __init__(self, limits: Limits, fair: FairShare, residency: Residency,
                  wake: Callable[[], None],
-                 dedicated_to: Callable[[ExecutorState], AdapterRef | None]):
+                 dedicated_to: Callable[[ExecutorState], AdapterRef | None],
+                 grammars: GrammarPrep):
         """`dedicated_to(ex)`: the adapter ex is dedicated to (Merges), if any."""
         self.limits = limits
         self._executors: list[ExecutorState] = []
@@ -54,6 +56,7 @@ class Placement:
         self._at: dict[ExecutorState, _Waiting] = {}
         self._fair, self._residency, self._wake = fair, residency, wake
         self._dedicated_to = dedicated_to
+        self._grammars = grammars
 
     # ---- what the others ask ----------------------------------------------------------------
     @property
@@ -202,6 +205,7 @@ class Placement:
         waiting.queue.push(req, front)
         waiting.work_tokens += req.max_tokens
         self._residency.of(ex).bring_closer(req)
+        self._grammars.bring_closer(ex, req)
 
     def _rebalance(self) -> None:
         """Move queued requests to where they would start sooner now."""

@@ -178,6 +178,22 @@ def test_a_row_that_samples_outside_its_mask_may_only_end(tiny):
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [EOS]
 
 
+def test_a_grammar_compiled_ahead_is_not_compiled_again_on_the_step_path(tiny, monkeypatch):
+    """PrepareGrammar's compile (another thread) is the one a sequence's add then uses; a
+    grammar that does not compile is refused there, before any step."""
+    rows = GrammarRows(Path(tiny["model_dir"], "tokenizer.json").read_text(), 1024, [EOS])
+    grammar = Grammar(GrammarKind.REGEX, "[a-z]{2,5}")
+    assert rows.compile(grammar) > 0 and rows.compile(grammar) == 0.0
+    monkeypatch.setattr(rows, "_llg", None)  # (any compile from here on would fail)
+    rows.add(1, grammar, [])
+    logits = torch.zeros(1, 1024)
+    rows.constrain(logits, [1])
+    assert torch.isfinite(logits[0]).sum() < 1024
+    with pytest.raises(ValueError, match="does not compile"):
+        GrammarRows(Path(tiny["model_dir"], "tokenizer.json").read_text(), 1024, [EOS]).compile(
+            Grammar(GrammarKind.LARK, "start: undefined_rule"))
+
+
 def test_the_executor_runs_without_the_engine_until_a_grammar_comes():
     """Where llguidance is not installed (the GPU check's machine), unconstrained steps run and
     a grammar is refused by name."""

@@ -119,6 +119,9 @@ async def test_json_schema_outputs_validate_for_adapters_and_base_at_once(world)
         assert reason == "stop", text
         jsonschema.validate(json.loads(text), SCHEMA)
     assert len({text for text, _ in answers}) > len(answers) // 2  # sampled, not one answer
+    # (compiled ahead, off the step path, once: scheduler/grammar_prep.py)
+    log = (world["fleet"].log_dir / "executor-0.log").read_text()
+    assert log.count("grammar (json_schema") == 1, log[-2000:]
 
 
 async def test_regex_choice_and_any_object(world):

@@ -28,23 +28,27 @@ class World:
 
     def __init__(self, num_executors=1, num_blocks=64, block_size=4, num_slots=2,
                  limits=Limits(), weights=FairnessWeights(), steps=FastSteps, geometry=None,
-                 rope_switch_len=0, kv_layout=None, quantization=""):
+                 rope_switch_len=0, kv_layout=None, quantization="", prepare_grammars=False):
         """`geometry`: the executors keep adapters in pages of their KV blocks (a
         common.adapter_pages.PageGeometry); None: in fixed slots beside them.
         `rope_switch_len`: their model's longrope switch (scheduler/steps/longrope.py; 0: none).
         `kv_layout`: their KV's kinds of layers (common/kv_layout.py; None: one, the whole).
-        `quantization`: their base's, in words ("": 16-bit)."""
+        `quantization`: their base's, in words ("": 16-bit).
+        `prepare_grammars`: constrained requests wait for their grammar's compile, asked in
+        `grammars_asked` (the core is told with on_grammar_prepared); else none waits."""
         self.loads: list = []  # (executor, its Load) of every load under way
         self.unloads: list = []  # (executor, slot index, adapter) of every UnloadAdapter
         self.stages: list = []  # adapters being staged (fetched ahead of taking a slot)
         self.warmed: list[AdapterRef] = []  # adapters the core asked a store to bring into RAM
+        self.grammars_asked: list = []  # (executor, grammar) of every PrepareGrammar
         self.now = 0.0
         self.core = Scheduler(
             weights, limits, start_load=lambda ex, load: self._load(ex, load),
             wake=lambda: None, clock=lambda: self.now, warm_host=self.warmed.append,
             start_unload=lambda *args, **kwargs: self._unload(*args, **kwargs),
             start_stage=lambda ex, adapter, num_bytes: self.stages.append((ex, adapter)),
-            steps=steps)
+            steps=steps, start_grammar=(lambda ex, grammar: self.grammars_asked.append(
+                (ex, grammar))) if prepare_grammars else None)
         self.operators = Operators(self.core)
         self.shape = ExecutorShape(num_blocks, block_size, num_slots, geometry,
                                    rope_switch_len=rope_switch_len, kv_layout=kv_layout,
@@ -65,7 +69,8 @@ class World:
             done(True)  # (answered at once)
 
     def request(self, tenant="t", adapter: str | AdapterRef = "", prompt_len=5,
-                max_new=4, ranks=None, deadline=None) -> Request:
+                max_new=4, ranks=None, deadline=None,
+                sampling: SamplingParams = SamplingParams()) -> Request:
         """A request for `adapter` ("name@version", "" = the base model), submitted; `ranks`:
         its adapter's per-module ranks (its pages), by default rank 8 on q_proj and v_proj;
         `deadline`: the client's, on the world's clock."""
@@ -73,7 +78,7 @@ class World:
         if isinstance(adapter, str):
             adapter = ref(adapter) if adapter else None
         self.events[rid] = []
-        ask = Ask(tenant, adapter, 2**20, tuple(range(1, prompt_len + 1)), SamplingParams(),
+        ask = Ask(tenant, adapter, 2**20, tuple(range(1, prompt_len + 1)), sampling,
                   adapter_ranks=ranks or DEFAULT_RANKS, deadline=deadline)
         req = Request(rid, ask, OutputProcessor(None, max_new_tokens=max_new),
                       self.events[rid].append)
