@@ -105,13 +105,21 @@ class Grammar:
                                f"characters, got {bad!r:.80}")
 
     def _compile_error(self) -> str:
-        """The engine compiler's complaint ("" when it compiles); on the engine's thread."""
+        """The engine compiler's complaint ("" when it compiles); on the engine's thread. A regex
+        or grammar no string matches is one too (the engine takes it, and an output under it
+        could only end at once, "stop"); JSON Schemas the compiler checks so itself."""
         import llguidance
 
         try:
-            return llguidance.LLMatcher.validate_grammar(self.engine_text(), None)
+            text = self.engine_text()
         except GrammarError as err:
             return err.detail
+        error = llguidance.LLMatcher.validate_grammar(text, None)
+        if error or self.kind not in (GrammarKind.REGEX, GrammarKind.LARK):
+            return error
+        matcher = llguidance.LLMatcher(_byte_tokenizer(), text, log_level=0)
+        matcher.compute_bitmask()  # (its first step: a grammar that matches nothing errs here)
+        return "it matches no string" if matcher.is_error() else ""
 
     def engine_text(self) -> str:
         """The grammar as llguidance takes it (LLMatcher); GrammarError for a JSON Schema that is
@@ -191,6 +199,23 @@ class _CheckedGrammars:
 MAX_CHECKED = 64  # grammars (each at most MAX_GRAMMAR_CHARS)
 _CHECKED = _CheckedGrammars(MAX_CHECKED)
 _STACK_SIZE_LOCK = threading.Lock()  # (threading.stack_size is the process's)
+
+
+@functools.cache
+def _byte_tokenizer():
+    """A tokenizer of the 256 bytes and an end token, for the engine to walk a grammar's start
+    with (whatever the model's tokenizer, a grammar either matches some string or none)."""
+    import llguidance
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<end>"] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(["<end>"])
+    return llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=len(vocab),
+                                  eos_token=[len(vocab) - 1])
 
 
 @functools.cache

@@ -182,6 +182,7 @@ async def test_a_function_without_parameters_is_called_with_an_empty_object(worl
                           "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
      "response_format.json_schema.schema"),
     ({"guided_regex": "a(b"}, "guided_regex"),
+    ({"guided_regex": r"a[^\x00-\x{10FFFF}]"}, "guided_regex"),  # (matches no string)
     ({"guided_grammar": "start: nothing_defined"}, "guided_grammar"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
