@@ -44,15 +44,18 @@ def make_runner(model_dir, folder) -> ModelRunner:
 
 
 def test_the_config_is_read_as_qwen3():
-    model = ModelConfig.from_hf_dict({
-        "model_type": "qwen3", "hidden_size": 256, "intermediate_size": 688,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 48, "vocab_size": 1024, "sliding_window": 16, "use_sliding_window": False})
+    config = {"model_type": "qwen3", "hidden_size": 256, "intermediate_size": 688,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 48, "vocab_size": 1024, "sliding_window": 16,
+              "use_sliding_window": False}
+    model = ModelConfig.from_hf_dict(config)
     assert model.qk_norm and model.head_dim == 48 and model.q_size == 192
     assert model.sliding_window is None and not model.attention_bias
     assert model.module_shape("q_proj") == (256, 192) and model.module_shape("o_proj") == (192, 256)
-    with pytest.raises(ValueError, match="qwen3 use_sliding_window=true is not supported"):
-        ModelConfig.from_hf_dict({"model_type": "qwen3", "use_sliding_window": True})
+    # (with use_sliding_window, the layers from max_window_layers on slide, as transformers')
+    sliding = ModelConfig.from_hf_dict({**config, "use_sliding_window": True,
+                                        "max_window_layers": 1})
+    assert [sliding.layer_window(i) for i in range(2)] == [None, 16]
 
 
 def test_qwen3_adapters_alone_and_batched_match_hf_peft(qwen3):
