@@ -165,7 +165,10 @@ def format_stats(stats: pb.StatsResponse) -> str:
                        if ex.adapter_evictions else "")
             behind = (f"; {ex.kv_blocks_behind_windows} KV blocks not held behind sliding "
                       "windows" if ex.kv_blocks_behind_windows else "")
-            lines.append(f"  {len(used)} of {len(ex.slots)} slots in use{pages}{evicted}{behind}")
+            preempted = (f"; preempted for KV: {ex.preemptions} sequences"
+                         if ex.preemptions else "")
+            lines.append(f"  {len(used)} of {len(ex.slots)} slots in use{pages}{evicted}{behind}"
+                         f"{preempted}")
             if ex.quantization:
                 lines.append(f"  quantized base ({ex.quantization}): "
                              f"{ex.quantized_freed_bytes / 1e9:.2f} GB freed against 16-bit "

@@ -333,7 +333,7 @@ class SlotStats(_message.Message):
     def __init__(self, adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., state: _Optional[str] = ..., pins: _Optional[int] = ..., is_admin_pinned: _Optional[bool] = ..., reserved_for: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., num_pages: _Optional[int] = ...) -> None: ...
 
 class ExecutorStats(_message.Message):
-    __slots__ = ("address", "running", "free_kv_blocks", "num_kv_blocks", "slots", "steps", "adapter_loads", "adapter_hits", "queued", "is_draining", "is_drained", "is_up", "cached_kv_blocks", "dedicated_to", "is_merged", "adapter_pages", "page_bytes", "adapter_evictions", "adapter_early_evictions", "kv_blocks_behind_windows", "quantization", "quantized_freed_bytes", "quantized_freed_kv_tokens", "quantized_freed_blocks", "decode_graph_buckets", "decode_graphs_off")
+    __slots__ = ("address", "running", "free_kv_blocks", "num_kv_blocks", "slots", "steps", "adapter_loads", "adapter_hits", "queued", "is_draining", "is_drained", "is_up", "cached_kv_blocks", "dedicated_to", "is_merged", "adapter_pages", "page_bytes", "adapter_evictions", "adapter_early_evictions", "kv_blocks_behind_windows", "quantization", "quantized_freed_bytes", "quantized_freed_kv_tokens", "quantized_freed_blocks", "decode_graph_buckets", "decode_graphs_off", "preemptions")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -360,6 +360,7 @@ class ExecutorStats(_message.Message):
     QUANTIZED_FREED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DECODE_GRAPH_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     DECODE_GRAPHS_OFF_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     address: str
     running: int
     free_kv_blocks: int
@@ -386,7 +387,8 @@ class ExecutorStats(_message.Message):
     quantized_freed_blocks: int
     decode_graph_buckets: _containers.RepeatedScalarFieldContainer[int]
     decode_graphs_off: str
-    def __init__(self, address: _Optional[str] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotStats, _Mapping]]] = ..., steps: _Optional[int] = ..., adapter_loads: _Optional[int] = ..., adapter_hits: _Optional[int] = ..., queued: _Optional[int] = ..., is_draining: _Optional[bool] = ..., is_drained: _Optional[bool] = ..., is_up: _Optional[bool] = ..., cached_kv_blocks: _Optional[int] = ..., dedicated_to: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., is_merged: _Optional[bool] = ..., adapter_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., adapter_evictions: _Optional[int] = ..., adapter_early_evictions: _Optional[int] = ..., kv_blocks_behind_windows: _Optional[int] = ..., quantization: _Optional[str] = ..., quantized_freed_bytes: _Optional[int] = ..., quantized_freed_kv_tokens: _Optional[int] = ..., quantized_freed_blocks: _Optional[int] = ..., decode_graph_buckets: _Optional[_Iterable[int]] = ..., decode_graphs_off: _Optional[str] = ...) -> None: ...
+    preemptions: int
+    def __init__(self, address: _Optional[str] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotStats, _Mapping]]] = ..., steps: _Optional[int] = ..., adapter_loads: _Optional[int] = ..., adapter_hits: _Optional[int] = ..., queued: _Optional[int] = ..., is_draining: _Optional[bool] = ..., is_drained: _Optional[bool] = ..., is_up: _Optional[bool] = ..., cached_kv_blocks: _Optional[int] = ..., dedicated_to: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., is_merged: _Optional[bool] = ..., adapter_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., adapter_evictions: _Optional[int] = ..., adapter_early_evictions: _Optional[int] = ..., kv_blocks_behind_windows: _Optional[int] = ..., quantization: _Optional[str] = ..., quantized_freed_bytes: _Optional[int] = ..., quantized_freed_kv_tokens: _Optional[int] = ..., quantized_freed_blocks: _Optional[int] = ..., decode_graph_buckets: _Optional[_Iterable[int]] = ..., decode_graphs_off: _Optional[str] = ..., preemptions: _Optional[int] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("tenant", "queued", "running", "virtual_counter", "requests", "prompt_tokens", "completion_tokens", "adapter_loads_caused", "cached_prompt_tokens")

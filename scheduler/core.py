@@ -81,6 +81,7 @@ class Scheduler:
         self._new_steps = steps
         self._steps: dict[ExecutorState, StepBuilder] = {}  # per executor, its step builder
         self._steps_run: collections.Counter[str] = collections.Counter()  # see steps_run
+        self.preemptions: collections.Counter[str] = collections.Counter()  # by address, ever
         self._seq_ids = itertools.count(1)
 
     @property
@@ -213,7 +214,8 @@ class Scheduler:
         """Preempt the most-served tenants' latest sequences until `seq` can hold `num_tokens`;
         False if `seq` itself had to go."""
         if self.residency.of(ex).make_kv_room(
-                lambda: ex.blocks.can_grow(seq.seq_id, num_tokens), wanted_too=True):
+                lambda: ex.blocks.can_grow(seq.seq_id, num_tokens), wanted_too=True,
+                reserved_too=True):
             return True  # (pages of adapters nothing runs went back to KV)
         running = self._steps[ex].running
         while not ex.blocks.can_grow(seq.seq_id, num_tokens):
@@ -373,6 +375,7 @@ class Scheduler:
         tokens."""
         self._release(ex, seq)
         req = seq.request
+        self.preemptions[ex.address] += 1
         log.debug("request %s: preempted on %s", req.ask.request_id, ex.address)
         req.status = Status.QUEUED
         req.queued_since = self.clock()

@@ -88,6 +88,8 @@ class _CoreCollector:
                 "again for the requests they were loaded for).",
                 "num_early_evictions"),
             "loraplex_steps": ("Steps run.", "num_steps"),
+            "loraplex_preemptions": ("Running sequences preempted for KV (recomputed later).",
+                                     "num_preemptions"),
         }
         for name, (doc, attr) in per_executor.items():
             family = CounterMetricFamily(name, doc, labels=["executor"])

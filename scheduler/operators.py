@@ -80,5 +80,6 @@ class Operators:
             is_drained=core.is_drained(ex), slots=part.slot_stats(),
             adapter_pages=blocks.num_pages, page_bytes=part.page_bytes,
             num_evictions=counters.evictions, num_early_evictions=counters.early_evictions,
+            num_preemptions=core.preemptions[ex.address],
             kv_blocks_behind_windows=blocks.num_behind_windows(), quantized=ex.quantized,
             graph_buckets=ex.graph_buckets, graphs_off=ex.graphs_off)

@@ -57,6 +57,7 @@ class ExecutorStats:
     quantized: QuantizedBase | None = None  # its base's quantization, what it frees
     graph_buckets: tuple[int, ...] = ()  # decode steps replayed from CUDA graphs (() : eager)
     graphs_off: str = ""  # why not, on a CUDA executor
+    num_preemptions: int = 0  # running sequences preempted for KV (per address, ever)
 
 
 @dataclass(frozen=True)

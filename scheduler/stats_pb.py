@@ -32,6 +32,7 @@ def _executor_pb(ex: ExecutorStats) -> scheduler_pb2.ExecutorStats:
         adapter_evictions=ex.num_evictions, adapter_early_evictions=ex.num_early_evictions,
         kv_blocks_behind_windows=ex.kv_blocks_behind_windows,
         decode_graph_buckets=ex.graph_buckets, decode_graphs_off=ex.graphs_off,
+        preemptions=ex.num_preemptions,
         **_quantized_pb(ex.quantized))
 
 

@@ -103,17 +103,24 @@ def evictions_for(slots: SlotTable, num_pages: int, have: int, keep: Slot | None
 
 def kv_victims(slots: SlotTable, wanted: Collection[AdapterRef | None],
                popularity: Callable[[AdapterRef], float], wanted_too: bool,
-               keep: AdapterRef | None = None) -> list[Slot]:
+               keep: AdapterRef | None = None, reserved_too: bool = False) -> list[Slot]:
     """Adapters KV may take pages back from, the first to go first: those nobody waits for
     (not `wanted`), then, with `wanted_too`, those queued requests wait for but nothing runs (a
     running sequence growing, or the request admission stops at: rather a reload later than a
-    sequence recomputed, or work that could never start). Never `keep`."""
+    sequence recomputed, or work that could never start), then, with `reserved_too`, slots
+    reserved to drain for a starving adapter (a running sequence growing: a reservation must
+    not preempt running work; it did, and the sequence, admitted again at once, took the same
+    blocks and was preempted again, thousands of times until the reservation lapsed). Never
+    `keep`."""
     unwanted = [s for s in slots.evictable(wanted, popularity) if s.pages and s.adapter != keep]
     if not wanted_too:
         return unwanted
-    gone = set(map(id, unwanted))
-    return unwanted + [s for s in slots.evictable((), popularity)
-                       if s.pages and id(s) not in gone and s.adapter != keep]
+    victims = list(unwanted)
+    for more in (slots.evictable((), popularity),
+                 slots.evictable((), popularity, reserved_too=True) if reserved_too else ()):
+        gone = set(map(id, victims))
+        victims += [s for s in more if s.pages and id(s) not in gone and s.adapter != keep]
+    return victims
 
 
 def has_wanted_idle(slots: SlotTable, wanted: Collection[AdapterRef | None]) -> bool:

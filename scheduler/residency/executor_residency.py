@@ -92,13 +92,15 @@ class ExecutorResidency(ResidencyView):
                 return
 
     def make_kv_room(self, enough: Callable[[], bool], wanted_too: bool = False,
-                     keep: AdapterRef | None = None) -> bool:
+                     keep: AdapterRef | None = None, reserved_too: bool = False) -> bool:
         """KV needs blocks: evict unused adapters (adapter_memory.py: with `wanted_too`, also
-        those queued requests want; never `keep`) until `enough()`; whether it is."""
+        those queued requests want, with `reserved_too` slots reserved for another; never
+        `keep`) until `enough()`; whether it is."""
         popularity = self._popularity()
         while not enough():
             victims = [] if not self._pages.is_paged else adapter_memory.kv_victims(
-                self._slots, self._hooks.wanted(self._ex), popularity, wanted_too, keep)
+                self._slots, self._hooks.wanted(self._ex), popularity, wanted_too, keep,
+                reserved_too)
             if not victims:
                 return False
             self._evict(victims[0])

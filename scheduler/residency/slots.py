@@ -144,11 +144,14 @@ class SlotTable:
         return slot
 
     def evictable(self, wanted: Collection[AdapterRef | None],
-                  popularity: Callable[[AdapterRef], float]) -> list[Slot]:
-        """READY slots whose adapter may go (nobody runs, pins, reserves or waits for it), the
-        least popular first (least recently used among equals)."""
+                  popularity: Callable[[AdapterRef], float],
+                  reserved_too: bool = False) -> list[Slot]:
+        """READY slots whose adapter may go (nobody runs, pins, reserves or waits for it; with
+        `reserved_too`, also one reserved for another), the least popular first (least recently
+        used among equals)."""
         cold = [s for s in self.slots if s.state is SlotState.READY and s.pins == 0
-                and not s.is_admin_pinned and not s.reserved_for and s.adapter not in wanted]
+                and not s.is_admin_pinned and (reserved_too or not s.reserved_for)
+                and s.adapter not in wanted]
         return sorted(cold, key=lambda s: (popularity(s.adapter), s.last_used))
 
     def has_empty(self) -> bool:

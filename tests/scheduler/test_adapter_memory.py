@@ -63,6 +63,30 @@ def test_kv_pressure_takes_back_the_pages_of_adapters_nobody_uses():
     assert w.finished(again)
 
 
+def test_a_slot_reserved_for_a_starving_adapter_gives_its_pages_to_a_growing_sequence():
+    """A slot reserved to drain for a starving adapter (anti-starvation) kept its pages from KV,
+    so a running sequence that needed them was preempted, admitted again at once from its cached
+    prefix, and preempted again: thousands of times, until the reservation's staged bytes
+    expired 60 s later (a reviewer's server: 8,947 preemptions). The reservation gives way."""
+    w = World(num_slots=2, num_blocks=40, geometry=GEOMETRY,
+              limits=Limits(kv_reserve=0.0, max_batched_tokens=24))  # (prompts in chunks)
+    for name in ("a@1", "c@1"):
+        w.request(adapter=name, ranks=qv(16), prompt_len=9)
+    w.run()
+    ex = w.executors[0]
+    part = w.core.residency.of(ex)
+    waiting = w.request(adapter="b@1", ranks=qv(16))  # (its staging never ends here)
+    assert part._slots.reserve(ref("b@1")) is not None
+    # (its prompt fits the blocks the reserved slot leaves; its output needs that slot's pages)
+    long = w.request(prompt_len=128, max_new=28)
+    for _ in range(60):
+        w.step()
+        if w.finished(long):
+            break
+    assert w.finished(long) and w.core.preemptions[ex.address] == 0
+    assert not w.finished(waiting)  # (its turn comes once its bytes are staged)
+
+
 def test_the_request_admission_stops_at_takes_pages_of_adapters_only_those_behind_it_want():
     """Adapter c stays resident, wanted by requests queued behind a fairer base-model request
     that fits the executor only with c's pages: c goes (it reloads for its requests later);
